@@ -1,0 +1,34 @@
+"""The `kiln` command. Each area registers its own subcommands; this file only wires them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kiln.errors import KilnError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kiln", description="kiln: an LLM stack from tokens to silicon")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from kiln.train import cli as train_cli
+
+    train_cli.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        return int(args.func(args, extra) or 0)
+    except KilnError as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kiln: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
