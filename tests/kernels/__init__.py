@@ -1,0 +1,1 @@
+"""Kernel tests (a package, so test module names cannot collide with other areas' tests)."""
