@@ -1,19 +1,40 @@
 """Cross-entropy over a vocabulary, and the fused linear + cross-entropy that never holds all logits.
 
 cross_entropy(logits (N, V), targets (N,)): per-token loss
-    lse(z) - (1 - eps) * z[t] - eps * mean(z)      (label smoothing eps; eps = 0 is plain CE)
-tokens whose target == ignore_index contribute nothing and are not counted in the mean.
-linear_cross_entropy(hidden (N, H), weight (V, H), targets (N,), bias (V,) or None): the same loss
-of logits = hidden @ weight.T + bias, the training head's loss.
+    loss_i = lse(z_i) - (1 - eps) * z_i[t_i] - eps * mean_j(z_ij)      (label smoothing eps; eps = 0 is plain CE)
+    dloss_i/dz_ij = softmax(z_i)_j - eps / V - (1 - eps) * [j == t_i]
+tokens whose target == ignore_index contribute nothing (loss 0, gradient 0) and are not counted in the mean.
+linear_cross_entropy(hidden (N, H), weight (V, H), targets (N,), bias (V,) or None): the same loss of
+logits = hidden @ weight.T + bias, the training head's loss. Its gradients are
+    dhidden = dz @ weight,   dweight = dz.T @ hidden,   dbias = dz.sum(0).
 reduction: "mean" (over non-ignored tokens), "sum", or "none" (per token, float32).
 
-Only the eager reference lives here so far; the Triton kernels plug in behind the public ops.
+The Triton path: one program per row streams the vocabulary in blocks, keeping an online logsumexp
+(running max and rescaled sum), so a 151936-wide row never has to fit on chip. The forward reads the
+logits once and saves only lse (N floats); the backward reads them once more and writes the gradient.
+The fused linear version goes over the tokens in chunks: it forms a chunk's logits with one GEMM
+(cuBLAS through torch.matmul), runs the same kernel on them with the gradient written in place of the
+chunk's logits (safe: the chunk is ours and dies right after), and turns that gradient into the chunk's
+share of dhidden and dweight with two more GEMMs. Peak extra memory is one chunk of logits plus the
+gradients, never (N, V). For "mean"/"sum" the gradients are computed in the forward (as Liger does) and
+scaled by the incoming gradient in the backward, on the device, without a host sync; for "none" the
+backward recomputes the chunks with each token's incoming gradient.
+
+Not done: targets outside [0, V) other than ignore_index are not checked on the GPU (that would need a
+host sync); they read an arbitrary logit. Logits may have any strides; hidden and weight any strides
+torch.matmul accepts.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kiln.kernels.dispatch import interpreting, use_triton
+
+REDUCTIONS = ("mean", "sum", "none")
 
 
 def cross_entropy_ref(
@@ -24,7 +45,11 @@ def cross_entropy_ref(
     reduction: str = "mean",
 ) -> torch.Tensor:
     return F.cross_entropy(
-        logits.float(), targets, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction
+        logits.float(),
+        targets,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
     )
 
 
@@ -41,6 +66,291 @@ def linear_cross_entropy_ref(
     return cross_entropy_ref(logits, targets, ignore_index, label_smoothing, reduction)
 
 
+@triton.jit
+def _cross_entropy_kernel(
+    Z_ptr,  # logits (N, V), any dtype; element (i, j) at Z_ptr + i * z_row_stride + j * z_col_stride
+    z_row_stride,
+    z_col_stride,
+    T_ptr,  # targets (N,) int, contiguous
+    Loss_ptr,  # (N,) float32, written when FORWARD
+    Lse_ptr,  # (N,) float32 logsumexp: written when FORWARD, read when not
+    G_ptr,  # gradient (N, V), may be Z_ptr itself (in place); written when WRITE_GRAD
+    g_row_stride,
+    g_col_stride,
+    S_ptr,  # float32 gradient scale per row at S_ptr + i * s_stride (s_stride 0: one scalar for all)
+    s_stride,
+    V,  # vocabulary size
+    ignore_index,
+    eps,  # label smoothing
+    FORWARD: tl.constexpr,  # compute loss and lse (else read lse)
+    WRITE_GRAD: tl.constexpr,  # write scale * dloss/dz
+    SMOOTH: tl.constexpr,  # eps > 0: also needs sum_j z_j
+    BLOCK: tl.constexpr,  # vocabulary columns per step
+):
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride overflows int32 at 8192 x 151936
+    z_row = Z_ptr + row * z_row_stride
+    t = tl.load(T_ptr + row).to(tl.int64)
+    valid = t != ignore_index
+    cols = tl.arange(0, BLOCK)
+    if FORWARD:
+        # Online logsumexp with one scalar max per block: one exp per element (the SFU is the
+        # bottleneck next to HBM on the H200 if every lane keeps its own running max).
+        m = -float("inf")
+        s = 0.0
+        z_sum = 0.0
+        for start in range(0, V, BLOCK):
+            c = start + cols
+            mask = c < V
+            z = tl.load(z_row + c * z_col_stride, mask=mask, other=-float("inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+            if SMOOTH:
+                z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        lse = m + tl.log(s)
+        z_t = tl.load(z_row + t * z_col_stride, mask=valid, other=0.0).to(tl.float32)
+        loss = lse - (1.0 - eps) * z_t
+        if SMOOTH:
+            loss -= eps * z_sum / V
+        tl.store(Loss_ptr + row, tl.where(valid, loss, 0.0))
+        tl.store(Lse_ptr + row, lse)
+    else:
+        lse = tl.load(Lse_ptr + row)
+    if WRITE_GRAD:
+        scale = tl.where(valid, tl.load(S_ptr + row * s_stride), 0.0)
+        g_row = G_ptr + row * g_row_stride
+        for start in range(0, V, BLOCK):
+            c = start + cols
+            mask = c < V
+            z = tl.load(z_row + c * z_col_stride, mask=mask, other=0.0).to(tl.float32)
+            g = tl.exp(z - lse) - eps / V
+            g = tl.where(c == t, g - (1.0 - eps), g)
+            tl.store(g_row + c * g_col_stride, (g * scale).to(G_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, targets: torch.Tensor, label_smoothing: float, reduction: str, what: str) -> None:
+    """Checks shared by both ops; `x` is the logits (N, V) or the hidden states (N, H)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if x.dim() != 2 or targets.dim() != 1 or targets.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"expected {what} and targets (N,), got {tuple(x.shape)} and {tuple(targets.shape)}: "
+            "flatten the leading dimensions first"
+        )
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{what} must be float32, float16 or bfloat16, got {x.dtype}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"targets must be int64 or int32 class indices, got {targets.dtype}")
+    if targets.device != x.device:
+        raise ValueError(f"targets are on {targets.device} but {what} on {x.device}")
+
+
+def _launch_config(V: int) -> tuple[int, int]:
+    """(BLOCK, num_warps): 4096-wide steps over big vocabularies, one step for small ones."""
+    block = min(triton.next_power_of_2(V), 64 if interpreting() else 4096)
+    return block, (8 if block >= 2048 else 4)
+
+
+def cross_entropy_rows(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    grad: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward launcher: per-row loss (N,) and lse (N,), float32. With `grad` (may be `logits` itself,
+    for in-place) and `scale` (a 0-d or (N,) float32 tensor), also writes scale * dloss/dlogits."""
+    N, V = logits.shape
+    targets = targets.contiguous()
+    loss = torch.empty(N, device=logits.device, dtype=torch.float32)
+    lse = torch.empty(N, device=logits.device, dtype=torch.float32)
+    _launch(logits, targets, loss, lse, grad, scale, ignore_index, label_smoothing, forward=True)
+    return loss, lse
+
+
+def cross_entropy_grad(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    scale: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Backward launcher: scale * dloss/dlogits from the saved lse, into `out` (default a new tensor)."""
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format) if out is None else out
+    _launch(logits, targets.contiguous(), lse, lse, grad, scale, ignore_index, label_smoothing, forward=False)
+    return grad
+
+
+def _launch(logits, targets, loss, lse, grad, scale, ignore_index, eps, forward: bool) -> None:
+    N, V = logits.shape
+    if N == 0:
+        return
+    block, warps = _launch_config(V)
+    write = grad is not None
+    g = grad if write else logits
+    s = scale.float().reshape(-1) if write else lse
+    _cross_entropy_kernel[(N,)](
+        logits, logits.stride(0), logits.stride(1), targets, loss, lse,
+        g, g.stride(0), g.stride(1), s, 0 if s.numel() == 1 else s.stride(0),
+        V, ignore_index, float(eps),
+        FORWARD=forward, WRITE_GRAD=write, SMOOTH=eps > 0, BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+
+
+def _reduce(loss: torch.Tensor, n_valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    return total / n_valid if reduction == "mean" else total
+
+
+def _row_scale(grad_out: torch.Tensor, n_valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The factor each row's dloss/dz is multiplied by: 0-d for mean/sum, (N,) for none."""
+    g = grad_out.float()
+    return g / n_valid if reduction == "mean" else g
+
+
+class CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index, label_smoothing, reduction):
+        loss, lse = cross_entropy_rows(logits, targets, ignore_index, label_smoothing)
+        n_valid = (targets != ignore_index).sum()
+        ctx.save_for_backward(logits, targets, lse, n_valid)
+        ctx.args = (ignore_index, label_smoothing, reduction)
+        return _reduce(loss, n_valid, reduction)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, targets, lse, n_valid = ctx.saved_tensors
+        ignore_index, label_smoothing, reduction = ctx.args
+        scale = _row_scale(grad_out, n_valid, reduction)
+        # A new tensor, not in place: the caller may still hold the logits (the model returns them).
+        grad = cross_entropy_grad(logits, targets, lse, scale, ignore_index, label_smoothing)
+        return grad, None, None, None, None
+
+
+def _chunk_rows(N: int, V: int, itemsize: int, chunk_bytes: int) -> int:
+    """Tokens per chunk: as many as keep one chunk of logits under chunk_bytes, a multiple of 128
+    (GEMM tiles), at least 1."""
+    rows = max(1, chunk_bytes // max(1, V * itemsize))
+    if rows >= 128:
+        rows = rows // 128 * 128
+    return min(rows, max(N, 1))
+
+
+# One chunk of bf16 logits at 8192 x 151936 is 1024 rows = 297 MiB: big enough that the three GEMMs per
+# chunk run near cuBLAS's peak, small enough that the peak stays under 1 GiB with dweight (445 MiB).
+CHUNK_BYTES = 320 * 2**20
+
+
+def linear_cross_entropy_chunks(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    eps: float,
+    scale: torch.Tensor | None,
+    want: tuple[bool, bool, bool],
+    chunk_bytes: int = CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Per-row loss (N,) float32, and the gradients of (hidden, weight, bias) that `want` asks for,
+    already multiplied by `scale` (0-d or (N,) float32). `scale` None: no gradients at all."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    loss = torch.empty(N, device=hidden.device, dtype=torch.float32)
+    grads = scale is not None and any(want)
+    lse = torch.empty(N, device=hidden.device, dtype=torch.float32)
+    dh = hidden.new_empty(N, H) if grads and want[0] else None
+    dw = weight.new_empty(V, H) if grads and want[1] else None
+    db = torch.zeros(V, device=hidden.device, dtype=torch.float32) if grads and want[2] else None
+    C = _chunk_rows(N, V, hidden.element_size(), chunk_bytes)
+    buf = hidden.new_empty(C, V)  # reused by every chunk
+    for start in range(0, N, C):
+        end = min(start + C, N)
+        h, z = hidden[start:end], buf[: end - start]
+        if bias is None:
+            torch.matmul(h, weight.t(), out=z)  # (c, V) = (c, H) @ (H, V)
+        else:
+            torch.addmm(bias.to(z.dtype), h, weight.t(), out=z)  # bias broadcast over the rows
+        s = None
+        if grads:
+            s = scale if scale.numel() == 1 else scale[start:end]
+        _launch(z, targets[start:end].contiguous(), loss[start:end], lse[start:end],
+                z if grads else None, s, ignore_index, eps, forward=True)  # fmt: skip
+        if not grads:
+            continue
+        # z now holds dloss/dz for this chunk (c, V), written over its logits.
+        if dh is not None:
+            torch.matmul(z, weight, out=dh[start:end])  # (c, H) = (c, V) @ (V, H)
+        if dw is not None:
+            if start == 0:
+                torch.matmul(z.t(), h, out=dw)  # (V, H) = (V, c) @ (c, H)
+            else:
+                dw.addmm_(z.t(), h)  # accumulates in dweight's dtype between chunks, as Liger does
+        if db is not None:
+            db += z.sum(0, dtype=torch.float32)
+    return loss, dh, dw, db
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, bias, ignore_index, label_smoothing, reduction):
+        n_valid = (targets != ignore_index).sum()
+        want = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            bias is not None and ctx.needs_input_grad[3],
+        )
+        early = reduction != "none" and any(want)
+        # mean/sum: the gradient of each token is the same multiple of dloss/dz, so it is formed now (one
+        # pass instead of recomputing the logits) and scaled by the incoming gradient in the backward.
+        scale = _row_scale(torch.ones((), device=hidden.device), n_valid, reduction) if early else None
+        loss, dh, dw, db = linear_cross_entropy_chunks(
+            hidden, weight, targets, bias, ignore_index, label_smoothing, scale, want
+        )
+        ctx.early, ctx.spent = early, False
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.args = (ignore_index, label_smoothing, reduction, want)
+        if early:
+            ctx.save_for_backward(dh, dw, db)
+        else:
+            ctx.save_for_backward(hidden, weight, targets, bias, n_valid)
+        return _reduce(loss, n_valid, reduction)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ignore_index, label_smoothing, reduction, want = ctx.args
+        if ctx.early:
+            if ctx.spent:
+                raise RuntimeError(
+                    "linear_cross_entropy scales its saved gradients in place, so it cannot be "
+                    "backpropagated twice (retain_graph=True): call it again for a second backward"
+                )
+            ctx.spent = True
+            dh, dw, db = ctx.saved_tensors
+            g = grad_out.float()
+            # In place, on the device: no host sync to test whether grad_out == 1, no second copy of
+            # dweight (445 MiB at 151936 x 1536 bf16).
+            dh = dh.mul_(g) if dh is not None else None
+            dw = dw.mul_(g) if dw is not None else None
+            db = db.mul_(g) if db is not None else None
+        else:
+            hidden, weight, targets, bias, n_valid = ctx.saved_tensors
+            scale = _row_scale(grad_out, n_valid, reduction)
+            _, dh, dw, db = linear_cross_entropy_chunks(
+                hidden, weight, targets, bias, ignore_index, label_smoothing, scale, want
+            )
+        if db is not None:
+            db = db.to(ctx.bias_dtype)
+        return dh, dw, None, db, None, None, None
+
+
 def cross_entropy(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -48,7 +358,10 @@ def cross_entropy(
     label_smoothing: float = 0.0,
     reduction: str = "mean",
 ) -> torch.Tensor:
-    return cross_entropy_ref(logits, targets, ignore_index, label_smoothing, reduction)
+    if not use_triton(logits, targets):
+        return cross_entropy_ref(logits, targets, ignore_index, label_smoothing, reduction)
+    _check(logits, targets, label_smoothing, reduction, "logits (N, V)")
+    return CrossEntropy.apply(logits, targets, ignore_index, float(label_smoothing), reduction)
 
 
 def linear_cross_entropy(
@@ -60,4 +373,19 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     reduction: str = "mean",
 ) -> torch.Tensor:
-    return linear_cross_entropy_ref(hidden, weight, targets, bias, ignore_index, label_smoothing, reduction)
+    if not use_triton(hidden, weight, targets, bias):
+        return linear_cross_entropy_ref(
+            hidden, weight, targets, bias, ignore_index, label_smoothing, reduction
+        )
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden is {hidden.dtype} but weight is {weight.dtype}: cast one of them")
+    _check(hidden, targets, label_smoothing, reduction, "hidden (N, H)")
+    return LinearCrossEntropy.apply(
+        hidden, weight, targets, bias, ignore_index, float(label_smoothing), reduction
+    )

@@ -1,0 +1,111 @@
+"""Fused linear + cross-entropy against the float64 reference: loss and the gradients of hidden, weight
+and bias, over several token chunks (a tiny chunk budget forces many), every reduction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.kernels import cross_entropy as ce
+from kiln.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
+from kiln.kernels.dispatch import use_backend
+
+from ._tolerance import assert_close
+
+CASES = [
+    # (N, H, V, dtype, bias, ignore_index, label_smoothing, reduction)
+    (1, 8, 16, torch.float32, False, -100, 0.0, "mean"),
+    (13, 24, 77, torch.float32, True, -100, 0.1, "mean"),
+    (10, 16, 130, torch.float16, False, -1, 0.0, "sum"),
+    (9, 32, 50, torch.float32, True, -100, 0.2, "none"),
+]
+
+
+def _run(hidden, weight, targets, bias, ignore_index, eps, reduction, dtype):
+    leaves = [hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()]
+    if bias is not None:
+        leaves.append(bias.detach().clone().requires_grad_())
+    with use_backend("triton"):
+        loss = linear_cross_entropy(leaves[0], leaves[1], targets, leaves[2] if bias is not None else None,
+                                    ignore_index, eps, reduction)  # fmt: skip
+    ref = [
+        t.detach().double().requires_grad_() for t in (hidden, weight) + ((bias,) if bias is not None else ())
+    ]
+    want = linear_cross_entropy_ref(ref[0], ref[1], targets, ref[2] if bias is not None else None,
+                                    ignore_index, eps, reduction)  # fmt: skip
+    # The reference sees the same bf16/fp16 inputs; the kernel rounds the logits and dlogits to the input
+    # dtype between GEMMs (as any fused CE does): low-precision results get the bound of that dtype.
+    assert_close(loss, want, torch.float32 if dtype == torch.float32 else dtype, name="loss")
+    g = torch.rand(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) + 0.5
+    got_grads = torch.autograd.grad(loss, leaves, g.to(loss.device, torch.float32))
+    want_grads = torch.autograd.grad(want, ref, g.to(want.device))
+    for name, a, b in zip(("dhidden", "dweight", "dbias"), got_grads, want_grads):
+        assert a.dtype == dtype
+        assert_close(a, b, dtype, name=name)
+
+
+@pytest.mark.parametrize("N,H,V,dtype,has_bias,ignore_index,eps,reduction", CASES)
+def test_linear_cross_entropy_matches_float64(N, H, V, dtype, has_bias, ignore_index, eps, reduction,
+                                              device, monkeypatch):  # fmt: skip
+    # A budget of 4 rows of logits per chunk, so every case runs several chunks and a ragged last one.
+    monkeypatch.setattr(ce, "CHUNK_BYTES", 4 * V * torch.finfo(dtype).bits // 8)
+    gen = torch.Generator().manual_seed(N + H + V)
+    hidden = torch.randn(N, H, generator=gen).to(device, dtype)
+    weight = (torch.randn(V, H, generator=gen) / H**0.5).to(device, dtype)
+    bias = torch.randn(V, generator=gen).to(device, dtype) if has_bias else None
+    targets = torch.randint(0, V, (N,), generator=gen).to(device)
+    if N > 2:
+        targets[2] = ignore_index
+    _run(hidden, weight, targets, bias, ignore_index, eps, reduction, dtype)
+
+
+def test_linear_cross_entropy_strided_inputs(device):
+    """hidden as a transposed view, weight as a column slice of a wider matrix."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(16, 11, generator=gen).to(device).t()
+    weight = torch.randn(40, 32, generator=gen).to(device)[:, 3:19]
+    targets = torch.randint(0, 40, (11,), generator=gen).to(device)
+    _run(hidden, weight, targets, None, -100, 0.0, "mean", torch.float32)
+
+
+def test_linear_cross_entropy_second_backward_is_an_error(device):
+    h = torch.randn(4, 8, device=device, requires_grad=True)
+    w = torch.randn(10, 8, device=device, requires_grad=True)
+    with use_backend("triton"):
+        loss = linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long, device=device))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        loss.backward()
+
+
+def test_linear_cross_entropy_bad_input_errors(device):
+    with use_backend("triton"):
+        with pytest.raises(ValueError, match="weight"):
+            linear_cross_entropy(torch.randn(4, 8, device=device), torch.randn(10, 7, device=device),
+                                 torch.zeros(4, dtype=torch.long, device=device))  # fmt: skip
+        with pytest.raises(TypeError, match="cast"):
+            linear_cross_entropy(torch.randn(4, 8, device=device), torch.randn(10, 8, device=device).half(),
+                                 torch.zeros(4, dtype=torch.long, device=device))  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_linear_cross_entropy_bf16_qwen_head():
+    """The Qwen2.5 head (1536 -> 151936) in bf16 on 512 tokens, default chunking."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(512, 1536, generator=gen).to("cuda", torch.bfloat16)
+    weight = (torch.randn(151936, 1536, generator=gen) * 0.02).to("cuda", torch.bfloat16)
+    targets = torch.randint(0, 151936, (512,), generator=gen).cuda()
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    loss = linear_cross_entropy(h, w, targets)
+    loss.backward()
+    h64 = hidden.double().requires_grad_()
+    w64 = weight.double().requires_grad_()
+    want = linear_cross_entropy_ref(h64, w64, targets)
+    want.backward()
+    assert_close(loss, want, torch.bfloat16, name="loss")
+    # The gradients are tiny (mean over 512 tokens of dlogits ~ 1/V): compare them relative to their largest
+    # entry, or the table's absolute bound would pass anything.
+    for name, got, ref in (("dhidden", h.grad, h64.grad), ("dweight", w.grad, w64.grad)):
+        top = ref.abs().max()
+        assert_close(got.double() / top, ref / top, torch.bfloat16, name=name)
