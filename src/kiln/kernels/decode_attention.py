@@ -1,0 +1,234 @@
+"""Decode attention over a paged KV cache: split-KV (flash-decoding), GQA-aware, with an LSE reduction.
+
+One new query token per sequence attends to everything its sequence has cached:
+    q (B, Hq, D); k_cache, v_cache (num_blocks, block_size, Hk, D); block_table (B, max_blocks) int32;
+    seq_lens (B,) int32 (the query is the last cached token, at position seq_lens[b] - 1)
+(the cache layout is documented in kiln.kernels.paged_kv, whose kernel writes it). Returns (B, Hq, D)
+in q's dtype. Options: softmax_scale, a sliding window W (keys L - W <= j < L), and sinks (Hq,) logits
+joining the softmax denominator, as in kiln.kernels.attention.
+
+Kernel 1 splits each sequence's keys into `num_splits` chunks: program (b, kv head, split) streams its
+chunk once and serves all Hq / Hk query heads of the group from it (the group is the M dim of the
+dots, padded to 16), so each K/V byte is read once. Token t's row is found through the block table
+per row, so a tile spans any number of pages. Each program writes a partial output normalized by its
+own sum, and the log2-sum-exp of its chunk:
+    o_s = sum_j 2^(s_j - lse_s) v_j,   lse_s = log2 sum_j 2^(s_j)      (s in log2 units)
+Kernel 2 combines them: o = sum_s 2^(lse_s - m) o_s / (sum_s 2^(lse_s - m) + 2^(sink - m)).
+The split count is chosen so that B * Hk * splits fills the GPU a few times over (batch 1 with a
+64k context still uses every SM), computed from the block table's capacity, not from seq_lens, so
+the launch needs no device-to-host sync (CUDA-graph friendly).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.attention import LOG2E, attention_ref
+from kiln.kernels.dispatch import interpreting, use_triton
+
+CHUNK_ALIGN = 128  # split chunks are multiples of this, so every autotuned BLOCK_N divides them
+
+
+# ----------------------------------------------------------------------------------------- reference
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """Sequence b's first n cached rows (n, Hk, D), gathered through its block table."""
+    bs = cache.shape[1]
+    pages = block_table[b, : triton.cdiv(n, bs)].long()
+    return cache[pages].reshape(-1, *cache.shape[2:])[:n]
+
+
+def decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, window=None,
+                         sinks=None) -> torch.Tensor:
+    """Gathers each sequence's cache and runs the prefill reference with one (last-position) query."""
+    out = torch.zeros_like(q)
+    for b, n in enumerate(seq_lens.tolist()):
+        if n == 0:
+            continue
+        k = gather_kv(k_cache, block_table, b, n)[None]  # (1, n, Hk, D)
+        v = gather_kv(v_cache, block_table, b, n)[None]
+        qb = q[b][None, None].to(k.dtype)  # (1, 1, Hq, D): causal aligns it to position n - 1
+        o = attention_ref(qb, k, v, causal=True, softmax_scale=softmax_scale, window=window, sinks=sinks)
+        out[b] = o[0, 0].to(q.dtype)
+    return out
+
+
+# ------------------------------------------------------------------------------------ Triton kernels
+def _configs():
+    if interpreting():
+        return [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in
+            ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4))]
+
+
+@triton.autotune(_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE_SIZE", "SPLIT_KEY"],
+                 do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles))
+@triton.jit
+def _decode_split_kernel(
+    Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, O_PART, LSE_PART,  # o_part (B, Hq, S, D), lse_part (B, Hq, S) fp32
+    stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_bt,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    group, window, chunk, qk_scale, SPLIT_KEY,  # chunk: keys per split (a multiple of BLOCK_N)
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    split = tl.program_id(2)
+    n = tl.load(SEQ_LENS + b)
+    first = 0
+    if WINDOW:
+        first = tl.maximum(n - window, 0)
+    lo = first + split * chunk
+    hi = tl.minimum(lo + chunk, n)
+
+    offs_h = tl.arange(0, BLOCK_H)  # query heads of this group, padded to BLOCK_H >= 16 for tl.dot
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    h = hk * group + offs_h
+    h_ok = offs_h < group
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None],
+                other=0.0)
+    table = BLOCK_TABLE + b.to(tl.int64) * stride_bt
+    m_i = tl.zeros([BLOCK_H], tl.float32) - 1.0e30  # finite, so an empty split gives l = 0, not NaN
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        t = n0 + offs_n  # (BLOCK_N,) token positions
+        t_ok = t < hi
+        page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
+        slot = t % PAGE_SIZE
+        k = tl.load(K_CACHE + page[:, None] * stride_kp + slot[:, None] * stride_kt + hk * stride_kh + offs_d[None, :],
+                    mask=t_ok[:, None], other=0.0)
+        v = tl.load(V_CACHE + page[:, None] * stride_vp + slot[:, None] * stride_vt + hk * stride_vh + offs_d[None, :],
+                    mask=t_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_H, BLOCK_N), log2 units
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    has = l_i > 0.0
+    acc = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    o_ptrs = O_PART + b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    tl.store(o_ptrs, acc, mask=h_ok[:, None])
+    tl.store(LSE_PART + b.to(tl.int64) * stride_lb + h * stride_lh + split, lse, mask=h_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    O_PART, LSE_PART, SINKS, OUT,  # out (B, Hq, D)
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    Hq, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, SINK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < num_splits
+    lse = tl.load(LSE_PART + b * stride_lb + h * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
+    o = tl.load(O_PART + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
+                mask=s_ok[:, None], other=0.0)  # (BLOCK_S, D)
+    m = tl.maximum(tl.max(lse, 0), -1.0e30)
+    if SINK:
+        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+    w = tl.math.exp2(lse - m)  # empty splits (lse = -inf) weigh 0
+    denom = tl.sum(w, 0)
+    if SINK:
+        denom += tl.math.exp2(sink - m)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(OUT + b * stride_outb + h * stride_outh + offs_d, out.to(OUT.dtype.element_ty))
+
+
+# ------------------------------------------------------------------------------------------ launcher
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def num_splits_for(batch: int, kv_heads: int, capacity: int, sm_count: int) -> tuple[int, int]:
+    """(splits, chunk): enough (b, kv head, split) programs for ~4 waves of the GPU, chunks >= CHUNK_ALIGN."""
+    want = max(1, triton.cdiv(4 * sm_count, batch * kv_heads))
+    chunk = max(CHUNK_ALIGN, triton.cdiv(triton.cdiv(max(capacity, 1), want), CHUNK_ALIGN) * CHUNK_ALIGN)
+    return triton.cdiv(max(capacity, 1), chunk), chunk
+
+
+def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, softmax_scale, window, sinks, num_splits):
+    B, Hq, D = q.shape
+    _, page_size, Hk, _ = k_cache.shape
+    capacity = block_table.shape[1] * page_size
+    if window is not None:
+        capacity = min(capacity, window)
+    splits, chunk = num_splits_for(B, Hk, capacity, _sm_count(q.device))
+    if num_splits is not None:  # an explicit count (tests use it to exercise the reduction)
+        chunk = triton.cdiv(triton.cdiv(max(capacity, 1), num_splits), CHUNK_ALIGN) * CHUNK_ALIGN
+        splits = triton.cdiv(max(capacity, 1), chunk)
+    group = Hq // Hk
+    o_part = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(B, Hk, splits)](
+        q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
+        *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1),
+        group, window or 0, chunk, softmax_scale * LOG2E, min(splits, 64),
+        HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)), WINDOW=window is not None,
+    )
+    out = torch.empty_like(q)
+    _decode_reduce_kernel[(B, Hq)](
+        o_part, lse_part, sinks if sinks is not None else q, out, *o_part.stride()[:3], lse_part.stride(0),
+        lse_part.stride(1), out.stride(0), out.stride(1), Hq, splits,
+        HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(splits), SINK=sinks is not None,
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------------ public op
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One decode step of attention for B sequences over the paged cache; see the module doc. (B, Hq, D)."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"decode_attention: q must be (B, Hq, D) and caches (num_blocks, block_size, Hk, D), got "
+            f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    B, Hq, D = q.shape
+    Hk = k_cache.shape[2]
+    if k_cache.shape[3] != D or Hq % Hk:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit caches of (.., .., {Hk}, {k_cache.shape[3]})")
+    if block_table.dim() != 2 or block_table.shape[0] != B or seq_lens.shape != (B,):
+        raise ValueError(
+            f"decode_attention: block_table must be ({B}, max_blocks) and seq_lens ({B},), got "
+            f"{tuple(block_table.shape)} and {tuple(seq_lens.shape)}"
+        )
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise TypeError("decode_attention: block_table and seq_lens must be int32")
+    if sinks is not None and sinks.shape != (Hq,):
+        raise ValueError(f"decode_attention: sinks must be ({Hq},), got {tuple(sinks.shape)}")
+    if window is not None and window < 1:
+        raise ValueError(f"decode_attention: window must be >= 1, got {window}")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    if use_triton(q, k_cache, v_cache) and D in (16, 32, 64, 128, 256):
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+            raise ValueError("decode_attention: the caches' last dim must be contiguous")
+        return decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, window, sinks, num_splits)
+    return decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, softmax_scale=scale, window=window,
+                                sinks=sinks)
