@@ -1,15 +1,29 @@
 """LayerNorm: y = (x - mean(x)) / sqrt(var(x) + eps) * w + b, optionally after a fused residual add.
 
-Shapes: x (..., D), weight (D,), bias (D,) or None. With `residual`, returns (norm(x + residual),
-x + residual). Float32 math, output in x's dtype.
+Shapes: x (..., D), weight (D,), bias (D,) or None. With `residual` (same shape and dtype as x),
+returns (norm(x + residual), x + residual), the add done in x's dtype as the eager add does. Float32
+math (float64 for float64 inputs, the tests' oracle), output in x's dtype.
 
-Only the eager reference lives here so far; the Triton kernel plugs in behind `layernorm`.
+Forward, per row h of length D:  mean = sum(h) / D,  rstd = 1 / sqrt(sum((h - mean)^2) / D + eps),
+                                 xhat = (h - mean) * rstd,  y = xhat * w + b.
+Backward, with g = dy * w:        dh = rstd * (g - mean(g) - xhat * mean(g * xhat))  (+ dh_out, the
+                                 gradient reaching the returned residual),
+                                 dw = sum over rows of dy * xhat,  db = sum over rows of dy.
+
+Same launch plan as rmsnorm.py: one row per program in registers for the forward (mean and rstd saved,
+one float32 each per row); a few persistent programs per SM in the backward, each keeping its dw/db
+partial sums in registers over a contiguous chunk of rows, summed afterwards (no atomics).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kiln.kernels.dispatch import use_triton
+from kiln.kernels.rmsnorm import as_rows, check_rows, programs_per_device, row_warps
 
 
 def layernorm_ref(
@@ -20,9 +34,189 @@ def layernorm_ref(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     h = x if residual is None else x + residual
-    b = None if bias is None else bias.float()
-    y = F.layer_norm(h.float(), (h.shape[-1],), weight.float(), b, eps).to(x.dtype)
+    acc = torch.promote_types(x.dtype, torch.float32)  # float32 math (float64 for a float64 oracle)
+    b = None if bias is None else bias.to(acc)
+    y = F.layer_norm(h.to(acc), (h.shape[-1],), weight.to(acc), b, eps).to(x.dtype)
     return y if residual is None else (y, h)
+
+
+@triton.jit
+def _layernorm_fwd_kernel(
+    X_ptr,  # (n_rows, D) input rows, last dim contiguous
+    R_ptr,  # (n_rows, D) residual rows (read only if HAS_RESIDUAL)
+    H_ptr,  # (n_rows, D) out: x + residual (written only if HAS_RESIDUAL)
+    Y_ptr,  # (n_rows, D) out
+    W_ptr,  # (D,) weight
+    B_ptr,  # (D,) bias (read only if HAS_BIAS)
+    MEAN_ptr,  # (n_rows,) out: float32 row means
+    RSTD_ptr,  # (n_rows,) out: float32 1/std per row
+    x_row_stride,
+    r_row_stride,
+    y_row_stride,  # also H's: both are fresh (n_rows, D) tensors
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,  # next_power_of_2(D)
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    h = tl.load(X_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        h = h + tl.load(R_ptr + row * r_row_stride + cols, mask=mask, other=0.0)
+        tl.store(H_ptr + row * y_row_stride + cols, h, mask=mask)
+    hf = h.to(tl.float32)
+    mean = tl.sum(hf, axis=0) / n_cols
+    xc = tl.where(mask, hf - mean, 0.0)  # padding lanes must not enter the variance
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
+    y = xc * rstd * tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(B_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y_ptr + row * y_row_stride + cols, y.to(Y_ptr.dtype.element_ty), mask=mask)
+    tl.store(MEAN_ptr + row, mean)
+    tl.store(RSTD_ptr + row, rstd)
+
+
+@triton.jit
+def _layernorm_bwd_kernel(
+    DY_ptr,  # (n_rows, D) gradient of y
+    H_ptr,  # (n_rows, D) the normalized input saved by the forward
+    DH_ptr,  # (n_rows, D) gradient reaching the returned residual (read only if HAS_DH)
+    W_ptr,  # (D,)
+    MEAN_ptr,  # (n_rows,) float32
+    RSTD_ptr,  # (n_rows,) float32
+    DX_ptr,  # (n_rows, D) out, contiguous
+    DW_ptr,  # (n_programs, D) out: float32 partial sums of dw
+    DB_ptr,  # (n_programs, D) out: float32 partial sums of db (written only if HAS_BIAS)
+    dy_row_stride,
+    h_row_stride,
+    dh_row_stride,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    HAS_DH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    db = tl.zeros((BLOCK,), dtype=tl.float32)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    for row in range(row_start, row_end):
+        dy = tl.load(DY_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        h = tl.load(H_ptr + row * h_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN_ptr + row)
+        rstd = tl.load(RSTD_ptr + row)
+        xhat = tl.where(mask, (h - mean) * rstd, 0.0)
+        g = dy * w
+        c1 = tl.sum(g * xhat, axis=0) / n_cols
+        c2 = tl.sum(g, axis=0) / n_cols
+        dx = rstd * (g - c2 - xhat * c1)
+        if HAS_DH:
+            dx += tl.load(DH_ptr + row * dh_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX_ptr + row * n_cols + cols, dx.to(DX_ptr.dtype.element_ty), mask=mask)
+        dw += dy * xhat
+        if HAS_BIAS:
+            db += dy
+    tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
+    if HAS_BIAS:
+        tl.store(DB_ptr + pid.to(tl.int64) * n_cols + cols, db, mask=mask)
+
+
+def layernorm_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward. Returns (y, h, mean, rstd) over (n_rows, D) rows."""
+    check_rows("layernorm", x, weight, residual)
+    D = x.shape[-1]
+    if bias is not None and (bias.shape != (D,) or bias.device != x.device):
+        raise ValueError(
+            f"layernorm: bias must be ({D},) on {x.device}, got {tuple(bias.shape)} on {bias.device}"
+        )
+    x2 = as_rows(x, D)
+    r2 = None if residual is None else as_rows(residual, D)
+    n_rows = x2.shape[0]
+    y = torch.empty((n_rows, D), dtype=x.dtype, device=x.device)
+    h = x2 if r2 is None else torch.empty_like(y)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    if n_rows == 0:
+        return y, h, mean, rstd
+    block = triton.next_power_of_2(D)
+    _layernorm_fwd_kernel[(n_rows,)](
+        x2, x2 if r2 is None else r2, h, y, weight, weight if bias is None else bias, mean, rstd,
+        x2.stride(0), 0 if r2 is None else r2.stride(0), D,
+        D, eps,
+        HAS_RESIDUAL=r2 is not None, HAS_BIAS=bias is not None, BLOCK=block,
+        num_warps=num_warps or row_warps(block),
+    )  # fmt: skip
+    return y, h, mean, rstd
+
+
+def layernorm_bwd(
+    dy: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias_dtype: torch.dtype | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    dh: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    programs_per_sm: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch the backward over (n_rows, D) rows. Returns (dx rows, dw, db or None if there is no bias)."""
+    has_bias = bias_dtype is not None
+    n_rows, D = h.shape
+    dy2 = as_rows(dy, D)
+    dh2 = None if dh is None else as_rows(dh, D)
+    dx = torch.empty((n_rows, D), dtype=h.dtype, device=h.device)
+    if n_rows == 0:
+        db = torch.zeros(D, dtype=bias_dtype, device=h.device) if has_bias else None
+        return dx, torch.zeros_like(weight), db
+    n_prog = max(1, min(n_rows, programs_per_device(h.device, programs_per_sm)))
+    dw_partial = torch.empty((n_prog, D), dtype=torch.float32, device=h.device)
+    db_partial = torch.empty_like(dw_partial) if has_bias else dw_partial
+    block = triton.next_power_of_2(D)
+    _layernorm_bwd_kernel[(n_prog,)](
+        dy2, h, dy2 if dh2 is None else dh2, weight, mean, rstd, dx, dw_partial, db_partial,
+        dy2.stride(0), h.stride(0), 0 if dh2 is None else dh2.stride(0),
+        n_rows, D, triton.cdiv(n_rows, n_prog),
+        HAS_DH=dh2 is not None, HAS_BIAS=has_bias, BLOCK=block, num_warps=num_warps or row_warps(block),
+    )  # fmt: skip
+    db = db_partial.sum(0).to(bias_dtype) if has_bias else None
+    return dx, dw_partial.sum(0).to(weight.dtype), db
+
+
+class LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, eps):
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
+        y, h, mean, rstd = layernorm_fwd(x, weight, bias, eps, residual)
+        ctx.save_for_backward(h, weight, mean, rstd)
+        ctx.shape = x.shape
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.has_residual = residual is not None
+        y = y.view(x.shape)
+        return y if residual is None else (y, h.view(x.shape))
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        h, weight, mean, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(h)
+        dx, dw, db = layernorm_bwd(dy, h, weight, ctx.bias_dtype, mean, rstd, dh)
+        dx = dx.view(ctx.shape)
+        return dx, dw, db, (dx if ctx.has_residual else None), None
 
 
 def layernorm(
@@ -32,4 +226,7 @@ def layernorm(
     eps: float = 1e-5,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm of x's last dim; with `residual`, returns (norm(x + residual), x + residual)."""
+    if use_triton(x, weight, bias, residual):
+        return LayerNormFunction.apply(x, weight, bias, residual, eps)
     return layernorm_ref(x, weight, bias, eps, residual)

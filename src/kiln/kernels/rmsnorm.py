@@ -1,28 +1,235 @@
 """RMSNorm: y = x / sqrt(mean(x^2) + eps) * w, optionally after a fused residual add.
 
-Shapes: x (..., D), weight (D,). With `residual` (same shape as x), the op first forms
-h = x + residual and returns (norm(h), h): the new residual stream, as pre-norm blocks need it.
-The math is done in float32 and the output cast back to x's dtype.
+Shapes: x (..., D), weight (D,). With `residual` (same shape and dtype as x), the op first forms
+h = x + residual (in x's dtype, as the eager add does) and returns (norm(h), h): the new residual
+stream, as pre-norm blocks need it. The math is done in float32 (float64 for float64 inputs, which the
+tests use as the oracle) and the output cast back to x's dtype.
 
-Only the eager reference lives here so far; the Triton kernel plugs in behind `rmsnorm`.
+Forward, per row h of length D:   rstd = 1 / sqrt(sum(h^2) / D + eps),   y = h * rstd * w.
+Backward, with g = dy * w:         dh = rstd * (g - h * rstd^2 * sum(g * h) / D)   (+ dh_out, the
+                                   gradient reaching the returned residual h),
+                                   dw = sum over rows of dy * h * rstd.
+Both x and residual receive dh.
+
+The Triton path keeps a whole row in registers (BLOCK = next_power_of_2(D), D <= 65536), one row per
+program in the forward; it saves rstd (one float32 per row) for the backward. The backward runs a few
+programs per SM, each over a contiguous chunk of rows, accumulating its dw partial sum in registers;
+the (programs, D) float32 partials are summed afterwards, so dw costs no atomics. The last dim must be
+contiguous (other layouts are copied to contiguous rows first); x may be fp32, fp16 or bf16.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.dispatch import use_triton
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_ROW = 65536  # a longer row would not fit in one program's registers
 
 
 def rmsnorm_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     h = x if residual is None else x + residual
-    hf = h.float()
+    acc = torch.promote_types(x.dtype, torch.float32)  # float32 math (float64 for a float64 oracle)
+    hf = h.to(acc)
     y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-    y = (y * weight.float()).to(x.dtype)
+    y = (y * weight.to(acc)).to(x.dtype)
     return y if residual is None else (y, h)
+
+
+@triton.jit
+def _rmsnorm_fwd_kernel(
+    X_ptr,  # (n_rows, D) input rows, last dim contiguous
+    R_ptr,  # (n_rows, D) residual rows (read only if HAS_RESIDUAL)
+    H_ptr,  # (n_rows, D) out: x + residual (written only if HAS_RESIDUAL)
+    Y_ptr,  # (n_rows, D) out: normalized rows
+    W_ptr,  # (D,) weight
+    RSTD_ptr,  # (n_rows,) out: float32 1/rms per row, for the backward
+    x_row_stride,  # elements between rows of X (and of R, H, Y: see launcher)
+    r_row_stride,
+    y_row_stride,
+    n_cols,  # D
+    eps,  # float
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,  # next_power_of_2(D): the whole row in one block
+):
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride can pass 2**31
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    h = tl.load(X_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # Add in the input dtype, as `x + residual` does eagerly: h is the stored residual stream.
+        h = h + tl.load(R_ptr + row * r_row_stride + cols, mask=mask, other=0.0)
+        tl.store(H_ptr + row * y_row_stride + cols, h, mask=mask)
+    hf = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
+    w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y_ptr + row * y_row_stride + cols, (hf * rstd * w).to(Y_ptr.dtype.element_ty), mask=mask)
+    tl.store(RSTD_ptr + row, rstd)
+
+
+@triton.jit
+def _rmsnorm_bwd_kernel(
+    DY_ptr,  # (n_rows, D) gradient of y
+    H_ptr,  # (n_rows, D) the normalized input h (x, or x + residual) saved by the forward
+    DH_ptr,  # (n_rows, D) gradient reaching the returned residual h (read only if HAS_DH)
+    W_ptr,  # (D,) weight
+    RSTD_ptr,  # (n_rows,) float32, saved by the forward
+    DX_ptr,  # (n_rows, D) out: gradient of h (= of x, = of residual)
+    DW_ptr,  # (n_programs, D) out: float32 per-program partial sums of dw
+    dy_row_stride,
+    h_row_stride,
+    dh_row_stride,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    HAS_DH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    for row in range(row_start, row_end):
+        dy = tl.load(DY_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        h = tl.load(H_ptr + row * h_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD_ptr + row)
+        g = dy * w
+        dx = rstd * (g - h * (rstd * rstd * tl.sum(g * h, axis=0) / n_cols))
+        if HAS_DH:
+            dx += tl.load(DH_ptr + row * dh_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX_ptr + row * n_cols + cols, dx.to(DX_ptr.dtype.element_ty), mask=mask)
+        dw += dy * (h * rstd)
+    tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
+
+
+def row_warps(block: int) -> int:
+    """num_warps for a kernel holding one row of `block` elements: about 16 elements per thread."""
+    return max(1, min(32, block // 512))
+
+
+def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """`t` as a (rows, n_cols) view with a contiguous last dim, copying only when it has to."""
+    t2 = t.reshape(-1, n_cols)
+    return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
+
+
+def programs_per_device(device: torch.device, per_sm: int) -> int:
+    """How many persistent programs a backward launches: `per_sm` per SM on CUDA, 4 on the interpreter."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+    return 4
+
+
+def check_rows(name: str, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: x has dtype {x.dtype}; the kernel takes float32, float16 or bfloat16")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{name}: x must have a non-empty last dim, got shape {tuple(x.shape)}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"{name}: weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
+    if x.shape[-1] > MAX_ROW:
+        raise ValueError(
+            f"{name}: rows of {x.shape[-1]} elements exceed the kernel's {MAX_ROW} (one row per program)"
+        )
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"{name}: residual must match x in shape and dtype, got {tuple(residual.shape)} {residual.dtype} "
+            f"vs {tuple(x.shape)} {x.dtype}"
+        )
+    for t in (weight, residual):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name}: all tensors must be on one device, got {x.device} and {t.device}")
+
+
+def rmsnorm_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward. Returns (y, h, rstd) as (n_rows, D) rows; h is x's rows without a residual."""
+    check_rows("rmsnorm", x, weight, residual)
+    D = x.shape[-1]
+    x2 = as_rows(x, D)
+    r2 = None if residual is None else as_rows(residual, D)
+    n_rows = x2.shape[0]
+    y = torch.empty((n_rows, D), dtype=x.dtype, device=x.device)
+    h = x2 if r2 is None else torch.empty_like(y)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows == 0:
+        return y, h, rstd
+    block = triton.next_power_of_2(D)
+    _rmsnorm_fwd_kernel[(n_rows,)](
+        x2, x2 if r2 is None else r2, h, y, weight, rstd,
+        x2.stride(0), 0 if r2 is None else r2.stride(0), D,
+        D, eps,
+        HAS_RESIDUAL=r2 is not None, BLOCK=block, num_warps=num_warps or row_warps(block),
+    )  # fmt: skip
+    return y, h, rstd
+
+
+def rmsnorm_bwd(
+    dy: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    dh: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    programs_per_sm: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward over (n_rows, D) rows. Returns (dx rows in h's dtype, dw in weight's dtype)."""
+    n_rows, D = h.shape
+    dy2 = as_rows(dy, D)
+    dh2 = None if dh is None else as_rows(dh, D)
+    dx = torch.empty((n_rows, D), dtype=h.dtype, device=h.device)
+    n_prog = max(1, min(n_rows, programs_per_device(h.device, programs_per_sm)))
+    dw_partial = torch.empty((n_prog, D), dtype=torch.float32, device=h.device)
+    if n_rows == 0:
+        return dx, torch.zeros_like(weight)
+    block = triton.next_power_of_2(D)
+    _rmsnorm_bwd_kernel[(n_prog,)](
+        dy2, h, dy2 if dh2 is None else dh2, weight, rstd, dx, dw_partial,
+        dy2.stride(0), h.stride(0), 0 if dh2 is None else dh2.stride(0),
+        n_rows, D, triton.cdiv(n_rows, n_prog),
+        HAS_DH=dh2 is not None, BLOCK=block, num_warps=num_warps or row_warps(block),
+    )  # fmt: skip
+    return dx, dw_partial.sum(0).to(weight.dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, residual, eps):
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros to read
+        y, h, rstd = rmsnorm_fwd(x, weight, eps, residual)
+        ctx.save_for_backward(h, weight, rstd)
+        ctx.shape = x.shape
+        ctx.has_residual = residual is not None
+        y = y.view(x.shape)
+        return y if residual is None else (y, h.view(x.shape))
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        h, weight, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(h)
+        dx, dw = rmsnorm_bwd(dy, h, weight, rstd, dh)
+        dx = dx.view(ctx.shape)
+        return dx, dw, (dx if ctx.has_residual else None), None
 
 
 def rmsnorm(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x's last dim; with `residual`, returns (norm(x + residual), x + residual)."""
+    if use_triton(x, weight, residual):
+        return RMSNormFunction.apply(x, weight, residual, eps)
     return rmsnorm_ref(x, weight, eps, residual)

@@ -1,22 +1,187 @@
 """SwiGLU: silu(gate) * up, the gated MLP activation of Llama/Qwen/Mixtral.
 
 Shapes: gate and up (..., H) as two tensors, or one fused tensor (..., 2H) holding [gate | up]
-along the last dim (pass up=None). Float32 math, output in the input dtype.
+along the last dim (pass up=None). Float32 math (float64 for float64 inputs, the tests' oracle),
+output in the input dtype.
 
-Only the eager reference lives here so far; the Triton kernel plugs in behind `swiglu`.
+Forward:  out = g * sigmoid(g) * u.
+Backward: du = dout * g * sigmoid(g),   dg = dout * u * sigmoid(g) * (1 + g * (1 - sigmoid(g))).
+Nothing but the inputs is saved; the backward recomputes sigmoid (cheaper than storing it).
+
+The kernel is elementwise over (rows, H) with each operand's own row stride, so the fused layout is
+just two column views of one tensor (gate = cols [0, H), up = cols [H, 2H)) and its gradient is
+written into one (..., 2H) tensor the same way: no chunk copies, no concatenation. Rows split into
+BLOCK-wide column tiles on a 1D grid (rows can pass the 65535 limit of grid axis 1). When every
+operand is contiguous the whole tensor is one long row, so no tile is wasted on a ragged row end.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kiln.kernels.dispatch import use_triton
+from kiln.kernels.rmsnorm import FLOAT_DTYPES
+
+BLOCK = 1024  # elements per program: 8 per thread at 4 warps, 16-byte loads in bf16
 
 
 def swiglu_ref(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     if up is None:
         gate, up = gate.chunk(2, dim=-1)
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+    acc = torch.promote_types(gate.dtype, torch.float32)
+    return (F.silu(gate.to(acc)) * up.to(acc)).to(gate.dtype)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    G_ptr,  # (n_rows, H) gate, last dim contiguous
+    U_ptr,  # (n_rows, H) up
+    O_ptr,  # (n_rows, H) out
+    g_row_stride,
+    u_row_stride,
+    o_row_stride,
+    n_cols,  # H
+    n_col_blocks,  # cdiv(H, BLOCK)
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // n_col_blocks
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(G_ptr + row * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U_ptr + row * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    out = g * tl.sigmoid(g) * u
+    tl.store(O_ptr + row * o_row_stride + cols, out.to(O_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    DO_ptr,  # (n_rows, H) gradient of out
+    G_ptr,  # (n_rows, H) gate
+    U_ptr,  # (n_rows, H) up
+    DG_ptr,  # (n_rows, H) out: gradient of gate
+    DU_ptr,  # (n_rows, H) out: gradient of up
+    do_row_stride,
+    g_row_stride,
+    u_row_stride,
+    dg_row_stride,
+    du_row_stride,
+    n_cols,
+    n_col_blocks,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // n_col_blocks
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    do = tl.load(DO_ptr + row * do_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G_ptr + row * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U_ptr + row * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    tl.store(DU_ptr + row * du_row_stride + cols, (do * silu).to(DU_ptr.dtype.element_ty), mask=mask)
+    dg = do * u * (sig + silu * (1.0 - sig))
+    tl.store(DG_ptr + row * dg_row_stride + cols, dg.to(DG_ptr.dtype.element_ty), mask=mask)
+
+
+def _flat(*ts: torch.Tensor) -> list[torch.Tensor] | None:
+    """All of `ts` as one long row each (1, numel) if every one is contiguous, else None."""
+    if all(t.is_contiguous() for t in ts):
+        return [t.view(1, -1) for t in ts]
+    return None
+
+
+def _launch_grid(n_rows: int, n_cols: int, block: int) -> tuple[int, int]:
+    n_col_blocks = triton.cdiv(n_cols, block)
+    return n_rows * n_col_blocks, n_col_blocks
+
+
+def _split(gate: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) as (n_rows, H) views with a contiguous last dim; the fused form splits by columns."""
+    if gate.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"swiglu: gate has dtype {gate.dtype}; the kernel takes float32, float16 or bfloat16")
+    if up is None:
+        if gate.dim() == 0 or gate.shape[-1] % 2:
+            raise ValueError(
+                f"swiglu: the fused tensor's last dim must be even (2H), got {tuple(gate.shape)}"
+            )
+        H = gate.shape[-1] // 2
+        x = gate.reshape(-1, 2 * H)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        return x[:, :H], x[:, H:]
+    if up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
+        raise ValueError(
+            f"swiglu: gate and up must match in shape, dtype and device, got {tuple(gate.shape)} {gate.dtype} "
+            f"{gate.device} and {tuple(up.shape)} {up.dtype} {up.device}"
+        )
+    H = gate.shape[-1]
+    g, u = gate.reshape(-1, H), up.reshape(-1, H)
+    return (g if g.stride(-1) == 1 else g.contiguous()), (u if u.stride(-1) == 1 else u.contiguous())
+
+
+def swiglu_fwd(g: torch.Tensor, u: torch.Tensor, block: int = BLOCK, num_warps: int = 4) -> torch.Tensor:
+    """silu(g) * u over (n_rows, H) views; returns a contiguous (n_rows, H) tensor."""
+    out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    if out.numel() == 0:
+        return out
+    flat = _flat(g, u)
+    g2, u2, o2 = (*flat, out.view(1, -1)) if flat else (g, u, out)
+    n_prog, n_col_blocks = _launch_grid(g2.shape[0], g2.shape[1], block)
+    _swiglu_fwd_kernel[(n_prog,)](
+        g2, u2, o2, g2.stride(0), u2.stride(0), o2.stride(0), g2.shape[1], n_col_blocks,
+        BLOCK=block, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def swiglu_bwd(
+    dout: torch.Tensor,
+    g: torch.Tensor,
+    u: torch.Tensor,
+    dg: torch.Tensor,
+    du: torch.Tensor,
+    block: int = BLOCK,
+    num_warps: int = 4,
+) -> None:
+    """Write the gradients of gate and up into the (n_rows, H) views dg and du."""
+    if dout.numel() == 0:
+        return
+    dout = dout.reshape(g.shape)
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    ts = _flat(dout, g, u, dg, du) or (dout, g, u, dg, du)
+    n_prog, n_col_blocks = _launch_grid(ts[0].shape[0], ts[0].shape[1], block)
+    _swiglu_bwd_kernel[(n_prog,)](
+        *ts, *(t.stride(0) for t in ts), ts[0].shape[1], n_col_blocks, BLOCK=block, num_warps=num_warps
+    )
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        g, u = _split(gate, up)
+        ctx.save_for_backward(g, u)
+        ctx.gate_shape = gate.shape
+        ctx.fused = up is None
+        return swiglu_fwd(g, u).view(*gate.shape[:-1], g.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dout):
+        g, u = ctx.saved_tensors
+        H = g.shape[-1]
+        if ctx.fused:
+            dx = torch.empty((g.shape[0], 2 * H), dtype=g.dtype, device=g.device)
+            swiglu_bwd(dout, g, u, dx[:, :H], dx[:, H:])
+            return dx.view(ctx.gate_shape), None
+        dg, du = torch.empty_like(g), torch.empty_like(u)
+        swiglu_bwd(dout, g, u, dg, du)
+        return dg.view(ctx.gate_shape), du.view(ctx.gate_shape)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up; with up=None, gate is the fused (..., 2H) [gate | up] tensor."""
+    if use_triton(gate, up):
+        return SwiGLUFunction.apply(gate, up)
     return swiglu_ref(gate, up)
