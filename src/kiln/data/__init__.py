@@ -1,0 +1,1 @@
+"""Corpora, token shards and the data loader."""

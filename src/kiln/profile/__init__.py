@@ -1,0 +1,1 @@
+"""Hardware ceilings and measurement."""

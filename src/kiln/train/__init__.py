@@ -1,0 +1,1 @@
+"""The training pipeline: config, loop, optimizer and schedule, checkpoints, metrics, evaluation."""
