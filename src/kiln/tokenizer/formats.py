@@ -1,0 +1,418 @@
+"""Reading and writing tokenizers: kiln's own directory, tiktoken ranks files, HF tokenizer.json
+(+ tokenizer_config.json) and GPT-2's vocab.json + merges.txt.
+
+- kiln: `kiln_tokenizer.json` (pattern, special tokens, semantics) next to `tokenizer.tiktoken`
+  (one "base64(token bytes) id" line per token) and, for a vocabulary with an explicit merge list,
+  `merges.kiln` (one "base64(left) base64(right)" line per merge, earliest first).
+- tiktoken: the ranks file alone; the pattern and special tokens come from the caller.
+- HF and GPT-2: tokens are strings in GPT-2's byte-to-unicode alphabet (each byte one printable
+  character). A kiln vocabulary exports with every split of every token as a merge, ordered by the
+  token's rank, plus `ignore_merges`: that is exactly tiktoken's rule in HF's terms. An HF or GPT-2
+  vocabulary imports with its merge list and is encoded as HF encodes it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from functools import cache
+from pathlib import Path
+
+from kiln.errors import KilnError
+from kiln.tokenizer.patterns import onig_compatible, pattern_name
+from kiln.tokenizer.tokenizer import ENDOFTEXT, Tokenizer
+
+KILN_FILE = "kiln_tokenizer.json"
+RANKS_FILE = "tokenizer.tiktoken"
+MERGES_FILE = "merges.kiln"
+
+# HF's ByteLevel pre-tokenizer regex (use_regex=true): GPT-2's split as HF spells it.
+HF_BYTELEVEL = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+@cache
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (printable Latin-1 maps to itself,
+    the rest to U+0100 onwards), used by every HF byte-level vocabulary."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+@cache
+def unicode_to_byte() -> dict[str, int]:
+    return {c: b for b, c in byte_to_unicode().items()}
+
+
+def to_unicode(token: bytes) -> str:
+    m = byte_to_unicode()
+    return "".join(m[b] for b in token)
+
+
+def from_unicode(token: str) -> bytes:
+    m = unicode_to_byte()
+    try:
+        return bytes(m[c] for c in token)
+    except KeyError as e:
+        raise KilnError(
+            f"token {token!r} has the character {e.args[0]!r}, outside the byte-level alphabet"
+        ) from None
+
+
+# ---- tiktoken ranks files ------------------------------------------------------------------------
+
+
+def save_tiktoken(vocab: dict[bytes, int], path: str | os.PathLike) -> None:
+    """Write a tiktoken ranks file: "base64(bytes) rank" per line, in rank order."""
+    lines = [f"{base64.b64encode(b).decode()} {i}\n" for b, i in sorted(vocab.items(), key=lambda kv: kv[1])]
+    Path(path).write_text("".join(lines), encoding="ascii")
+
+
+def load_tiktoken(path: str | os.PathLike) -> dict[bytes, int]:
+    """Read a tiktoken ranks file into token bytes -> rank."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as e:
+        raise KilnError(f"cannot read tiktoken ranks file {path}: {e}") from e
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError as e:
+            raise KilnError(f"{path}:{n}: malformed tiktoken line {line[:60]!r} (want 'base64 rank')") from e
+    if not ranks:
+        raise KilnError(f"tiktoken ranks file {path} is empty")
+    return ranks
+
+
+def from_tiktoken(
+    path: str | os.PathLike, pattern: str, special_tokens: dict[str, int] | None = None
+) -> Tokenizer:
+    """A Tokenizer from a tiktoken ranks file plus the pattern and special tokens it was made with."""
+    return Tokenizer(load_tiktoken(path), pattern, special_tokens)
+
+
+# ---- kiln's directory ----------------------------------------------------------------------------
+
+
+def save_kiln(tok: Tokenizer, directory: str | os.PathLike) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_tiktoken(tok.vocab, directory / RANKS_FILE)
+    merges = tok.merges
+    meta = {
+        "format": "kiln-tokenizer",
+        "version": 1,
+        "pattern": tok.pattern,
+        "pattern_name": pattern_name(tok.pattern),
+        "special_tokens": tok.special_tokens,
+        "semantics": "tiktoken" if merges is None else "merges",
+        "ignore_merges": tok.ignore_merges,
+    }
+    if merges is not None:
+        lines = [
+            f"{base64.b64encode(a).decode()} {base64.b64encode(b).decode()}\n"
+            for (a, b), _ in sorted(merges.items(), key=lambda kv: kv[1])
+        ]
+        (directory / MERGES_FILE).write_text("".join(lines), encoding="ascii")
+    (directory / KILN_FILE).write_text(
+        json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+
+
+def load_kiln(directory: str | os.PathLike) -> Tokenizer:
+    directory = Path(directory)
+    meta = _read_json(directory / KILN_FILE)
+    try:
+        if meta.get("format") != "kiln-tokenizer":
+            raise KeyError("format")
+        vocab = load_tiktoken(directory / meta.get("ranks_file", RANKS_FILE))
+        merges = None
+        if meta["semantics"] == "merges":
+            merges = {}
+            text = (directory / MERGES_FILE).read_text(encoding="ascii")
+            for i, line in enumerate(text.splitlines()):
+                a, b = line.split()
+                merges[(base64.b64decode(a), base64.b64decode(b))] = i
+        return Tokenizer(
+            vocab,
+            meta["pattern"],
+            {str(k): int(v) for k, v in meta["special_tokens"].items()},
+            merges=merges,
+            ignore_merges=bool(meta.get("ignore_merges", True)),
+        )
+    except (KeyError, ValueError, TypeError, AttributeError, OSError) as e:
+        raise KilnError(
+            f"{directory / KILN_FILE} is not a valid kiln tokenizer ({type(e).__name__}: {e})"
+        ) from e
+
+
+# ---- HF tokenizers -------------------------------------------------------------------------------
+
+
+def hf_merges(tok: Tokenizer) -> list[tuple[bytes, bytes]]:
+    """The merge list that makes HF `tokenizers` (with ignore_merges) encode as `tok` does.
+
+    tiktoken merges two parts whenever their concatenation is a token, ranked by that token's rank,
+    so every split of a token into two tokens is a merge, listed in order of the token's rank.
+    """
+    if tok.merges is not None:
+        return [pair for pair, _ in sorted(tok.merges.items(), key=lambda kv: kv[1])]
+    vocab = tok.vocab
+    out: list[tuple[bytes, bytes]] = []
+    for token, _ in sorted(vocab.items(), key=lambda kv: kv[1]):
+        for k in range(1, len(token)):
+            if token[:k] in vocab and token[k:] in vocab:
+                out.append((token[:k], token[k:]))
+    return out
+
+
+def to_hf_json(tok: Tokenizer) -> dict:
+    """HF `tokenizers` tokenizer.json content for `tok`."""
+    split = {
+        "type": "Split",
+        "pattern": {"Regex": onig_compatible(tok.pattern)},
+        "behavior": "Isolated",
+        "invert": False,
+    }
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": i,
+                "content": s,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for s, i in sorted(tok.special_tokens.items(), key=lambda kv: kv[1])
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": tok.ignore_merges,
+            "vocab": {to_unicode(b): i for b, i in sorted(tok.vocab.items(), key=lambda kv: kv[1])},
+            "merges": [[to_unicode(a), to_unicode(b)] for a, b in hf_merges(tok)],
+        },
+    }
+
+
+def save_hf(
+    tok: Tokenizer,
+    directory: str | os.PathLike,
+    *,
+    bos_token: str | None = None,
+    eos_token: str | None = ENDOFTEXT,
+    pad_token: str | None = None,
+    chat_template: str | None = None,
+    model_max_length: int | None = None,
+) -> None:
+    """Write tokenizer.json and tokenizer_config.json (loadable by transformers' AutoTokenizer)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    specials = tok.special_tokens
+    for role, s in (("bos", bos_token), ("eos", eos_token), ("pad", pad_token)):
+        if s is not None and s not in specials:
+            if role == "eos" and s == ENDOFTEXT:
+                eos_token = None  # the default, for a tokenizer trained without it
+                continue
+            raise KilnError(f"{role}_token {s!r} is not one of the special tokens {list(specials)}")
+    (directory / "tokenizer.json").write_text(
+        json.dumps(to_hf_json(tok), ensure_ascii=False), encoding="utf-8"
+    )
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos_token,
+        "eos_token": eos_token,
+        "pad_token": pad_token,
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length if model_max_length is not None else int(1e30),
+        "added_tokens_decoder": {
+            str(i): {
+                "content": s,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for s, i in sorted(specials.items(), key=lambda kv: kv[1])
+        },
+    }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def _hf_pattern(pre: dict | None) -> str:
+    """The split regex of an HF pre-tokenizer that kiln can follow exactly, or a KilnError."""
+    if pre is None:
+        raise KilnError("the tokenizer has no pre-tokenizer; kiln needs a byte-level one")
+    steps = pre["pretokenizers"] if pre.get("type") == "Sequence" else [pre]
+    pattern = None
+    for step in steps:
+        kind = step.get("type")
+        if kind == "ByteLevel":
+            if step.get("add_prefix_space"):
+                raise KilnError("ByteLevel with add_prefix_space=true is not supported (it changes the text)")
+            if step.get("use_regex", True):
+                if pattern is not None:
+                    raise KilnError("a Split followed by a regex ByteLevel is not supported")
+                pattern = HF_BYTELEVEL
+        elif kind == "Split":
+            if pattern is not None:
+                raise KilnError("more than one splitting pre-tokenizer is not supported")
+            if step.get("behavior") != "Isolated" or step.get("invert"):
+                raise KilnError(
+                    f"Split with behavior={step.get('behavior')!r} invert={step.get('invert')} is not supported"
+                )
+            pat = step["pattern"]
+            pattern = pat["Regex"] if "Regex" in pat else __import__("regex").escape(pat["String"])
+        else:
+            raise KilnError(
+                f"pre-tokenizer {kind!r} is not supported (kiln reads byte-level BPE: Split + ByteLevel)"
+            )
+    if pattern is None:
+        raise KilnError("the pre-tokenizer does not split text; kiln needs a split regex")
+    return pattern
+
+
+def from_hf_json(data: dict, source: str = "tokenizer.json") -> Tokenizer:
+    """A Tokenizer from the content of an HF tokenizer.json (byte-level BPE)."""
+    try:
+        model = data["model"]
+        if model.get("type", "BPE") != "BPE":
+            raise KilnError(f"{source}: model type {model.get('type')!r} is not BPE")
+        if model.get("dropout") or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+            raise KilnError(f"{source}: BPE dropout and subword prefixes/suffixes are not supported")
+        if model.get("byte_fallback"):
+            raise KilnError(f"{source}: byte_fallback BPE is not byte-level; not supported")
+        if data.get("normalizer") is not None:
+            raise KilnError(f"{source}: normalizer {data['normalizer'].get('type')!r} is not supported")
+        pattern = _hf_pattern(data.get("pre_tokenizer"))
+        specials = {t["content"]: int(t["id"]) for t in data.get("added_tokens", [])}
+        special_ids = set(specials.values())
+        vocab = {from_unicode(s): int(i) for s, i in model["vocab"].items() if int(i) not in special_ids}
+        merges: dict[tuple[bytes, bytes], int] = {}
+        for n, m in enumerate(model["merges"]):
+            a, b = m.split(" ") if isinstance(m, str) else m
+            merges.setdefault((from_unicode(a), from_unicode(b)), n)
+        return Tokenizer(
+            vocab, pattern, specials, merges=merges, ignore_merges=bool(model.get("ignore_merges", False))
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise KilnError(f"{source} is not a valid HF tokenizer.json ({type(e).__name__}: {e})") from e
+
+
+def load_hf(path: str | os.PathLike) -> Tokenizer:
+    """A Tokenizer from an HF tokenizer.json, or a directory holding one."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    return from_hf_json(_read_json(path), str(path))
+
+
+# ---- GPT-2 vocab.json + merges.txt ---------------------------------------------------------------
+
+
+def save_gpt2(tok: Tokenizer, directory: str | os.PathLike) -> None:
+    """Write vocab.json (special tokens included) and merges.txt in GPT-2's layout."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = {to_unicode(b): i for b, i in sorted(tok.vocab.items(), key=lambda kv: kv[1])}
+    vocab.update(tok.special_tokens)
+    (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    lines = ["#version: 0.2\n"] + [f"{to_unicode(a)} {to_unicode(b)}\n" for a, b in hf_merges(tok)]
+    (directory / "merges.txt").write_text("".join(lines), encoding="utf-8")
+
+
+def load_gpt2(
+    directory: str | os.PathLike, pattern: str | None = None, special_tokens: tuple[str, ...] = (ENDOFTEXT,)
+) -> Tokenizer:
+    """A Tokenizer from GPT-2 files: vocab.json entries named in `special_tokens` become special tokens;
+    the pattern defaults to GPT-2's (as HF's ByteLevel pre-tokenizer spells it)."""
+    directory = Path(directory)
+    raw = _read_json(directory / "vocab.json")
+    try:
+        text = (directory / "merges.txt").read_text(encoding="utf-8")
+    except OSError as e:
+        raise KilnError(f"cannot read {directory / 'merges.txt'}: {e}") from e
+    try:
+        specials = {s: int(raw[s]) for s in special_tokens if s in raw}
+        vocab = {from_unicode(s): int(i) for s, i in raw.items() if s not in specials}
+        merges: dict[tuple[bytes, bytes], int] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#version"):
+                continue
+            a, b = line.split(" ")
+            merges.setdefault((from_unicode(a), from_unicode(b)), len(merges))
+    except (ValueError, TypeError, AttributeError) as e:
+        raise KilnError(f"{directory} does not hold valid GPT-2 vocab.json/merges.txt ({e})") from e
+    return Tokenizer(vocab, pattern or HF_BYTELEVEL, specials, merges=merges, ignore_merges=False)
+
+
+# ---- any of them ---------------------------------------------------------------------------------
+
+
+def load(path: str | os.PathLike) -> Tokenizer:
+    """Load whichever format `path` holds: a kiln directory, an HF tokenizer.json (or a directory with
+    one), or a GPT-2 directory."""
+    path = Path(path)
+    if not path.exists():
+        raise KilnError(f"no tokenizer at {path}: the path does not exist")
+    if path.is_dir():
+        if (path / KILN_FILE).exists():
+            return load_kiln(path)
+        if (path / "tokenizer.json").exists():
+            return load_hf(path)
+        if (path / "vocab.json").exists() and (path / "merges.txt").exists():
+            return load_gpt2(path)
+        raise KilnError(
+            f"{path} holds no tokenizer ({KILN_FILE}, tokenizer.json, or vocab.json + merges.txt)"
+        )
+    if path.suffix == ".json":
+        return load_hf(path)
+    raise KilnError(
+        f"cannot tell the format of {path}; for a tiktoken ranks file use "
+        "kiln.tokenizer.formats.from_tiktoken(path, pattern, special_tokens)"
+    )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise KilnError(f"cannot read {path}: {e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KilnError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise KilnError(f"{path} should hold a JSON object, not {type(data).__name__}")
+    return data

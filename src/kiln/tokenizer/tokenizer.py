@@ -1,0 +1,297 @@
+"""The Tokenizer: byte-level BPE encoding and decoding with tiktoken's semantics.
+
+A Tokenizer is a vocabulary (token bytes -> id), a split pattern and special tokens. By default ids
+are tiktoken ranks: a pair merges when its concatenation is a token, lowest id first. A vocabulary
+loaded from HF or GPT-2 files may instead carry an explicit merge list (pair -> priority), which is
+then followed exactly as HF `tokenizers` follows it (see bpe.py).
+
+Encoding splits text with the pattern's regex and merges each chunk; results are cached per chunk
+(text repeats its words), in a bounded dict owned by the instance.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Iterable, Sequence
+from typing import Literal
+
+import regex
+
+from kiln.errors import KilnError
+from kiln.tokenizer.bpe import merge_by_list, merge_by_rank
+from kiln.tokenizer.patterns import resolve_pattern
+from kiln.tokenizer.train import special_splitter, utf8
+
+CACHE_MAX = 1 << 17  # chunks remembered per tokenizer; the cache is emptied when it fills
+ENDOFTEXT = "<|endoftext|>"
+
+
+class DisallowedSpecialError(KilnError, ValueError):
+    """The text contains a special token that the caller did not allow (tiktoken raises ValueError)."""
+
+
+class Tokenizer:
+    """Byte-level BPE tokenizer.
+
+    vocab: token bytes -> id for every ordinary token; all 256 single bytes must be present.
+    pattern: a split pattern name ("gpt2", "gpt4", "o200k", "qwen2") or a regex.
+    special_tokens: special token text -> id (ids distinct from the vocab's).
+    merges: None for tiktoken semantics (ids are ranks); else (left bytes, right bytes) -> priority,
+        followed as HF `tokenizers` does, and `ignore_merges` is HF's flag of that name.
+    """
+
+    def __init__(
+        self,
+        vocab: dict[bytes, int],
+        pattern: str,
+        special_tokens: dict[str, int] | None = None,
+        *,
+        merges: dict[tuple[bytes, bytes], int] | None = None,
+        ignore_merges: bool = True,
+    ):
+        self.pattern = resolve_pattern(pattern)
+        self._vocab = dict(vocab)
+        self._specials = dict(special_tokens or {})
+        self._merges = dict(merges) if merges is not None else None
+        self.ignore_merges = bool(ignore_merges) if merges is not None else True
+        missing = [i for i in range(256) if bytes([i]) not in self._vocab]
+        if missing:
+            raise KilnError(
+                f"not a byte-level vocabulary: {len(missing)} single bytes have no token "
+                f"(first missing: {missing[:5]}); every byte 0..255 needs one"
+            )
+        self._decoder: dict[int, bytes] = {i: b for b, i in self._vocab.items()}
+        if len(self._decoder) != len(self._vocab):
+            raise KilnError("the vocabulary gives the same id to two different tokens")
+        for s, i in self._specials.items():
+            if not s:
+                raise KilnError("a special token cannot be the empty string")
+            if i in self._decoder:
+                raise KilnError(f"special token {s!r} has id {i}, which an ordinary token already uses")
+            self._decoder[i] = s.encode("utf-8")
+        if len(self._decoder) != len(self._vocab) + len(self._specials):
+            raise KilnError("two special tokens share an id")
+        if self._merges is not None:
+            for left, right in self._merges:
+                if left not in self._vocab or right not in self._vocab or left + right not in self._vocab:
+                    raise KilnError(f"merge {left!r} + {right!r} uses or makes a token the vocabulary lacks")
+        self._setup()
+
+    def _setup(self) -> None:
+        # Derived, rebuilt after unpickling: compiled regexes, the chunk cache, a tiktoken twin.
+        self._split = regex.compile(self.pattern)
+        self._special_regex = special_splitter(list(self._specials))
+        self._cache: dict[str, list[int]] = {}
+        self._tiktoken = None
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        for k in ("_split", "_special_regex", "_cache", "_tiktoken"):
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._setup()
+
+    # ---- vocabulary ------------------------------------------------------------------------------
+
+    @property
+    def n_vocab(self) -> int:
+        """Number of ids: one more than the largest id (ordinary or special)."""
+        return max(self._decoder) + 1
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return dict(self._specials)
+
+    @property
+    def eot_id(self) -> int:
+        """Id of "<|endoftext|>"."""
+        if ENDOFTEXT not in self._specials:
+            raise KilnError(
+                f"this tokenizer has no {ENDOFTEXT} special token (it has {list(self._specials)})"
+            )
+        return self._specials[ENDOFTEXT]
+
+    @property
+    def vocab(self) -> dict[bytes, int]:
+        """Ordinary token bytes -> id (a copy)."""
+        return dict(self._vocab)
+
+    @property
+    def merges(self) -> dict[tuple[bytes, bytes], int] | None:
+        """The explicit merge list (pair -> priority), or None for tiktoken (rank) semantics."""
+        return dict(self._merges) if self._merges is not None else None
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token decodes to (a special token's UTF-8 text)."""
+        try:
+            return self._decoder[token]
+        except KeyError:
+            raise ValueError(f"token id {token} is not in the vocabulary (n_vocab={self.n_vocab})") from None
+
+    # ---- encoding --------------------------------------------------------------------------------
+
+    def _encode_piece(self, piece: bytes) -> list[int]:
+        if self._merges is None:
+            return merge_by_rank(piece, self._vocab)
+        return merge_by_list(piece, self._vocab, self._merges, self.ignore_merges)
+
+    def _encode_chunks(self, text: str, ids: list[int]) -> None:
+        cache = self._cache
+        for piece in self._split.findall(text):
+            t = cache.get(piece)
+            if t is None:
+                t = self._encode_piece(piece.encode("utf-8"))
+                if len(cache) >= CACHE_MAX:
+                    cache.clear()
+                cache[piece] = t
+            ids += t
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Ids of `text`, with special tokens treated as ordinary text."""
+        ids: list[int] = []
+        try:
+            self._encode_chunks(text, ids)
+        except UnicodeEncodeError:  # lone surrogates: repaired to U+FFFD as tiktoken does
+            ids = []
+            self._encode_chunks(_fix_surrogates(text), ids)
+        return ids
+
+    def encode(
+        self,
+        text: str,
+        *,
+        allowed_special: Literal["all"] | Collection[str] = frozenset(),
+        disallowed_special: Literal["all"] | Collection[str] = "all",
+    ) -> list[int]:
+        """Ids of `text` with tiktoken's rules for special tokens.
+
+        Special tokens in `allowed_special` ("all" for every one) are encoded as their ids; a special
+        token in `disallowed_special` ("all": every one not allowed) raises DisallowedSpecialError;
+        any other special token text is encoded as ordinary text.
+        """
+        allowed = set(self._specials) if allowed_special == "all" else set(allowed_special)
+        disallowed = set(self._specials) - allowed if disallowed_special == "all" else set(disallowed_special)
+        if disallowed:
+            m = special_splitter(sorted(disallowed)).search(text)
+            if m is not None:
+                raise DisallowedSpecialError(
+                    f"the text contains the special token {m.group()!r}, which is not allowed. Pass "
+                    f"allowed_special={{{m.group()!r}}} (or 'all') to encode it as a special token, or "
+                    f"disallowed_special=() to encode it as ordinary text"
+                )
+        if not allowed or self._special_regex is None:
+            return self.encode_ordinary(text)
+        try:
+            utf8_ok = text.encode("utf-8") is not None
+        except UnicodeEncodeError:
+            utf8_ok = False
+        if not utf8_ok:
+            text = _fix_surrogates(text)
+        ids: list[int] = []
+        start = 0
+        while True:
+            # The next special token that is allowed; others stay inside the ordinary text.
+            find = start
+            m = self._special_regex.search(text, find)
+            while m is not None and m.group() not in allowed:
+                find = m.start() + 1
+                m = self._special_regex.search(text, find)
+            end = m.start() if m is not None else len(text)
+            self._encode_chunks(text[start:end], ids)
+            if m is None:
+                return ids
+            ids.append(self._specials[m.group()])
+            start = m.end()
+
+    def encode_ordinary_batch(self, texts: Sequence[str], processes: int | None = None) -> list[list[int]]:
+        """encode_ordinary of each text, in parallel: the fastest exact path.
+
+        With tiktoken semantics and tiktoken installed, tiktoken's Rust encoder runs on this
+        tokenizer's own ranks and pattern (tests check it gives identical ids); otherwise kiln's
+        encoder runs in a pool of `processes` worker processes.
+        """
+        texts = list(texts)
+        processes = (os.cpu_count() or 1) if processes is None else processes
+        if processes < 1:
+            raise ValueError(f"processes must be >= 1, got {processes}")
+        enc = self.as_tiktoken()
+        if enc is not None:
+            return enc.encode_ordinary_batch(texts, num_threads=processes)
+        if processes == 1 or len(texts) < 2:
+            return [self.encode_ordinary(t) for t in texts]
+        import multiprocessing
+
+        step = max(1, len(texts) // (processes * 4))
+        batches = [texts[i : i + step] for i in range(0, len(texts), step)]
+        with multiprocessing.get_context().Pool(processes) as pool:
+            parts = pool.map(_encode_batch_task, [(self, b) for b in batches])
+        return [ids for part in parts for ids in part]
+
+    def as_tiktoken(self):
+        """A `tiktoken.Encoding` with exactly this tokenizer's behaviour, or None when impossible
+        (tiktoken not installed, an explicit merge list, or a pattern tiktoken's regex engine rejects)."""
+        if self._merges is not None:
+            return None
+        if self._tiktoken is None:
+            try:
+                import tiktoken
+
+                self._tiktoken = tiktoken.Encoding(
+                    name="kiln",
+                    pat_str=self.pattern,
+                    mergeable_ranks=self._vocab,
+                    special_tokens=self._specials,
+                )
+            except Exception:  # noqa: BLE001 - any failure just means "use kiln's own encoder"
+                self._tiktoken = False
+        return self._tiktoken or None
+
+    # ---- decoding --------------------------------------------------------------------------------
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The bytes of a sequence of ids (special tokens give their text)."""
+        try:
+            return b"".join([self._decoder[i] for i in ids])
+        except KeyError as e:
+            raise ValueError(
+                f"token id {e.args[0]} is not in the vocabulary (n_vocab={self.n_vocab})"
+            ) from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of a sequence of ids; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    # ---- files -----------------------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike, hf: bool = True) -> None:
+        """Write kiln's form to `directory` (kiln_tokenizer.json + tokenizer.tiktoken), and with `hf`
+        also HF's tokenizer.json + tokenizer_config.json so transformers can load the directory."""
+        from kiln.tokenizer import formats
+
+        formats.save_kiln(self, directory)
+        if hf:
+            formats.save_hf(self, directory)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Tokenizer:
+        """Load a tokenizer from kiln's directory, an HF tokenizer.json (or its directory), or a
+        GPT-2 directory (vocab.json + merges.txt); see kiln.tokenizer.formats for tiktoken files."""
+        from kiln.tokenizer import formats
+
+        return formats.load(path)
+
+    def __repr__(self) -> str:
+        mode = "ranks" if self._merges is None else f"{len(self._merges)} merges"
+        return f"Tokenizer(n_vocab={self.n_vocab}, {mode}, specials={list(self._specials)})"
+
+
+def _fix_surrogates(text: str) -> str:
+    return utf8(text).decode("utf-8")
+
+
+def _encode_batch_task(args: tuple[Tokenizer, list[str]]) -> list[list[int]]:
+    tok, texts = args
+    return [tok.encode_ordinary(t) for t in texts]
