@@ -1,0 +1,314 @@
+"""Matrix multiply with a fused epilogue: C = act(A @ B + bias).
+
+Shapes: A (M, K), B (K, N), bias (N,) or None -> C (M, N) in A's dtype. `linear(x, weight, bias, act)`
+is the nn.Linear form: x (..., K), weight (N, K) -> (..., N), i.e. B = weight.T, read in place.
+Activations: "none", "relu", "silu", "gelu" (erf), "gelu_tanh". Backward:
+    dpre = dC * act'(pre),   dA = dpre @ B.T,   dB = A.T @ dpre,   dbias = dpre.sum(0)
+where pre = A @ B + bias; with an activation the forward also stores pre (one extra write) so the
+backward need not recompute the GEMM. dA and dB run through the same kernel on transposed views.
+
+The kernel: each program computes one (BLOCK_M, BLOCK_N) tile of C, accumulating in float32 over K.
+Tiles are visited in groups of GROUP_M rows of tiles so that programs running at the same time share
+A's row panels and B's column panels in L2 (the grouped ordering of Triton's matmul tutorial). Tiles
+are read through TMA tensor descriptors when every operand qualifies (unit stride in one of the two
+dims, 16-byte aligned base and other stride: what the Hopper copy engine requires), else through block
+pointers, which take any strides. Either operand may be K-major or MN-major (a transposed view), so
+nn.Linear weights and the backward's transposes are read without copies. Configs are autotuned per
+(M, N, K); decode shapes (M <= 16) get their own small-M tiles.
+
+Dtypes: float16 and bfloat16 (float32 accumulation); float32 too (IEEE, or TF32 when
+torch.backends.cuda.matmul.allow_tf32 is on). Not done: split-K, persistent scheduling, FP8/int inputs
+(the quantized matmuls build on this kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kiln.kernels.dispatch import interpreting, use_triton
+
+ACTIVATIONS = ("none", "relu", "silu", "gelu", "gelu_tanh")
+
+
+def _act_ref(x: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "none":
+        return x
+    if activation == "relu":
+        return F.relu(x)
+    if activation == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def matmul_ref(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none"
+) -> torch.Tensor:
+    """Eager reference: float32 math (float64 if given float64), result in a's dtype."""
+    wide = torch.float64 if a.dtype == torch.float64 else torch.float32
+    c = a.to(wide) @ b.to(wide)
+    if bias is not None:
+        c = c + bias.to(wide)
+    return _act_ref(c, activation).to(a.dtype)
+
+
+@triton.jit
+def _activation(x, ACTIVATION: tl.constexpr):
+    if ACTIVATION == "relu":
+        x = tl.maximum(x, 0.0)
+    elif ACTIVATION == "silu":
+        x = x / (1.0 + tl.exp(-x))
+    elif ACTIVATION == "gelu":
+        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACTIVATION == "gelu_tanh":
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2/pi) * (x + 0.044715 x^3)
+        x = x / (1.0 + tl.exp(-2.0 * u))  # 0.5 x (1 + tanh u) = x * sigmoid(2u)
+    return x
+
+
+def _configs() -> list[triton.Config]:
+    if interpreting():  # the interpreter cannot benchmark: exactly one config
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4)]
+
+    def cfg(bm, bn, bk, stages, warps, group=8):
+        return triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
+            num_stages=stages,
+            num_warps=warps,
+        )
+
+    return [
+        # prefill / training: wgmma tiles, 2 consumer warpgroups on the big ones
+        cfg(128, 256, 64, 3, 8),
+        cfg(256, 128, 64, 3, 8),
+        cfg(128, 128, 64, 4, 8),
+        cfg(128, 128, 64, 4, 4),
+        cfg(64, 128, 64, 4, 4),
+        # decode (M <= 16): memory-bound on B; narrow N tiles so that every SM streams its share of B
+        cfg(16, 32, 256, 5, 4, 1),
+        cfg(16, 64, 256, 4, 4, 1),
+        cfg(16, 16, 256, 6, 4, 1),
+    ]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Small-M tiles for decode shapes, wgmma-sized tiles for everything else."""
+    if len(configs) == 1:
+        return configs
+    small = named_args["M"] <= 16
+    return [c for c in configs if (c.kwargs["BLOCK_M"] == 16) == small]
+
+
+def _bench(fn, quantiles):
+    # Shorter than autotune's default (25 + 100 ms per config): enough to rank configs, keeps tuning cheap.
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+@triton.autotune(
+    configs=_configs(), key=["M", "N", "K", "A_KMAJOR", "B_KMAJOR"], prune_configs_by={"early_config_prune": _prune},
+    do_bench=_bench,
+)  # fmt: skip
+@triton.jit
+def _matmul_kernel(
+    A_ptr,  # (M, K): element (m, k) at A_ptr + m * stride_am + k * stride_ak
+    B_ptr,  # (K, N): element (k, n) at B_ptr + k * stride_bk + n * stride_bn
+    C_ptr,  # (M, N) output, contiguous
+    Bias_ptr,  # (N,), read when HAS_BIAS
+    Pre_ptr,  # (M, N) pre-activation output, contiguous, written when STORE_PRE
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    A_KMAJOR: tl.constexpr,  # stride_ak == 1 (row-major A); with TMA and not A_KMAJOR, stride_am == 1
+    B_KMAJOR: tl.constexpr,  # stride_bk == 1 (B = an nn.Linear weight, transposed); with TMA else stride_bn == 1
+    TMA: tl.constexpr,  # read and write tiles through tensor descriptors
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" or "tf32" (float32 inputs only)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,  # rows of tiles visited together for L2 reuse
+):
+    # Grouped order: walk GROUP_M tile-rows down a column of tiles before moving right.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA:
+        # Descriptors are laid out with the unit-stride dim last, as TMA requires; MN-major tiles are
+        # transposed in shared memory (free for wgmma on 16-bit types).
+        if A_KMAJOR:
+            a_desc = tl.make_tensor_descriptor(A_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+        else:
+            a_desc = tl.make_tensor_descriptor(A_ptr, [K, M], [stride_ak, 1], [BLOCK_K, BLOCK_M])
+        if B_KMAJOR:
+            b_desc = tl.make_tensor_descriptor(B_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
+        else:
+            b_desc = tl.make_tensor_descriptor(B_ptr, [K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N])
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            off_k = k * BLOCK_K
+            if A_KMAJOR:
+                a = a_desc.load([off_m, off_k])
+            else:
+                a = a_desc.load([off_k, off_m]).T
+            if B_KMAJOR:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    else:
+        a_blk = tl.make_block_ptr(A_ptr, (M, K), (stride_am, stride_ak), (off_m, 0), (BLOCK_M, BLOCK_K),
+                                  order=(1, 0) if A_KMAJOR else (0, 1))  # fmt: skip
+        b_blk = tl.make_block_ptr(B_ptr, (K, N), (stride_bk, stride_bn), (0, off_n), (BLOCK_K, BLOCK_N),
+                                  order=(0, 1) if B_KMAJOR else (1, 0))  # fmt: skip
+        for _ in range(0, tl.cdiv(K, BLOCK_K)):
+            a = tl.load(a_blk, boundary_check=(0, 1), padding_option="zero")
+            b = tl.load(b_blk, boundary_check=(0, 1), padding_option="zero")
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_blk = tl.advance(a_blk, (0, BLOCK_K))
+            b_blk = tl.advance(b_blk, (BLOCK_K, 0))
+
+    # Epilogue in float32: bias, (pre-activation for the backward), activation, one rounding.
+    if HAS_BIAS:
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        acc += tl.load(Bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if STORE_PRE:
+        pre_blk = tl.make_block_ptr(Pre_ptr, (M, N), (N, 1), (off_m, off_n), (BLOCK_M, BLOCK_N), (1, 0))
+        tl.store(pre_blk, acc.to(Pre_ptr.dtype.element_ty), boundary_check=(0, 1))
+    acc = _activation(acc, ACTIVATION)
+    if TMA:
+        c_desc = tl.make_tensor_descriptor(C_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
+        c_desc.store([off_m, off_n], acc.to(C_ptr.dtype.element_ty))
+    else:
+        c_blk = tl.make_block_ptr(C_ptr, (M, N), (N, 1), (off_m, off_n), (BLOCK_M, BLOCK_N), (1, 0))
+        tl.store(c_blk, acc.to(C_ptr.dtype.element_ty), boundary_check=(0, 1))
+
+
+def _tma_ok(t: torch.Tensor, unit_dim: int) -> bool:
+    """TMA needs unit stride in `unit_dim`, the other stride and the base address 16-byte aligned."""
+    other = t.stride(1 - unit_dim) * t.element_size()
+    return t.stride(unit_dim) == 1 and other % 16 == 0 and other > 0 and t.data_ptr() % 16 == 0
+
+
+def _tma_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    # Scratch for tensor descriptors built on the device (128 bytes per descriptor per program).
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def matmul_fwd(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+    store_pre: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launcher: (C, pre) with pre the pre-activation (only when store_pre)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul expects A (M, K) and B (K, N), got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype not in (torch.float16, torch.bfloat16, torch.float32) or b.dtype != a.dtype:
+        raise TypeError(
+            f"matmul takes two float16, bfloat16 or float32 tensors of one dtype, got {a.dtype}, {b.dtype}"
+        )
+    if bias is not None and (bias.shape != (b.shape[1],) or bias.device != a.device):
+        raise ValueError(f"bias must have shape ({b.shape[1]},) on {a.device}, got {tuple(bias.shape)}")
+    if a.device != b.device:
+        raise ValueError(f"A is on {a.device} but B on {b.device}")
+    M, K = a.shape
+    N = b.shape[1]
+    store_pre = store_pre and activation != "none"
+    if M == 0 or N == 0 or K == 0:  # nothing to tile: the reference gives the right empty/zero result
+        pre = matmul_ref(a, b, bias) if store_pre else None
+        return matmul_ref(a, b, bias, activation), pre
+    c = a.new_empty(M, N)
+    pre = a.new_empty(M, N) if store_pre else None
+    # Any strides work through block pointers; unit stride along K (or along M / N) picks the tile layout.
+    a_kmajor, b_kmajor = a.stride(1) == 1, b.stride(0) == 1
+    tma = _tma_ok(a, 1 if a_kmajor else 0) and _tma_ok(b, 0 if b_kmajor else 1) and _tma_ok(c, 1)
+    if tma and a.is_cuda:
+        triton.set_allocator(_tma_alloc)  # a context variable in triton, read at launch
+    precision = "tf32" if a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    _matmul_kernel[grid](
+        a, b, c, bias if bias is not None else c, pre if pre is not None else c,
+        M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        A_KMAJOR=a_kmajor, B_KMAJOR=b_kmajor, TMA=tma, HAS_BIAS=bias is not None,
+        ACTIVATION=activation, STORE_PRE=pre is not None, PRECISION=precision,
+    )  # fmt: skip
+    return c, pre
+
+
+def _act_grad(grad: torch.Tensor, pre: torch.Tensor, activation: str) -> torch.Tensor:
+    """dC * act'(pre) in float32 through torch's own derivative of the activation, back in grad's dtype."""
+    with torch.enable_grad():
+        p = pre.float().requires_grad_()
+        (d,) = torch.autograd.grad(_act_ref(p, activation), p, grad.float())
+    return d.to(grad.dtype)
+
+
+class Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, bias, activation):
+        need_pre = activation != "none" and any(ctx.needs_input_grad[:3])
+        c, pre = matmul_fwd(a, b, bias, activation, store_pre=need_pre)
+        ctx.save_for_backward(a, b, pre)
+        ctx.activation, ctx.has_bias = activation, bias is not None
+        return c
+
+    @staticmethod
+    def backward(ctx, grad_c):
+        a, b, pre = ctx.saved_tensors
+        d = grad_c if ctx.activation == "none" else _act_grad(grad_c, pre, ctx.activation)
+        da = matmul_fwd(d, b.t())[0] if ctx.needs_input_grad[0] else None  # (M, K) = (M, N) @ (N, K)
+        db = matmul_fwd(a.t(), d)[0] if ctx.needs_input_grad[1] else None  # (K, N) = (K, M) @ (M, N)
+        dbias = (
+            d.sum(0, dtype=torch.float32).to(d.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        )
+        return da, db, dbias, None
+
+
+def matmul(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none"
+) -> torch.Tensor:
+    """act(a @ b + bias) for a (M, K), b (K, N), bias (N,)."""
+    if not use_triton(a, b, bias):
+        return matmul_ref(a, b, bias, activation)
+    return Matmul.apply(a, b, bias, activation)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none"
+) -> torch.Tensor:
+    """act(x @ weight.T + bias) for x (..., K), weight (N, K) as in nn.Linear; weight is read in place."""
+    if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"linear expects x (..., K) and weight (N, K), got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    lead = x.shape[:-1]
+    try:
+        x2 = x.view(-1, x.shape[-1])
+    except RuntimeError as err:
+        raise ValueError(
+            f"x {tuple(x.shape)} with strides {x.stride()} cannot be viewed as (tokens, K) without a copy: "
+            "pass x.contiguous()"
+        ) from err
+    return matmul(x2, weight.t(), bias, activation).view(*lead, weight.shape[0])

@@ -1,0 +1,100 @@
+"""Triton matmul with fused epilogues against float64: output and dA, dB, dbias, every activation,
+row-major and transposed operands (nn.Linear weights), TMA-aligned and unaligned (block pointer) shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.kernels.dispatch import use_backend
+from kiln.kernels.matmul import linear, matmul, matmul_ref
+
+from ._tolerance import assert_close
+
+CASES = [
+    # (M, K, N, dtype, bias, activation, a_transposed, b_transposed)
+    (1, 16, 8, torch.float32, False, "none", False, False),
+    (37, 29, 45, torch.float32, True, "gelu", False, False),  # strides not 16-byte aligned: block pointers
+    (64, 96, 80, torch.float16, True, "silu", False, False),  # aligned: tensor descriptors
+    (33, 64, 48, torch.float16, False, "gelu_tanh", True, False),  # A column-major
+    (40, 32, 72, torch.float32, True, "relu", False, True),  # B = W.T, the nn.Linear layout
+    (16, 48, 32, torch.float16, True, "none", True, True),
+]
+
+
+def _operand(rows, cols, transposed, dtype, device, gen):
+    if transposed:  # a (rows, cols) view of a (cols, rows) tensor
+        return torch.randn(cols, rows, generator=gen).to(device, dtype).t()
+    return torch.randn(rows, cols, generator=gen).to(device, dtype)
+
+
+@pytest.mark.parametrize("M,K,N,dtype,has_bias,activation,a_t,b_t", CASES)
+def test_matmul_matches_float64(M, K, N, dtype, has_bias, activation, a_t, b_t, device):
+    gen = torch.Generator().manual_seed(M * K + N)
+    a = _operand(M, K, a_t, dtype, device, gen)
+    b = _operand(K, N, b_t, dtype, device, gen) / K**0.5
+    bias = torch.randn(N, generator=gen).to(device, dtype) if has_bias else None
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (a, b, bias)]
+    with use_backend("triton"):
+        c = matmul(leaves[0], leaves[1], leaves[2], activation)
+    ref = [t.detach().double().requires_grad_() if t is not None else None for t in (a, b, bias)]
+    want = matmul_ref(ref[0], ref[1], ref[2], activation)
+    assert c.dtype == dtype and c.shape == (M, N)
+    assert_close(c, want, name="C")
+    g = torch.randn(M, N, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(c, [t for t in leaves if t is not None], g.to(device, dtype))
+    exp = torch.autograd.grad(want, [t for t in ref if t is not None], g.to(device))
+    for name, x, y in zip(("dA", "dB", "dbias"), got, exp):
+        # With an activation, dpre = dC * act'(pre) is rounded to fp16 before the backward GEMMs (as torch's
+        # own fp16 autograd does); dA/dB/dbias sum n such terms of size ~1, each off by up to an fp16 ulp,
+        # while the sums themselves can be much smaller: the bound grows like sqrt(n) (random walk).
+        n = {"dA": N, "dB": M, "dbias": M}[name]
+        assert_close(x, y, scale=n**0.5 if dtype == torch.float16 else 1.0, name=name)
+
+
+def test_linear_reads_weight_in_place_and_keeps_leading_dims(device):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 5, 32, generator=gen).to(device, torch.float16)
+    w = (torch.randn(24, 32, generator=gen) / 6).to(device, torch.float16)
+    bias = torch.randn(24, generator=gen).to(device, torch.float16)
+    with use_backend("triton"):
+        y = linear(x, w, bias, "silu")
+    want = matmul_ref(x.double().reshape(10, 32), w.double().t(), bias.double(), "silu").reshape(2, 5, 24)
+    assert_close(y, want, name="linear")
+
+
+def test_matmul_strided_slices(device):
+    """Operands with no unit stride at all (every other element) go through block pointers."""
+    gen = torch.Generator().manual_seed(8)
+    a = torch.randn(20, 2 * 24, generator=gen).to(device)[:, ::2]
+    b = torch.randn(2 * 24, 18, generator=gen).to(device)[::2]
+    with use_backend("triton"):
+        c = matmul(a, b)
+    assert_close(c, matmul_ref(a.double(), b.double()), name="C")
+
+
+def test_matmul_bad_input_errors(device):
+    with use_backend("triton"):
+        with pytest.raises(ValueError, match="activation"):
+            matmul(torch.randn(4, 4, device=device), torch.randn(4, 4, device=device), activation="tanh")
+        with pytest.raises(ValueError, match=r"\(M, K\)"):
+            matmul(torch.randn(4, 5, device=device), torch.randn(4, 4, device=device))
+        with pytest.raises(TypeError, match="one dtype"):
+            matmul(torch.randn(4, 4, device=device), torch.randn(4, 4, device=device).half())
+
+
+QWEN_SHAPES = [(8192, 1536, 2048), (8192, 1536, 1536), (1, 1536, 17920), (16, 8960, 1536), (4096, 4096, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,N", QWEN_SHAPES)
+def test_matmul_bf16_llm_shapes(M, K, N):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, generator=gen).to("cuda", torch.bfloat16)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to("cuda", torch.bfloat16)
+    bias = torch.randn(N, generator=gen).to("cuda", torch.bfloat16)
+    y = linear(x, w, bias, "silu")
+    assert_close(y, matmul_ref(x.double(), w.double().t(), bias.double(), "silu"), name="linear bf16")
+    # and the backward's layouts (A column-major, B row-major) at the same size
+    y = matmul(x.t().contiguous().t(), w.t().contiguous())
+    assert_close(y, matmul_ref(x.double(), w.double().t()), name="matmul bf16")
