@@ -1,0 +1,259 @@
+"""The decoder-only Transformer: blocks, the causal-LM head and loss, construction and initialization.
+
+Module tree (HF names, so checkpoints load by a rename table):
+    model.embed_tokens (V, d)   model.embed_positions (max_seq_len, d) [GPT-2]
+    model.layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.*}
+    model.norm                  lm_head (V, d) [absent when tied: the head is embed_tokens]
+Blocks are pre-norm: h = h + attn(norm(h)); h = h + mlp(norm(h)), with each residual add fused into the
+next norm (Norm.forward takes the stream).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kiln.kernels.cross_entropy import linear_cross_entropy
+from kiln.model.cache import KVCache
+from kiln.model.config import ModelConfig
+from kiln.model.layers import Attention, GatedMLP, GeluMLP, Norm
+from kiln.model.moe import SparseMoE
+from kiln.model.rope import RotaryTables
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = Norm(cfg.d_model, cfg.norm_eps, cfg.has_bias)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = Norm(cfg.d_model, cfg.norm_eps, cfg.has_bias)
+        if cfg.n_experts:
+            self.mlp = SparseMoE(cfg.d_model, cfg.ffn_hidden, cfg.n_experts, cfg.n_experts_per_tok)
+        elif cfg.arch == "gpt2":
+            self.mlp = GeluMLP(cfg.d_model, cfg.ffn_hidden, cfg.hidden_act)
+        else:
+            self.mlp = GatedMLP(cfg.d_model, cfg.ffn_hidden)
+
+    def forward(self, h, residual, rope, attn_mask, cache, key_rope):
+        """h: the previous sublayer's output (B, T, d); residual: the stream it adds to (None before the
+        first block). Returns (this block's MLP output, the stream before it, the MoE aux loss or None)."""
+        x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, rope, attn_mask, cache, key_rope)
+        x, residual = self.post_attention_layernorm(h, residual)
+        if isinstance(self.mlp, SparseMoE):
+            h, aux = self.mlp(x)
+            return h, residual, aux
+        return self.mlp(x), residual, None
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed_positions = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = Norm(cfg.d_model, cfg.norm_eps, cfg.has_bias)
+
+
+class Transformer(nn.Module):
+    """Causal LM. forward -> logits (B, T, V); loss -> scalar; generate -> ids. See kiln/model/README."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.rope = RotaryTables(cfg) if cfg.uses_rope else None
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """(V, d): the untied head, or the token embedding when tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    # ---- forward -------------------------------------------------------------------------------------------
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final-norm output (B, T, d) and the mean MoE aux loss over layers (None for dense models)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        dev = input_ids.device
+        past = cache.seq_len if cache is not None else 0
+        default_positions = position_ids is None
+        if default_positions:
+            position_ids = torch.arange(past, past + T, device=dev).expand(B, T)
+        elif position_ids.shape != (B, T):
+            raise ValueError(f"position_ids must be {(B, T)}, got {tuple(position_ids.shape)}")
+        attn_mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != (B, past + T):
+                raise ValueError(
+                    f"attention_mask must be (batch, past + seq) = {(B, past + T)}, got {tuple(attention_mask.shape)}"
+                )
+            attn_mask = attention_mask.bool()[:, None, None, :].expand(B, 1, T, past + T)
+        h = self.model.embed_tokens(input_ids)
+        rope = key_rope = None
+        if self.rope is not None:
+            rope = self.rope(position_ids)
+            if cache is not None and cache.rotate_keys_in_cache:
+                key_rope = self.rope(torch.arange(past + T, device=dev).expand(B, past + T))
+        else:
+            if default_positions and past + T > self.config.max_seq_len:
+                raise ValueError(
+                    f"positions up to {past + T} exceed the {self.config.max_seq_len} learned positions"
+                )
+            h = h + self.model.embed_positions(position_ids)
+        residual, auxes = None, []
+        for layer in self.model.layers:
+            h, residual, aux = layer(h, residual, rope, attn_mask, cache, key_rope)
+            if aux is not None:
+                auxes.append(aux)
+        h, _ = self.model.norm(h, residual)
+        if cache is not None:
+            cache.advance(T)
+        return h, (torch.stack(auxes).mean() if auxes else None)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """input_ids (B, T) long -> logits (B, T, V).
+
+        position_ids (B, T): default cache.seq_len + arange(T). attention_mask (B, S + T): 1 for real tokens,
+        0 for padding, over the cached and the new tokens. cache: a KVCache that this call extends.
+        """
+        h, _ = self.hidden_states(input_ids, position_ids, attention_mask, cache)
+        return F.linear(h, self.head_weight)
+
+    def loss(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        reduction: str = "mean",
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Next-token cross-entropy of targets (B, T) (-100 = ignored), through the fused linear + CE op so
+        full logits are never held. In training mode, MoE models add router_aux_loss_coef * aux (times the
+        number of counted tokens for reduction="sum", so sum / tokens = mean)."""
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if targets.shape != input_ids.shape:
+            raise ValueError(f"targets {tuple(targets.shape)} must match input_ids {tuple(input_ids.shape)}")
+        h, aux = self.hidden_states(input_ids, position_ids, attention_mask)
+        loss = linear_cross_entropy(
+            h.reshape(-1, h.shape[-1]), self.head_weight, targets.reshape(-1), reduction=reduction
+        )
+        coef = self.config.router_aux_loss_coef
+        if self.training and aux is not None and coef:
+            scale = coef if reduction == "mean" else coef * (targets != -100).sum()
+            loss = loss + scale * aux
+        return loss
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_id: int | None = None,
+        generator: torch.Generator | None = None,
+        attention_mask: torch.Tensor | None = None,
+        streaming: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Sample up to max_new_tokens after input_ids (B, T) with a KV cache; returns (B, T + new).
+        See kiln.model.generate.generate for the arguments."""
+        from kiln.model.generate import generate
+
+        return generate(
+            self,
+            input_ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_id=eos_id,
+            generator=generator,
+            attention_mask=attention_mask,
+            streaming=streaming,
+        )
+
+    # ---- optimizer groups ----------------------------------------------------------------------------------
+    def no_weight_decay_param_names(self) -> set[str]:
+        """Names of parameters to exclude from weight decay: every tensor with fewer than 2 dims (norm
+        weights, biases, attention sinks). Matrices, embeddings and experts are decayed (nanoGPT's rule)."""
+        return {n for n, p in self.named_parameters() if p.dim() < 2}
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Two optimizer groups by `no_weight_decay_param_names`, for torch.optim.AdamW(model.param_groups(wd))."""
+        skip = self.no_weight_decay_param_names()
+        named = list(self.named_parameters())
+        return [
+            {"params": [p for n, p in named if n not in skip], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if n in skip], "weight_decay": 0.0},
+        ]
+
+    # ---- initialization ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic init from `seed` (same ids, device and dtype -> the same weights).
+
+        GPT-2 scheme (arch gpt2): every matrix and embedding N(0, std); residual projections (o_proj,
+        down_proj) N(0, std / sqrt(2 * n_layers)).
+        Llama scheme (the rest, as TorchTitan): matrices truncated normal (+-3 sigma) with std; the
+        residual-side projections (o_proj, up_proj, down_proj, experts) std / sqrt(2 * (layer + 1));
+        token embedding N(0, 1) with an untied head of std d_model^-0.5 (tied: both d_model^-0.5).
+        Norm weights are 1, biases and sink logits 0.
+        """
+        cfg = self.config
+        std, L, d = cfg.init_std, cfg.n_layers, cfg.d_model
+        gen = torch.Generator(device=self.head_weight.device).manual_seed(seed)
+        gpt2 = cfg.arch == "gpt2"
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+                continue
+            if name in ("model.embed_tokens.weight", "lm_head.weight", "model.embed_positions.weight"):
+                if gpt2:
+                    s = std
+                elif name == "model.embed_tokens.weight" and not cfg.tie_embeddings:
+                    s = 1.0
+                else:
+                    s = d**-0.5
+            elif gpt2:
+                s = std / math.sqrt(2 * L) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            else:
+                residual_side = name.endswith(("o_proj.weight", "up_proj.weight", "down_proj.weight")) or (
+                    ".experts." in name
+                )
+                layer = int(name.split(".")[2])
+                s = std / math.sqrt(2 * (layer + 1)) if residual_side else std
+            if gpt2 or "embed_tokens" in name:
+                nn.init.normal_(p, 0.0, s, generator=gen)
+            else:
+                nn.init.trunc_normal_(p, 0.0, s, -3 * s, 3 * s, generator=gen)
+
+
+def build_model(
+    cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
+) -> Transformer:
+    """Build on the meta device (no memory, no init work), allocate on `device`, initialize in float32
+    from `seed`, then cast to `dtype`."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model.to(dtype)
