@@ -14,6 +14,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kiln.train import cli as train_cli
 
     train_cli.register(sub)
+    from kiln.tokenizer import cli as tokenizer_cli
+
+    tokenizer_cli.register(sub)
     return parser
 
 

@@ -379,6 +379,19 @@ def load_gpt2(
     return Tokenizer(vocab, pattern or HF_BYTELEVEL, specials, merges=merges, ignore_merges=False)
 
 
+def load_chat_template(directory: str | os.PathLike) -> str | None:
+    """The chat template in `directory`'s tokenizer_config.json (or chat_template.jinja), if any."""
+    directory = Path(directory)
+    if (directory / "chat_template.jinja").exists():
+        return (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    if not (directory / "tokenizer_config.json").exists():
+        return None
+    template = _read_json(directory / "tokenizer_config.json").get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise KilnError(f"{directory / 'tokenizer_config.json'}: chat_template must be a string")
+    return template
+
+
 # ---- any of them ---------------------------------------------------------------------------------
 
 

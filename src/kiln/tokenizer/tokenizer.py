@@ -29,6 +29,10 @@ ENDOFTEXT = "<|endoftext|>"
 class DisallowedSpecialError(KilnError, ValueError):
     """The text contains a special token that the caller did not allow (tiktoken raises ValueError)."""
 
+    def __init__(self, message: str, token: str):
+        super().__init__(message)
+        self.token = token
+
 
 class Tokenizer:
     """Byte-level BPE tokenizer.
@@ -180,7 +184,8 @@ class Tokenizer:
                 raise DisallowedSpecialError(
                     f"the text contains the special token {m.group()!r}, which is not allowed. Pass "
                     f"allowed_special={{{m.group()!r}}} (or 'all') to encode it as a special token, or "
-                    f"disallowed_special=() to encode it as ordinary text"
+                    f"disallowed_special=() to encode it as ordinary text",
+                    m.group(),
                 )
         if not allowed or self._special_regex is None:
             return self.encode_ordinary(text)
@@ -266,14 +271,18 @@ class Tokenizer:
 
     # ---- files -----------------------------------------------------------------------------------
 
-    def save(self, directory: str | os.PathLike, hf: bool = True) -> None:
+    def save(self, directory: str | os.PathLike, hf: bool = True, **hf_options) -> None:
         """Write kiln's form to `directory` (kiln_tokenizer.json + tokenizer.tiktoken), and with `hf`
-        also HF's tokenizer.json + tokenizer_config.json so transformers can load the directory."""
+        also HF's tokenizer.json + tokenizer_config.json so transformers can load the directory;
+        `hf_options` (bos_token, eos_token, pad_token, chat_template, model_max_length) go to the
+        latter (see kiln.tokenizer.formats.save_hf)."""
         from kiln.tokenizer import formats
 
+        if hf_options and not hf:
+            raise ValueError(f"HF options {sorted(hf_options)} given with hf=False")
         formats.save_kiln(self, directory)
         if hf:
-            formats.save_hf(self, directory)
+            formats.save_hf(self, directory, **hf_options)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
