@@ -74,3 +74,51 @@ def assert_close(
     ok = bool(((g - w).abs() <= atol + rtol * w.abs()).all())
     if not ok:
         raise AssertionError(f"{name} ({got.dtype}): {error_report(g, w, atol, rtol)}")
+
+
+def _as_tuple(out) -> tuple[torch.Tensor, ...]:
+    return tuple(out) if isinstance(out, tuple | list) else (out,)
+
+
+def check_op(
+    op,
+    ref,
+    inputs: list,
+    *,
+    grad_inputs: tuple[int, ...] | None = None,
+    scale: float = 1.0,
+    grad_scale: float | None = None,
+    seed: int = 0,
+) -> None:
+    """Compare `op(*inputs)` and its input gradients against `ref` run on float64 copies of the inputs.
+
+    `inputs` holds tensors (in the dtype the kernel runs in, any strides: they are used as they are), None,
+    or plain values. The gradients of
+    the tensors at `grad_inputs` (default: every floating tensor) are checked: both sides get the same
+    random upstream gradient for every output. The reference sees the exact same (rounded) input values,
+    in float64, so what remains is the kernel's own error. `grad_scale` loosens only the gradients
+    (default `scale`); callers say why where they pass either.
+    """
+    floating = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    grad_inputs = tuple(floating) if grad_inputs is None else grad_inputs
+    got_in = [
+        t.detach().requires_grad_(i in grad_inputs) if i in floating else t for i, t in enumerate(inputs)
+    ]
+    want_in = [
+        t.detach().to(torch.float64).requires_grad_(i in grad_inputs) if i in floating else t
+        for i, t in enumerate(inputs)
+    ]
+    got = _as_tuple(op(*got_in))
+    want = _as_tuple(ref(*want_in))
+    assert len(got) == len(want), f"op returned {len(got)} outputs, reference {len(want)}"
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, scale=scale, name=f"output {k}")
+    if not grad_inputs:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    ups = [torch.randn(g.shape, generator=gen, dtype=torch.float32).to(g.dtype) for g in got]
+    torch.autograd.backward([g for g in got], [u.to(g.device) for g, u in zip(got, ups)])
+    torch.autograd.backward([w for w in want], [u.to(torch.float64).to(w.device) for w, u in zip(want, ups)])
+    for i in grad_inputs:
+        assert got_in[i].grad is not None, f"input {i} got no gradient"
+        assert_close(got_in[i].grad, want_in[i].grad, scale=grad_scale or scale, name=f"grad of input {i}")

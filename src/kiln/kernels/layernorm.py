@@ -64,7 +64,9 @@ def _layernorm_fwd_kernel(
     mask = cols < n_cols
     h = tl.load(X_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        h = h + tl.load(R_ptr + row * r_row_stride + cols, mask=mask, other=0.0)
+        r = tl.load(R_ptr + row * r_row_stride + cols, mask=mask, other=0.0)
+        # add in float32 and round once to the input dtype: what the eager bf16/fp16 add does
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(X_ptr.dtype.element_ty)
         tl.store(H_ptr + row * y_row_stride + cols, h, mask=mask)
     hf = h.to(tl.float32)
     mean = tl.sum(hf, axis=0) / n_cols

@@ -44,7 +44,8 @@ def _add_kernel(
     mask = offs < n
     x = tl.load(X_ptr + offs, mask=mask)
     y = tl.load(Y_ptr + offs, mask=mask)
-    tl.store(O_ptr + offs, x + y, mask=mask)
+    # float32 add, one rounding: what torch does for bf16/fp16 (and the interpreter's bf16 add is broken)
+    tl.store(O_ptr + offs, (x.to(tl.float32) + y.to(tl.float32)).to(O_ptr.dtype.element_ty), mask=mask)
 
 
 def vector_add_launch(

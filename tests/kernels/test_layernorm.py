@@ -1,0 +1,61 @@
+"""LayerNorm kernel vs its float64 reference: forward, dx, dw, db (and the residual's gradient)."""
+
+import pytest
+import torch
+
+from kiln.kernels.dispatch import use_backend
+from kiln.kernels.layernorm import layernorm, layernorm_ref
+
+from ._tolerance import check_op
+
+SHAPES = [(1, 1, 8), (4, 64), (3, 7, 123)]
+
+
+def _op(x, w, b, r=None):
+    with use_backend("triton"):
+        return layernorm(x, w, b, 1e-5, r)
+
+
+def _ref(x, w, b, r=None):
+    return layernorm_ref(x, w, b, 1e-5, r)
+
+
+def _inputs(shape, dtype, bias, residual, seed=0, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = (torch.randn(shape, generator=g, device=device) + 0.5).to(dtype)  # a non-zero mean to remove
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g, device=device)).to(dtype)
+    b = (0.1 * torch.randn(shape[-1], generator=g, device=device)).to(dtype) if bias else None
+    r = torch.randn(shape, generator=g, device=device).to(dtype) if residual else None
+    return [x, w, b] + ([r] if residual else [])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias,residual", [(True, False), (False, True), (True, True)])
+def test_layernorm_matches_float64(shape, dtype, bias, residual):
+    check_op(_op, _ref, _inputs(shape, dtype, bias, residual))
+
+
+def test_layernorm_non_contiguous():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 80, generator=g)[:, 1::2]
+    r = torch.randn(40, 6, generator=g).t()
+    w, b = torch.randn(40, generator=g), torch.randn(40, generator=g)
+    check_op(_op, _ref, [x, w, b, r])
+
+
+def test_layernorm_errors():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="bias must be"):
+        _op(x, torch.ones(8), torch.ones(9))
+    with pytest.raises(ValueError, match="weight has shape"):
+        _op(x, torch.ones(9), None)
+    with pytest.raises(TypeError, match="dtype"):
+        _op(x.double(), torch.ones(8), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4, 1024, 4096), (3, 333, 1536)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_layernorm_gpu_bf16(shape, residual):
+    check_op(_op, _ref, _inputs(shape, torch.bfloat16, True, residual, device="cuda"))

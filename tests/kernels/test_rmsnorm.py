@@ -1,0 +1,87 @@
+"""RMSNorm kernel vs its float64 reference: forward, dx, dw (and the residual's gradient)."""
+
+import pytest
+import torch
+
+from kiln.kernels.dispatch import use_backend
+from kiln.kernels.rmsnorm import rmsnorm, rmsnorm_ref
+
+from ._tolerance import check_op
+
+# tiny, typical-but-small, odd (D not a power of two, rows not a multiple of the 4 backward programs)
+SHAPES = [(1, 1, 8), (4, 64), (3, 7, 123)]
+
+
+def _op(x, w, r=None):
+    with use_backend("triton"):
+        return rmsnorm(x, w, 1e-6, r)
+
+
+def _ref(x, w, r=None):
+    return rmsnorm_ref(x, w, 1e-6, r)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rmsnorm_matches_float64(shape, dtype, residual):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype)
+    inputs = [x, w] + ([torch.randn(shape, generator=g).to(dtype)] if residual else [])
+    check_op(_op, _ref, inputs)
+
+
+def test_rmsnorm_fp16_weight_fp32():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 96, generator=g).half()
+    w = torch.randn(96, generator=g)  # fp32 master weight with fp16 activations
+    check_op(_op, _ref, [x, w])
+
+
+def test_rmsnorm_non_contiguous():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 80, generator=g)[:, ::2]  # last dim strided: copied to rows by the launcher
+    r = torch.randn(40, 6, generator=g).t()  # transposed
+    w = torch.randn(40, generator=g)
+    check_op(_op, _ref, [x, w, r])
+    xt = torch.randn(40, 3, 5, generator=g).permute(1, 2, 0)  # (3, 5, 40), rows not evenly strided
+    check_op(_op, _ref, [xt, w])
+
+
+def test_rmsnorm_only_residual_output_used():
+    # the gradient of y is None (materialization off): dx must equal the residual's gradient alone
+    x = torch.randn(3, 16, requires_grad=True)
+    r = torch.randn(3, 16)
+    w = torch.ones(16, requires_grad=True)
+    _, h = _op(x, w, r)
+    h.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones_like(x))
+    torch.testing.assert_close(w.grad, torch.zeros_like(w))
+
+
+def test_rmsnorm_errors():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="weight has shape"):
+        _op(x, torch.ones(7))
+    with pytest.raises(TypeError, match="dtype torch.int64"):
+        _op(torch.ones(2, 8, dtype=torch.long), torch.ones(8))
+    with pytest.raises(ValueError, match="residual must match"):
+        _op(x, torch.ones(8), torch.randn(2, 8).half())
+
+
+def test_rmsnorm_auto_backend_on_cpu_is_reference():
+    x, w = torch.randn(2, 8), torch.randn(8)
+    with use_backend("auto"):
+        torch.testing.assert_close(rmsnorm(x, w), rmsnorm_ref(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4, 1024, 4096), (3, 333, 1536), (2, 17, 8192)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rmsnorm_gpu_bf16(shape, residual):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(shape, generator=g, device="cuda").bfloat16()
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g, device="cuda")).bfloat16()
+    inputs = [x, w] + ([torch.randn(shape, generator=g, device="cuda").bfloat16()] if residual else [])
+    check_op(_op, _ref, inputs)
