@@ -59,6 +59,15 @@ def test_cross_entropy_strided_logits_and_targets(device):
     _check(torch.randn(101, 9, generator=gen).to(device).t(), t, -100, 0.0, "none")
 
 
+def test_cross_entropy_masked_vocabulary_block(device):
+    """A leading run of -inf logits (a masked or padded vocabulary) longer than one block."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 300, generator=gen).to(device)
+    logits[:, :140] = float("-inf")
+    t = torch.randint(140, 300, (4,), generator=gen).to(device)
+    _check(logits, t, -100, 0.0, "mean")
+
+
 def test_cross_entropy_all_ignored_is_nan_like_torch(device):
     logits = torch.randn(3, 10).to(device)
     t = torch.full((3,), -100, device=device)

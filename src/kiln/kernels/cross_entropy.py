@@ -95,7 +95,7 @@ def _cross_entropy_kernel(
     if FORWARD:
         # Online logsumexp with one scalar max per block: one exp per element (the SFU is the
         # bottleneck next to HBM on the H200 if every lane keeps its own running max).
-        m = -float("inf")
+        m = -3.0e38  # finite, so a block of only -inf (masked vocabulary) gives exp(0), not nan
         s = 0.0
         z_sum = 0.0
         for start in range(0, V, BLOCK):

@@ -6,12 +6,27 @@ disables top-p. Top-k is applied before top-p; the token with the highest probab
 survives. Draws use the exponential-race trick (argmax of p / Exp(1)), which needs no host sync
 and no cumulative sampling, so a fused kernel can reproduce it.
 
-Only the eager reference lives here so far; the Triton kernel plugs in behind `sample`.
+The Triton kernel (one program per row) never sorts the vocabulary. It finds each cut as a threshold
+value by bisection over the float32 bit patterns (ordered as integers), each step one pass over the row:
+  top-k: the largest t with #{j : z_j >= t} >= k; this is the k-th largest value, so z_j >= t is the
+         same set as the reference's `z >= topk(z, k).values[-1]`.
+  top-p: the smallest t with mass{i : z_i > t} < top_p; a token survives iff the probability mass
+         strictly above it is < top_p, which is the reference's exclusive-cumsum rule on the sorted row
+         (tokens of exactly equal logit are kept or dropped together, where the sort would split them).
+Then one pass computes the softmax of the survivors and one the argmax of p / noise. With the same
+exponential noise, the kernel and `sample_ref` pick the same token (up to ties within float rounding);
+`sample` draws the noise exactly as the reference does, so one generator state gives one answer on
+both paths. Cost: about 34 passes over the row per cut (L2-resident at decode batch sizes), a few for
+plain temperature sampling, one for greedy.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.dispatch import interpreting, use_triton
 
 
 def sample_ref(
@@ -44,6 +59,171 @@ def sample_ref(
     return (probs / noise).argmax(dim=-1)
 
 
+KEY_POS_INF: tl.constexpr = tl.constexpr(0x7F800000)  # _key(+inf)
+KEY_NEG_INF: tl.constexpr = tl.constexpr(-0x7F800001)  # _key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32
+
+
+@triton.jit
+def _key(x):
+    """float32 -> int64 with the same order (flip the magnitude bits of negatives)."""
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.int64)
+
+
+@triton.jit
+def _unkey(k):
+    b = k.to(tl.int32)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scaled_row(z_row, c, V, temperature, cut):
+    """Logits of columns c divided by the temperature (as the reference does), -inf below `cut`."""
+    z = tl.load(z_row + c, mask=c < V, other=-float("inf")).to(tl.float32) / temperature
+    return tl.where(z >= cut, z, -float("inf"))
+
+
+@triton.jit
+def _sample_kernel(
+    Z_ptr,  # logits (B, V), unit stride along V
+    z_stride,
+    Noise_ptr,  # (B, V) float32 Exp(1) draws, unit stride along V; unused when GREEDY
+    noise_stride,
+    Out_ptr,  # (B,) int64 token ids
+    V,
+    temperature,  # > 0 unless GREEDY
+    top_k,  # used when TOP_K: 0 < top_k < V
+    top_p,  # used when TOP_P: 0 < top_p < 1
+    GREEDY: tl.constexpr,
+    TOP_K: tl.constexpr,
+    TOP_P: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z_ptr + row * z_stride
+    cols = tl.arange(0, BLOCK)
+    if GREEDY:
+        # argmax of the raw logits; strict > across blocks and tl.argmax within one keep the first index
+        best = -float("inf")
+        best_i = 0
+        for start in range(0, V, BLOCK):
+            z = tl.load(z_row + start + cols, mask=start + cols < V, other=-float("inf")).to(tl.float32)
+            m = tl.max(z, axis=0)
+            i = start + tl.argmax(z, axis=0)
+            best_i = tl.where(m > best, i, best_i)
+            best = tl.maximum(m, best)
+        tl.store(Out_ptr + row, best_i.to(tl.int64))
+    else:
+        cut = -float("inf")
+        if TOP_K:
+            lo = tl.full((), KEY_POS_INF, tl.int64)  # becomes the key of the row's minimum
+            hi = tl.full((), KEY_NEG_INF, tl.int64)  # and of its maximum
+            for start in range(0, V, BLOCK):
+                k = _key(_scaled_row(z_row, start + cols, V, temperature, cut))
+                valid = start + cols < V
+                lo = tl.minimum(lo, tl.min(tl.where(valid, k, KEY_POS_INF), axis=0))
+                hi = tl.maximum(hi, tl.max(tl.where(valid, k, KEY_NEG_INF), axis=0))
+            hi += 1
+            # invariant: #{z >= lo} >= top_k > #{z >= hi}
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                n = 0
+                for start in range(0, V, BLOCK):
+                    k = _key(_scaled_row(z_row, start + cols, V, temperature, cut))
+                    n += tl.sum(((k >= mid) & (start + cols < V)).to(tl.int32), axis=0)
+                if n >= top_k:
+                    lo = mid
+                else:
+                    hi = mid
+            cut = _unkey(lo)
+        if TOP_P:
+            m, s = _max_sumexp(z_row, V, temperature, cut, BLOCK)
+            lo = tl.full((), KEY_NEG_INF, tl.int64)  # invariant: mass above lo >= top_p > mass above hi
+            hi = _key(m)
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                t = _unkey(mid)
+                mass = 0.0
+                for start in range(0, V, BLOCK):
+                    z = _scaled_row(z_row, start + cols, V, temperature, cut)
+                    mass += tl.sum(tl.where(z > t, tl.exp(z - m), 0.0), axis=0)
+                if mass / s < top_p:
+                    hi = mid
+                else:
+                    lo = mid
+            cut = _unkey(hi)
+        # exponential race: argmax_j softmax(z)_j / noise_j over the survivors
+        m, s = _max_sumexp(z_row, V, temperature, cut, BLOCK)
+        best = -1.0
+        best_i = 0
+        for start in range(0, V, BLOCK):
+            c = start + cols
+            z = _scaled_row(z_row, c, V, temperature, cut)
+            e = tl.load(Noise_ptr + row * noise_stride + c, mask=c < V, other=1.0)
+            r = tl.where(c < V, (tl.exp(z - m) / s) / e, -1.0)
+            rm = tl.max(r, axis=0)
+            i = start + tl.argmax(r, axis=0)
+            best_i = tl.where(rm > best, i, best_i)
+            best = tl.maximum(rm, best)
+        tl.store(Out_ptr + row, best_i.to(tl.int64))
+
+
+@triton.jit
+def _max_sumexp(z_row, V, temperature, cut, BLOCK: tl.constexpr):
+    """(max, sum exp(z - max)) over the survivors of `cut`: an online pass over the row."""
+    cols = tl.arange(0, BLOCK)
+    m = -3.0e38  # finite, so a block of only -inf gives exp(m - m) = 1, not exp(-inf + inf) = nan
+    s = 0.0
+    for start in range(0, V, BLOCK):
+        z = _scaled_row(z_row, start + cols, V, temperature, cut)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m = m_new
+    return m, s
+
+
+def _check(logits: torch.Tensor, temperature: float, top_p: float | None) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"sample expects logits of shape (batch, vocab), got {tuple(logits.shape)}")
+    if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"logits must be float32, float16 or bfloat16, got {logits.dtype}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_p is not None and top_p <= 0:
+        raise ValueError(f"top_p must be in (0, 1] (1 or None disables it), got {top_p}")
+
+
+def sample_with_noise(
+    logits: torch.Tensor,
+    noise: torch.Tensor | None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor:
+    """Launcher: the token each row draws given its Exp(1) noise (B, V) float32 (unused when greedy)."""
+    _check(logits, temperature, top_p)
+    B, V = logits.shape
+    greedy = temperature == 0
+    if not greedy and (noise is None or noise.shape != logits.shape or noise.dtype != torch.float32):
+        raise ValueError(f"noise must be a float32 tensor of shape {tuple(logits.shape)}")
+    for name, t in (("logits", logits), ("noise", noise)):
+        if t is not None and t.stride(1) != 1 and V > 1:
+            raise ValueError(f"{name} must have unit stride along the vocabulary, got strides {t.stride()}")
+    out = torch.empty(B, device=logits.device, dtype=torch.int64)
+    if B == 0:
+        return out
+    use_k = top_k is not None and 0 < top_k < V
+    use_p = top_p is not None and top_p < 1.0
+    block = min(triton.next_power_of_2(V), 128 if interpreting() else 4096)
+    noise = logits if noise is None else noise  # a placeholder pointer when greedy
+    _sample_kernel[(B,)](
+        logits, logits.stride(0), noise, noise.stride(0), out, V,
+        float(temperature) if not greedy else 1.0, int(top_k) if use_k else 0, float(top_p) if use_p else 1.0,
+        GREEDY=greedy, TOP_K=use_k and not greedy, TOP_P=use_p and not greedy, BLOCK=block, num_warps=8,
+    )  # fmt: skip
+    return out
+
+
 def sample(
     logits: torch.Tensor,
     temperature: float = 1.0,
@@ -51,4 +231,13 @@ def sample(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    return sample_ref(logits, temperature, top_k, top_p, generator)
+    if not use_triton(logits):
+        return sample_ref(logits, temperature, top_k, top_p, generator)
+    _check(logits, temperature, top_p)
+    noise = None
+    if temperature > 0:
+        # The same draw as sample_ref (a float32 tensor shaped like the logits), so one generator state
+        # gives the same token on both paths; on the device, so no host sync.
+        noise = torch.empty(logits.shape, device=logits.device, dtype=torch.float32)
+        noise.exponential_(1.0, generator=generator)
+    return sample_with_noise(logits, noise, temperature, top_k, top_p)

@@ -1,0 +1,84 @@
+"""Triton sampling against kiln.kernels.sampling.sample_ref: greedy exactly (ties to the first index),
+and with the same exponential noise the same token for temperature, top-k, top-p and both."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.kernels.dispatch import use_backend
+from kiln.kernels.sampling import sample, sample_ref, sample_with_noise
+
+SETTINGS = [
+    # (temperature, top_k, top_p)
+    (1.0, None, None),
+    (0.7, 50, None),
+    (1.3, None, 0.9),
+    (0.8, 20, 0.5),
+    (1.0, 1, None),  # top-k 1 is greedy whatever the noise
+    (1.0, None, 1e-6),  # a tiny nucleus keeps only the top token
+    (0.9, 0, 1.0),  # both disabled by their conventions
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
+def test_sample_same_token_as_reference(temperature, top_k, top_p, dtype, device):
+    B, V = 3, 301  # odd vocabulary: a ragged last block
+    logits = (torch.randn(B, V, generator=torch.Generator().manual_seed(V)) * 3).to(device, dtype)
+    want = sample_ref(logits, temperature, top_k, top_p, torch.Generator(device).manual_seed(5))
+    with use_backend("triton"):
+        got = sample(logits, temperature, top_k, top_p, torch.Generator(device).manual_seed(5))
+    assert got.dtype == torch.int64
+    assert torch.equal(got, want), (got, want)
+
+
+def test_sample_many_draws_match_reference_with_given_noise(device):
+    """Over many rows of noise, the kernel's draw equals the reference rule applied to the same noise."""
+    gen = torch.Generator().manual_seed(1)
+    B, V = 10, 200
+    logits = (torch.randn(B, V, generator=gen) * 2).to(device)
+    noise = torch.empty(B, V).exponential_(1.0, generator=gen).to(device)
+    for temperature, top_k, top_p in [(1.0, 30, 0.8), (0.5, None, 0.95)]:
+        z = logits / temperature
+        kth = torch.topk(z, top_k, dim=-1).values[:, -1:] if top_k else None
+        z = z if kth is None else z.masked_fill(z < kth, float("-inf"))
+        sz, order = torch.sort(z, dim=-1, descending=True)
+        p = torch.softmax(sz, -1)
+        sz = sz.masked_fill((p.cumsum(-1) - p) >= top_p, float("-inf"))
+        z = torch.full_like(z, float("-inf")).scatter(-1, order, sz)
+        want = (torch.softmax(z, -1) / noise).argmax(-1)
+        with use_backend("triton"):
+            got = sample_with_noise(logits, noise, temperature, top_k, top_p)
+        assert torch.equal(got, want)
+
+
+def test_greedy_exact_with_ties_and_strided_rows(device):
+    base = torch.randint(-3, 4, (6, 2 * 513), generator=torch.Generator().manual_seed(2)).float()
+    logits = base.to(device, torch.float16)[:, :513]  # row stride 1026, ties everywhere
+    with use_backend("triton"):
+        got = sample(logits, temperature=0.0)
+    assert torch.equal(got, logits.argmax(-1))
+
+
+def test_sample_bad_input_errors(device):
+    with use_backend("triton"):
+        with pytest.raises(ValueError, match="batch, vocab"):
+            sample(torch.randn(2, 3, 4, device=device))
+        with pytest.raises(ValueError, match="temperature"):
+            sample(torch.randn(2, 4, device=device), temperature=-1.0)
+        with pytest.raises(ValueError, match="top_p"):
+            sample(torch.randn(2, 4, device=device), top_p=0.0)
+        with pytest.raises(ValueError, match="unit stride"):
+            sample(torch.randn(4, 2, device=device).t(), temperature=0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, None, None), (1.0, 50, 0.9), (0.7, None, 0.95)])
+def test_sample_qwen_vocab_bf16(temperature, top_k, top_p):
+    logits = (torch.randn(8, 151936, generator=torch.Generator().manual_seed(0)) * 4).to(
+        "cuda", torch.bfloat16
+    )
+    want = sample_ref(logits, temperature, top_k, top_p, torch.Generator("cuda").manual_seed(3))
+    got = sample(logits, temperature, top_k, top_p, torch.Generator("cuda").manual_seed(3))
+    assert torch.equal(got, want)
