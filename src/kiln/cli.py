@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args, extra) or 0)
     except KilnError as e:

@@ -1,0 +1,1 @@
+"""Run presets (JSON) for `kiln run --preset NAME`."""

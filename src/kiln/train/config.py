@@ -1,0 +1,183 @@
+"""The config of a `kiln run`: one dataclass per stage, presets in src/kiln/configs/*.json.
+
+Resolution order: the preset (by --preset, else "cpu" or "gpu" by the device) <- --config FILE <-
+--section.key=value overrides. Unknown keys are errors. The resolved config is printed at the start
+and saved in config.json and in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from kiln.config import from_dict, merge, parse_overrides, to_dict
+from kiln.errors import KilnError
+from kiln.model import ModelConfig
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise KilnError(msg)
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # None: the bundled corpus (Python stdlib sources + pydoc_data)
+    max_bytes: int | None = None  # read at most this much text (None: all)
+    val_fraction: float = 0.05  # share of documents held out for validation
+    seed: int = 0  # seeds the train/validation split
+
+    def __post_init__(self) -> None:
+        _require(
+            0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}"
+        )
+        _require(self.max_bytes is None or self.max_bytes > 0, "data.max_bytes must be positive or null")
+
+
+@dataclass
+class TokenizerConfig:
+    vocab_size: int = 4096
+    pattern: str = "gpt4"  # split pattern name (gpt2, gpt4, o200k, qwen2) or a regex
+    train_bytes: int | None = 4_000_000  # train the BPE on the first bytes of the train split
+    special_tokens: list[str] = field(default_factory=lambda: ["<|endoftext|>"])
+
+    def __post_init__(self) -> None:
+        _require(
+            self.vocab_size >= 256 + len(self.special_tokens),
+            f"tokenizer.vocab_size must be at least 256 + {len(self.special_tokens)} special tokens, got {self.vocab_size}",
+        )
+        _require(
+            "<|endoftext|>" in self.special_tokens, "tokenizer.special_tokens must include '<|endoftext|>'"
+        )
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 400
+    batch_size: int = 16  # sequences per micro-batch per rank
+    seq_len: int = 128
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_batches: int = 16
+    ckpt_interval: int = 100
+    keep_checkpoints: int = 2
+    dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; or fp32 / bf16
+    compile: bool = False
+    seed: int = 1337
+
+    def __post_init__(self) -> None:
+        for name in (
+            "steps",
+            "batch_size",
+            "seq_len",
+            "grad_accum",
+            "log_interval",
+            "eval_interval",
+            "eval_batches",
+            "ckpt_interval",
+        ):
+            _require(getattr(self, name) > 0, f"train.{name} must be positive, got {getattr(self, name)}")
+        _require(self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
+        _require(self.lr > 0, f"train.lr must be positive, got {self.lr}")
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]")
+        _require(self.grad_clip >= 0, "train.grad_clip must be >= 0")
+        _require(
+            self.dtype in ("auto", "fp32", "bf16"),
+            f"train.dtype must be auto, fp32 or bf16, got {self.dtype!r}",
+        )
+
+
+@dataclass
+class SampleConfig:
+    prompts: list[str] = field(default_factory=lambda: ["def ", "import "])
+    max_new_tokens: int = 120
+    temperature: float = 0.8
+    top_k: int | None = 50
+    top_p: float | None = 0.95
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.temperature >= 0, "sample.temperature must be >= 0")
+        _require(self.top_p is None or 0 < self.top_p <= 1, "sample.top_p must be in (0, 1]")
+        _require(self.max_new_tokens >= 0, "sample.max_new_tokens must be >= 0")
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs/default"
+    device: str = "auto"
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.model.vocab_size == self.tokenizer.vocab_size,
+            f"model.vocab_size ({self.model.vocab_size}) must equal tokenizer.vocab_size "
+            f"({self.tokenizer.vocab_size}); set both, or only tokenizer.vocab_size",
+        )
+        _require(
+            self.train.seq_len <= self.model.max_seq_len,
+            f"train.seq_len ({self.train.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})",
+        )
+
+
+PRESETS = ("cpu", "gpu", "tiny")
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    if name not in PRESETS:
+        raise KilnError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    return json.loads(resources.files("kiln.configs").joinpath(f"{name}.json").read_text())
+
+
+def resolve_config(
+    preset: str, config_file: str | None = None, overrides: list[str] | None = None
+) -> RunConfig:
+    """Preset <- config file <- overrides, validated. tokenizer.vocab_size also sets model.vocab_size."""
+    data = load_preset(preset)
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.exists():
+            raise KilnError(f"config file {path} does not exist")
+        try:
+            data = merge(data, json.loads(path.read_text()))
+        except json.JSONDecodeError as e:
+            raise KilnError(f"config file {path} is not valid JSON: {e}") from None
+    extra = parse_overrides(overrides or [])
+    data = merge(data, extra)
+    vocab = data.get("tokenizer", {}).get("vocab_size")
+    if vocab is not None and "vocab_size" not in extra.get("model", {}):
+        data.setdefault("model", {})["vocab_size"] = vocab
+    return from_dict(RunConfig, data, "config")
+
+
+def config_from_dict(d: dict[str, Any]) -> RunConfig:
+    return from_dict(RunConfig, d, "config")
+
+
+__all__ = [
+    "DataConfig",
+    "TokenizerConfig",
+    "TrainConfig",
+    "SampleConfig",
+    "RunConfig",
+    "resolve_config",
+    "config_from_dict",
+    "load_preset",
+    "to_dict",
+]

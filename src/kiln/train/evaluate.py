@@ -1,0 +1,58 @@
+"""Validation: mean loss and bits per byte, plus the unigram baseline a trained model must beat.
+
+bits per byte = total nats / (ln 2 * total bytes of the target text). It compares models across
+tokenizers because it counts text, not tokens. Targets that decode to no bytes (special tokens such
+as the document delimiter) are left out of both sums, as nanochat does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+
+def token_byte_lengths(tokenizer) -> torch.Tensor:
+    """(V,) int64: how many bytes of text each token id stands for (0 for special tokens)."""
+    specials = set(tokenizer.special_tokens.values())
+    return torch.tensor(
+        [0 if i in specials else len(tokenizer.token_bytes(i)) for i in range(tokenizer.n_vocab)],
+        dtype=torch.int64,
+    )
+
+
+@torch.no_grad()
+def evaluate(
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    byte_lengths: torch.Tensor,
+    device: torch.device,
+) -> dict[str, float]:
+    """`loss_fn(x, y)` returns the summed nats over targets that are not -100."""
+    nats = 0.0
+    n_bytes = 0
+    n_tokens = 0
+    for x, y in batches:
+        nb = byte_lengths[y]
+        y = y.masked_fill(nb == 0, -100)
+        nats += float(loss_fn(x.to(device), y.to(device)))
+        n_bytes += int(nb.sum())
+        n_tokens += int((nb > 0).sum())
+    return {
+        "val_loss": nats / max(1, n_tokens),
+        "val_bpb": nats / (math.log(2) * max(1, n_bytes)),
+        "val_tokens": n_tokens,
+    }
+
+
+def unigram_bpb(train_tokens: np.ndarray, val_tokens: np.ndarray, byte_lengths: torch.Tensor) -> float:
+    """Bits per byte of the add-one-smoothed unigram model of the train split, on the val split."""
+    V = len(byte_lengths)
+    counts = np.bincount(np.asarray(train_tokens, dtype=np.int64), minlength=V).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    nb = byte_lengths.numpy()
+    val = np.asarray(val_tokens, dtype=np.int64)
+    keep = nb[val] > 0
+    return float(-logp[val[keep]].sum() / (math.log(2) * nb[val[keep]].sum()))
