@@ -1,0 +1,479 @@
+"""Benchmark kiln's memory-bound kernels against their peers, on the H200, in one process.
+
+    python bench/kernels_norms.py --out bench/results/kernels_norms.json   # on a CUDA GPU (~2 minutes)
+    python bench/kernels_norms.py --smoke --out /tmp/smoke.json            # tiny shapes, CPU interpreter
+
+Ops: vector add, softmax (one block and the online multi-block path), RMSNorm (plain and with the fused
+residual add), LayerNorm, SwiGLU (split and fused gate/up), RoPE on q and k; forward and
+forward+backward at LLM shapes in bf16. Peers measured in the same run: eager PyTorch (the textbook
+composition of ops), torch.compile of that, the fused PyTorch op where one exists (F.rms_norm,
+F.layer_norm, torch.softmax, torch.add) and Liger Kernel (imported if installed; else "unavailable").
+
+Every time is the median of triton.testing.do_bench. Bandwidth is the op's useful bytes (each input
+read once, each output written once; weights and tables are ignored) over that time, the same byte
+count for every implementation, so TB/s ratios are time ratios; "frac_copy" divides by the 4.27 TB/s
+device copy of PLATFORM.md (the copy is re-measured in the run too). Forward runs under no_grad;
+forward+backward is one forward with grad plus torch.autograd.grad of every input with a fixed
+upstream gradient (no .grad accumulation). A failing case records its error and the run goes on; the
+run skips torch.compile peers once it passes its time budget. kiln's outputs are checked against the
+eager peer on the benchmark shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from kiln.kernels.dispatch import use_backend
+from kiln.kernels.layernorm import layernorm
+from kiln.kernels.rmsnorm import rmsnorm, rmsnorm_bwd, rmsnorm_fwd, rmsnorm_ref
+from kiln.kernels.rope import apply_rope, rope_launch
+from kiln.kernels.softmax import softmax, softmax_fwd
+from kiln.kernels.swiglu import swiglu, swiglu_fwd
+from kiln.kernels.vector_add import vector_add, vector_add_launch
+
+COPY_TBPS = 4.27  # PLATFORM.md: H200 device-to-device copy, read + write
+EPS = 1e-6
+
+try:
+    import liger_kernel
+    from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+    from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from liger_kernel.ops.rope import LigerRopeFunction
+    from liger_kernel.ops.softmax import LigerSoftmaxFunction
+    from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction, LigerSiLUMulFunction
+
+    LIGER = getattr(liger_kernel, "__version__", "installed")
+except Exception as e:  # noqa: BLE001 - any import failure means the peer is unavailable
+    LIGER = f"unavailable: {type(e).__name__}: {e}"
+
+
+# ---- eager peers: the textbook compositions, also what torch.compile is given ----
+def eager_rmsnorm(x, w):
+    return rmsnorm_ref(x, w, EPS)
+
+
+def eager_add_rmsnorm(x, r, w):
+    h = x + r
+    return rmsnorm_ref(h, w, EPS), h
+
+
+def add_rms_norm(x, r, w):
+    h = x + r
+    return F.rms_norm(h, (h.shape[-1],), w, EPS), h
+
+
+def eager_layernorm(x, w, b):
+    xf = x.float()
+    mu = xf.mean(-1, keepdim=True)
+    var = (xf - mu).pow(2).mean(-1, keepdim=True)
+    return ((xf - mu) * torch.rsqrt(var + EPS) * w.float() + b.float()).to(x.dtype)
+
+
+def eager_softmax(x):
+    xf = x.float()
+    e = torch.exp(xf - xf.amax(-1, keepdim=True))
+    return (e / e.sum(-1, keepdim=True)).to(x.dtype)
+
+
+def eager_swiglu(g, u):
+    return F.silu(g) * u
+
+
+def eager_swiglu_fused(x):
+    g, u = x.chunk(2, -1)
+    return F.silu(g) * u
+
+
+def eager_rope(q, k, cos, sin):
+    # HF Llama: q, k (B, H, T, D); cos, sin (T, D) duplicated halves
+    def rot(x):
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat((-x2, x1), -1)
+
+    return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+
+# ---- timing ----
+class Timer:
+    def __init__(self, smoke: bool):
+        self.smoke = smoke
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        """Median milliseconds of fn()."""
+        if self.smoke:  # the interpreter: one run, the number means nothing
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def fwd_bwd(f: Callable, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> Callable[[], object]:
+    """One forward with grad and the gradient of every input, without accumulating into .grad."""
+
+    def run():
+        out = f(*inputs)
+        outs = list(out) if isinstance(out, tuple | list) else [out]
+        return torch.autograd.grad(outs, inputs, grads[: len(outs)])
+
+    return run
+
+
+def no_grad(f: Callable, inputs: list[torch.Tensor]) -> Callable[[], object]:
+    def run():
+        with torch.no_grad():
+            return f(*inputs)
+
+    return run
+
+
+def max_err(a, b) -> float:
+    a = a if isinstance(a, tuple | list) else (a,)
+    b = b if isinstance(b, tuple | list) else (b,)
+    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
+
+
+class Bench:
+    def __init__(self, smoke: bool, budget_s: float):
+        self.smoke = smoke
+        self.timer = Timer(smoke)
+        self.budget_s = budget_s
+        self.t0 = time.perf_counter()
+        self.cases: list[dict] = []
+        self.tuning: dict[str, dict[str, float | str]] = {}
+
+    def over_budget(self) -> bool:
+        return time.perf_counter() - self.t0 > self.budget_s
+
+    def case(
+        self,
+        op: str,
+        shape: str,
+        nbytes: dict[str, int],
+        impls: dict[str, Callable | None],
+        inputs: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        modes: tuple[str, ...] = ("fwd", "fwd+bwd"),
+    ) -> None:
+        """Time every implementation in each mode; impls map a name to f(*inputs) (None: not available)."""
+        for mode in modes:
+            res: dict[str, dict] = {}
+            for name, f in impls.items():
+                if name == "compile" and (self.smoke or self.over_budget()):
+                    res[name] = {"error": "skipped: smoke run" if self.smoke else "skipped: time budget"}
+                    continue
+                if f is None:
+                    res[name] = {"error": LIGER if name == "liger" else "not available"}
+                    continue
+                try:
+                    if mode == "fwd":
+                        run = no_grad(f, [t.detach() for t in inputs])
+                    else:
+                        run = fwd_bwd(f, [t.detach().requires_grad_() for t in inputs], grads)
+                    run()  # compile / autotune / warm up outside the timing
+                    ms = self.timer(run)
+                    tbps = nbytes[mode] / ms / 1e9
+                    res[name] = {
+                        "ms": round(ms, 4),
+                        "TBps": round(tbps, 3),
+                        "frac_copy": round(tbps / COPY_TBPS, 3),
+                    }
+                except Exception as e:  # noqa: BLE001 - record and go on
+                    res[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            peers = {k: v["ms"] for k, v in res.items() if k != "kiln" and "ms" in v}
+            entry = {"op": op, "mode": mode, "shape": shape, "bytes": nbytes[mode], "results": res}
+            if peers and "ms" in res.get("kiln", {}):
+                best = min(peers, key=peers.get)
+                entry.update(best_peer=best, ratio=round(peers[best] / res["kiln"]["ms"], 3))
+            if mode == "fwd" and "eager" in impls and impls.get("kiln"):
+                try:
+                    with torch.no_grad():
+                        ins = [t.detach() for t in inputs]
+                        entry["kiln_max_abs_err_vs_eager"] = max_err(
+                            impls["kiln"](*ins), impls["eager"](*ins)
+                        )
+                except Exception as e:  # noqa: BLE001
+                    entry["kiln_max_abs_err_vs_eager"] = f"{type(e).__name__}: {e}"
+            self.cases.append(entry)
+            self.print(entry)
+
+    def tune(self, key: str, variants: dict[str, Callable[[], object]]) -> None:
+        """Time launcher variants (num_warps, blocks) of one kiln kernel, to pick the defaults from."""
+        out: dict[str, float | str] = {}
+        for name, fn in variants.items():
+            try:
+                fn()
+                out[name] = round(self.timer(fn), 4)
+            except Exception as e:  # noqa: BLE001
+                out[name] = f"{type(e).__name__}: {str(e)[:200]}"
+        self.tuning[key] = out
+        print(f"tune {key}: {out}", flush=True)
+
+    @staticmethod
+    def print(e: dict) -> None:
+        cells = [
+            f"{k}={v['TBps']:.2f}TB/s({v['ms']:.3f}ms)" if "ms" in v else f"{k}=ERR"
+            for k, v in e["results"].items()
+        ]
+        tail = f" ratio={e['ratio']} vs {e['best_peer']}" if "ratio" in e else ""
+        print(f"{e['op']:<18} {e['mode']:<8} {' '.join(cells)}{tail}", flush=True)
+
+
+def liger(f: Callable) -> Callable | None:
+    """The Liger peer f, or None when Liger is not installed."""
+    return None if LIGER.startswith("unavailable") else f
+
+
+def run(bench: Bench, device: str, sizes: dict) -> None:
+    dt = torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen, device=device)).to(dt)
+
+    def compiled(f):  # compiled lazily, at its first call, and never in a smoke run
+        return None if bench.smoke else torch.compile(f, dynamic=False)
+
+    # -- vector add (fp32, the docstring's example) --
+    n = sizes["add"]
+    a = torch.randn(n, generator=gen, device=device)
+    b = torch.randn(n, generator=gen, device=device)
+    bench.case(
+        "vector_add", f"{n} fp32", {"fwd": 3 * n * 4},
+        {"kiln": vector_add, "torch.add": torch.add, "eager": lambda x, y: x + y},
+        [a, b], [], modes=("fwd",),
+    )  # fmt: skip
+    bench.tune("vector_add_fwd", {f"block{bl}_w{w}": (lambda bl=bl, w=w: vector_add_launch(a, b, bl, w))
+                                   for bl, w in [(1024, 4), (2048, 4), (4096, 8), (8192, 8)]})  # fmt: skip
+
+    # -- RMSNorm --
+    M, N = sizes["norm"]
+    x, r, dy = randn(M, N), randn(M, N), randn(M, N)
+    w = (1 + 0.1 * torch.randn(N, generator=gen, device=device)).to(dt)
+    e = M * N * 2
+    nb = {"fwd": 2 * e, "fwd+bwd": 5 * e}
+    bench.case(
+        "rmsnorm", f"{M}x{N} bf16", nb,
+        {
+            "kiln": lambda x, w: rmsnorm(x, w, EPS),
+            "eager": eager_rmsnorm,
+            "F.rms_norm": lambda x, w: F.rms_norm(x, (N,), w, EPS),
+            "liger": liger(lambda x, w: LigerRMSNormFunction.apply(x, w, EPS)),
+        "compile": compiled(eager_rmsnorm),
+        },
+        [x, w], [dy],
+    )  # fmt: skip
+    y, h, rstd = rmsnorm_fwd(x, w, EPS)
+    bench.tune(
+        "rmsnorm_fwd",
+        {f"w{nw}": (lambda nw=nw: rmsnorm_fwd(x, w, EPS, num_warps=nw)) for nw in (4, 8, 16, 32)},
+    )
+    bench.tune(
+        "rmsnorm_bwd",
+        {f"w{nw}_p{p}": (lambda nw=nw, p=p: rmsnorm_bwd(dy, h, w, rstd, num_warps=nw, programs_per_sm=p))
+         for nw in (4, 8, 16) for p in (1, 2, 4, 8)},
+    )  # fmt: skip
+    nb = {"fwd": 4 * e, "fwd+bwd": 4 * e + 4 * e}  # fwd: read x, r; write y, h. bwd: read dy, dh, h; write dx
+    bench.case(
+        "rmsnorm+residual", f"{M}x{N} bf16", nb,
+        {
+            "kiln": lambda x, r, w: rmsnorm(x, w, EPS, r),
+            "eager": eager_add_rmsnorm,
+            "F.rms_norm": add_rms_norm,
+            "liger": liger(lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, EPS)),
+        "compile": compiled(eager_add_rmsnorm),
+        },
+        [x, r, w], [dy, dy],
+    )  # fmt: skip
+
+    # -- LayerNorm --
+    bias = (0.1 * torch.randn(N, generator=gen, device=device)).to(dt)
+    nb = {"fwd": 2 * e, "fwd+bwd": 5 * e}
+    bench.case(
+        "layernorm", f"{M}x{N} bf16", nb,
+        {
+            "kiln": lambda x, w, b: layernorm(x, w, b, EPS),
+            "eager": eager_layernorm,
+            "F.layer_norm": lambda x, w, b: F.layer_norm(x, (N,), w, b, EPS),
+            "liger": liger(lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)),
+        "compile": compiled(eager_layernorm),
+        },
+        [x, w, bias], [dy],
+    )  # fmt: skip
+
+    # -- softmax: rows that fit one block, and vocabulary-long rows (online) --
+    for label, (Ms, Ns) in (("softmax", sizes["norm"]), ("softmax_online", sizes["softmax_long"])):
+        xs, dys = randn(Ms, Ns, scale=3.0), randn(Ms, Ns)
+        es = Ms * Ns * 2
+        bench.case(
+            label, f"{Ms}x{Ns} bf16", {"fwd": 2 * es, "fwd+bwd": 5 * es},
+            {
+                "kiln": softmax,
+                "eager": eager_softmax,
+                "torch.softmax": lambda x: torch.softmax(x, -1),
+                "liger": liger(lambda x: LigerSoftmaxFunction.apply(x)),
+            "compile": compiled(eager_softmax),
+        },
+            [xs], [dys],
+        )  # fmt: skip
+        bench.tune(
+            f"{label}_fwd",
+            {f"w{nw}": (lambda nw=nw, xs=xs: softmax_fwd(xs, num_warps=nw)) for nw in (4, 8, 16, 32)},
+        )
+
+    # -- SwiGLU: two tensors, and one fused [gate | up] tensor --
+    Mg, H = sizes["swiglu"]
+    g, u, do = randn(Mg, H, scale=2.0), randn(Mg, H, scale=2.0), randn(Mg, H)
+    es = Mg * H * 2
+    bench.case(
+        "swiglu", f"{Mg}x{H} bf16", {"fwd": 3 * es, "fwd+bwd": 8 * es},
+        {
+            "kiln": swiglu,
+            "eager": eager_swiglu,
+            "liger": liger(lambda g, u: LigerSiLUMulFunction.apply(g, u)),
+        "compile": compiled(eager_swiglu),
+        },
+        [g, u], [do],
+    )  # fmt: skip
+    bench.tune(
+        "swiglu_fwd",
+        {f"b{bl}_w{nw}": (lambda bl=bl, nw=nw: swiglu_fwd(g, u, bl, nw))
+         for bl, nw in [(512, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16)]},
+    )  # fmt: skip
+    gu = randn(Mg, 2 * H, scale=2.0)
+    bench.case(
+        "swiglu_fused", f"{Mg}x2*{H} bf16", {"fwd": 3 * es, "fwd+bwd": 8 * es},
+        {
+            "kiln": swiglu,
+            "eager": eager_swiglu_fused,
+            "liger": liger(lambda x: LigerFusedGateUpSiLUMulFunction.apply(x)),
+        "compile": compiled(eager_swiglu_fused),
+        },
+        [gu], [do],
+    )  # fmt: skip
+
+    # -- RoPE: q (B, T, Hq, D), k (B, T, Hk, D); peers take the (B, H, T, D) views of the same memory --
+    B, T, Hq, Hk, D = sizes["rope"]
+    q, k = randn(B, T, Hq, D), randn(B, T, Hk, D)
+    dq, dk = randn(B, Hq, T, D).transpose(1, 2), randn(B, Hk, T, D).transpose(1, 2)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device=device).float() / D))
+    ang = torch.outer(torch.arange(T, device=device).float(), inv)  # (T, D/2)
+    cos, sin = ang.cos(), ang.sin()
+    cos_full, sin_full = torch.cat((cos, cos), -1).to(dt), torch.cat((sin, sin), -1).to(dt)  # (T, D)
+    er = B * T * (Hq + Hk) * D * 2
+    eager_r = lambda q, k: eager_rope(q.transpose(1, 2), k.transpose(1, 2), cos_full, sin_full)  # noqa: E731
+    rope_impls = {
+        "kiln": lambda q, k: apply_rope(q, k, cos, sin),
+        "eager": eager_r,
+        "liger": liger(
+            lambda q, k: LigerRopeFunction.apply(
+                q.transpose(1, 2), k.transpose(1, 2), cos_full[None], sin_full[None]
+            ),
+        ),
+    }
+    crope = compiled(eager_rope)
+    rope_impls["compile"] = crope and (
+        lambda q, k: crope(q.transpose(1, 2), k.transpose(1, 2), cos_full, sin_full)
+    )
+    impls_checked = dict(rope_impls)
+    impls_checked["eager"] = lambda q, k: tuple(
+        t.transpose(1, 2) for t in eager_r(q, k)
+    )  # compare as (B,T,H,D)
+    bench.case(
+        "rope", f"B{B} T{T} Hq{Hq} Hk{Hk} D{D} bf16", {"fwd": 2 * er, "fwd+bwd": 4 * er},
+        impls_checked, [q, k], [dq, dk],
+    )  # fmt: skip
+    bench.tune(
+        "rope_fwd", {f"w{nw}": (lambda nw=nw: rope_launch(q, k, cos, sin, None, False, num_warps=nw)) for nw in (1, 2, 4, 8, 16)}
+    )  # fmt: skip
+
+
+def measure_copy(device: str, timer: Timer) -> float | None:
+    if device != "cuda":
+        return None
+    src = torch.empty(2**29, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return round(2 * src.numel() / ms / 1e9, 3)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+FULL = {"add": 2**28, "norm": (32768, 4096), "softmax_long": (4096, 151936), "swiglu": (32768, 8960),
+        "rope": (8, 4096, 32, 8, 128)}  # fmt: skip
+SMOKE = {
+    "add": 3000,
+    "norm": (8, 96),
+    "softmax_long": (2, 20000),
+    "swiglu": (4, 80),
+    "rope": (1, 3, 4, 2, 16),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny shapes through the interpreter; no timing meaning"
+    )
+    p.add_argument(
+        "--budget", type=float, default=110.0, help="seconds after which torch.compile peers are skipped"
+    )
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        p.error("needs a CUDA GPU; use --smoke on the CPU")
+    device = "cuda" if cuda else "cpu"
+    bench = Bench(args.smoke, args.budget)
+    meta = {
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter smoke run)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "liger": LIGER,
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "copy_TBps_platform": COPY_TBPS,
+        "copy_TBps_measured": measure_copy(device, bench.timer),
+    }
+    print(json.dumps(meta), flush=True)
+    error = None
+    with use_backend("triton"):
+        try:
+            run(bench, device, SMOKE if args.smoke else FULL)
+        except Exception as e:  # noqa: BLE001 - keep what was measured
+            import traceback
+
+            traceback.print_exc()
+            error = f"{type(e).__name__}: {e}"
+    meta.update(
+        wall_s=round(time.perf_counter() - bench.t0, 1), error=error, cases=bench.cases, tuning=bench.tuning
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(meta, f, indent=1)
+    print(f"wrote {args.out} in {meta['wall_s']} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
