@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One batched GPU session: kiln's GPU tests, every benchmark, and the main job on CUDA.
+# Usage (on the H200, from the repo root): bash bench/gpu_suite.sh OUT_DIR [parts...]
+# parts: tests norms gemm_ce attention run (default: all). Each part has its own time cap so one
+# slow part cannot eat the others'; results are JSON/logs in OUT_DIR.
+set -u
+OUT=${1:?usage: gpu_suite.sh OUT_DIR [parts...]}
+shift
+PARTS=${*:-tests norms gemm_ce attention run}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+# Liger Kernel travels as a pure-Python wheel (see PLATFORM.md); install it out of the tree if present.
+if ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/liger_kernel-*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  git rev-parse HEAD 2>/dev/null || true
+  date -u
+} > "$OUT/env.txt" 2>&1
+
+for part in $PARTS; do
+  start=$(date +%s)
+  case $part in
+    tests) timeout 150 python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider tests > "$OUT/gpu_tests.log" 2>&1 ;;
+    norms) timeout 130 python3 bench/kernels_norms.py --out "$OUT/kernels_norms.json" > "$OUT/kernels_norms.log" 2>&1 ;;
+    gemm_ce) timeout 130 python3 bench/kernels_gemm_ce.py --out "$OUT/kernels_gemm_ce.json" > "$OUT/kernels_gemm_ce.log" 2>&1 ;;
+    attention) timeout 130 python3 bench/attention.py --out "$OUT/attention.json" > "$OUT/attention.log" 2>&1 ;;
+    run) timeout 75 python3 -m kiln.cli run --no-progress --out /tmp/kiln-gpu-run --data.max_bytes=12000000 \
+           --tokenizer.train_bytes=3000000 --train.steps=150 --train.eval_interval=50 --train.ckpt_interval=150 \
+           > "$OUT/run_gpu.log" 2>&1 ;;
+    *) echo "unknown part $part" ;;
+  esac
+  echo "$part: exit $? in $(( $(date +%s) - start ))s" | tee -a "$OUT/env.txt"
+done
+tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null
