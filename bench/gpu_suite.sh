@@ -3,6 +3,7 @@
 # Usage (on the H200, from the repo root): bash bench/gpu_suite.sh OUT_DIR [parts...]
 # parts: tests norms gemm_ce attention run (default: all). Each part has its own time cap so one
 # slow part cannot eat the others'; results are JSON/logs in OUT_DIR.
+# At most 7 files land in OUT_DIR (the device tool brings back 8).
 set -u
 OUT=${1:?usage: gpu_suite.sh OUT_DIR [parts...]}
 shift
@@ -25,9 +26,9 @@ for part in $PARTS; do
   start=$(date +%s)
   case $part in
     tests) timeout 150 python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider tests > "$OUT/gpu_tests.log" 2>&1 ;;
-    norms) timeout 130 python3 bench/kernels_norms.py --out "$OUT/kernels_norms.json" > "$OUT/kernels_norms.log" 2>&1 ;;
-    gemm_ce) timeout 130 python3 bench/kernels_gemm_ce.py --out "$OUT/kernels_gemm_ce.json" > "$OUT/kernels_gemm_ce.log" 2>&1 ;;
-    attention) timeout 130 python3 bench/attention.py --out "$OUT/attention.json" > "$OUT/attention.log" 2>&1 ;;
+    norms) timeout 130 python3 bench/kernels_norms.py --out "$OUT/kernels_norms.json" >> "$OUT/bench.log" 2>&1 ;;
+    gemm_ce) timeout 130 python3 bench/kernels_gemm_ce.py --out "$OUT/kernels_gemm_ce.json" >> "$OUT/bench.log" 2>&1 ;;
+    attention) timeout 130 python3 bench/attention.py --out "$OUT/attention.json" >> "$OUT/bench.log" 2>&1 ;;
     run) timeout 75 python3 -m kiln.cli run --no-progress --out /tmp/kiln-gpu-run --data.max_bytes=12000000 \
            --tokenizer.train_bytes=3000000 --train.steps=150 --train.eval_interval=50 --train.ckpt_interval=150 \
            > "$OUT/run_gpu.log" 2>&1 ;;
