@@ -96,17 +96,19 @@ def count_chunks(
     special_tokens: Sequence[str] = (),
     processes: int | None = None,
     progress: bool = True,
+    batch_chars: int = BATCH_CHARS,
 ) -> Counter[str]:
     """Counts of every distinct chunk over a stream of texts, in `processes` worker processes.
 
-    With one process (or a single small batch) it counts in this process and starts no pool.
+    Texts are grouped into tasks of about `batch_chars` characters. With one process (or a single
+    task) it counts in this process and starts no pool.
     """
     pattern = resolve_pattern(pattern)
     processes = (os.cpu_count() or 1) if processes is None else processes
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
     specials = tuple(special_tokens)
-    batches = _batches(texts, BATCH_CHARS)
+    batches = _batches(texts, batch_chars)
     total: Counter[str] = Counter()
     bar = tqdm(desc="counting chunks", unit="MB", unit_scale=False, disable=not progress, leave=False)
     first = next(batches, None)

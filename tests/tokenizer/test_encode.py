@@ -1,0 +1,140 @@
+"""Encoding and decoding: kiln's ids equal tiktoken's and HF tokenizers' on the same vocabulary."""
+
+from __future__ import annotations
+
+import unicodedata
+
+import pytest
+import tiktoken
+import tiktoken.load
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer as HFTokenizer
+
+from kiln.tokenizer import DisallowedSpecialError, Tokenizer
+
+from ._corpora import HARD, PATTERN_NAMES
+
+
+def tiktoken_twin(tok: Tokenizer, tmp_path) -> tiktoken.Encoding:
+    """A tiktoken Encoding built independently from kiln's saved ranks file, not from kiln's objects."""
+    tok.save(tmp_path, hf=False)
+    ranks = tiktoken.load.load_tiktoken_bpe(str(tmp_path / "tokenizer.tiktoken"))
+    return tiktoken.Encoding(
+        "twin", pat_str=tok.pattern, mergeable_ranks=ranks, special_tokens=tok.special_tokens
+    )
+
+
+def hf_twin(tok: Tokenizer, tmp_path) -> HFTokenizer:
+    tok.save(tmp_path)
+    return HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+
+
+def texts_for(train_text: str, heldout_text: str) -> list[str]:
+    lines = heldout_text.splitlines(keepends=True)
+    return [heldout_text, HARD, train_text[:50_000], *lines[:300], *HARD.splitlines(), "", " ", "\n\n", "a"]
+
+
+@pytest.mark.parametrize("name", PATTERN_NAMES)
+def test_ids_equal_tiktoken_and_hf(name, trained, train_text, heldout_text, tmp_path):
+    tok = trained[name]
+    enc = tiktoken_twin(tok, tmp_path / "tt")
+    hf = hf_twin(tok, tmp_path / "hf")
+    for text in texts_for(train_text, heldout_text):
+        ids = tok.encode_ordinary(text)
+        assert ids == enc.encode_ordinary(text), f"tiktoken differs on {text[:80]!r}"
+        assert ids == hf.encode(text, add_special_tokens=False).ids, f"HF differs on {text[:80]!r}"
+        assert tok.decode(ids) == text
+        assert tok.decode_bytes(ids) == text.encode("utf-8")
+
+
+@pytest.mark.parametrize("name", ["gpt4", "o200k"])
+def test_batch_paths_equal_single(name, trained, heldout_text, tmp_path):
+    tok = trained[name]
+    texts = heldout_text.splitlines(keepends=True)[:400] + [HARD]
+    want = [tok.encode_ordinary(t) for t in texts]
+    assert tok.as_tiktoken() is not None
+    assert tok.encode_ordinary_batch(texts, processes=2) == want  # the tiktoken path
+    # kiln's own process pool: a vocabulary with an explicit merge list has no tiktoken twin.
+    tok.save(tmp_path)
+    from_hf = Tokenizer.load(tmp_path / "tokenizer.json")
+    assert from_hf.merges is not None and from_hf.as_tiktoken() is None
+    assert from_hf.encode_ordinary_batch(texts, processes=2) == want
+
+
+def test_special_tokens_follow_tiktoken(trained, tmp_path):
+    tok = trained["gpt4"]
+    enc = tiktoken_twin(tok, tmp_path)
+    text = "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>x<|endoftext|><|im_end|>"
+    for allowed in ("all", {"<|endoftext|>"}, {"<|im_start|>", "<|im_end|>"}):
+        for disallowed in ((), "all"):
+            try:
+                want = enc.encode(text, allowed_special=allowed, disallowed_special=disallowed)
+            except ValueError:
+                with pytest.raises(DisallowedSpecialError):
+                    tok.encode(text, allowed_special=allowed, disallowed_special=disallowed)
+                continue
+            assert tok.encode(text, allowed_special=allowed, disallowed_special=disallowed) == want
+    with pytest.raises(ValueError, match="<\\|endoftext\\|>.*not allowed"):
+        tok.encode("a <|endoftext|>")
+    assert tok.encode("a <|endoftext|>", disallowed_special=()) == tok.encode_ordinary("a <|endoftext|>")
+    ids = tok.encode("a<|endoftext|>", allowed_special="all")
+    assert ids[-1] == tok.eot_id and tok.decode(ids) == "a<|endoftext|>"
+
+
+def test_decode_replaces_invalid_utf8(trained):
+    tok = trained["gpt4"]
+    ids = tok.encode_ordinary("é")  # two bytes, likely two tokens or one
+    raw = b"".join(tok.token_bytes(i) for i in ids)
+    assert raw == "é".encode()
+    assert tok.decode([0xC3]) == "\ufffd"
+    assert tok.decode_bytes([0xC3]) == b"\xc3"
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        tok.decode([tok.n_vocab + 5])
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        tok.token_bytes(-1)
+
+
+def test_lone_surrogates_like_tiktoken(trained, tmp_path):
+    tok = trained["gpt4"]
+    enc = tiktoken_twin(tok, tmp_path)
+    for text in ["a\ud800b", "\udfff", "x \ud83d\ude00 y"]:
+        assert tok.encode_ordinary(text) == enc.encode_ordinary(text)
+        assert tok.encode(text) == enc.encode(text)
+
+
+# Characters assigned in this Python's Unicode tables (surrogates and unassigned code points out):
+# tiktoken's Rust regex and the `regex` module may use different Unicode versions for new characters.
+assigned = st.characters(blacklist_categories=("Cs", "Cn"), codec="utf-8").filter(
+    lambda c: unicodedata.category(c) != "Cn"
+)
+unicode_text = st.text(assigned, max_size=80) | st.text(
+    st.sampled_from(list(" \t\n\r\u00a0'sSmM09aé中🙂\u200d")), max_size=40
+)
+
+
+@pytest.fixture(scope="module")
+def twins(trained, tmp_path_factory):
+    out = {}
+    for name in ("gpt4", "o200k"):
+        tok = trained[name]
+        out[name] = (tok, tiktoken_twin(tok, tmp_path_factory.mktemp(name)))
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=unicode_text)
+def test_property_random_unicode(twins, text):
+    for tok, enc in twins.values():
+        ids = tok.encode_ordinary(text)
+        assert ids == enc.encode_ordinary(text)
+        assert tok.decode(ids) == text
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(max_size=60))
+def test_property_any_string_roundtrips(twins, text):
+    # Arbitrary strings, surrogates included: decoding gives the text back with lone surrogates as U+FFFD.
+    tok, _ = twins["gpt4"]
+    fixed = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    assert tok.decode(tok.encode_ordinary(text)) == fixed
