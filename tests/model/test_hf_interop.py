@@ -9,8 +9,29 @@ from kiln.model import from_pretrained, save_pretrained
 
 from ._helpers import LLAMA3_ROPE, assert_logits_close, hf_model, transformers
 
+# one rope scaling variant (and one feature) per architecture, so every path meets transformers once
 CASES = {
+    "gpt2": ("gpt2", {}),
     "llama": ("llama", dict(rope_scaling=LLAMA3_ROPE)),
+    "mistral": (
+        "mistral",
+        dict(
+            sliding_window=7,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 24},
+        ),
+    ),
+    "qwen2": (
+        "qwen2",
+        dict(
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=9,
+            max_window_layers=0,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+    ),
+    "qwen3": ("qwen3", dict(head_dim=24, rope_scaling={"rope_type": "dynamic", "factor": 3.0})),
+    "mixtral": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=2, rope_theta=1e6)),
 }
 
 
@@ -26,6 +47,15 @@ def pair(request, tmp_path_factory):
 def test_logits_match(pair):
     hf, kiln, _ = pair
     ids = torch.randint(0, 1000, (2, 41), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_logits_close(kiln(ids), hf(ids).logits)
+
+
+def test_logits_match_past_max_position(pair):
+    hf, kiln, _ = pair
+    if kiln.config.arch == "gpt2":
+        pytest.skip("GPT-2 has only n_positions learned positions")
+    ids = torch.randint(0, 1000, (1, 110), generator=torch.Generator().manual_seed(5))  # max_position 96
     with torch.no_grad():
         assert_logits_close(kiln(ids), hf(ids).logits)
 

@@ -1,0 +1,139 @@
+"""Where a model comes from: kiln model directories, HF directories, training checkpoints, config files.
+
+A kiln model directory holds `model.json` (ModelConfig.to_dict()) and `model.safetensors` (kiln names).
+`kiln convert` and `kiln model summary` accept any of:
+- an HF checkpoint directory (config.json with "architectures"), or an HF config.json;
+- a kiln model directory, or a model.json;
+- a training run directory, its checkpoints/ directory or a step_*.pt file (`kiln run` output), or the
+  run's config.json / a run config file (its "model" section);
+- the name of a run preset (`kiln model summary gpu`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.errors import KilnError
+from kiln.model.config import ModelConfig
+from kiln.model.hf import from_pretrained
+from kiln.model.hf_config import config_from_hf
+from kiln.model.transformer import Transformer
+
+MODEL_JSON, MODEL_WEIGHTS = "model.json", "model.safetensors"
+
+
+def save_model_dir(model: Transformer, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Write `model.json` + `model.safetensors` (kiln parameter names)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {
+        k: v.detach().to("cpu", dtype=dtype or v.dtype).contiguous() for k, v in model.state_dict().items()
+    }
+    save_file(state, str(path / MODEL_WEIGHTS), metadata={"format": "pt"})
+    (path / MODEL_JSON).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+
+
+def load_model_dir(
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> Transformer:
+    path = Path(path)
+    cfg = ModelConfig.from_dict(_read_json(path / MODEL_JSON))
+    return _with_state(cfg, load_file(str(path / MODEL_WEIGHTS)), device, dtype, str(path))
+
+
+def _with_state(cfg: ModelConfig, state: dict, device, dtype, where: str) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    try:
+        model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, assign=True)
+    except RuntimeError as e:
+        raise KilnError(f"{where}: weights do not match the model config: {str(e).splitlines()[0]}") from None
+    return model
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise KilnError(f"{path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise KilnError(f"{path} is not valid JSON: {e}") from None
+
+
+def _config_from_json(d: dict[str, Any], where: str) -> tuple[ModelConfig, str]:
+    if "architectures" in d:
+        return config_from_hf(d), "hf"
+    if "model" in d and isinstance(d["model"], dict):  # a run config or preset
+        m = dict(d["model"])
+        vocab = (d.get("tokenizer") or {}).get("vocab_size")
+        if vocab is not None and "vocab_size" not in m:
+            m["vocab_size"] = vocab  # as `kiln run` resolves it
+        return ModelConfig.from_dict(m), "run config"
+    if "arch" in d:
+        return ModelConfig.from_dict(d), "kiln"
+    raise KilnError(
+        f"{where} is neither an HF config.json, a kiln model.json nor a run config (no 'model' section)"
+    )
+
+
+def _training_checkpoint(path: Path) -> Path | None:
+    if path.is_file() and path.suffix == ".pt":
+        return path
+    for d in (path, path / "checkpoints"):
+        if (d / "LATEST.json").is_file():
+            return d
+    return None
+
+
+def describe_source(src: str | Path) -> tuple[ModelConfig, str]:
+    """(config, kind) of a source without loading weights; kind is 'hf', 'kiln', 'training' or 'run config'."""
+    path = Path(src)
+    if not path.exists():
+        from kiln.train.config import PRESETS, load_preset  # presets belong to `kiln run`
+
+        if str(src) in PRESETS:
+            return _config_from_json(load_preset(str(src)), f"preset {src}")[0], "run config"
+        raise KilnError(f"{src} does not exist (and is not a preset: {', '.join(PRESETS)})")
+    if path.is_file() and path.suffix == ".json":
+        return _config_from_json(_read_json(path), str(path))
+    if path.is_dir() and (path / MODEL_JSON).is_file():
+        return ModelConfig.from_dict(_read_json(path / MODEL_JSON)), "kiln"
+    ckpt = _training_checkpoint(path)
+    if ckpt is not None:
+        from kiln.train.checkpoint import load_checkpoint
+
+        state = load_checkpoint(ckpt)
+        return _config_from_json(state["config"], str(ckpt))[0], "training"
+    if path.is_dir() and (path / "config.json").is_file():
+        return _config_from_json(_read_json(path / "config.json"), str(path / "config.json"))
+    raise KilnError(
+        f"{src} is not a model: expected an HF checkpoint directory, a kiln model directory (model.json), "
+        "a training run / checkpoint, or a config .json"
+    )
+
+
+def load_source(
+    src: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[Transformer, str]:
+    """(model with weights, kind) from an HF directory, a kiln model directory or a training checkpoint."""
+    path = Path(src)
+    if path.is_dir() and (path / MODEL_JSON).is_file():
+        return load_model_dir(path, device, dtype), "kiln"
+    ckpt = _training_checkpoint(path) if path.exists() else None
+    if ckpt is not None:
+        from kiln.train.checkpoint import load_checkpoint
+
+        state = load_checkpoint(ckpt)
+        cfg, _ = _config_from_json(state["config"], str(ckpt))
+        return _with_state(cfg, state["model"], device, dtype, str(ckpt)), "training"
+    if path.is_dir() and (path / "config.json").is_file():
+        return from_pretrained(path, device, dtype), "hf"
+    raise KilnError(
+        f"{src} holds no weights kiln can read: expected an HF checkpoint directory (config.json + safetensors), "
+        "a kiln model directory (model.json + model.safetensors) or a training checkpoint"
+    )
