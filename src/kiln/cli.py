@@ -17,6 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kiln.tokenizer import cli as tokenizer_cli
 
     tokenizer_cli.register(sub)
+    from kiln.model import cli as model_cli
+
+    model_cli.register(sub)
     return parser
 
 
