@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import triton
 
 from kiln.kernels.dispatch import use_backend
-from kiln.kernels.layernorm import layernorm
+from kiln.kernels.layernorm import layernorm, layernorm_bwd, layernorm_fwd
 from kiln.kernels.rmsnorm import rmsnorm, rmsnorm_bwd, rmsnorm_fwd, rmsnorm_ref
 from kiln.kernels.rope import apply_rope, rope_launch
 from kiln.kernels.softmax import softmax, softmax_fwd
@@ -237,42 +237,34 @@ def liger(f: Callable) -> Callable | None:
     return None if LIGER.startswith("unavailable") else f
 
 
-def run(bench: Bench, device: str, sizes: dict) -> None:
-    dt = torch.bfloat16
-    gen = torch.Generator(device=device).manual_seed(0)
+class Inputs:
+    """Random bf16 inputs on one device, from one seeded generator."""
 
-    def randn(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, generator=gen, device=device)).to(dt)
+    def __init__(self, device: str, smoke: bool):
+        self.device = device
+        self.smoke = smoke
+        self.gen = torch.Generator(device=device).manual_seed(0)
 
-    def compiled(f):  # compiled lazily, at its first call, and never in a smoke run
-        return None if bench.smoke else torch.compile(f, dynamic=False)
+    def randn(self, *shape, scale=1.0, dtype=torch.bfloat16):
+        return (scale * torch.randn(*shape, generator=self.gen, device=self.device)).to(dtype)
 
-    # -- vector add (fp32, the docstring's example) --
-    n = sizes["add"]
-    a = torch.randn(n, generator=gen, device=device)
-    b = torch.randn(n, generator=gen, device=device)
-    bench.case(
-        "vector_add", f"{n} fp32", {"fwd": 3 * n * 4},
-        {"kiln": vector_add, "torch.add": torch.add, "eager": lambda x, y: x + y},
-        [a, b], [], modes=("fwd",),
-    )  # fmt: skip
-    bench.tune("vector_add_fwd", {f"block{bl}_w{w}": (lambda bl=bl, w=w: vector_add_launch(a, b, bl, w))
-                                   for bl, w in [(1024, 4), (2048, 4), (4096, 8), (8192, 8)]})  # fmt: skip
+    def compiled(self, f):
+        """torch.compile(f), compiled at its first call (never in a smoke run)."""
+        return None if self.smoke else torch.compile(f, dynamic=False)
 
-    # -- RMSNorm --
-    M, N = sizes["norm"]
-    x, r, dy = randn(M, N), randn(M, N), randn(M, N)
-    w = (1 + 0.1 * torch.randn(N, generator=gen, device=device)).to(dt)
+
+def bench_rmsnorm(bench: Bench, mk: Inputs, M: int, N: int) -> None:
+    x, dy = mk.randn(M, N), mk.randn(M, N)
+    w = mk.randn(N, scale=0.1) + 1
     e = M * N * 2
-    nb = {"fwd": 2 * e, "fwd+bwd": 5 * e}
     bench.case(
-        "rmsnorm", f"{M}x{N} bf16", nb,
+        "rmsnorm", f"{M}x{N} bf16", {"fwd": 2 * e, "fwd+bwd": 5 * e},
         {
             "kiln": lambda x, w: rmsnorm(x, w, EPS),
             "eager": eager_rmsnorm,
             "F.rms_norm": lambda x, w: F.rms_norm(x, (N,), w, EPS),
             "liger": liger(lambda x, w: LigerRMSNormFunction.apply(x, w, EPS)),
-        "compile": compiled(eager_rmsnorm),
+            "compile": mk.compiled(eager_rmsnorm),
         },
         [x, w], [dy],
     )  # fmt: skip
@@ -283,122 +275,173 @@ def run(bench: Bench, device: str, sizes: dict) -> None:
     )
     bench.tune(
         "rmsnorm_bwd",
-        {f"w{nw}_p{p}": (lambda nw=nw, p=p: rmsnorm_bwd(dy, h, w, rstd, num_warps=nw, programs_per_sm=p))
-         for nw in (4, 8, 16) for p in (1, 2, 4, 8)},
+        {f"w{nw}_p{p}_s{s}": (lambda nw=nw, p=p, s=s: rmsnorm_bwd(dy, h, w, rstd, None, nw, p, s))
+         for nw in (8, 16) for p in (1, 2, 4) for s in (1, 2, 3)},
     )  # fmt: skip
-    nb = {"fwd": 4 * e, "fwd+bwd": 4 * e + 4 * e}  # fwd: read x, r; write y, h. bwd: read dy, dh, h; write dx
+
+
+def bench_rmsnorm_residual(bench: Bench, mk: Inputs, M: int, N: int) -> None:
+    x, r, dy = mk.randn(M, N), mk.randn(M, N), mk.randn(M, N)
+    w = mk.randn(N, scale=0.1) + 1
+    e = M * N * 2
     bench.case(
-        "rmsnorm+residual", f"{M}x{N} bf16", nb,
+        "rmsnorm+residual", f"{M}x{N} bf16",
+        {"fwd": 4 * e, "fwd+bwd": 8 * e},  # fwd: read x, r; write y, h. bwd: read dy, dh, h; write dx
         {
             "kiln": lambda x, r, w: rmsnorm(x, w, EPS, r),
             "eager": eager_add_rmsnorm,
             "F.rms_norm": add_rms_norm,
             "liger": liger(lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, EPS)),
-        "compile": compiled(eager_add_rmsnorm),
+            "compile": mk.compiled(eager_add_rmsnorm),
         },
         [x, r, w], [dy, dy],
     )  # fmt: skip
 
-    # -- LayerNorm --
-    bias = (0.1 * torch.randn(N, generator=gen, device=device)).to(dt)
-    nb = {"fwd": 2 * e, "fwd+bwd": 5 * e}
+
+def bench_layernorm(bench: Bench, mk: Inputs, M: int, N: int) -> None:
+    x, dy = mk.randn(M, N), mk.randn(M, N)
+    w, b = mk.randn(N, scale=0.1) + 1, mk.randn(N, scale=0.1)
+    e = M * N * 2
     bench.case(
-        "layernorm", f"{M}x{N} bf16", nb,
+        "layernorm", f"{M}x{N} bf16", {"fwd": 2 * e, "fwd+bwd": 5 * e},
         {
             "kiln": lambda x, w, b: layernorm(x, w, b, EPS),
             "eager": eager_layernorm,
             "F.layer_norm": lambda x, w, b: F.layer_norm(x, (N,), w, b, EPS),
             "liger": liger(lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)),
-        "compile": compiled(eager_layernorm),
+            "compile": mk.compiled(eager_layernorm),
         },
-        [x, w, bias], [dy],
+        [x, w, b], [dy],
+    )  # fmt: skip
+    y, h, mean, rstd = layernorm_fwd(x, w, b, EPS)
+    bench.tune(
+        "layernorm_bwd",
+        {f"w{nw}_p{p}_s{s}": (lambda nw=nw, p=p, s=s: layernorm_bwd(dy, h, w, b.dtype, mean, rstd, None, nw, p, s))
+         for nw in (8, 16) for p in (1, 2, 4) for s in (1, 2)},
     )  # fmt: skip
 
-    # -- softmax: rows that fit one block, and vocabulary-long rows (online) --
-    for label, (Ms, Ns) in (("softmax", sizes["norm"]), ("softmax_online", sizes["softmax_long"])):
-        xs, dys = randn(Ms, Ns, scale=3.0), randn(Ms, Ns)
-        es = Ms * Ns * 2
-        bench.case(
-            label, f"{Ms}x{Ns} bf16", {"fwd": 2 * es, "fwd+bwd": 5 * es},
-            {
-                "kiln": softmax,
-                "eager": eager_softmax,
-                "torch.softmax": lambda x: torch.softmax(x, -1),
-                "liger": liger(lambda x: LigerSoftmaxFunction.apply(x)),
-            "compile": compiled(eager_softmax),
-        },
-            [xs], [dys],
-        )  # fmt: skip
-        bench.tune(
-            f"{label}_fwd",
-            {f"w{nw}": (lambda nw=nw, xs=xs: softmax_fwd(xs, num_warps=nw)) for nw in (4, 8, 16, 32)},
-        )
 
-    # -- SwiGLU: two tensors, and one fused [gate | up] tensor --
-    Mg, H = sizes["swiglu"]
-    g, u, do = randn(Mg, H, scale=2.0), randn(Mg, H, scale=2.0), randn(Mg, H)
-    es = Mg * H * 2
+def bench_softmax(bench: Bench, mk: Inputs, label: str, M: int, N: int) -> None:
+    x, dy = mk.randn(M, N, scale=3.0), mk.randn(M, N)
+    e = M * N * 2
     bench.case(
-        "swiglu", f"{Mg}x{H} bf16", {"fwd": 3 * es, "fwd+bwd": 8 * es},
+        label, f"{M}x{N} bf16", {"fwd": 2 * e, "fwd+bwd": 5 * e},
         {
-            "kiln": swiglu,
-            "eager": eager_swiglu,
-            "liger": liger(lambda g, u: LigerSiLUMulFunction.apply(g, u)),
-        "compile": compiled(eager_swiglu),
+            "kiln": softmax,
+            "eager": eager_softmax,
+            "torch.softmax": lambda x: torch.softmax(x, -1),
+            "liger": liger(lambda x: LigerSoftmaxFunction.apply(x)),
+            "compile": mk.compiled(eager_softmax),
         },
-        [g, u], [do],
+        [x], [dy],
     )  # fmt: skip
     bench.tune(
-        "swiglu_fwd",
-        {f"b{bl}_w{nw}": (lambda bl=bl, nw=nw: swiglu_fwd(g, u, bl, nw))
-         for bl, nw in [(512, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16)]},
-    )  # fmt: skip
-    gu = randn(Mg, 2 * H, scale=2.0)
-    bench.case(
-        "swiglu_fused", f"{Mg}x2*{H} bf16", {"fwd": 3 * es, "fwd+bwd": 8 * es},
-        {
+        f"{label}_fwd", {f"w{nw}": (lambda nw=nw: softmax_fwd(x, num_warps=nw)) for nw in (4, 8, 16, 32)}
+    )
+
+
+def bench_swiglu(bench: Bench, mk: Inputs, M: int, H: int, fused: bool) -> None:
+    do = mk.randn(M, H)
+    e = M * H * 2
+    if fused:
+        inputs = [mk.randn(M, 2 * H, scale=2.0)]
+        impls = {
             "kiln": swiglu,
             "eager": eager_swiglu_fused,
             "liger": liger(lambda x: LigerFusedGateUpSiLUMulFunction.apply(x)),
-        "compile": compiled(eager_swiglu_fused),
-        },
-        [gu], [do],
-    )  # fmt: skip
+            "compile": mk.compiled(eager_swiglu_fused),
+        }
+    else:
+        inputs = [mk.randn(M, H, scale=2.0), mk.randn(M, H, scale=2.0)]
+        impls = {
+            "kiln": swiglu,
+            "eager": eager_swiglu,
+            "liger": liger(lambda g, u: LigerSiLUMulFunction.apply(g, u)),
+            "compile": mk.compiled(eager_swiglu),
+        }
+    label = "swiglu_fused" if fused else "swiglu"
+    bench.case(label, f"{M}x{H} bf16", {"fwd": 3 * e, "fwd+bwd": 8 * e}, impls, inputs, [do])
+    if not fused:
+        g, u = inputs
+        bench.tune(
+            "swiglu_fwd",
+            {f"b{bl}_w{nw}": (lambda bl=bl, nw=nw: swiglu_fwd(g, u, bl, nw))
+             for bl, nw in [(512, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16)]},
+        )  # fmt: skip
 
-    # -- RoPE: q (B, T, Hq, D), k (B, T, Hk, D); peers take the (B, H, T, D) views of the same memory --
-    B, T, Hq, Hk, D = sizes["rope"]
-    q, k = randn(B, T, Hq, D), randn(B, T, Hk, D)
-    dq, dk = randn(B, Hq, T, D).transpose(1, 2), randn(B, Hk, T, D).transpose(1, 2)
-    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device=device).float() / D))
-    ang = torch.outer(torch.arange(T, device=device).float(), inv)  # (T, D/2)
+
+def bench_rope(bench: Bench, mk: Inputs, B: int, T: int, Hq: int, Hk: int, D: int) -> None:
+    # kiln takes q (B, T, Hq, D), k (B, T, Hk, D); the peers take (B, H, T, D) views of the same memory
+    q, k = mk.randn(B, T, Hq, D), mk.randn(B, T, Hk, D)
+    dq, dk = mk.randn(B, Hq, T, D).transpose(1, 2), mk.randn(B, Hk, T, D).transpose(1, 2)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device=mk.device).float() / D))
+    ang = torch.outer(torch.arange(T, device=mk.device).float(), inv)  # (T, D/2)
     cos, sin = ang.cos(), ang.sin()
-    cos_full, sin_full = torch.cat((cos, cos), -1).to(dt), torch.cat((sin, sin), -1).to(dt)  # (T, D)
-    er = B * T * (Hq + Hk) * D * 2
-    eager_r = lambda q, k: eager_rope(q.transpose(1, 2), k.transpose(1, 2), cos_full, sin_full)  # noqa: E731
-    rope_impls = {
-        "kiln": lambda q, k: apply_rope(q, k, cos, sin),
-        "eager": eager_r,
-        "liger": liger(
-            lambda q, k: LigerRopeFunction.apply(
-                q.transpose(1, 2), k.transpose(1, 2), cos_full[None], sin_full[None]
-            ),
-        ),
-    }
-    crope = compiled(eager_rope)
-    rope_impls["compile"] = crope and (
-        lambda q, k: crope(q.transpose(1, 2), k.transpose(1, 2), cos_full, sin_full)
-    )
-    impls_checked = dict(rope_impls)
-    impls_checked["eager"] = lambda q, k: tuple(
-        t.transpose(1, 2) for t in eager_r(q, k)
-    )  # compare as (B,T,H,D)
+    cos_full = torch.cat((cos, cos), -1).bfloat16()  # (T, D): HF's duplicated-halves table
+    sin_full = torch.cat((sin, sin), -1).bfloat16()
+    crope = mk.compiled(eager_rope)
+
+    def as_bthd(f):  # peers compute on (B, H, T, D) views; hand back (B, T, H, D) views to compare
+        return lambda q, k: tuple(t.transpose(1, 2) for t in f(q.transpose(1, 2), k.transpose(1, 2)))
+
+    e = B * T * (Hq + Hk) * D * 2
     bench.case(
-        "rope", f"B{B} T{T} Hq{Hq} Hk{Hk} D{D} bf16", {"fwd": 2 * er, "fwd+bwd": 4 * er},
-        impls_checked, [q, k], [dq, dk],
+        "rope", f"B{B} T{T} Hq{Hq} Hk{Hk} D{D} bf16", {"fwd": 2 * e, "fwd+bwd": 4 * e},
+        {
+            "kiln": lambda q, k: apply_rope(q, k, cos, sin),
+            "eager": as_bthd(lambda q, k: eager_rope(q, k, cos_full, sin_full)),
+            "liger": liger(as_bthd(lambda q, k: LigerRopeFunction.apply(q, k, cos_full[None], sin_full[None]))),
+            "compile": crope and as_bthd(lambda q, k: crope(q, k, cos_full, sin_full)),
+        },
+        [q, k], [dq, dk],
     )  # fmt: skip
     bench.tune(
-        "rope_fwd", {f"w{nw}": (lambda nw=nw: rope_launch(q, k, cos, sin, None, False, num_warps=nw)) for nw in (1, 2, 4, 8, 16)}
+        "rope_fwd",
+        {
+            f"w{nw}": (lambda nw=nw: rope_launch(q, k, cos, sin, None, False, num_warps=nw))
+            for nw in (1, 2, 4, 8, 16)
+        },
+    )
+
+
+def bench_vector_add(bench: Bench, mk: Inputs, n: int) -> None:
+    a, b = mk.randn(n, dtype=torch.float32), mk.randn(n, dtype=torch.float32)
+    bench.case(
+        "vector_add", f"{n} fp32", {"fwd": 3 * n * 4},
+        {"kiln": vector_add, "torch.add": torch.add, "eager": lambda x, y: x + y},
+        [a, b], [], modes=("fwd",),
     )  # fmt: skip
+    bench.tune(
+        "vector_add_fwd",
+        {f"b{bl}_w{nw}": (lambda bl=bl, nw=nw: vector_add_launch(a, b, bl, nw))
+         for bl, nw in [(1024, 4), (2048, 4), (4096, 8), (8192, 8)]},
+    )  # fmt: skip
+
+
+def run(bench: Bench, device: str, sizes: dict) -> None:
+    """Every case, the goal cases first (torch.compile peers are skipped once the budget is spent)."""
+    mk = Inputs(device, bench.smoke)
+    steps = [
+        lambda: bench_rmsnorm(bench, mk, *sizes["norm"]),
+        lambda: bench_swiglu(bench, mk, *sizes["swiglu"], fused=False),
+        lambda: bench_rope(bench, mk, *sizes["rope"]),
+        lambda: bench_layernorm(bench, mk, *sizes["norm"]),
+        lambda: bench_softmax(bench, mk, "softmax", *sizes["norm"]),
+        lambda: bench_rmsnorm_residual(bench, mk, *sizes["norm"]),
+        lambda: bench_swiglu(bench, mk, *sizes["swiglu"], fused=True),
+        lambda: bench_softmax(bench, mk, "softmax_online", *sizes["softmax_long"]),
+        lambda: bench_vector_add(bench, mk, sizes["add"]),
+    ]
+    for step in steps:
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - a broken case must not cost the others
+            import traceback
+
+            traceback.print_exc()
+            bench.cases.append({"error": f"{type(e).__name__}: {str(e)[:300]}"})
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def measure_copy(device: str, timer: Timer) -> float | None:

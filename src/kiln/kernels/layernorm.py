@@ -98,6 +98,7 @@ def _layernorm_bwd_kernel(
     n_cols,
     rows_per_program,
     HAS_DH: tl.constexpr,
+    STAGES: tl.constexpr,  # software-pipelining depth of the row loop
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -109,7 +110,8 @@ def _layernorm_bwd_kernel(
     db = tl.zeros((BLOCK,), dtype=tl.float32)
     row_start = pid.to(tl.int64) * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    for row in range(row_start, row_end):
+    # num_stages > 1 lets the compiler prefetch the next rows' loads while this row reduces
+    for row in tl.range(row_start, row_end, num_stages=STAGES):
         dy = tl.load(DY_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         h = tl.load(H_ptr + row * h_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(MEAN_ptr + row)
@@ -174,7 +176,8 @@ def layernorm_bwd(
     rstd: torch.Tensor,
     dh: torch.Tensor | None = None,
     num_warps: int | None = None,
-    programs_per_sm: int = 4,
+    programs_per_sm: int = 2,
+    stages: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the backward over (n_rows, D) rows. Returns (dx rows, dw, db or None if there is no bias)."""
     has_bias = bias_dtype is not None
@@ -193,7 +196,7 @@ def layernorm_bwd(
         dy2, h, dy2 if dh2 is None else dh2, weight, mean, rstd, dx, dw_partial, db_partial,
         dy2.stride(0), h.stride(0), 0 if dh2 is None else dh2.stride(0),
         n_rows, D, triton.cdiv(n_rows, n_prog),
-        HAS_DH=dh2 is not None, HAS_BIAS=has_bias, BLOCK=block, num_warps=num_warps or row_warps(block),
+        HAS_DH=dh2 is not None, STAGES=stages, HAS_BIAS=has_bias, BLOCK=block, num_warps=num_warps or row_warps(block),
     )  # fmt: skip
     db = db_partial.sum(0).to(bias_dtype) if has_bias else None
     return dx, dw_partial.sum(0).to(weight.dtype), db
