@@ -69,16 +69,12 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 def _configs() -> list[triton.Config]:
+    def cfg(bm, bn, bk, stages, warps, group=8, ws=False):
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "WARP_SPEC": ws}
+        return triton.Config(meta, num_stages=stages, num_warps=warps)
+
     if interpreting():  # the interpreter cannot benchmark: exactly one config
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4)]
-
-    def cfg(bm, bn, bk, stages, warps, group=8):
-        return triton.Config(
-            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
-            num_stages=stages,
-            num_warps=warps,
-        )
-
+        return [cfg(32, 32, 32, 1, 4, 4)]
     return [
         # prefill / training: wgmma tiles, 2 consumer warpgroups on the big ones
         cfg(128, 256, 64, 3, 8),
@@ -135,6 +131,7 @@ def _matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,  # rows of tiles visited together for L2 reuse
+    WARP_SPEC: tl.constexpr,  # producer/consumer warp specialization of the TMA loop (Hopper+)
 ):
     # Grouped order: walk GROUP_M tile-rows down a column of tiles before moving right.
     pid = tl.program_id(0)
@@ -160,7 +157,7 @@ def _matmul_kernel(
             b_desc = tl.make_tensor_descriptor(B_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
         else:
             b_desc = tl.make_tensor_descriptor(B_ptr, [K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N])
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        for k in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WARP_SPEC):
             off_k = k * BLOCK_K
             if A_KMAJOR:
                 a = a_desc.load([off_m, off_k])

@@ -1,0 +1,410 @@
+"""Benchmark kiln's matmul, cross-entropy, fused linear cross-entropy and sampling against their peers.
+
+    python bench/kernels_gemm_ce.py --out bench/results/kernels_gemm_ce-h200.json     # on the H200
+    python bench/kernels_gemm_ce.py --smoke                                            # CPU, interpreter
+
+One process, every case measured with triton.testing.do_bench (median) beside its peers in the same
+run: cuBLAS (torch.matmul / F.linear) for matmul; eager F.cross_entropy, torch.compile and Liger Kernel
+for the losses (Liger only if importable); the eager sort-based reference for sampling. Each case
+records kiln's figure, every peer's, the ratio to the best peer and the fraction of the hardware ceiling
+(bf16 matmul 735 TFLOP/s, copy 4.27 TB/s: ../shared/PLATFORM.md). A failing case records its error and
+the run goes on. Decode-sized GEMMs (M <= 16) are also timed inside CUDA graphs, as a decode loop runs
+them, where launch overhead would otherwise swamp a few microseconds of work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+CEILING_TFLOPS = 735.0  # bf16 dense matmul, cuBLAS at 4096^3 on this H200 (PLATFORM.md)
+CEILING_TBPS = 4.27  # device-to-device copy, read + write (PLATFORM.md)
+BUDGET_S = 140.0  # past this, skip optional work (torch.compile peers, the chunk sweep, config exploration)
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="write the results here as JSON")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through Triton's interpreter")
+    p.add_argument(
+        "--only", default="", help="comma-separated groups: matmul,ce,lce,sampling,configs (default all)"
+    )
+    return p.parse_args()
+
+
+ARGS = parse()
+if ARGS.smoke:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from kiln.kernels import cross_entropy as ce  # noqa: E402
+from kiln.kernels.dispatch import use_backend  # noqa: E402
+from kiln.kernels.matmul import _matmul_kernel, linear, matmul  # noqa: E402
+from kiln.kernels.sampling import sample, sample_ref  # noqa: E402
+
+DEV = "cpu" if ARGS.smoke else "cuda"
+T0 = time.time()
+RESULTS: list[dict] = []
+
+
+def ms(fn, graph: bool = False) -> float:
+    """Median milliseconds of fn()."""
+    if DEV == "cpu":
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    fn()  # compile / autotune outside the measurement (and outside a graph capture)
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def peak_gib(fn) -> float | None:
+    """Peak memory fn() allocates on top of what exists already (as the peers file measured it)."""
+    if DEV == "cpu":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def record(group: str, name: str, shape: dict, run) -> None:
+    """Run one case; `run()` returns its fields. Errors are recorded, not raised."""
+    t = time.time()
+    try:
+        fields = run()
+        entry = {"group": group, "case": name, "shape": shape, **fields}
+    except Exception as err:  # one broken case must not lose the others
+        entry = {"group": group, "case": name, "shape": shape, "error": repr(err)[:500],
+                 "traceback": traceback.format_exc()[-1500:]}  # fmt: skip
+    entry["wall_s"] = round(time.time() - t, 2)
+    RESULTS.append(entry)
+    print(json.dumps(entry, default=str)[:400], flush=True)
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+def best_peer(peers: dict, key: str, higher_better: bool):
+    vals = {k: v[key] for k, v in peers.items() if isinstance(v, dict) and v.get(key) is not None}
+    if not vals:
+        return None, None
+    k = max(vals, key=vals.get) if higher_better else min(vals, key=vals.get)
+    return k, vals[k]
+
+
+def within_budget() -> bool:
+    return time.time() - T0 < BUDGET_S
+
+
+# ---------------------------------------------------------------- matmul
+def bench_matmul() -> None:
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float16  # the interpreter's bf16 dot is broken
+    if ARGS.smoke:
+        shapes = [("square", 64, 64, 64, False), ("qkv", 48, 32, 64, True), ("decode", 1, 32, 64, True)]
+    else:
+        shapes = [("square 4096^3", 4096, 4096, 4096, False), ("square 8192^3", 8192, 8192, 8192, False)]
+        qwen = [("qkv", 1536, 2048), ("o", 1536, 1536), ("gate_up", 1536, 17920), ("down", 8960, 1536)]
+        for m in (8192, 1, 16):
+            shapes += [(f"{n} M={m}", m, k, nn, True) for n, k, nn in qwen]
+    for name, M, K, N, as_linear in shapes:
+
+        def run(M=M, K=K, N=N, as_linear=as_linear):
+            x = torch.randn(M, K, device=DEV, dtype=dt)
+            w = torch.randn(N, K, device=DEV, dtype=dt) / K**0.5  # nn.Linear layout (N, K)
+            b = w.t().contiguous()  # (K, N) row-major for the square cases
+            with use_backend("triton"):
+                ours = (lambda: linear(x, w)) if as_linear else (lambda: matmul(x, b))
+                peer = (lambda: F.linear(x, w)) if as_linear else (lambda: torch.matmul(x, b))
+                err = (ours().float() - peer().float()).abs().max().item()
+                decode = M <= 16
+                out = {"kiln": {"ms": ms(ours)}, "peers": {"cublas": {"ms": ms(peer)}}}
+                if decode and DEV == "cuda":
+                    out["kiln"]["ms_cudagraph"] = ms(ours, graph=True)
+                    out["peers"]["cublas"]["ms_cudagraph"] = ms(peer, graph=True)
+            flops, bytes_ = 2 * M * N * K, (M * K + N * K + M * N) * x.element_size()
+            for v in [out["kiln"], out["peers"]["cublas"]]:
+                t = v.get("ms_cudagraph", v["ms"])
+                v["tflops"] = flops / t / 1e9
+                v["tbps"] = bytes_ / t / 1e9
+            out["ratio"] = out["kiln"]["tflops"] / out["peers"]["cublas"]["tflops"]
+            unit = "tbps" if decode else "tflops"
+            out["fraction_of_ceiling"] = out["kiln"][unit] / (CEILING_TBPS if decode else CEILING_TFLOPS)
+            out["ceiling"] = "copy 4.27 TB/s" if decode else "bf16 735 TFLOP/s"
+            out["timing"] = "cudagraph" if decode and DEV == "cuda" else "do_bench"
+            out["max_abs_diff_vs_cublas"] = err
+            cfg = getattr(_matmul_kernel, "best_config", None)
+            out["config"] = str(cfg) if cfg is not None else None
+            return out
+
+        record("matmul", name, {"M": M, "K": K, "N": N, "dtype": str(dt)}, run)
+
+    # fused epilogue: silu(x @ W.T + b) in one kernel vs cuBLAS + separate bias/activation
+    M, K, N = (64, 32, 64) if ARGS.smoke else (8192, 1536, 8960)
+
+    def run_epilogue():
+        x = torch.randn(M, K, device=DEV, dtype=dt)
+        w = torch.randn(N, K, device=DEV, dtype=dt) / K**0.5
+        bias = torch.randn(N, device=DEV, dtype=dt)
+        with use_backend("triton"):
+            out = {"kiln": {"ms": ms(lambda: linear(x, w, bias, "silu"))},
+                   "peers": {"eager": {"ms": ms(lambda: F.silu(F.linear(x, w, bias)))}}}  # fmt: skip
+        for v in [out["kiln"], out["peers"]["eager"]]:
+            v["tflops"] = 2 * M * N * K / v["ms"] / 1e9
+        out["ratio"] = out["kiln"]["tflops"] / out["peers"]["eager"]["tflops"]
+        out["fraction_of_ceiling"] = out["kiln"]["tflops"] / CEILING_TFLOPS
+        return out
+
+    record("matmul", "linear+bias+silu (fused epilogue)", {"M": M, "K": K, "N": N}, run_epilogue)
+
+
+def bench_matmul_configs() -> None:
+    """Each candidate tile config timed on its own (the raw kernel, no autotuner), including warp-specialized
+    loops, so the next round can pick the config list from measurements. Runs only within the budget."""
+    from kiln.kernels.matmul import _tma_alloc
+
+    if DEV == "cpu":
+        return
+    triton.set_allocator(_tma_alloc)
+    cands = [  # (BM, BN, BK, stages, warps, group, warp_specialize)
+        (128, 256, 64, 3, 8, 8, False), (128, 256, 64, 4, 8, 8, False), (256, 128, 64, 3, 8, 8, False),
+        (128, 128, 64, 4, 8, 8, False), (128, 128, 128, 3, 8, 8, False), (128, 256, 64, 3, 8, 8, True),
+        (128, 128, 64, 4, 8, 8, True), (256, 128, 64, 3, 8, 8, True), (128, 256, 128, 2, 8, 8, False),
+    ]  # fmt: skip
+    for name, M, K, N in [("square 8192^3", 8192, 8192, 8192), ("gate_up M=8192", 8192, 1536, 17920)]:
+        if within_budget():
+            _explore_shape(name, M, K, N, cands)
+
+
+def _explore_shape(name: str, M: int, K: int, N: int, cands: list[tuple]) -> None:
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(N, K, device=DEV, dtype=torch.bfloat16) / K**0.5
+    c = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
+    b = w.t()
+    peer = ms(lambda: F.linear(x, w))
+    for bm, bn, bk, st, wp, gm, ws in cands:
+        if not within_budget():
+            return
+
+        def run(bm=bm, bn=bn, bk=bk, st=st, wp=wp, gm=gm, ws=ws):
+            grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+
+            def call():
+                _matmul_kernel.fn[grid](
+                    x, b, c, c, c, M, N, K, x.stride(0), x.stride(1), b.stride(0), b.stride(1),
+                    A_KMAJOR=True, B_KMAJOR=True, TMA=True, HAS_BIAS=False, ACTIVATION="none",
+                    STORE_PRE=False, PRECISION="ieee", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+                    WARP_SPEC=ws, num_warps=wp, num_stages=st,
+                )  # fmt: skip
+
+            t = ms(call)
+            err = (c.float() - F.linear(x, w).float()).abs().max().item()
+            tf = 2 * M * N * K / t / 1e9
+            return {"kiln": {"ms": t, "tflops": tf}, "peers": {"cublas": {"ms": peer}},
+                    "ratio": peer / t, "max_abs_diff_vs_cublas": err}  # fmt: skip
+
+        record("matmul_configs", f"{name} {bm}x{bn}x{bk} s{st} w{wp} ws={ws}", {"M": M, "K": K, "N": N}, run)
+
+
+# ---------------------------------------------------------------- cross-entropy
+def liger_ce():
+    try:
+        from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
+
+        return LigerCrossEntropyLoss()
+    except Exception:
+        return None
+
+
+def bench_ce() -> None:
+    N, V = (8, 300) if ARGS.smoke else (8192, 151936)
+    dt = torch.bfloat16
+    z0 = torch.randn(N, V, device=DEV, dtype=dt) * 2
+    t = torch.randint(0, V, (N,), device=DEV)
+    fwd_bytes, fb_bytes = N * V * 2, 3 * N * V * 2  # fwd: read; fwd+bwd: read, read, write
+
+    def ours(z, t):
+        with use_backend("triton"):
+            return ce.cross_entropy(z, t)
+
+    peers = {"eager": lambda z, t: F.cross_entropy(z, t)}  # on bf16 directly: eager's fastest form
+    peers["eager_fp32"] = lambda z, t: F.cross_entropy(z.float(), t)
+    if DEV == "cuda" and within_budget():
+        peers["torch.compile"] = torch.compile(lambda z, t: F.cross_entropy(z.float(), t))
+    lig = liger_ce()
+    if lig is not None:
+        peers["liger"] = lambda z, t: lig(z, t)  # writes its gradient over z: given a private copy below
+
+    for mode in ("forward", "forward+backward"):
+
+        def run(mode=mode):
+            out = {"kiln": {}, "peers": {}}
+            for name, fn in [("kiln", ours)] + list(peers.items()):
+                z = z0.clone() if name == "liger" else z0
+                if mode == "forward":
+                    with torch.no_grad():
+                        tms = ms(lambda fn=fn, z=z: fn(z, t))
+                else:
+                    zg = z.detach().requires_grad_()
+                    tms = ms(lambda fn=fn, zg=zg: torch.autograd.grad(fn(zg, t), zg))
+                v = {"ms": tms, "tbps": (fwd_bytes if mode == "forward" else fb_bytes) / tms / 1e9}
+                if name == "kiln":
+                    out["kiln"] = v
+                else:
+                    out["peers"][name] = v
+                del z
+            bp, bt = best_peer(out["peers"], "ms", higher_better=False)
+            out["best_peer"] = bp
+            out["ratio"] = bt / out["kiln"]["ms"] if bt else None  # > 1: kiln faster
+            out["fraction_of_ceiling"] = out["kiln"]["tbps"] / CEILING_TBPS
+            out["bytes_model"] = "fwd: N*V*2 read; fwd+bwd: 3*N*V*2 (read, read, write)"
+            return out
+
+        record("cross_entropy", mode, {"N": N, "V": V, "dtype": "bf16", "liger": lig is not None}, run)
+
+
+# ---------------------------------------------------------------- fused linear cross-entropy
+def bench_lce() -> None:
+    T, H, V = (16, 32, 300) if ARGS.smoke else (8192, 1536, 151936)
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float16
+    h = torch.randn(T, H, device=DEV, dtype=dt, requires_grad=True)
+    W = (torch.randn(V, H, device=DEV, dtype=dt) * 0.02).requires_grad_()
+    y = torch.randint(0, V, (T,), device=DEV)
+    flops = 3 * 2 * T * H * V  # logits, dhidden, dweight
+
+    def ours():
+        with use_backend("triton"):
+            return ce.linear_cross_entropy(h, W, y)
+
+    peers = {"eager": lambda: F.cross_entropy(F.linear(h, W).float(), y)}
+    if DEV == "cuda" and within_budget():
+        comp = torch.compile(lambda h, W, y: F.cross_entropy(F.linear(h, W).float(), y))
+        peers["torch.compile"] = lambda: comp(h, W, y)
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        lflce = LigerFusedLinearCrossEntropyLoss()
+        peers["liger"] = lambda: lflce(W, h, y)
+    except Exception:
+        pass
+
+    def step(loss_fn):
+        return lambda: torch.autograd.grad(loss_fn(), (h, W))
+
+    def run():
+        out = {"kiln": {}, "peers": {}}
+        for name, fn in [("kiln", ours)] + list(peers.items()):
+            f = step(fn)
+            f()  # compile / autotune first
+            v = {"peak_gib": peak_gib(f), "ms": ms(f)}
+            v["tflops"] = flops / v["ms"] / 1e9
+            (out["peers"].setdefault(name, v) if name != "kiln" else out.__setitem__("kiln", v))
+        bp, bt = best_peer(out["peers"], "ms", higher_better=False)
+        out["best_peer"], out["ratio"] = bp, (bt / out["kiln"]["ms"] if bt else None)
+        out["goal"] = "<= 1.0 GiB peak and <= 19.6 ms"
+        out["fraction_of_ceiling"] = out["kiln"]["tflops"] / CEILING_TFLOPS
+        # agreement with eager on this input
+        with torch.no_grad():
+            out["loss_kiln"] = float(ours())
+            out["loss_eager"] = float(peers["eager"]())
+        return out
+
+    record("linear_cross_entropy", "forward+backward", {"T": T, "H": H, "V": V, "dtype": str(dt)}, run)
+
+    def sweep():  # chunk budget vs time and memory, to pick the default
+        out = {}
+        default = ce.CHUNK_BYTES
+        try:
+            for mib in (160, 320, 480, 640):
+                ce.CHUNK_BYTES = mib * 2**20
+                f = step(ours)
+                out[f"{mib}MiB"] = {"ms": ms(f), "peak_gib": peak_gib(f)}
+        finally:
+            ce.CHUNK_BYTES = default
+        return {"chunks": out}
+
+    if within_budget():
+        record("linear_cross_entropy", "chunk sweep", {"T": T, "H": H, "V": V}, sweep)
+
+
+# ---------------------------------------------------------------- sampling
+def bench_sampling() -> None:
+    V = 300 if ARGS.smoke else 151936
+    for B in (1, 2) if ARGS.smoke else (1, 32):
+        logits = torch.randn(B, V, device=DEV, dtype=torch.bfloat16) * 4
+        for name, kw in [("greedy", {"temperature": 0.0}), ("temperature", {"temperature": 0.8}),
+                         ("top-k 50 + top-p 0.9", {"temperature": 0.8, "top_k": 50, "top_p": 0.9})]:  # fmt: skip
+
+            def run(kw=kw, logits=logits, B=B):
+                with use_backend("triton"):
+                    k = ms(lambda: sample(logits, **kw))
+                r = ms(lambda: sample_ref(logits, **kw))
+                return {"kiln": {"us": k * 1e3}, "peers": {"eager_ref": {"us": r * 1e3}}, "ratio": r / k,
+                        "fraction_of_ceiling": B * V * 2 / (k * 1e-3) / 1e12 / CEILING_TBPS}  # fmt: skip
+
+            record("sampling", f"{name} B={B}", {"B": B, "V": V}, run)
+
+
+def meta() -> dict:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except Exception:
+        commit = None
+    liger = None
+    try:
+        from importlib.metadata import version
+
+        import liger_kernel  # noqa: F401
+
+        liger = version("liger-kernel")
+    except Exception:
+        liger = "unavailable"
+    return {
+        "gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (Triton interpreter)",
+        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+        "liger": liger, "commit": commit, "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "timing": "triton.testing.do_bench median (CUDA graphs for decode GEMMs)",
+        "ceilings": {"bf16_tflops": CEILING_TFLOPS, "copy_tbps": CEILING_TBPS},
+    }  # fmt: skip
+
+
+def main() -> None:
+    groups = {"matmul": bench_matmul, "ce": bench_ce, "lce": bench_lce, "sampling": bench_sampling,
+              "configs": bench_matmul_configs}  # fmt: skip
+    only = [g for g in ARGS.only.split(",") if g] or list(groups)
+    info = meta()
+    for g in only:
+        try:
+            groups[g]()
+        except Exception as err:
+            RESULTS.append(
+                {"group": g, "error": repr(err)[:500], "traceback": traceback.format_exc()[-1500:]}
+            )
+    info["total_s"] = round(time.time() - T0, 1)
+    doc = {"meta": info, "cases": RESULTS}
+    if ARGS.out:
+        os.makedirs(os.path.dirname(os.path.abspath(ARGS.out)), exist_ok=True)
+        with open(ARGS.out, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+    print(f"{len(RESULTS)} cases, {sum('error' in r for r in RESULTS)} errors, {info['total_s']} s")
+
+
+if __name__ == "__main__":
+    main()
