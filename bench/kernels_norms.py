@@ -118,7 +118,7 @@ class Timer:
             t = time.perf_counter()
             fn()
             return (time.perf_counter() - t) * 1e3
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
 def fwd_bwd(f: Callable, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> Callable[[], object]:
@@ -418,21 +418,27 @@ def bench_vector_add(bench: Bench, mk: Inputs, n: int) -> None:
     )  # fmt: skip
 
 
-def run(bench: Bench, device: str, sizes: dict) -> None:
-    """Every case, the goal cases first (torch.compile peers are skipped once the budget is spent)."""
+def run(bench: Bench, device: str, sizes: dict, only: set[str] | None = None) -> None:
+    """Every case (or those named in `only`), the goal cases first: torch.compile peers are skipped
+    once the time budget is spent."""
     mk = Inputs(device, bench.smoke)
-    steps = [
-        lambda: bench_rmsnorm(bench, mk, *sizes["norm"]),
-        lambda: bench_swiglu(bench, mk, *sizes["swiglu"], fused=False),
-        lambda: bench_rope(bench, mk, *sizes["rope"]),
-        lambda: bench_layernorm(bench, mk, *sizes["norm"]),
-        lambda: bench_softmax(bench, mk, "softmax", *sizes["norm"]),
-        lambda: bench_rmsnorm_residual(bench, mk, *sizes["norm"]),
-        lambda: bench_swiglu(bench, mk, *sizes["swiglu"], fused=True),
-        lambda: bench_softmax(bench, mk, "softmax_online", *sizes["softmax_long"]),
-        lambda: bench_vector_add(bench, mk, sizes["add"]),
-    ]
-    for step in steps:
+    steps = {
+        "rmsnorm": lambda: bench_rmsnorm(bench, mk, *sizes["norm"]),
+        "swiglu": lambda: bench_swiglu(bench, mk, *sizes["swiglu"], fused=False),
+        "rope": lambda: bench_rope(bench, mk, *sizes["rope"]),
+        "layernorm": lambda: bench_layernorm(bench, mk, *sizes["norm"]),
+        "softmax": lambda: bench_softmax(bench, mk, "softmax", *sizes["norm"]),
+        "rmsnorm+residual": lambda: bench_rmsnorm_residual(bench, mk, *sizes["norm"]),
+        "swiglu_fused": lambda: bench_swiglu(bench, mk, *sizes["swiglu"], fused=True),
+        "softmax_online": lambda: bench_softmax(bench, mk, "softmax_online", *sizes["softmax_long"]),
+        "vector_add": lambda: bench_vector_add(bench, mk, sizes["add"]),
+    }
+    unknown = (only or set()) - steps.keys()
+    if unknown:
+        raise SystemExit(f"unknown case(s) {sorted(unknown)}: choose from {', '.join(steps)}")
+    for name, step in steps.items():
+        if only and name not in only:
+            continue
         try:
             step()
         except Exception as e:  # noqa: BLE001 - a broken case must not cost the others
@@ -479,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--smoke", action="store_true", help="tiny shapes through the interpreter; no timing meaning"
     )
+    p.add_argument("--only", default="", help="comma-separated cases to run (default: all)")
     p.add_argument(
         "--budget", type=float, default=110.0, help="seconds after which torch.compile peers are skipped"
     )
@@ -502,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     error = None
     with use_backend("triton"):
         try:
-            run(bench, device, SMOKE if args.smoke else FULL)
+            run(bench, device, SMOKE if args.smoke else FULL, set(filter(None, args.only.split(","))) or None)
         except Exception as e:  # noqa: BLE001 - keep what was measured
             import traceback
 
