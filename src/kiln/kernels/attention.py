@@ -104,17 +104,23 @@ def attention_ref(
         raise ValueError("attn_mask cannot be combined with cu_seqlens: packed documents mask themselves")
     bounds = cu_seqlens.tolist()
     outs = [
-        _attention_dense_ref(q[None, a:b], k[None, a:b], v[None, a:b], causal, softmax_scale, window, sinks, None)[0]
+        _attention_dense_ref(
+            q[None, a:b], k[None, a:b], v[None, a:b], causal, softmax_scale, window, sinks, None
+        )[0]
         for a, b in zip(bounds[:-1], bounds[1:])
     ]
     return torch.cat(outs, dim=0)
 
 
 # ------------------------------------------------------------------------------------ autotune space
-def _configs(space):
-    """triton.Configs from (BLOCK_M, BLOCK_N, num_warps, num_stages, head_dims) rows; one when interpreting."""
+def _configs(space, interpreted):
+    """triton.Configs from (BLOCK_M, BLOCK_N, num_warps, num_stages, head_dims) rows.
+
+    The interpreter gets the one (BLOCK_M, BLOCK_N) in `interpreted`: unequal, as on the GPU, so the CPU
+    tests cover the block-range arithmetic where query and key blocks differ in size."""
     if interpreting():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+        bm, bn = interpreted
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "DIMS": dims}, num_warps=w, num_stages=s)
         for bm, bn, w, s, dims in space
@@ -122,12 +128,15 @@ def _configs(space):
 
 
 def _prune(configs, named_args, **kwargs):
-    """Keep the configs meant for this head dim (the `DIMS` tag); the interpreter's single one always."""
+    """The configs meant for this head dim (their `DIMS` tag), as new Configs without the tag."""
     hd = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
-    kept = [c for c in configs if hd in c.kwargs.get("DIMS", (hd,))]
-    for c in kept:
-        c.kwargs.pop("DIMS", None)
-    return kept or configs[:1]
+    kept = [c for c in configs if hd in c.kwargs.get("DIMS", (hd,))] or configs[:1]
+    return [
+        triton.Config(
+            {k: v for k, v in c.kwargs.items() if k != "DIMS"}, num_warps=c.num_warps, num_stages=c.num_stages
+        )
+        for c in kept
+    ]
 
 
 def _bench(fn, quantiles):
@@ -184,8 +193,16 @@ def _doc_bounds(CU_SEQLENS, b, Tq, Tk, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _key_ranges(m0, Tq, Tk, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                WINDOW: tl.constexpr):
+def _key_ranges(
+    m0,
+    Tq,
+    Tk,
+    window,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
     """Key ranges [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked for the
     query block starting at row m0 (absolute positions are row + Tk - Tq); multiples of BLOCK_N."""
     pmin = m0 + Tk - Tq
@@ -207,8 +224,16 @@ def _key_ranges(m0, Tq, Tk, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _query_ranges(n0, Tq, Tk, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                  WINDOW: tl.constexpr):
+def _query_ranges(
+    n0,
+    Tq,
+    Tk,
+    window,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
     """Query-row ranges (masked, unmasked, masked) that see the key block starting at n0."""
     off = Tk - Tq
     lo = 0
@@ -241,48 +266,117 @@ def _allowed(qpos, kpos, Tk, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr)
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, end, qpos, Tk, window,
-               qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    for n0 in range(start, end, BLOCK_N):
-        kpos = n0 + offs_n  # (BLOCK_N,)
-        k_ptrs = k_base + kpos[:, None] * stride_kt + offs_d[None, :]
-        v_ptrs = v_base + kpos[:, None] * stride_vt + offs_d[None, :]
+def _load_rows(
+    src,
+    row0,
+    n_rows,
+    stride_t,
+    HEAD_DIM: tl.constexpr,
+    ROWS: tl.constexpr,
+    MASK: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """Rows [row0, row0 + ROWS) of a (n_rows, HEAD_DIM) matrix: a TMA load through a tensor descriptor
+    (out-of-range rows read as zero), or pointer loads from base `src` (masked only when MASK)."""
+    if TMA:
+        return src.load([row0, 0])
+    else:
+        rows = row0 + tl.arange(0, ROWS)
+        ptrs = src + rows[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :]
         if MASK:
-            k = tl.load(k_ptrs, mask=kpos[:, None] < Tk, other=0.0)
+            return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
         else:
-            k = tl.load(k_ptrs)
+            return tl.load(ptrs)
+
+
+@triton.jit
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_src,
+    v_src,
+    stride_kt,
+    stride_vt,
+    start,
+    end,
+    qpos,
+    Tk,
+    window,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        k = _load_rows(k_src, n0, Tk, stride_kt, HEAD_DIM, BLOCK_N, MASK, TMA)  # (BLOCK_N, D)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASK:
+            kpos = n0 + offs_n
             s = tl.where(_allowed(qpos[:, None], kpos[None, :], Tk, window, CAUSAL, WINDOW), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # m_i starts finite, so m_new is finite
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASK:
-            v = tl.load(v_ptrs, mask=kpos[:, None] < Tk, other=0.0)
-        else:
-            v = tl.load(v_ptrs)
+        v = _load_rows(v_src, n0, Tk, stride_vt, HEAD_DIM, BLOCK_N, MASK, TMA)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
 
 
-@triton.autotune(_configs(_FWD_SPACE), key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_bench)
+@triton.autotune(
+    _configs(_FWD_SPACE, (64, 32)),
+    key=_KEY + ["TMA"],
+    prune_configs_by={"early_config_prune": _prune},
+    do_bench=_bench,
+)
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE,  # q (B, Tq, Hq, D), k/v (B, Tk, Hk, D), o like q, lse (B, Hq, Tq) fp32 log2 units
-    SINKS, CU_SEQLENS,  # sinks (Hq,) or a dummy; cu_seqlens (B+1,) int32 when VARLEN (then B = documents)
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-    Hq, group, Tq, Tk, window, qk_scale,  # group = Hq // Hk; qk_scale = softmax scale * log2(e)
-    LEN_KEY, GQA_KEY,  # autotuning keys only (a length bucket, the group size)
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SINK: tl.constexpr,
-    VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,  # q (B, Tq, Hq, D), k/v (B, Tk, Hk, D), o like q, lse (B, Hq, Tq) fp32 log2 units
+    SINKS,
+    CU_SEQLENS,  # sinks (Hq,) or a dummy; cu_seqlens (B+1,) int32 when VARLEN (then B = documents)
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_lb,
+    stride_lh,
+    Hq,
+    group,
+    Tq,
+    Tk,
+    window,
+    qk_scale,  # group = Hq // Hk; qk_scale = softmax scale * log2(e)
+    LEN_KEY,
+    GQA_KEY,  # autotuning keys only (a length bucket, the group size)
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SINK: tl.constexpr,
+    VARLEN: tl.constexpr,
+    TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # Heaviest (last, under causal masking) query blocks first: a shorter tail at the end of the grid.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
@@ -295,11 +389,20 @@ def _attn_fwd_kernel(
     q_base = Q + bb * stride_qb + row0 * stride_qt + h * stride_qh
     k_base = K + bb * stride_kb + row0 * stride_kt + (h // group) * stride_kh
     v_base = V + bb * stride_vb + row0 * stride_vt + (h // group) * stride_vh
+    o_base = O + bb * stride_ob + row0 * stride_ot + h * stride_oh
+    if TMA:  # one (rows, D) descriptor per matrix: its shape clips the ragged ends of this sequence
+        q_src = tl.make_tensor_descriptor(q_base, [Tq, HEAD_DIM], [stride_qt, 1], [BLOCK_M, HEAD_DIM])
+        k_src = tl.make_tensor_descriptor(k_base, [Tk, HEAD_DIM], [stride_kt, 1], [BLOCK_N, HEAD_DIM])
+        v_src = tl.make_tensor_descriptor(v_base, [Tk, HEAD_DIM], [stride_vt, 1], [BLOCK_N, HEAD_DIM])
+    else:
+        q_src = q_base
+        k_src = k_base
+        v_src = v_base
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Tq
-    q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = _load_rows(q_src, m0, Tq, stride_qt, HEAD_DIM, BLOCK_M, True, TMA)
     qpos = offs_m + Tk - Tq
 
     if SINK:  # the sink starts the running softmax as a logit whose value is zero
@@ -311,26 +414,102 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     lo, full_lo, full_hi, hi = _key_ranges(m0, Tq, Tk, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, full_lo, qpos, Tk,
-                               window, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, qpos,
-                               Tk, window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi, qpos, Tk,
-                               window, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW)
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_src,
+        v_src,
+        stride_kt,
+        stride_vt,
+        lo,
+        full_lo,
+        qpos,
+        Tk,
+        window,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        WINDOW,
+        TMA,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_src,
+        v_src,
+        stride_kt,
+        stride_vt,
+        full_lo,
+        full_hi,
+        qpos,
+        Tk,
+        window,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        WINDOW,
+        TMA,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_src,
+        v_src,
+        stride_kt,
+        stride_vt,
+        full_hi,
+        hi,
+        qpos,
+        Tk,
+        window,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        WINDOW,
+        TMA,
+    )
 
     has = l_i > 0.0
     acc = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("inf"))  # +inf: P = 0 in backward
-    o_ptrs = O + bb * stride_ob + row0 * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+    if TMA:
+        o_desc = tl.make_tensor_descriptor(o_base, [Tq, HEAD_DIM], [stride_ot, 1], [BLOCK_M, HEAD_DIM])
+        o_desc.store([m0, 0], acc.to(O.dtype.element_ty))
+    else:
+        o_ptrs = o_base + offs_m[:, None] * stride_ot + offs_d[None, :]
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + bb * stride_lb + h * stride_lh + row0 + offs_m, lse, mask=row_ok)
 
 
 @triton.jit
 def _attn_bwd_preprocess_kernel(
-    O, DO, DELTA,  # o, do (B, T, H, D); delta (B, H, T) fp32 = rowsum(do * o)
-    stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_db, stride_dh,
-    H, T, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    O,
+    DO,
+    DELTA,  # o, do (B, T, H, D); delta (B, H, T) fp32 = rowsum(do * o)
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_dob,
+    stride_dot,
+    stride_doh,
+    stride_db,
+    stride_dh,
+    H,
+    T,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -339,17 +518,43 @@ def _attn_bwd_preprocess_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = offs_m[:, None] < T
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :], mask=ok, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :], mask=ok,
-                 other=0.0)
+    o = tl.load(
+        O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :], mask=ok, other=0.0
+    )
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
+        mask=ok,
+        other=0.0,
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + b * stride_db + h * stride_dh + offs_m, delta, mask=offs_m < T)
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, start, end, kpos,
-                    Tq, Tk, window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+def _bwd_dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    stride_qt,
+    stride_dot,
+    start,
+    end,
+    kpos,
+    Tq,
+    Tk,
+    window,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     for m0 in range(start, end, BLOCK_M):
@@ -379,17 +584,58 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_
     return dk, dv
 
 
-@triton.autotune(_configs(_DKDV_SPACE), key=_KEY, prune_configs_by={"early_config_prune": _prune},
-                 do_bench=_bench)
+@triton.autotune(
+    _configs(_DKDV_SPACE, (32, 64)),
+    key=_KEY,
+    prune_configs_by={"early_config_prune": _prune},
+    do_bench=_bench,
+)
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,  # dk, dv like k, v; lse, delta (B, Hq, Tq) fp32
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
-    stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-    Hk, group, Tq, Tk, window, qk_scale, sm_scale, LEN_KEY, GQA_KEY,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    CU_SEQLENS,  # dk, dv like k, v; lse, delta (B, Hq, Tq) fp32
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_dob,
+    stride_dot,
+    stride_doh,
+    stride_lb,
+    stride_lh,
+    stride_dkb,
+    stride_dkt,
+    stride_dkh,
+    stride_dvb,
+    stride_dvt,
+    stride_dvh,
+    Hk,
+    group,
+    Tq,
+    Tk,
+    window,
+    qk_scale,
+    sm_scale,
+    LEN_KEY,
+    GQA_KEY,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -418,25 +664,113 @@ def _attn_bwd_dkdv_kernel(
         do_base = DO + bb * stride_dob + row0 * stride_dot + h * stride_doh
         lse_base = LSE + bb * stride_lb + h * stride_lh + row0
         delta_base = DELTA + bb * stride_lb + h * stride_lh + row0
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo,
-                                 full_lo, offs_n, Tq, Tk, window, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                 full_lo, full_hi, offs_n, Tq, Tk, window, qk_scale, HEAD_DIM, BLOCK_M, False,
-                                 CAUSAL, WINDOW)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                 full_hi, hi, offs_n, Tq, Tk, window, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL,
-                                 WINDOW)
+        dk, dv = _bwd_dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            stride_qt,
+            stride_dot,
+            lo,
+            full_lo,
+            offs_n,
+            Tq,
+            Tk,
+            window,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_M,
+            True,
+            CAUSAL,
+            WINDOW,
+        )
+        dk, dv = _bwd_dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            stride_qt,
+            stride_dot,
+            full_lo,
+            full_hi,
+            offs_n,
+            Tq,
+            Tk,
+            window,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_M,
+            False,
+            CAUSAL,
+            WINDOW,
+        )
+        dk, dv = _bwd_dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            stride_qt,
+            stride_dot,
+            full_hi,
+            hi,
+            offs_n,
+            Tq,
+            Tk,
+            window,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_M,
+            True,
+            CAUSAL,
+            WINDOW,
+        )
     dk_off = bb * stride_dkb + row0 * stride_dkt + hk * stride_dkh
     dv_off = bb * stride_dvb + row0 * stride_dvt + hk * stride_dvh
-    tl.store(DK + dk_off + offs_n[:, None] * stride_dkt + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
-             mask=col_ok)
-    tl.store(DV + dv_off + offs_n[:, None] * stride_dvt + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=col_ok)
+    tl.store(
+        DK + dk_off + offs_n[:, None] * stride_dkt + offs_d[None, :],
+        (dk * sm_scale).to(DK.dtype.element_ty),
+        mask=col_ok,
+    )
+    tl.store(
+        DV + dv_off + offs_n[:, None] * stride_dvt + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=col_ok
+    )
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start, end, qpos, Tk, window,
-                  qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+def _bwd_dq_inner(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    start,
+    end,
+    qpos,
+    Tk,
+    window,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for n0 in range(start, end, BLOCK_N):
@@ -459,17 +793,53 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, s
     return dq
 
 
-@triton.autotune(_configs(_DQ_SPACE), key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_bench)
+@triton.autotune(
+    _configs(_DQ_SPACE, (64, 32)), key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_bench
+)
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_SEQLENS,  # dq like q
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh,
-    Hq, group, Tq, Tk, window, qk_scale, sm_scale, LEN_KEY, GQA_KEY,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    CU_SEQLENS,  # dq like q
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_dob,
+    stride_dot,
+    stride_doh,
+    stride_lb,
+    stride_lh,
+    stride_dqb,
+    stride_dqt,
+    stride_dqh,
+    Hq,
+    group,
+    Tq,
+    Tk,
+    window,
+    qk_scale,
+    sm_scale,
+    LEN_KEY,
+    GQA_KEY,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest query blocks first, as in the forward
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
@@ -482,10 +852,21 @@ def _attn_bwd_dq_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Tq
-    q = tl.load(Q + bb * stride_qb + row0 * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + bb * stride_dob + row0 * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot
-                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        Q + bb * stride_qb + row0 * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    do = tl.load(
+        DO
+        + bb * stride_dob
+        + row0 * stride_dot
+        + h * stride_doh
+        + offs_m[:, None] * stride_dot
+        + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     lse = tl.load(LSE + bb * stride_lb + h * stride_lh + row0 + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + bb * stride_lb + h * stride_lh + row0 + offs_m, mask=row_ok, other=0.0)
     k_base = K + bb * stride_kb + row0 * stride_kt + (h // group) * stride_kh
@@ -494,13 +875,80 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     lo, full_lo, full_hi, hi = _key_ranges(m0, Tq, Tk, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, qpos, Tk, window,
-                       qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, qpos, Tk,
-                       window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, qpos, Tk, window,
-                       qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW)
-    dq_ptrs = DQ + bb * stride_dqb + row0 * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :]
+    dq = _bwd_dq_inner(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_base,
+        v_base,
+        stride_kt,
+        stride_vt,
+        lo,
+        full_lo,
+        qpos,
+        Tk,
+        window,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        WINDOW,
+    )
+    dq = _bwd_dq_inner(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_base,
+        v_base,
+        stride_kt,
+        stride_vt,
+        full_lo,
+        full_hi,
+        qpos,
+        Tk,
+        window,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        WINDOW,
+    )
+    dq = _bwd_dq_inner(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_base,
+        v_base,
+        stride_kt,
+        stride_vt,
+        full_hi,
+        hi,
+        qpos,
+        Tk,
+        window,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        WINDOW,
+    )
+    dq_ptrs = (
+        DQ
+        + bb * stride_dqb
+        + row0 * stride_dqt
+        + h * stride_dqh
+        + offs_m[:, None] * stride_dqt
+        + offs_d[None, :]
+    )
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -522,35 +970,91 @@ def _check(q, k, v, sinks, cu_seqlens):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != want:
             raise ValueError(f"attention: {name} must be {layout}, got shape {tuple(t.shape)}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"attention: q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if (
+        q.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+        or k.dtype != q.dtype
+        or v.dtype != q.dtype
+    ):
+        raise TypeError(
+            f"attention: q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"attention: incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"attention: incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if q.shape[-2] % k.shape[-2]:
-        raise ValueError(f"attention: query heads ({q.shape[-2]}) must be a multiple of key/value heads ({k.shape[-2]})")
+        raise ValueError(
+            f"attention: query heads ({q.shape[-2]}) must be a multiple of key/value heads ({k.shape[-2]})"
+        )
     if sinks is not None and sinks.shape != (q.shape[-2],):
         raise ValueError(f"attention: sinks must be (Hq,) = ({q.shape[-2]},), got {tuple(sinks.shape)}")
     if varlen and (cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64)):
         raise ValueError("attention: cu_seqlens must be a 1-D int32 tensor of document boundaries")
 
 
-def attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seqlen):
-    """Triton forward. q (B, Tq, Hq, D) or (total, Hq, D) with cu_seqlens. Returns (o like q, lse (B, Hq, Tq))."""
+def _tma_allocator(size: int, alignment: int, stream) -> torch.Tensor:
+    # Scratch for tensor descriptors built on the device (128 bytes per descriptor per program).
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether TMA tensor descriptors can address these (B, T, H, D) tensors: Hopper or newer, 16-byte
+    aligned base and strides (a descriptor's requirement)."""
+    t0 = tensors[0]
+    if not t0.is_cuda or torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
+    return all(
+        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        for t in tensors
+    )
+
+
+def attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seqlen, tma=None):
+    """Triton forward. q (B, Tq, Hq, D) or (total, Hq, D) with cu_seqlens. Returns (o like q, lse (B, Hq, Tq)).
+
+    tma: load through tensor descriptors (TMA); None picks them where `_tma_ok` allows."""
     varlen = cu_seqlens is not None
     q4, k4, v4 = _as_4d(q, varlen), _as_4d(k, varlen), _as_4d(v, varlen)
     B, Tq, Hq, D = q4.shape
     Tk, Hk = k4.shape[1], k4.shape[2]
     o = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
+    if tma is None:
+        tma = _tma_ok(q4, k4, v4, o)
+    if tma and q.is_cuda:
+        triton.set_allocator(_tma_allocator)
     lse = torch.empty((B, Hq, Tq), dtype=torch.float32, device=q.device)
     n_prog = len(cu_seqlens) - 1 if varlen else B
     rows = max_seqlen if varlen else Tq
     cu = cu_seqlens.to(torch.int32) if varlen else q4  # a dummy pointer when dense
     grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), n_prog * Hq)  # noqa: E731
     _attn_fwd_kernel[grid](
-        q4, k4, v4, o, lse, sinks if sinks is not None else q4, cu,
-        *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o.stride()[:3], lse.stride(0), lse.stride(1),
-        Hq, Hq // Hk, Tq, Tk, window or 0, sm_scale * LOG2E, _len_key(rows), Hq // Hk,
-        HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, SINK=sinks is not None, VARLEN=varlen,
+        q4,
+        k4,
+        v4,
+        o,
+        lse,
+        sinks if sinks is not None else q4,
+        cu,
+        *q4.stride()[:3],
+        *k4.stride()[:3],
+        *v4.stride()[:3],
+        *o.stride()[:3],
+        lse.stride(0),
+        lse.stride(1),
+        Hq,
+        Hq // Hk,
+        Tq,
+        Tk,
+        window or 0,
+        sm_scale * LOG2E,
+        _len_key(rows),
+        Hq // Hk,
+        HEAD_DIM=D,
+        CAUSAL=causal,
+        WINDOW=window is not None,
+        SINK=sinks is not None,
+        VARLEN=varlen,
+        TMA=tma,
     )
     return (o[0] if varlen else o), lse
 
@@ -566,23 +1070,77 @@ def attention_bwd(do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max
     cu = cu_seqlens.to(torch.int32) if varlen else q4
     delta = torch.empty_like(lse)
     _attn_bwd_preprocess_kernel[(triton.cdiv(Tq, 64), B * Hq)](
-        o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], delta.stride(0), delta.stride(1), Hq, Tq,
-        HEAD_DIM=D, BLOCK_M=64,
+        o4,
+        do4,
+        delta,
+        *o4.stride()[:3],
+        *do4.stride()[:3],
+        delta.stride(0),
+        delta.stride(1),
+        Hq,
+        Tq,
+        HEAD_DIM=D,
+        BLOCK_M=64,
     )
     dq = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k4.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v4.shape, dtype=v.dtype, device=v.device)
     flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, VARLEN=varlen)
-    common = (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *do4.stride()[:3], lse.stride(0), lse.stride(1))
+    common = (
+        *q4.stride()[:3],
+        *k4.stride()[:3],
+        *v4.stride()[:3],
+        *do4.stride()[:3],
+        lse.stride(0),
+        lse.stride(1),
+    )
     grid_kv = lambda meta: (triton.cdiv(cols, meta["BLOCK_N"]), n_prog * Hk)  # noqa: E731
     _attn_bwd_dkdv_kernel[grid_kv](
-        q4, k4, v4, do4, lse, delta, dk, dv, cu, *common, *dk.stride()[:3], *dv.stride()[:3],
-        Hk, Hq // Hk, Tq, Tk, window or 0, sm_scale * LOG2E, sm_scale, _len_key(rows), Hq // Hk, **flags,
+        q4,
+        k4,
+        v4,
+        do4,
+        lse,
+        delta,
+        dk,
+        dv,
+        cu,
+        *common,
+        *dk.stride()[:3],
+        *dv.stride()[:3],
+        Hk,
+        Hq // Hk,
+        Tq,
+        Tk,
+        window or 0,
+        sm_scale * LOG2E,
+        sm_scale,
+        _len_key(rows),
+        Hq // Hk,
+        **flags,
     )
     grid_q = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), n_prog * Hq)  # noqa: E731
     _attn_bwd_dq_kernel[grid_q](
-        q4, k4, v4, do4, lse, delta, dq, cu, *common, *dq.stride()[:3],
-        Hq, Hq // Hk, Tq, Tk, window or 0, sm_scale * LOG2E, sm_scale, _len_key(rows), Hq // Hk, **flags,
+        q4,
+        k4,
+        v4,
+        do4,
+        lse,
+        delta,
+        dq,
+        cu,
+        *common,
+        *dq.stride()[:3],
+        Hq,
+        Hq // Hk,
+        Tq,
+        Tk,
+        window or 0,
+        sm_scale * LOG2E,
+        sm_scale,
+        _len_key(rows),
+        Hq // Hk,
+        **flags,
     )
     if varlen:
         dq, dk, dv = dq[0], dk[0], dv[0]
@@ -602,7 +1160,9 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse, sinks, cu_seqlens = ctx.saved_tensors
         causal, sm_scale, window, max_seqlen = ctx.args
-        dq, dk, dv, delta = attention_bwd(do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max_seqlen)
+        dq, dk, dv, delta = attention_bwd(
+            do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max_seqlen
+        )
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             # The sink's probability exp(sink - lse) times its logit gradient (0 - Delta), summed over rows.
@@ -633,6 +1193,13 @@ def attention(
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens is not None else 0
         return FlashAttention.apply(q, k, v, sinks, cu_seqlens, max_seqlen, causal, scale, window)
     return attention_ref(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks,
-        attn_mask=attn_mask, cu_seqlens=cu_seqlens,
+        q,
+        k,
+        v,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window=window,
+        sinks=sinks,
+        attn_mask=attn_mask,
+        cu_seqlens=cu_seqlens,
     )

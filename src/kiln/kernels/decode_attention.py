@@ -32,6 +32,7 @@ from kiln.kernels.attention import LOG2E, attention_ref
 from kiln.kernels.dispatch import interpreting, use_triton
 
 CHUNK_ALIGN = 128  # split chunks are multiples of this, so every autotuned BLOCK_N divides them
+MAX_SPLITS = 128  # the reduction holds (splits, D) partials of one head in registers
 
 
 # ----------------------------------------------------------------------------------------- reference
@@ -42,8 +43,9 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, b: int, n: int) ->
     return cache[pages].reshape(-1, *cache.shape[2:])[:n]
 
 
-def decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, window=None,
-                         sinks=None) -> torch.Tensor:
+def decode_attention_ref(
+    q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, window=None, sinks=None
+) -> torch.Tensor:
     """Gathers each sequence's cache and runs the prefill reference with one (last-position) query."""
     out = torch.zeros_like(q)
     for b, n in enumerate(seq_lens.tolist()):
@@ -61,19 +63,49 @@ def decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, *, softmax_
 def _configs():
     if interpreting():
         return [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in
-            ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4))]
+    return [
+        triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
+        for n, w, s in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4))
+    ]
 
 
-@triton.autotune(_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE_SIZE", "SPLIT_KEY"],
-                 do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles))
+@triton.autotune(
+    _configs(),
+    key=["HEAD_DIM", "BLOCK_H", "PAGE_SIZE", "SPLIT_KEY"],
+    do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
+)
 @triton.jit
 def _decode_split_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, O_PART, LSE_PART,  # o_part (B, Hq, S, D), lse_part (B, Hq, S) fp32
-    stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_bt,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-    group, window, chunk, qk_scale, SPLIT_KEY,  # chunk: keys per split (a multiple of BLOCK_N)
-    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, WINDOW: tl.constexpr,
+    Q,
+    K_CACHE,
+    V_CACHE,
+    BLOCK_TABLE,
+    SEQ_LENS,
+    O_PART,
+    LSE_PART,  # o_part (B, Hq, S, D), lse_part (B, Hq, S) fp32
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    group,
+    window,
+    chunk,
+    qk_scale,
+    SPLIT_KEY,  # chunk: keys per split (a multiple of BLOCK_N)
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    WINDOW: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -91,8 +123,11 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     h = hk * group + offs_h
     h_ok = offs_h < group
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None],
-                other=0.0)
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + offs_d[None, :],
+        mask=h_ok[:, None],
+        other=0.0,
+    )
     table = BLOCK_TABLE + b.to(tl.int64) * stride_bt
     m_i = tl.zeros([BLOCK_H], tl.float32) - 1.0e30  # finite, so an empty split gives l = 0, not NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -102,10 +137,24 @@ def _decode_split_kernel(
         t_ok = t < hi
         page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
         slot = t % PAGE_SIZE
-        k = tl.load(K_CACHE + page[:, None] * stride_kp + slot[:, None] * stride_kt + hk * stride_kh + offs_d[None, :],
-                    mask=t_ok[:, None], other=0.0)
-        v = tl.load(V_CACHE + page[:, None] * stride_vp + slot[:, None] * stride_vt + hk * stride_vh + offs_d[None, :],
-                    mask=t_ok[:, None], other=0.0)
+        k = tl.load(
+            K_CACHE
+            + page[:, None] * stride_kp
+            + slot[:, None] * stride_kt
+            + hk * stride_kh
+            + offs_d[None, :],
+            mask=t_ok[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            V_CACHE
+            + page[:, None] * stride_vp
+            + slot[:, None] * stride_vt
+            + hk * stride_vh
+            + offs_d[None, :],
+            mask=t_ok[:, None],
+            other=0.0,
+        )
         s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_H, BLOCK_N), log2 units
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -117,16 +166,31 @@ def _decode_split_kernel(
     has = l_i > 0.0
     acc = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    o_ptrs = O_PART + b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    o_ptrs = (
+        O_PART + b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    )
     tl.store(o_ptrs, acc, mask=h_ok[:, None])
     tl.store(LSE_PART + b.to(tl.int64) * stride_lb + h * stride_lh + split, lse, mask=h_ok)
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    O_PART, LSE_PART, SINKS, OUT,  # out (B, Hq, D)
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-    Hq, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, SINK: tl.constexpr,
+    O_PART,
+    LSE_PART,
+    SINKS,
+    OUT,  # out (B, Hq, D)
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    stride_outb,
+    stride_outh,
+    Hq,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SINK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -134,8 +198,11 @@ def _decode_reduce_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     s_ok = offs_s < num_splits
     lse = tl.load(LSE_PART + b * stride_lb + h * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
-    o = tl.load(O_PART + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
-                mask=s_ok[:, None], other=0.0)  # (BLOCK_S, D)
+    o = tl.load(
+        O_PART + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
+        mask=s_ok[:, None],
+        other=0.0,
+    )  # (BLOCK_S, D)
     m = tl.maximum(tl.max(lse, 0), -1.0e30)
     if SINK:
         sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
@@ -156,12 +223,14 @@ def _sm_count(device: torch.device) -> int:
 
 def num_splits_for(batch: int, kv_heads: int, capacity: int, sm_count: int) -> tuple[int, int]:
     """(splits, chunk): enough (b, kv head, split) programs for ~4 waves of the GPU, chunks >= CHUNK_ALIGN."""
-    want = max(1, triton.cdiv(4 * sm_count, batch * kv_heads))
+    want = min(MAX_SPLITS, max(1, triton.cdiv(4 * sm_count, batch * kv_heads)))
     chunk = max(CHUNK_ALIGN, triton.cdiv(triton.cdiv(max(capacity, 1), want), CHUNK_ALIGN) * CHUNK_ALIGN)
     return triton.cdiv(max(capacity, 1), chunk), chunk
 
 
-def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, softmax_scale, window, sinks, num_splits):
+def decode_attention_triton(
+    q, k_cache, v_cache, block_table, seq_lens, softmax_scale, window, sinks, num_splits
+):
     B, Hq, D = q.shape
     _, page_size, Hk, _ = k_cache.shape
     capacity = block_table.shape[1] * page_size
@@ -169,23 +238,56 @@ def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, softmax_
         capacity = min(capacity, window)
     splits, chunk = num_splits_for(B, Hk, capacity, _sm_count(q.device))
     if num_splits is not None:  # an explicit count (tests use it to exercise the reduction)
+        if not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"decode_attention: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
         chunk = triton.cdiv(triton.cdiv(max(capacity, 1), num_splits), CHUNK_ALIGN) * CHUNK_ALIGN
         splits = triton.cdiv(max(capacity, 1), chunk)
     group = Hq // Hk
     o_part = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(B, Hk, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
-        *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1),
-        group, window or 0, chunk, softmax_scale * LOG2E, min(splits, 64),
-        HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)), WINDOW=window is not None,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        o_part,
+        lse_part,
+        q.stride(0),
+        q.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_table.stride(0),
+        *o_part.stride()[:3],
+        lse_part.stride(0),
+        lse_part.stride(1),
+        group,
+        window or 0,
+        chunk,
+        softmax_scale * LOG2E,
+        min(splits, 64),
+        HEAD_DIM=D,
+        PAGE_SIZE=page_size,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        WINDOW=window is not None,
     )
     out = torch.empty_like(q)
     _decode_reduce_kernel[(B, Hq)](
-        o_part, lse_part, sinks if sinks is not None else q, out, *o_part.stride()[:3], lse_part.stride(0),
-        lse_part.stride(1), out.stride(0), out.stride(1), Hq, splits,
-        HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(splits), SINK=sinks is not None,
+        o_part,
+        lse_part,
+        sinks if sinks is not None else q,
+        out,
+        *o_part.stride()[:3],
+        lse_part.stride(0),
+        lse_part.stride(1),
+        out.stride(0),
+        out.stride(1),
+        Hq,
+        splits,
+        HEAD_DIM=D,
+        BLOCK_S=triton.next_power_of_2(splits),
+        SINK=sinks is not None,
+        num_warps=8 if splits * D >= 4096 else 4,
     )
     return out
 
@@ -212,7 +314,9 @@ def decode_attention(
     B, Hq, D = q.shape
     Hk = k_cache.shape[2]
     if k_cache.shape[3] != D or Hq % Hk:
-        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit caches of (.., .., {Hk}, {k_cache.shape[3]})")
+        raise ValueError(
+            f"decode_attention: q {tuple(q.shape)} does not fit caches of (.., .., {Hk}, {k_cache.shape[3]})"
+        )
     if block_table.dim() != 2 or block_table.shape[0] != B or seq_lens.shape != (B,):
         raise ValueError(
             f"decode_attention: block_table must be ({B}, max_blocks) and seq_lens ({B},), got "
@@ -229,6 +333,9 @@ def decode_attention(
         q = q if q.stride(-1) == 1 else q.contiguous()
         if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
             raise ValueError("decode_attention: the caches' last dim must be contiguous")
-        return decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, window, sinks, num_splits)
-    return decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, softmax_scale=scale, window=window,
-                                sinks=sinks)
+        return decode_attention_triton(
+            q, k_cache, v_cache, block_table, seq_lens, scale, window, sinks, num_splits
+        )
+    return decode_attention_ref(
+        q, k_cache, v_cache, block_table, seq_lens, softmax_scale=scale, window=window, sinks=sinks
+    )

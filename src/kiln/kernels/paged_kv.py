@@ -39,10 +39,26 @@ def paged_kv_write_ref(k_cache, v_cache, k, v, slots) -> None:
 # ------------------------------------------------------------------------------------- Triton kernel
 @triton.jit
 def _paged_kv_write_kernel(
-    K, V, K_CACHE, V_CACHE, SLOTS,  # k, v (N, Hk, D); caches (num_blocks, block_size, Hk, D); slots (N,)
-    stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch,
-    Hk, D, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    K,
+    V,
+    K_CACHE,
+    V_CACHE,
+    SLOTS,  # k, v (N, Hk, D); caches (num_blocks, block_size, Hk, D); slots (N,)
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_kcp,
+    stride_kct,
+    stride_kch,
+    stride_vcp,
+    stride_vct,
+    stride_vch,
+    Hk,
+    D,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     i = tl.program_id(0)
     slot = tl.load(SLOTS + i).to(tl.int64)
@@ -69,9 +85,22 @@ def paged_kv_write_triton(k_cache, v_cache, k, v, slots) -> None:
     if N == 0:
         return
     _paged_kv_write_kernel[(N,)](
-        k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], Hk, D, PAGE_SIZE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(Hk), BLOCK_D=triton.next_power_of_2(D),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slots,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        Hk,
+        D,
+        PAGE_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(Hk),
+        BLOCK_D=triton.next_power_of_2(D),
     )
 
 
@@ -91,7 +120,9 @@ def paged_kv_write(
             f"got {tuple(k.shape)} and {tuple(v.shape)}"
         )
     if slots.shape != (k.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"paged_kv_write: slots must be ({k.shape[0]},) int32/int64, got {tuple(slots.shape)}")
+        raise ValueError(
+            f"paged_kv_write: slots must be ({k.shape[0]},) int32/int64, got {tuple(slots.shape)}"
+        )
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_kv_write: the caches' last dim must be contiguous")
     if use_triton(k_cache, v_cache, k, v, slots):

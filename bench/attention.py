@@ -1,0 +1,378 @@
+"""Attention benchmark on the H200: kiln's Triton FlashAttention and paged decode vs SDPA and FlexAttention.
+
+    python bench/attention.py --out bench/results/attention.json     # the H200 run (<= ~150 s)
+    python bench/attention.py --smoke --out /tmp/attention.json      # CPU: tiny shapes, interpreter
+
+Prefill/training grid (bf16, batch x seqlen = 16k tokens): seqlen 1k..16k, head dim 64 (32 heads) and
+128 (16 heads), causal and not, plus GQA 32q/8kv at head dim 128 causal. Each point measures kiln's
+forward and backward and, in the same process, SDPA's cuDNN and flash backends (backward timed alone,
+from a retained graph) and, while the time budget lasts, torch.compile'd flex_attention. FLOPs follow
+FlashAttention's convention: forward 4 B H Tq Tk D (halved when causal), backward 2.5x the forward.
+
+Decode: one query per sequence over a paged bf16 cache (page 16, shuffled block table), GQA 64q/8kv,
+head dim 128, at batch 64 x 4k and batch 1 x 64k context; the unit is K/V bytes read per second,
+against the copy bandwidth measured in the run (and PLATFORM.md's 4.27 TB/s), with SDPA on a dense,
+contiguous copy of the same cache as the peer.
+
+Every case is independent: an error is recorded in the JSON for that case and the run continues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEAK_COPY_TBPS = 4.27  # PLATFORM.md, device-to-device copy (read + write)
+PEAK_BF16_TFLOPS = 735.0  # PLATFORM.md, bf16 matmul 4096^3
+SEQLENS = (4096, 8192, 16384, 1024, 2048)  # the goal points (>= 4096) first
+TOKENS = 16384
+TIME_BUDGET_S = 140.0
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "attention.json"))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU through Triton's interpreter")
+    ap.add_argument(
+        "--no-flex", action="store_true", help="skip FlexAttention (its compiles dominate the time)"
+    )
+    return ap.parse_args()
+
+
+def prefill_cases(smoke: bool) -> list[dict]:
+    """The grid, goal points first: dicts of B, T, Hq, Hk, D, causal."""
+    if smoke:
+        return [dict(B=1, T=40, Hq=2, Hk=1, D=16, causal=c) for c in (True, False)]
+    cases = []
+    for T in SEQLENS:
+        for D in (128, 64):
+            for causal in (True, False):
+                H = 2048 // D
+                cases.append(dict(B=TOKENS // T, T=T, Hq=H, Hk=H, D=D, causal=causal))
+        cases.append(dict(B=TOKENS // T, T=T, Hq=32, Hk=8, D=128, causal=True))
+    return cases
+
+
+def decode_cases(smoke: bool) -> list[dict]:
+    if smoke:
+        return [dict(B=2, L=70, Hq=8, Hk=1, D=16, page=16)]
+    return [dict(B=64, L=4096, Hq=64, Hk=8, D=128, page=16), dict(B=1, L=65536, Hq=64, Hk=8, D=128, page=16)]
+
+
+def case_name(c: dict) -> str:
+    if "L" in c:
+        return f"decode_B{c['B']}_L{c['L']}_H{c['Hq']}kv{c['Hk']}_D{c['D']}_page{c['page']}"
+    return f"B{c['B']}_T{c['T']}_H{c['Hq']}kv{c['Hk']}_D{c['D']}_{'causal' if c['causal'] else 'full'}"
+
+
+def attn_flops(c: dict) -> float:
+    return 4.0 * c["B"] * c["Hq"] * c["T"] * c["T"] * c["D"] * (0.5 if c["causal"] else 1.0)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+class Bench:
+    """The run's clock, log and timer; every measurement goes through `measure`, which never raises."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def log(self, msg: str) -> None:
+        print(f"[{self.elapsed():6.1f}s] {msg}", flush=True)
+
+    def ms(self, fn) -> float:
+        if self.cuda:
+            import triton
+
+            return triton.testing.do_bench(fn, warmup=10, rep=30, return_mode="median")
+        t = time.perf_counter()  # smoke run: one call through the interpreter
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+    def measure(self, rec: dict, key: str, fn) -> float | None:
+        """Time fn into rec[key] (ms); on failure record the error instead and carry on."""
+        try:
+            ms = self.ms(fn)
+        except Exception as e:  # noqa: BLE001 - one failing case must not end the run
+            rec[key + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            self.log(f"  {rec.get('case')} {key} failed: {rec[key + '_error']}")
+            if os.environ.get("KILN_BENCH_TRACE"):
+                traceback.print_exc()
+            return None
+        rec[key] = round(ms, 4)
+        return ms
+
+
+def tflops(rec: dict) -> None:
+    """<impl>_<phase>_TFLOPs for every <impl>_<phase>_ms, and kiln's ratios to each peer."""
+    for key in list(rec):
+        for phase in ("fwd", "bwd"):
+            if key.endswith(f"_{phase}_ms") and rec[key]:
+                rec[key.removesuffix("_ms") + "_TFLOPs"] = round(rec[f"{phase}_flops"] / rec[key] / 1e9, 1)
+    for phase in ("fwd", "bwd"):
+        mine = rec.get(f"kiln_{phase}_TFLOPs")
+        if not mine:
+            continue
+        rec[f"kiln_{phase}_frac_bf16_peak"] = round(mine / PEAK_BF16_TFLOPS, 3)
+        for peer in ("cudnn", "flash", "flex"):
+            if rec.get(f"{peer}_{phase}_TFLOPs"):
+                rec[f"kiln_vs_{peer}_{phase}"] = round(mine / rec[f"{peer}_{phase}_TFLOPs"], 3)
+
+
+def prefill_case(bench: Bench, c: dict, rec: dict, dev: str, dtype, sdpa_backends: dict):
+    """kiln and SDPA forward/backward at one grid point; returns the tensors for the flex pass."""
+    import torch
+
+    from kiln.kernels.attention import attention, attention_fwd
+    from kiln.kernels.dispatch import use_backend
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    B, T, Hq, Hk, D, causal = c["B"], c["T"], c["Hq"], c["Hk"], c["D"], c["causal"]
+    q = torch.randn(B, T, Hq, D, device=dev, dtype=dtype, generator=g).requires_grad_()
+    k = torch.randn(B, T, Hk, D, device=dev, dtype=dtype, generator=g).requires_grad_()
+    v = torch.randn(B, T, Hk, D, device=dev, dtype=dtype, generator=g).requires_grad_()
+    do = torch.randn(B, T, Hq, D, device=dev, dtype=dtype, generator=g)
+    with use_backend("triton"):
+        bench.measure(rec, "kiln_fwd_ms", lambda: attention(q, k, v, causal=causal))
+        o = attention(q, k, v, causal=causal)
+        bench.measure(rec, "kiln_bwd_ms", lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
+    if bench.cuda and D == 128 and Hq == Hk and T in (4096, 16384):  # pointer loads instead of TMA
+        scale = D**-0.5
+        bench.measure(
+            rec,
+            "kiln_ptr_fwd_ms",
+            lambda: attention_fwd(q, k, v, causal, scale, None, None, None, 0, tma=False),
+        )
+    # SDPA takes (B, H, T, D): transposed views of the same memory, as a model would pass them.
+    qt, kt, vt, dot = (t.transpose(1, 2) for t in (q, k, v, do))
+    for name, backend in sdpa_backends.items():
+        from torch.nn.attention import sdpa_kernel
+
+        def sdpa(backend=backend):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt, vt, is_causal=causal, enable_gqa=Hq != Hk
+                )
+
+        if bench.measure(rec, f"{name}_fwd_ms", sdpa) is not None:
+            o_sdpa = sdpa()
+            bench.measure(
+                rec,
+                f"{name}_bwd_ms",
+                lambda o_sdpa=o_sdpa: torch.autograd.grad(o_sdpa, (q, k, v), dot, retain_graph=True),
+            )
+    tflops(rec)
+    return q, k, v, do
+
+
+def decode_case(bench: Bench, c: dict, rec: dict, dev: str, dtype, ceilings: dict) -> None:
+    import torch
+
+    from kiln.kernels.decode_attention import decode_attention
+    from kiln.kernels.dispatch import use_backend
+
+    B, L, Hq, Hk, D, page = c["B"], c["L"], c["Hq"], c["Hk"], c["D"], c["page"]
+    g = torch.Generator(device=dev).manual_seed(0)
+    blocks = -(-L // page)
+    pool = B * blocks
+    table = torch.randperm(pool, device=dev, generator=g).view(B, blocks).to(torch.int32)
+    k_cache = torch.randn(pool, page, Hk, D, device=dev, dtype=dtype, generator=g)
+    v_cache = torch.randn(pool, page, Hk, D, device=dev, dtype=dtype, generator=g)
+    q = torch.randn(B, Hq, D, device=dev, dtype=dtype, generator=g)
+    seq_lens = torch.full((B,), L, dtype=torch.int32, device=dev)
+    kv_bytes = 2 * B * L * Hk * D * k_cache.element_size()
+    rec["kv_bytes"] = kv_bytes
+    with use_backend("triton"):
+        ms = bench.measure(rec, "kiln_ms", lambda: decode_attention(q, k_cache, v_cache, table, seq_lens))
+    if ms:
+        rec["kiln_TBps"] = round(kv_bytes / ms / 1e9, 3)
+        rec["kiln_frac_copy_platform"] = round(rec["kiln_TBps"] / PEAK_COPY_TBPS, 3)
+        if "copy_TBps_measured" in ceilings:
+            rec["kiln_frac_copy_measured"] = round(rec["kiln_TBps"] / ceilings["copy_TBps_measured"], 3)
+    if bench.cuda:  # peer: SDPA over a dense, contiguous (B, Hk, L, D) copy of the same cache
+        k = k_cache[table.long()].reshape(B, -1, Hk, D)[:, :L].transpose(1, 2).contiguous()
+        v = v_cache[table.long()].reshape(B, -1, Hk, D)[:, :L].transpose(1, 2).contiguous()
+        qd = q[:, :, None]
+        ms = bench.measure(
+            rec,
+            "sdpa_dense_ms",
+            lambda: torch.nn.functional.scaled_dot_product_attention(qd, k, v, enable_gqa=True),
+        )
+        if ms:
+            rec["sdpa_dense_TBps"] = round(kv_bytes / ms / 1e9, 3)
+            if rec.get("kiln_TBps"):
+                rec["kiln_vs_sdpa_dense"] = round(rec["kiln_TBps"] / rec["sdpa_dense_TBps"], 3)
+
+
+def flex_case(bench: Bench, rec: dict, tensors, flex, create_block_mask) -> None:
+    import torch
+
+    q, k, v, do = tensors
+    qt, kt, vt, dot = (t.transpose(1, 2) for t in (q, k, v, do))
+
+    def causal_mask(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    T = rec["T"]
+    block_mask = create_block_mask(causal_mask, None, None, T, T, device="cuda") if rec["causal"] else None
+
+    def f():
+        return flex(qt, kt, vt, block_mask=block_mask, enable_gqa=rec["Hq"] != rec["Hk"])
+
+    t0 = bench.elapsed()
+    o = f()
+    torch.autograd.grad(o, (q, k, v), dot, retain_graph=True)  # compile the backward too
+    rec["flex_compile_s"] = round(bench.elapsed() - t0, 1)
+    bench.measure(rec, "flex_fwd_ms", f)
+    bench.measure(rec, "flex_bwd_ms", lambda: torch.autograd.grad(o, (q, k, v), dot, retain_graph=True))
+
+
+def flex_pass(bench: Bench, records: list[dict], tensors: dict) -> None:
+    """torch.compile'd flex_attention at the grid points, goal points first, until the time budget ends."""
+    import torch
+
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        # Each shape compiles anew; past the recompile limit dynamo would silently run flex eagerly.
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 64)
+        flex = torch.compile(flex_attention, dynamic=False)
+    except Exception as e:  # noqa: BLE001
+        for rec in records:
+            rec["flex"] = f"unavailable: {type(e).__name__}: {e}"
+        return
+    # One compile per (head dim, causality, GQA, length): goal points (hd128 causal, 4096) first.
+    order = sorted(records, key=lambda r: (not (r.get("D") == 128 and r.get("causal")), r.get("T") != 4096))
+    for rec in order:
+        if rec["case"] not in tensors:
+            continue
+        if bench.elapsed() > TIME_BUDGET_S - 20:  # a compile takes ~10-20 s: do not start one near the end
+            rec["flex"] = "skipped: time budget"
+            continue
+        try:
+            flex_case(bench, rec, tensors[rec["case"]], flex, create_block_mask)
+        except Exception as e:  # noqa: BLE001
+            rec["flex_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        tflops(rec)
+        bench.log(
+            f"{rec['case']}: flex {rec.get('flex_fwd_TFLOPs')}/{rec.get('flex_bwd_TFLOPs')} TFLOP/s "
+            f"(compile {rec.get('flex_compile_s')} s)"
+        )
+
+
+def main() -> None:
+    args = parse_args()
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if str(ROOT / "src") not in sys.path:
+        sys.path.insert(0, str(ROOT / "src"))
+    import torch
+    import triton
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    dev = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32  # bf16 tl.dot is broken in the interpreter
+    bench = Bench(cuda)
+    result = {
+        "area": "attention",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "gpu": torch.cuda.get_device_name(0) if cuda else "cpu (Triton interpreter, smoke run)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "smoke": args.smoke,
+        "ceilings": {"copy_TBps_platform": PEAK_COPY_TBPS, "bf16_mm_TFLOPs_platform": PEAK_BF16_TFLOPS},
+        "prefill": [],
+        "decode": [],
+    }
+
+    if cuda:  # the ceilings, re-measured in this run
+        x = torch.empty(2**30 // 2, dtype=torch.bfloat16, device=dev).normal_()
+        y = torch.empty_like(x)
+        ms = bench.ms(lambda: y.copy_(x))
+        result["ceilings"]["copy_TBps_measured"] = round(2 * x.numel() * 2 / ms / 1e9, 3)
+        del x, y
+        a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+        ms = bench.ms(lambda: a @ a)
+        result["ceilings"]["bf16_mm_TFLOPs_measured"] = round(2 * 4096**3 / ms / 1e9, 1)
+        del a
+        bench.log(f"ceilings {result['ceilings']}")
+
+    sdpa_backends = {}
+    if cuda:
+        from torch.nn.attention import SDPBackend
+
+        sdpa_backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    tensors = {}
+    for c in prefill_cases(args.smoke):
+        rec = {"case": case_name(c), **c, "fwd_flops": attn_flops(c), "bwd_flops": 2.5 * attn_flops(c)}
+        result["prefill"].append(rec)
+        if bench.elapsed() > TIME_BUDGET_S:
+            rec["skipped"] = "time budget"
+            continue
+        try:
+            tensors[rec["case"]] = prefill_case(bench, c, rec, dev, dtype, sdpa_backends)
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        bench.log(
+            f"{rec['case']}: kiln {rec.get('kiln_fwd_TFLOPs')}/{rec.get('kiln_bwd_TFLOPs')} "
+            f"cudnn {rec.get('cudnn_fwd_TFLOPs')}/{rec.get('cudnn_bwd_TFLOPs')} "
+            f"flash {rec.get('flash_fwd_TFLOPs')}/{rec.get('flash_bwd_TFLOPs')} TFLOP/s (fwd/bwd)"
+            + (
+                f"; kiln pointer-load fwd {rec.get('kiln_ptr_fwd_TFLOPs')}"
+                if "kiln_ptr_fwd_ms" in rec
+                else ""
+            )
+        )
+
+    for c in decode_cases(args.smoke):
+        rec = {"case": case_name(c), **c}
+        result["decode"].append(rec)
+        try:
+            decode_case(bench, c, rec, dev, dtype, result["ceilings"])
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        bench.log(
+            f"{rec['case']}: kiln {rec.get('kiln_TBps')} TB/s ({rec.get('kiln_frac_copy_platform')} of "
+            f"{PEAK_COPY_TBPS}), sdpa dense {rec.get('sdpa_dense_TBps')} TB/s"
+        )
+
+    if cuda and not args.no_flex:
+        flex_pass(bench, result["prefill"], tensors)
+    else:
+        for rec in result["prefill"]:
+            rec["flex"] = "skipped: " + ("--no-flex" if cuda else "needs CUDA")
+
+    result["wall_s"] = round(bench.elapsed(), 1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    bench.log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
