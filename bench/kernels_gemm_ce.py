@@ -330,7 +330,7 @@ def bench_lce() -> None:
         out = {}
         default = ce.CHUNK_BYTES
         try:
-            for mib in (160, 320, 480, 640):
+            for mib in (320, 440, 560, 640):
                 ce.CHUNK_BYTES = mib * 2**20
                 f = step(ours)
                 out[f"{mib}MiB"] = {"ms": ms(f), "peak_gib": peak_gib(f)}

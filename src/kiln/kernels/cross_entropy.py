@@ -235,17 +235,21 @@ class CrossEntropy(torch.autograd.Function):
 
 
 def _chunk_rows(N: int, V: int, itemsize: int, chunk_bytes: int) -> int:
-    """Tokens per chunk: as many as keep one chunk of logits under chunk_bytes, a multiple of 128
-    (GEMM tiles), at least 1."""
-    rows = max(1, chunk_bytes // max(1, V * itemsize))
+    """Tokens per chunk: the fewest chunks that keep one chunk of logits near chunk_bytes, split evenly
+    (a ragged small last chunk runs its GEMMs inefficiently), rounded up to a multiple of 128 (GEMM tiles)."""
+    if N == 0:
+        return 1
+    chunks = max(1, -(-N * V * itemsize // max(1, chunk_bytes)))
+    rows = -(-N // chunks)
     if rows >= 128:
-        rows = rows // 128 * 128
-    return min(rows, max(N, 1))
+        rows = -(-rows // 128) * 128
+    return min(rows, N)
 
 
-# One chunk of bf16 logits at 8192 x 151936 is 1024 rows = 297 MiB: big enough that the three GEMMs per
-# chunk run near cuBLAS's peak, small enough that the peak stays under 1 GiB with dweight (445 MiB).
-CHUNK_BYTES = 320 * 2**20
+# 8192 x 151936 bf16 logits (2.3 GiB) go in 6 chunks of 1408 tokens (408 MiB each): big enough that the
+# three GEMMs of a chunk run near cuBLAS's peak (dhidden's has 11 x 12 output tiles of 128), small enough
+# that the peak stays under 1 GiB beside dweight (445 MiB).
+CHUNK_BYTES = 440 * 2**20
 
 
 def linear_cross_entropy_chunks(
