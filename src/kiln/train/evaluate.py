@@ -30,20 +30,25 @@ def evaluate(
     byte_lengths: torch.Tensor,
     device: torch.device,
 ) -> dict[str, float]:
-    """`loss_fn(x, y)` returns the summed nats over targets that are not -100."""
-    nats = 0.0
-    n_bytes = 0
-    n_tokens = 0
+    """`loss_fn(x, y)` returns the summed nats over targets that are not -100.
+
+    Under torchrun each rank evaluates its own slice of the validation batches and the sums are
+    all-reduced, so every rank returns the figures of the whole validation set.
+    """
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # nats, bytes, tokens
     for x, y in batches:
         nb = byte_lengths[y]
         y = y.masked_fill(nb == 0, -100)
-        nats += float(loss_fn(x.to(device), y.to(device)))
-        n_bytes += int(nb.sum())
-        n_tokens += int((nb > 0).sum())
+        sums[0] += loss_fn(x.to(device), y.to(device)).double()
+        sums[1] += int(nb.sum())
+        sums[2] += int((nb > 0).sum())
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(sums)
+    nats, n_bytes, n_tokens = sums.tolist()
     return {
-        "val_loss": nats / max(1, n_tokens),
-        "val_bpb": nats / (math.log(2) * max(1, n_bytes)),
-        "val_tokens": n_tokens,
+        "val_loss": nats / max(1.0, n_tokens),
+        "val_bpb": nats / (math.log(2) * max(1.0, n_bytes)),
+        "val_tokens": int(n_tokens),
     }
 
 

@@ -42,10 +42,9 @@ def _say(env: DistEnv, msg: str) -> None:
         print(msg, flush=True)
 
 
-def prepare_tokenizer_and_data(
-    cfg: RunConfig, run_dir: Path, env: DistEnv, progress: bool = True
-) -> Tokenizer:
-    """Stages 1-3, on rank 0: read the corpus, train the tokenizer, write the shards (or reuse them)."""
+def prepare_tokenizer_and_data(cfg: RunConfig, run_dir: Path, progress: bool = True) -> None:
+    """Stages 1-3 (rank 0): read the corpus, train the tokenizer, write the shards, or reuse them."""
+    env = DistEnv()
     stages = {"data": to_dict(cfg.data), "tokenizer": to_dict(cfg.tokenizer)}
     stages_path = run_dir / "stages.json"
     tok_dir, data_dir = run_dir / "tokenizer", run_dir / "data"
@@ -56,11 +55,7 @@ def prepare_tokenizer_and_data(
     )
     if done:
         _say(env, f"[1-3/5] reusing the tokenizer and token shards in {run_dir}")
-        return Tokenizer.load(tok_dir)
-    if not env.is_main:
-        raise KilnError(
-            "data preparation runs on rank 0: run `kiln run` once on one process, then launch torchrun"
-        )
+        return
     t0 = time.perf_counter()
     src = cfg.data.path or "the bundled corpus (Python stdlib sources + pydoc_data)"
     _say(env, f"[1/5] reading {src}")
@@ -105,7 +100,6 @@ def prepare_tokenizer_and_data(
         f"{tr['bytes'] / max(1, tr['tokens']):.2f} bytes/token ({time.perf_counter() - t0:.1f}s)",
     )
     stages_path.write_text(json.dumps(stages, indent=2))
-    return tok
 
 
 def _shard_paths(data_dir: Path, meta: dict, split: str) -> list[Path]:
@@ -140,9 +134,11 @@ def run(cfg: RunConfig, resume: bool = False, progress: bool = True, stop_at: in
         print(format_config(cfg), flush=True)
 
     t0 = time.perf_counter()
-    tok = prepare_tokenizer_and_data(cfg, run_dir, env, progress)
+    if env.is_main:  # other ranks wait for rank 0 to write the tokenizer and shards, then read them
+        prepare_tokenizer_and_data(cfg, run_dir, progress)
     if env.distributed:
         torch.distributed.barrier()
+    tok = Tokenizer.load(run_dir / "tokenizer")
     timings["data_and_tokenizer_s"] = time.perf_counter() - t0
     if tok.n_vocab != cfg.model.vocab_size:
         raise KilnError(
@@ -159,12 +155,24 @@ def run(cfg: RunConfig, resume: bool = False, progress: bool = True, stop_at: in
         rank=env.rank,
         world_size=env.world_size,
     )
-    val_loader = TokenLoader(_shard_paths(data_dir, meta, "val"), tc.batch_size, tc.seq_len, shuffle=False)
+    # the validation set is the first eval_batches global batches; each rank evaluates its slice
+    val_loader = TokenLoader(
+        _shard_paths(data_dir, meta, "val"),
+        tc.batch_size,
+        tc.seq_len,
+        shuffle=False,
+        rank=env.rank,
+        world_size=env.world_size,
+    )
     val_batches = [val_loader.next_batch() for _ in range(min(tc.eval_batches, val_loader.batches_per_epoch))]
     byte_lengths = token_byte_lengths(tok)
+    # the unigram baseline on the same (global) validation windows
+    whole_val = TokenLoader(
+        _shard_paths(data_dir, meta, "val"), tc.batch_size * env.world_size, tc.seq_len, shuffle=False
+    )
     baseline = unigram_bpb(
         np.concatenate([read_shard(p) for p in _shard_paths(data_dir, meta, "train")]),
-        torch.cat([y.flatten() for _, y in val_batches]).numpy(),
+        torch.cat([whole_val.next_batch()[1].flatten() for _ in val_batches]).numpy(),
         byte_lengths,
     )
 
