@@ -7,7 +7,8 @@ survives. Draws use the exponential-race trick (argmax of p / Exp(1)), which nee
 and no cumulative sampling, so a fused kernel can reproduce it.
 
 The Triton kernel (one program per row) never sorts the vocabulary. It finds each cut as a threshold
-value by bisection over the float32 bit patterns (ordered as integers), each step one pass over the row:
+value by a 17-ary search over the float32 bit patterns (ordered as integers): each pass over the row
+counts against 16 cut points at once, so 32 bits take about 8 passes:
   top-k: the largest t with #{j : z_j >= t} >= k; this is the k-th largest value, so z_j >= t is the
          same set as the reference's `z >= topk(z, k).values[-1]`.
   top-p: the smallest t with mass{i : z_i > t} < top_p; a token survives iff the probability mass
@@ -16,7 +17,7 @@ value by bisection over the float32 bit patterns (ordered as integers), each ste
 Then one pass computes the softmax of the survivors and one the argmax of p / noise. With the same
 exponential noise, the kernel and `sample_ref` pick the same token (up to ties within float rounding);
 `sample` draws the noise exactly as the reference does, so one generator state gives one answer on
-both paths. Cost: about 34 passes over the row per cut (L2-resident at decode batch sizes), a few for
+both paths. Cost: about 9 passes over the row per cut (L2-resident at decode batch sizes), two for
 plain temperature sampling, one for greedy.
 """
 
@@ -97,11 +98,14 @@ def _sample_kernel(
     GREEDY: tl.constexpr,
     TOP_K: tl.constexpr,
     TOP_P: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,  # columns per step of the plain passes
+    SEARCH_BLOCK: tl.constexpr,  # columns per step of the threshold searches, which hold SPLITS per column
+    SPLITS: tl.constexpr,  # cut points tried per search pass: the range shrinks (SPLITS + 1)-fold per pass
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = Z_ptr + row * z_stride
     cols = tl.arange(0, BLOCK)
+    search_cols = tl.arange(0, SEARCH_BLOCK)
     if GREEDY:
         # argmax of the raw logits; strict > across blocks and tl.argmax within one keep the first index
         best = -float("inf")
@@ -124,33 +128,36 @@ def _sample_kernel(
                 lo = tl.minimum(lo, tl.min(tl.where(valid, k, KEY_POS_INF), axis=0))
                 hi = tl.maximum(hi, tl.max(tl.where(valid, k, KEY_NEG_INF), axis=0))
             hi += 1
-            # invariant: #{z >= lo} >= top_k > #{z >= hi}
+            # invariant: #{z >= lo} >= top_k > #{z >= hi}; each pass tries SPLITS cut points at once
+            splits = tl.arange(0, SPLITS) + 1
             while hi - lo > 1:
-                mid = lo + (hi - lo) // 2
-                n = 0
-                for start in range(0, V, BLOCK):
-                    k = _key(_scaled_row(z_row, start + cols, V, temperature, cut))
-                    n += tl.sum(((k >= mid) & (start + cols < V)).to(tl.int32), axis=0)
-                if n >= top_k:
-                    lo = mid
-                else:
-                    hi = mid
+                t = lo + ((hi - lo) * splits + SPLITS) // (SPLITS + 1)  # (SPLITS,) increasing, in (lo, hi]
+                n = tl.zeros((SPLITS,), tl.int32)
+                for start in range(0, V, SEARCH_BLOCK):
+                    c = start + search_cols
+                    k = _key(_scaled_row(z_row, c, V, temperature, cut))
+                    hit = (k[:, None] >= t[None, :]) & (c < V)[:, None]  # (SEARCH_BLOCK, SPLITS)
+                    n += tl.sum(hit.to(tl.int32), axis=0)
+                ok = n >= top_k  # true for a prefix of the cut points
+                lo = tl.max(tl.where(ok, t, lo), axis=0)
+                hi = tl.min(tl.where(ok, hi, t), axis=0)
             cut = _unkey(lo)
         if TOP_P:
             m, s = _max_sumexp(z_row, V, temperature, cut, BLOCK)
             lo = tl.full((), KEY_NEG_INF, tl.int64)  # invariant: mass above lo >= top_p > mass above hi
             hi = _key(m)
+            splits = tl.arange(0, SPLITS) + 1
             while hi - lo > 1:
-                mid = lo + (hi - lo) // 2
-                t = _unkey(mid)
-                mass = 0.0
-                for start in range(0, V, BLOCK):
-                    z = _scaled_row(z_row, start + cols, V, temperature, cut)
-                    mass += tl.sum(tl.where(z > t, tl.exp(z - m), 0.0), axis=0)
-                if mass / s < top_p:
-                    hi = mid
-                else:
-                    lo = mid
+                t = lo + ((hi - lo) * splits + SPLITS) // (SPLITS + 1)
+                tf = _unkey(t)
+                mass = tl.zeros((SPLITS,), tl.float32)
+                for start in range(0, V, SEARCH_BLOCK):
+                    z = _scaled_row(z_row, start + search_cols, V, temperature, cut)
+                    e = tl.exp(z - m)
+                    mass += tl.sum(tl.where(z[:, None] > tf[None, :], e[:, None], 0.0), axis=0)
+                ok = mass / s < top_p  # true for a suffix of the cut points
+                hi = tl.min(tl.where(ok, t, hi), axis=0)
+                lo = tl.max(tl.where(ok, lo, t), axis=0)
             cut = _unkey(hi)
         # exponential race: argmax_j softmax(z)_j / noise_j over the survivors
         m, s = _max_sumexp(z_row, V, temperature, cut, BLOCK)
@@ -219,7 +226,8 @@ def sample_with_noise(
     _sample_kernel[(B,)](
         logits, logits.stride(0), noise, noise.stride(0), out, V,
         float(temperature) if not greedy else 1.0, int(top_k) if use_k else 0, float(top_p) if use_p else 1.0,
-        GREEDY=greedy, TOP_K=use_k and not greedy, TOP_P=use_p and not greedy, BLOCK=block, num_warps=8,
+        GREEDY=greedy, TOP_K=use_k and not greedy, TOP_P=use_p and not greedy, BLOCK=block,
+        SEARCH_BLOCK=min(block, 512), SPLITS=16, num_warps=8,
     )  # fmt: skip
     return out
 
