@@ -326,16 +326,18 @@ def bench_lce() -> None:
 
     record("linear_cross_entropy", "forward+backward", {"T": T, "H": H, "V": V, "dtype": str(dt)}, run)
 
-    def sweep():  # chunk budget vs time and memory, to pick the default
+    def sweep():  # chunk budget and row-program count vs time and memory, to pick the defaults
         out = {}
-        default = ce.CHUNK_BYTES
+        default = ce.CHUNK_BYTES, ce.ROW_PROGRAMS
+        sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 2
         try:
-            for mib in (320, 440, 560, 640):
-                ce.CHUNK_BYTES = mib * 2**20
+            for mib, progs in [(320, None), (440, None), (560, None), (640, None), (440, sms), (440, 2 * sms),
+                               (440, 4 * sms)]:  # fmt: skip
+                ce.CHUNK_BYTES, ce.ROW_PROGRAMS = mib * 2**20, progs
                 f = step(ours)
-                out[f"{mib}MiB"] = {"ms": ms(f), "peak_gib": peak_gib(f)}
+                out[f"{mib}MiB programs={progs}"] = {"ms": ms(f), "peak_gib": peak_gib(f)}
         finally:
-            ce.CHUNK_BYTES = default
+            ce.CHUNK_BYTES, ce.ROW_PROGRAMS = default
         return {"chunks": out}
 
     if within_budget():

@@ -59,6 +59,19 @@ def test_linear_cross_entropy_matches_float64(N, H, V, dtype, has_bias, ignore_i
     _run(hidden, weight, targets, bias, ignore_index, eps, reduction, dtype)
 
 
+def test_linear_cross_entropy_fewer_programs_than_rows(device, monkeypatch):
+    """The row-striding grid (ROW_PROGRAMS, an L2 tuning knob) computes the same thing."""
+    monkeypatch.setattr(ce, "ROW_PROGRAMS", 3)
+    monkeypatch.setattr(ce, "CHUNK_BYTES", 8 * 40 * 4)
+    gen = torch.Generator().manual_seed(5)
+    hidden, weight = (
+        torch.randn(11, 16, generator=gen).to(device),
+        torch.randn(40, 16, generator=gen).to(device),
+    )
+    targets = torch.randint(0, 40, (11,), generator=gen).to(device)
+    _run(hidden, weight, targets, None, -100, 0.1, "mean", torch.float32)
+
+
 def test_linear_cross_entropy_strided_inputs(device):
     """hidden as a transposed view, weight as a column slice of a wider matrix."""
     gen = torch.Generator().manual_seed(3)

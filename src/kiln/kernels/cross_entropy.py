@@ -79,6 +79,7 @@ def _cross_entropy_kernel(
     g_col_stride,
     S_ptr,  # float32 gradient scale per row at S_ptr + i * s_stride (s_stride 0: one scalar for all)
     s_stride,
+    N,  # rows
     V,  # vocabulary size
     ignore_index,
     eps,  # label smoothing
@@ -87,45 +88,48 @@ def _cross_entropy_kernel(
     SMOOTH: tl.constexpr,  # eps > 0: also needs sum_j z_j
     BLOCK: tl.constexpr,  # vocabulary columns per step
 ):
-    row = tl.program_id(0).to(tl.int64)  # int64: row * stride overflows int32 at 8192 x 151936
-    z_row = Z_ptr + row * z_row_stride
-    t = tl.load(T_ptr + row).to(tl.int64)
-    valid = t != ignore_index
-    cols = tl.arange(0, BLOCK)
-    if FORWARD:
-        # Online logsumexp with one scalar max per block: one exp per element (the SFU is the
-        # bottleneck next to HBM on the H200 if every lane keeps its own running max).
-        m = -3.0e38  # finite, so a block of only -inf (masked vocabulary) gives exp(0), not nan
-        s = 0.0
-        z_sum = 0.0
-        for start in range(0, V, BLOCK):
-            c = start + cols
-            mask = c < V
-            z = tl.load(z_row + c * z_col_stride, mask=mask, other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-            m = m_new
+    # Programs stride over the rows: grid N gives one row each; a smaller grid keeps fewer rows in
+    # flight, so a row read by the first pass may still be in L2 for the gradient pass.
+    for r in range(tl.program_id(0), N, tl.num_programs(0)):
+        row = tl.cast(r, tl.int64)  # int64: row * stride overflows int32 at 8192 x 151936
+        z_row = Z_ptr + row * z_row_stride
+        t = tl.load(T_ptr + row).to(tl.int64)
+        valid = t != ignore_index
+        cols = tl.arange(0, BLOCK)
+        if FORWARD:
+            # Online logsumexp with one scalar max per block: one exp per element (the SFU is the
+            # bottleneck next to HBM on the H200 if every lane keeps its own running max).
+            m = -3.0e38  # finite, so a block of only -inf (masked vocabulary) gives exp(0), not nan
+            s = 0.0
+            z_sum = 0.0
+            for start in range(0, V, BLOCK):
+                c = start + cols
+                mask = c < V
+                z = tl.load(z_row + c * z_col_stride, mask=mask, other=-float("inf")).to(tl.float32)
+                m_new = tl.maximum(m, tl.max(z, axis=0))
+                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+                m = m_new
+                if SMOOTH:
+                    z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+            lse = m + tl.log(s)
+            z_t = tl.load(z_row + t * z_col_stride, mask=valid, other=0.0).to(tl.float32)
+            loss = lse - (1.0 - eps) * z_t
             if SMOOTH:
-                z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
-        lse = m + tl.log(s)
-        z_t = tl.load(z_row + t * z_col_stride, mask=valid, other=0.0).to(tl.float32)
-        loss = lse - (1.0 - eps) * z_t
-        if SMOOTH:
-            loss -= eps * z_sum / V
-        tl.store(Loss_ptr + row, tl.where(valid, loss, 0.0))
-        tl.store(Lse_ptr + row, lse)
-    else:
-        lse = tl.load(Lse_ptr + row)
-    if WRITE_GRAD:
-        scale = tl.where(valid, tl.load(S_ptr + row * s_stride), 0.0)
-        g_row = G_ptr + row * g_row_stride
-        for start in range(0, V, BLOCK):
-            c = start + cols
-            mask = c < V
-            z = tl.load(z_row + c * z_col_stride, mask=mask, other=0.0).to(tl.float32)
-            g = tl.exp(z - lse) - eps / V
-            g = tl.where(c == t, g - (1.0 - eps), g)
-            tl.store(g_row + c * g_col_stride, (g * scale).to(G_ptr.dtype.element_ty), mask=mask)
+                loss -= eps * z_sum / V
+            tl.store(Loss_ptr + row, tl.where(valid, loss, 0.0))
+            tl.store(Lse_ptr + row, lse)
+        else:
+            lse = tl.load(Lse_ptr + row)
+        if WRITE_GRAD:
+            scale = tl.where(valid, tl.load(S_ptr + row * s_stride), 0.0)
+            g_row = G_ptr + row * g_row_stride
+            for start in range(0, V, BLOCK):
+                c = start + cols
+                mask = c < V
+                z = tl.load(z_row + c * z_col_stride, mask=mask, other=0.0).to(tl.float32)
+                g = tl.exp(z - lse) - eps / V
+                g = tl.where(c == t, g - (1.0 - eps), g)
+                tl.store(g_row + c * g_col_stride, (g * scale).to(G_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(x: torch.Tensor, targets: torch.Tensor, label_smoothing: float, reduction: str, what: str) -> None:
@@ -186,7 +190,7 @@ def cross_entropy_grad(
     return grad
 
 
-def _launch(logits, targets, loss, lse, grad, scale, ignore_index, eps, forward: bool) -> None:
+def _launch(logits, targets, loss, lse, grad, scale, ignore_index, eps, forward: bool, programs=None) -> None:
     N, V = logits.shape
     if N == 0:
         return
@@ -194,10 +198,10 @@ def _launch(logits, targets, loss, lse, grad, scale, ignore_index, eps, forward:
     write = grad is not None
     g = grad if write else logits
     s = scale.float().reshape(-1) if write else lse
-    _cross_entropy_kernel[(N,)](
+    _cross_entropy_kernel[(N if programs is None else max(1, min(N, programs)),)](
         logits, logits.stride(0), logits.stride(1), targets, loss, lse,
         g, g.stride(0), g.stride(1), s, 0 if s.numel() == 1 else s.stride(0),
-        V, ignore_index, float(eps),
+        N, V, ignore_index, float(eps),
         FORWARD=forward, WRITE_GRAD=write, SMOOTH=eps > 0, BLOCK=block, num_warps=warps,
     )  # fmt: skip
 
@@ -250,6 +254,9 @@ def _chunk_rows(N: int, V: int, itemsize: int, chunk_bytes: int) -> int:
 # three GEMMs of a chunk run near cuBLAS's peak (dhidden's has 11 x 12 output tiles of 128), small enough
 # that the peak stays under 1 GiB beside dweight (445 MiB).
 CHUNK_BYTES = 440 * 2**20
+# Programs for the chunk's loss + gradient kernel (None: one per row). A grid of a few per SM keeps the
+# rows being worked on (304 KiB each at V = 151936) within L2 between the two passes over them.
+ROW_PROGRAMS: int | None = None
 
 
 def linear_cross_entropy_chunks(
@@ -286,7 +293,7 @@ def linear_cross_entropy_chunks(
         if grads:
             s = scale if scale.numel() == 1 else scale[start:end]
         _launch(z, targets[start:end].contiguous(), loss[start:end], lse[start:end],
-                z if grads else None, s, ignore_index, eps, forward=True)  # fmt: skip
+                z if grads else None, s, ignore_index, eps, forward=True, programs=ROW_PROGRAMS)  # fmt: skip
         if not grads:
             continue
         # z now holds dloss/dz for this chunk (c, V), written over its logits.
