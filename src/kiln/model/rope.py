@@ -116,7 +116,7 @@ class RotaryTables:
 
     Tables are built per call only for the positions in use: angles (B, T, D/2) = positions * inv_freq
     (the fp32 product transformers forms too), flattened to (B*T, D/2) tables that `apply_rope` indexes
-    with arange(B*T). That keeps the model free of dtype-sensitive buffers and of host syncs.
+    with arange(B*T) (one row of T when the positions are one row expanded over the batch). That keeps the model free of dtype-sensitive buffers and of host syncs.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -132,12 +132,15 @@ class RotaryTables:
         return self._static[dev]
 
     def __call__(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """position_ids (B, T) -> cos, sin (B*T, D/2) float32 and the index (B, T) into them."""
+        """position_ids (B, T) -> cos, sin (R, D/2) float32 and the index (B, T) into their rows."""
         inv_freq, scale = self._freqs(position_ids)
         B, T = position_ids.shape
-        ang = position_ids.float().unsqueeze(-1) * inv_freq  # (B, T, D/2)
+        shared = B > 1 and position_ids.stride(0) == 0  # one row expanded over the batch (the default)
+        pos = position_ids[:1] if shared else position_ids
+        ang = pos.float().unsqueeze(-1) * inv_freq  # (B or 1, T, D/2)
         cos, sin = ang.cos(), ang.sin()
         if scale != 1.0:
             cos, sin = cos * scale, sin * scale
-        index = torch.arange(B * T, device=position_ids.device).view(B, T)
-        return cos.view(B * T, -1), sin.view(B * T, -1), index
+        rows = torch.arange(pos.numel(), device=pos.device).view(pos.shape)
+        index = rows.expand(B, T) if shared else rows
+        return cos.view(-1, cos.shape[-1]), sin.view(-1, sin.shape[-1]), index
