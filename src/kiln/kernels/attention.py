@@ -145,22 +145,21 @@ def _bench(fn, quantiles):
 
 
 _SMALL, _MID, _BIG = (16, 32, 64), (128,), (256,)
+# Few configs per head dim: each costs a compile (seconds) the first time a kernel variant runs.
 _FWD_SPACE = [
     (128, 64, 4, 3, _SMALL),
     (128, 128, 8, 3, _SMALL),
-    (128, 64, 4, 3, _MID),
     (128, 64, 8, 3, _MID),
-    (128, 128, 8, 3, _MID),
+    (128, 64, 8, 4, _MID),
     (128, 128, 8, 2, _MID),
     (64, 64, 4, 2, _BIG),
     (128, 64, 8, 2, _BIG),
 ]
-# dK/dV: BLOCK_M is the query block streamed, BLOCK_N the key block a program owns.
+# dK/dV: BLOCK_M is the query block streamed, BLOCK_N the key block a program owns (dK, dV accumulators
+# of BLOCK_N x D fp32 each live in registers, which bounds BLOCK_N x D per warp).
 _DKDV_SPACE = [
     (32, 128, 4, 3, _SMALL),
     (64, 128, 8, 3, _SMALL),
-    (64, 64, 4, 3, _SMALL),
-    (32, 128, 8, 2, _MID),
     (64, 128, 8, 2, _MID),
     (64, 64, 4, 3, _MID),
     (32, 64, 4, 2, _BIG),
@@ -169,11 +168,9 @@ _DKDV_SPACE = [
 # dQ: BLOCK_M is the query block a program owns, BLOCK_N the key block streamed.
 _DQ_SPACE = [
     (128, 64, 8, 3, _SMALL),
-    (64, 64, 4, 3, _SMALL),
     (128, 32, 4, 3, _SMALL),
     (128, 64, 8, 2, _MID),
     (64, 64, 4, 3, _MID),
-    (128, 32, 8, 3, _MID),
     (64, 32, 4, 2, _BIG),
     (64, 64, 8, 2, _BIG),
 ]
@@ -181,6 +178,8 @@ _KEY = ["HEAD_DIM", "CAUSAL", "WINDOW", "LEN_KEY", "GQA_KEY"]
 
 
 # ------------------------------------------------------------------------------------ Triton kernels
+# fmt: off
+# (Kernel signatures keep one line per group of related arguments, each with its comment.)
 @triton.jit
 def _doc_bounds(CU_SEQLENS, b, Tq, Tk, VARLEN: tl.constexpr):
     """(first packed row, Tq, Tk) of document b; dense batches start at row 0 of their own slice."""
@@ -193,16 +192,8 @@ def _doc_bounds(CU_SEQLENS, b, Tq, Tk, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _key_ranges(
-    m0,
-    Tq,
-    Tk,
-    window,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-):
+def _key_ranges(m0, Tq, Tk, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                WINDOW: tl.constexpr):
     """Key ranges [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked for the
     query block starting at row m0 (absolute positions are row + Tk - Tq); multiples of BLOCK_N."""
     pmin = m0 + Tk - Tq
@@ -211,10 +202,10 @@ def _key_ranges(
     hi = Tk
     full_lo = 0
     full_hi = Tk // BLOCK_N * BLOCK_N
-    if CAUSAL:
+    if CAUSAL:  # keys past the last row's position are never seen; below the first row's, always
         hi = tl.minimum(Tk, pmax + 1)
         full_hi = tl.minimum(full_hi, tl.maximum(pmin + 1, 0) // BLOCK_N * BLOCK_N)
-    if WINDOW:
+    if WINDOW:  # keys at or before pmin - W are never seen; after pmax - W, always
         lo = tl.maximum(pmin - window + 1, 0) // BLOCK_N * BLOCK_N
         full_lo = tl.cdiv(tl.maximum(pmax - window + 1, 0), BLOCK_N) * BLOCK_N
     hi = tl.maximum(hi, lo)
@@ -224,16 +215,8 @@ def _key_ranges(
 
 
 @triton.jit
-def _query_ranges(
-    n0,
-    Tq,
-    Tk,
-    window,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-):
+def _query_ranges(n0, Tq, Tk, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                  WINDOW: tl.constexpr):
     """Query-row ranges (masked, unmasked, masked) that see the key block starting at n0."""
     off = Tk - Tq
     lo = 0
@@ -266,16 +249,8 @@ def _allowed(qpos, kpos, Tk, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr)
 
 
 @triton.jit
-def _load_rows(
-    src,
-    row0,
-    n_rows,
-    stride_t,
-    HEAD_DIM: tl.constexpr,
-    ROWS: tl.constexpr,
-    MASK: tl.constexpr,
-    TMA: tl.constexpr,
-):
+def _load_rows(src, row0, n_rows, stride_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, MASK: tl.constexpr,
+               TMA: tl.constexpr):
     """Rows [row0, row0 + ROWS) of a (n_rows, HEAD_DIM) matrix: a TMA load through a tensor descriptor
     (out-of-range rows read as zero), or pointer loads from base `src` (masked only when MASK)."""
     if TMA:
@@ -290,35 +265,17 @@ def _load_rows(
 
 
 @triton.jit
-def _fwd_inner(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_src,
-    v_src,
-    stride_kt,
-    stride_vt,
-    start,
-    end,
-    qpos,
-    Tk,
-    window,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    TMA: tl.constexpr,
-):
+def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, start, end, qpos, Tk, window, qk_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+               WINDOW: tl.constexpr, TMA: tl.constexpr):
+    """Online softmax over key blocks [start, end): acc (BLOCK_M, D), l_i and m_i (BLOCK_M,) updated."""
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         k = _load_rows(k_src, n0, Tk, stride_kt, HEAD_DIM, BLOCK_N, MASK, TMA)  # (BLOCK_N, D)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASK:
-            kpos = n0 + offs_n
-            s = tl.where(_allowed(qpos[:, None], kpos[None, :], Tk, window, CAUSAL, WINDOW), s, float("-inf"))
+            s = tl.where(_allowed(qpos[:, None], (n0 + offs_n)[None, :], Tk, window, CAUSAL, WINDOW), s,
+                         float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # m_i starts finite, so m_new is finite
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
@@ -329,51 +286,18 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.autotune(
-    _configs(_FWD_SPACE, (64, 32)),
-    key=_KEY + ["TMA"],
-    prune_configs_by={"early_config_prune": _prune},
-    do_bench=_bench,
-)
+@triton.autotune(_configs(_FWD_SPACE, (64, 32)), key=_KEY + ["TMA"], prune_configs_by={"early_config_prune": _prune},
+                 do_bench=_bench)
 @triton.jit
 def _attn_fwd_kernel(
-    Q,
-    K,
-    V,
-    O,
-    LSE,  # q (B, Tq, Hq, D), k/v (B, Tk, Hk, D), o like q, lse (B, Hq, Tq) fp32 log2 units
-    SINKS,
-    CU_SEQLENS,  # sinks (Hq,) or a dummy; cu_seqlens (B+1,) int32 when VARLEN (then B = documents)
-    stride_qb,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_ob,
-    stride_ot,
-    stride_oh,
-    stride_lb,
-    stride_lh,
-    Hq,
-    group,
-    Tq,
-    Tk,
-    window,
-    qk_scale,  # group = Hq // Hk; qk_scale = softmax scale * log2(e)
-    LEN_KEY,
-    GQA_KEY,  # autotuning keys only (a length bucket, the group size)
-    HEAD_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    SINK: tl.constexpr,
-    VARLEN: tl.constexpr,
-    TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    Q, K, V, O, LSE,  # q (B, Tq, Hq, D); k, v (B, Tk, Hk, D); o like q; lse (B, Hq, Tq) fp32, log2 units
+    SINKS, CU_SEQLENS,  # sinks (Hq,) or a dummy; cu_seqlens (B+1,) int32 when VARLEN (then B = documents)
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,  # element strides; the last dim is contiguous
+    Hq, group, Tq, Tk, window, qk_scale,  # group = Hq // Hk; qk_scale = softmax scale * log2(e)
+    LEN_KEY, GQA_KEY,  # autotuning keys only (a length bucket, the group size)
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SINK: tl.constexpr,
+    VARLEN: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Heaviest (last, under causal masking) query blocks first: a shorter tail at the end of the grid.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -400,86 +324,24 @@ def _attn_fwd_kernel(
         v_src = v_base
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Tq
-    q = _load_rows(q_src, m0, Tq, stride_qt, HEAD_DIM, BLOCK_M, True, TMA)
+    q = _load_rows(q_src, m0, Tq, stride_qt, HEAD_DIM, BLOCK_M, True, TMA)  # (BLOCK_M, D), kept in registers
     qpos = offs_m + Tk - Tq
-
     if SINK:  # the sink starts the running softmax as a logit whose value is zero
         m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
         l_i = tl.zeros([BLOCK_M], tl.float32) + 1.0
-    else:  # finite start: fully masked rows then give p = 0 instead of NaN
+    else:  # a finite start: fully masked rows then give p = 0 instead of NaN
         m_i = tl.zeros([BLOCK_M], tl.float32) - 1.0e30
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     lo, full_lo, full_hi, hi = _key_ranges(m0, Tq, Tk, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    acc, l_i, m_i = _fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_src,
-        v_src,
-        stride_kt,
-        stride_vt,
-        lo,
-        full_lo,
-        qpos,
-        Tk,
-        window,
-        qk_scale,
-        HEAD_DIM,
-        BLOCK_N,
-        True,
-        CAUSAL,
-        WINDOW,
-        TMA,
-    )
-    acc, l_i, m_i = _fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_src,
-        v_src,
-        stride_kt,
-        stride_vt,
-        full_lo,
-        full_hi,
-        qpos,
-        Tk,
-        window,
-        qk_scale,
-        HEAD_DIM,
-        BLOCK_N,
-        False,
-        CAUSAL,
-        WINDOW,
-        TMA,
-    )
-    acc, l_i, m_i = _fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_src,
-        v_src,
-        stride_kt,
-        stride_vt,
-        full_hi,
-        hi,
-        qpos,
-        Tk,
-        window,
-        qk_scale,
-        HEAD_DIM,
-        BLOCK_N,
-        True,
-        CAUSAL,
-        WINDOW,
-        TMA,
-    )
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, lo, full_lo, qpos, Tk, window,
+                               qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, full_lo, full_hi, qpos, Tk,
+                               window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW, TMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, full_hi, hi, qpos, Tk, window,
+                               qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA)
 
     has = l_i > 0.0
     acc = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -488,28 +350,16 @@ def _attn_fwd_kernel(
         o_desc = tl.make_tensor_descriptor(o_base, [Tq, HEAD_DIM], [stride_ot, 1], [BLOCK_M, HEAD_DIM])
         o_desc.store([m0, 0], acc.to(O.dtype.element_ty))
     else:
-        o_ptrs = o_base + offs_m[:, None] * stride_ot + offs_d[None, :]
+        o_ptrs = o_base + offs_m[:, None] * stride_ot + tl.arange(0, HEAD_DIM)[None, :]
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + bb * stride_lb + h * stride_lh + row0 + offs_m, lse, mask=row_ok)
 
 
 @triton.jit
 def _attn_bwd_preprocess_kernel(
-    O,
-    DO,
-    DELTA,  # o, do (B, T, H, D); delta (B, H, T) fp32 = rowsum(do * o)
-    stride_ob,
-    stride_ot,
-    stride_oh,
-    stride_dob,
-    stride_dot,
-    stride_doh,
-    stride_db,
-    stride_dh,
-    H,
-    T,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    O, DO, DELTA,  # o, do (B, T, H, D); delta (B, H, T) fp32 = rowsum(do * o)
+    stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_db, stride_dh,
+    H, T, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -518,64 +368,34 @@ def _attn_bwd_preprocess_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = offs_m[:, None] < T
-    o = tl.load(
-        O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :], mask=ok, other=0.0
-    )
-    do = tl.load(
-        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
-        mask=ok,
-        other=0.0,
-    )
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :], mask=ok,
+                 other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + b * stride_db + h * stride_dh + offs_m, delta, mask=offs_m < T)
 
 
 @triton.jit
-def _bwd_dkdv_inner(
-    dk,
-    dv,
-    k,
-    v,
-    q_base,
-    do_base,
-    lse_base,
-    delta_base,
-    stride_qt,
-    stride_dot,
-    start,
-    end,
-    kpos,
-    Tq,
-    Tk,
-    window,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    MASK: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-):
+def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, start, end, kpos,
+                    Tq, Tk, window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Accumulate dK, dV (BLOCK_N, D) of one key block over query blocks [start, end), computed transposed
+    (keys by queries) so no operand needs a transpose in registers."""
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + offs_m  # (BLOCK_M,)
-        q_ptrs = q_base + rows[:, None] * stride_qt + offs_d[None, :]
-        do_ptrs = do_base + rows[:, None] * stride_dot + offs_d[None, :]
+        q = _load_rows(q_base, m0, Tq, stride_qt, HEAD_DIM, BLOCK_M, MASK, False)
+        do = _load_rows(do_base, m0, Tq, stride_dot, HEAD_DIM, BLOCK_M, MASK, False)
         if MASK:
-            q = tl.load(q_ptrs, mask=rows[:, None] < Tq, other=0.0)
-            do = tl.load(do_ptrs, mask=rows[:, None] < Tq, other=0.0)
             lse = tl.load(lse_base + rows, mask=rows < Tq, other=0.0)
             delta = tl.load(delta_base + rows, mask=rows < Tq, other=0.0)
         else:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
             lse = tl.load(lse_base + rows)
             delta = tl.load(delta_base + rows)
-        s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M): keys by queries
+        s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M)
         p_t = tl.math.exp2(s_t - lse[None, :])
         if MASK:
-            qpos = rows + Tk - Tq
-            ok = _allowed(qpos[None, :], kpos[:, None], Tk, window, CAUSAL, WINDOW) & (rows[None, :] < Tq)
+            ok = _allowed((rows + Tk - Tq)[None, :], kpos[:, None], Tk, window, CAUSAL, WINDOW) & (rows[None, :] < Tq)
             p_t = tl.where(ok, p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do)
         dp_t = tl.dot(v, tl.trans(do))  # (BLOCK_N, BLOCK_M)
@@ -584,60 +404,19 @@ def _bwd_dkdv_inner(
     return dk, dv
 
 
-@triton.autotune(
-    _configs(_DKDV_SPACE, (32, 64)),
-    key=_KEY,
-    prune_configs_by={"early_config_prune": _prune},
-    do_bench=_bench,
-)
+@triton.autotune(_configs(_DKDV_SPACE, (32, 64)), key=_KEY, prune_configs_by={"early_config_prune": _prune},
+                 do_bench=_bench)
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DK,
-    DV,
-    CU_SEQLENS,  # dk, dv like k, v; lse, delta (B, Hq, Tq) fp32
-    stride_qb,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_dob,
-    stride_dot,
-    stride_doh,
-    stride_lb,
-    stride_lh,
-    stride_dkb,
-    stride_dkt,
-    stride_dkh,
-    stride_dvb,
-    stride_dvt,
-    stride_dvh,
-    Hk,
-    group,
-    Tq,
-    Tk,
-    window,
-    qk_scale,
-    sm_scale,
-    LEN_KEY,
-    GQA_KEY,
-    HEAD_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,  # dk, dv like k, v; lse, delta (B, Hq, Tq) fp32
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
+    stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
+    Hk, group, Tq, Tk, window, qk_scale, sm_scale, LEN_KEY, GQA_KEY,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
+    pid_n = tl.program_id(0)  # the first key blocks see the most queries under causal masking: heaviest first
     pid_bh = tl.program_id(1)
     b = pid_bh // Hk
     hk = pid_bh % Hk
@@ -650,10 +429,10 @@ def _attn_bwd_dkdv_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     col_ok = offs_n[:, None] < Tk
-    k_off = bb * stride_kb + row0 * stride_kt + hk * stride_kh
-    v_off = bb * stride_vb + row0 * stride_vt + hk * stride_vh
-    k = tl.load(K + k_off + offs_n[:, None] * stride_kt + offs_d[None, :], mask=col_ok, other=0.0)
-    v = tl.load(V + v_off + offs_n[:, None] * stride_vt + offs_d[None, :], mask=col_ok, other=0.0)
+    k = _load_rows(K + bb * stride_kb + row0 * stride_kt + hk * stride_kh, n0, Tk, stride_kt, HEAD_DIM, BLOCK_N,
+                   True, False)
+    v = _load_rows(V + bb * stride_vb + row0 * stride_vt + hk * stride_vh, n0, Tk, stride_vt, HEAD_DIM, BLOCK_N,
+                   True, False)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
 
@@ -664,180 +443,49 @@ def _attn_bwd_dkdv_kernel(
         do_base = DO + bb * stride_dob + row0 * stride_dot + h * stride_doh
         lse_base = LSE + bb * stride_lb + h * stride_lh + row0
         delta_base = DELTA + bb * stride_lb + h * stride_lh + row0
-        dk, dv = _bwd_dkdv_inner(
-            dk,
-            dv,
-            k,
-            v,
-            q_base,
-            do_base,
-            lse_base,
-            delta_base,
-            stride_qt,
-            stride_dot,
-            lo,
-            full_lo,
-            offs_n,
-            Tq,
-            Tk,
-            window,
-            qk_scale,
-            HEAD_DIM,
-            BLOCK_M,
-            True,
-            CAUSAL,
-            WINDOW,
-        )
-        dk, dv = _bwd_dkdv_inner(
-            dk,
-            dv,
-            k,
-            v,
-            q_base,
-            do_base,
-            lse_base,
-            delta_base,
-            stride_qt,
-            stride_dot,
-            full_lo,
-            full_hi,
-            offs_n,
-            Tq,
-            Tk,
-            window,
-            qk_scale,
-            HEAD_DIM,
-            BLOCK_M,
-            False,
-            CAUSAL,
-            WINDOW,
-        )
-        dk, dv = _bwd_dkdv_inner(
-            dk,
-            dv,
-            k,
-            v,
-            q_base,
-            do_base,
-            lse_base,
-            delta_base,
-            stride_qt,
-            stride_dot,
-            full_hi,
-            hi,
-            offs_n,
-            Tq,
-            Tk,
-            window,
-            qk_scale,
-            HEAD_DIM,
-            BLOCK_M,
-            True,
-            CAUSAL,
-            WINDOW,
-        )
-    dk_off = bb * stride_dkb + row0 * stride_dkt + hk * stride_dkh
-    dv_off = bb * stride_dvb + row0 * stride_dvt + hk * stride_dvh
-    tl.store(
-        DK + dk_off + offs_n[:, None] * stride_dkt + offs_d[None, :],
-        (dk * sm_scale).to(DK.dtype.element_ty),
-        mask=col_ok,
-    )
-    tl.store(
-        DV + dv_off + offs_n[:, None] * stride_dvt + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=col_ok
-    )
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo,
+                                 full_lo, offs_n, Tq, Tk, window, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                 full_lo, full_hi, offs_n, Tq, Tk, window, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL,
+                                 WINDOW)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                 full_hi, hi, offs_n, Tq, Tk, window, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL,
+                                 WINDOW)
+    dk_ptrs = DK + bb * stride_dkb + row0 * stride_dkt + hk * stride_dkh + offs_n[:, None] * stride_dkt
+    dv_ptrs = DV + bb * stride_dvb + row0 * stride_dvt + hk * stride_dvh + offs_n[:, None] * stride_dvt
+    tl.store(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok)
+    tl.store(dv_ptrs + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
-def _bwd_dq_inner(
-    dq,
-    q,
-    do,
-    lse,
-    delta,
-    k_base,
-    v_base,
-    stride_kt,
-    stride_vt,
-    start,
-    end,
-    qpos,
-    Tk,
-    window,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-):
+def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start, end, qpos, Tk, window,
+                  qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Accumulate dQ (BLOCK_M, D) of one query block over key blocks [start, end)."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     for n0 in range(start, end, BLOCK_N):
-        kpos = n0 + offs_n
-        k_ptrs = k_base + kpos[:, None] * stride_kt + offs_d[None, :]
-        v_ptrs = v_base + kpos[:, None] * stride_vt + offs_d[None, :]
-        if MASK:
-            k = tl.load(k_ptrs, mask=kpos[:, None] < Tk, other=0.0)
-            v = tl.load(v_ptrs, mask=kpos[:, None] < Tk, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        k = _load_rows(k_base, n0, Tk, stride_kt, HEAD_DIM, BLOCK_N, MASK, False)
+        v = _load_rows(v_base, n0, Tk, stride_vt, HEAD_DIM, BLOCK_N, MASK, False)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(s - lse[:, None])
         if MASK:
-            p = tl.where(_allowed(qpos[:, None], kpos[None, :], Tk, window, CAUSAL, WINDOW), p, 0.0)
+            p = tl.where(_allowed(qpos[:, None], (n0 + offs_n)[None, :], Tk, window, CAUSAL, WINDOW), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
 
 
-@triton.autotune(
-    _configs(_DQ_SPACE, (64, 32)), key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_bench
-)
+@triton.autotune(_configs(_DQ_SPACE, (64, 32)), key=_KEY, prune_configs_by={"early_config_prune": _prune},
+                 do_bench=_bench)
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DQ,
-    CU_SEQLENS,  # dq like q
-    stride_qb,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_dob,
-    stride_dot,
-    stride_doh,
-    stride_lb,
-    stride_lh,
-    stride_dqb,
-    stride_dqt,
-    stride_dqh,
-    Hq,
-    group,
-    Tq,
-    Tk,
-    window,
-    qk_scale,
-    sm_scale,
-    LEN_KEY,
-    GQA_KEY,
-    HEAD_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DQ, CU_SEQLENS,  # dq like q
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh,
+    Hq, group, Tq, Tk, window, qk_scale, sm_scale, LEN_KEY, GQA_KEY,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest query blocks first, as in the forward
     pid_bh = tl.program_id(1)
@@ -850,23 +498,11 @@ def _attn_bwd_dq_kernel(
     bb = b.to(tl.int64) * (1 - VARLEN)
     row0 = row0.to(tl.int64)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Tq
-    q = tl.load(
-        Q + bb * stride_qb + row0 * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    do = tl.load(
-        DO
-        + bb * stride_dob
-        + row0 * stride_dot
-        + h * stride_doh
-        + offs_m[:, None] * stride_dot
-        + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
+    q = _load_rows(Q + bb * stride_qb + row0 * stride_qt + h * stride_qh, m0, Tq, stride_qt, HEAD_DIM, BLOCK_M,
+                   True, False)
+    do = _load_rows(DO + bb * stride_dob + row0 * stride_dot + h * stride_doh, m0, Tq, stride_dot, HEAD_DIM,
+                    BLOCK_M, True, False)
     lse = tl.load(LSE + bb * stride_lb + h * stride_lh + row0 + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + bb * stride_lb + h * stride_lh + row0 + offs_m, mask=row_ok, other=0.0)
     k_base = K + bb * stride_kb + row0 * stride_kt + (h // group) * stride_kh
@@ -875,81 +511,16 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     lo, full_lo, full_hi, hi = _key_ranges(m0, Tq, Tk, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    dq = _bwd_dq_inner(
-        dq,
-        q,
-        do,
-        lse,
-        delta,
-        k_base,
-        v_base,
-        stride_kt,
-        stride_vt,
-        lo,
-        full_lo,
-        qpos,
-        Tk,
-        window,
-        qk_scale,
-        HEAD_DIM,
-        BLOCK_N,
-        True,
-        CAUSAL,
-        WINDOW,
-    )
-    dq = _bwd_dq_inner(
-        dq,
-        q,
-        do,
-        lse,
-        delta,
-        k_base,
-        v_base,
-        stride_kt,
-        stride_vt,
-        full_lo,
-        full_hi,
-        qpos,
-        Tk,
-        window,
-        qk_scale,
-        HEAD_DIM,
-        BLOCK_N,
-        False,
-        CAUSAL,
-        WINDOW,
-    )
-    dq = _bwd_dq_inner(
-        dq,
-        q,
-        do,
-        lse,
-        delta,
-        k_base,
-        v_base,
-        stride_kt,
-        stride_vt,
-        full_hi,
-        hi,
-        qpos,
-        Tk,
-        window,
-        qk_scale,
-        HEAD_DIM,
-        BLOCK_N,
-        True,
-        CAUSAL,
-        WINDOW,
-    )
-    dq_ptrs = (
-        DQ
-        + bb * stride_dqb
-        + row0 * stride_dqt
-        + h * stride_dqh
-        + offs_m[:, None] * stride_dqt
-        + offs_d[None, :]
-    )
-    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, qpos, Tk, window,
+                       qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, qpos, Tk,
+                       window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, qpos, Tk, window,
+                       qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW)
+    dq_ptrs = DQ + bb * stride_dqb + row0 * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt
+    tl.store(dq_ptrs + tl.arange(0, HEAD_DIM)[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])
+# fmt: on
 
 
 # ------------------------------------------------------------------------------------------ launchers
@@ -970,11 +541,7 @@ def _check(q, k, v, sinks, cu_seqlens):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != want:
             raise ValueError(f"attention: {name} must be {layout}, got shape {tuple(t.shape)}")
-    if (
-        q.dtype not in (torch.float16, torch.bfloat16, torch.float32)
-        or k.dtype != q.dtype
-        or v.dtype != q.dtype
-    ):
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not q.dtype == k.dtype == v.dtype:
         raise TypeError(
             f"attention: q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
@@ -1000,8 +567,7 @@ def _tma_allocator(size: int, alignment: int, stream) -> torch.Tensor:
 def _tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether TMA tensor descriptors can address these (B, T, H, D) tensors: Hopper or newer, 16-byte
     aligned base and strides (a descriptor's requirement)."""
-    t0 = tensors[0]
-    if not t0.is_cuda or torch.cuda.get_device_capability(t0.device)[0] < 9:
+    if not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
         return False
     return all(
         t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
@@ -1018,44 +584,22 @@ def attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seql
     B, Tq, Hq, D = q4.shape
     Tk, Hk = k4.shape[1], k4.shape[2]
     o = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
-    if tma is None:
-        tma = _tma_ok(q4, k4, v4, o)
+    lse = torch.empty((B, Hq, Tq), dtype=torch.float32, device=q.device)
+    tma = _tma_ok(q4, k4, v4, o) if tma is None else tma
     if tma and q.is_cuda:
         triton.set_allocator(_tma_allocator)
-    lse = torch.empty((B, Hq, Tq), dtype=torch.float32, device=q.device)
     n_prog = len(cu_seqlens) - 1 if varlen else B
     rows = max_seqlen if varlen else Tq
     cu = cu_seqlens.to(torch.int32) if varlen else q4  # a dummy pointer when dense
     grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), n_prog * Hq)  # noqa: E731
+    # fmt: off
     _attn_fwd_kernel[grid](
-        q4,
-        k4,
-        v4,
-        o,
-        lse,
-        sinks if sinks is not None else q4,
-        cu,
-        *q4.stride()[:3],
-        *k4.stride()[:3],
-        *v4.stride()[:3],
-        *o.stride()[:3],
-        lse.stride(0),
-        lse.stride(1),
-        Hq,
-        Hq // Hk,
-        Tq,
-        Tk,
-        window or 0,
-        sm_scale * LOG2E,
-        _len_key(rows),
-        Hq // Hk,
-        HEAD_DIM=D,
-        CAUSAL=causal,
-        WINDOW=window is not None,
-        SINK=sinks is not None,
-        VARLEN=varlen,
-        TMA=tma,
+        q4, k4, v4, o, lse, sinks if sinks is not None else q4, cu,
+        *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o.stride()[:3], lse.stride(0), lse.stride(1),
+        Hq, Hq // Hk, Tq, Tk, window or 0, sm_scale * LOG2E, _len_key(rows), Hq // Hk,
+        HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, SINK=sinks is not None, VARLEN=varlen, TMA=tma,
     )
+    # fmt: on
     return (o[0] if varlen else o), lse
 
 
@@ -1069,24 +613,11 @@ def attention_bwd(do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max
     rows, cols = (max_seqlen, max_seqlen) if varlen else (Tq, Tk)
     cu = cu_seqlens.to(torch.int32) if varlen else q4
     delta = torch.empty_like(lse)
-    _attn_bwd_preprocess_kernel[(triton.cdiv(Tq, 64), B * Hq)](
-        o4,
-        do4,
-        delta,
-        *o4.stride()[:3],
-        *do4.stride()[:3],
-        delta.stride(0),
-        delta.stride(1),
-        Hq,
-        Tq,
-        HEAD_DIM=D,
-        BLOCK_M=64,
-    )
     dq = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k4.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v4.shape, dtype=v.dtype, device=v.device)
     flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, VARLEN=varlen)
-    common = (
+    strides = (
         *q4.stride()[:3],
         *k4.stride()[:3],
         *v4.stride()[:3],
@@ -1094,54 +625,22 @@ def attention_bwd(do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max
         lse.stride(0),
         lse.stride(1),
     )
+    scalars = (Tq, Tk, window or 0, sm_scale * LOG2E, sm_scale, _len_key(rows), Hq // Hk)
     grid_kv = lambda meta: (triton.cdiv(cols, meta["BLOCK_N"]), n_prog * Hk)  # noqa: E731
-    _attn_bwd_dkdv_kernel[grid_kv](
-        q4,
-        k4,
-        v4,
-        do4,
-        lse,
-        delta,
-        dk,
-        dv,
-        cu,
-        *common,
-        *dk.stride()[:3],
-        *dv.stride()[:3],
-        Hk,
-        Hq // Hk,
-        Tq,
-        Tk,
-        window or 0,
-        sm_scale * LOG2E,
-        sm_scale,
-        _len_key(rows),
-        Hq // Hk,
-        **flags,
-    )
     grid_q = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), n_prog * Hq)  # noqa: E731
-    _attn_bwd_dq_kernel[grid_q](
-        q4,
-        k4,
-        v4,
-        do4,
-        lse,
-        delta,
-        dq,
-        cu,
-        *common,
-        *dq.stride()[:3],
-        Hq,
-        Hq // Hk,
-        Tq,
-        Tk,
-        window or 0,
-        sm_scale * LOG2E,
-        sm_scale,
-        _len_key(rows),
-        Hq // Hk,
-        **flags,
+    # fmt: off
+    _attn_bwd_preprocess_kernel[(triton.cdiv(Tq, 64), B * Hq)](
+        o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], delta.stride(0), delta.stride(1), Hq, Tq,
+        HEAD_DIM=D, BLOCK_M=64,
     )
+    _attn_bwd_dkdv_kernel[grid_kv](
+        q4, k4, v4, do4, lse, delta, dk, dv, cu, *strides, *dk.stride()[:3], *dv.stride()[:3],
+        Hk, Hq // Hk, *scalars, **flags,
+    )
+    _attn_bwd_dq_kernel[grid_q](
+        q4, k4, v4, do4, lse, delta, dq, cu, *strides, *dq.stride()[:3], Hq, Hq // Hk, *scalars, **flags,
+    )
+    # fmt: on
     if varlen:
         dq, dk, dv = dq[0], dk[0], dv[0]
     return dq, dk, dv, delta
@@ -1150,8 +649,8 @@ def attention_bwd(do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max
 # ----------------------------------------------------------------------------------- autograd Function
 class FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, cu_seqlens, max_seqlen, causal, sm_scale, window):
-        o, lse = attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seqlen)
+    def forward(ctx, q, k, v, sinks, cu_seqlens, max_seqlen, causal, sm_scale, window, tma=None):
+        o, lse = attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seqlen, tma)
         ctx.save_for_backward(q, k, v, o, lse, sinks, cu_seqlens)
         ctx.args = (causal, sm_scale, window, max_seqlen)
         return o
@@ -1168,7 +667,7 @@ class FlashAttention(torch.autograd.Function):
             # The sink's probability exp(sink - lse) times its logit gradient (0 - Delta), summed over rows.
             p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse * LN2)  # (B, Hq, Tq)
             dsinks = (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)
-        return dq, dk, dv, dsinks, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------ public op
@@ -1187,19 +686,13 @@ def attention(
     """Attention over (B, T, H, D) tensors (or packed (total, H, D) with cu_seqlens); see the module doc."""
     if window is not None and window < 1:
         raise ValueError(f"attention: window must be >= 1 (keys p - W < j <= p), got {window}")
-    if attn_mask is None and q.shape[-1] in HEAD_DIMS and use_triton(q, k, v, sinks, cu_seqlens):
+    triton_ok = attn_mask is None and q.shape[-1] in HEAD_DIMS and q.numel() > 0 and k.numel() > 0
+    if triton_ok and use_triton(q, k, v, sinks, cu_seqlens):
         _check(q, k, v, sinks, cu_seqlens)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens is not None else 0
         return FlashAttention.apply(q, k, v, sinks, cu_seqlens, max_seqlen, causal, scale, window)
     return attention_ref(
-        q,
-        k,
-        v,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window=window,
-        sinks=sinks,
-        attn_mask=attn_mask,
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks, attn_mask=attn_mask,
         cu_seqlens=cu_seqlens,
-    )
+    )  # fmt: skip

@@ -65,7 +65,7 @@ def _configs():
         return [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
     return [
         triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
-        for n, w, s in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4))
+        for n, w, s in ((64, 4, 3), (64, 4, 4), (128, 8, 3))
     ]
 
 
