@@ -73,6 +73,23 @@ def test_matmul_strided_slices(device):
     assert_close(c, matmul_ref(a.double(), b.double()), name="C")
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_matmul_explicit_configs(persistent, device):
+    """The non-autotuned path the benchmark sweeps: one tile per program, or 3 programs looping over 12."""
+    import triton
+
+    from kiln.kernels.matmul import matmul_fwd
+
+    gen = torch.Generator().manual_seed(9)
+    a = torch.randn(64, 48, generator=gen).to(device, torch.float16)
+    w = torch.randn(96, 48, generator=gen).to(device, torch.float16)
+    meta = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "WARP_SPEC": False,
+            "PERSISTENT": persistent, "NUM_PROGRAMS": 3}  # fmt: skip
+    with use_backend("triton"):
+        c, _ = matmul_fwd(a, w.t(), config=triton.Config(meta, num_warps=4, num_stages=2))
+    assert_close(c, matmul_ref(a.double(), w.double().t()), name="C")
+
+
 def test_matmul_bad_input_errors(device):
     with use_backend("triton"):
         with pytest.raises(ValueError, match="activation"):

@@ -70,7 +70,8 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 def _configs() -> list[triton.Config]:
     def cfg(bm, bn, bk, stages, warps, group=8, ws=False):
-        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "WARP_SPEC": ws}
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "WARP_SPEC": ws,
+                "PERSISTENT": False, "NUM_PROGRAMS": 1}  # fmt: skip
         return triton.Config(meta, num_stages=stages, num_warps=warps)
 
     if interpreting():  # the interpreter cannot benchmark: exactly one config
@@ -102,61 +103,26 @@ def _bench(fn, quantiles):
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
-@triton.autotune(
-    configs=_configs(), key=["M", "N", "K", "A_KMAJOR", "B_KMAJOR"], prune_configs_by={"early_config_prune": _prune},
-    do_bench=_bench,
-)  # fmt: skip
 @triton.jit
-def _matmul_kernel(
-    A_ptr,  # (M, K): element (m, k) at A_ptr + m * stride_am + k * stride_ak
-    B_ptr,  # (K, N): element (k, n) at B_ptr + k * stride_bk + n * stride_bn
-    C_ptr,  # (M, N) output, contiguous
-    Bias_ptr,  # (N,), read when HAS_BIAS
-    Pre_ptr,  # (M, N) pre-activation output, contiguous, written when STORE_PRE
-    M,
-    N,
-    K,
-    stride_am,
-    stride_ak,
-    stride_bk,
-    stride_bn,
-    A_KMAJOR: tl.constexpr,  # stride_ak == 1 (row-major A); with TMA and not A_KMAJOR, stride_am == 1
-    B_KMAJOR: tl.constexpr,  # stride_bk == 1 (B = an nn.Linear weight, transposed); with TMA else stride_bn == 1
-    TMA: tl.constexpr,  # read and write tiles through tensor descriptors
-    HAS_BIAS: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-    STORE_PRE: tl.constexpr,
-    PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" or "tf32" (float32 inputs only)
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,  # rows of tiles visited together for L2 reuse
-    WARP_SPEC: tl.constexpr,  # producer/consumer warp specialization of the TMA loop (Hopper+)
-):
+def _tile(
+    tile, A_ptr, B_ptr, C_ptr, Bias_ptr, Pre_ptr, a_desc, b_desc, c_desc, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, WARP_SPEC: tl.constexpr,
+):  # fmt: skip
+    """One (BLOCK_M, BLOCK_N) tile of C: the K loop and the epilogue."""
     # Grouped order: walk GROUP_M tile-rows down a column of tiles before moving right.
-    pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
+    first_m = (tile // per_group) * GROUP_M
     group_rows = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
+    off_m = (first_m + (tile % per_group) % group_rows) * BLOCK_M
+    off_n = ((tile % per_group) // group_rows) * BLOCK_N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA:
-        # Descriptors are laid out with the unit-stride dim last, as TMA requires; MN-major tiles are
-        # transposed in shared memory (free for wgmma on 16-bit types).
-        if A_KMAJOR:
-            a_desc = tl.make_tensor_descriptor(A_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
-        else:
-            a_desc = tl.make_tensor_descriptor(A_ptr, [K, M], [stride_ak, 1], [BLOCK_K, BLOCK_M])
-        if B_KMAJOR:
-            b_desc = tl.make_tensor_descriptor(B_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
-        else:
-            b_desc = tl.make_tensor_descriptor(B_ptr, [K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N])
         for k in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WARP_SPEC):
             off_k = k * BLOCK_K
             if A_KMAJOR:
@@ -189,11 +155,71 @@ def _matmul_kernel(
         tl.store(pre_blk, acc.to(Pre_ptr.dtype.element_ty), boundary_check=(0, 1))
     acc = _activation(acc, ACTIVATION)
     if TMA:
-        c_desc = tl.make_tensor_descriptor(C_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
         c_desc.store([off_m, off_n], acc.to(C_ptr.dtype.element_ty))
     else:
         c_blk = tl.make_block_ptr(C_ptr, (M, N), (N, 1), (off_m, off_n), (BLOCK_M, BLOCK_N), (1, 0))
         tl.store(c_blk, acc.to(C_ptr.dtype.element_ty), boundary_check=(0, 1))
+
+
+@triton.jit
+def _matmul_kernel(
+    A_ptr,  # (M, K): element (m, k) at A_ptr + m * stride_am + k * stride_ak
+    B_ptr,  # (K, N): element (k, n) at B_ptr + k * stride_bk + n * stride_bn
+    C_ptr,  # (M, N) output, contiguous
+    Bias_ptr,  # (N,), read when HAS_BIAS
+    Pre_ptr,  # (M, N) pre-activation output, contiguous, written when STORE_PRE
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    A_KMAJOR: tl.constexpr,  # stride_ak == 1 (row-major A); with TMA and not A_KMAJOR, stride_am == 1
+    B_KMAJOR: tl.constexpr,  # stride_bk == 1 (B = an nn.Linear weight, transposed); with TMA else stride_bn == 1
+    TMA: tl.constexpr,  # read and write tiles through tensor descriptors
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" or "tf32" (float32 inputs only)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,  # rows of tiles visited together for L2 reuse
+    WARP_SPEC: tl.constexpr,  # producer/consumer warp specialization of the loop (Hopper+)
+    PERSISTENT: tl.constexpr,  # a grid of NUM_PROGRAMS programs loops over the tiles; else one tile each
+    NUM_PROGRAMS: tl.constexpr,
+):
+    if TMA:
+        # Descriptors are laid out with the unit-stride dim last, as TMA requires; MN-major tiles are
+        # transposed in shared memory (free for wgmma on 16-bit types).
+        if A_KMAJOR:
+            a_desc = tl.make_tensor_descriptor(A_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+        else:
+            a_desc = tl.make_tensor_descriptor(A_ptr, [K, M], [stride_ak, 1], [BLOCK_K, BLOCK_M])
+        if B_KMAJOR:
+            b_desc = tl.make_tensor_descriptor(B_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
+        else:
+            b_desc = tl.make_tensor_descriptor(B_ptr, [K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N])
+        c_desc = tl.make_tensor_descriptor(C_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
+    else:
+        a_desc, b_desc, c_desc = A_ptr, B_ptr, C_ptr  # unused
+    if PERSISTENT:
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+            _tile(tile, A_ptr, B_ptr, C_ptr, Bias_ptr, Pre_ptr, a_desc, b_desc, c_desc, M, N, K,
+                  stride_am, stride_ak, stride_bk, stride_bn, A_KMAJOR, B_KMAJOR, TMA, HAS_BIAS, ACTIVATION,
+                  STORE_PRE, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WARP_SPEC)  # fmt: skip
+    else:
+        _tile(tl.program_id(0), A_ptr, B_ptr, C_ptr, Bias_ptr, Pre_ptr, a_desc, b_desc, c_desc, M, N, K,
+              stride_am, stride_ak, stride_bk, stride_bn, A_KMAJOR, B_KMAJOR, TMA, HAS_BIAS, ACTIVATION,
+              STORE_PRE, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WARP_SPEC)  # fmt: skip
+
+
+_matmul_autotuned = triton.autotune(
+    configs=_configs(), key=["M", "N", "K", "A_KMAJOR", "B_KMAJOR"], prune_configs_by={"early_config_prune": _prune},
+    do_bench=_bench,
+)(_matmul_kernel)  # fmt: skip
 
 
 def _tma_ok(t: torch.Tensor, unit_dim: int) -> bool:
@@ -213,8 +239,9 @@ def matmul_fwd(
     bias: torch.Tensor | None = None,
     activation: str = "none",
     store_pre: bool = False,
+    config: triton.Config | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launcher: (C, pre) with pre the pre-activation (only when store_pre)."""
+    """Launcher: (C, pre) with pre the pre-activation (only when store_pre). `config` skips autotuning."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
@@ -243,14 +270,19 @@ def matmul_fwd(
     precision = "tf32" if a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        return (min(tiles, meta["NUM_PROGRAMS"]) if meta["PERSISTENT"] else tiles,)
 
-    _matmul_kernel[grid](
-        a, b, c, bias if bias is not None else c, pre if pre is not None else c,
-        M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        A_KMAJOR=a_kmajor, B_KMAJOR=b_kmajor, TMA=tma, HAS_BIAS=bias is not None,
-        ACTIVATION=activation, STORE_PRE=pre is not None, PRECISION=precision,
-    )  # fmt: skip
+    args = (a, b, c, bias if bias is not None else c, pre if pre is not None else c,
+            M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1))  # fmt: skip
+    flags = dict(A_KMAJOR=a_kmajor, B_KMAJOR=b_kmajor, TMA=tma, HAS_BIAS=bias is not None,
+                 ACTIVATION=activation, STORE_PRE=pre is not None, PRECISION=precision)  # fmt: skip
+    if config is None:
+        _matmul_autotuned[grid](*args, **flags)
+    else:  # an explicit config, bypassing the autotuner (tests and the benchmark's config sweep)
+        _matmul_kernel[grid(config.kwargs)](
+            *args, **flags, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
+        )
     return c, pre
 
 
