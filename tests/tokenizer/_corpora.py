@@ -45,6 +45,8 @@ HARD = "\n".join(
         "Code: def f(x):\n    return x**2  # comment\n\tif x != 0: pass\n}}]])) ;;; ->> => !== <=>",
         "",
         "   leading spaces and trailing   ",
+        # Line starts around the encoder's segment cuts (patterns.SEGMENT_BOUNDARIES).
+        "a+\n/b x:\n  \n\ty\n\n  \n  z foo \n bar\r\n  x a\n\x85b a\n\u3000b a\n\x1cb c\n'sx 1\n2 _\n\n/ .\n//",
     ]
 )
 

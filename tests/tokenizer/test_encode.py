@@ -60,6 +60,7 @@ def test_batch_paths_equal_single(name, trained, heldout_text, tmp_path):
     from_hf = Tokenizer.load(tmp_path / "tokenizer.json")
     assert from_hf.merges is not None and from_hf.as_tiktoken() is None
     assert from_hf.encode_ordinary_batch(texts, processes=2) == want
+    assert tok.encode_ordinary_batch(texts, processes=2, engine="kiln") == want
 
 
 def test_special_tokens_follow_tiktoken(trained, tmp_path):
@@ -109,14 +110,14 @@ assigned = st.characters(blacklist_categories=("Cs", "Cn"), codec="utf-8").filte
     lambda c: unicodedata.category(c) != "Cn"
 )
 unicode_text = st.text(assigned, max_size=80) | st.text(
-    st.sampled_from(list(" \t\n\r\u00a0'sSmM09aé中🙂\u200d")), max_size=40
+    st.sampled_from(list(" \t\n\r\u00a0\x85\x1c'/:+sSmM09aé中🙂\u200d")), max_size=40
 )
 
 
 @pytest.fixture(scope="module")
 def twins(trained, tmp_path_factory):
     out = {}
-    for name in ("gpt4", "o200k"):
+    for name in ("gpt4", "o200k", "qwen2"):
         tok = trained[name]
         out[name] = (tok, tiktoken_twin(tok, tmp_path_factory.mktemp(name)))
     return out

@@ -12,7 +12,9 @@ Encoding splits text with the pattern's regex and merges each chunk; results are
 from __future__ import annotations
 
 import os
+from array import array
 from collections.abc import Collection, Iterable, Sequence
+from itertools import chain
 from typing import Literal
 
 import regex
@@ -22,7 +24,7 @@ from kiln.tokenizer.bpe import merge_by_list, merge_by_rank
 from kiln.tokenizer.patterns import resolve_pattern
 from kiln.tokenizer.train import special_splitter, utf8
 
-CACHE_MAX = 1 << 17  # chunks remembered per tokenizer; the cache is emptied when it fills
+CACHE_MAX = 1 << 18  # chunks remembered per tokenizer (~50 MB at most); emptied when it fills
 ENDOFTEXT = "<|endoftext|>"
 
 
@@ -82,15 +84,19 @@ class Tokenizer:
         self._setup()
 
     def _setup(self) -> None:
-        # Derived, rebuilt after unpickling: compiled regexes, the chunk cache, a tiktoken twin.
+        # Derived, rebuilt after unpickling: compiled regexes, the caches, a tiktoken twin.
         self._split = regex.compile(self.pattern)
         self._special_regex = special_splitter(list(self._specials))
-        self._cache: dict[str, list[int]] = {}
+        self._chunks = _Memo(lambda piece: self._encode_piece(piece.encode("utf-8")), CACHE_MAX)
         self._tiktoken = None
+
+    def clear_cache(self) -> None:
+        """Forget every cached chunk (for cold-start measurements)."""
+        self._chunks.clear()
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for k in ("_split", "_special_regex", "_cache", "_tiktoken"):
+        for k in ("_split", "_special_regex", "_chunks", "_tiktoken"):
             state.pop(k, None)
         return state
 
@@ -142,26 +148,17 @@ class Tokenizer:
             return merge_by_rank(piece, self._vocab)
         return merge_by_list(piece, self._vocab, self._merges, self.ignore_merges)
 
-    def _encode_chunks(self, text: str, ids: list[int]) -> None:
-        cache = self._cache
-        for piece in self._split.findall(text):
-            t = cache.get(piece)
-            if t is None:
-                t = self._encode_piece(piece.encode("utf-8"))
-                if len(cache) >= CACHE_MAX:
-                    cache.clear()
-                cache[piece] = t
-            ids += t
+    def _encode_chunks(self, text: str) -> list[int]:
+        # findall and the cache lookups run in C (map over dict.__getitem__); only a chunk seen for
+        # the first time calls back into Python (_Memo.__missing__ -> the merge loop).
+        return list(chain.from_iterable(map(self._chunks.__getitem__, self._split.findall(text))))
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Ids of `text`, with special tokens treated as ordinary text."""
-        ids: list[int] = []
         try:
-            self._encode_chunks(text, ids)
+            return self._encode_chunks(text)
         except UnicodeEncodeError:  # lone surrogates: repaired to U+FFFD as tiktoken does
-            ids = []
-            self._encode_chunks(_fix_surrogates(text), ids)
-        return ids
+            return self._encode_chunks(_fix_surrogates(text))
 
     def encode(
         self,
@@ -205,35 +202,54 @@ class Tokenizer:
                 find = m.start() + 1
                 m = self._special_regex.search(text, find)
             end = m.start() if m is not None else len(text)
-            self._encode_chunks(text[start:end], ids)
+            ids += self._encode_chunks(text[start:end])
             if m is None:
                 return ids
             ids.append(self._specials[m.group()])
             start = m.end()
 
-    def encode_ordinary_batch(self, texts: Sequence[str], processes: int | None = None) -> list[list[int]]:
+    def encode_ordinary_batch(
+        self,
+        texts: Sequence[str],
+        processes: int | None = None,
+        engine: Literal["auto", "kiln", "tiktoken"] = "auto",
+    ) -> list[list[int]]:
         """encode_ordinary of each text, in parallel: the fastest exact path.
 
-        With tiktoken semantics and tiktoken installed, tiktoken's Rust encoder runs on this
-        tokenizer's own ranks and pattern (tests check it gives identical ids); otherwise kiln's
-        encoder runs in a pool of `processes` worker processes.
+        engine "auto": tiktoken's Rust encoder on this tokenizer's own ranks and pattern when that is
+        exact (tiktoken semantics, tiktoken installed; the tests check the ids are identical), else
+        kiln's encoder. "kiln": kiln's encoder in a pool of `processes` worker processes.
+        "tiktoken": tiktoken in `processes` threads, or a KilnError when it cannot be exact here.
         """
         texts = list(texts)
         processes = (os.cpu_count() or 1) if processes is None else processes
         if processes < 1:
             raise ValueError(f"processes must be >= 1, got {processes}")
-        enc = self.as_tiktoken()
+        if engine not in ("auto", "kiln", "tiktoken"):
+            raise ValueError(f"engine must be 'auto', 'kiln' or 'tiktoken', got {engine!r}")
+        enc = self.as_tiktoken() if engine != "kiln" else None
+        if engine == "tiktoken" and enc is None:
+            raise KilnError(
+                "tiktoken cannot encode this vocabulary exactly (tiktoken missing, an explicit merge list, "
+                "or a pattern its regex engine rejects); use engine='kiln'"
+            )
         if enc is not None:
             return enc.encode_ordinary_batch(texts, num_threads=processes)
         if processes == 1 or len(texts) < 2:
             return [self.encode_ordinary(t) for t in texts]
         import multiprocessing
 
-        step = max(1, len(texts) // (processes * 4))
-        batches = [texts[i : i + step] for i in range(0, len(texts), step)]
+        # One task per process, contiguous texts of about equal total length: each worker unpickles
+        # the tokenizer once and keeps its chunk cache warm over its whole share.
+        total = sum(map(len, texts)) or 1
+        batches: list[list[str]] = [[] for _ in range(processes)]
+        done = 0
+        for t in texts:
+            batches[min(processes - 1, done * processes // total)].append(t)
+            done += len(t)
         with multiprocessing.get_context().Pool(processes) as pool:
-            parts = pool.map(_encode_batch_task, [(self, b) for b in batches])
-        return [ids for part in parts for ids in part]
+            parts = pool.map(_encode_batch_task, [(self, b) for b in batches if b], chunksize=1)
+        return [ids.tolist() for part in parts for ids in part]
 
     def as_tiktoken(self):
         """A `tiktoken.Encoding` with exactly this tokenizer's behaviour, or None when impossible
@@ -297,10 +313,28 @@ class Tokenizer:
         return f"Tokenizer(n_vocab={self.n_vocab}, {mode}, specials={list(self._specials)})"
 
 
+class _Memo(dict):
+    """A bounded memo: memo[key] is fn(key), computed in __missing__ on the first lookup only, so a
+    hit never leaves C. When `max_items` are kept the memo is emptied (cheaper than LRU bookkeeping)."""
+
+    def __init__(self, fn, max_items: int):
+        super().__init__()
+        self.fn = fn
+        self.max_items = max_items
+
+    def __missing__(self, key):
+        value = self.fn(key)
+        if len(self) >= self.max_items:
+            self.clear()
+        self[key] = value
+        return value
+
+
 def _fix_surrogates(text: str) -> str:
     return utf8(text).decode("utf-8")
 
 
-def _encode_batch_task(args: tuple[Tokenizer, list[str]]) -> list[list[int]]:
+def _encode_batch_task(args: tuple[Tokenizer, list[str]]) -> list[array]:
+    # Arrays pickle as raw bytes: sending lists of Python ints back would cost as much as encoding.
     tok, texts = args
-    return [tok.encode_ordinary(t) for t in texts]
+    return [array("l", tok.encode_ordinary(t)) for t in texts]
