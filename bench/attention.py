@@ -159,12 +159,16 @@ def prefill_case(bench: Bench, c: dict, rec: dict, dev: str, dtype, sdpa_backend
             o = FlashAttention.apply(q, k, v, None, None, 0, causal, D**-0.5, None, False)
             rec["kiln_bwd_note"] = "behind the pointer-load forward"
         bench.measure(rec, "kiln_bwd_ms", lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
-    if bench.cuda and D == 128 and Hq == Hk and T in (4096, 16384):  # pointer loads instead of TMA
+    if bench.cuda and D == 128 and Hq == Hk and T in (4096, 16384):  # the other load paths, to compare
         scale = D**-0.5
         bench.measure(
             rec,
             "kiln_ptr_fwd_ms",
             lambda: attention_fwd(q, k, v, causal, scale, None, None, None, 0, tma=False),
+        )
+        o_tma = FlashAttention.apply(q, k, v, None, None, 0, causal, scale, None, None, True)  # TMA backward
+        bench.measure(
+            rec, "kiln_tma_bwd_ms", lambda: torch.autograd.grad(o_tma, (q, k, v), do, retain_graph=True)
         )
     # SDPA takes (B, H, T, D): transposed views of the same memory, as a model would pass them.
     qt, kt, vt, dot = (t.transpose(1, 2) for t in (q, k, v, do))
@@ -346,7 +350,7 @@ def main() -> None:
             f"cudnn {rec.get('cudnn_fwd_TFLOPs')}/{rec.get('cudnn_bwd_TFLOPs')} "
             f"flash {rec.get('flash_fwd_TFLOPs')}/{rec.get('flash_bwd_TFLOPs')} TFLOP/s (fwd/bwd)"
             + (
-                f"; kiln pointer-load fwd {rec.get('kiln_ptr_fwd_TFLOPs')}"
+                f"; kiln pointer-load fwd {rec.get('kiln_ptr_fwd_TFLOPs')}, TMA bwd {rec.get('kiln_tma_bwd_TFLOPs')}"
                 if "kiln_ptr_fwd_ms" in rec
                 else ""
             )

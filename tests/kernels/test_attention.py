@@ -196,31 +196,31 @@ def test_gpu_bf16_varlen():
 
 
 @pytest.mark.parametrize("tma", [False, True])
-def test_forward_tma_and_pointer_paths_agree(tma, device):
-    # The forward loads through TMA tensor descriptors on Hopper and through pointers elsewhere; both
-    # paths run here (the interpreter implements descriptors), against the float64 reference.
-    from kiln.kernels.attention import attention_fwd
+def test_tma_and_pointer_paths(tma, device):
+    # On Hopper the kernels can load through TMA tensor descriptors instead of pointers; both paths run
+    # here (the interpreter implements descriptors), forward and backward, against the float64 reference.
+    from kiln.kernels.attention import FlashAttention
 
     q, k, v, s = _inputs(2, 100, 129, 4, 2, 16, torch.float32, device, seed=13, sinks=True)
-    out, lse = attention_fwd(q, k, v, True, 0.3, 50, s, None, 0, tma=tma)
-    ref = attention_ref(
-        q.cpu().double(),
-        k.cpu().double(),
-        v.cpu().double(),
-        softmax_scale=0.3,
-        window=50,
-        sinks=s.cpu().double(),
-    )
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, s)]
+    out = FlashAttention.apply(*leaves[:3], leaves[3], None, 0, True, 0.3, 50, tma, tma)
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    grads = torch.autograd.grad(out, leaves, do)
+    ref_leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, s)]
+    ref = attention_ref(*ref_leaves[:3], softmax_scale=0.3, window=50, sinks=ref_leaves[3])
+    ref_grads = torch.autograd.grad(ref, ref_leaves, do.cpu().double())
     assert_close(out, ref)
-    assert lse.shape == (2, 4, 100) and torch.isfinite(lse).all()
+    for name, g, rg in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
+        assert_close(g, rg, name=name)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_pointer_forward_matches_tma(causal):
-    from kiln.kernels.attention import attention_fwd
+def test_gpu_pointer_and_tma_paths(causal):
+    from kiln.kernels.attention import attention_bwd, attention_fwd
 
     q, k, v, _ = _inputs(2, 1000, 1000, 8, 2, 128, torch.bfloat16, "cuda", seed=14)
+    do = torch.randn_like(q)
     a, lse_a = attention_fwd(q, k, v, causal, 0.1, None, None, None, 0, tma=False)
     b, lse_b = attention_fwd(q, k, v, causal, 0.1, None, None, None, 0, tma=True)
     ref = attention_ref(
@@ -229,3 +229,8 @@ def test_gpu_pointer_forward_matches_tma(causal):
     assert_close(a, ref, name="pointer forward")
     assert_close(b, ref, name="TMA forward")
     assert_close(lse_a, lse_b.double(), torch.float32, name="lse")
+    # The two backward paths differ only in how they load: same inputs, same results up to bf16 rounding.
+    ga = attention_bwd(do, q, k, v, a, lse_a, causal, 0.1, None, None, 0, tma=False)
+    gb = attention_bwd(do, q, k, v, a, lse_a, causal, 0.1, None, None, 0, tma=True)
+    for name, x, y in zip(("dq", "dk", "dv", "delta"), ga, gb):
+        assert_close(y, x.double(), name=name)

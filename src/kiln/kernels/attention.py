@@ -29,6 +29,8 @@ Backward (recomputing P from lse, as in the Triton fused-attention tutorial):
     so GQA needs neither atomics nor repeated K/V);  dQ = scale dS K (one program per Q block)
     dsink_h = -sum_rows exp(sink_h - lse) Delta   (the sink's probability times its zero-value gradient)
 
+On Hopper the forward streams Q, K, V and O through TMA tensor descriptors (one per sequence, whose
+shape clips ragged ends); elsewhere, and for the backward by default, through masked pointer loads.
 The Triton path takes fp16, bf16 and fp32 inputs with head dims 16, 32, 64, 128 and 256, and the
 last dim contiguous (other layouts are made contiguous first). Within one sequence, row offsets are
 int32: Tq * Hq * D must stay below 2**31. attn_mask, and head dims other than these, take the
@@ -376,16 +378,16 @@ def _attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, start, end, kpos,
+def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qt, stride_dot, start, end, kpos,
                     Tq, Tk, window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
-                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, TMA: tl.constexpr):
     """Accumulate dK, dV (BLOCK_N, D) of one key block over query blocks [start, end), computed transposed
     (keys by queries) so no operand needs a transpose in registers."""
     offs_m = tl.arange(0, BLOCK_M)
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + offs_m  # (BLOCK_M,)
-        q = _load_rows(q_base, m0, Tq, stride_qt, HEAD_DIM, BLOCK_M, MASK, False)
-        do = _load_rows(do_base, m0, Tq, stride_dot, HEAD_DIM, BLOCK_M, MASK, False)
+        q = _load_rows(q_src, m0, Tq, stride_qt, HEAD_DIM, BLOCK_M, MASK, TMA)
+        do = _load_rows(do_src, m0, Tq, stride_dot, HEAD_DIM, BLOCK_M, MASK, TMA)
         if MASK:
             lse = tl.load(lse_base + rows, mask=rows < Tq, other=0.0)
             delta = tl.load(delta_base + rows, mask=rows < Tq, other=0.0)
@@ -404,7 +406,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_
     return dk, dv
 
 
-@triton.autotune(_configs(_DKDV_SPACE, (32, 64)), key=_KEY, prune_configs_by={"early_config_prune": _prune},
+@triton.autotune(_configs(_DKDV_SPACE, (32, 64)), key=_KEY + ["TMA"], prune_configs_by={"early_config_prune": _prune},
                  do_bench=_bench)
 @triton.jit
 def _attn_bwd_dkdv_kernel(
@@ -414,7 +416,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
     Hk, group, Tq, Tk, window, qk_scale, sm_scale, LEN_KEY, GQA_KEY,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # the first key blocks see the most queries under causal masking: heaviest first
     pid_bh = tl.program_id(1)
@@ -439,18 +441,22 @@ def _attn_bwd_dkdv_kernel(
     lo, full_lo, full_hi, hi = _query_ranges(n0, Tq, Tk, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     for g in range(group):  # the query heads sharing this K/V head accumulate into one dK, dV
         h = hk * group + g
-        q_base = Q + bb * stride_qb + row0 * stride_qt + h * stride_qh
-        do_base = DO + bb * stride_dob + row0 * stride_dot + h * stride_doh
+        q_src = Q + bb * stride_qb + row0 * stride_qt + h * stride_qh
+        do_src = DO + bb * stride_dob + row0 * stride_dot + h * stride_doh
+        if TMA:
+            q_src = tl.make_tensor_descriptor(q_src, [Tq, HEAD_DIM], [stride_qt, 1], [BLOCK_M, HEAD_DIM])
+            do_src = tl.make_tensor_descriptor(do_src, [Tq, HEAD_DIM], [stride_dot, 1], [BLOCK_M, HEAD_DIM])
         lse_base = LSE + bb * stride_lb + h * stride_lh + row0
         delta_base = DELTA + bb * stride_lb + h * stride_lh + row0
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo,
-                                 full_lo, offs_n, Tq, Tk, window, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qt, stride_dot, lo,
+                                 full_lo, offs_n, Tq, Tk, window, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW,
+                                 TMA)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qt, stride_dot,
                                  full_lo, full_hi, offs_n, Tq, Tk, window, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL,
-                                 WINDOW)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                 WINDOW, TMA)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qt, stride_dot,
                                  full_hi, hi, offs_n, Tq, Tk, window, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL,
-                                 WINDOW)
+                                 WINDOW, TMA)
     dk_ptrs = DK + bb * stride_dkb + row0 * stride_dkt + hk * stride_dkh + offs_n[:, None] * stride_dkt
     dv_ptrs = DV + bb * stride_dvb + row0 * stride_dvt + hk * stride_dvh + offs_n[:, None] * stride_dvt
     tl.store(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok)
@@ -458,14 +464,14 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start, end, qpos, Tk, window,
+def _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, start, end, qpos, Tk, window,
                   qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, TMA: tl.constexpr):
     """Accumulate dQ (BLOCK_M, D) of one query block over key blocks [start, end)."""
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
-        k = _load_rows(k_base, n0, Tk, stride_kt, HEAD_DIM, BLOCK_N, MASK, False)
-        v = _load_rows(v_base, n0, Tk, stride_vt, HEAD_DIM, BLOCK_N, MASK, False)
+        k = _load_rows(k_src, n0, Tk, stride_kt, HEAD_DIM, BLOCK_N, MASK, TMA)
+        v = _load_rows(v_src, n0, Tk, stride_vt, HEAD_DIM, BLOCK_N, MASK, TMA)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(s - lse[:, None])
         if MASK:
@@ -476,7 +482,7 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, s
     return dq
 
 
-@triton.autotune(_configs(_DQ_SPACE, (64, 32)), key=_KEY, prune_configs_by={"early_config_prune": _prune},
+@triton.autotune(_configs(_DQ_SPACE, (64, 32)), key=_KEY + ["TMA"], prune_configs_by={"early_config_prune": _prune},
                  do_bench=_bench)
 @triton.jit
 def _attn_bwd_dq_kernel(
@@ -485,7 +491,7 @@ def _attn_bwd_dq_kernel(
     stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh,
     Hq, group, Tq, Tk, window, qk_scale, sm_scale, LEN_KEY, GQA_KEY,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest query blocks first, as in the forward
     pid_bh = tl.program_id(1)
@@ -505,18 +511,21 @@ def _attn_bwd_dq_kernel(
                     BLOCK_M, True, False)
     lse = tl.load(LSE + bb * stride_lb + h * stride_lh + row0 + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + bb * stride_lb + h * stride_lh + row0 + offs_m, mask=row_ok, other=0.0)
-    k_base = K + bb * stride_kb + row0 * stride_kt + (h // group) * stride_kh
-    v_base = V + bb * stride_vb + row0 * stride_vt + (h // group) * stride_vh
+    k_src = K + bb * stride_kb + row0 * stride_kt + (h // group) * stride_kh
+    v_src = V + bb * stride_vb + row0 * stride_vt + (h // group) * stride_vh
+    if TMA:
+        k_src = tl.make_tensor_descriptor(k_src, [Tk, HEAD_DIM], [stride_kt, 1], [BLOCK_N, HEAD_DIM])
+        v_src = tl.make_tensor_descriptor(v_src, [Tk, HEAD_DIM], [stride_vt, 1], [BLOCK_N, HEAD_DIM])
     qpos = offs_m + Tk - Tq
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     lo, full_lo, full_hi, hi = _key_ranges(m0, Tq, Tk, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, qpos, Tk, window,
-                       qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, qpos, Tk,
-                       window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, qpos, Tk, window,
-                       qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, lo, full_lo, qpos, Tk, window,
+                       qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, full_lo, full_hi, qpos, Tk,
+                       window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW, TMA)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, full_hi, hi, qpos, Tk, window,
+                       qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA)
     dq_ptrs = DQ + bb * stride_dqb + row0 * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt
     tl.store(dq_ptrs + tl.arange(0, HEAD_DIM)[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
@@ -603,8 +612,10 @@ def attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seql
     return (o[0] if varlen else o), lse
 
 
-def attention_bwd(do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max_seqlen):
-    """Triton backward: (dq, dk, dv, delta) with delta = rowsum(do * o) shaped like lse."""
+def attention_bwd(do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max_seqlen, tma=False):
+    """Triton backward: (dq, dk, dv, delta) with delta = rowsum(do * o) shaped like lse.
+
+    tma: stream Q/dO (dK/dV kernel) and K/V (dQ kernel) through tensor descriptors; None: where allowed."""
     varlen = cu_seqlens is not None
     q4, k4, v4, o4, do4 = (_as_4d(t, varlen) for t in (q, k, v, o, do))
     B, Tq, Hq, D = q4.shape
@@ -616,7 +627,10 @@ def attention_bwd(do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max
     dq = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k4.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v4.shape, dtype=v.dtype, device=v.device)
-    flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, VARLEN=varlen)
+    tma = _tma_ok(q4, k4, v4, do4) if tma is None else tma
+    if tma and q.is_cuda:
+        triton.set_allocator(_tma_allocator)
+    flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, VARLEN=varlen, TMA=tma)
     strides = (
         *q4.stride()[:3],
         *k4.stride()[:3],
@@ -649,25 +663,27 @@ def attention_bwd(do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max
 # ----------------------------------------------------------------------------------- autograd Function
 class FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, cu_seqlens, max_seqlen, causal, sm_scale, window, tma=None):
+    def forward(
+        ctx, q, k, v, sinks, cu_seqlens, max_seqlen, causal, sm_scale, window, tma=None, tma_bwd=False
+    ):
         o, lse = attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seqlen, tma)
         ctx.save_for_backward(q, k, v, o, lse, sinks, cu_seqlens)
-        ctx.args = (causal, sm_scale, window, max_seqlen)
+        ctx.args = (causal, sm_scale, window, max_seqlen, tma_bwd)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, sinks, cu_seqlens = ctx.saved_tensors
-        causal, sm_scale, window, max_seqlen = ctx.args
+        causal, sm_scale, window, max_seqlen, tma = ctx.args
         dq, dk, dv, delta = attention_bwd(
-            do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max_seqlen
+            do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max_seqlen, tma
         )
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             # The sink's probability exp(sink - lse) times its logit gradient (0 - Delta), summed over rows.
             p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse * LN2)  # (B, Hq, Tq)
             dsinks = (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)
-        return dq, dk, dv, dsinks, None, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------ public op
