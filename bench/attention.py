@@ -159,7 +159,7 @@ def prefill_case(bench: Bench, c: dict, rec: dict, dev: str, dtype, sdpa_backend
             o = FlashAttention.apply(q, k, v, None, None, 0, causal, D**-0.5, None, False)
             rec["kiln_bwd_note"] = "behind the pointer-load forward"
         bench.measure(rec, "kiln_bwd_ms", lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
-    if bench.cuda and D == 128 and Hq == Hk and T in (4096, 16384):  # the other load paths, to compare
+    if bench.cuda and D == 128 and Hq == Hk and causal and T in (4096, 16384):  # the other load paths
         scale = D**-0.5
         bench.measure(
             rec,
