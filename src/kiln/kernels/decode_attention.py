@@ -69,43 +69,21 @@ def _configs():
     ]
 
 
-@triton.autotune(
-    _configs(),
-    key=["HEAD_DIM", "BLOCK_H", "PAGE_SIZE", "SPLIT_KEY"],
-    do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
-)
+def _bench(fn, quantiles):
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+# fmt: off
+@triton.autotune(_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE_SIZE", "SPLIT_KEY"], do_bench=_bench)
 @triton.jit
 def _decode_split_kernel(
-    Q,
-    K_CACHE,
-    V_CACHE,
-    BLOCK_TABLE,
-    SEQ_LENS,
-    O_PART,
-    LSE_PART,  # o_part (B, Hq, S, D), lse_part (B, Hq, S) fp32
-    stride_qb,
-    stride_qh,
-    stride_kp,
-    stride_kt,
-    stride_kh,
-    stride_vp,
-    stride_vt,
-    stride_vh,
-    stride_bt,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_lb,
-    stride_lh,
-    group,
-    window,
-    chunk,
-    qk_scale,
-    SPLIT_KEY,  # chunk: keys per split (a multiple of BLOCK_N)
-    HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    WINDOW: tl.constexpr,
+    Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS,  # q (B, Hq, D); caches (pages, PAGE_SIZE, Hk, D); see paged_kv
+    O_PART, LSE_PART,  # o_part (B, Hq, splits, D), lse_part (B, Hq, splits) fp32, log2 units
+    stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_bt,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    group, window, chunk, qk_scale,  # chunk: keys per split, a multiple of BLOCK_N
+    SPLIT_KEY,  # autotuning key only (the split count, capped)
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, WINDOW: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -123,38 +101,20 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     h = hk * group + offs_h
     h_ok = offs_h < group
-    q = tl.load(
-        Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + offs_d[None, :],
-        mask=h_ok[:, None],
-        other=0.0,
-    )
-    table = BLOCK_TABLE + b.to(tl.int64) * stride_bt
+    b64 = b.to(tl.int64)
+    q = tl.load(Q + b64 * stride_qb + h[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None], other=0.0)
+    table = BLOCK_TABLE + b64 * stride_bt
     m_i = tl.zeros([BLOCK_H], tl.float32) - 1.0e30  # finite, so an empty split gives l = 0, not NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
-        t = n0 + offs_n  # (BLOCK_N,) token positions
+        t = n0 + offs_n  # (BLOCK_N,) token positions; each row found through its page
         t_ok = t < hi
         page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
-        slot = t % PAGE_SIZE
-        k = tl.load(
-            K_CACHE
-            + page[:, None] * stride_kp
-            + slot[:, None] * stride_kt
-            + hk * stride_kh
-            + offs_d[None, :],
-            mask=t_ok[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            V_CACHE
-            + page[:, None] * stride_vp
-            + slot[:, None] * stride_vt
-            + hk * stride_vh
-            + offs_d[None, :],
-            mask=t_ok[:, None],
-            other=0.0,
-        )
+        k_rows = K_CACHE + page * stride_kp + (t % PAGE_SIZE) * stride_kt + hk * stride_kh
+        v_rows = V_CACHE + page * stride_vp + (t % PAGE_SIZE) * stride_vt + hk * stride_vh
+        k = tl.load(k_rows[:, None] + offs_d[None, :], mask=t_ok[:, None], other=0.0)  # (BLOCK_N, D)
+        v = tl.load(v_rows[:, None] + offs_d[None, :], mask=t_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_H, BLOCK_N), log2 units
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -166,31 +126,16 @@ def _decode_split_kernel(
     has = l_i > 0.0
     acc = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    o_ptrs = (
-        O_PART + b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-    )
+    o_ptrs = O_PART + b64 * stride_ob + h[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(o_ptrs, acc, mask=h_ok[:, None])
-    tl.store(LSE_PART + b.to(tl.int64) * stride_lb + h * stride_lh + split, lse, mask=h_ok)
+    tl.store(LSE_PART + b64 * stride_lb + h * stride_lh + split, lse, mask=h_ok)
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    O_PART,
-    LSE_PART,
-    SINKS,
-    OUT,  # out (B, Hq, D)
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_lb,
-    stride_lh,
-    stride_outb,
-    stride_outh,
-    Hq,
-    num_splits,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    SINK: tl.constexpr,
+    O_PART, LSE_PART, SINKS, OUT,  # partials as above; sinks (Hq,) or a dummy; out (B, Hq, D)
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    Hq, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, SINK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -198,11 +143,8 @@ def _decode_reduce_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     s_ok = offs_s < num_splits
     lse = tl.load(LSE_PART + b * stride_lb + h * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
-    o = tl.load(
-        O_PART + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
-        mask=s_ok[:, None],
-        other=0.0,
-    )  # (BLOCK_S, D)
+    o = tl.load(O_PART + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
+                mask=s_ok[:, None], other=0.0)  # (BLOCK_S, D)
     m = tl.maximum(tl.max(lse, 0), -1.0e30)
     if SINK:
         sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
@@ -213,6 +155,7 @@ def _decode_reduce_kernel(
         denom += tl.math.exp2(sink - m)
     out = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0.0, denom, 1.0)
     tl.store(OUT + b * stride_outb + h * stride_outh + offs_d, out.to(OUT.dtype.element_ty))
+# fmt: on
 
 
 # ------------------------------------------------------------------------------------------ launcher
@@ -245,50 +188,22 @@ def decode_attention_triton(
     group = Hq // Hk
     o_part = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
+    # fmt: off
     _decode_split_kernel[(B, Hk, splits)](
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        o_part,
-        lse_part,
-        q.stride(0),
-        q.stride(1),
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        block_table.stride(0),
-        *o_part.stride()[:3],
-        lse_part.stride(0),
-        lse_part.stride(1),
-        group,
-        window or 0,
-        chunk,
-        softmax_scale * LOG2E,
-        min(splits, 64),
-        HEAD_DIM=D,
-        PAGE_SIZE=page_size,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
-        WINDOW=window is not None,
+        q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
+        *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1),
+        group, window or 0, chunk, softmax_scale * LOG2E, triton.next_power_of_2(splits),
+        HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)), WINDOW=window is not None,
     )
     out = torch.empty_like(q)
     _decode_reduce_kernel[(B, Hq)](
-        o_part,
-        lse_part,
-        sinks if sinks is not None else q,
-        out,
-        *o_part.stride()[:3],
-        lse_part.stride(0),
-        lse_part.stride(1),
-        out.stride(0),
-        out.stride(1),
-        Hq,
-        splits,
-        HEAD_DIM=D,
-        BLOCK_S=triton.next_power_of_2(splits),
-        SINK=sinks is not None,
+        o_part, lse_part, sinks if sinks is not None else q, out,
+        *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
+        Hq, splits, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(splits), SINK=sinks is not None,
         num_warps=8 if splits * D >= 4096 else 4,
     )
+    # fmt: on
     return out
 
 

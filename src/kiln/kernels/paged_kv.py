@@ -37,32 +37,17 @@ def paged_kv_write_ref(k_cache, v_cache, k, v, slots) -> None:
 
 
 # ------------------------------------------------------------------------------------- Triton kernel
+# fmt: off
 @triton.jit
 def _paged_kv_write_kernel(
-    K,
-    V,
-    K_CACHE,
-    V_CACHE,
-    SLOTS,  # k, v (N, Hk, D); caches (num_blocks, block_size, Hk, D); slots (N,)
-    stride_kn,
-    stride_kh,
-    stride_vn,
-    stride_vh,
-    stride_kcp,
-    stride_kct,
-    stride_kch,
-    stride_vcp,
-    stride_vct,
-    stride_vch,
-    Hk,
-    D,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    K, V, K_CACHE, V_CACHE, SLOTS,  # k, v (N, Hk, D); caches (num_blocks, PAGE_SIZE, Hk, D); slots (N,)
+    stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch,
+    Hk, D, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    i = tl.program_id(0)
+    i = tl.program_id(0)  # one new token: all its heads at once
     slot = tl.load(SLOTS + i).to(tl.int64)
-    if slot < 0:
+    if slot < 0:  # padding
         return
     page = slot // PAGE_SIZE
     pos = slot % PAGE_SIZE
@@ -75,33 +60,23 @@ def _paged_kv_write_kernel(
     dst_v = V_CACHE + page * stride_vcp + pos * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :]
     tl.store(dst_k, tl.load(src_k, mask=ok).to(K_CACHE.dtype.element_ty), mask=ok)
     tl.store(dst_v, tl.load(src_v, mask=ok).to(V_CACHE.dtype.element_ty), mask=ok)
+# fmt: on
 
 
 # ------------------------------------------------------------------------------------------ launcher
 def paged_kv_write_triton(k_cache, v_cache, k, v, slots) -> None:
     N, Hk, D = k.shape
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
     if N == 0:
         return
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    # fmt: off
     _paged_kv_write_kernel[(N,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slots,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        Hk,
-        D,
-        PAGE_SIZE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(Hk),
-        BLOCK_D=triton.next_power_of_2(D),
+        k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], Hk, D,
+        PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hk), BLOCK_D=triton.next_power_of_2(D),
     )
+    # fmt: on
 
 
 # ------------------------------------------------------------------------------------------ public op
