@@ -274,12 +274,15 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, start, end,
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         k = _load_rows(k_src, n0, Tk, stride_kt, HEAD_DIM, BLOCK_N, MASK, TMA)  # (BLOCK_N, D)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N); times qk_scale it is in log2 units
         if MASK:
-            s = tl.where(_allowed(qpos[:, None], (n0 + offs_n)[None, :], Tk, window, CAUSAL, WINDOW), s,
-                         float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # m_i starts finite, so m_new is finite
-        p = tl.math.exp2(s - m_new[:, None])
+            s = tl.where(_allowed(qpos[:, None], (n0 + offs_n)[None, :], Tk, window, CAUSAL, WINDOW),
+                         qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # m_i starts finite, so m_new is finite
+            p = tl.math.exp2(s - m_new[:, None])
+        else:  # the scale goes into the max and one fused multiply-add per score
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_rows(v_src, n0, Tk, stride_vt, HEAD_DIM, BLOCK_N, MASK, TMA)
@@ -702,6 +705,8 @@ def attention(
     """Attention over (B, T, H, D) tensors (or packed (total, H, D) with cu_seqlens); see the module doc."""
     if window is not None and window < 1:
         raise ValueError(f"attention: window must be >= 1 (keys p - W < j <= p), got {window}")
+    if softmax_scale is not None and not softmax_scale > 0:
+        raise ValueError(f"attention: softmax_scale must be positive, got {softmax_scale}")
     triton_ok = attn_mask is None and q.shape[-1] in HEAD_DIMS and q.numel() > 0 and k.numel() > 0
     if triton_ok and use_triton(q, k, v, sinks, cu_seqlens):
         _check(q, k, v, sinks, cu_seqlens)
