@@ -189,7 +189,20 @@ def prefill_case(bench: Bench, c: dict, rec: dict, dev: str, dtype, sdpa_backend
                 lambda o_sdpa=o_sdpa: torch.autograd.grad(o_sdpa, (q, k, v), dot, retain_graph=True),
             )
     tflops(rec)
+    rec["kiln_configs"] = chosen_configs()
     return q, k, v, do
+
+
+def chosen_configs() -> dict:
+    """The autotuner's latest pick per kiln kernel (BLOCK_M/BLOCK_N, warps, stages), for tuning notes."""
+    from kiln.kernels import attention as attn
+
+    kernels = {
+        "fwd": attn._attn_fwd_kernel,
+        "dkdv": attn._attn_bwd_dkdv_kernel,
+        "dq": attn._attn_bwd_dq_kernel,
+    }
+    return {name: str(getattr(k, "best_config", None)) for name, k in kernels.items()}
 
 
 def decode_case(bench: Bench, c: dict, rec: dict, dev: str, dtype, ceilings: dict) -> None:
