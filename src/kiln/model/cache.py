@@ -1,9 +1,13 @@
 """The KV-cache interface the attention layers see, and the two caches `generate` uses.
 
 A forward pass with a cache processes T new tokens per sequence. Each layer calls
-    k_all, v_all = cache.update(layer_idx, k, v)      # k, v (B, T, Hk, D) -> (B, S + T, Hk, D)
-and attends its queries to all of k_all (causal alignment to the end handles S > 0). After the last
-layer the model calls `cache.advance(T)`. `cache.seq_len` is S, the tokens stored before this pass.
+    y = cache.attend(layer_idx, q, k, v, window=..., sinks=..., attn_mask=...)
+with this pass's q (B, T, Hq, D) and k, v (B, T, Hk, D). The default `attend` stores k, v with
+    k_all, v_all = cache.update(layer_idx, k, v)      # (B, S + T, Hk, D)
+and runs `kiln.kernels.attention.attention` over all of them (causal alignment to the end handles
+S > 0); a paged cache overrides `attend` to write its pages and call a paged decode kernel instead,
+with no change to the layers. After the last layer the model calls `cache.advance(T)`.
+`cache.seq_len` is S, the tokens stored before this pass.
 
 `rotate_keys_in_cache` tells the layer where RoPE is applied:
 - False: keys are rotated at their absolute positions before they are stored (the usual way);
@@ -17,6 +21,8 @@ from __future__ import annotations
 import abc
 
 import torch
+
+from kiln.kernels.attention import attention
 
 
 class KVCache(abc.ABC):
@@ -36,6 +42,21 @@ class KVCache(abc.ABC):
     @abc.abstractmethod
     def advance(self, n: int) -> None:
         """Called once per pass after the last layer: n new tokens are now stored."""
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Store k, v and attend q (B, T, Hq, D) causally to every stored key: (B, T, Hq, D)."""
+        k_all, v_all = self.update(layer, k, v)
+        return attention(q, k_all, v_all, causal=True, window=window, sinks=sinks, attn_mask=attn_mask)
 
 
 class ContiguousKVCache(KVCache):

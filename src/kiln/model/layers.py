@@ -89,17 +89,23 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
-        rotate_late = cache is not None and cache.rotate_keys_in_cache
-        if rope is not None and not rotate_late:
-            q, k = apply_rope(q, k, *rope[:2], rope[2], interleaved=self.rope_interleaved)
-        if cache is not None:
+        attn = dict(window=self.window, sinks=self.sinks, attn_mask=attn_mask)
+        if cache is not None and cache.rotate_keys_in_cache:
+            # streaming: keys are stored unrotated, then queries and all keys are rotated at their cache
+            # slots; apply_rope rotates a pair of one length, so each side goes as both arguments
             k, v = cache.update(self.layer_idx, k, v)  # (B, S + T, Hk, D)
-        if rope is not None and rotate_late:
-            # queries at their slots, keys at theirs; apply_rope rotates a pair of tensors of one length,
-            # so each side goes as both arguments (the streaming path only)
-            q = apply_rope(q, q, *rope[:2], rope[2], interleaved=self.rope_interleaved)[0]
-            k = apply_rope(k, k, *key_rope[:2], key_rope[2], interleaved=self.rope_interleaved)[0]
-        y = attention(q, k, v, causal=True, window=self.window, sinks=self.sinks, attn_mask=attn_mask)
+            if rope is not None:
+                q = apply_rope(q, q, *rope[:2], rope[2], interleaved=self.rope_interleaved)[0]
+                k = apply_rope(k, k, *key_rope[:2], key_rope[2], interleaved=self.rope_interleaved)[0]
+            y = attention(q, k, v, causal=True, **attn)
+        else:
+            if rope is not None:
+                q, k = apply_rope(q, k, *rope[:2], rope[2], interleaved=self.rope_interleaved)
+            y = (
+                attention(q, k, v, causal=True, **attn)
+                if cache is None
+                else cache.attend(self.layer_idx, q, k, v, **attn)
+            )
         return self.o_proj(y.reshape(B, T, -1))
 
 
