@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import base64
 import json
+import unicodedata
 
 import pytest
 import tiktoken.load
 from tokenizers import Regex as HFRegex
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from kiln.errors import KilnError
 from kiln.tokenizer import Tokenizer, formats
@@ -29,13 +30,16 @@ def hf_bpe_trained(train_text: str, pre: str) -> HFTokenizer:
     hf = HFTokenizer(models.BPE())
     if pre == "bytelevel":
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:  # a Split with the GPT-4 regex, then bytes -> characters
+    else:  # a Split with the GPT-4 (or Qwen2, after NFC as Qwen2 does) regex, then bytes -> characters
+        pattern = resolve_pattern("qwen2" if pre == "split_nfc" else "gpt4")
         hf.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(HFRegex(onig_compatible(resolve_pattern("gpt4"))), behavior="isolated"),
+                pre_tokenizers.Split(HFRegex(onig_compatible(pattern)), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
+    if pre == "split_nfc":
+        hf.normalizer = normalizers.NFC()
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=900,
@@ -47,7 +51,7 @@ def hf_bpe_trained(train_text: str, pre: str) -> HFTokenizer:
     return hf
 
 
-@pytest.mark.parametrize("pre", ["bytelevel", "split"])
+@pytest.mark.parametrize("pre", ["bytelevel", "split", "split_nfc"])
 def test_hf_bpetrainer_vocab_loads_and_encodes_identically(pre, train_text, sample, tmp_path):
     hf = hf_bpe_trained(train_text, pre)
     hf.save(str(tmp_path / "tokenizer.json"))
@@ -57,7 +61,7 @@ def test_hf_bpetrainer_vocab_loads_and_encodes_identically(pre, train_text, samp
     for text in sample:
         ids = tok.encode_ordinary(text)
         assert ids == hf.encode(text, add_special_tokens=False).ids, text[:80]
-        assert tok.decode(ids) == text
+        assert tok.decode(ids) == (unicodedata.normalize("NFC", text) if pre == "split_nfc" else text)
     text = "one<|endoftext|>two"
     assert tok.encode(text, allowed_special="all") == hf.encode(text, add_special_tokens=False).ids
     # kiln's own directory keeps the merge list, so it round-trips exactly too.

@@ -121,6 +121,7 @@ def save_kiln(tok: Tokenizer, directory: str | os.PathLike) -> None:
         "special_tokens": tok.special_tokens,
         "semantics": "tiktoken" if merges is None else "merges",
         "ignore_merges": tok.ignore_merges,
+        "normalization": tok.normalization,
     }
     if merges is not None:
         lines = [
@@ -153,6 +154,7 @@ def load_kiln(directory: str | os.PathLike) -> Tokenizer:
             {str(k): int(v) for k, v in meta["special_tokens"].items()},
             merges=merges,
             ignore_merges=bool(meta.get("ignore_merges", True)),
+            normalization=meta.get("normalization"),
         )
     except (KeyError, ValueError, TypeError, AttributeError, OSError) as e:
         raise KilnError(
@@ -205,7 +207,7 @@ def to_hf_json(tok: Tokenizer) -> dict:
             }
             for s, i in sorted(tok.special_tokens.items(), key=lambda kv: kv[1])
         ],
-        "normalizer": None,
+        "normalizer": {"type": tok.normalization} if tok.normalization is not None else None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
@@ -315,8 +317,11 @@ def from_hf_json(data: dict, source: str = "tokenizer.json") -> Tokenizer:
             raise KilnError(f"{source}: BPE dropout and subword prefixes/suffixes are not supported")
         if model.get("byte_fallback"):
             raise KilnError(f"{source}: byte_fallback BPE is not byte-level; not supported")
-        if data.get("normalizer") is not None:
-            raise KilnError(f"{source}: normalizer {data['normalizer'].get('type')!r} is not supported")
+        normalizer = data.get("normalizer")
+        if normalizer is not None and normalizer.get("type") not in ("NFC", "NFD", "NFKC", "NFKD"):
+            raise KilnError(
+                f"{source}: normalizer {normalizer.get('type')!r} is not supported (only NFC/NFD/NFKC/NFKD)"
+            )
         pattern = _hf_pattern(data.get("pre_tokenizer"))
         specials = {t["content"]: int(t["id"]) for t in data.get("added_tokens", [])}
         special_ids = set(specials.values())
@@ -326,7 +331,12 @@ def from_hf_json(data: dict, source: str = "tokenizer.json") -> Tokenizer:
             a, b = m.split(" ") if isinstance(m, str) else m
             merges.setdefault((from_unicode(a), from_unicode(b)), n)
         return Tokenizer(
-            vocab, pattern, specials, merges=merges, ignore_merges=bool(model.get("ignore_merges", False))
+            vocab,
+            pattern,
+            specials,
+            merges=merges,
+            ignore_merges=bool(model.get("ignore_merges", False)),
+            normalization=normalizer["type"] if normalizer is not None else None,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise KilnError(f"{source} is not a valid HF tokenizer.json ({type(e).__name__}: {e})") from e

@@ -12,6 +12,7 @@ Encoding splits text with the pattern's regex and merges each chunk; results are
 from __future__ import annotations
 
 import os
+import unicodedata
 from array import array
 from collections.abc import Collection, Iterable, Sequence
 from itertools import chain
@@ -44,6 +45,8 @@ class Tokenizer:
     special_tokens: special token text -> id (ids distinct from the vocab's).
     merges: None for tiktoken semantics (ids are ranks); else (left bytes, right bytes) -> priority,
         followed as HF `tokenizers` does, and `ignore_merges` is HF's flag of that name.
+    normalization: None, or a Unicode form ("NFC", "NFD", "NFKC", "NFKD") applied to ordinary text
+        before splitting, as an HF normalizer does (Qwen2's tokenizer.json uses NFC).
     """
 
     def __init__(
@@ -54,7 +57,11 @@ class Tokenizer:
         *,
         merges: dict[tuple[bytes, bytes], int] | None = None,
         ignore_merges: bool = True,
+        normalization: str | None = None,
     ):
+        if normalization not in (None, "NFC", "NFD", "NFKC", "NFKD"):
+            raise KilnError(f"normalization must be None, NFC, NFD, NFKC or NFKD, got {normalization!r}")
+        self.normalization = normalization
         self.pattern = resolve_pattern(pattern)
         self._vocab = dict(vocab)
         self._specials = dict(special_tokens or {})
@@ -151,6 +158,8 @@ class Tokenizer:
     def _encode_chunks(self, text: str) -> list[int]:
         # findall and the cache lookups run in C (map over dict.__getitem__); only a chunk seen for
         # the first time calls back into Python (_Memo.__missing__ -> the merge loop).
+        if self.normalization is not None:
+            text = unicodedata.normalize(self.normalization, text)
         return list(chain.from_iterable(map(self._chunks.__getitem__, self._split.findall(text))))
 
     def encode_ordinary(self, text: str) -> list[int]:
@@ -234,6 +243,8 @@ class Tokenizer:
                 "or a pattern its regex engine rejects); use engine='kiln'"
             )
         if enc is not None:
+            if self.normalization is not None:
+                texts = [unicodedata.normalize(self.normalization, t) for t in texts]
             return enc.encode_ordinary_batch(texts, num_threads=processes)
         if processes == 1 or len(texts) < 2:
             return [self.encode_ordinary(t) for t in texts]
