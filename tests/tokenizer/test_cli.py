@@ -31,7 +31,7 @@ def tok_dir(corpus, tmp_path_factory):
     return out
 
 
-def test_train_encode_decode(tok_dir, capsys):
+def test_train_encode_decode(tok_dir, corpus, capsys):
     capsys.readouterr()
     tok = Tokenizer.load(tok_dir)
     assert tok.n_vocab == 700 and set(tok.special_tokens) == {"<|endoftext|>", "<|im_end|>"}
@@ -41,6 +41,10 @@ def test_train_encode_decode(tok_dir, capsys):
     assert ids == tok.encode(text, allowed_special="all")
     assert main(["tokenizer", "decode", "-t", str(tok_dir), *map(str, ids)]) == 0
     assert capsys.readouterr().out == text + "\n"
+    files = sorted(corpus.glob("*.py"))[:2]
+    assert main(["tokenizer", "encode", "-t", str(tok_dir), "--file", *map(str, files)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [list(map(int, line.split())) for line in lines] == [tok.encode(f.read_text()) for f in files]
 
 
 def test_convert_round_trips(tok_dir, tmp_path, capsys):

@@ -9,6 +9,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from kiln.errors import KilnError
 
 
@@ -33,7 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     e = tsub.add_parser("encode", help="print the ids of a text (argument, --file, or stdin)")
     e.add_argument("text", nargs="?", help="the text (default: --file or stdin)")
     e.add_argument("--tokenizer", "-t", required=True, help="a kiln, HF or GPT-2 tokenizer directory")
-    e.add_argument("--file", default=None, help="encode this file instead")
+    e.add_argument(
+        "--file", nargs="+", default=None, help="encode these files instead: one line of ids per file"
+    )
     e.add_argument(
         "--allowed-special",
         default="none",
@@ -147,21 +151,24 @@ def _encode(args: argparse.Namespace, extra: list[str]) -> int:
     tok = Tokenizer.load(args.tokenizer)
     if args.text is not None and args.file is not None:
         raise KilnError("give the text as an argument or with --file, not both")
-    if args.file is not None:
+    allowed = _allowed(args.allowed_special)
+    sources = args.file if args.file is not None else [None]
+    for name in tqdm(sources, desc="encoding", unit="file", disable=len(sources) < 2, leave=False):
+        if name is None:
+            text = args.text if args.text is not None else sys.stdin.read()
+        else:
+            try:
+                text = Path(name).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise KilnError(f"cannot read {name} as UTF-8 text: {e}") from e
         try:
-            text = Path(args.file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise KilnError(f"cannot read {args.file} as UTF-8 text: {e}") from e
-    else:
-        text = args.text if args.text is not None else sys.stdin.read()
-    try:
-        ids = tok.encode(text, allowed_special=_allowed(args.allowed_special))
-    except DisallowedSpecialError as e:
-        raise KilnError(
-            f"the text contains the special token {e.token!r}; pass --allowed-special all (or a "
-            f"comma-separated list) to encode special tokens as their ids"
-        ) from e
-    print(json.dumps(ids) if args.json else " ".join(map(str, ids)))
+            ids = tok.encode(text, allowed_special=allowed)
+        except DisallowedSpecialError as e:
+            raise KilnError(
+                f"the text contains the special token {e.token!r}; pass --allowed-special all (or a "
+                f"comma-separated list) to encode special tokens as their ids"
+            ) from e
+        print(json.dumps(ids) if args.json else " ".join(map(str, ids)))
     return 0
 
 

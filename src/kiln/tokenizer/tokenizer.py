@@ -92,6 +92,7 @@ class Tokenizer:
 
     def _setup(self) -> None:
         # Derived, rebuilt after unpickling: compiled regexes, the caches, a tiktoken twin.
+        self._n_vocab = max(self._decoder) + 1
         self._split = regex.compile(self.pattern)
         self._special_regex = special_splitter(list(self._specials))
         self._chunks = _Memo(lambda piece: self._encode_piece(piece.encode("utf-8")), CACHE_MAX)
@@ -116,7 +117,7 @@ class Tokenizer:
     @property
     def n_vocab(self) -> int:
         """Number of ids: one more than the largest id (ordinary or special)."""
-        return max(self._decoder) + 1
+        return self._n_vocab
 
     @property
     def special_tokens(self) -> dict[str, int]:
@@ -185,7 +186,12 @@ class Tokenizer:
         allowed = set(self._specials) if allowed_special == "all" else set(allowed_special)
         disallowed = set(self._specials) - allowed if disallowed_special == "all" else set(disallowed_special)
         if disallowed:
-            m = special_splitter(sorted(disallowed)).search(text)
+            find = (
+                self._special_regex
+                if disallowed == set(self._specials)
+                else special_splitter(sorted(disallowed))
+            )
+            m = find.search(text)
             if m is not None:
                 raise DisallowedSpecialError(
                     f"the text contains the special token {m.group()!r}, which is not allowed. Pass "
