@@ -57,12 +57,12 @@ def hf_model(arch: str, **overrides):
             "mixtral": (T.MixtralConfig, T.MixtralForCausalLM),
         }[arch]
         model = cls[1](cls[0](**kw))
-    if arch != "gpt2":
-        # transformers' init leaves norms at 1 and biases at 0; random ones test that they are loaded
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.dim() == 1:
-                    p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    # transformers' init leaves norms at 1 and biases at 0; random ones test that they are loaded
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                is_scale = name.endswith("weight") and ("norm" in name or ".ln_" in name)
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if is_scale else 0.1 * torch.randn_like(p))
     return model.eval()
 
 
