@@ -77,8 +77,9 @@ def test_cuda_bf16_forward_tracks_fp32(extra):
     with torch.no_grad():
         want = ref(ids.cpu())
         l32, l16 = m32(ids), m16(ids.clone())
-    # fp32 on the GPU runs Triton kernels whose dots may use TF32 (10-bit mantissa): 1e-3 of the scale
-    assert_logits_close(l32.cpu(), want, rel=1e-3)
+    # fp32 on the GPU runs the Triton attention, whose fp32 tl.dot uses TF32 (10-bit mantissa, ~5e-4
+    # relative per product): 3e-3 of the logit scale leaves room for that over 4 layers
+    assert_logits_close(l32.cpu(), want, rel=3e-3)
     # bf16 weights and activations (8-bit mantissa, ~4e-3 per rounding, compounded over 4 layers): the mean
     # error stays within 1e-2 of the logit scale and the top-1 token agrees almost everywhere; the max
     # error is bounded too for dense models (MoE routing may flip a near-tied expert in bf16, which moves
@@ -98,11 +99,14 @@ def test_cuda_generate_with_cache():
     model = build_model(cfg, device="cuda", dtype=torch.float32, seed=1).eval()
     ids = torch.randint(0, 4096, (3, 17), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     out = model.generate(ids, 24, temperature=0)
+    assert out.shape == (3, 41) and torch.equal(out[:, :17], ids)
+    # every cached greedy choice is the argmax of a full forward over the same tokens, up to a near-tie
+    # (the decode and prefill attention differ by TF32 rounding, ~1e-3 of the scale: see above)
     with torch.no_grad():
-        x = ids
-        for _ in range(24):
-            x = torch.cat((x, model(x)[:, -1].argmax(-1, keepdim=True)), dim=1)
-    assert out.tolist() == x.tolist()
+        full = model(out[:, :-1])[:, 16:]  # (3, 24, V): the logits that chose out[:, 17:]
+    chosen = full.gather(-1, out[:, 17:, None]).squeeze(-1)
+    gap = full.max(-1).values - chosen
+    assert (gap <= 3e-3 * full.abs().max()).all(), gap.max()
     b16 = build_model(cfg, device="cuda", dtype=torch.bfloat16, seed=1).eval()
     g = b16.generate(
         ids, 32, temperature=0.8, top_k=50, top_p=0.95, generator=torch.Generator("cuda").manual_seed(2)

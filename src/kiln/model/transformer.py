@@ -59,7 +59,7 @@ class Decoder(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Causal LM. forward -> logits (B, T, V); loss -> scalar; generate -> ids. See kiln/model/README."""
+    """Causal LM. forward -> logits (B, T, V); loss -> scalar; generate -> ids (docs/readme/model.md)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
