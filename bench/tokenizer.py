@@ -248,13 +248,19 @@ def main() -> int:
         tok = state["kiln"]
         enc = tok.as_tiktoken()
         out: dict = {"bytes": train_bytes}
-        ref, s = timed(lambda: [enc.encode_ordinary(t) for t in train_texts])
-        out["tiktoken_1_thread_MBps"] = train_bytes / 1e6 / s
-        tok.clear_cache()  # a cold start, as for a fresh process
-        ids, s = timed(lambda: [tok.encode_ordinary(t) for t in train_texts])
-        out["kiln_1_process_MBps"] = train_bytes / 1e6 / s
-        out["identical_1"] = ids == ref
-        del ids
+        # Single-threaded, twice each, interleaved, the best kept: other jobs share this machine's
+        # cores, and interleaving gives both encoders the same chances. kiln starts cold each time.
+        best_tt = best_kiln = float("inf")
+        for _ in range(2):
+            ref, s = timed(lambda: [enc.encode_ordinary(t) for t in train_texts])
+            best_tt = min(best_tt, s)
+            tok.clear_cache()
+            ids, s = timed(lambda: [tok.encode_ordinary(t) for t in train_texts])
+            best_kiln = min(best_kiln, s)
+            out["identical_1"] = ids == ref
+            del ids
+        out["tiktoken_1_thread_MBps"] = train_bytes / 1e6 / best_tt
+        out["kiln_1_process_MBps"] = train_bytes / 1e6 / best_kiln
         got, s = timed(lambda: enc.encode_ordinary_batch(train_texts, num_threads=args.processes))
         out[f"tiktoken_{args.processes}_threads_MBps"] = train_bytes / 1e6 / s
         got, s = timed(lambda: tok.encode_ordinary_batch(train_texts, args.processes, engine="kiln"))
@@ -262,6 +268,12 @@ def main() -> int:
         out["identical_all"] = got == ref
         got, s = timed(lambda: tok.encode_ordinary_batch(train_texts, args.processes))
         out["kiln_auto_batch_MBps"] = train_bytes / 1e6 / s
+        # Profile: the `regex` module's findall alone (the pre-tokenization every pure-Python BPE
+        # encoder needs) bounds kiln's single-process speed.
+        split = regex.compile(tok.pattern)
+        n_chunks, s = timed(lambda: sum(len(split.findall(t)) for t in train_texts))
+        out["regex_findall_only_MBps"] = train_bytes / 1e6 / s
+        out["bytes_per_chunk"] = train_bytes / n_chunks
         out["peer"] = "tiktoken on kiln's ranks and pattern"
         out["ratio_1"] = out["kiln_1_process_MBps"] / out["tiktoken_1_thread_MBps"]
         out["ratio_all"] = (
