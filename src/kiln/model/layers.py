@@ -24,6 +24,8 @@ class Norm(nn.Module):
 
     forward(x, residual=None) -> (norm(x + residual), x + residual): the pre-norm block hands the
     residual stream through, so the add fuses into the norm kernel. With residual=None, (norm(x), x).
+    Under autocast a sublayer's output (bf16) meets a float32 stream: both are promoted to the wider
+    dtype first, so the stream keeps its precision (as `residual + h` would in eager PyTorch).
     """
 
     def __init__(self, dim: int, eps: float, bias: bool):
@@ -35,6 +37,9 @@ class Norm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None and residual.dtype != x.dtype:
+            wide = torch.promote_types(x.dtype, residual.dtype)
+            x, residual = x.to(wide), residual.to(wide)
         if self.bias is None:
             out = rmsnorm(x, self.weight, self.eps, residual)
         else:
