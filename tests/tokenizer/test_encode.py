@@ -139,3 +139,14 @@ def test_property_any_string_roundtrips(twins, text):
     tok, _ = twins["gpt4"]
     fixed = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     assert tok.decode(tok.encode_ordinary(text)) == fixed
+
+
+def test_chunk_cache_flushes_keep_results_exact(trained, heldout_text, monkeypatch):
+    # A tiny cache that flushes constantly must not change a single id.
+    tok = trained["gpt4"]
+    want = tok.encode_ordinary(heldout_text)
+    tok.clear_cache()
+    monkeypatch.setattr(tok._chunks, "max_items", 16)
+    assert tok.encode_ordinary(heldout_text) == want
+    assert len(tok._chunks) <= 16 and len(tok._chunks.previous) <= 16
+    tok.clear_cache()

@@ -25,7 +25,7 @@ from kiln.tokenizer.bpe import merge_by_list, merge_by_rank
 from kiln.tokenizer.patterns import resolve_pattern
 from kiln.tokenizer.train import special_splitter, utf8
 
-CACHE_MAX = 1 << 18  # chunks remembered per tokenizer (~50 MB at most); emptied when it fills
+CACHE_MAX = 1 << 18  # chunks per cache generation (two generations: ~100 MB at most)
 ENDOFTEXT = "<|endoftext|>"
 
 
@@ -100,7 +100,7 @@ class Tokenizer:
 
     def clear_cache(self) -> None:
         """Forget every cached chunk (for cold-start measurements)."""
-        self._chunks.clear()
+        self._chunks.forget()
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -332,19 +332,32 @@ class Tokenizer:
 
 class _Memo(dict):
     """A bounded memo: memo[key] is fn(key), computed in __missing__ on the first lookup only, so a
-    hit never leaves C. When `max_items` are kept the memo is emptied (cheaper than LRU bookkeeping)."""
+    hit never leaves C.
+
+    When `max_items` are kept, they become the previous generation and the memo starts empty; a miss
+    looks there before computing, so the chunks in use survive the flush (two generations
+    approximate LRU without bookkeeping on hits).
+    """
 
     def __init__(self, fn, max_items: int):
         super().__init__()
         self.fn = fn
         self.max_items = max_items
+        self.previous: dict = {}
 
     def __missing__(self, key):
-        value = self.fn(key)
+        value = self.previous.get(key)
+        if value is None:
+            value = self.fn(key)
         if len(self) >= self.max_items:
+            self.previous = dict(self)
             self.clear()
         self[key] = value
         return value
+
+    def forget(self) -> None:
+        self.clear()
+        self.previous = {}
 
 
 def _fix_surrogates(text: str) -> str:
