@@ -199,7 +199,7 @@ def _explore_shape(name: str, M: int, K: int, N: int, cands: list[tuple], sms: i
         if not within_budget():
             return
         meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "WARP_SPEC": ws,
-                "PERSISTENT": pers, "NUM_PROGRAMS": sms}  # fmt: skip
+                "PERSISTENT": pers}  # fmt: skip
         cfg = triton.Config(meta, num_warps=wp, num_stages=st)
 
         def run(cfg=cfg):

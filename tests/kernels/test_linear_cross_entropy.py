@@ -44,11 +44,15 @@ def _run(hidden, weight, targets, bias, ignore_index, eps, reduction, dtype):
         assert_close(a, b, dtype, name=name)
 
 
+@pytest.mark.parametrize("gemms", ["kiln", "cublas"])
 @pytest.mark.parametrize("N,H,V,dtype,has_bias,ignore_index,eps,reduction", CASES)
-def test_linear_cross_entropy_matches_float64(N, H, V, dtype, has_bias, ignore_index, eps, reduction,
+def test_linear_cross_entropy_matches_float64(N, H, V, dtype, has_bias, ignore_index, eps, reduction, gemms,
                                               device, monkeypatch):  # fmt: skip
     # A budget of 4 rows of logits per chunk, so every case runs several chunks and a ragged last one.
     monkeypatch.setattr(ce, "CHUNK_BYTES", 4 * V * torch.finfo(dtype).bits // 8)
+    # "kiln": logits with fused row statistics and dweight accumulated by kiln's matmul; "cublas": torch.matmul
+    monkeypatch.setattr(ce, "LOGITS_GEMM", gemms)
+    monkeypatch.setattr(ce, "DWEIGHT_GEMM", gemms)
     gen = torch.Generator().manual_seed(N + H + V)
     hidden = torch.randn(N, H, generator=gen).to(device, dtype)
     weight = (torch.randn(V, H, generator=gen) / H**0.5).to(device, dtype)
@@ -102,8 +106,13 @@ def test_linear_cross_entropy_bad_input_errors(device):
 
 
 @pytest.mark.gpu
-def test_linear_cross_entropy_bf16_qwen_head():
-    """The Qwen2.5 head (1536 -> 151936) in bf16 on 512 tokens, default chunking."""
+@pytest.mark.parametrize("logits_gemm", ["kiln", "cublas"])
+@pytest.mark.parametrize("dweight_gemm", ["kiln", "cublas"])
+def test_linear_cross_entropy_bf16_qwen_head(logits_gemm, dweight_gemm, monkeypatch):
+    """The Qwen2.5 head (1536 -> 151936) in bf16 on 512 tokens, two chunks."""
+    monkeypatch.setattr(ce, "LOGITS_GEMM", logits_gemm)
+    monkeypatch.setattr(ce, "DWEIGHT_GEMM", dweight_gemm)
+    monkeypatch.setattr(ce, "CHUNK_BYTES", 256 * 151936 * 2)
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(512, 1536, generator=gen).to("cuda", torch.bfloat16)
     weight = (torch.randn(151936, 1536, generator=gen) * 0.02).to("cuda", torch.bfloat16)

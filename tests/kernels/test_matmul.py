@@ -84,10 +84,37 @@ def test_matmul_explicit_configs(persistent, device):
     a = torch.randn(64, 48, generator=gen).to(device, torch.float16)
     w = torch.randn(96, 48, generator=gen).to(device, torch.float16)
     meta = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "WARP_SPEC": False,
-            "PERSISTENT": persistent, "NUM_PROGRAMS": 3}  # fmt: skip
+            "PERSISTENT": persistent}  # fmt: skip
     with use_backend("triton"):
         c, _ = matmul_fwd(a, w.t(), config=triton.Config(meta, num_warps=4, num_stages=2))
     assert_close(c, matmul_ref(a.double(), w.double().t()), name="C")
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_matmul_accumulate_and_row_stats(tma, device):
+    """The epilogues the fused linear cross-entropy uses: C += A @ B, and per-tile row max / sum exp / sum
+    of the rounded output, both through descriptors and block pointers."""
+    import triton
+
+    from kiln.kernels.matmul import matmul_fwd
+
+    gen = torch.Generator().manual_seed(10)
+    M, K, N, BN = 40, 32, 80, 32  # N not a multiple of BLOCK_N: a ragged last tile in the stats
+    a = torch.randn(M, K, generator=gen).to(device, torch.float16)
+    w = torch.randn(N, K, generator=gen).to(device, torch.float16)
+    c0 = torch.randn(M, N, generator=gen).to(device, torch.float16)
+    cfg = triton.Config({"BLOCK_M": 16, "BLOCK_N": BN, "BLOCK_K": 16, "GROUP_M": 2, "WARP_SPEC": False,
+                         "PERSISTENT": True}, num_warps=4, num_stages=2)  # fmt: skip
+    with use_backend("triton"):
+        c, _ = matmul_fwd(a, w.t(), out=c0.clone(), accumulate=True, config=cfg, tma=tma)
+        assert_close(c, c0.double() + a.double() @ w.double().t(), name="C += A @ B")
+        stats = torch.empty(3, M, triton.cdiv(N, BN), device=device)
+        c, _ = matmul_fwd(a, w.t(), row_stats=stats, config=cfg, tma=tma)
+    v = torch.nn.functional.pad(c.double(), (0, 3 * BN - N), value=float("-inf")).view(M, 3, BN)
+    t_max = v.amax(-1)
+    assert_close(stats[0], t_max, torch.float32, name="tile max")
+    assert_close(stats[1], (v - t_max[..., None]).exp().sum(-1), torch.float32, name="tile sum exp")
+    assert_close(stats[2], v.nan_to_num(neginf=0.0).sum(-1), torch.float32, name="tile sum")
 
 
 def test_matmul_bad_input_errors(device):

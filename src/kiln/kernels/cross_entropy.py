@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import interpreting, use_triton
+from kiln.kernels.matmul import matmul_fwd, tile_config
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -79,11 +80,16 @@ def _cross_entropy_kernel(
     g_col_stride,
     S_ptr,  # float32 gradient scale per row at S_ptr + i * s_stride (s_stride 0: one scalar for all)
     s_stride,
+    Stats_ptr,  # (3, N, n_parts) float32 per-block row max / sum exp / sum from the GEMM that made Z
+    n_parts,
+    stats_plane,  # N * n_parts
     N,  # rows
     V,  # vocabulary size
     ignore_index,
     eps,  # label smoothing
     FORWARD: tl.constexpr,  # compute loss and lse (else read lse)
+    FROM_STATS: tl.constexpr,  # the forward combines Stats instead of a pass over the row
+    PARTS: tl.constexpr,  # power of two >= n_parts
     WRITE_GRAD: tl.constexpr,  # write scale * dloss/dz
     SMOOTH: tl.constexpr,  # eps > 0: also needs sum_j z_j
     BLOCK: tl.constexpr,  # vocabulary columns per step
@@ -97,20 +103,30 @@ def _cross_entropy_kernel(
         valid = t != ignore_index
         cols = tl.arange(0, BLOCK)
         if FORWARD:
-            # Online logsumexp with one scalar max per block: one exp per element (the SFU is the
-            # bottleneck next to HBM on the H200 if every lane keeps its own running max).
-            m = -3.0e38  # finite, so a block of only -inf (masked vocabulary) gives exp(0), not nan
-            s = 0.0
-            z_sum = 0.0
-            for start in range(0, V, BLOCK):
-                c = start + cols
-                mask = c < V
-                z = tl.load(z_row + c * z_col_stride, mask=mask, other=-float("inf")).to(tl.float32)
-                m_new = tl.maximum(m, tl.max(z, axis=0))
-                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-                m = m_new
+            if FROM_STATS:
+                p = tl.arange(0, PARTS)
+                at = Stats_ptr + row * n_parts + p
+                p_max = tl.load(at, mask=p < n_parts, other=-3.0e38)
+                p_sum = tl.load(at + stats_plane, mask=p < n_parts, other=0.0)
+                m = tl.max(p_max, axis=0)
+                s = tl.sum(p_sum * tl.exp(p_max - m), axis=0)
                 if SMOOTH:
-                    z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+                    z_sum = tl.sum(tl.load(at + 2 * stats_plane, mask=p < n_parts, other=0.0), axis=0)
+            else:
+                # Online logsumexp with one scalar max per block: one exp per element (the SFU is the
+                # bottleneck next to HBM on the H200 if every lane keeps its own running max).
+                m = -3.0e38  # finite, so a block of only -inf (masked vocabulary) gives exp(0), not nan
+                s = 0.0
+                z_sum = 0.0
+                for start in range(0, V, BLOCK):
+                    c = start + cols
+                    mask = c < V
+                    z = tl.load(z_row + c * z_col_stride, mask=mask, other=-float("inf")).to(tl.float32)
+                    m_new = tl.maximum(m, tl.max(z, axis=0))
+                    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+                    m = m_new
+                    if SMOOTH:
+                        z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
             lse = m + tl.log(s)
             z_t = tl.load(z_row + t * z_col_stride, mask=valid, other=0.0).to(tl.float32)
             loss = lse - (1.0 - eps) * z_t
@@ -190,10 +206,12 @@ def cross_entropy_grad(
     return grad
 
 
-def _launch(logits, targets, loss, lse, grad, scale, ignore_index, eps, forward: bool, programs=None) -> None:
+def _launch(logits, targets, loss, lse, grad, scale, ignore_index, eps, forward: bool, programs=None,
+            stats=None) -> None:  # fmt: skip
     N, V = logits.shape
     if N == 0:
         return
+    parts = 1 if stats is None else stats.shape[2]
     block, warps = _launch_config(V)
     write = grad is not None
     g = grad if write else logits
@@ -201,8 +219,9 @@ def _launch(logits, targets, loss, lse, grad, scale, ignore_index, eps, forward:
     _cross_entropy_kernel[(N if programs is None else max(1, min(N, programs)),)](
         logits, logits.stride(0), logits.stride(1), targets, loss, lse,
         g, g.stride(0), g.stride(1), s, 0 if s.numel() == 1 else s.stride(0),
-        N, V, ignore_index, float(eps),
-        FORWARD=forward, WRITE_GRAD=write, SMOOTH=eps > 0, BLOCK=block, num_warps=warps,
+        lse if stats is None else stats, parts, N * parts, N, V, ignore_index, float(eps),
+        FORWARD=forward, FROM_STATS=stats is not None, PARTS=triton.next_power_of_2(parts),
+        WRITE_GRAD=write, SMOOTH=eps > 0, BLOCK=block, num_warps=warps,
     )  # fmt: skip
 
 
@@ -257,6 +276,20 @@ CHUNK_BYTES = 440 * 2**20
 # Programs for the chunk's loss + gradient kernel (None: one per row). A grid of a few per SM keeps the
 # rows being worked on (304 KiB each at V = 151936) within L2 between the two passes over them.
 ROW_PROGRAMS: int | None = None
+# Which GEMM forms a chunk's logits and accumulates dweight: "kiln" (kiln.kernels.matmul, persistent
+# 128x256 tiles; the logits GEMM also emits each row's per-tile max / sum exp, so the loss needs no pass
+# of its own over the logits) or "cublas" (torch.matmul). dhidden's GEMM (c x V) @ (V x H) has too few
+# output tiles for one program per tile and stays on cuBLAS, which splits K.
+LOGITS_GEMM = "kiln"
+DWEIGHT_GEMM = "kiln"
+
+
+def _gemm_config() -> triton.Config:
+    """The fixed (not autotuned) tile config of the fused GEMMs: autotuning would run the accumulating
+    GEMM several times over dweight, and the row statistics' layout depends on BLOCK_N."""
+    if interpreting():
+        return tile_config(32, 32, 32, 1, 4, 4, persistent=True)
+    return tile_config(128, 256, 64, 3, 8, persistent=True)
 
 
 def linear_cross_entropy_chunks(
@@ -282,10 +315,16 @@ def linear_cross_entropy_chunks(
     db = torch.zeros(V, device=hidden.device, dtype=torch.float32) if grads and want[2] else None
     C = _chunk_rows(N, V, hidden.element_size(), chunk_bytes)
     buf = hidden.new_empty(C, V)  # reused by every chunk
+    cfg = _gemm_config()
     for start in range(0, N, C):
         end = min(start + C, N)
         h, z = hidden[start:end], buf[: end - start]
-        if bias is None:
+        stats = None
+        if LOGITS_GEMM == "kiln":
+            n_parts = triton.cdiv(V, cfg.kwargs["BLOCK_N"])
+            stats = torch.empty(3, end - start, n_parts, device=hidden.device, dtype=torch.float32)
+            matmul_fwd(h, weight.t(), bias, out=z, row_stats=stats, config=cfg)  # (c, V) = (c, H) @ (H, V)
+        elif bias is None:
             torch.matmul(h, weight.t(), out=z)  # (c, V) = (c, H) @ (H, V)
         else:
             torch.addmm(bias.to(z.dtype), h, weight.t(), out=z)  # bias broadcast over the rows
@@ -293,14 +332,17 @@ def linear_cross_entropy_chunks(
         if grads:
             s = scale if scale.numel() == 1 else scale[start:end]
         _launch(z, targets[start:end].contiguous(), loss[start:end], lse[start:end],
-                z if grads else None, s, ignore_index, eps, forward=True, programs=ROW_PROGRAMS)  # fmt: skip
+                z if grads else None, s, ignore_index, eps, forward=True, programs=ROW_PROGRAMS,
+                stats=stats)  # fmt: skip
         if not grads:
             continue
         # z now holds dloss/dz for this chunk (c, V), written over its logits.
         if dh is not None:
             torch.matmul(z, weight, out=dh[start:end])  # (c, H) = (c, V) @ (V, H)
         if dw is not None:
-            if start == 0:
+            if DWEIGHT_GEMM == "kiln":  # (V, H) (+)= (V, c) @ (c, H), rounded to dweight's dtype per chunk
+                matmul_fwd(z.t(), h, out=dw, accumulate=start > 0, config=cfg)
+            elif start == 0:
                 torch.matmul(z.t(), h, out=dw)  # (V, H) = (V, c) @ (c, H)
             else:
                 dw.addmm_(z.t(), h)  # accumulates in dweight's dtype between chunks, as Liger does
