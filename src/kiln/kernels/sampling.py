@@ -66,9 +66,9 @@ KEY_NEG_INF: tl.constexpr = tl.constexpr(-0x7F800001)  # _key(-inf): 0xFF800000 
 
 @triton.jit
 def _key(x):
-    """float32 -> int64 with the same order (flip the magnitude bits of negatives)."""
+    """float32 -> int32 with the same order (flip the magnitude bits of negatives)."""
     b = x.to(tl.int32, bitcast=True)
-    return tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.int64)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
 
 
 @triton.jit
@@ -102,91 +102,98 @@ def _sample_kernel(
     SEARCH_BLOCK: tl.constexpr,  # columns per step of the threshold searches, which hold SPLITS per column
     SPLITS: tl.constexpr,  # cut points tried per search pass: the range shrinks (SPLITS + 1)-fold per pass
 ):
+    # Every loop keeps per-lane partial results and reduces across lanes once, after the loop: a
+    # cross-warp reduction per block would cost more than the block's loads (L2-resident after pass one).
     row = tl.program_id(0).to(tl.int64)
     z_row = Z_ptr + row * z_stride
     cols = tl.arange(0, BLOCK)
     search_cols = tl.arange(0, SEARCH_BLOCK)
     if GREEDY:
-        # argmax of the raw logits; strict > across blocks and tl.argmax within one keep the first index
-        best = -float("inf")
-        best_i = 0
+        best = tl.full((BLOCK,), -float("inf"), tl.float32)
+        best_i = tl.zeros((BLOCK,), tl.int32)
         for start in range(0, V, BLOCK):
-            z = tl.load(z_row + start + cols, mask=start + cols < V, other=-float("inf")).to(tl.float32)
-            m = tl.max(z, axis=0)
-            i = start + tl.argmax(z, axis=0)
-            best_i = tl.where(m > best, i, best_i)
-            best = tl.maximum(m, best)
-        tl.store(Out_ptr + row, best_i.to(tl.int64))
+            c = start + cols
+            z = tl.load(z_row + c, mask=c < V, other=-float("inf")).to(tl.float32)
+            better = z > best  # strict: within a lane the earliest column keeps a tie
+            best_i = tl.where(better, c, best_i)
+            best = tl.where(better, z, best)
+        tl.store(Out_ptr + row, _first_argmax(best, best_i, V).to(tl.int64))
     else:
         cut = -float("inf")
         if TOP_K:
-            lo = tl.full((), KEY_POS_INF, tl.int64)  # becomes the key of the row's minimum
-            hi = tl.full((), KEY_NEG_INF, tl.int64)  # and of its maximum
+            k_lo = tl.full((BLOCK,), KEY_POS_INF, tl.int32)
+            k_hi = tl.full((BLOCK,), KEY_NEG_INF, tl.int32)
             for start in range(0, V, BLOCK):
-                k = _key(_scaled_row(z_row, start + cols, V, temperature, cut))
-                valid = start + cols < V
-                lo = tl.minimum(lo, tl.min(tl.where(valid, k, KEY_POS_INF), axis=0))
-                hi = tl.maximum(hi, tl.max(tl.where(valid, k, KEY_NEG_INF), axis=0))
-            hi += 1
+                c = start + cols
+                k = _key(_scaled_row(z_row, c, V, temperature, cut))
+                k_lo = tl.minimum(k_lo, tl.where(c < V, k, KEY_POS_INF))
+                k_hi = tl.maximum(k_hi, k)
+            lo = tl.min(k_lo, axis=0).to(tl.int64)  # the key of the row's minimum
+            hi = tl.max(k_hi, axis=0).to(tl.int64) + 1  # one past the key of its maximum
             # invariant: #{z >= lo} >= top_k > #{z >= hi}; each pass tries SPLITS cut points at once
             splits = tl.arange(0, SPLITS) + 1
             while hi - lo > 1:
                 t = lo + ((hi - lo) * splits + SPLITS) // (SPLITS + 1)  # (SPLITS,) increasing, in (lo, hi]
-                n = tl.zeros((SPLITS,), tl.int32)
+                t32 = t.to(tl.int32)  # keys and cut points all lie in int32
+                hits = tl.zeros((SEARCH_BLOCK, SPLITS), tl.int32)
                 for start in range(0, V, SEARCH_BLOCK):
-                    c = start + search_cols
-                    k = _key(_scaled_row(z_row, c, V, temperature, cut))
-                    hit = (k[:, None] >= t[None, :]) & (c < V)[:, None]  # (SEARCH_BLOCK, SPLITS)
-                    n += tl.sum(hit.to(tl.int32), axis=0)
-                ok = n >= top_k  # true for a prefix of the cut points
+                    k = _key(_scaled_row(z_row, start + search_cols, V, temperature, cut))
+                    hits += (k[:, None] >= t32[None, :]).to(tl.int32)  # padding is -inf: never a hit
+                ok = tl.sum(hits, axis=0) >= top_k  # true for a prefix of the cut points
                 lo = tl.max(tl.where(ok, t, lo), axis=0)
                 hi = tl.min(tl.where(ok, hi, t), axis=0)
             cut = _unkey(lo)
         if TOP_P:
             m, s = _max_sumexp(z_row, V, temperature, cut, BLOCK)
             lo = tl.full((), KEY_NEG_INF, tl.int64)  # invariant: mass above lo >= top_p > mass above hi
-            hi = _key(m)
+            hi = _key(m).to(tl.int64)
             splits = tl.arange(0, SPLITS) + 1
             while hi - lo > 1:
                 t = lo + ((hi - lo) * splits + SPLITS) // (SPLITS + 1)
                 tf = _unkey(t)
-                mass = tl.zeros((SPLITS,), tl.float32)
+                mass = tl.zeros((SEARCH_BLOCK, SPLITS), tl.float32)
                 for start in range(0, V, SEARCH_BLOCK):
                     z = _scaled_row(z_row, start + search_cols, V, temperature, cut)
-                    e = tl.exp(z - m)
-                    mass += tl.sum(tl.where(z[:, None] > tf[None, :], e[:, None], 0.0), axis=0)
-                ok = mass / s < top_p  # true for a suffix of the cut points
+                    mass += tl.where(z[:, None] > tf[None, :], tl.exp(z - m)[:, None], 0.0)
+                ok = tl.sum(mass, axis=0) / s < top_p  # true for a suffix of the cut points
                 hi = tl.min(tl.where(ok, t, hi), axis=0)
                 lo = tl.max(tl.where(ok, lo, t), axis=0)
             cut = _unkey(hi)
         # exponential race: argmax_j softmax(z)_j / noise_j over the survivors
         m, s = _max_sumexp(z_row, V, temperature, cut, BLOCK)
-        best = -1.0
-        best_i = 0
+        best = tl.full((BLOCK,), -1.0, tl.float32)
+        best_i = tl.zeros((BLOCK,), tl.int32)
         for start in range(0, V, BLOCK):
             c = start + cols
             z = _scaled_row(z_row, c, V, temperature, cut)
             e = tl.load(Noise_ptr + row * noise_stride + c, mask=c < V, other=1.0)
             r = tl.where(c < V, (tl.exp(z - m) / s) / e, -1.0)
-            rm = tl.max(r, axis=0)
-            i = start + tl.argmax(r, axis=0)
-            best_i = tl.where(rm > best, i, best_i)
-            best = tl.maximum(rm, best)
-        tl.store(Out_ptr + row, best_i.to(tl.int64))
+            better = r > best
+            best_i = tl.where(better, c, best_i)
+            best = tl.where(better, r, best)
+        tl.store(Out_ptr + row, _first_argmax(best, best_i, V).to(tl.int64))
+
+
+@triton.jit
+def _first_argmax(best, best_i, V):
+    """Across lanes: the largest value, and among the lanes holding it the smallest column."""
+    top = tl.max(best, axis=0)
+    return tl.min(tl.where(best == top, best_i, V), axis=0)
 
 
 @triton.jit
 def _max_sumexp(z_row, V, temperature, cut, BLOCK: tl.constexpr):
-    """(max, sum exp(z - max)) over the survivors of `cut`: an online pass over the row."""
+    """(max, sum exp(z - max)) over the survivors of `cut`: one online pass, per lane, then combined."""
     cols = tl.arange(0, BLOCK)
-    m = -3.0e38  # finite, so a block of only -inf gives exp(m - m) = 1, not exp(-inf + inf) = nan
-    s = 0.0
+    m = tl.full((BLOCK,), -3.0e38, tl.float32)  # finite: a lane of only -inf gives exp(m - m) = 1, not nan
+    s = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, V, BLOCK):
         z = _scaled_row(z_row, start + cols, V, temperature, cut)
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m_new = tl.maximum(m, z)
+        s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
         m = m_new
-    return m, s
+    m_all = tl.max(m, axis=0)
+    return m_all, tl.sum(s * tl.exp(m - m_all), axis=0)
 
 
 def _check(logits: torch.Tensor, temperature: float, top_p: float | None) -> None:
@@ -227,7 +234,7 @@ def sample_with_noise(
         logits, logits.stride(0), noise, noise.stride(0), out, V,
         float(temperature) if not greedy else 1.0, int(top_k) if use_k else 0, float(top_p) if use_p else 1.0,
         GREEDY=greedy, TOP_K=use_k and not greedy, TOP_P=use_p and not greedy, BLOCK=block,
-        SEARCH_BLOCK=min(block, 512), SPLITS=16, num_warps=8,
+        SEARCH_BLOCK=min(block, 1024), SPLITS=16, num_warps=16 if block >= 4096 else 4,
     )  # fmt: skip
     return out
 
