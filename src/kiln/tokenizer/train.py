@@ -3,7 +3,7 @@
 Two phases.
 
 1. Counting. Text arrives as an iterable of strings (a generator over a corpus larger than memory is
-   fine: only one batch per worker is held at a time). Special tokens are cut out first, so they are
+   fine: at most two batches per worker are in flight). Special tokens are cut out first, so they are
    never merged into anything; the rest is split by the pattern's regex and each distinct chunk is
    counted. Batches of about `BATCH_CHARS` characters go to a process pool; each worker returns a
    Counter and the parent adds them up. Only the distinct chunks stay in memory.
@@ -26,9 +26,10 @@ from __future__ import annotations
 import heapq
 import multiprocessing
 import os
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain, islice
 
 import regex
 from tqdm.auto import tqdm
@@ -36,7 +37,7 @@ from tqdm.auto import tqdm
 from kiln.errors import KilnError
 from kiln.tokenizer.patterns import resolve_pattern
 
-BATCH_CHARS = 1 << 20  # ~1 MB of text per task sent to a counting worker
+BATCH_CHARS = 1 << 21  # ~2 MB of text per counting task
 PAIR_BASE = 1 << 24  # ids stay below 16.7M, far above any vocabulary we train
 
 
@@ -109,34 +110,28 @@ def count_chunks(
         raise ValueError(f"processes must be >= 1, got {processes}")
     specials = tuple(special_tokens)
     batches = _batches(texts, batch_chars)
+    head = list(islice(batches, 2))
     total: Counter[str] = Counter()
-    bar = tqdm(desc="counting chunks", unit="MB", unit_scale=False, disable=not progress, leave=False)
-    first = next(batches, None)
-    if first is None:
-        bar.close()
-        return total
-    second = next(batches, None)
-    if processes == 1 or second is None:
-        for batch in [first] + ([second] if second is not None else []):
-            total.update(count_chunks_in(batch, pattern, specials))
-            bar.update(round(sum(map(len, batch)) / 1e6, 2))
-        for batch in batches:
-            total.update(count_chunks_in(batch, pattern, specials))
-            bar.update(round(sum(map(len, batch)) / 1e6, 2))
-        bar.close()
-        return total
+    bar = tqdm(desc="counting chunks", unit="MB", disable=not progress, leave=False)
 
-    def tasks() -> Iterator[tuple[list[str], str, tuple[str, ...]]]:
-        yield first, pattern, specials
-        yield second, pattern, specials
-        for batch in batches:
-            yield batch, pattern, specials
+    def add(counts: Counter[str], n_chars: int) -> None:
+        total.update(counts)
+        bar.update(round(n_chars / 1e6, 2))
 
-    # imap keeps only a few batches in flight, so a corpus larger than memory streams through.
-    with multiprocessing.get_context().Pool(processes) as pool:
-        for counts, n_chars in pool.imap_unordered(_count_task, tasks(), chunksize=1):
-            total.update(counts)
-            bar.update(round(n_chars / 1e6, 2))
+    if processes == 1 or len(head) < 2:
+        for batch in chain(head, batches):
+            add(*_count_task((batch, pattern, specials)))
+    else:
+        # At most two tasks per process in flight, so a corpus larger than memory streams through
+        # (Pool.imap would read the whole iterable ahead into its task queue).
+        with multiprocessing.get_context().Pool(processes) as pool:
+            pending: deque = deque()
+            for batch in chain(head, batches):
+                pending.append(pool.apply_async(_count_task, ((batch, pattern, specials),)))
+                if len(pending) > 2 * processes:
+                    add(*pending.popleft().get())
+            while pending:
+                add(*pending.popleft().get())
     bar.close()
     return total
 
