@@ -194,15 +194,16 @@ def test_gpu_bf16_varlen():
     _check_against_f64(q[0], k[0], v[0], s, grad_scale=2.0, causal=True, cu_seqlens=cu)
 
 
-@pytest.mark.parametrize("tma", [False, True])
-def test_tma_and_pointer_paths(tma, device):
-    # On Hopper the kernels can load through TMA tensor descriptors instead of pointers; both paths run
-    # here (the interpreter implements descriptors), forward and backward, against the float64 reference.
+@pytest.mark.parametrize("tma,fused_dq", [(False, True), (False, False), (True, False)])
+def test_load_paths_and_dq_variants(tma, fused_dq, device):
+    # Loads through TMA tensor descriptors or pointers; dQ fused into the dK/dV kernel (atomic adds) or
+    # from its own kernel. The interpreter implements descriptor loads but not descriptor reduce-adds,
+    # so TMA with fused dQ runs on the GPU only (test_gpu_load_paths_and_dq_variants).
     from kiln.kernels.attention import FlashAttention
 
     q, k, v, s = _inputs(2, 100, 129, 4, 2, 16, torch.float32, device, seed=13, sinks=True)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, s)]
-    out = FlashAttention.apply(*leaves[:3], leaves[3], None, 0, True, 0.3, 50, tma, tma)
+    out = FlashAttention.apply(*leaves[:3], leaves[3], None, 0, True, 0.3, 50, tma, tma, fused_dq)
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device)
     grads = torch.autograd.grad(out, leaves, do)
     ref_leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, s)]
@@ -215,7 +216,7 @@ def test_tma_and_pointer_paths(tma, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_pointer_and_tma_paths(causal):
+def test_gpu_load_paths_and_dq_variants(causal):
     from kiln.kernels.attention import attention_bwd, attention_fwd
 
     q, k, v, _ = _inputs(2, 1000, 1000, 8, 2, 128, torch.bfloat16, "cuda", seed=14)
@@ -228,8 +229,10 @@ def test_gpu_pointer_and_tma_paths(causal):
     assert_close(a, ref, name="pointer forward")
     assert_close(b, ref, name="TMA forward")
     assert_close(lse_a, lse_b.double(), torch.float32, name="lse")
-    # The two backward paths differ only in how they load: same inputs, same results up to bf16 rounding.
-    ga = attention_bwd(do, q, k, v, a, lse_a, causal, 0.1, None, None, 0, tma=False)
-    gb = attention_bwd(do, q, k, v, a, lse_a, causal, 0.1, None, None, 0, tma=True)
-    for name, x, y in zip(("dq", "dk", "dv", "delta"), ga, gb):
-        assert_close(y, x.double(), name=name)
+    # The backward variants differ in how they load and where dQ is summed: same inputs, same results
+    # up to bf16 rounding of the outputs.
+    want = attention_bwd(do, q, k, v, a, lse_a, causal, 0.1, None, None, 0, tma=False, fused_dq=False)
+    for tma, fused in ((True, True), (True, False), (False, True)):
+        got = attention_bwd(do, q, k, v, a, lse_a, causal, 0.1, None, None, 0, tma=tma, fused_dq=fused)
+        for name, x, y in zip(("dq", "dk", "dv", "delta"), want, got):
+            assert_close(y, x.double(), name=f"{name} (tma={tma}, fused_dq={fused})")
