@@ -30,12 +30,16 @@ from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice
+from typing import TYPE_CHECKING
 
 import regex
 from tqdm.auto import tqdm
 
 from kiln.errors import KilnError
 from kiln.tokenizer.patterns import resolve_pattern
+
+if TYPE_CHECKING:
+    from kiln.tokenizer.tokenizer import Tokenizer
 
 BATCH_CHARS = 1 << 21  # ~2 MB of text per counting task
 PAIR_BASE = 1 << 24  # ids stay below 16.7M, far above any vocabulary we train
@@ -249,7 +253,7 @@ def train_bpe(
     min_frequency: int = 2,
     processes: int | None = None,
     progress: bool = True,
-):
+) -> Tokenizer:
     """Train a byte-level BPE tokenizer with `vocab_size` ids in all (256 bytes + merges + specials).
 
     Ids 0..255 are the bytes, then the merged tokens in the order they were learnt (so an id is also
