@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kiln.kernels.dispatch import use_backend
-from kiln.kernels.rope import apply_rope, apply_rope_ref
+from kiln.kernels.rope import apply_rope, apply_rope_ref, rope_launch
 
 from ._tolerance import assert_close, check_op
 
@@ -71,6 +71,19 @@ def test_rope_packed_sequences_and_decode_positions():
     pos = torch.tensor([[17], [40]])
     q, k = torch.randn(2, 1, 2, D, generator=g), torch.randn(2, 1, 1, D, generator=g)
     check_op(_op, _ref, [q, k, cos, sin, pos, False], grad_inputs=(0, 1))
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_rope_tokens_per_program(tokens):
+    # the fixed-config path the benchmark sweeps: 1 token per program, and 4 with a ragged last block
+    g = torch.Generator().manual_seed(3)
+    cos, sin = tables(16, 8)
+    q, k = torch.randn(1, 7, 3, 8, generator=g), torch.randn(1, 7, 1, 8, generator=g)
+    pos = torch.randint(0, 16, (1, 7), generator=g)
+    qo, ko = rope_launch(q, k, cos, sin, pos, False, tokens=tokens, num_warps=1)
+    q2, k2 = _ref(q.double(), k.double(), cos, sin, pos, False)
+    assert_close(qo, q2, name="q")
+    assert_close(ko, k2, name="k")
 
 
 def test_rope_errors():

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import use_triton
-from kiln.kernels.rmsnorm import as_rows, check_rows, programs_per_device, row_warps
+from kiln.kernels.rmsnorm import as_rows, check_rows, programs_per_device, row_loop_configs, row_warps
 
 
 def layernorm_ref(
@@ -62,6 +62,10 @@ def _layernorm_fwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    # weight and bias (L2 hits) first, so that their latency overlaps the row's
+    w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(B_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     h = tl.load(X_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(R_ptr + row * r_row_stride + cols, mask=mask, other=0.0)
@@ -72,9 +76,9 @@ def _layernorm_fwd_kernel(
     mean = tl.sum(hf, axis=0) / n_cols
     xc = tl.where(mask, hf - mean, 0.0)  # padding lanes must not enter the variance
     rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
-    y = xc * rstd * tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = xc * rstd * w
     if HAS_BIAS:
-        y += tl.load(B_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y += b
     tl.store(Y_ptr + row * y_row_stride + cols, y.to(Y_ptr.dtype.element_ty), mask=mask)
     tl.store(MEAN_ptr + row, mean)
     tl.store(RSTD_ptr + row, rstd)
@@ -167,6 +171,11 @@ def layernorm_fwd(
     return y, h, mean, rstd
 
 
+_layernorm_bwd_tuned = triton.autotune(configs=row_loop_configs(), key=["n_cols", "HAS_DH", "HAS_BIAS"])(
+    _layernorm_bwd_kernel
+)
+
+
 def layernorm_bwd(
     dy: torch.Tensor,
     h: torch.Tensor,
@@ -177,9 +186,11 @@ def layernorm_bwd(
     dh: torch.Tensor | None = None,
     num_warps: int | None = None,
     programs_per_sm: int = 2,
-    stages: int = 1,
+    stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Launch the backward over (n_rows, D) rows. Returns (dx rows, dw, db or None if there is no bias)."""
+    """Launch the backward over (n_rows, D) rows. Returns (dx rows, dw, db or None if there is no bias).
+
+    Autotuned when num_warps and stages are both None (see rmsnorm_bwd)."""
     has_bias = bias_dtype is not None
     n_rows, D = h.shape
     dy2 = as_rows(dy, D)
@@ -192,12 +203,18 @@ def layernorm_bwd(
     dw_partial = torch.empty((n_prog, D), dtype=torch.float32, device=h.device)
     db_partial = torch.empty_like(dw_partial) if has_bias else dw_partial
     block = triton.next_power_of_2(D)
-    _layernorm_bwd_kernel[(n_prog,)](
+    args = (
         dy2, h, dy2 if dh2 is None else dh2, weight, mean, rstd, dx, dw_partial, db_partial,
         dy2.stride(0), h.stride(0), 0 if dh2 is None else dh2.stride(0),
         n_rows, D, triton.cdiv(n_rows, n_prog),
-        HAS_DH=dh2 is not None, STAGES=stages, HAS_BIAS=has_bias, BLOCK=block, num_warps=num_warps or row_warps(block),
     )  # fmt: skip
+    flags = dict(HAS_DH=dh2 is not None, HAS_BIAS=has_bias, BLOCK=block)
+    if num_warps is None and stages is None:
+        _layernorm_bwd_tuned[(n_prog,)](*args, **flags)
+    else:
+        _layernorm_bwd_kernel[(n_prog,)](
+            *args, **flags, STAGES=stages or 1, num_warps=num_warps or row_warps(block)
+        )
     db = db_partial.sum(0).to(bias_dtype) if has_bias else None
     return dx, dw_partial.sum(0).to(weight.dtype), db
 

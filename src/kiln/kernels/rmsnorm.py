@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.dispatch import use_triton
+from kiln.kernels.dispatch import interpreting, use_triton
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_ROW = 65536  # a longer row would not fit in one program's registers
@@ -60,6 +60,8 @@ def _rmsnorm_fwd_kernel(
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride can pass 2**31
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    # the weight (an L2 hit) is loaded first so that its latency overlaps the row's, not the reduction's
+    w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     h = tl.load(X_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(R_ptr + row * r_row_stride + cols, mask=mask, other=0.0)
@@ -68,7 +70,6 @@ def _rmsnorm_fwd_kernel(
         tl.store(H_ptr + row * y_row_stride + cols, h, mask=mask)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
-    w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y_ptr + row * y_row_stride + cols, (hf * rstd * w).to(Y_ptr.dtype.element_ty), mask=mask)
     tl.store(RSTD_ptr + row, rstd)
 
@@ -111,6 +112,16 @@ def _rmsnorm_bwd_kernel(
         tl.store(DX_ptr + row * n_cols + cols, dx.to(DX_ptr.dtype.element_ty), mask=mask)
         dw += dy * (h * rstd)
     tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
+
+
+def row_loop_configs() -> list[triton.Config]:
+    """Launch configs the backward's persistent row loop is autotuned over, per row length.
+
+    On the H200 (32768 x 4096 bf16) three pipeline stages beat one by ~10% (0.224 vs 0.250 ms) while two
+    were slower; 8 or 16 warps tie. Shorter rows want fewer warps. The interpreter gets one config."""
+    if interpreting():
+        return [triton.Config({"STAGES": 1}, num_warps=4)]
+    return [triton.Config({"STAGES": s}, num_warps=w) for w in (4, 8, 16) for s in (1, 3)]
 
 
 def row_warps(block: int) -> int:
@@ -180,6 +191,11 @@ def rmsnorm_fwd(
     return y, h, rstd
 
 
+_rmsnorm_bwd_tuned = triton.autotune(configs=row_loop_configs(), key=["n_cols", "HAS_DH"])(
+    _rmsnorm_bwd_kernel
+)
+
+
 def rmsnorm_bwd(
     dy: torch.Tensor,
     h: torch.Tensor,
@@ -188,9 +204,12 @@ def rmsnorm_bwd(
     dh: torch.Tensor | None = None,
     num_warps: int | None = None,
     programs_per_sm: int = 2,
-    stages: int = 1,
+    stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward over (n_rows, D) rows. Returns (dx rows in h's dtype, dw in weight's dtype)."""
+    """Launch the backward over (n_rows, D) rows. Returns (dx rows in h's dtype, dw in weight's dtype).
+
+    With num_warps and stages both None the kernel is autotuned (once per row length); passing either
+    fixes the config (the benchmark's sweeps, the tests)."""
     n_rows, D = h.shape
     dy2 = as_rows(dy, D)
     dh2 = None if dh is None else as_rows(dh, D)
@@ -200,12 +219,21 @@ def rmsnorm_bwd(
     if n_rows == 0:
         return dx, torch.zeros_like(weight)
     block = triton.next_power_of_2(D)
-    _rmsnorm_bwd_kernel[(n_prog,)](
+    args = (
         dy2, h, dy2 if dh2 is None else dh2, weight, rstd, dx, dw_partial,
         dy2.stride(0), h.stride(0), 0 if dh2 is None else dh2.stride(0),
         n_rows, D, triton.cdiv(n_rows, n_prog),
-        HAS_DH=dh2 is not None, STAGES=stages, BLOCK=block, num_warps=num_warps or row_warps(block),
     )  # fmt: skip
+    if num_warps is None and stages is None:
+        _rmsnorm_bwd_tuned[(n_prog,)](*args, HAS_DH=dh2 is not None, BLOCK=block)
+    else:
+        _rmsnorm_bwd_kernel[(n_prog,)](
+            *args,
+            HAS_DH=dh2 is not None,
+            STAGES=stages or 1,
+            BLOCK=block,
+            num_warps=num_warps or row_warps(block),
+        )
     return dx, dw_partial.sum(0).to(weight.dtype)
 
 

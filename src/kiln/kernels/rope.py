@@ -12,8 +12,9 @@ Backward: the rotation is orthogonal, so the gradient is the inverse rotation of
 (sin -> -sin), the same kernel run again. cos and sin are constants: they get no gradient (the Triton
 path refuses tables that require one).
 
-One launch does q and k: one program per token (b, t) loads its cos/sin row once and rotates all Hq
-query heads and Hk key heads as (heads, D/2) tiles. Any strides for B, T and heads are taken as they
+One launch does q and k: each program takes a block of tokens (autotuned: 1, 2 or 4), loads their
+cos/sin rows once and rotates all Hq query heads and Hk key heads as (tokens, heads, D/2) tiles, every
+load issued before the first store. Any strides for B, T and heads are taken as they
 are (so (B, H, T, D) tensors passed as `.transpose(1, 2)` views, or q/k sliced out of a fused qkv
 projection, are read in place); only the last dim must be contiguous. Position ids must lie in [0, P):
 like any indexing kernel, the GPU path does not check this (a check would cost a host sync).
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.dispatch import use_triton
+from kiln.kernels.dispatch import interpreting, use_triton
 from kiln.kernels.rmsnorm import FLOAT_DTYPES
 
 
@@ -59,32 +60,43 @@ def apply_rope_ref(
 
 
 @triton.jit
-def _rotate_heads(
-    X_ptr,  # this token's first head: X + b * stride_b + t * stride_t
-    O_ptr,  # the same token in the output
-    x_head_stride,
-    o_head_stride,
-    n_heads,
-    half,  # D / 2
-    c,  # (1, BLOCK_D) float32 cos for this token
-    s,  # (1, BLOCK_D) float32 sin (negated for the backward)
-    INTERLEAVED: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    heads = tl.arange(0, BLOCK_H)[:, None]  # (BLOCK_H, 1)
-    i = tl.arange(0, BLOCK_D)[None, :]  # (1, BLOCK_D) pair index
-    mask = (heads < n_heads) & (i < half)
+def _pair_offsets(i, half, INTERLEAVED: tl.constexpr):
+    """Offsets within a head of the two members of pair i: (2i, 2i+1) interleaved, (i, i + D/2) half."""
     if INTERLEAVED:
-        ia, ib = 2 * i, 2 * i + 1
-    else:
-        ia, ib = i, i + half
-    x_rows = X_ptr + heads * x_head_stride
-    o_rows = O_ptr + heads * o_head_stride
-    a = tl.load(x_rows + ia, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(x_rows + ib, mask=mask, other=0.0).to(tl.float32)
-    tl.store(o_rows + ia, (a * c - b * s).to(O_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_rows + ib, (a * s + b * c).to(O_ptr.dtype.element_ty), mask=mask)
+        return 2 * i, 2 * i + 1
+    return i, i + half
+
+
+@triton.jit
+def _load_heads(
+    X_ptr, tok_b, tok_t, stride_b, stride_t, stride_h, n_heads, half, tok_ok,
+    INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Both pair members of every head of a (TOKENS, 1, 1) block of tokens: two (TOKENS, BLOCK_H,
+    BLOCK_D) float32 tiles."""
+    heads = tl.arange(0, BLOCK_H)[None, :, None]
+    i = tl.arange(0, BLOCK_D)[None, None, :]
+    mask = tok_ok & (heads < n_heads) & (i < half)
+    ia, ib = _pair_offsets(i, half, INTERLEAVED)
+    rows = X_ptr + tok_b * stride_b + tok_t * stride_t + heads * stride_h
+    a = tl.load(rows + ia, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(rows + ib, mask=mask, other=0.0).to(tl.float32)
+    return a, b
+
+
+@triton.jit
+def _store_heads(
+    O_ptr, tok, n_heads, half, tok_ok, a, b,
+    INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Store rotated pairs into the contiguous (tokens, n_heads, D) output."""
+    heads = tl.arange(0, BLOCK_H)[None, :, None]
+    i = tl.arange(0, BLOCK_D)[None, None, :]
+    mask = tok_ok & (heads < n_heads) & (i < half)
+    ia, ib = _pair_offsets(i, half, INTERLEAVED)
+    rows = O_ptr + (tok * n_heads + heads) * (2 * half)
+    tl.store(rows + ia, a.to(O_ptr.dtype.element_ty), mask=mask)
+    tl.store(rows + ib, b.to(O_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -101,35 +113,79 @@ def _rope_kernel(
     cos_row_stride,
     sin_row_stride,
     pos_stride_b, pos_stride_t,
-    T, n_q_heads, n_k_heads, half,
+    n_tokens, T, n_q_heads, n_k_heads, half,
     HAS_POS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     BACKWARD: tl.constexpr,  # rotate by -angle: the gradient of the forward rotation
+    TOKENS: tl.constexpr,  # tokens per program
     BLOCK_QH: tl.constexpr,  # next_power_of_2(Hq)
     BLOCK_KH: tl.constexpr,  # next_power_of_2(Hk)
     BLOCK_D: tl.constexpr,  # next_power_of_2(D / 2)
 ):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // T
-    t = pid % T
+    tok = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)[:, None, None]  # (TOKENS, 1, 1)
+    tok_ok = tok < n_tokens
+    b = tok // T
+    t = tok % T
     if HAS_POS:
-        pos = tl.load(POS_ptr + b * pos_stride_b + t * pos_stride_t).to(tl.int64)
+        pos = tl.load(POS_ptr + b * pos_stride_b + t * pos_stride_t, mask=tok_ok, other=0).to(tl.int64)
     else:
         pos = t
-    i = tl.arange(0, BLOCK_D)[None, :]
-    c = tl.load(COS_ptr + pos * cos_row_stride + i, mask=i < half, other=0.0).to(tl.float32)
-    s = tl.load(SIN_ptr + pos * sin_row_stride + i, mask=i < half, other=0.0).to(tl.float32)
+    i = tl.arange(0, BLOCK_D)[None, None, :]
+    cs_mask = tok_ok & (i < half)
+    c = tl.load(COS_ptr + pos * cos_row_stride + i, mask=cs_mask, other=0.0).to(
+        tl.float32
+    )  # (TOKENS, 1, BLOCK_D)
+    s = tl.load(SIN_ptr + pos * sin_row_stride + i, mask=cs_mask, other=0.0).to(tl.float32)
     if BACKWARD:
         s = -s
-    D = 2 * half
-    _rotate_heads(
-        Q_ptr + b * q_stride_b + t * q_stride_t, QO_ptr + pid * n_q_heads * D, q_stride_h, D,
-        n_q_heads, half, c, s, INTERLEAVED, BLOCK_QH, BLOCK_D,
-    )  # fmt: skip
-    _rotate_heads(
-        K_ptr + b * k_stride_b + t * k_stride_t, KO_ptr + pid * n_k_heads * D, k_stride_h, D,
-        n_k_heads, half, c, s, INTERLEAVED, BLOCK_KH, BLOCK_D,
-    )  # fmt: skip
+    # every load is issued before any store: the q and k traffic of the block overlaps
+    qa, qb = _load_heads(
+        Q_ptr,
+        b,
+        t,
+        q_stride_b,
+        q_stride_t,
+        q_stride_h,
+        n_q_heads,
+        half,
+        tok_ok,
+        INTERLEAVED,
+        BLOCK_QH,
+        BLOCK_D,
+    )
+    ka, kb = _load_heads(
+        K_ptr,
+        b,
+        t,
+        k_stride_b,
+        k_stride_t,
+        k_stride_h,
+        n_k_heads,
+        half,
+        tok_ok,
+        INTERLEAVED,
+        BLOCK_KH,
+        BLOCK_D,
+    )
+    _store_heads(
+        QO_ptr, tok, n_q_heads, half, tok_ok, qa * c - qb * s, qa * s + qb * c, INTERLEAVED, BLOCK_QH, BLOCK_D
+    )
+    _store_heads(
+        KO_ptr, tok, n_k_heads, half, tok_ok, ka * c - kb * s, ka * s + kb * c, INTERLEAVED, BLOCK_KH, BLOCK_D
+    )
+
+
+def _rope_configs() -> list[triton.Config]:
+    """Tokens per program and warps, autotuned once per head layout. The interpreter gets one config
+    (two tokens, so the tests cover a ragged last block)."""
+    if interpreting():
+        return [triton.Config({"TOKENS": 2}, num_warps=1)]
+    return [triton.Config({"TOKENS": n}, num_warps=w) for n in (1, 2, 4) for w in (1, 2, 4)]
+
+
+_rope_tuned = triton.autotune(
+    configs=_rope_configs(), key=["n_q_heads", "n_k_heads", "half", "HAS_POS", "INTERLEAVED", "BACKWARD"]
+)(_rope_kernel)
 
 
 def _check(q, k, cos, sin, position_ids) -> None:
@@ -182,9 +238,13 @@ def rope_launch(
     position_ids: torch.Tensor | None,
     interleaved: bool,
     backward: bool = False,
+    tokens: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k (by -angle if `backward`) in one launch; returns new contiguous tensors."""
+    """Rotate q and k (by -angle if `backward`) in one launch; returns new contiguous tensors.
+
+    The launch config is autotuned (once per head layout, on the first call: warm up before capturing
+    a CUDA graph) unless `tokens` or `num_warps` fixes it."""
     q, k, cos, sin = (_last_contiguous(t) for t in (q, k, cos, sin))
     B, T, Hq, D = q.shape
     Hk = k.shape[2]
@@ -193,20 +253,24 @@ def rope_launch(
     if B * T == 0:
         return qo, ko
     pos = position_ids if position_ids is not None else q  # a dummy pointer when HAS_POS is off
-    block_d = triton.next_power_of_2(D // 2)
-    block_qh, block_kh = triton.next_power_of_2(Hq), triton.next_power_of_2(Hk)
-    if num_warps is None:  # ~16 elements of q per thread, at least one warp
-        num_warps = max(1, min(16, block_qh * block_d * 2 // 512))
-    _rope_kernel[(B * T,)](
+    pos_strides = (pos.stride(0), pos.stride(1)) if position_ids is not None else (0, 0)
+    args = (
         q, k, qo, ko, cos, sin, pos,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
-        cos.stride(0), sin.stride(0),
-        pos.stride(0) if position_ids is not None else 0, pos.stride(1) if position_ids is not None else 0,
-        T, Hq, Hk, D // 2,
-        HAS_POS=position_ids is not None, INTERLEAVED=interleaved, BACKWARD=backward,
-        BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_D=block_d, num_warps=num_warps,
+        cos.stride(0), sin.stride(0), *pos_strides,
+        B * T, T, Hq, Hk, D // 2,
     )  # fmt: skip
+    flags = dict(
+        HAS_POS=position_ids is not None, INTERLEAVED=interleaved, BACKWARD=backward,
+        BLOCK_QH=triton.next_power_of_2(Hq), BLOCK_KH=triton.next_power_of_2(Hk),
+        BLOCK_D=triton.next_power_of_2(D // 2),
+    )  # fmt: skip
+    if tokens is None and num_warps is None:
+        _rope_tuned[lambda meta: (triton.cdiv(B * T, meta["TOKENS"]),)](*args, **flags)
+    else:
+        tokens = tokens or 1
+        _rope_kernel[(triton.cdiv(B * T, tokens),)](*args, **flags, TOKENS=tokens, num_warps=num_warps or 2)
     return qo, ko
 
 
