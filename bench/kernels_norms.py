@@ -120,6 +120,29 @@ class Timer:
             return (time.perf_counter() - t) * 1e3
         return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
+    def graph(self, fn: Callable[[], object]) -> float | None:
+        """Median milliseconds of fn() replayed from a CUDA graph: the GPU time alone, without the host's
+        launch and autograd overhead (None in a smoke run)."""
+        if self.smoke:
+            return None
+        return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+
+    def host(self, fn: Callable[[], object], n: int = 10) -> float | None:
+        """Milliseconds of host (CPU) time per call, launches queued without waiting for the GPU."""
+        if self.smoke:
+            return None
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - t) / n * 1e3
+        torch.cuda.synchronize()
+        return host
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 4)
+
 
 def fwd_bwd(f: Callable, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> Callable[[], object]:
     """One forward with grad and the gradient of every input, without accumulating into .grad."""
@@ -193,11 +216,21 @@ class Bench:
                     }
                 except Exception as e:  # noqa: BLE001 - record and go on
                     res[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    continue
+                try:
+                    res[name]["host_ms"] = _round(self.timer.host(run))
+                    res[name]["graph_ms"] = _round(self.timer.graph(run))
+                except Exception as e:  # noqa: BLE001 - a peer that cannot be captured keeps its plain time
+                    res[name]["graph_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
             peers = {k: v["ms"] for k, v in res.items() if k != "kiln" and "ms" in v}
             entry = {"op": op, "mode": mode, "shape": shape, "bytes": nbytes[mode], "results": res}
             if peers and "ms" in res.get("kiln", {}):
                 best = min(peers, key=peers.get)
                 entry.update(best_peer=best, ratio=round(peers[best] / res["kiln"]["ms"], 3))
+            graphs = {k: v["graph_ms"] for k, v in res.items() if isinstance(v.get("graph_ms"), float)}
+            if "kiln" in graphs and len(graphs) > 1:
+                gbest = min((k for k in graphs if k != "kiln"), key=graphs.get)
+                entry.update(graph_best_peer=gbest, graph_ratio=round(graphs[gbest] / graphs["kiln"], 3))
             if mode == "fwd" and "eager" in impls and impls.get("kiln"):
                 try:
                     with torch.no_grad():
@@ -229,6 +262,8 @@ class Bench:
             for k, v in e["results"].items()
         ]
         tail = f" ratio={e['ratio']} vs {e['best_peer']}" if "ratio" in e else ""
+        if "graph_ratio" in e:
+            tail += f" | graph ratio={e['graph_ratio']} vs {e['graph_best_peer']}"
         print(f"{e['op']:<18} {e['mode']:<8} {' '.join(cells)}{tail}", flush=True)
 
 
@@ -275,8 +310,9 @@ def bench_rmsnorm(bench: Bench, mk: Inputs, M: int, N: int) -> None:
     )
     bench.tune(
         "rmsnorm_bwd",
-        {f"w{nw}_p{p}_s{s}": (lambda nw=nw, p=p, s=s: rmsnorm_bwd(dy, h, w, rstd, None, nw, p, s))
-         for nw in (8, 16) for p in (1, 2, 4) for s in (1, 2, 3)},
+        {"autotuned_p2": lambda: rmsnorm_bwd(dy, h, w, rstd)}
+        | {f"w{nw}_p{p}_s{s}": (lambda nw=nw, p=p, s=s: rmsnorm_bwd(dy, h, w, rstd, None, nw, p, s))
+           for nw in (8, 16) for p in (1, 2, 3, 4) for s in (1, 3, 4)},
     )  # fmt: skip
 
 
@@ -316,8 +352,9 @@ def bench_layernorm(bench: Bench, mk: Inputs, M: int, N: int) -> None:
     y, h, mean, rstd = layernorm_fwd(x, w, b, EPS)
     bench.tune(
         "layernorm_bwd",
-        {f"w{nw}_p{p}_s{s}": (lambda nw=nw, p=p, s=s: layernorm_bwd(dy, h, w, b.dtype, mean, rstd, None, nw, p, s))
-         for nw in (8, 16) for p in (1, 2, 4) for s in (1, 2)},
+        {"autotuned_p2": lambda: layernorm_bwd(dy, h, w, b.dtype, mean, rstd)}
+        | {f"w{nw}_p{p}_s{s}": (lambda nw=nw, p=p, s=s: layernorm_bwd(dy, h, w, b.dtype, mean, rstd, None, nw, p, s))
+           for nw in (8, 16) for p in (1, 2, 3, 4) for s in (1, 3, 4)},
     )  # fmt: skip
 
 
@@ -397,11 +434,10 @@ def bench_rope(bench: Bench, mk: Inputs, B: int, T: int, Hq: int, Hk: int, D: in
     )  # fmt: skip
     bench.tune(
         "rope_fwd",
-        {
-            f"w{nw}": (lambda nw=nw: rope_launch(q, k, cos, sin, None, False, num_warps=nw))
-            for nw in (1, 2, 4, 8, 16)
-        },
-    )
+        {"autotuned": lambda: rope_launch(q, k, cos, sin, None, False)}
+        | {f"t{n}_w{nw}": (lambda n=n, nw=nw: rope_launch(q, k, cos, sin, None, False, tokens=n, num_warps=nw))
+           for n in (1, 2, 4) for nw in (1, 2, 4)},
+    )  # fmt: skip
 
 
 def bench_vector_add(bench: Bench, mk: Inputs, n: int) -> None:
@@ -460,6 +496,9 @@ def measure_copy(device: str, timer: Timer) -> float | None:
 
 
 def git_commit() -> str:
+    """HEAD's hash: from $KILN_COMMIT, else git, else "unknown" (the GPU machine may get no .git)."""
+    if os.environ.get("KILN_COMMIT"):
+        return os.environ["KILN_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True

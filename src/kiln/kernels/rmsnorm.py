@@ -121,7 +121,7 @@ def row_loop_configs() -> list[triton.Config]:
     were slower; 8 or 16 warps tie. Shorter rows want fewer warps. The interpreter gets one config."""
     if interpreting():
         return [triton.Config({"STAGES": 1}, num_warps=4)]
-    return [triton.Config({"STAGES": s}, num_warps=w) for w in (4, 8, 16) for s in (1, 3)]
+    return [triton.Config({"STAGES": s}, num_warps=w) for w in (4, 8, 16) for s in (1, 3, 4)]
 
 
 def row_warps(block: int) -> int:
