@@ -151,12 +151,12 @@ def _bench(fn, quantiles):
 
 _SMALL, _MID, _BIG = (16, 32, 64), (128,), (256,)
 # Few configs per head dim: each costs a compile (seconds) the first time a kernel variant runs.
+# Round-1 H200 winners first; the others won at short sequences or are there to let more programs share
+# an SM (64-row blocks, 4 warps).
 _FWD_SPACE = [
     (128, 64, 4, 3, _SMALL),
-    (128, 128, 8, 3, _SMALL),
     (64, 64, 4, 3, _SMALL),
     (128, 64, 8, 3, _MID),
-    (128, 128, 8, 2, _MID),
     (64, 64, 4, 3, _MID),
     (64, 128, 4, 2, _MID),
     (64, 64, 4, 2, _BIG),
@@ -165,11 +165,10 @@ _FWD_SPACE = [
 # dK/dV: BLOCK_M is the query block streamed, BLOCK_N the key block a program owns (dK, dV accumulators
 # of BLOCK_N x D fp32 each live in registers, which bounds BLOCK_N x D per warp).
 _DKDV_SPACE = [
-    (32, 128, 4, 3, _SMALL),
     (64, 128, 8, 3, _SMALL),
+    (32, 128, 4, 3, _SMALL),
     (64, 128, 8, 2, _MID),
     (32, 128, 8, 2, _MID),
-    (64, 64, 4, 3, _MID),
     (32, 64, 4, 2, _BIG),
     (64, 64, 8, 2, _BIG),
 ]
@@ -275,10 +274,11 @@ def _load_rows(src, row0, n_rows, stride_t, HEAD_DIM: tl.constexpr, ROWS: tl.con
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, start, end, qpos, Tk, window, qk_scale,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               WINDOW: tl.constexpr, TMA: tl.constexpr):
-    """Online softmax over key blocks [start, end): acc (BLOCK_M, D), l_i and m_i (BLOCK_M,) updated."""
+               WINDOW: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr = False):
+    """Online softmax over key blocks [start, end): acc (BLOCK_M, D), l_i and m_i (BLOCK_M,) updated.
+    WS: let Triton warp-specialize the loop (producer warps issue the TMA loads)."""
     offs_n = tl.arange(0, BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WS):
         k = _load_rows(k_src, n0, Tk, stride_kt, HEAD_DIM, BLOCK_N, MASK, TMA)  # (BLOCK_N, D)
         qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N); times qk_scale it is in log2 units
         if MASK:
@@ -297,7 +297,31 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, start, end,
     return acc, l_i, m_i
 
 
-@triton.autotune(_configs(_FWD_SPACE, (64, 32)), key=_KEY + ["TMA"], prune_configs_by={"early_config_prune": _prune},
+@triton.jit
+def _fwd_inner_overlapped(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, start, end, Tk, qk_scale,
+                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """The unmasked loop with the next block's Q K^T issued before this block's softmax, so the tensor
+    cores can run it while the softmax does (FlashAttention-3's intra-warpgroup overlap). The last
+    iteration recomputes its own block's scores rather than branch."""
+    if start < end:
+        k = _load_rows(k_src, start, Tk, stride_kt, HEAD_DIM, BLOCK_N, False, TMA)
+        qk = tl.dot(q, tl.trans(k))
+        for n0 in range(start, end, BLOCK_N):
+            k_next = _load_rows(k_src, tl.minimum(n0 + BLOCK_N, end - BLOCK_N), Tk, stride_kt, HEAD_DIM, BLOCK_N,
+                                False, TMA)
+            qk_next = tl.dot(q, tl.trans(k_next))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_rows(v_src, n0, Tk, stride_vt, HEAD_DIM, BLOCK_N, False, TMA)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+            qk = qk_next
+    return acc, l_i, m_i
+
+
+@triton.autotune(_configs(_FWD_SPACE, (64, 32)), key=_KEY + ["TMA", "LOOP"], prune_configs_by={"early_config_prune": _prune},
                  do_bench=_bench)
 @triton.jit
 def _attn_fwd_kernel(
@@ -308,8 +332,9 @@ def _attn_fwd_kernel(
     Hq, group, Tq, Tk, window, qk_scale,  # group = Hq // Hk; qk_scale = softmax scale * log2(e)
     LEN_KEY, GQA_KEY,  # autotuning keys only (a length bucket, the group size)
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SINK: tl.constexpr,
-    VARLEN: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, TMA: tl.constexpr, LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # LOOP (the unmasked bulk): 0 plain, 1 warp-specialized, 2 next scores issued before the softmax
     # Heaviest (last, under causal masking) query blocks first: a shorter tail at the end of the grid.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -349,8 +374,12 @@ def _attn_fwd_kernel(
     lo, full_lo, full_hi, hi = _key_ranges(m0, Tq, Tk, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, lo, full_lo, qpos, Tk, window,
                                qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, full_lo, full_hi, qpos, Tk,
-                               window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW, TMA)
+    if LOOP == 2:
+        acc, l_i, m_i = _fwd_inner_overlapped(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, full_lo,
+                                              full_hi, Tk, qk_scale, HEAD_DIM, BLOCK_N, TMA)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, full_lo, full_hi, qpos,
+                                   Tk, window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW, TMA, LOOP == 1)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, full_hi, hi, qpos, Tk, window,
                                qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA)
 
@@ -606,12 +635,12 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     )
 
 
-def attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seqlen, tma=False):
+def attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seqlen, tma=False, loop=0):
     """Triton forward. q (B, Tq, Hq, D) or (total, Hq, D) with cu_seqlens. Returns (o like q, lse (B, Hq, Tq)).
 
     tma: load through tensor descriptors (TMA); None picks them where `_tma_ok` allows. Off by default:
     on the H200 the pointer loads were faster (0.92x at 4k, 0.98x at 16k for TMA), the descriptors
-    being built per program on the device."""
+    being built per program on the device. loop: the unmasked loop's schedule (see the kernel)."""
     varlen = cu_seqlens is not None
     q4, k4, v4 = _as_4d(q, varlen), _as_4d(k, varlen), _as_4d(v, varlen)
     B, Tq, Hq, D = q4.shape
@@ -631,6 +660,7 @@ def attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seql
         *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o.stride()[:3], lse.stride(0), lse.stride(1),
         Hq, Hq // Hk, Tq, Tk, window or 0, sm_scale * LOG2E, _len_key(rows), Hq // Hk,
         HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, SINK=sinks is not None, VARLEN=varlen, TMA=tma,
+        LOOP=loop,
     )
     # fmt: on
     return (o[0] if varlen else o), lse
