@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import unicodedata
 
 import pytest
+import regex
 import tiktoken
 import tiktoken.load
 from hypothesis import HealthCheck, given, settings
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
 from kiln.tokenizer import DisallowedSpecialError, Tokenizer
+from kiln.tokenizer.patterns import ascii_form, resolve_pattern
 
 from ._corpora import HARD, PATTERN_NAMES
 
@@ -150,3 +153,26 @@ def test_chunk_cache_flushes_keep_results_exact(trained, heldout_text, monkeypat
     assert tok.encode_ordinary(heldout_text) == want
     assert len(tok._chunks) <= 16 and len(tok._chunks.previous) <= 16
     tok.clear_cache()
+
+
+ascii_text = st.text(st.characters(max_codepoint=127), max_size=60) | st.text(
+    st.sampled_from(list(" \t\n\r\x0b\x0c\x1c\x1f'sStTdDlLvVeEmMrR09aZ_/.:+")), max_size=60
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=ascii_text)
+def test_property_ascii_form_splits_like_the_original(twins, text):
+    # Pure-ASCII text goes through the stdlib `re` with an ASCII spelling of the pattern.
+    for name in PATTERN_NAMES:
+        pattern = resolve_pattern(name)
+        fast = re.compile(ascii_form(pattern))
+        assert fast.findall(text) == regex.findall(pattern, text), name
+    for tok, enc in twins.values():
+        assert tok.encode_ordinary(text) == enc.encode_ordinary(text)
+
+
+def test_ascii_form_only_for_named_patterns():
+    assert ascii_form(r"\w+|\s+") is None
+    assert ascii_form(r"[a-z]+|.") is None  # custom: always the `regex` module
+    assert all(ascii_form(resolve_pattern(n)) is not None for n in PATTERN_NAMES)

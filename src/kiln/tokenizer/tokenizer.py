@@ -12,6 +12,7 @@ Encoding splits text with the pattern's regex and merges each chunk; results are
 from __future__ import annotations
 
 import os
+import re
 import unicodedata
 from array import array
 from collections.abc import Collection, Iterable, Sequence
@@ -22,7 +23,7 @@ import regex
 
 from kiln.errors import KilnError
 from kiln.tokenizer.bpe import merge_by_list, merge_by_rank
-from kiln.tokenizer.patterns import resolve_pattern
+from kiln.tokenizer.patterns import ascii_form, resolve_pattern
 from kiln.tokenizer.train import special_splitter, utf8
 
 CACHE_MAX = 1 << 18  # chunks per cache generation (two generations: ~100 MB at most)
@@ -94,6 +95,8 @@ class Tokenizer:
         # Derived, rebuilt after unpickling: compiled regexes, the caches, a tiktoken twin.
         self._n_vocab = max(self._decoder) + 1
         self._split = regex.compile(self.pattern)
+        form = ascii_form(self.pattern)
+        self._split_ascii = re.compile(form) if form is not None else self._split
         self._special_regex = special_splitter(list(self._specials))
         self._chunks = _Memo(lambda piece: self._encode_piece(piece.encode("utf-8")), CACHE_MAX)
         self._tiktoken = None
@@ -104,7 +107,7 @@ class Tokenizer:
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for k in ("_split", "_special_regex", "_chunks", "_tiktoken"):
+        for k in ("_split", "_split_ascii", "_special_regex", "_chunks", "_tiktoken"):
             state.pop(k, None)
         return state
 
@@ -158,10 +161,12 @@ class Tokenizer:
 
     def _encode_chunks(self, text: str) -> list[int]:
         # findall and the cache lookups run in C (map over dict.__getitem__); only a chunk seen for
-        # the first time calls back into Python (_Memo.__missing__ -> the merge loop).
+        # the first time calls back into Python (_Memo.__missing__ -> the merge loop). Pure-ASCII
+        # text (most source code) is split by the stdlib `re` with the pattern's ASCII form.
         if self.normalization is not None:
             text = unicodedata.normalize(self.normalization, text)
-        return list(chain.from_iterable(map(self._chunks.__getitem__, self._split.findall(text))))
+        split = self._split_ascii if text.isascii() else self._split
+        return list(chain.from_iterable(map(self._chunks.__getitem__, split.findall(text))))
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Ids of `text`, with special tokens treated as ordinary text."""

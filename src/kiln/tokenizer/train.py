@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import multiprocessing
 import os
+import re
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import regex
 from tqdm.auto import tqdm
 
 from kiln.errors import KilnError
-from kiln.tokenizer.patterns import resolve_pattern
+from kiln.tokenizer.patterns import ascii_form, resolve_pattern
 
 if TYPE_CHECKING:
     from kiln.tokenizer.tokenizer import Tokenizer
@@ -65,12 +66,14 @@ def special_splitter(special_tokens: Sequence[str]) -> regex.Pattern | None:
 def count_chunks_in(texts: Sequence[str], pattern: str, special_tokens: Sequence[str]) -> Counter[str]:
     """Counts of the distinct regex chunks of `texts`, special tokens removed (one worker's task)."""
     split = regex.compile(pattern)
+    form = ascii_form(pattern)
+    split_ascii = re.compile(form) if form is not None else split  # see Tokenizer._encode_chunks
     specials = special_splitter(special_tokens)
     counts: Counter[str] = Counter()
     for text in texts:
         parts = specials.split(text) if specials is not None else (text,)
         for part in parts:
-            counts.update(split.findall(part))
+            counts.update((split_ascii if part.isascii() else split).findall(part))
     return counts
 
 
