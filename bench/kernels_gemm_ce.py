@@ -34,7 +34,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--out", default=None, help="write the results here as JSON")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through Triton's interpreter")
     p.add_argument(
-        "--only", default="", help="comma-separated groups: matmul,ce,lce,sampling,configs (default all)"
+        "--only",
+        default="",
+        help="comma-separated groups: matmul,overhead,ce,lce,sampling,configs (default all)",
     )
     return p.parse_args()
 
@@ -51,7 +53,7 @@ import triton.testing  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 from kiln.kernels import cross_entropy as ce  # noqa: E402
 from kiln.kernels.dispatch import use_backend  # noqa: E402
-from kiln.kernels.matmul import _matmul_autotuned, linear, matmul, matmul_fwd  # noqa: E402
+from kiln.kernels.matmul import _matmul_autotuned, linear, matmul, matmul_fwd, tile_config  # noqa: E402
 from kiln.kernels.sampling import sample, sample_ref  # noqa: E402
 
 DEV = "cpu" if ARGS.smoke else "cuda"
@@ -134,15 +136,18 @@ def bench_matmul() -> None:
                 err = (ours().float() - peer().float()).abs().max().item()
                 decode = M <= 16
                 out = {"kiln": {"ms": ms(ours)}, "peers": {"cublas": {"ms": ms(peer)}}}
-                if decode and DEV == "cuda":
+                if DEV == "cuda":  # without launch overhead: how a decode loop (CUDA graphs) sees them
                     out["kiln"]["ms_cudagraph"] = ms(ours, graph=True)
                     out["peers"]["cublas"]["ms_cudagraph"] = ms(peer, graph=True)
             flops, bytes_ = 2 * M * N * K, (M * K + N * K + M * N) * x.element_size()
             for v in [out["kiln"], out["peers"]["cublas"]]:
-                t = v.get("ms_cudagraph", v["ms"])
+                t = v.get("ms_cudagraph", v["ms"]) if decode else v["ms"]
                 v["tflops"] = flops / t / 1e9
                 v["tbps"] = bytes_ / t / 1e9
             out["ratio"] = out["kiln"]["tflops"] / out["peers"]["cublas"]["tflops"]
+            out["ratio_do_bench"] = out["peers"]["cublas"]["ms"] / out["kiln"]["ms"]
+            if "ms_cudagraph" in out["kiln"]:
+                out["ratio_cudagraph"] = out["peers"]["cublas"]["ms_cudagraph"] / out["kiln"]["ms_cudagraph"]
             unit = "tbps" if decode else "tflops"
             out["fraction_of_ceiling"] = out["kiln"][unit] / (CEILING_TBPS if decode else CEILING_TFLOPS)
             out["ceiling"] = "copy 4.27 TB/s" if decode else "bf16 735 TFLOP/s"
@@ -172,47 +177,110 @@ def bench_matmul() -> None:
 
     record("matmul", "linear+bias+silu (fused epilogue)", {"M": M, "K": K, "N": N}, run_epilogue)
 
+    def run_backward():
+        x = torch.randn(M, K, device=DEV, dtype=dt, requires_grad=True)
+        w = (torch.randn(N, K, device=DEV, dtype=dt) / K**0.5).requires_grad_()
+        bias = torch.randn(N, device=DEV, dtype=dt, requires_grad=True)
+        g = torch.randn(M, N, device=DEV, dtype=dt)
+
+        def fb(f):
+            return lambda: torch.autograd.grad(f(), (x, w, bias), g)
+
+        with use_backend("triton"):
+            out = {"kiln": {"ms": ms(fb(lambda: linear(x, w, bias, "silu")))},
+                   "peers": {"eager": {"ms": ms(fb(lambda: F.silu(F.linear(x, w, bias))))}}}  # fmt: skip
+        for v in [out["kiln"], out["peers"]["eager"]]:
+            v["tflops"] = 3 * 2 * M * N * K / v["ms"] / 1e9
+        out["ratio"] = out["peers"]["eager"]["ms"] / out["kiln"]["ms"]
+        out["fraction_of_ceiling"] = out["kiln"]["tflops"] / CEILING_TFLOPS
+        return out
+
+    record("matmul", "linear+bias+silu forward+backward", {"M": M, "K": K, "N": N}, run_backward)
+
 
 def bench_matmul_configs() -> None:
-    """Each candidate tile config timed on its own (no autotuner), including warp-specialized and
-    persistent ones, so the next round can pick the config list from measurements. Within the budget."""
+    """Candidate configs timed one by one (no autotuner), to pick the config list from measurements:
+    decode shapes under CUDA graphs (split-K, tile widths, descriptors vs block pointers), then the
+    small prefill GEMMs. Runs only within the time budget."""
     if DEV == "cpu":
         return
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cands = [  # (BM, BN, BK, stages, warps, warp_specialize, persistent)
-        (128, 256, 64, 3, 8, False, False), (128, 256, 64, 4, 8, False, False), (256, 128, 64, 3, 8, False, False),
-        (128, 128, 64, 4, 8, False, False), (128, 128, 128, 3, 8, False, False), (128, 256, 64, 3, 8, True, False),
-        (128, 128, 64, 4, 8, True, False), (128, 256, 64, 3, 8, False, True), (128, 128, 64, 4, 8, False, True),
-        (128, 256, 64, 3, 8, True, True), (128, 128, 64, 4, 8, True, True),
+    decode = [  # (BM, BN, BK, stages, warps, split_k)
+        (16, 32, 256, 5, 4, 1), (16, 64, 256, 4, 4, 1), (16, 64, 128, 6, 4, 4), (16, 64, 128, 6, 4, 8),
+        (16, 32, 128, 6, 4, 4), (16, 128, 128, 4, 4, 8), (16, 64, 256, 4, 4, 16), (16, 32, 256, 4, 4, 8),
     ]  # fmt: skip
-    for name, M, K, N in [("square 8192^3", 8192, 8192, 8192), ("gate_up M=8192", 8192, 1536, 17920)]:
-        if within_budget():
-            _explore_shape(name, M, K, N, cands, sms)
+    for name, M, K, N in [
+        ("down M=1", 1, 8960, 1536),
+        ("qkv M=1", 1, 1536, 2048),
+        ("gate_up M=1", 1, 1536, 17920),
+    ]:
+        for bm, bn, bk, st, wp, sk in decode:
+            for tma in (True, False):
+                if within_budget():
+                    _explore(name, M, K, N, tile_config(bm, bn, bk, st, wp, 1, split_k=sk), tma, graph=True)
+    prefill = [  # (BM, BN, BK, stages, warps, persistent)
+        (128, 256, 64, 3, 8, True), (128, 128, 64, 4, 8, True), (128, 128, 64, 3, 4, True),
+        (64, 128, 64, 4, 4, True), (128, 256, 64, 3, 8, False), (128, 128, 64, 4, 4, False),
+    ]  # fmt: skip
+    for name, M, K, N in [("qkv M=8192", 8192, 1536, 2048), ("o M=8192", 8192, 1536, 1536)]:
+        for bm, bn, bk, st, wp, pers in prefill:
+            if within_budget():
+                _explore(name, M, K, N, tile_config(bm, bn, bk, st, wp, persistent=pers), None, graph=True)
 
 
-def _explore_shape(name: str, M: int, K: int, N: int, cands: list[tuple], sms: int) -> None:
-    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
-    w = torch.randn(N, K, device=DEV, dtype=torch.bfloat16) / K**0.5
-    ref = F.linear(x, w).float()
-    peer = ms(lambda: F.linear(x, w))
-    for bm, bn, bk, st, wp, ws, pers in cands:
-        if not within_budget():
-            return
-        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "WARP_SPEC": ws,
-                "PERSISTENT": pers}  # fmt: skip
-        cfg = triton.Config(meta, num_warps=wp, num_stages=st)
+def _explore(name: str, M: int, K: int, N: int, cfg, tma, graph: bool) -> None:
+    def run():
+        x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(N, K, device=DEV, dtype=torch.bfloat16) / K**0.5
+        ref = F.linear(x, w)
 
-        def run(cfg=cfg):
-            def call():
-                return matmul_fwd(x, w.t(), config=cfg)[0]
+        def call():
+            return matmul_fwd(x, w.t(), config=cfg, tma=tma)[0]
 
-            err = (call().float() - ref).abs().max().item()
-            t = ms(call)
-            return {"kiln": {"ms": t, "tflops": 2 * M * N * K / t / 1e9}, "peers": {"cublas": {"ms": peer}},
-                    "ratio": peer / t, "max_abs_diff_vs_cublas": err}  # fmt: skip
+        err = (call().float() - ref.float()).abs().max().item()
+        t, peer = ms(call, graph=graph), ms(lambda: F.linear(x, w), graph=graph)
+        return {"kiln": {"ms": t, "tflops": 2 * M * N * K / t / 1e9, "tbps": 2 * N * K / t / 1e9},
+                "peers": {"cublas": {"ms": peer}}, "ratio": peer / t, "max_abs_diff_vs_cublas": err,
+                "timing": "cudagraph" if graph else "do_bench"}  # fmt: skip
 
-        record("matmul_configs", f"{name} {bm}x{bn}x{bk} s{st} w{wp} ws={ws} persistent={pers}",
-               {"M": M, "K": K, "N": N}, run)  # fmt: skip
+    record("matmul_configs", f"{name} {cfg} tma={tma}", {"M": M, "K": K, "N": N}, run)
+
+
+def bench_overhead() -> None:
+    """CPU time per call of each launch path (a decode-sized GEMM, so the GPU never holds the CPU back)."""
+    if DEV == "cpu":
+        return
+    from kiln.kernels.matmul import _tma_alloc
+
+    x = torch.randn(1, 1536, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(2048, 1536, device=DEV, dtype=torch.bfloat16)
+    z = torch.randn(1, 151936, device=DEV, dtype=torch.bfloat16)
+    cfg = tile_config(16, 64, 256, 4, 4, 1)
+    paths = {
+        "F.linear": lambda: F.linear(x, w),
+        "kiln linear (autotuned)": lambda: linear(x, w),
+        "matmul_fwd (autotuned)": lambda: matmul_fwd(x, w.t()),
+        "matmul_fwd (fixed config, TMA)": lambda: matmul_fwd(x, w.t(), config=cfg, tma=True),
+        "matmul_fwd (fixed config, block pointers)": lambda: matmul_fwd(x, w.t(), config=cfg, tma=False),
+        "sample greedy (Triton, 1 x 151936)": lambda: sample(z, temperature=0.0),
+        "torch.argmax (1 x 151936)": lambda: z.argmax(-1),
+        "torch.empty int8 1 KiB": lambda: torch.empty(1024, device=DEV, dtype=torch.int8),
+        "torch.zeros f32 4 KiB": lambda: torch.zeros(1024, device=DEV),
+        "triton.set_allocator": lambda: triton.set_allocator(_tma_alloc),
+    }
+    for name, fn in paths.items():
+
+        def run(fn=fn):
+            with use_backend("triton"):
+                fn()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(300):
+                    fn()
+                cpu = (time.perf_counter() - t) / 300 * 1e6
+                torch.cuda.synchronize()
+            return {"kiln": {"cpu_us_per_call": cpu}}
+
+        record("overhead", name, {}, run)
 
 
 # ---------------------------------------------------------------- cross-entropy
@@ -320,18 +388,23 @@ def bench_lce() -> None:
 
     record("linear_cross_entropy", "forward+backward", {"T": T, "H": H, "V": V, "dtype": str(dt)}, run)
 
-    def sweep():  # chunk budget and row-program count vs time and memory, to pick the defaults
+    def sweep():  # which GEMMs, and the chunk budget, vs time and memory: to pick the defaults
         out = {}
-        default = ce.CHUNK_BYTES, ce.ROW_PROGRAMS
-        sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 2
+        default = ce.CHUNK_BYTES, ce.LOGITS_GEMM, ce.DWEIGHT_GEMM
         try:
-            for mib, progs in [(320, None), (440, None), (560, None), (640, None), (440, sms), (440, 2 * sms),
-                               (440, 4 * sms)]:  # fmt: skip
-                ce.CHUNK_BYTES, ce.ROW_PROGRAMS = mib * 2**20, progs
+            for mib, lg, dg in [(440, "kiln", "kiln"), (440, "kiln", "cublas"), (440, "cublas", "kiln"),
+                                (440, "cublas", "cublas"), (320, "kiln", "kiln"), (560, "kiln", "kiln"),
+                                (640, "kiln", "kiln")]:  # fmt: skip
+                ce.CHUNK_BYTES, ce.LOGITS_GEMM, ce.DWEIGHT_GEMM = mib * 2**20, lg, dg
                 f = step(ours)
-                out[f"{mib}MiB programs={progs}"] = {"ms": ms(f), "peak_gib": peak_gib(f)}
+                loss = float(ours())
+                out[f"{mib}MiB logits={lg} dweight={dg}"] = {
+                    "ms": ms(f),
+                    "peak_gib": peak_gib(f),
+                    "loss": loss,
+                }
         finally:
-            ce.CHUNK_BYTES, ce.ROW_PROGRAMS = default
+            ce.CHUNK_BYTES, ce.LOGITS_GEMM, ce.DWEIGHT_GEMM = default
         return {"chunks": out}
 
     if within_budget():
@@ -382,8 +455,8 @@ def meta() -> dict:
 
 
 def main() -> None:
-    groups = {"matmul": bench_matmul, "ce": bench_ce, "lce": bench_lce, "sampling": bench_sampling,
-              "configs": bench_matmul_configs}  # fmt: skip
+    groups = {"matmul": bench_matmul, "overhead": bench_overhead, "ce": bench_ce, "lce": bench_lce,
+              "sampling": bench_sampling, "configs": bench_matmul_configs}  # fmt: skip
     only = [g for g in ARGS.only.split(",") if g] or list(groups)
     info = meta()
     for g in only:

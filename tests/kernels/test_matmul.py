@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kiln.kernels.dispatch import use_backend
-from kiln.kernels.matmul import linear, matmul, matmul_ref
+from kiln.kernels.matmul import linear, matmul, matmul_fwd, matmul_ref, tile_config
 
 from ._tolerance import assert_close
 
@@ -75,18 +75,12 @@ def test_matmul_strided_slices(device):
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_matmul_explicit_configs(persistent, device):
-    """The non-autotuned path the benchmark sweeps: one tile per program, or 3 programs looping over 12."""
-    import triton
-
-    from kiln.kernels.matmul import matmul_fwd
-
+    """The non-autotuned path the benchmark sweeps: one tile per program, or 4 programs looping over 12."""
     gen = torch.Generator().manual_seed(9)
     a = torch.randn(64, 48, generator=gen).to(device, torch.float16)
     w = torch.randn(96, 48, generator=gen).to(device, torch.float16)
-    meta = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "WARP_SPEC": False,
-            "PERSISTENT": persistent}  # fmt: skip
     with use_backend("triton"):
-        c, _ = matmul_fwd(a, w.t(), config=triton.Config(meta, num_warps=4, num_stages=2))
+        c, _ = matmul_fwd(a, w.t(), config=tile_config(16, 32, 16, 2, 4, 2, persistent=persistent))
     assert_close(c, matmul_ref(a.double(), w.double().t()), name="C")
 
 
@@ -96,15 +90,12 @@ def test_matmul_accumulate_and_row_stats(tma, device):
     of the rounded output, both through descriptors and block pointers."""
     import triton
 
-    from kiln.kernels.matmul import matmul_fwd
-
     gen = torch.Generator().manual_seed(10)
     M, K, N, BN = 40, 32, 80, 32  # N not a multiple of BLOCK_N: a ragged last tile in the stats
     a = torch.randn(M, K, generator=gen).to(device, torch.float16)
     w = torch.randn(N, K, generator=gen).to(device, torch.float16)
     c0 = torch.randn(M, N, generator=gen).to(device, torch.float16)
-    cfg = triton.Config({"BLOCK_M": 16, "BLOCK_N": BN, "BLOCK_K": 16, "GROUP_M": 2, "WARP_SPEC": False,
-                         "PERSISTENT": True}, num_warps=4, num_stages=2)  # fmt: skip
+    cfg = tile_config(16, BN, 16, 2, 4, 2, persistent=True)
     with use_backend("triton"):
         c, _ = matmul_fwd(a, w.t(), out=c0.clone(), accumulate=True, config=cfg, tma=tma)
         assert_close(c, c0.double() + a.double() @ w.double().t(), name="C += A @ B")
@@ -115,6 +106,23 @@ def test_matmul_accumulate_and_row_stats(tma, device):
     assert_close(stats[0], t_max, torch.float32, name="tile max")
     assert_close(stats[1], (v - t_max[..., None]).exp().sum(-1), torch.float32, name="tile sum exp")
     assert_close(stats[2], v.nan_to_num(neginf=0.0).sum(-1), torch.float32, name="tile sum")
+
+
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("M,K,N,split", [(1, 96, 40, 3), (5, 64, 48, 4), (16, 200, 24, 2)])
+def test_matmul_split_k(M, K, N, split, tma, device):
+    """Decode-sized GEMMs with K split over several programs (the last one applies bias and activation),
+    called twice to check the kernel leaves its workspace zeroed."""
+    gen = torch.Generator().manual_seed(M + K)
+    a = torch.randn(M, K, generator=gen).to(device, torch.float16)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(device, torch.float16)
+    bias = torch.randn(N, generator=gen).to(device, torch.float16)
+    want = matmul_ref(a.double(), w.double().t(), bias.double(), "silu")
+    with use_backend("triton"):
+        for _ in range(2):
+            cfg = tile_config(16, 16, 16, 2, 4, 1, split_k=split)
+            c, _ = matmul_fwd(a, w.t(), bias, "silu", config=cfg, tma=tma)
+            assert_close(c, want, name="split-K C")
 
 
 def test_matmul_bad_input_errors(device):

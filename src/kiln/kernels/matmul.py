@@ -68,16 +68,11 @@ def _activation(x, ACTIVATION: tl.constexpr):
     return x
 
 
-def tile_config(bm, bn, bk, stages, warps, group=8, ws=False, persistent=False) -> triton.Config:
-    """A launch config for `matmul_fwd(config=...)`: tile sizes, pipeline stages, warps, group size."""
-    meta = {
-        "BLOCK_M": bm,
-        "BLOCK_N": bn,
-        "BLOCK_K": bk,
-        "GROUP_M": group,
-        "WARP_SPEC": ws,
-        "PERSISTENT": persistent,
-    }
+def tile_config(bm, bn, bk, stages, warps, group=8, ws=False, persistent=False, split_k=1) -> triton.Config:
+    """A launch config for `matmul_fwd(config=...)`: tile sizes, pipeline stages, warps, group size,
+    warp specialization, persistent tile loop, and the number of programs sharing one tile's K range."""
+    meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "WARP_SPEC": ws,
+            "PERSISTENT": persistent, "SPLIT_K": split_k}  # fmt: skip
     return triton.Config(meta, num_stages=stages, num_warps=warps)
 
 
@@ -93,21 +88,28 @@ def _configs() -> list[triton.Config]:
         tile_config(128, 256, 64, 3, 8),
         tile_config(128, 128, 64, 4, 4),
         tile_config(64, 128, 64, 4, 4),
-        # decode (M <= 16): memory-bound on B; narrow N tiles so that every SM streams its share of B
+        # decode (M <= 16): memory-bound on B. Narrow N tiles, and split K over several programs so that
+        # every SM streams its share of B even when N / BLOCK_N is below the SM count.
         tile_config(16, 32, 256, 5, 4, 1),
         tile_config(16, 64, 256, 4, 4, 1),
-        tile_config(16, 16, 256, 6, 4, 1),
-        tile_config(16, 32, 128, 6, 4, 1),
-        tile_config(16, 64, 128, 8, 4, 1),
+        tile_config(16, 64, 128, 6, 4, 1, split_k=4),
+        tile_config(16, 64, 128, 6, 4, 1, split_k=8),
+        tile_config(16, 32, 128, 6, 4, 1, split_k=4),
+        tile_config(16, 128, 128, 4, 4, 1, split_k=8),
+        tile_config(16, 64, 256, 4, 4, 1, split_k=16),
     ]
 
 
 def _prune(configs, named_args, **kwargs):
-    """Small-M tiles for decode shapes, wgmma-sized tiles for everything else."""
+    """Small-M tiles for decode shapes, wgmma-sized tiles for everything else; no split finer than K."""
     if len(configs) == 1:
         return configs
     small = named_args["M"] <= 16
-    return [c for c in configs if (c.kwargs["BLOCK_M"] == 16) == small]
+    K = named_args["K"]
+    return [
+        c for c in configs
+        if (c.kwargs["BLOCK_M"] == 16) == small and c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"] <= max(K, c.kwargs["BLOCK_K"])
+    ]  # fmt: skip
 
 
 def _bench(fn, quantiles):
@@ -116,50 +118,13 @@ def _bench(fn, quantiles):
 
 
 @triton.jit
-def _tile(
-    tile, A_ptr, B_ptr, C_ptr, Bias_ptr, Pre_ptr, Stats_ptr, a_desc, b_desc, c_desc, M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stats_plane,
-    A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr, ACCUMULATE: tl.constexpr, ROW_STATS: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, WARP_SPEC: tl.constexpr,
+def _epilogue(
+    acc, off_m, off_n, C_ptr, Bias_ptr, Pre_ptr, Stats_ptr, c_desc, M, N, stats_plane,
+    TMA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, ROW_STATS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """One (BLOCK_M, BLOCK_N) tile of C: the K loop and the epilogue."""
-    # Grouped order: walk GROUP_M tile-rows down a column of tiles before moving right.
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (tile // per_group) * GROUP_M
-    group_rows = min(tiles_m - first_m, GROUP_M)
-    off_m = (first_m + (tile % per_group) % group_rows) * BLOCK_M
-    off_n = ((tile % per_group) // group_rows) * BLOCK_N
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if TMA:
-        for k in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WARP_SPEC):
-            off_k = k * BLOCK_K
-            if A_KMAJOR:
-                a = a_desc.load([off_m, off_k])
-            else:
-                a = a_desc.load([off_k, off_m]).T
-            if B_KMAJOR:
-                b = b_desc.load([off_n, off_k]).T
-            else:
-                b = b_desc.load([off_k, off_n])
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    else:
-        a_blk = tl.make_block_ptr(A_ptr, (M, K), (stride_am, stride_ak), (off_m, 0), (BLOCK_M, BLOCK_K),
-                                  order=(1, 0) if A_KMAJOR else (0, 1))  # fmt: skip
-        b_blk = tl.make_block_ptr(B_ptr, (K, N), (stride_bk, stride_bn), (0, off_n), (BLOCK_K, BLOCK_N),
-                                  order=(0, 1) if B_KMAJOR else (1, 0))  # fmt: skip
-        for _ in range(0, tl.cdiv(K, BLOCK_K)):
-            a = tl.load(a_blk, boundary_check=(0, 1), padding_option="zero")
-            b = tl.load(b_blk, boundary_check=(0, 1), padding_option="zero")
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            a_blk = tl.advance(a_blk, (0, BLOCK_K))
-            b_blk = tl.advance(b_blk, (BLOCK_K, 0))
-
-    # Epilogue in float32: (C's old value), bias, (pre-activation for the backward), activation, one rounding.
+    """float32 tile -> C: (C's old value), bias, (pre-activation for the backward), (row statistics),
+    activation, one rounding."""
     if ACCUMULATE:
         if TMA:
             acc += c_desc.load([off_m, off_n]).to(tl.float32)
@@ -179,8 +144,7 @@ def _tile(
         t_sum = tl.sum(tl.exp(v - t_max[:, None]), axis=1)
         t_z = tl.sum(tl.where((offs_n < N)[None, :], v, 0.0), axis=1)
         offs_m = off_m + tl.arange(0, BLOCK_M)
-        tiles_n_all = tl.cdiv(N, BLOCK_N)
-        at = Stats_ptr + offs_m.to(tl.int64) * tiles_n_all + off_n // BLOCK_N
+        at = Stats_ptr + offs_m.to(tl.int64) * tl.cdiv(N, BLOCK_N) + off_n // BLOCK_N
         tl.store(at, t_max, mask=offs_m < M)
         tl.store(at + stats_plane, t_sum, mask=offs_m < M)
         tl.store(at + 2 * stats_plane, t_z, mask=offs_m < M)
@@ -196,6 +160,80 @@ def _tile(
 
 
 @triton.jit
+def _tile(
+    pid, A_ptr, B_ptr, C_ptr, Bias_ptr, Pre_ptr, Stats_ptr, Work_ptr, a_desc, b_desc, c_desc, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stats_plane,
+    A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr, ACCUMULATE: tl.constexpr, ROW_STATS: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, WARP_SPEC: tl.constexpr, SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    """Program `pid`'s share of C: a (BLOCK_M, BLOCK_N) tile, or with SPLIT_K a 1 / SPLIT_K slice of its
+    K range, the last slice to finish applying the epilogue to the sum."""
+    tile = pid // SPLIT_K
+    # Grouped order: walk GROUP_M tile-rows down a column of tiles before moving right.
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = min(tiles_m - first_m, GROUP_M)
+    off_m = (first_m + (tile % per_group) % group_rows) * BLOCK_M
+    off_n = ((tile % per_group) // group_rows) * BLOCK_N
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_first = 0
+    k_last = k_tiles
+    if SPLIT_K > 1:
+        per_split = tl.cdiv(k_tiles, SPLIT_K)
+        k_first = (pid % SPLIT_K) * per_split
+        k_last = min(k_first + per_split, k_tiles)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA:
+        for k in tl.range(k_first, k_last, warp_specialize=WARP_SPEC):
+            off_k = k * BLOCK_K
+            if A_KMAJOR:
+                a = a_desc.load([off_m, off_k])
+            else:
+                a = a_desc.load([off_k, off_m]).T
+            if B_KMAJOR:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    else:
+        a_blk = tl.make_block_ptr(A_ptr, (M, K), (stride_am, stride_ak), (off_m, k_first * BLOCK_K),
+                                  (BLOCK_M, BLOCK_K), order=(1, 0) if A_KMAJOR else (0, 1))  # fmt: skip
+        b_blk = tl.make_block_ptr(B_ptr, (K, N), (stride_bk, stride_bn), (k_first * BLOCK_K, off_n),
+                                  (BLOCK_K, BLOCK_N), order=(0, 1) if B_KMAJOR else (1, 0))  # fmt: skip
+        for _ in range(k_first, k_last):
+            a = tl.load(a_blk, boundary_check=(0, 1), padding_option="zero")
+            b = tl.load(b_blk, boundary_check=(0, 1), padding_option="zero")
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_blk = tl.advance(a_blk, (0, BLOCK_K))
+            b_blk = tl.advance(b_blk, (BLOCK_K, 0))
+
+    if SPLIT_K > 1:
+        # Partial sums meet in a zeroed float32 workspace (M, N) followed by one int32 counter per tile.
+        # The program that finishes last reads the total, clears its tile and counter (so the workspace
+        # is zero again for the next launch: autotuning reruns it) and writes C.
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        work = Work_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.atomic_add(work, acc, mask=mask, sem="relaxed")
+        counter = Work_ptr.to(tl.pointer_type(tl.int32)) + M * N + tile  # M <= 16 here: no int32 overflow
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc = tl.load(work, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(work, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), mask=mask)
+            tl.store(counter, 0)
+            _epilogue(acc, off_m, off_n, C_ptr, Bias_ptr, Pre_ptr, Stats_ptr, c_desc, M, N, stats_plane, TMA,
+                      HAS_BIAS, ACTIVATION, STORE_PRE, ACCUMULATE, ROW_STATS, BLOCK_M, BLOCK_N)  # fmt: skip
+    else:
+        _epilogue(acc, off_m, off_n, C_ptr, Bias_ptr, Pre_ptr, Stats_ptr, c_desc, M, N, stats_plane, TMA,
+                  HAS_BIAS, ACTIVATION, STORE_PRE, ACCUMULATE, ROW_STATS, BLOCK_M, BLOCK_N)  # fmt: skip
+
+
+@triton.jit
 def _matmul_kernel(
     A_ptr,  # (M, K): element (m, k) at A_ptr + m * stride_am + k * stride_ak
     B_ptr,  # (K, N): element (k, n) at B_ptr + k * stride_bk + n * stride_bn
@@ -203,6 +241,7 @@ def _matmul_kernel(
     Bias_ptr,  # (N,), read when HAS_BIAS
     Pre_ptr,  # (M, N) pre-activation output, contiguous, written when STORE_PRE
     Stats_ptr,  # (3, M, cdiv(N, BLOCK_N)) float32 per-tile row statistics, written when ROW_STATS
+    Work_ptr,  # zeroed float32 (M * N + tiles) split-K workspace, used when SPLIT_K > 1 (left zeroed)
     M,
     N,
     K,
@@ -227,6 +266,7 @@ def _matmul_kernel(
     GROUP_M: tl.constexpr,  # rows of tiles visited together for L2 reuse
     WARP_SPEC: tl.constexpr,  # producer/consumer warp specialization of the loop (Hopper+)
     PERSISTENT: tl.constexpr,  # a grid of num_programs programs loops over the tiles; else one tile each
+    SPLIT_K: tl.constexpr,  # programs per tile, each over 1 / SPLIT_K of K (not with PERSISTENT)
 ):
     if TMA:
         # Descriptors are laid out with the unit-stride dim last, as TMA requires; MN-major tiles are
@@ -245,15 +285,15 @@ def _matmul_kernel(
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, num_programs):
-            _tile(tile, A_ptr, B_ptr, C_ptr, Bias_ptr, Pre_ptr, Stats_ptr, a_desc, b_desc, c_desc, M, N, K,
-                  stride_am, stride_ak, stride_bk, stride_bn, stats_plane, A_KMAJOR, B_KMAJOR, TMA, HAS_BIAS, ACTIVATION,
-                  STORE_PRE, ACCUMULATE, ROW_STATS, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                  WARP_SPEC)  # fmt: skip
+            _tile(tile, A_ptr, B_ptr, C_ptr, Bias_ptr, Pre_ptr, Stats_ptr, Work_ptr, a_desc, b_desc, c_desc,
+                  M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stats_plane, A_KMAJOR, B_KMAJOR, TMA,
+                  HAS_BIAS, ACTIVATION, STORE_PRE, ACCUMULATE, ROW_STATS, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                  GROUP_M, WARP_SPEC, 1)  # fmt: skip
     else:
-        _tile(tl.program_id(0), A_ptr, B_ptr, C_ptr, Bias_ptr, Pre_ptr, Stats_ptr, a_desc, b_desc, c_desc,
-              M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stats_plane, A_KMAJOR, B_KMAJOR, TMA, HAS_BIAS,
-              ACTIVATION, STORE_PRE, ACCUMULATE, ROW_STATS, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-              WARP_SPEC)  # fmt: skip
+        _tile(tl.program_id(0), A_ptr, B_ptr, C_ptr, Bias_ptr, Pre_ptr, Stats_ptr, Work_ptr, a_desc, b_desc,
+              c_desc, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stats_plane, A_KMAJOR, B_KMAJOR,
+              TMA, HAS_BIAS, ACTIVATION, STORE_PRE, ACCUMULATE, ROW_STATS, PRECISION, BLOCK_M, BLOCK_N,
+              BLOCK_K, GROUP_M, WARP_SPEC, SPLIT_K)  # fmt: skip
 
 
 _matmul_autotuned = triton.autotune(
@@ -343,10 +383,15 @@ def matmul_fwd(
 
     def grid(meta):
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-        return (min(tiles, programs) if meta["PERSISTENT"] else tiles,)
+        return (min(tiles, programs) if meta["PERSISTENT"] else tiles * meta["SPLIT_K"],)
+
+    # Split-K workspace for the decode configs (the kernel leaves it zeroed): M x N partial sums, then one
+    # counter per tile (at most cdiv(N, 16) tiles when M <= 16).
+    split = config.kwargs["SPLIT_K"] > 1 if config is not None else (M <= 16 and not interpreting())
+    work = torch.zeros(M * N + triton.cdiv(M, 16) * triton.cdiv(N, 16), device=a.device) if split else c
 
     args = (a, b, c, bias if bias is not None else c, pre if pre is not None else c,
-            row_stats if row_stats is not None else c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            row_stats if row_stats is not None else c, work, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             programs, 0 if row_stats is None else row_stats.shape[1] * row_stats.shape[2])  # fmt: skip
     flags = dict(A_KMAJOR=a_kmajor, B_KMAJOR=b_kmajor, TMA=use_tma, HAS_BIAS=bias is not None,
                  ACTIVATION=activation, STORE_PRE=pre is not None, ACCUMULATE=accumulate,
@@ -395,7 +440,9 @@ def matmul(
     """act(a @ b + bias) for a (M, K), b (K, N), bias (N,)."""
     if not use_triton(a, b, bias):
         return matmul_ref(a, b, bias, activation)
-    return Matmul.apply(a, b, bias, activation)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias)):
+        return Matmul.apply(a, b, bias, activation)
+    return matmul_fwd(a, b, bias, activation)[0]  # inference: no autograd node, less launch overhead
 
 
 def linear(
