@@ -189,7 +189,10 @@ def prefill_case(bench: Bench, c: dict, rec: dict, dev: str, dtype, sdpa_backend
                         q, k, v, causal, scale, None, None, None, 0, tma, loop
                     ),
                 )
-        for name, (tma, fused) in {"kiln_twopass": (True, False)}.items():  # backward: dQ from its own kernel
+        bwd_variants = {"kiln_twopass": (True, False)}  # backward: dQ from its own kernel
+        if D == 128 and Hq == Hk:
+            bwd_variants["kiln_atomic_ptr"] = (False, True)  # fused dQ through pointer atomics, not TMA
+        for name, (tma, fused) in bwd_variants.items():
             o_var = FlashAttention.apply(q, k, v, None, None, 0, causal, scale, None, False, tma, fused)
             bench.measure(
                 rec,
@@ -399,7 +402,8 @@ def main() -> None:
             f"flash {rec.get('flash_fwd_TFLOPs')}/{rec.get('flash_bwd_TFLOPs')} TFLOP/s (fwd/bwd)"
             + (
                 f"; fwd warp-specialized {rec.get('kiln_ws_fwd_TFLOPs')}, overlapped {rec.get('kiln_overlap_fwd_TFLOPs')}"
-                f"; bwd two-kernel {rec.get('kiln_twopass_bwd_TFLOPs')}"
+                f"; bwd two-kernel {rec.get('kiln_twopass_bwd_TFLOPs')}, pointer atomics "
+                f"{rec.get('kiln_atomic_ptr_bwd_TFLOPs')}"
                 if "kiln_twopass_bwd_ms" in rec
                 else ""
             )
