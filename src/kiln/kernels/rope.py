@@ -79,8 +79,9 @@ def _load_heads(
     mask = tok_ok & (heads < n_heads) & (i < half)
     ia, ib = _pair_offsets(i, half, INTERLEAVED)
     rows = X_ptr + tok_b * stride_b + tok_t * stride_t + heads * stride_h
-    a = tl.load(rows + ia, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(rows + ib, mask=mask, other=0.0).to(tl.float32)
+    # read once: streamed through L2 without displacing the cos/sin tables
+    a = tl.load(rows + ia, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    b = tl.load(rows + ib, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     return a, b
 
 
@@ -132,10 +133,11 @@ def _rope_kernel(
         pos = t
     i = tl.arange(0, BLOCK_D)[None, None, :]
     cs_mask = tok_ok & (i < half)
-    c = tl.load(COS_ptr + pos * cos_row_stride + i, mask=cs_mask, other=0.0).to(
-        tl.float32
-    )  # (TOKENS, 1, BLOCK_D)
-    s = tl.load(SIN_ptr + pos * sin_row_stride + i, mask=cs_mask, other=0.0).to(tl.float32)
+    # cos/sin rows are reused by every sequence of the batch: keep them in L2 against the streamed q/k
+    c = tl.load(COS_ptr + pos * cos_row_stride + i, mask=cs_mask, other=0.0, eviction_policy="evict_last")
+    s = tl.load(SIN_ptr + pos * sin_row_stride + i, mask=cs_mask, other=0.0, eviction_policy="evict_last")
+    c = c.to(tl.float32)  # (TOKENS, 1, BLOCK_D)
+    s = s.to(tl.float32)
     if BACKWARD:
         s = -s
     # every load is issued before any store: the q and k traffic of the block overlaps
