@@ -281,7 +281,7 @@ ROW_PROGRAMS: int | None = None
 # of its own over the logits) or "cublas" (torch.matmul). dhidden's GEMM (c x V) @ (V x H) has too few
 # output tiles for one program per tile and stays on cuBLAS, which splits K.
 LOGITS_GEMM = "kiln"
-DWEIGHT_GEMM = "kiln"
+DWEIGHT_GEMM = "cublas"
 
 
 def _gemm_config() -> triton.Config:

@@ -125,12 +125,9 @@ def _epilogue(
 ):  # fmt: skip
     """float32 tile -> C: (C's old value), bias, (pre-activation for the backward), (row statistics),
     activation, one rounding."""
-    if ACCUMULATE:
-        if TMA:
-            acc += c_desc.load([off_m, off_n]).to(tl.float32)
-        else:
-            c_old = tl.make_block_ptr(C_ptr, (M, N), (N, 1), (off_m, off_n), (BLOCK_M, BLOCK_N), (1, 0))
-            acc += tl.load(c_old, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    if ACCUMULATE:  # straight into registers (a descriptor load would need another tile of shared memory)
+        c_old = tl.make_block_ptr(C_ptr, (M, N), (N, 1), (off_m, off_n), (BLOCK_M, BLOCK_N), (1, 0))
+        acc += tl.load(c_old, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
         acc += tl.load(Bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
