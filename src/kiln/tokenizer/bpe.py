@@ -14,30 +14,32 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-PairRank = Callable[[bytes, bytes], "int | None"]
+PairRank = Callable[[bytes, bytes], int]
+NO_MERGE = 1 << 62  # the rank of a pair that cannot merge: above every real rank or priority
 
 
 def merge_parts(piece: bytes, pair_rank: PairRank) -> list[bytes]:
     """Split `piece` into bytes, then merge the lowest-ranked adjacent pair (leftmost on ties) until
-    no adjacent pair has a rank. Returns the final parts."""
+    no adjacent pair can merge. Returns the final parts.
+
+    `pair_rank(left, right)` gives a pair's rank, NO_MERGE when it cannot merge. Taking the minimum
+    with min() and its position with list.index() (the leftmost) keeps the scans in C.
+    """
     parts = [piece[i : i + 1] for i in range(len(piece))]
-    # ranks[i]: the rank of merging parts[i] with parts[i + 1], None when they cannot merge.
+    # ranks[i]: the rank of merging parts[i] with parts[i + 1].
     ranks = [pair_rank(parts[i], parts[i + 1]) for i in range(len(parts) - 1)]
-    while True:
-        best = None
-        best_i = -1
-        for i, r in enumerate(ranks):
-            if r is not None and (best is None or r < best):
-                best, best_i = r, i
-        if best is None:
-            return parts
-        i = best_i
+    while ranks:
+        best = min(ranks)
+        if best == NO_MERGE:
+            break
+        i = ranks.index(best)
         parts[i : i + 2] = [parts[i] + parts[i + 1]]
         del ranks[i]
         if i > 0:
             ranks[i - 1] = pair_rank(parts[i - 1], parts[i])
         if i < len(parts) - 1:
             ranks[i] = pair_rank(parts[i], parts[i + 1])
+    return parts
 
 
 def merge_by_rank(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
@@ -46,7 +48,7 @@ def merge_by_rank(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
     if token is not None:
         return [token]
     get = ranks.get
-    return [ranks[p] for p in merge_parts(piece, lambda left, right: get(left + right))]
+    return [ranks[p] for p in merge_parts(piece, lambda left, right: get(left + right, NO_MERGE))]
 
 
 def merge_by_list(
@@ -61,7 +63,7 @@ def merge_by_list(
         if token is not None:
             return [token]
     get = merges.get
-    parts = merge_parts(piece, lambda left, right: get((left, right)))
+    parts = merge_parts(piece, lambda left, right: get((left, right), NO_MERGE))
     try:
         return [ids[p] for p in parts]
     except KeyError as e:
