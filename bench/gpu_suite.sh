@@ -18,7 +18,7 @@ fi
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-  git rev-parse HEAD 2>/dev/null || true
+  echo "commit ${KILN_COMMIT:-unknown}"
   date -u
 } > "$OUT/env.txt" 2>&1
 
