@@ -48,6 +48,7 @@ if ARGS.smoke:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 import triton.testing  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
@@ -245,6 +246,11 @@ def _explore(name: str, M: int, K: int, N: int, cfg, tma, graph: bool) -> None:
     record("matmul_configs", f"{name} {cfg} tma={tma}", {"M": M, "K": K, "N": N}, run)
 
 
+@triton.jit
+def _noop_kernel(X_ptr):
+    tl.store(X_ptr, tl.load(X_ptr) + 1.0)
+
+
 def bench_overhead() -> None:
     """CPU time per call of each launch path (a decode-sized GEMM, so the GPU never holds the CPU back)."""
     if DEV == "cpu":
@@ -263,6 +269,7 @@ def bench_overhead() -> None:
         "matmul_fwd (fixed config, block pointers)": lambda: matmul_fwd(x, w.t(), config=cfg, tma=False),
         "sample greedy (Triton, 1 x 151936)": lambda: sample(z, temperature=0.0),
         "torch.argmax (1 x 151936)": lambda: z.argmax(-1),
+        "trivial Triton kernel (1 pointer arg)": lambda: _noop_kernel[(1,)](z),
         "torch.empty int8 1 KiB": lambda: torch.empty(1024, device=DEV, dtype=torch.int8),
         "torch.zeros f32 4 KiB": lambda: torch.zeros(1024, device=DEV),
         "triton.set_allocator": lambda: triton.set_allocator(_tma_alloc),
