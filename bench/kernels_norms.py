@@ -518,9 +518,29 @@ SMOKE = {
 }
 
 
+def markdown_table(result: dict) -> str:
+    """The README table of a result JSON: op, mode, kiln, best peer, ratio, percent of the copy; plus the
+    CUDA-graph (GPU-only) ratio."""
+    rows = [
+        "| op | shape | mode | kiln TB/s (ms) | best peer TB/s (ms) | ratio | kiln % of copy | GPU-only ratio (CUDA graph) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in result["cases"]:
+        if "ratio" not in c:
+            continue
+        k, p = c["results"]["kiln"], c["results"][c["best_peer"]]
+        graph = f"{c['graph_ratio']:.3f} vs {c['graph_best_peer']}" if "graph_ratio" in c else "n/a"
+        rows.append(
+            f"| {c['op']} | {c['shape']} | {c['mode']} | {k['TBps']:.2f} ({k['ms']:.3f}) | {c['best_peer']} "
+            f"{p['TBps']:.2f} ({p['ms']:.3f}) | {c['ratio']:.3f} | {100 * k['frac_copy']:.0f}% | {graph} |"
+        )
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--out", help="JSON file to write")
+    p.add_argument("--table", metavar="JSON", help="print the README table of a result file and exit")
     p.add_argument(
         "--smoke", action="store_true", help="tiny shapes through the interpreter; no timing meaning"
     )
@@ -529,6 +549,12 @@ def main(argv: list[str] | None = None) -> int:
         "--budget", type=float, default=110.0, help="seconds after which torch.compile peers are skipped"
     )
     args = p.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(markdown_table(json.load(f)))
+        return 0
+    if not args.out:
+        p.error("--out is required")
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         p.error("needs a CUDA GPU; use --smoke on the CPU")
