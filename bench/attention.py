@@ -181,7 +181,11 @@ def prefill_case(bench: Bench, c: dict, rec: dict, dev: str, dtype, sdpa_backend
     if causal and (T in (4096, 16384) or not bench.cuda):  # other schedules and variants, at the goal points
         scale = D**-0.5
         if D == 128 and Hq == Hk or not bench.cuda:  # forward: warp-specialized TMA loop; overlapped scores
-            for name, (tma, loop) in {"kiln_ws": (True, 1), "kiln_overlap": (False, 2)}.items():
+            for name, (tma, loop) in {
+                "kiln_ws": (True, 1),
+                "kiln_overlap": (False, 2),
+                "kiln_lazy": (False, 3),
+            }.items():
                 bench.measure(
                     rec,
                     f"{name}_fwd_ms",
@@ -401,7 +405,8 @@ def main() -> None:
             f"cudnn {rec.get('cudnn_fwd_TFLOPs')}/{rec.get('cudnn_bwd_TFLOPs')} "
             f"flash {rec.get('flash_fwd_TFLOPs')}/{rec.get('flash_bwd_TFLOPs')} TFLOP/s (fwd/bwd)"
             + (
-                f"; fwd warp-specialized {rec.get('kiln_ws_fwd_TFLOPs')}, overlapped {rec.get('kiln_overlap_fwd_TFLOPs')}"
+                f"; fwd warp-specialized {rec.get('kiln_ws_fwd_TFLOPs')}, overlapped {rec.get('kiln_overlap_fwd_TFLOPs')}, "
+                f"lazy rescale {rec.get('kiln_lazy_fwd_TFLOPs')}"
                 f"; bwd two-kernel {rec.get('kiln_twopass_bwd_TFLOPs')}, pointer atomics "
                 f"{rec.get('kiln_atomic_ptr_bwd_TFLOPs')}"
                 if "kiln_twopass_bwd_ms" in rec

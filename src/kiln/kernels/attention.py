@@ -321,6 +321,29 @@ def _fwd_inner_overlapped(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, 
     return acc, l_i, m_i
 
 
+@triton.jit
+def _fwd_inner_lazy(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, start, end, Tk, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """The unmasked loop with lazy rescaling (FlashAttention-4): the running max m_i moves, and acc and
+    l_i are rescaled, only when some row's max grew by more than 8 (log2 units), so p = 2^(s - m_i)
+    stays below 256 -- harmless in fp32 sums and bf16 P -- and most blocks skip the rescale."""
+    for n0 in range(start, end, BLOCK_N):
+        k = _load_rows(k_src, n0, Tk, stride_kt, HEAD_DIM, BLOCK_N, False, TMA)
+        qk = tl.dot(q, tl.trans(k))
+        m_blk = tl.max(qk, 1) * qk_scale
+        if tl.max(m_blk - m_i, 0) > 8.0:
+            m_new = tl.maximum(m_i, m_blk)
+            alpha = tl.math.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        p = tl.math.exp2(qk * qk_scale - m_i[:, None])
+        l_i += tl.sum(p, 1)
+        v = _load_rows(v_src, n0, Tk, stride_vt, HEAD_DIM, BLOCK_N, False, TMA)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_i
+
+
 @triton.autotune(_configs(_FWD_SPACE, (64, 32)), key=_KEY + ["TMA", "LOOP"], prune_configs_by={"early_config_prune": _prune},
                  do_bench=_bench)
 @triton.jit
@@ -334,7 +357,8 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SINK: tl.constexpr,
     VARLEN: tl.constexpr, TMA: tl.constexpr, LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # LOOP (the unmasked bulk): 0 plain, 1 warp-specialized, 2 next scores issued before the softmax
+    # LOOP (the unmasked bulk): 0 plain, 1 warp-specialized, 2 next scores issued before the softmax, 3 lazy
+    # rescaling
     # Heaviest (last, under causal masking) query blocks first: a shorter tail at the end of the grid.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -374,7 +398,10 @@ def _attn_fwd_kernel(
     lo, full_lo, full_hi, hi = _key_ranges(m0, Tq, Tk, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, lo, full_lo, qpos, Tk, window,
                                qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA)
-    if LOOP == 2:
+    if LOOP == 3:
+        acc, l_i, m_i = _fwd_inner_lazy(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, full_lo, full_hi, Tk,
+                                        qk_scale, HEAD_DIM, BLOCK_N, TMA)
+    elif LOOP == 2:
         acc, l_i, m_i = _fwd_inner_overlapped(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, full_lo,
                                               full_hi, Tk, qk_scale, HEAD_DIM, BLOCK_N, TMA)
     else:
