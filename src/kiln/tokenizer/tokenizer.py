@@ -372,4 +372,4 @@ def _fix_surrogates(text: str) -> str:
 def _encode_batch_task(args: tuple[Tokenizer, list[str]]) -> list[array]:
     # Arrays pickle as raw bytes: sending lists of Python ints back would cost as much as encoding.
     tok, texts = args
-    return [array("l", tok.encode_ordinary(t)) for t in texts]
+    return [array("I", tok.encode_ordinary(t)) for t in texts]
