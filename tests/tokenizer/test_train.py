@@ -121,3 +121,5 @@ def test_empty_and_non_text_input():
         train_bpe(["", ""], 300, progress=False)
     with pytest.raises(TypeError, match="iterable of str"):
         train_bpe([b"bytes"], 300, progress=False)
+    with pytest.raises(TypeError, match="not one text"):
+        train_bpe("a single string is a classic mistake", 300, progress=False)

@@ -241,6 +241,10 @@ class Tokenizer:
         kiln's encoder. "kiln": kiln's encoder in a pool of `processes` worker processes.
         "tiktoken": tiktoken in `processes` threads, or a KilnError when it cannot be exact here.
         """
+        if isinstance(texts, str | bytes):
+            raise TypeError(
+                "encode_ordinary_batch takes a sequence of texts, not one text: use encode_ordinary"
+            )
         texts = list(texts)
         processes = (os.cpu_count() or 1) if processes is None else processes
         if processes < 1:

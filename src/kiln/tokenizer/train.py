@@ -265,6 +265,8 @@ def train_bpe(
     """
     from kiln.tokenizer.tokenizer import Tokenizer
 
+    if isinstance(texts, str | bytes):
+        raise TypeError("train_bpe takes an iterable of texts, not one text: wrap it in a list")
     special_tokens = tuple(special_tokens)
     if len(set(special_tokens)) != len(special_tokens) or any(not s for s in special_tokens):
         raise KilnError(f"special tokens must be distinct non-empty strings, got {special_tokens!r}")
