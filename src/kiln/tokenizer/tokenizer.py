@@ -265,17 +265,13 @@ class Tokenizer:
             return [self.encode_ordinary(t) for t in texts]
         import multiprocessing
 
-        # One task per process, contiguous texts of about equal total length: each worker unpickles
-        # the tokenizer once and keeps its chunk cache warm over its whole share.
-        total = sum(map(len, texts)) or 1
-        batches: list[list[str]] = [[] for _ in range(processes)]
-        done = 0
-        for t in texts:
-            batches[min(processes - 1, done * processes // total)].append(t)
-            done += len(t)
+        # One task per process, so each worker unpickles the tokenizer once and keeps its chunk cache
+        # warm over its whole share; texts are dealt round-robin, so neighbouring texts (often alike
+        # in size and script) spread over the workers and the shares take about equally long.
+        shares = [texts[k::processes] for k in range(processes)]
         with multiprocessing.get_context().Pool(processes) as pool:
-            parts = pool.map(_encode_batch_task, [(self, b) for b in batches if b], chunksize=1)
-        return [ids.tolist() for part in parts for ids in part]
+            parts = pool.map(_encode_batch_task, [(self, share) for share in shares], chunksize=1)
+        return [parts[i % processes][i // processes].tolist() for i in range(len(texts))]
 
     def as_tiktoken(self):
         """A `tiktoken.Encoding` with exactly this tokenizer's behaviour, or None when impossible
