@@ -152,9 +152,14 @@ class Transformer(nn.Module):
         if targets.shape != input_ids.shape:
             raise ValueError(f"targets {tuple(targets.shape)} must match input_ids {tuple(input_ids.shape)}")
         h, aux = self.hidden_states(input_ids, position_ids, attention_mask)
-        loss = linear_cross_entropy(
-            h.reshape(-1, h.shape[-1]), self.head_weight, targets.reshape(-1), reduction=reduction
-        )
+        w = self.head_weight
+        dev = h.device.type
+        if torch.is_autocast_enabled(dev):
+            # autocast does not reach custom ops: cast as it would for the head's nn.Linear, so the
+            # fused head + loss runs its 16-bit matmul (the loss math itself stays float32)
+            dt = torch.get_autocast_dtype(dev)
+            h, w = h.to(dt), w.to(dt)
+        loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), w, targets.reshape(-1), reduction=reduction)
         coef = self.config.router_aux_loss_coef
         if self.training and aux is not None and coef:
             scale = coef if reduction == "mean" else coef * (targets != -100).sum()
