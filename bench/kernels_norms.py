@@ -310,7 +310,7 @@ def bench_rmsnorm(bench: Bench, mk: Inputs, M: int, N: int) -> None:
     )
     bench.tune(
         "rmsnorm_bwd",
-        {"autotuned_p2": lambda: rmsnorm_bwd(dy, h, w, rstd)}
+        {"default": lambda: rmsnorm_bwd(dy, h, w, rstd)}
         | {f"w{nw}_p{p}_s{s}": (lambda nw=nw, p=p, s=s: rmsnorm_bwd(dy, h, w, rstd, None, nw, p, s))
            for nw in (8, 16) for p in (1, 2, 3, 4) for s in (1, 3, 4)},
     )  # fmt: skip
@@ -352,7 +352,7 @@ def bench_layernorm(bench: Bench, mk: Inputs, M: int, N: int) -> None:
     y, h, mean, rstd = layernorm_fwd(x, w, b, EPS)
     bench.tune(
         "layernorm_bwd",
-        {"autotuned_p2": lambda: layernorm_bwd(dy, h, w, b.dtype, mean, rstd)}
+        {"default": lambda: layernorm_bwd(dy, h, w, b.dtype, mean, rstd)}
         | {f"w{nw}_p{p}_s{s}": (lambda nw=nw, p=p, s=s: layernorm_bwd(dy, h, w, b.dtype, mean, rstd, None, nw, p, s))
            for nw in (8, 16) for p in (1, 2, 3, 4) for s in (1, 3, 4)},
     )  # fmt: skip
@@ -434,7 +434,7 @@ def bench_rope(bench: Bench, mk: Inputs, B: int, T: int, Hq: int, Hk: int, D: in
     )  # fmt: skip
     bench.tune(
         "rope_fwd",
-        {"autotuned": lambda: rope_launch(q, k, cos, sin, None, False)}
+        {"default": lambda: rope_launch(q, k, cos, sin, None, False)}
         | {f"t{n}_w{nw}": (lambda n=n, nw=nw: rope_launch(q, k, cos, sin, None, False, tokens=n, num_warps=nw))
            for n in (1, 2, 4) for nw in (1, 2, 4)},
     )  # fmt: skip

@@ -23,7 +23,16 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import use_triton
-from kiln.kernels.rmsnorm import as_rows, check_rows, programs_per_device, row_loop_configs, row_warps
+from kiln.kernels.rmsnorm import (
+    PROGRAMS_PER_SM,
+    ROW_LOOP_STAGES,
+    as_rows,
+    cdiv,
+    check_rows,
+    pow2,
+    programs_per_device,
+    row_warps,
+)
 
 
 def layernorm_ref(
@@ -160,7 +169,7 @@ def layernorm_fwd(
     rstd = torch.empty_like(mean)
     if n_rows == 0:
         return y, h, mean, rstd
-    block = triton.next_power_of_2(D)
+    block = pow2(D)
     _layernorm_fwd_kernel[(n_rows,)](
         x2, x2 if r2 is None else r2, h, y, weight, weight if bias is None else bias, mean, rstd,
         x2.stride(0), 0 if r2 is None else r2.stride(0), D,
@@ -169,11 +178,6 @@ def layernorm_fwd(
         num_warps=num_warps or row_warps(block),
     )  # fmt: skip
     return y, h, mean, rstd
-
-
-_layernorm_bwd_tuned = triton.autotune(configs=row_loop_configs(), key=["n_cols", "HAS_DH", "HAS_BIAS"])(
-    _layernorm_bwd_kernel
-)
 
 
 def layernorm_bwd(
@@ -185,12 +189,10 @@ def layernorm_bwd(
     rstd: torch.Tensor,
     dh: torch.Tensor | None = None,
     num_warps: int | None = None,
-    programs_per_sm: int = 2,
-    stages: int | None = None,
+    programs_per_sm: int = PROGRAMS_PER_SM,
+    stages: int = ROW_LOOP_STAGES,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Launch the backward over (n_rows, D) rows. Returns (dx rows, dw, db or None if there is no bias).
-
-    Autotuned when num_warps and stages are both None (see rmsnorm_bwd)."""
+    """Launch the backward over (n_rows, D) rows. Returns (dx rows, dw, db or None if there is no bias)."""
     has_bias = bias_dtype is not None
     n_rows, D = h.shape
     dy2 = as_rows(dy, D)
@@ -202,19 +204,14 @@ def layernorm_bwd(
     n_prog = max(1, min(n_rows, programs_per_device(h.device, programs_per_sm)))
     dw_partial = torch.empty((n_prog, D), dtype=torch.float32, device=h.device)
     db_partial = torch.empty_like(dw_partial) if has_bias else dw_partial
-    block = triton.next_power_of_2(D)
-    args = (
+    block = pow2(D)
+    _layernorm_bwd_kernel[(n_prog,)](
         dy2, h, dy2 if dh2 is None else dh2, weight, mean, rstd, dx, dw_partial, db_partial,
         dy2.stride(0), h.stride(0), 0 if dh2 is None else dh2.stride(0),
-        n_rows, D, triton.cdiv(n_rows, n_prog),
+        n_rows, D, cdiv(n_rows, n_prog),
+        HAS_DH=dh2 is not None, HAS_BIAS=has_bias, STAGES=stages, BLOCK=block,
+        num_warps=num_warps or row_warps(block),
     )  # fmt: skip
-    flags = dict(HAS_DH=dh2 is not None, HAS_BIAS=has_bias, BLOCK=block)
-    if num_warps is None and stages is None:
-        _layernorm_bwd_tuned[(n_prog,)](*args, **flags)
-    else:
-        _layernorm_bwd_kernel[(n_prog,)](
-            *args, **flags, STAGES=stages or 1, num_warps=num_warps or row_warps(block)
-        )
     db = db_partial.sum(0).to(bias_dtype) if has_bias else None
     return dx, dw_partial.sum(0).to(weight.dtype), db
 

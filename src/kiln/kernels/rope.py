@@ -12,8 +12,8 @@ Backward: the rotation is orthogonal, so the gradient is the inverse rotation of
 (sin -> -sin), the same kernel run again. cos and sin are constants: they get no gradient (the Triton
 path refuses tables that require one).
 
-One launch does q and k: each program takes a block of tokens (autotuned: 1, 2 or 4), loads their
-cos/sin rows once and rotates all Hq query heads and Hk key heads as (tokens, heads, D/2) tiles, every
+One launch does q and k: each program takes a block of tokens (one by default), loads their cos/sin
+rows once and rotates all Hq query heads and Hk key heads as (tokens, heads, D/2) tiles, every
 load issued before the first store. Any strides for B, T and heads are taken as they
 are (so (B, H, T, D) tensors passed as `.transpose(1, 2)` views, or q/k sliced out of a fused qkv
 projection, are read in place); only the last dim must be contiguous. Position ids must lie in [0, P):
@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.dispatch import interpreting, use_triton
-from kiln.kernels.rmsnorm import FLOAT_DTYPES
+from kiln.kernels.dispatch import use_triton
+from kiln.kernels.rmsnorm import FLOAT_DTYPES, cdiv, pow2
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -177,17 +177,10 @@ def _rope_kernel(
     )
 
 
-def _rope_configs() -> list[triton.Config]:
-    """Tokens per program and warps, autotuned once per head layout. The interpreter gets one config
-    (two tokens, so the tests cover a ragged last block)."""
-    if interpreting():
-        return [triton.Config({"TOKENS": 2}, num_warps=1)]
-    return [triton.Config({"TOKENS": n}, num_warps=w) for n in (1, 2, 4) for w in (1, 2, 4)]
-
-
-_rope_tuned = triton.autotune(
-    configs=_rope_configs(), key=["n_q_heads", "n_k_heads", "half", "HAS_POS", "INTERLEAVED", "BACKWARD"]
-)(_rope_kernel)
+# One token per program, 4 warps: on the H200 (B8 T4096 Hq32 Hk8 D128 bf16) 2 or 4 tokens per program and
+# 1 or 2 warps were no faster (0.174-0.186 ms against 0.174), so no autotuner (its host cost showed).
+TOKENS_PER_PROGRAM = 1
+NUM_WARPS = 4
 
 
 def _check(q, k, cos, sin, position_ids) -> None:
@@ -240,13 +233,10 @@ def rope_launch(
     position_ids: torch.Tensor | None,
     interleaved: bool,
     backward: bool = False,
-    tokens: int | None = None,
-    num_warps: int | None = None,
+    tokens: int = TOKENS_PER_PROGRAM,
+    num_warps: int = NUM_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k (by -angle if `backward`) in one launch; returns new contiguous tensors.
-
-    The launch config is autotuned (once per head layout, on the first call: warm up before capturing
-    a CUDA graph) unless `tokens` or `num_warps` fixes it."""
+    """Rotate q and k (by -angle if `backward`) in one launch; returns new contiguous tensors."""
     q, k, cos, sin = (_last_contiguous(t) for t in (q, k, cos, sin))
     B, T, Hq, D = q.shape
     Hk = k.shape[2]
@@ -265,14 +255,10 @@ def rope_launch(
     )  # fmt: skip
     flags = dict(
         HAS_POS=position_ids is not None, INTERLEAVED=interleaved, BACKWARD=backward,
-        BLOCK_QH=triton.next_power_of_2(Hq), BLOCK_KH=triton.next_power_of_2(Hk),
-        BLOCK_D=triton.next_power_of_2(D // 2),
+        BLOCK_QH=pow2(Hq), BLOCK_KH=pow2(Hk),
+        BLOCK_D=pow2(D // 2),
     )  # fmt: skip
-    if tokens is None and num_warps is None:
-        _rope_tuned[lambda meta: (triton.cdiv(B * T, meta["TOKENS"]),)](*args, **flags)
-    else:
-        tokens = tokens or 1
-        _rope_kernel[(triton.cdiv(B * T, tokens),)](*args, **flags, TOKENS=tokens, num_warps=num_warps or 2)
+    _rope_kernel[(cdiv(B * T, tokens),)](*args, **flags, TOKENS=tokens, num_warps=num_warps)
     return qo, ko
 
 

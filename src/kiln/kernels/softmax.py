@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import use_triton
-from kiln.kernels.rmsnorm import FLOAT_DTYPES, as_rows, row_warps
+from kiln.kernels.rmsnorm import FLOAT_DTYPES, as_rows, pow2, row_warps
 
 MAX_BLOCK = 16384  # the longest row kept whole in registers; longer rows take the online kernel
 ONLINE_BLOCK = 4096  # block the online kernel walks a long row in
@@ -106,7 +106,7 @@ def _softmax_bwd_kernel(
 
 def _plan(n_cols: int, max_block: int, online_block: int) -> tuple[int, bool]:
     """(BLOCK, ONE_BLOCK) for rows of n_cols."""
-    whole = triton.next_power_of_2(n_cols)
+    whole = pow2(n_cols)
     if whole <= max_block:
         return whole, True
     return online_block, False

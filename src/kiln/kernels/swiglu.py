@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import use_triton
-from kiln.kernels.rmsnorm import FLOAT_DTYPES
+from kiln.kernels.rmsnorm import FLOAT_DTYPES, cdiv
 
 BLOCK = 1024  # elements per program: 8 per thread at 4 warps, 16-byte loads in bf16
 
@@ -95,7 +95,7 @@ def _flat(*ts: torch.Tensor) -> list[torch.Tensor] | None:
 
 
 def _launch_grid(n_rows: int, n_cols: int, block: int) -> tuple[int, int]:
-    n_col_blocks = triton.cdiv(n_cols, block)
+    n_col_blocks = cdiv(n_cols, block)
     return n_rows * n_col_blocks, n_col_blocks
 
 

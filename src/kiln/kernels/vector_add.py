@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import use_triton
-from kiln.kernels.rmsnorm import FLOAT_DTYPES
+from kiln.kernels.rmsnorm import FLOAT_DTYPES, cdiv
 
 BLOCK = 1024
 
@@ -63,7 +63,7 @@ def vector_add_launch(
     out = torch.empty_like(x)
     n = x.numel()
     if n:
-        _add_kernel[(triton.cdiv(n, block),)](x, y, out, n, BLOCK=block, num_warps=num_warps)
+        _add_kernel[(cdiv(n, block),)](x, y, out, n, BLOCK=block, num_warps=num_warps)
     return out
 
 
