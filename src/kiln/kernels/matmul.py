@@ -80,36 +80,35 @@ def _configs() -> list[triton.Config]:
     if interpreting():  # the interpreter cannot benchmark: exactly one config
         return [tile_config(32, 32, 32, 1, 4, 4)]
     return [
-        # prefill / training. Persistent 128x256 (one program per SM looping over tiles, so one tile's
-        # epilogue overlaps the next tile's loads) measured 1.07x cuBLAS at 8192^3 and 1.08x on the
-        # 8192 x 1536 x 17920 gate/up GEMM on the H200; the others cover shapes with few tiles.
+        # Persistent 128x256 (one program per SM looping over tiles, so one tile's epilogue overlaps the next
+        # tile's loads) measured 1.03x cuBLAS at 4096^3, 1.06x at 8192^3 and 0.95-1.0x on the Qwen2.5-1.5B
+        # prefill GEMMs on the H200; the others cover problems with fewer tiles than SMs.
         tile_config(128, 256, 64, 3, 8, persistent=True),
         tile_config(128, 128, 64, 4, 8, persistent=True),
-        tile_config(128, 256, 64, 3, 8),
         tile_config(128, 128, 64, 4, 4),
         tile_config(64, 128, 64, 4, 4),
-        # decode (M <= 16): memory-bound on B. Narrow N tiles, and split K over several programs so that
-        # every SM streams its share of B even when N / BLOCK_N is below the SM count.
-        tile_config(16, 32, 256, 5, 4, 1),
-        tile_config(16, 64, 256, 4, 4, 1),
-        tile_config(16, 64, 128, 6, 4, 1, split_k=4),
-        tile_config(16, 64, 128, 6, 4, 1, split_k=8),
-        tile_config(16, 32, 128, 6, 4, 1, split_k=4),
-        tile_config(16, 128, 128, 4, 4, 1, split_k=8),
-        tile_config(16, 64, 256, 4, 4, 1, split_k=16),
     ]
 
 
 def _prune(configs, named_args, **kwargs):
-    """Small-M tiles for decode shapes, wgmma-sized tiles for everything else; no split finer than K."""
+    """The persistent 128x256 config whenever its tiles fill the GPU: it won on every such shape measured,
+    and short autotuning runs (dominated by launch overhead on small GEMMs) can pick worse ones."""
     if len(configs) == 1:
         return configs
-    small = named_args["M"] <= 16
-    K = named_args["K"]
-    return [
-        c for c in configs
-        if (c.kwargs["BLOCK_M"] == 16) == small and c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"] <= max(K, c.kwargs["BLOCK_K"])
-    ]  # fmt: skip
+    M, N = named_args["M"], named_args["N"]
+    if triton.cdiv(M, 128) * triton.cdiv(N, 256) >= named_args["num_programs"]:
+        return configs[:1]
+    return configs
+
+
+def _decode_config(N: int, K: int, sms: int) -> triton.Config:
+    """Decode GEMMs (M <= 16) are weight streams; tiles chosen from a sweep under CUDA graphs on the H200
+    at M = 1 (round 2 of bench/kernels_gemm_ce.py): with few output tiles and a long K (the 8960 -> 1536
+    down projection) K is split 8 ways (9.3 us, cuBLAS 10.0); otherwise 16x64 tiles over all of K
+    (1536 -> 2048: 5.4 us, cuBLAS 4.3; 1536 -> 17920: 19.4 us, cuBLAS 17.0)."""
+    if triton.cdiv(N, 64) < sms and K >= 4096:
+        return tile_config(16, 128, 128, 4, 4, 1, split_k=8)
+    return tile_config(16, 64, 256, 4, 4, 1)
 
 
 def _bench(fn, quantiles):
@@ -372,19 +371,23 @@ def matmul_fwd(
     allowed = _tma_ok(a, 1 if a_kmajor else 0) and _tma_ok(b, 0 if b_kmajor else 1) and _tma_ok(c, 1)
     if tma and not allowed:
         raise ValueError("tma=True but the operands' strides or alignment do not allow tensor descriptors")
+    programs = _num_sms(a.device)
+    if config is None and M <= 16:
+        config = _decode_config(N, K, programs)
+        # Block pointers: 10-30% faster than descriptors on these weight streams (same sweep).
+        tma = False if tma is None else tma
     use_tma = allowed if tma is None else tma
     if use_tma and a.is_cuda:
         triton.set_allocator(_tma_alloc)  # a context variable in triton, read at launch
     precision = "tf32" if a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
-    programs = _num_sms(a.device)
 
     def grid(meta):
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
         return (min(tiles, programs) if meta["PERSISTENT"] else tiles * meta["SPLIT_K"],)
 
-    # Split-K workspace for the decode configs (the kernel leaves it zeroed): M x N partial sums, then one
-    # counter per tile (at most cdiv(N, 16) tiles when M <= 16).
-    split = config.kwargs["SPLIT_K"] > 1 if config is not None else (M <= 16 and not interpreting())
+    # Split-K workspace (the kernel leaves it zeroed): M x N partial sums, then one counter per tile (at
+    # most cdiv(M, 16) * cdiv(N, 16) tiles, as BLOCK_M and BLOCK_N are at least 16).
+    split = config is not None and config.kwargs["SPLIT_K"] > 1
     work = torch.zeros(M * N + triton.cdiv(M, 16) * triton.cdiv(N, 16), device=a.device) if split else c
 
     args = (a, b, c, bias if bias is not None else c, pre if pre is not None else c,
