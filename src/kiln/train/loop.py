@@ -189,6 +189,13 @@ class Trainer:
 
         return evaluate(summed, self.val_batches, self.byte_lengths, self.device)
 
+    def _log(self, bar: tqdm, line: str) -> None:
+        """One log line on rank 0: above the progress bar when there is one, else plain stdout."""
+        if self.progress:
+            bar.write(line)
+        elif self.env.is_main:
+            print(line, flush=True)
+
     # ---- the loop ------------------------------------------------------------------------------------------
     def fit(self, stop_at: int | None = None) -> dict:
         """Train to train.steps (or to `stop_at`, checkpointing there); returns the last log records."""
@@ -235,8 +242,7 @@ class Trainer:
                     "time": time.time(),
                 }
                 self.metrics.write(rec)
-                if self.progress:
-                    bar.write(format_step(rec))
+                self._log(bar, format_step(rec))
                 bar.set_postfix(loss=f"{loss:.3f}")
                 busy, tok0 = 0.0, self.state.tokens
                 last.update(rec)
@@ -246,11 +252,10 @@ class Trainer:
                 val = self.validate()
                 rec = {"kind": "val", "step": step, **val}
                 self.metrics.write(rec)
-                if self.progress:
-                    bar.write(
-                        f"step {step:>6d}/{tc.steps} | val loss {val['val_loss']:.4f} | "
-                        f"val bpb {val['val_bpb']:.4f}"
-                    )
+                self._log(
+                    bar,
+                    f"step {step:>6d}/{tc.steps} | val loss {val['val_loss']:.4f} | val bpb {val['val_bpb']:.4f}",
+                )
                 last.update(rec)
             if step % tc.ckpt_interval == 0 or step == end:
                 self.save()
