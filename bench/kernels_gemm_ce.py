@@ -55,11 +55,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kiln.kernels import cross_entropy as ce  # noqa: E402
 from kiln.kernels.dispatch import use_backend  # noqa: E402
 from kiln.kernels.matmul import (  # noqa: E402
-    _decode_config,
     _matmul_autotuned,
     linear,
     matmul,
     matmul_fwd,
+    pick_config,
     tile_config,
 )
 from kiln.kernels.sampling import sample, sample_ref  # noqa: E402
@@ -161,11 +161,12 @@ def bench_matmul() -> None:
             out["ceiling"] = "copy 4.27 TB/s" if decode else "bf16 735 TFLOP/s"
             out["timing"] = "cudagraph" if decode and DEV == "cuda" else "do_bench"
             out["max_abs_diff_vs_cublas"] = err
-            if decode:  # decode shapes skip the autotuner (see kiln.kernels.matmul._decode_config)
-                sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 4
-                out["config"] = str(_decode_config(N, K, sms)) + " (block pointers)"
-            else:
-                out["config"] = str(getattr(_matmul_autotuned, "best_config", None))
+            sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 4
+            picked = pick_config(M, N, K, sms)  # None: the autotuner chose
+            out["config"] = str(
+                picked if picked is not None else getattr(_matmul_autotuned, "best_config", None)
+            )
+            out["config"] += " (block pointers)" if decode else ""
             return out
 
         record("matmul", name, {"M": M, "K": K, "N": N, "dtype": str(dt)}, run)
