@@ -23,17 +23,17 @@ Key blocks are split into ranges that need no masking (the bulk) and ranges that
 diagonal, the window's far edge, the ragged end), so the bulk loop runs without any mask arithmetic.
 
 Backward (recomputing P from lse, as in the Triton fused-attention tutorial):
-    Delta = rowsum(dO * O)                       (a preprocess kernel)
+    Delta = rowsum(dO * O)                       (computed by the dQ kernel's programs, for their rows)
     P = 2^(s - lse);  dV = P^T dO;  dP = dO V^T;  dS = P (dP - Delta)
     dK = scale dS^T Q (one program per K/V block and K/V head, looping over the group's query heads,
     so GQA needs neither atomics nor repeated K/V);  dQ = scale dS K (one program per Q block)
     dsink_h = -sum_rows exp(sink_h - lse) Delta   (the sink's probability times its zero-value gradient)
 
-The forward loads through (masked) pointers; on Hopper the backward streams Q/dO through TMA tensor
-descriptors (one per sequence, whose shape clips ragged ends) and, by default, computes dQ inside the
-dK/dV kernel, reduce-adding dS K tiles into an fp32 dQ (TMA bulk reductions on Hopper, atomics
-elsewhere): 5 matmuls per block pair instead of 7, at the price of a summation order that varies
-from run to run (fp32 rounding level). `fused_dq=False` takes the deterministic two-kernel path.
+The forward loads through (masked) pointers; on Hopper, for sequences of 4096 and more, the backward
+streams Q/dO and K/V through TMA tensor descriptors (one per sequence, whose shape clips ragged ends).
+The dQ kernel runs first and also writes Delta (the preprocess folded in: one launch fewer). A fused
+variant (`fused_dq=True`: dQ reduce-added in fp32 by the dK/dV kernel, 5 matmuls per block pair
+instead of 7) is kept for measurement: it was slower on the H200.
 The Triton path takes fp16, bf16 and fp32 inputs with head dims 16, 32, 64, 128 and 256, and the
 last dim contiguous (other layouts are made contiguous first). Within one sequence, row offsets are
 int32: Tq * Hq * D must stay below 2**31. attn_mask, and head dims other than these, take the
@@ -151,14 +151,14 @@ def _bench(fn, quantiles):
 
 _SMALL, _MID, _BIG = (16, 32, 64), (128,), (256,)
 # Few configs per head dim: each costs a compile (seconds) the first time a kernel variant runs.
-# Round-1 H200 winners first; the others won at short sequences or are there to let more programs share
-# an SM (64-row blocks, 4 warps).
+# From the H200 runs: 64-row forward blocks with 4 warps won at every point of the grid (more programs
+# share an SM, so one's softmax overlaps another's matmuls); the rest are the runners-up.
 _FWD_SPACE = [
-    (128, 64, 4, 3, _SMALL),
     (64, 64, 4, 3, _SMALL),
-    (128, 64, 8, 3, _MID),
+    (64, 64, 4, 4, _SMALL),
     (64, 64, 4, 3, _MID),
-    (64, 128, 4, 2, _MID),
+    (64, 64, 4, 4, _MID),
+    (128, 64, 8, 3, _MID),
     (64, 64, 4, 2, _BIG),
     (128, 64, 8, 2, _BIG),
 ]
@@ -168,7 +168,7 @@ _DKDV_SPACE = [
     (64, 128, 8, 3, _SMALL),
     (32, 128, 4, 3, _SMALL),
     (64, 128, 8, 2, _MID),
-    (32, 128, 8, 2, _MID),
+    (64, 128, 8, 3, _MID),
     (32, 64, 4, 2, _BIG),
     (64, 64, 8, 2, _BIG),
 ]
@@ -564,9 +564,11 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, sta
                  do_bench=_bench)
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_SEQLENS,  # dq like q
+    Q, K, V, DO, LSE, DELTA, DQ, O, CU_SEQLENS,  # dq like q; o, the forward's output, like q
+    # delta (B, Hq, Tq) is written here, rowsum(do * o) for this program's rows, for the dK/dV kernel after
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh,
+    stride_ob, stride_ot, stride_oh,
     Hq, group, Tq, Tk, window, qk_scale, sm_scale, LEN_KEY, GQA_KEY,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -587,8 +589,11 @@ def _attn_bwd_dq_kernel(
                    True, False)
     do = _load_rows(DO + bb * stride_dob + row0 * stride_dot + h * stride_doh, m0, Tq, stride_dot, HEAD_DIM,
                     BLOCK_M, True, False)
+    o = _load_rows(O + bb * stride_ob + row0 * stride_ot + h * stride_oh, m0, Tq, stride_ot, HEAD_DIM, BLOCK_M,
+                   True, False)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,): the preprocess, folded in
+    tl.store(DELTA + bb * stride_lb + h * stride_lh + row0 + offs_m, delta, mask=row_ok)
     lse = tl.load(LSE + bb * stride_lb + h * stride_lh + row0 + offs_m, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + bb * stride_lb + h * stride_lh + row0 + offs_m, mask=row_ok, other=0.0)
     k_src = K + bb * stride_kb + row0 * stride_kt + (h // group) * stride_kh
     v_src = V + bb * stride_vb + row0 * stride_vt + (h // group) * stride_vh
     if TMA:
@@ -694,14 +699,15 @@ def attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seql
 
 
 def attention_bwd(
-    do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max_seqlen, tma=None, fused_dq=True
+    do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max_seqlen, tma=None, fused_dq=False
 ):
     """Triton backward: (dq, dk, dv, delta) with delta = rowsum(do * o) shaped like lse.
 
-    tma: stream Q/dO (dK/dV kernel) and K/V (dQ kernel) through tensor descriptors; None: where allowed.
-    fused_dq: the dK/dV kernel also accumulates dQ (atomic fp32 adds, 5 matmuls per block pair in all;
-    summation order varies run to run at fp32 rounding level); else a second kernel recomputes P for dQ
-    (7 matmuls, deterministic)."""
+    Default: the dQ kernel first (it also writes delta), then the dK/dV kernel.
+    tma: stream Q/dO (dK/dV kernel) and K/V (dQ kernel) through tensor descriptors; None: where allowed and
+    the sequences are long (>= 4096; shorter loops do not amortize building descriptors per program).
+    fused_dq: the dK/dV kernel also accumulates dQ (fp32 reduce-adds, 5 matmuls per block pair instead of
+    7, summation order varying run to run); slower on the H200 than the two kernels (0.92x at 4k)."""
     varlen = cu_seqlens is not None
     q4, k4, v4, o4, do4 = (_as_4d(t, varlen) for t in (q, k, v, o, do))
     B, Tq, Hq, D = q4.shape
@@ -716,7 +722,8 @@ def attention_bwd(
         dq = torch.zeros(q4.shape, dtype=torch.float32, device=q.device)
     else:
         dq = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
-    tma = _tma_ok(q4, k4, v4, do4, dq) if tma is None else tma
+    if tma is None:
+        tma = rows >= 4096 and _tma_ok(q4, k4, v4, do4, dq)
     if tma and q.is_cuda:
         triton.set_allocator(_tma_allocator)
     flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, VARLEN=varlen, TMA=tma)
@@ -732,18 +739,20 @@ def attention_bwd(
     grid_kv = lambda meta: (triton.cdiv(cols, meta["BLOCK_N"]), n_prog * Hk)  # noqa: E731
     grid_q = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), n_prog * Hq)  # noqa: E731
     # fmt: off
-    _attn_bwd_preprocess_kernel[(triton.cdiv(Tq, 64), B * Hq)](
-        o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], delta.stride(0), delta.stride(1), Hq, Tq,
-        HEAD_DIM=D, BLOCK_M=64,
-    )
+    if fused_dq:
+        _attn_bwd_preprocess_kernel[(triton.cdiv(Tq, 64), B * Hq)](
+            o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], delta.stride(0), delta.stride(1), Hq, Tq,
+            HEAD_DIM=D, BLOCK_M=64,
+        )
+    else:  # dQ first: its programs also write delta, which the dK/dV kernel reads
+        _attn_bwd_dq_kernel[grid_q](
+            q4, k4, v4, do4, lse, delta, dq, o4, cu, *strides, *dq.stride()[:3], *o4.stride()[:3],
+            Hq, Hq // Hk, *scalars, **flags,
+        )
     _attn_bwd_dkdv_kernel[grid_kv](
         q4, k4, v4, do4, lse, delta, dk, dv, dq, cu, *strides, *dk.stride()[:3], *dv.stride()[:3],
         *dq.stride()[:3], Hk, Hq // Hk, *scalars, **flags, FUSED_DQ=fused_dq,
     )
-    if not fused_dq:
-        _attn_bwd_dq_kernel[grid_q](
-            q4, k4, v4, do4, lse, delta, dq, cu, *strides, *dq.stride()[:3], Hq, Hq // Hk, *scalars, **flags,
-        )
     # fmt: on
     if fused_dq:
         dq = dq.to(q.dtype)
