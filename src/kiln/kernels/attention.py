@@ -749,8 +749,11 @@ def attention_bwd(
             q4, k4, v4, do4, lse, delta, dq, o4, cu, *strides, *dq.stride()[:3], *o4.stride()[:3],
             Hq, Hq // Hk, *scalars, **flags,
         )
+    # Its DQ argument is re-zeroed while autotuning: the fp32 accumulator when fused, else a scratch
+    # tensor (never the dQ the other kernel wrote).
+    dq_acc = dq if fused_dq else torch.empty(1, dtype=torch.float32, device=q.device)
     _attn_bwd_dkdv_kernel[grid_kv](
-        q4, k4, v4, do4, lse, delta, dk, dv, dq, cu, *strides, *dk.stride()[:3], *dv.stride()[:3],
+        q4, k4, v4, do4, lse, delta, dk, dv, dq_acc, cu, *strides, *dk.stride()[:3], *dv.stride()[:3],
         *dq.stride()[:3], Hk, Hq // Hk, *scalars, **flags, FUSED_DQ=fused_dq,
     )
     # fmt: on
