@@ -235,6 +235,10 @@ def decode_case(bench: Bench, c: dict, rec: dict, dev: str, dtype, ceilings: dic
 
     bench.measure(rec, "kiln_eager_ms", kiln)  # with Python launch overhead: see the graph figure
     ms = bench.measure(rec, "kiln_ms", kiln, graph=True)
+    from kiln.kernels import decode_attention as dec
+
+    rec["kiln_config"] = str(getattr(dec._decode_split_kernel, "best_config", None))
+    rec["kiln_splits"] = dec.num_splits_for(B, Hk, table.shape[1] * page, dec._sm_count(q.device))
     if ms:
         rec["kiln_TBps"] = round(kv_bytes / ms / 1e9, 3)
         rec["kiln_frac_copy_platform"] = round(rec["kiln_TBps"] / PEAK_COPY_TBPS, 3)
