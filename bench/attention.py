@@ -239,6 +239,16 @@ def decode_case(bench: Bench, c: dict, rec: dict, dev: str, dtype, ceilings: dic
 
     rec["kiln_config"] = str(getattr(dec._decode_split_kernel, "best_config", None))
     rec["kiln_splits"] = dec.num_splits_for(B, Hk, table.shape[1] * page, dec._sm_count(q.device))
+    if B * Hk < 64:  # one alternative: half as many splits (~4 programs per SM, round 2's choice)
+        half = max(1, rec["kiln_splits"][0] // 2)
+
+        def kiln_half():
+            with use_backend("triton"):
+                return decode_attention(q, k_cache, v_cache, table, seq_lens, num_splits=half)
+
+        ms_half = bench.measure(rec, "kiln_half_splits_ms", kiln_half, graph=True)
+        if ms_half:
+            rec["kiln_half_splits_TBps"] = round(kv_bytes / ms_half / 1e9, 3)
     if ms:
         rec["kiln_TBps"] = round(kv_bytes / ms / 1e9, 3)
         rec["kiln_frac_copy_platform"] = round(rec["kiln_TBps"] / PEAK_COPY_TBPS, 3)
