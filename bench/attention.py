@@ -49,6 +49,7 @@ def parse_args():
     ap.add_argument(
         "--no-flex", action="store_true", help="skip FlexAttention (its compiles dominate the time)"
     )
+    ap.add_argument("--table", metavar="JSON", help="print the Markdown tables of a results file and exit")
     return ap.parse_args()
 
 
@@ -83,12 +84,16 @@ def attn_flops(c: dict) -> float:
 
 
 def git_commit() -> str:
+    """HEAD's hash; where the tree has no git history (a copied working tree), $KILN_COMMIT or 'unknown'."""
     try:
-        return subprocess.run(
+        out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
         ).stdout.strip()
     except OSError:
-        return "unknown"
+        out = ""
+    if len(out) == 40 and all(c in "0123456789abcdef" for c in out):
+        return out
+    return os.environ.get("KILN_COMMIT", "unknown")
 
 
 class Bench:
@@ -365,8 +370,54 @@ def flex_pass(bench: Bench, records: list[dict], tensors: dict) -> None:
         )
 
 
+def markdown_tables(path: str) -> str:
+    """The README's tables from a results file: TFLOP/s (fwd / bwd) per point, ratios, decode TB/s."""
+    res = json.loads(Path(path).read_text())
+
+    def f(x, fmt="{:.0f}"):
+        return fmt.format(x) if isinstance(x, (int, float)) else "-"
+
+    lines = [
+        f"{res['gpu']}, torch {res['torch']}, triton {res['triton']}, commit {res['commit'][:7]}, {res['date']}",
+        "",
+        "| B x T, heads, D, mask | kiln fwd / bwd | cuDNN fwd / bwd | flash fwd / bwd | flex fwd / bwd "
+        "| kiln / cuDNN | kiln / flash | fwd % of bf16 peak |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["prefill"]:
+        heads = f"{r['Hq']}" if r["Hq"] == r["Hk"] else f"{r['Hq']}q/{r['Hk']}kv"
+        mask = "causal" if r["causal"] else "full"
+
+        def pair(n, r=r):
+            return f"{f(r.get(n + '_fwd_TFLOPs'))} / {f(r.get(n + '_bwd_TFLOPs'))}"
+
+        def ratio(n, r=r):
+            return f"{f(r.get('kiln_vs_' + n + '_fwd'), '{:.2f}')} / {f(r.get('kiln_vs_' + n + '_bwd'), '{:.2f}')}"
+
+        lines.append(
+            f"| {r['B']} x {r['T']}, {heads}, {r['D']}, {mask} | {pair('kiln')} | {pair('cudnn')} | {pair('flash')} "
+            f"| {pair('flex')} | {ratio('cudnn')} | {ratio('flash')} | {f(100 * r.get('kiln_fwd_frac_bf16_peak', 0))} |"
+        )
+    lines += [
+        "",
+        "| decode | KV bytes | kiln (graph) | % of 4.27 TB/s | SDPA dense (graph) | kiln / SDPA |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in res["decode"]:
+        lines.append(
+            f"| B={r['B']} x {r['L']}, {r['Hq']}q/{r['Hk']}kv, D {r['D']}, page {r['page']} "
+            f"| {r['kv_bytes'] / 2**20:.0f} MiB | {f(r.get('kiln_TBps'), '{:.2f}')} TB/s "
+            f"| {f(100 * r.get('kiln_frac_copy_platform', 0))}% | {f(r.get('sdpa_dense_TBps'), '{:.2f}')} TB/s "
+            f"| {f(r.get('kiln_vs_sdpa_dense'), '{:.2f}')} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     args = parse_args()
+    if args.table:
+        print(markdown_tables(args.table))
+        return
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if str(ROOT / "src") not in sys.path:
