@@ -1,7 +1,7 @@
 """Benchmark kiln's matmul, cross-entropy, fused linear cross-entropy and sampling against their peers.
 
-    python bench/kernels_gemm_ce.py --out bench/results/kernels_gemm_ce-h200.json     # on the H200
-    python bench/kernels_gemm_ce.py --smoke                                            # CPU, interpreter
+    python bench/kernels_gemm_ce.py --out bench/results/kernels-b.json     # on the H200
+    python bench/kernels_gemm_ce.py --smoke                                # CPU, interpreter
 
 One process, every case measured with triton.testing.do_bench (median) beside its peers in the same
 run: cuBLAS (torch.matmul / F.linear) for matmul; eager F.cross_entropy, torch.compile and Liger Kernel

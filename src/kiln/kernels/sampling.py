@@ -229,8 +229,11 @@ def sample_with_noise(
     use_k = top_k is not None and 0 < top_k < V
     use_p = top_p is not None and top_p < 1.0
     # Each pass is a chain of dependent loads from L2 (one program per row), so fewer, wider steps are what
-    # make it fast: 16384 columns per plain step, 4096 x 8 cut points per search step (32 K registers).
-    block = min(triton.next_power_of_2(V), 128 if interpreting() else 16384)
+    # make it fast: 16384 columns per plain step, 4096 x 8 cut points per search step (32 K registers);
+    # H200, V = 151936: top-k + top-p 3.36 -> 2.11 ms against 4096 / 1024 x 16. Greedy (one pass, read
+    # once from HBM) measured 24.7 us with 4096-column steps and 31.6 us with 16384.
+    widest = 4096 if greedy else 16384
+    block = min(triton.next_power_of_2(V), 128 if interpreting() else widest)
     noise = logits if noise is None else noise  # a placeholder pointer when greedy
     _sample_kernel[(B,)](
         logits, logits.stride(0), noise, noise.stride(0), out, V,
