@@ -454,6 +454,8 @@ def meta() -> dict:
         ).stdout.strip()
     except Exception:
         commit = None
+    if not commit or commit == "HEAD":  # a copy of the tree without git history (the GPU machine)
+        commit = os.environ.get("KILN_COMMIT", commit)
     liger = None
     try:
         from importlib.metadata import version
