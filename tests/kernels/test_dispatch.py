@@ -44,3 +44,9 @@ def test_tests_can_force_either_path(backend):
     with dispatch.use_backend(backend):
         y = rmsnorm(x, w, 1e-6)
     torch.testing.assert_close(y, rmsnorm_ref(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+def test_the_switch_does_not_break_torch_compile_graphs():
+    x, w = torch.randn(4, 8), torch.randn(8)
+    explained = torch._dynamo.explain(lambda a, b: rmsnorm(a, b, 1e-6) * 2)(x, w)
+    assert explained.graph_break_count == 0

@@ -30,8 +30,13 @@ def _check(name: str) -> str:
     return name
 
 
+@torch.compiler.assume_constant_result
 def backend() -> str:
-    """The backend in force: the innermost `use_backend`, else $KILN_KERNELS, else "auto"."""
+    """The backend in force: the innermost `use_backend`, else $KILN_KERNELS, else "auto".
+
+    torch.compile treats the answer as a constant of the compiled graph (reading a context variable
+    would otherwise break the graph at every op): choose the backend before compiling.
+    """
     name = _override.get()
     if name is None:
         name = os.environ.get("KILN_KERNELS", "auto") or "auto"
