@@ -23,17 +23,21 @@ Key blocks are split into ranges that need no masking (the bulk) and ranges that
 diagonal, the window's far edge, the ragged end), so the bulk loop runs without any mask arithmetic.
 
 Backward (recomputing P from lse, as in the Triton fused-attention tutorial):
-    Delta = rowsum(dO * O)                       (computed by the dQ kernel's programs, for their rows)
+    Delta = rowsum(dO * O)                       (a preprocess kernel)
     P = 2^(s - lse);  dV = P^T dO;  dP = dO V^T;  dS = P (dP - Delta)
     dK = scale dS^T Q (one program per K/V block and K/V head, looping over the group's query heads,
     so GQA needs neither atomics nor repeated K/V);  dQ = scale dS K (one program per Q block)
     dsink_h = -sum_rows exp(sink_h - lse) Delta   (the sink's probability times its zero-value gradient)
+The two kernels recompute P, 7 matmuls per (query block, key block) pair where an atomic-dQ design
+needs 5; on the H200 a dK/dV kernel reduce-adding dQ in fp32 (TMA bulk reductions) measured slower
+(0.8-0.95x), so dQ keeps its own kernel: deterministic, no atomics.
 
-The forward loads through (masked) pointers; on Hopper, for sequences of 4096 and more, the backward
-streams Q/dO and K/V through TMA tensor descriptors (one per sequence, whose shape clips ragged ends).
-The dQ kernel runs first and also writes Delta (the preprocess folded in: one launch fewer). A fused
-variant (`fused_dq=True`: dQ reduce-added in fp32 by the dK/dV kernel, 5 matmuls per block pair
-instead of 7) is kept for measurement: it was slower on the H200.
+Loads go through masked pointers. `tma=True` (forward) and `tma_bwd=True` (backward, in
+`FlashAttention`) stream the tiles through TMA tensor descriptors instead (Hopper; one descriptor
+per sequence, whose shape clips ragged ends). On the H200 they made the forward slower (0.92x at
+4k, 0.98x at 16k: the descriptors are built per program on the device) and the backward faster at
+long MHA sequences (1.03x at 4k, 1.06x at 16k, hd128 causal); both are off by default, the backward's
+because only those two points were measured.
 The Triton path takes fp16, bf16 and fp32 inputs with head dims 16, 32, 64, 128 and 256, and the
 last dim contiguous (other layouts are made contiguous first). Within one sequence, row offsets are
 int32: Tq * Hq * D must stay below 2**31. attn_mask, and head dims other than these, take the
@@ -166,10 +170,10 @@ _FWD_SPACE = [
 # dK/dV: BLOCK_M is the query block streamed, BLOCK_N the key block a program owns (dK, dV accumulators
 # of BLOCK_N x D fp32 each live in registers, which bounds BLOCK_N x D per warp).
 _DKDV_SPACE = [
-    (64, 128, 8, 3, _SMALL),
     (32, 128, 4, 3, _SMALL),
+    (64, 128, 8, 3, _SMALL),
     (64, 128, 8, 2, _MID),
-    (64, 128, 8, 3, _MID),
+    (64, 64, 4, 3, _MID),
     (32, 64, 4, 2, _BIG),
     (64, 64, 8, 2, _BIG),
 ]
@@ -275,11 +279,10 @@ def _load_rows(src, row0, n_rows, stride_t, HEAD_DIM: tl.constexpr, ROWS: tl.con
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, start, end, qpos, Tk, window, qk_scale,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               WINDOW: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr = False):
-    """Online softmax over key blocks [start, end): acc (BLOCK_M, D), l_i and m_i (BLOCK_M,) updated.
-    WS: let Triton warp-specialize the loop (producer warps issue the TMA loads)."""
+               WINDOW: tl.constexpr, TMA: tl.constexpr):
+    """Online softmax over key blocks [start, end): acc (BLOCK_M, D), l_i and m_i (BLOCK_M,) updated."""
     offs_n = tl.arange(0, BLOCK_N)
-    for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WS):
+    for n0 in range(start, end, BLOCK_N):
         k = _load_rows(k_src, n0, Tk, stride_kt, HEAD_DIM, BLOCK_N, MASK, TMA)  # (BLOCK_N, D)
         qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N); times qk_scale it is in log2 units
         if MASK:
@@ -298,54 +301,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, start, end,
     return acc, l_i, m_i
 
 
-@triton.jit
-def _fwd_inner_overlapped(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, start, end, Tk, qk_scale,
-                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
-    """The unmasked loop with the next block's Q K^T issued before this block's softmax, so the tensor
-    cores can run it while the softmax does (FlashAttention-3's intra-warpgroup overlap). The last
-    iteration recomputes its own block's scores rather than branch."""
-    if start < end:
-        k = _load_rows(k_src, start, Tk, stride_kt, HEAD_DIM, BLOCK_N, False, TMA)
-        qk = tl.dot(q, tl.trans(k))
-        for n0 in range(start, end, BLOCK_N):
-            k_next = _load_rows(k_src, tl.minimum(n0 + BLOCK_N, end - BLOCK_N), Tk, stride_kt, HEAD_DIM, BLOCK_N,
-                                False, TMA)
-            qk_next = tl.dot(q, tl.trans(k_next))
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_rows(v_src, n0, Tk, stride_vt, HEAD_DIM, BLOCK_N, False, TMA)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
-            qk = qk_next
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _fwd_inner_lazy(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, start, end, Tk, qk_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
-    """The unmasked loop with lazy rescaling (FlashAttention-4): the running max m_i moves, and acc and
-    l_i are rescaled, only when some row's max grew by more than 8 (log2 units), so p = 2^(s - m_i)
-    stays below 256 -- harmless in fp32 sums and bf16 P -- and most blocks skip the rescale."""
-    for n0 in range(start, end, BLOCK_N):
-        k = _load_rows(k_src, n0, Tk, stride_kt, HEAD_DIM, BLOCK_N, False, TMA)
-        qk = tl.dot(q, tl.trans(k))
-        m_blk = tl.max(qk, 1) * qk_scale
-        if tl.max(m_blk - m_i, 0) > 8.0:
-            m_new = tl.maximum(m_i, m_blk)
-            alpha = tl.math.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        p = tl.math.exp2(qk * qk_scale - m_i[:, None])
-        l_i += tl.sum(p, 1)
-        v = _load_rows(v_src, n0, Tk, stride_vt, HEAD_DIM, BLOCK_N, False, TMA)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, l_i, m_i
-
-
-@triton.autotune(_configs(_FWD_SPACE, (64, 32)), key=_KEY + ["TMA", "LOOP"], prune_configs_by={"early_config_prune": _prune},
+@triton.autotune(_configs(_FWD_SPACE, (64, 32)), key=_KEY + ["TMA"], prune_configs_by={"early_config_prune": _prune},
                  do_bench=_bench)
 @triton.jit
 def _attn_fwd_kernel(
@@ -356,10 +312,8 @@ def _attn_fwd_kernel(
     Hq, group, Tq, Tk, window, qk_scale,  # group = Hq // Hk; qk_scale = softmax scale * log2(e)
     LEN_KEY, GQA_KEY,  # autotuning keys only (a length bucket, the group size)
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SINK: tl.constexpr,
-    VARLEN: tl.constexpr, TMA: tl.constexpr, LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # LOOP (the unmasked bulk): 0 plain, 1 warp-specialized, 2 next scores issued before the softmax, 3 lazy
-    # rescaling
     # Heaviest (last, under causal masking) query blocks first: a shorter tail at the end of the grid.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -399,15 +353,8 @@ def _attn_fwd_kernel(
     lo, full_lo, full_hi, hi = _key_ranges(m0, Tq, Tk, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, lo, full_lo, qpos, Tk, window,
                                qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA)
-    if LOOP == 3:
-        acc, l_i, m_i = _fwd_inner_lazy(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, full_lo, full_hi, Tk,
-                                        qk_scale, HEAD_DIM, BLOCK_N, TMA)
-    elif LOOP == 2:
-        acc, l_i, m_i = _fwd_inner_overlapped(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, full_lo,
-                                              full_hi, Tk, qk_scale, HEAD_DIM, BLOCK_N, TMA)
-    else:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, full_lo, full_hi, qpos,
-                                   Tk, window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW, TMA, LOOP == 1)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, full_lo, full_hi, qpos, Tk,
+                               window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW, TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, full_hi, hi, qpos, Tk, window,
                                qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA)
 
@@ -444,13 +391,11 @@ def _attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, lse_base, delta_base, stride_qt, stride_dot, stride_dqt,
-                    start, end, kpos, Tq, Tk, window, qk_scale, sm_scale, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                    TMA: tl.constexpr, FUSED_DQ: tl.constexpr):
+def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qt, stride_dot, start, end, kpos,
+                    Tq, Tk, window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, TMA: tl.constexpr):
     """Accumulate dK, dV (BLOCK_N, D) of one key block over query blocks [start, end), computed transposed
-    (keys by queries) so no operand needs a transpose in registers. FUSED_DQ: also add this key block's
-    share of dQ = scale dS K into an fp32 dQ in memory (atomically: other key blocks add to the same rows)."""
+    (keys by queries) so no operand needs a transpose in registers."""
     offs_m = tl.arange(0, BLOCK_M)
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + offs_m  # (BLOCK_M,)
@@ -469,30 +414,22 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, lse_base, delta_base, s
             p_t = tl.where(ok, p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do)
         dp_t = tl.dot(v, tl.trans(do))  # (BLOCK_N, BLOCK_M)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk += tl.dot(ds_t, q)
-        if FUSED_DQ:
-            dq = tl.dot(tl.trans(ds_t), k) * sm_scale  # (BLOCK_M, D)
-            if TMA:  # a bulk reduce-add of the whole tile (rows past Tq fall outside the descriptor)
-                dq_dst.atomic_add([m0, 0], dq)
-            else:
-                dq_ptrs = dq_dst + rows[:, None] * stride_dqt + tl.arange(0, HEAD_DIM)[None, :]
-                tl.atomic_add(dq_ptrs, dq, mask=rows[:, None] < Tq, sem="relaxed")
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
     return dk, dv
 
 
-@triton.autotune(_configs(_DKDV_SPACE, (32, 64)), key=_KEY + ["TMA", "FUSED_DQ"],
-                 prune_configs_by={"early_config_prune": _prune}, do_bench=_bench, reset_to_zero=["DQ"])
+@triton.autotune(_configs(_DKDV_SPACE, (32, 64)), key=_KEY + ["TMA"], prune_configs_by={"early_config_prune": _prune},
+                 do_bench=_bench)
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, CU_SEQLENS,  # dk, dv like k, v; lse, delta (B, Hq, Tq) fp32
-    # dq: with FUSED_DQ a zeroed (B, Tq, Hq, D) fp32 accumulator (the autotuner re-zeroes it), else a dummy
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,  # dk, dv like k, v; lse, delta (B, Hq, Tq) fp32
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
-    stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh, stride_dqb, stride_dqt, stride_dqh,
+    stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
     Hk, group, Tq, Tk, window, qk_scale, sm_scale, LEN_KEY, GQA_KEY,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
-    TMA: tl.constexpr, FUSED_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # the first key blocks see the most queries under causal masking: heaviest first
     pid_bh = tl.program_id(1)
@@ -519,23 +456,20 @@ def _attn_bwd_dkdv_kernel(
         h = hk * group + g
         q_src = Q + bb * stride_qb + row0 * stride_qt + h * stride_qh
         do_src = DO + bb * stride_dob + row0 * stride_dot + h * stride_doh
-        dq_dst = DQ + bb * stride_dqb + row0 * stride_dqt + h * stride_dqh
         if TMA:
             q_src = tl.make_tensor_descriptor(q_src, [Tq, HEAD_DIM], [stride_qt, 1], [BLOCK_M, HEAD_DIM])
             do_src = tl.make_tensor_descriptor(do_src, [Tq, HEAD_DIM], [stride_dot, 1], [BLOCK_M, HEAD_DIM])
-            if FUSED_DQ:
-                dq_dst = tl.make_tensor_descriptor(dq_dst, [Tq, HEAD_DIM], [stride_dqt, 1], [BLOCK_M, HEAD_DIM])
         lse_base = LSE + bb * stride_lb + h * stride_lh + row0
         delta_base = DELTA + bb * stride_lb + h * stride_lh + row0
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, lse_base, delta_base, stride_qt, stride_dot,
-                                 stride_dqt, lo, full_lo, offs_n, Tq, Tk, window, qk_scale, sm_scale, HEAD_DIM,
-                                 BLOCK_M, True, CAUSAL, WINDOW, TMA, FUSED_DQ)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, lse_base, delta_base, stride_qt, stride_dot,
-                                 stride_dqt, full_lo, full_hi, offs_n, Tq, Tk, window, qk_scale, sm_scale, HEAD_DIM,
-                                 BLOCK_M, False, CAUSAL, WINDOW, TMA, FUSED_DQ)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, lse_base, delta_base, stride_qt, stride_dot,
-                                 stride_dqt, full_hi, hi, offs_n, Tq, Tk, window, qk_scale, sm_scale, HEAD_DIM,
-                                 BLOCK_M, True, CAUSAL, WINDOW, TMA, FUSED_DQ)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qt, stride_dot, lo,
+                                 full_lo, offs_n, Tq, Tk, window, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW,
+                                 TMA)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qt, stride_dot,
+                                 full_lo, full_hi, offs_n, Tq, Tk, window, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL,
+                                 WINDOW, TMA)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qt, stride_dot,
+                                 full_hi, hi, offs_n, Tq, Tk, window, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL,
+                                 WINDOW, TMA)
     dk_ptrs = DK + bb * stride_dkb + row0 * stride_dkt + hk * stride_dkh + offs_n[:, None] * stride_dkt
     dv_ptrs = DV + bb * stride_dvb + row0 * stride_dvt + hk * stride_dvh + offs_n[:, None] * stride_dvt
     tl.store(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok)
@@ -565,11 +499,9 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, sta
                  do_bench=_bench)
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, O, CU_SEQLENS,  # dq like q; o, the forward's output, like q
-    # delta (B, Hq, Tq) is written here, rowsum(do * o) for this program's rows, for the dK/dV kernel after
+    Q, K, V, DO, LSE, DELTA, DQ, CU_SEQLENS,  # dq like q
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh,
-    stride_ob, stride_ot, stride_oh,
     Hq, group, Tq, Tk, window, qk_scale, sm_scale, LEN_KEY, GQA_KEY,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -590,11 +522,8 @@ def _attn_bwd_dq_kernel(
                    True, False)
     do = _load_rows(DO + bb * stride_dob + row0 * stride_dot + h * stride_doh, m0, Tq, stride_dot, HEAD_DIM,
                     BLOCK_M, True, False)
-    o = _load_rows(O + bb * stride_ob + row0 * stride_ot + h * stride_oh, m0, Tq, stride_ot, HEAD_DIM, BLOCK_M,
-                   True, False)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,): the preprocess, folded in
-    tl.store(DELTA + bb * stride_lb + h * stride_lh + row0 + offs_m, delta, mask=row_ok)
     lse = tl.load(LSE + bb * stride_lb + h * stride_lh + row0 + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + bb * stride_lb + h * stride_lh + row0 + offs_m, mask=row_ok, other=0.0)
     k_src = K + bb * stride_kb + row0 * stride_kt + (h // group) * stride_kh
     v_src = V + bb * stride_vb + row0 * stride_vt + (h // group) * stride_vh
     if TMA:
@@ -668,12 +597,12 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     )
 
 
-def attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seqlen, tma=False, loop=0):
+def attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seqlen, tma=False):
     """Triton forward. q (B, Tq, Hq, D) or (total, Hq, D) with cu_seqlens. Returns (o like q, lse (B, Hq, Tq)).
 
     tma: load through tensor descriptors (TMA); None picks them where `_tma_ok` allows. Off by default:
     on the H200 the pointer loads were faster (0.92x at 4k, 0.98x at 16k for TMA), the descriptors
-    being built per program on the device. loop: the unmasked loop's schedule (see the kernel)."""
+    being built per program on the device."""
     varlen = cu_seqlens is not None
     q4, k4, v4 = _as_4d(q, varlen), _as_4d(k, varlen), _as_4d(v, varlen)
     B, Tq, Hq, D = q4.shape
@@ -693,22 +622,16 @@ def attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seql
         *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o.stride()[:3], lse.stride(0), lse.stride(1),
         Hq, Hq // Hk, Tq, Tk, window or 0, sm_scale * LOG2E, _len_key(rows), Hq // Hk,
         HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, SINK=sinks is not None, VARLEN=varlen, TMA=tma,
-        LOOP=loop,
     )
     # fmt: on
     return (o[0] if varlen else o), lse
 
 
-def attention_bwd(
-    do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max_seqlen, tma=None, fused_dq=False
-):
+def attention_bwd(do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max_seqlen, tma=False):
     """Triton backward: (dq, dk, dv, delta) with delta = rowsum(do * o) shaped like lse.
 
-    Default: the dQ kernel first (it also writes delta), then the dK/dV kernel.
-    tma: stream Q/dO (dK/dV kernel) and K/V (dQ kernel) through tensor descriptors; None: where allowed and
-    the sequences are long (>= 4096; shorter loops do not amortize building descriptors per program).
-    fused_dq: the dK/dV kernel also accumulates dQ (fp32 reduce-adds, 5 matmuls per block pair instead of
-    7, summation order varying run to run); slower on the H200 than the two kernels (0.92x at 4k)."""
+    tma: stream Q/dO (dK/dV kernel) and K/V (dQ kernel) through tensor descriptors; None: where allowed
+    (see the module docstring for what it measured)."""
     varlen = cu_seqlens is not None
     q4, k4, v4, o4, do4 = (_as_4d(t, varlen) for t in (q, k, v, o, do))
     B, Tq, Hq, D = q4.shape
@@ -717,14 +640,10 @@ def attention_bwd(
     rows, cols = (max_seqlen, max_seqlen) if varlen else (Tq, Tk)
     cu = cu_seqlens.to(torch.int32) if varlen else q4
     delta = torch.empty_like(lse)
+    dq = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k4.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v4.shape, dtype=v.dtype, device=v.device)
-    if fused_dq:
-        dq = torch.zeros(q4.shape, dtype=torch.float32, device=q.device)
-    else:
-        dq = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
-    if tma is None:
-        tma = rows >= 4096 and _tma_ok(q4, k4, v4, do4, dq)
+    tma = _tma_ok(q4, k4, v4, do4) if tma is None else tma
     if tma and q.is_cuda:
         triton.set_allocator(_tma_allocator)
     flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, VARLEN=varlen, TMA=tma)
@@ -740,26 +659,18 @@ def attention_bwd(
     grid_kv = lambda meta: (triton.cdiv(cols, meta["BLOCK_N"]), n_prog * Hk)  # noqa: E731
     grid_q = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), n_prog * Hq)  # noqa: E731
     # fmt: off
-    if fused_dq:
-        _attn_bwd_preprocess_kernel[(triton.cdiv(Tq, 64), B * Hq)](
-            o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], delta.stride(0), delta.stride(1), Hq, Tq,
-            HEAD_DIM=D, BLOCK_M=64,
-        )
-    else:  # dQ first: its programs also write delta, which the dK/dV kernel reads
-        _attn_bwd_dq_kernel[grid_q](
-            q4, k4, v4, do4, lse, delta, dq, o4, cu, *strides, *dq.stride()[:3], *o4.stride()[:3],
-            Hq, Hq // Hk, *scalars, **flags,
-        )
-    # Its DQ argument is re-zeroed while autotuning: the fp32 accumulator when fused, else a scratch
-    # tensor (never the dQ the other kernel wrote).
-    dq_acc = dq if fused_dq else torch.empty(1, dtype=torch.float32, device=q.device)
+    _attn_bwd_preprocess_kernel[(triton.cdiv(Tq, 64), B * Hq)](
+        o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], delta.stride(0), delta.stride(1), Hq, Tq,
+        HEAD_DIM=D, BLOCK_M=64,
+    )
     _attn_bwd_dkdv_kernel[grid_kv](
-        q4, k4, v4, do4, lse, delta, dk, dv, dq_acc, cu, *strides, *dk.stride()[:3], *dv.stride()[:3],
-        *dq.stride()[:3], Hk, Hq // Hk, *scalars, **flags, FUSED_DQ=fused_dq,
+        q4, k4, v4, do4, lse, delta, dk, dv, cu, *strides, *dk.stride()[:3], *dv.stride()[:3],
+        Hk, Hq // Hk, *scalars, **flags,
+    )
+    _attn_bwd_dq_kernel[grid_q](
+        q4, k4, v4, do4, lse, delta, dq, cu, *strides, *dq.stride()[:3], Hq, Hq // Hk, *scalars, **flags,
     )
     # fmt: on
-    if fused_dq:
-        dq = dq.to(q.dtype)
     if varlen:
         dq, dk, dv = dq[0], dk[0], dv[0]
     return dq, dk, dv, delta
@@ -769,38 +680,26 @@ def attention_bwd(
 class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx,
-        q,
-        k,
-        v,
-        sinks,
-        cu_seqlens,
-        max_seqlen,
-        causal,
-        sm_scale,
-        window,
-        tma=False,
-        tma_bwd=None,
-        fused_dq=True,
+        ctx, q, k, v, sinks, cu_seqlens, max_seqlen, causal, sm_scale, window, tma=False, tma_bwd=False
     ):
         o, lse = attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seqlen, tma)
         ctx.save_for_backward(q, k, v, o, lse, sinks, cu_seqlens)
-        ctx.args = (causal, sm_scale, window, max_seqlen, tma_bwd, fused_dq)
+        ctx.args = (causal, sm_scale, window, max_seqlen, tma_bwd)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, sinks, cu_seqlens = ctx.saved_tensors
-        causal, sm_scale, window, max_seqlen, tma, fused_dq = ctx.args
+        causal, sm_scale, window, max_seqlen, tma = ctx.args
         dq, dk, dv, delta = attention_bwd(
-            do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max_seqlen, tma, fused_dq
+            do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max_seqlen, tma
         )
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             # The sink's probability exp(sink - lse) times its logit gradient (0 - Delta), summed over rows.
             p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse * LN2)  # (B, Hq, Tq)
             dsinks = (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)
-        return dq, dk, dv, dsinks, None, None, None, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------ public op
