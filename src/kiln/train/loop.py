@@ -211,9 +211,11 @@ class Trainer:
         )
         last = {}
         busy, tok0 = 0.0, self.state.tokens  # seconds spent in train steps since the last log line
+        losses: list[float] = []  # step losses since the last log line (the line reports their mean)
         while self.state.step < end:
             t_step = time.perf_counter()
             loss, gnorm = self.train_step()
+            losses.append(loss)
             if not torch.isfinite(torch.tensor(loss)):
                 raise KilnError(
                     f"loss became {loss} at step {self.state.step}: lower train.lr or check the data"
@@ -232,7 +234,7 @@ class Trainer:
                     "kind": "train",
                     "step": step,
                     "total_steps": tc.steps,
-                    "loss": loss,
+                    "loss": sum(losses) / len(losses),
                     "lr": self.scheduler.lr,
                     "grad_norm": gnorm,
                     "tokens_per_s": tps,
@@ -243,8 +245,8 @@ class Trainer:
                 }
                 self.metrics.write(rec)
                 self._log(bar, format_step(rec))
-                bar.set_postfix(loss=f"{loss:.3f}")
-                busy, tok0 = 0.0, self.state.tokens
+                bar.set_postfix(loss=f"{rec['loss']:.3f}")
+                busy, tok0, losses = 0.0, self.state.tokens, []
                 last.update(rec)
             else:
                 busy += time.perf_counter() - t_step
