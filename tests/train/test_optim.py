@@ -1,9 +1,9 @@
 import math
 
 import pytest
-import torch
 
-from kiln.train.optim import OptimConfig, WarmupCosine, build_optimizer, lr_at, param_groups
+from kiln.model import ModelConfig, build_model
+from kiln.train.optim import OptimConfig, WarmupCosine, build_optimizer, lr_at
 
 
 def test_warmup_then_cosine_to_the_floor():
@@ -16,15 +16,32 @@ def test_warmup_then_cosine_to_the_floor():
 
 
 def test_no_decay_on_norms_and_biases():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Embedding(5, 4))
-    decay, no_decay = param_groups(model, 0.1)
+    cfg = ModelConfig(
+        arch="qwen2",
+        vocab_size=64,
+        d_model=16,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=24,
+        max_seq_len=16,
+        qkv_bias=True,
+    )
+    model = build_model(cfg, seed=0)
+    opt = build_optimizer(model, OptimConfig(1e-3, 0.1, 0.9, 0.95, 1e-8))
+    decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    assert {p.dim() for p in decay["params"]} == {2} and len(decay["params"]) == 2
-    assert {p.dim() for p in no_decay["params"]} == {1} and len(no_decay["params"]) == 3
+    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    undecayed = {names[id(p)] for p in no_decay["params"]}
+    assert any("norm" in n for n in undecayed) and any(n.endswith("q_proj.bias") for n in undecayed)
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
 def test_scheduler_state_round_trips():
-    model = torch.nn.Linear(2, 2)
+    model = build_model(
+        ModelConfig(vocab_size=32, d_model=8, n_layers=1, n_heads=2, ffn_hidden=8, max_seq_len=8)
+    )
     opt = build_optimizer(model, OptimConfig(1e-3, 0.1, 0.9, 0.95, 1e-8))
     sched = WarmupCosine(opt, 1e-3, 5, 50, 0.1)
     for _ in range(7):

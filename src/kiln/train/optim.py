@@ -17,23 +17,12 @@ class OptimConfig:
     eps: float
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay 2-D+ weights (linear and embedding matrices); never norms' gains or biases (all 1-D)."""
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the model's two groups: decayed matrices, and undecayed norms/biases
+    (`Transformer.param_groups`, where the model says which of its parameters are which)."""
     fused = all(p.is_cuda for p in model.parameters())
     return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
+        model.param_groups(cfg.weight_decay),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
