@@ -21,7 +21,6 @@ the launch needs no device-to-host sync (CUDA-graph friendly).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -29,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.attention import LOG2E, attention_ref
-from kiln.kernels.dispatch import interpreting, use_triton
+from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 
 CHUNK_ALIGN = 128  # split chunks are multiples of this, so every autotuned BLOCK_N divides them
 MAX_SPLITS = 128  # the reduction holds (splits, D) partials of one head in registers
@@ -159,11 +158,6 @@ def _decode_reduce_kernel(
 
 
 # ------------------------------------------------------------------------------------------ launcher
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def num_splits_for(batch: int, kv_heads: int, capacity: int, sm_count: int) -> tuple[int, int]:
     """(splits, chunk): about 4 (b, kv head, split) programs per SM; chunks >= CHUNK_ALIGN. (8 per SM
     measured slower on the H200: 3.12 against 3.27 TB/s at batch 1 x 64k.)"""
@@ -180,7 +174,7 @@ def decode_attention_triton(
     capacity = block_table.shape[1] * page_size
     if window is not None:
         capacity = min(capacity, window)
-    splits, chunk = num_splits_for(B, Hk, capacity, _sm_count(q.device))
+    splits, chunk = num_splits_for(B, Hk, capacity, sm_count(q.device))
     if num_splits is not None:  # an explicit count (tests use it to exercise the reduction)
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"decode_attention: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")

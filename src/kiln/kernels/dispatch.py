@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 from collections.abc import Iterator
 
@@ -72,3 +73,19 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
             "set TRITON_INTERPRET=1 before importing triton, or use the 'reference' backend"
         )
     return True
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`, for launchers that size persistent grids.
+
+    Cached per GPU (the property query is a noticeable part of a small kernel's launch). Under the
+    interpreter it is 4, so persistent loops still run more than one iteration in the CPU tests.
+    """
+    if device.type != "cuda":
+        return 4
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())

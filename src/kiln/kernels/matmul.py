@@ -23,14 +23,12 @@ torch.backends.cuda.matmul.allow_tf32 is on). Not done: split-K, persistent sche
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.kernels.dispatch import interpreting, use_triton
+from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 
 ACTIVATIONS = ("none", "relu", "silu", "gelu", "gelu_tanh")
 
@@ -324,14 +322,6 @@ def _tma_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    """SM count (cached: querying the device properties is a noticeable part of a small GEMM's launch)."""
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs, so persistent loops run more than once in tests
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def matmul_fwd(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -388,7 +378,7 @@ def matmul_fwd(
     allowed = _tma_ok(a, 1 if a_kmajor else 0) and _tma_ok(b, 0 if b_kmajor else 1) and _tma_ok(c, 1)
     if tma and not allowed:
         raise ValueError("tma=True but the operands' strides or alignment do not allow tensor descriptors")
-    programs = _num_sms(a.device)
+    programs = sm_count(a.device)
     if config is None:
         config = pick_config(M, N, K, programs)
         if M <= 16:  # block pointers: 10-30% faster than descriptors on decode weight streams (same sweep)

@@ -20,13 +20,11 @@ contiguous (other layouts are copied to contiguous rows first); x may be fp32, f
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.dispatch import use_triton
+from kiln.kernels.dispatch import sm_count, use_triton
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_ROW = 65536  # a longer row would not fit in one program's registers
@@ -133,11 +131,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def row_warps(block: int) -> int:
     """num_warps for a kernel holding one row of `block` elements: about 16 elements per thread."""
     return max(1, min(32, block // 512))
@@ -151,9 +144,7 @@ def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
 
 def programs_per_device(device: torch.device, per_sm: int) -> int:
     """How many persistent programs a backward launches: `per_sm` per SM on CUDA, 4 on the interpreter."""
-    if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * per_sm
-    return 4
+    return sm_count(device) * per_sm if device.type == "cuda" else 4
 
 
 def check_rows(name: str, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
