@@ -233,3 +233,11 @@ def test_gpu_pointer_and_tma_paths(causal):
     got = attention_bwd(do, q, k, v, a, lse_a, causal, 0.1, None, None, 0, tma=True)
     for name, x, y in zip(("dq", "dk", "dv", "delta"), want, got):
         assert_close(y, x.double(), name=f"{name} (TMA vs pointers)")
+
+
+def test_reference_keeps_float32_math_under_cpu_bf16_autocast():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 9, 4, 16, generator=g) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention_ref(q, k, v, causal=True)
+    torch.testing.assert_close(out, attention_ref(q, k, v, causal=True), rtol=0, atol=0)

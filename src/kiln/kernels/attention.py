@@ -61,6 +61,12 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 
 # ----------------------------------------------------------------------------------------- reference
 def _attention_dense_ref(q, k, v, causal, softmax_scale, window, sinks, attn_mask):
+    # the reference's math is float32 (float64 for float64 inputs) even inside a caller's autocast
+    with torch.autocast(q.device.type, enabled=False):
+        return _attention_dense_math(q, k, v, causal, softmax_scale, window, sinks, attn_mask)
+
+
+def _attention_dense_math(q, k, v, causal, softmax_scale, window, sinks, attn_mask):
     B, Tq, Hq, D = q.shape
     Tk, Hk = k.shape[1], k.shape[2]
     if Hq % Hk:
