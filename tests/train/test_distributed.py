@@ -45,7 +45,7 @@ def test_ddp_two_processes_match_one_process(tmp_path):
         str(ddp),
         "--train.batch_size=4",
     ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     (a_train, a_val), (b_train, b_val) = _losses(single), _losses(ddp)
     assert len(a_train) == len(b_train) == 6

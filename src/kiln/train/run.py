@@ -14,6 +14,7 @@ Stages whose outputs exist with the same settings are reused, so `--resume` and 
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
@@ -245,5 +246,10 @@ def run(cfg: RunConfig, resume: bool = False, progress: bool = True, stop_at: in
             flush=True,
         )
     if env.distributed:
+        # DDP's reducer holds the process group: free it first. Left to run()'s return, the reducer's
+        # destructor tears the gloo group down while holding the GIL its threads wait for (a hang).
+        del trainer
+        gc.collect()
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return summary
