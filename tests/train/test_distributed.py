@@ -1,4 +1,5 @@
-"""The loop under real torchrun (2 CPU processes, gloo): per-step losses match one process."""
+"""The loop under real torchrun (2 CPU processes, gloo): per-step losses match one process,
+with gradient accumulation."""
 
 import json
 import subprocess
@@ -19,6 +20,7 @@ COMMON = [
     "--train.log_interval=1",
     "--train.eval_interval=3",
     "--sample.max_new_tokens=0",
+    "--train.grad_accum=2",  # accumulation: DDP's no_sync on the first micro-batch of each step
 ]
 
 

@@ -159,10 +159,11 @@ class Trainer:
             x, y = self.train_loader.next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             last = micro == self.tc.grad_accum - 1
+            # DDP all-reduces gradients only on the last micro-batch; no_sync covers forward and backward
             sync = contextlib.nullcontext() if last or not self.env.distributed else self.wrapped.no_sync()
-            with sync, self._autocast():
-                loss = self.loss_fn(x, y) / self.tc.grad_accum
             with sync:
+                with self._autocast():
+                    loss = self.loss_fn(x, y) / self.tc.grad_accum
                 loss.backward()
             total += loss.detach()
         if self.tc.grad_clip > 0:
