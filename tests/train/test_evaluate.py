@@ -30,4 +30,5 @@ def test_unigram_bpb_matches_a_hand_computation():
     counts = np.array([1, 2, 1]) + 1.0
     p = counts / counts.sum()
     expected = -(math.log(p[1]) + math.log(p[2])) / (math.log(2) * 3)
-    assert unigram_bpb(train, val, byte_lengths) == pytest.approx(expected)
+    assert unigram_bpb([train], val, byte_lengths) == pytest.approx(expected)
+    assert unigram_bpb([train[:1], train[1:]], val, byte_lengths) == pytest.approx(expected)  # shard by shard

@@ -8,7 +8,7 @@ as the document delimiter) are left out of both sums, as nanochat does.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -52,10 +52,17 @@ def evaluate(
     }
 
 
-def unigram_bpb(train_tokens: np.ndarray, val_tokens: np.ndarray, byte_lengths: torch.Tensor) -> float:
-    """Bits per byte of the add-one-smoothed unigram model of the train split, on the val split."""
+def unigram_bpb(
+    train_shards: Iterable[np.ndarray], val_tokens: np.ndarray, byte_lengths: torch.Tensor
+) -> float:
+    """Bits per byte of the add-one-smoothed unigram model of the train shards, on `val_tokens`.
+
+    Counts shard by shard, so a corpus larger than memory is never loaded whole.
+    """
     V = len(byte_lengths)
-    counts = np.bincount(np.asarray(train_tokens, dtype=np.int64), minlength=V).astype(np.float64) + 1.0
+    counts = np.ones(V, dtype=np.float64)  # add-one smoothing
+    for shard in train_shards:
+        counts += np.bincount(np.asarray(shard, dtype=np.int64), minlength=V)[:V]
     logp = np.log(counts / counts.sum())
     nb = byte_lengths.numpy()
     val = np.asarray(val_tokens, dtype=np.int64)

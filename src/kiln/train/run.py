@@ -19,7 +19,6 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kiln.config import format_config, to_dict
@@ -172,7 +171,7 @@ def run(cfg: RunConfig, resume: bool = False, progress: bool = True, stop_at: in
         _shard_paths(data_dir, meta, "val"), tc.batch_size * env.world_size, tc.seq_len, shuffle=False
     )
     baseline = unigram_bpb(
-        np.concatenate([read_shard(p) for p in _shard_paths(data_dir, meta, "train")]),
+        (read_shard(p) for p in _shard_paths(data_dir, meta, "train")),
         torch.cat([whole_val.next_batch()[1].flatten() for _ in val_batches]).numpy(),
         byte_lengths,
     )
