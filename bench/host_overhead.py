@@ -1,0 +1,148 @@
+"""Where the host time of a kernel call goes, on a CUDA machine: launch paths and kiln's norm ops.
+
+    python bench/host_overhead.py --out host.json
+
+Every figure is host (CPU) microseconds per call, launches queued without waiting for the GPU
+(median of 7 batches of 200 calls, on small tensors so the GPU never throttles the queue), plus a
+cProfile of kiln's RMSNorm forward+backward to show which Python frames the time sits in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import subprocess
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kiln.kernels import layernorm as LN
+from kiln.kernels import rmsnorm as RN
+
+
+@triton.jit
+def _one_ptr(X):
+    tl.store(X + tl.program_id(0), 1.0)
+
+
+def per_call_us(fn, n=200, reps=7) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out.append((time.perf_counter() - t) / n * 1e6)
+        torch.cuda.synchronize()
+    return round(statistics.median(out), 2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    res: dict[str, float | str] = {}
+    x = torch.randn(64, 4096, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn_like(x, requires_grad=True)
+    w = torch.randn(4096, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn_like(w, requires_grad=True)
+    g = torch.randn_like(x)
+    buf = torch.empty(1024, device=dev)
+
+    res["torch.empty"] = per_call_us(lambda: torch.empty(64, 4096, device=dev, dtype=torch.bfloat16))
+    res["torch.add"] = per_call_us(lambda: torch.add(g, g))
+    res["triton 1-arg launch"] = per_call_us(lambda: _one_ptr[(1,)](buf))
+    compiled = _one_ptr[(1,)](buf)
+    res["triton 1-arg CompiledKernel[grid]"] = per_call_us(lambda: compiled[(1, 1, 1)](buf))
+    stream = torch.cuda.current_stream().cuda_stream
+    res["triton 1-arg CompiledKernel[grid] stream given"] = per_call_us(
+        lambda: compiled[(1, 1, 1)](buf, stream=stream)
+    )
+
+    # the RMSNorm forward kernel alone, arguments prepared
+    y = torch.empty_like(x)
+    rstd = torch.empty(64, device=dev)
+    a13 = (x, x, x, y, w, rstd, 4096, 0, 4096, 4096, 1e-6)
+    kw = dict(HAS_RESIDUAL=False, BLOCK=4096, num_warps=8)
+    res["rmsnorm fwd kernel launch"] = per_call_us(lambda: RN._rmsnorm_fwd_kernel[(64,)](*a13, **kw))
+    ck = RN._rmsnorm_fwd_kernel[(64,)](*a13, **kw)
+    res["rmsnorm fwd CompiledKernel[grid]"] = per_call_us(
+        lambda: ck[(64, 1, 1)](*a13, False, 4096, stream=stream)
+    )
+    with torch.no_grad():
+        res["kiln rmsnorm_fwd launcher"] = per_call_us(lambda: RN.rmsnorm_fwd(x, w, 1e-6))
+        res["kiln rmsnorm (no grad)"] = per_call_us(lambda: RN.rmsnorm(x, w))
+        res["F.rms_norm (no grad)"] = per_call_us(lambda: F.rms_norm(x, (4096,), w, 1e-6))
+    _, h, rs = RN.rmsnorm_fwd(x.detach(), w.detach(), 1e-6)
+    res["kiln rmsnorm_bwd launcher"] = per_call_us(lambda: RN.rmsnorm_bwd(g, h, w.detach(), rs))
+    res["dw_partial.sum(0).to(bf16)"] = per_call_us(
+        lambda: torch.empty(264, 4096, device=dev).sum(0).to(torch.bfloat16)
+    )
+
+    def grad(fn, inputs):
+        return lambda: torch.autograd.grad(fn(), inputs, g)
+
+    res["kiln rmsnorm fwd+bwd"] = per_call_us(grad(lambda: RN.rmsnorm(x, w), (x, w)))
+    res["F.rms_norm fwd+bwd"] = per_call_us(grad(lambda: F.rms_norm(x, (4096,), w, 1e-6), (x, w)))
+    res["kiln rmsnorm+residual fwd+bwd"] = per_call_us(
+        lambda: torch.autograd.grad(RN.rmsnorm(x, w, residual=r), (x, r, w), (g, g))
+    )
+    res["kiln layernorm fwd+bwd"] = per_call_us(grad(lambda: LN.layernorm(x, w, b), (x, w, b)))
+    res["F.layer_norm fwd+bwd"] = per_call_us(grad(lambda: F.layer_norm(x, (4096,), w, b), (x, w, b)))
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, d):
+            return d
+
+    res["autograd.Function identity fwd+bwd"] = per_call_us(grad(lambda: Identity.apply(x), (x,)))
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+        res["liger rmsnorm fwd+bwd"] = per_call_us(
+            grad(lambda: LigerRMSNormFunction.apply(x, w, 1e-6), (x, w))
+        )
+    except Exception as e:  # noqa: BLE001 - the peer is optional
+        res["liger"] = f"unavailable: {e}"
+
+    prof = cProfile.Profile()
+    f = grad(lambda: RN.rmsnorm(x, w), (x, w))
+    prof.enable()
+    for _ in range(500):
+        f()
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    out = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": commit.strip(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host_us_per_call": res,
+        "profile_rmsnorm_fwd_bwd_500_calls": s.getvalue(),
+    }
+    for k, v in res.items():
+        print(f"{k:50s} {v}")
+    print(s.getvalue())
+    with open(args.out, "w") as fh:
+        json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
