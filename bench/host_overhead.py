@@ -46,9 +46,48 @@ def per_call_us(fn, n=200, reps=7) -> float:
     return round(statistics.median(out), 2)
 
 
+def traces(folder: str, dev: torch.device) -> None:
+    """Chrome traces (torch.profiler, CPU + CUDA) of 5 forward+backward calls at 32768 x 4096 bf16,
+    each after an L2 flush as triton.testing.do_bench does: they show when each kernel is launched
+    on the host and when it runs on the GPU, i.e. whether the GPU waits for the host."""
+    import os
+
+    os.makedirs(folder, exist_ok=True)
+    x = torch.randn(32768, 4096, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4096, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn_like(w, requires_grad=True)
+    g = torch.randn_like(x)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=dev)
+    cases = {
+        "kiln_rmsnorm": (lambda: RN.rmsnorm(x, w), (x, w)),
+        "kiln_layernorm": (lambda: LN.layernorm(x, w, b), (x, w, b)),
+    }
+    try:
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+        cases["liger_rmsnorm"] = (lambda: LigerRMSNormFunction.apply(x, w, 1e-6), (x, w))
+        cases["liger_layernorm"] = (lambda: LigerLayerNormFunction.apply(x, w, b, 1e-6), (x, w, b))
+    except Exception:  # noqa: BLE001 - the peer is optional
+        pass
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, (f, inputs) in cases.items():
+        for _ in range(5):
+            torch.autograd.grad(f(), inputs, g)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                flush.zero_()
+                torch.autograd.grad(f(), inputs, g)
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(f"{folder}/{name}.json")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--traces", help="folder for torch.profiler traces of fwd+bwd at 32768 x 4096")
     args = ap.parse_args()
     dev = torch.device("cuda")
     res: dict[str, float | str] = {}
@@ -119,6 +158,8 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 - the peer is optional
         res["liger"] = f"unavailable: {e}"
 
+    if args.traces:
+        traces(args.traces, dev)
     prof = cProfile.Profile()
     f = grad(lambda: RN.rmsnorm(x, w), (x, w))
     prof.enable()
