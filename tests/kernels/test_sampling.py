@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kiln.kernels.dispatch import use_backend
-from kiln.kernels.sampling import sample, sample_ref, sample_with_noise
+from kiln.kernels.sampling import KC_MAX, sample, sample_ref, sample_with_noise
 
 SETTINGS = [
     # (temperature, top_k, top_p)
@@ -58,6 +58,77 @@ def test_sample_many_draws_match_reference_with_given_noise(device):
         with use_backend("triton"):
             got = sample_with_noise(logits, noise, temperature, top_k, top_p)
         assert torch.equal(got, want)
+
+
+def _largest_kth_of_chunks(z: torch.Tensor, chunk: int, kc: int) -> float:
+    """t_c of the kernel: the largest kc-th value over the chunks (every value above it is a candidate)."""
+    parts = [z[j : j + chunk] for j in range(0, z.numel(), chunk)]
+    return max(float(p.topk(kc).values[-1]) if p.numel() >= kc else float("-inf") for p in parts)
+
+
+# (name, logits of one row of V = 301, temperature, top_k, top_p, whether the candidates hold every survivor)
+def _path_cases():
+    g = torch.Generator().manual_seed(7)
+    peaked = torch.randn(301, generator=g) * 4
+    ties = torch.randint(-3, 4, (301,), generator=g).float()  # ~43 tokens tie at the top value
+    flat = torch.randn(301, generator=g) * 0.01  # the 0.9 nucleus holds ~270 tokens
+    return [
+        ("top-k from candidates", peaked, 1.0, 5, None, True),
+        ("top-k + top-p from candidates", peaked, 0.8, 6, 0.7, True),
+        ("top-p from candidates", peaked, 1.0, None, 0.5, True),
+        ("top-k ties past a chunk's candidates", ties, 1.0, 5, None, False),
+        ("top-p nucleus past the candidates", flat, 1.0, None, 0.9, False),
+    ]
+
+
+@pytest.mark.parametrize("case", _path_cases(), ids=lambda c: c[0])
+def test_sample_candidates_and_whole_row_fallback(case, device):
+    """Stage 2 samples from the chunks' candidates when they provably hold every survivor, else searches the
+    whole row: both give the reference's token. Small chunks (128) and candidate sets (kc 8) force both."""
+    _, row, temperature, top_k, top_p, from_candidates = case
+    chunk, kc = 128, 8
+    z = row / temperature
+    # the deciding cut: top-k's k-th value, else the smallest value top-p keeps; the case takes its path
+    kept = _filtered(z[None].double(), None, top_p)
+    cut = z.topk(top_k).values[-1] if top_k else kept[kept.isfinite()].min()
+    assert (float(cut) > _largest_kth_of_chunks(z, chunk, kc)) == from_candidates
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.stack([row, row.flip(0), row.roll(50)]).to(device)
+    noise = torch.empty(logits.shape).exponential_(1.0, generator=gen).to(device)
+    want = sample_ref_with_noise(logits, noise, temperature, top_k, top_p)
+    with use_backend("triton"):
+        got = sample_with_noise(logits, noise, temperature, top_k, top_p, chunk=chunk, kc=kc)
+    assert torch.equal(got, want), (got, want)
+
+
+def _filtered(z, top_k, top_p):
+    """sample_ref's filters on z (B, V): top-k, then top-p; dropped tokens become -inf."""
+    if top_k:
+        z = z.masked_fill(z < torch.topk(z, top_k, dim=-1).values[:, -1:], float("-inf"))
+    if top_p is not None and top_p < 1:
+        sz, order = torch.sort(z, dim=-1, descending=True)
+        p = torch.softmax(sz, -1)
+        sz = sz.masked_fill((p.cumsum(-1) - p) >= top_p, float("-inf"))
+        z = torch.full_like(z, float("-inf")).scatter(-1, order, sz)
+    return z
+
+
+def sample_ref_with_noise(logits, noise, temperature, top_k, top_p):
+    """sample_ref's rule with given noise (float64: no rounding ties)."""
+    z = _filtered(logits.double() / temperature, top_k, top_p)
+    return (torch.softmax(z, -1) / noise.double()).argmax(-1).to(logits.device)
+
+
+def test_sample_large_top_k_searches_whole_row(device):
+    """top_k past KC_MAX: no candidates, the combine searches the whole row."""
+    V = KC_MAX * 2 + 37
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(2, V, generator=gen) * 3).to(device)
+    noise = torch.empty(2, V).exponential_(1.0, generator=gen).to(device)
+    want = sample_ref_with_noise(logits, noise, 1.0, KC_MAX + 5, None)
+    with use_backend("triton"):
+        got = sample_with_noise(logits, noise, 1.0, KC_MAX + 5, None)
+    assert torch.equal(got, want)
 
 
 def test_greedy_exact_with_ties_and_strided_rows(device):

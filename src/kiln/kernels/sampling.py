@@ -6,9 +6,25 @@ disables top-p. Top-k is applied before top-p; the token with the highest probab
 survives. Draws use the exponential-race trick (argmax of p / Exp(1)), which needs no host sync
 and no cumulative sampling, so a fused kernel can reproduce it.
 
-The Triton kernel (one program per row) never sorts the vocabulary. It finds each cut as a threshold
-value by a 9-ary search over the float32 bit patterns (ordered as integers): each pass over the row
-counts against 8 cut points at once, so 32 bits take about 10 passes:
+Two launches, no host sync. At decode batch sizes one program per row would leave most of the GPU idle
+(batch 1: one SM of 132), so the vocabulary is split into chunks:
+  stage 1, one program per (row, chunk): greedy stores the chunk's max and first argmax; sampling
+    stores the chunk's max and sum of exp (an online softmax in two levels), and either its best
+    exp(z - m_chunk) / noise (plain temperature) or, when top-k or top-p is on, its KC largest logits
+    and their columns (the candidates; `tl.topk` on (key << 32 | column) packed into int64);
+  stage 2, one program per row: combines the chunks. With a filter it runs the cut searches below
+    over the candidates only (a few thousand values, cache-resident) instead of the whole row.
+The candidates are exact whenever they hold every survivor. Let t_c be the largest KC-th value over the
+chunks: every logit > t_c is a candidate. A top-k cut (the k-th largest candidate, k <= KC) above t_c
+is the true k-th largest and all its survivors are candidates; a top-p cut (alone) above t_c likewise
+depends only on values above t_c, with the mass normalised by the row's sum from stage 1. When a cut
+is not above t_c (ties across a chunk's KC-th value, or a flat distribution whose nucleus spills past
+the candidates), that row's stage-2 program runs the same searches over its whole row instead: the
+same answer, slower (about 2 ms at V = 151936 against tens of microseconds).
+
+Cut searches (no sort): each cut is a threshold value found by a 9-ary search over the float32 bit
+patterns (ordered as integers): each pass counts against 8 cut points at once, so 32 bits take about
+10 passes:
   top-k: the largest t with #{j : z_j >= t} >= k; this is the k-th largest value, so z_j >= t is the
          same set as the reference's `z >= topk(z, k).values[-1]`.
   top-p: the smallest t with mass{i : z_i > t} < top_p; a token survives iff the probability mass
@@ -17,8 +33,7 @@ counts against 8 cut points at once, so 32 bits take about 10 passes:
 Then one pass computes the softmax of the survivors and one the argmax of p / noise. With the same
 exponential noise, the kernel and `sample_ref` pick the same token (up to ties within float rounding);
 `sample` draws the noise exactly as the reference does, so one generator state gives one answer on
-both paths. Cost: about 11 passes over the row per cut (L2-resident at decode batch sizes), two for
-plain temperature sampling, one for greedy.
+both paths.
 """
 
 from __future__ import annotations
@@ -78,100 +93,10 @@ def _unkey(k):
 
 
 @triton.jit
-def _scaled_row(z_row, c, V, temperature, cut):
-    """Logits of columns c divided by the temperature (as the reference does), -inf below `cut`."""
-    z = tl.load(z_row + c, mask=c < V, other=-float("inf")).to(tl.float32) / temperature
+def _scaled_row(z_row, c, L, temperature, cut):
+    """Values of columns c divided by the temperature (as the reference does), -inf below `cut`."""
+    z = tl.load(z_row + c, mask=c < L, other=-float("inf")).to(tl.float32) / temperature
     return tl.where(z >= cut, z, -float("inf"))
-
-
-@triton.jit
-def _sample_kernel(
-    Z_ptr,  # logits (B, V), unit stride along V
-    z_stride,
-    Noise_ptr,  # (B, V) float32 Exp(1) draws, unit stride along V; unused when GREEDY
-    noise_stride,
-    Out_ptr,  # (B,) int64 token ids
-    V,
-    temperature,  # > 0 unless GREEDY
-    top_k,  # used when TOP_K: 0 < top_k < V
-    top_p,  # used when TOP_P: 0 < top_p < 1
-    GREEDY: tl.constexpr,
-    TOP_K: tl.constexpr,
-    TOP_P: tl.constexpr,
-    BLOCK: tl.constexpr,  # columns per step of the plain passes
-    SEARCH_BLOCK: tl.constexpr,  # columns per step of the threshold searches, which hold SPLITS per column
-    SPLITS: tl.constexpr,  # cut points tried per search pass: the range shrinks (SPLITS + 1)-fold per pass
-):
-    # Every loop keeps per-lane partial results and reduces across lanes once, after the loop: a
-    # cross-warp reduction per block would cost more than the block's loads (L2-resident after pass one).
-    row = tl.program_id(0).to(tl.int64)
-    z_row = Z_ptr + row * z_stride
-    cols = tl.arange(0, BLOCK)
-    search_cols = tl.arange(0, SEARCH_BLOCK)
-    if GREEDY:
-        best = tl.full((BLOCK,), -float("inf"), tl.float32)
-        best_i = tl.zeros((BLOCK,), tl.int32)
-        for start in range(0, V, BLOCK):
-            c = start + cols
-            z = tl.load(z_row + c, mask=c < V, other=-float("inf")).to(tl.float32)
-            better = z > best  # strict: within a lane the earliest column keeps a tie
-            best_i = tl.where(better, c, best_i)
-            best = tl.where(better, z, best)
-        tl.store(Out_ptr + row, _first_argmax(best, best_i, V).to(tl.int64))
-    else:
-        cut = -float("inf")
-        if TOP_K:
-            k_lo = tl.full((BLOCK,), KEY_POS_INF, tl.int32)
-            k_hi = tl.full((BLOCK,), KEY_NEG_INF, tl.int32)
-            for start in range(0, V, BLOCK):
-                c = start + cols
-                k = _key(_scaled_row(z_row, c, V, temperature, cut))
-                k_lo = tl.minimum(k_lo, tl.where(c < V, k, KEY_POS_INF))
-                k_hi = tl.maximum(k_hi, k)
-            lo = tl.min(k_lo, axis=0).to(tl.int64)  # the key of the row's minimum
-            hi = tl.max(k_hi, axis=0).to(tl.int64) + 1  # one past the key of its maximum
-            # invariant: #{z >= lo} >= top_k > #{z >= hi}; each pass tries SPLITS cut points at once
-            splits = tl.arange(0, SPLITS) + 1
-            while hi - lo > 1:
-                t = lo + ((hi - lo) * splits + SPLITS) // (SPLITS + 1)  # (SPLITS,) increasing, in (lo, hi]
-                t32 = t.to(tl.int32)  # keys and cut points all lie in int32
-                hits = tl.zeros((SEARCH_BLOCK, SPLITS), tl.int32)
-                for start in range(0, V, SEARCH_BLOCK):
-                    k = _key(_scaled_row(z_row, start + search_cols, V, temperature, cut))
-                    hits += (k[:, None] >= t32[None, :]).to(tl.int32)  # padding is -inf: never a hit
-                ok = tl.sum(hits, axis=0) >= top_k  # true for a prefix of the cut points
-                lo = tl.max(tl.where(ok, t, lo), axis=0)
-                hi = tl.min(tl.where(ok, hi, t), axis=0)
-            cut = _unkey(lo)
-        if TOP_P:
-            m, s = _max_sumexp(z_row, V, temperature, cut, BLOCK)
-            lo = tl.full((), KEY_NEG_INF, tl.int64)  # invariant: mass above lo >= top_p > mass above hi
-            hi = _key(m).to(tl.int64)
-            splits = tl.arange(0, SPLITS) + 1
-            while hi - lo > 1:
-                t = lo + ((hi - lo) * splits + SPLITS) // (SPLITS + 1)
-                tf = _unkey(t)
-                mass = tl.zeros((SEARCH_BLOCK, SPLITS), tl.float32)
-                for start in range(0, V, SEARCH_BLOCK):
-                    z = _scaled_row(z_row, start + search_cols, V, temperature, cut)
-                    mass += tl.where(z[:, None] > tf[None, :], tl.exp(z - m)[:, None], 0.0)
-                ok = tl.sum(mass, axis=0) / s < top_p  # true for a suffix of the cut points
-                hi = tl.min(tl.where(ok, t, hi), axis=0)
-                lo = tl.max(tl.where(ok, lo, t), axis=0)
-            cut = _unkey(hi)
-        # exponential race: argmax_j softmax(z)_j / noise_j over the survivors
-        m, s = _max_sumexp(z_row, V, temperature, cut, BLOCK)
-        best = tl.full((BLOCK,), -1.0, tl.float32)
-        best_i = tl.zeros((BLOCK,), tl.int32)
-        for start in range(0, V, BLOCK):
-            c = start + cols
-            z = _scaled_row(z_row, c, V, temperature, cut)
-            e = tl.load(Noise_ptr + row * noise_stride + c, mask=c < V, other=1.0)
-            r = tl.where(c < V, (tl.exp(z - m) / s) / e, -1.0)
-            better = r > best
-            best_i = tl.where(better, c, best_i)
-            best = tl.where(better, r, best)
-        tl.store(Out_ptr + row, _first_argmax(best, best_i, V).to(tl.int64))
 
 
 @triton.jit
@@ -181,19 +106,242 @@ def _first_argmax(best, best_i, V):
     return tl.min(tl.where(best == top, best_i, V), axis=0)
 
 
+# The row routines below loop over a row of L values: the logits row itself (scaled by the temperature),
+# or a row's candidates from stage 1 (already scaled: temperature 1). Every loop keeps per-lane partial
+# results and reduces across lanes once, after the loop: a cross-warp reduction per block would cost
+# more than the block's loads (cache-resident after the first pass).
 @triton.jit
-def _max_sumexp(z_row, V, temperature, cut, BLOCK: tl.constexpr):
+def _max_sumexp(z_row, L, temperature, cut, BLOCK: tl.constexpr):
     """(max, sum exp(z - max)) over the survivors of `cut`: one online pass, per lane, then combined."""
     cols = tl.arange(0, BLOCK)
     m = tl.full((BLOCK,), -3.0e38, tl.float32)  # finite: a lane of only -inf gives exp(m - m) = 1, not nan
     s = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, V, BLOCK):
-        z = _scaled_row(z_row, start + cols, V, temperature, cut)
+    for start in range(0, L, BLOCK):
+        z = _scaled_row(z_row, start + cols, L, temperature, cut)
         m_new = tl.maximum(m, z)
         s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
         m = m_new
     m_all = tl.max(m, axis=0)
     return m_all, tl.sum(s * tl.exp(m - m_all), axis=0)
+
+
+@triton.jit
+def _topk_cut(
+    z_row, L, temperature, top_k, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, SPLITS: tl.constexpr
+):
+    """The k-th largest value of the row: the largest t with #{z >= t} >= top_k."""
+    cols = tl.arange(0, BLOCK)
+    search_cols = tl.arange(0, SEARCH_BLOCK)
+    k_lo = tl.full((BLOCK,), KEY_POS_INF, tl.int32)
+    k_hi = tl.full((BLOCK,), KEY_NEG_INF, tl.int32)
+    for start in range(0, L, BLOCK):
+        c = start + cols
+        k = _key(_scaled_row(z_row, c, L, temperature, -float("inf")))
+        k_lo = tl.minimum(k_lo, tl.where(c < L, k, KEY_POS_INF))
+        k_hi = tl.maximum(k_hi, k)
+    lo = tl.min(k_lo, axis=0).to(tl.int64)  # the key of the row's minimum
+    hi = tl.max(k_hi, axis=0).to(tl.int64) + 1  # one past the key of its maximum
+    # invariant: #{z >= lo} >= top_k > #{z >= hi}; each pass tries SPLITS cut points at once
+    splits = tl.arange(0, SPLITS) + 1
+    while hi - lo > 1:
+        t = lo + ((hi - lo) * splits + SPLITS) // (SPLITS + 1)  # (SPLITS,) increasing, in (lo, hi]
+        t32 = t.to(tl.int32)  # keys and cut points all lie in int32
+        hits = tl.zeros((SEARCH_BLOCK, SPLITS), tl.int32)
+        for start in range(0, L, SEARCH_BLOCK):
+            k = _key(_scaled_row(z_row, start + search_cols, L, temperature, -float("inf")))
+            hits += (k[:, None] >= t32[None, :]).to(tl.int32)  # padding is -inf: never a hit
+        ok = tl.sum(hits, axis=0) >= top_k  # true for a prefix of the cut points
+        lo = tl.max(tl.where(ok, t, lo), axis=0)
+        hi = tl.min(tl.where(ok, hi, t), axis=0)
+    return _unkey(lo)
+
+
+@triton.jit
+def _topp_cut(
+    z_row, L, temperature, cut, top_p, m, s, SEARCH_BLOCK: tl.constexpr, SPLITS: tl.constexpr
+):  # fmt: skip
+    """The smallest t with mass{z > t} < top_p among the survivors of `cut`, probabilities exp(z - m) / s."""
+    search_cols = tl.arange(0, SEARCH_BLOCK)
+    lo = tl.full((), KEY_NEG_INF, tl.int64)  # invariant: mass above lo >= top_p > mass above hi
+    hi = _key(m).to(tl.int64)
+    splits = tl.arange(0, SPLITS) + 1
+    while hi - lo > 1:
+        t = lo + ((hi - lo) * splits + SPLITS) // (SPLITS + 1)
+        tf = _unkey(t)
+        mass = tl.zeros((SEARCH_BLOCK, SPLITS), tl.float32)
+        for start in range(0, L, SEARCH_BLOCK):
+            z = _scaled_row(z_row, start + search_cols, L, temperature, cut)
+            mass += tl.where(z[:, None] > tf[None, :], tl.exp(z - m)[:, None], 0.0)
+        ok = tl.sum(mass, axis=0) / s < top_p  # true for a suffix of the cut points
+        hi = tl.min(tl.where(ok, t, hi), axis=0)
+        lo = tl.max(tl.where(ok, lo, t), axis=0)
+    return _unkey(hi)
+
+
+@triton.jit
+def _race(
+    z_row, I_row, noise_row, L, V, temperature, cut, m, s, INDIRECT: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """The exponential race over the survivors of `cut`: argmax_j (exp(z_j - m) / s) / noise_j, as a vocabulary
+    column. INDIRECT: the row holds candidates, whose columns are in I_row."""
+    cols = tl.arange(0, BLOCK)
+    best = tl.full((BLOCK,), -1.0, tl.float32)
+    best_i = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, L, BLOCK):
+        c = start + cols
+        z = _scaled_row(z_row, c, L, temperature, cut)
+        if INDIRECT:
+            col = tl.load(I_row + c, mask=c < L, other=V)
+        else:
+            col = c
+        ok = (c < L) & (col < V)  # a chunk's padding candidates carry columns >= V
+        e = tl.load(noise_row + col, mask=ok, other=1.0)
+        r = tl.where(ok, (tl.exp(z - m) / s) / e, -1.0)
+        better = r > best
+        best_i = tl.where(better, col, best_i)
+        best = tl.where(better, r, best)
+    return _first_argmax(best, best_i, V)
+
+
+@triton.jit
+def _sample_row(
+    z_row, I_row, noise_row, L, V, temperature, top_k, top_p, m_all, s_all,
+    TOP_K: tl.constexpr, TOP_P: tl.constexpr, GIVEN_NORM: tl.constexpr, INDIRECT: tl.constexpr,
+    BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Top-k cut, then top-p cut, then the race, over one row. Returns (column, top-k cut, top-p cut).
+    GIVEN_NORM: top-p (without top-k) normalises by the row's (m_all, s_all), not by this row's values."""
+    cut = -float("inf")
+    cut_k = -float("inf")
+    cut_p = -float("inf")
+    if TOP_K:
+        cut_k = _topk_cut(z_row, L, temperature, top_k, BLOCK, SEARCH_BLOCK, SPLITS)
+        cut = cut_k
+    if TOP_P:
+        if GIVEN_NORM and not TOP_K:
+            m, s = m_all, s_all
+        else:
+            m, s = _max_sumexp(z_row, L, temperature, cut, BLOCK)
+        cut_p = _topp_cut(z_row, L, temperature, cut, top_p, m, s, SEARCH_BLOCK, SPLITS)
+        cut = cut_p
+    m, s = _max_sumexp(z_row, L, temperature, cut, BLOCK)
+    return _race(z_row, I_row, noise_row, L, V, temperature, cut, m, s, INDIRECT, BLOCK), cut_k, cut_p
+
+
+@triton.jit
+def _sample_chunk_kernel(
+    Z_ptr,  # logits (B, V), unit stride along V
+    z_stride,
+    Noise_ptr,  # (B, V) float32 Exp(1) draws, unit stride along V (read only by plain temperature)
+    noise_stride,
+    PartM_ptr,  # (B, NCHUNK) float32: greedy: the chunk's max logit; sampling: its max z = logit / temperature
+    PartS_ptr,  # (B, NCHUNK) float32: sum exp(z - max) (sampling)
+    PartR_ptr,  # (B, NCHUNK) float32: best exp(z - max) / noise (plain temperature)
+    PartI_ptr,  # (B, NCHUNK) int32: the column of the max (greedy) or of the best ratio
+    CandZ_ptr,  # (B, NCHUNK * KC) float32: the chunk's KC largest z, descending (CANDIDATES)
+    CandI_ptr,  # (B, NCHUNK * KC) int32: their columns (>= V for padding)
+    V,
+    temperature,
+    GREEDY: tl.constexpr,
+    CANDIDATES: tl.constexpr,
+    CHUNK: tl.constexpr,  # columns per program (a power of two)
+    KC: tl.constexpr,  # candidates kept per chunk (a power of two <= CHUNK)
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    n_chunks = tl.num_programs(1)
+    c = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(Z_ptr + row * z_stride + c, mask=c < V, other=-float("inf")).to(tl.float32)
+    part = row * n_chunks + chunk
+    if GREEDY:
+        best = tl.max(x, axis=0)
+        tl.store(PartM_ptr + part, best)
+        tl.store(PartI_ptr + part, tl.min(tl.where(x == best, c, V), axis=0))
+    else:
+        z = x / temperature
+        m = tl.maximum(tl.max(z, axis=0), -3.0e38)  # finite: a chunk of only -inf sums to 0, not nan
+        p = tl.exp(z - m)
+        tl.store(PartM_ptr + part, m)
+        tl.store(PartS_ptr + part, tl.sum(p, axis=0))
+        if CANDIDATES:
+            # value key in the high word, 0x7FFFFFFF - column in the low one: descending order is by value,
+            # then by column; padding (-inf) sorts last
+            packed = (_key(z).to(tl.int64) << 32) | (0x7FFFFFFF - c).to(tl.int64)
+            top = tl.topk(packed, KC)  # (KC,) descending
+            slot = row * n_chunks * KC + chunk * KC + tl.arange(0, KC)
+            tl.store(CandZ_ptr + slot, _unkey((top >> 32).to(tl.int32)))
+            tl.store(CandI_ptr + slot, (0x7FFFFFFF - (top & 0x7FFFFFFF)).to(tl.int32))
+        else:
+            e = tl.load(Noise_ptr + row * noise_stride + c, mask=c < V, other=1.0)
+            r = tl.where(c < V, p / e, -1.0)
+            best = tl.max(r, axis=0)
+            tl.store(PartR_ptr + part, best)
+            tl.store(PartI_ptr + part, tl.min(tl.where(r == best, c, V), axis=0))
+
+
+@triton.jit
+def _sample_combine_kernel(
+    Z_ptr,  # logits (B, V): the whole row, read only when the candidates miss a survivor
+    z_stride,
+    Noise_ptr,  # (B, V) float32 Exp(1) draws
+    noise_stride,
+    PartM_ptr, PartS_ptr, PartR_ptr, PartI_ptr,  # (B, NCHUNK) from stage 1
+    CandZ_ptr, CandI_ptr,  # (B, NCHUNK * KC) from stage 1
+    Out_ptr,  # (B,) int64 token ids
+    V,
+    n_chunks,
+    temperature,
+    top_k,  # used when TOP_K: 0 < top_k <= KC
+    top_p,  # used when TOP_P: 0 < top_p < 1
+    GREEDY: tl.constexpr,
+    TOP_K: tl.constexpr,
+    TOP_P: tl.constexpr,
+    CANDIDATES: tl.constexpr,  # stage 1 wrote candidates; else a filter searches the whole row
+    KC: tl.constexpr,
+    CHUNKS: tl.constexpr,  # next_power_of_2(n_chunks)
+    BLOCK: tl.constexpr,  # columns per step of the plain passes
+    SEARCH_BLOCK: tl.constexpr,  # columns per step of the threshold searches, which hold SPLITS per column
+    SPLITS: tl.constexpr,  # cut points tried per search pass: the range shrinks (SPLITS + 1)-fold per pass
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    ch = tl.arange(0, CHUNKS)
+    ch_ok = ch < n_chunks
+    part = row * n_chunks + ch
+    if GREEDY:
+        best = tl.load(PartM_ptr + part, mask=ch_ok, other=-float("inf"))
+        idx = tl.load(PartI_ptr + part, mask=ch_ok, other=V)
+        tl.store(Out_ptr + row, _first_argmax(best, idx, V).to(tl.int64))  # chunks are in column order
+    elif not (TOP_K or TOP_P):
+        # plain temperature: the best ratio of each chunk, rescaled to the row's max (s is common to all)
+        m_c = tl.load(PartM_ptr + part, mask=ch_ok, other=-3.0e38)
+        r = tl.load(PartR_ptr + part, mask=ch_ok, other=-1.0) * tl.exp(m_c - tl.max(m_c, axis=0))
+        idx = tl.load(PartI_ptr + part, mask=ch_ok, other=V)
+        tl.store(Out_ptr + row, _first_argmax(tl.where(ch_ok, r, -1.0), idx, V).to(tl.int64))
+    else:
+        z_row = Z_ptr + row * z_stride
+        noise_row = Noise_ptr + row * noise_stride
+        full = True
+        tok = tl.zeros((), tl.int32)
+        if CANDIDATES:
+            m_c = tl.load(PartM_ptr + part, mask=ch_ok, other=-3.0e38)
+            m_all = tl.max(m_c, axis=0)  # the row's softmax normaliser, for top-p without top-k
+            s_all = tl.sum(tl.load(PartS_ptr + part, mask=ch_ok, other=0.0) * tl.exp(m_c - m_all), axis=0)
+            L = n_chunks * KC
+            cz_row = CandZ_ptr + row * L
+            # t_c: every logit above the largest KC-th candidate of a chunk is a candidate
+            t_c = tl.max(tl.load(cz_row + ch * KC + (KC - 1), mask=ch_ok, other=-float("inf")), axis=0)
+            tok, cut_k, cut_p = _sample_row(
+                cz_row, CandI_ptr + row * L, noise_row, L, V, 1.0, top_k, top_p, m_all, s_all,
+                TOP_K, TOP_P, True, True, BLOCK, SEARCH_BLOCK, SPLITS,
+            )  # fmt: skip
+            cut = cut_k if TOP_K else cut_p  # a top-k cut above t_c makes the top-p one exact too
+            full = _key(cut) <= _key(t_c)  # then a survivor may lie outside the candidates
+        if full:
+            tok, cut_k, cut_p = _sample_row(
+                z_row, z_row, noise_row, V, V, temperature, top_k, top_p, 0.0, 1.0,
+                TOP_K, TOP_P, False, False, BLOCK, SEARCH_BLOCK, SPLITS,
+            )  # fmt: skip
+        tl.store(Out_ptr + row, tok.to(tl.int64))
 
 
 def _check(logits: torch.Tensor, temperature: float, top_p: float | None) -> None:
@@ -207,14 +355,33 @@ def _check(logits: torch.Tensor, temperature: float, top_p: float | None) -> Non
         raise ValueError(f"top_p must be in (0, 1] (1 or None disables it), got {top_p}")
 
 
+# Launch configuration (H200, V = 151936; bench/sweep_rope_sampling.py measures the alternatives).
+CHUNK = 2048  # stage-1 columns per program: 75 programs per row at V = 151936
+KC = 64  # candidates per chunk: top_k up to KC costs nothing extra; larger k raises it to pow2(k)
+KC_MAX = 1024  # past this top_k the candidates would not fit a chunk's registers: the whole-row path
+CHUNK_WARPS = 4
+COMBINE_WARPS = 8
+COMBINE_BLOCK = 4096  # the combine's step over candidates (and over the whole row when it falls back)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def sample_with_noise(
     logits: torch.Tensor,
     noise: torch.Tensor | None,
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    *,
+    chunk: int | None = None,
+    kc: int | None = None,
+    chunk_warps: int | None = None,
+    combine_warps: int | None = None,
 ) -> torch.Tensor:
-    """Launcher: the token each row draws given its Exp(1) noise (B, V) float32 (unused when greedy)."""
+    """Launcher: the token each row draws given its Exp(1) noise (B, V) float32 (unused when greedy).
+    chunk / kc / *_warps override the launch configuration (powers of two; the sweep and the tests)."""
     _check(logits, temperature, top_p)
     B, V = logits.shape
     greedy = temperature == 0
@@ -226,20 +393,35 @@ def sample_with_noise(
     out = torch.empty(B, device=logits.device, dtype=torch.int64)
     if B == 0:
         return out
-    use_k = top_k is not None and 0 < top_k < V
-    use_p = top_p is not None and top_p < 1.0
-    # Each pass is a chain of dependent loads from L2 (one program per row), so fewer, wider steps are what
-    # make it fast: 16384 columns per plain step, 4096 x 8 cut points per search step (32 K registers);
-    # H200, V = 151936: top-k + top-p 3.36 -> 2.11 ms against 4096 / 1024 x 16. Greedy (one pass, read
-    # once from HBM) measured 24.7 us with 4096-column steps and 31.6 us with 16384.
-    widest = 4096 if greedy else 16384
-    block = min(triton.next_power_of_2(V), 128 if interpreting() else widest)
+    use_k = not greedy and top_k is not None and 0 < top_k < V
+    use_p = not greedy and top_p is not None and top_p < 1.0
+    kc = kc or max(KC, _pow2(top_k) if use_k else 1)
+    # the candidates need k <= kc <= chunk; past KC_MAX the combine searches the whole row directly
+    candidates = (use_k or use_p) and kc <= KC_MAX
+    chunk = max(min(chunk or CHUNK, _pow2(V)), kc if candidates else 1)
+    n_chunks = -(-V // chunk)
+    dev = logits.device
+    part_m = torch.empty(B, n_chunks, device=dev, dtype=torch.float32)
+    part_s, part_r = torch.empty_like(part_m), torch.empty_like(part_m)
+    part_i = torch.empty(B, n_chunks, device=dev, dtype=torch.int32)
+    cand_z = torch.empty(B, n_chunks * kc if candidates else 1, device=dev, dtype=torch.float32)
+    cand_i = torch.empty(cand_z.shape, device=dev, dtype=torch.int32)
     noise = logits if noise is None else noise  # a placeholder pointer when greedy
-    _sample_kernel[(B,)](
-        logits, logits.stride(0), noise, noise.stride(0), out, V,
-        float(temperature) if not greedy else 1.0, int(top_k) if use_k else 0, float(top_p) if use_p else 1.0,
-        GREEDY=greedy, TOP_K=use_k and not greedy, TOP_P=use_p and not greedy, BLOCK=block,
-        SEARCH_BLOCK=min(block, 4096), SPLITS=8, num_warps=16 if block >= 4096 else 4,
+    temp = float(temperature) if not greedy else 1.0
+    if greedy or candidates or not use_k:  # (a large top-k without candidates needs no stage 1)
+        _sample_chunk_kernel[(B, n_chunks)](
+            logits, logits.stride(0), noise, noise.stride(0), part_m, part_s, part_r, part_i, cand_z, cand_i,
+            V, temp, GREEDY=greedy, CANDIDATES=candidates, CHUNK=chunk, KC=kc,
+            num_warps=chunk_warps or CHUNK_WARPS,
+        )  # fmt: skip
+    block = min(
+        COMBINE_BLOCK, _pow2(V if not candidates else n_chunks * kc), 128 if interpreting() else 1 << 30
+    )
+    _sample_combine_kernel[(B,)](
+        logits, logits.stride(0), noise, noise.stride(0), part_m, part_s, part_r, part_i, cand_z, cand_i, out,
+        V, n_chunks, temp, int(top_k) if use_k else 0, float(top_p) if use_p else 1.0,
+        GREEDY=greedy, TOP_K=use_k, TOP_P=use_p, CANDIDATES=candidates, KC=kc, CHUNKS=_pow2(n_chunks),
+        BLOCK=block, SEARCH_BLOCK=block, SPLITS=8, num_warps=combine_warps or COMBINE_WARPS,
     )  # fmt: skip
     return out
 
