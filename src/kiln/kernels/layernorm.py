@@ -23,15 +23,18 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import use_triton
+from kiln.kernels.launch import CachedLaunch
 from kiln.kernels.rmsnorm import (
     PROGRAMS_PER_SM,
     ROW_LOOP_STAGES,
     as_rows,
     cdiv,
     check_rows,
+    needs_grad,
     pow2,
     programs_per_device,
     row_warps,
+    sum_partials,
 )
 
 
@@ -145,6 +148,10 @@ def _layernorm_bwd_kernel(
         tl.store(DB_ptr + pid.to(tl.int64) * n_cols + cols, db, mask=mask)
 
 
+_fwd_launch = CachedLaunch(_layernorm_fwd_kernel)
+_bwd_launch = CachedLaunch(_layernorm_bwd_kernel)
+
+
 def layernorm_fwd(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -170,7 +177,7 @@ def layernorm_fwd(
     if n_rows == 0:
         return y, h, mean, rstd
     block = pow2(D)
-    _layernorm_fwd_kernel[(n_rows,)](
+    _fwd_launch[(n_rows,)](
         x2, x2 if r2 is None else r2, h, y, weight, weight if bias is None else bias, mean, rstd,
         x2.stride(0), 0 if r2 is None else r2.stride(0), D,
         D, eps,
@@ -205,15 +212,15 @@ def layernorm_bwd(
     dw_partial = torch.empty((n_prog, D), dtype=torch.float32, device=h.device)
     db_partial = torch.empty_like(dw_partial) if has_bias else dw_partial
     block = pow2(D)
-    _layernorm_bwd_kernel[(n_prog,)](
+    _bwd_launch[(n_prog,)](
         dy2, h, dy2 if dh2 is None else dh2, weight, mean, rstd, dx, dw_partial, db_partial,
         dy2.stride(0), h.stride(0), 0 if dh2 is None else dh2.stride(0),
         n_rows, D, cdiv(n_rows, n_prog),
         HAS_DH=dh2 is not None, HAS_BIAS=has_bias, STAGES=stages, BLOCK=block,
         num_warps=num_warps or row_warps(block),
     )  # fmt: skip
-    db = db_partial.sum(0).to(bias_dtype) if has_bias else None
-    return dx, dw_partial.sum(0).to(weight.dtype), db
+    dw, db = sum_partials(dw_partial, weight.dtype, db_partial if has_bias else None, bias_dtype)
+    return dx, dw, db
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -246,6 +253,9 @@ def layernorm(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm of x's last dim; with `residual`, returns (norm(x + residual), x + residual)."""
-    if use_triton(x, weight, bias, residual):
+    if not use_triton(x, weight, bias, residual):
+        return layernorm_ref(x, weight, bias, eps, residual)
+    if needs_grad(x, weight, bias, residual):
         return LayerNormFunction.apply(x, weight, bias, residual, eps)
-    return layernorm_ref(x, weight, bias, eps, residual)
+    y, h, _, _ = layernorm_fwd(x, weight, bias, eps, residual)
+    return y.view(x.shape) if residual is None else (y.view(x.shape), h.view(x.shape))

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import sm_count, use_triton
+from kiln.kernels.launch import CachedLaunch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_ROW = 65536  # a longer row would not fit in one program's registers
@@ -114,6 +115,56 @@ def _rmsnorm_bwd_kernel(
     tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
 
 
+@triton.jit
+def _sum_partials_kernel(
+    P_ptr,  # (n_rows, D) float32 partial sums, rows contiguous
+    Q_ptr,  # (n_rows, D) a second set (read only if HAS_Q: LayerNorm's bias partials)
+    OUT_P,  # (D,) out: column sums of P, in the output dtype
+    OUT_Q,  # (D,) out: column sums of Q
+    n_rows,
+    n_cols,
+    HAS_Q: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # one program per BLOCK_C columns, summing down all rows in a fixed order: deterministic, and one
+    # launch instead of torch's sum + cast per output (two ops each on the backward's host path)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < n_cols
+    acc_p = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    acc_q = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for r0 in range(0, n_rows, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+        ok = (rows < n_rows)[:, None] & col_ok[None, :]
+        acc_p += tl.sum(tl.load(P_ptr + offs, mask=ok, other=0.0), axis=0)
+        if HAS_Q:
+            acc_q += tl.sum(tl.load(Q_ptr + offs, mask=ok, other=0.0), axis=0)
+    tl.store(OUT_P + cols, acc_p.to(OUT_P.dtype.element_ty), mask=col_ok)
+    if HAS_Q:
+        tl.store(OUT_Q + cols, acc_q.to(OUT_Q.dtype.element_ty), mask=col_ok)
+
+
+_fwd_launch = CachedLaunch(_rmsnorm_fwd_kernel)
+_bwd_launch = CachedLaunch(_rmsnorm_bwd_kernel)
+_sum_launch = CachedLaunch(_sum_partials_kernel)
+
+
+def sum_partials(
+    p: torch.Tensor, dtype: torch.dtype, q: torch.Tensor | None = None, q_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Column sums of the backward's (programs, D) float32 partials, cast to `dtype` (and of `q`)."""
+    n_rows, D = p.shape
+    out_p = torch.empty(D, dtype=dtype, device=p.device)
+    out_q = None if q is None else torch.empty(D, dtype=q_dtype or dtype, device=p.device)
+    block_c = 128
+    _sum_launch[(cdiv(D, block_c),)](
+        p, p if q is None else q, out_p, out_p if out_q is None else out_q, n_rows, D,
+        HAS_Q=q is not None, BLOCK_R=16, BLOCK_C=block_c, num_warps=4,
+    )  # fmt: skip
+    return out_p, out_q
+
+
 # The backward's row loop: on the H200 (32768 x 4096 bf16, 2026-11-29) three pipeline stages with two
 # programs per SM measured best for both norms (RMSNorm 0.222 ms, LayerNorm 0.233 ms; one stage: 0.250
 # and 0.277; one program per SM: 0.35 and 0.40, Liger's choice). 8 and 16 warps tied. Fixed rather than
@@ -145,6 +196,11 @@ def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
 def programs_per_device(device: torch.device, per_sm: int) -> int:
     """How many persistent programs a backward launches: `per_sm` per SM on CUDA, 4 on the interpreter."""
     return sm_count(device) * per_sm if device.type == "cuda" else 4
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will record an op on `tensors` (else the launcher is called without a Function)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def check_rows(name: str, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -187,7 +243,7 @@ def rmsnorm_fwd(
     if n_rows == 0:
         return y, h, rstd
     block = pow2(D)
-    _rmsnorm_fwd_kernel[(n_rows,)](
+    _fwd_launch[(n_rows,)](
         x2, x2 if r2 is None else r2, h, y, weight, rstd,
         x2.stride(0), 0 if r2 is None else r2.stride(0), D,
         D, eps,
@@ -216,13 +272,13 @@ def rmsnorm_bwd(
     if n_rows == 0:
         return dx, torch.zeros_like(weight)
     block = pow2(D)
-    _rmsnorm_bwd_kernel[(n_prog,)](
+    _bwd_launch[(n_prog,)](
         dy2, h, dy2 if dh2 is None else dh2, weight, rstd, dx, dw_partial,
         dy2.stride(0), h.stride(0), 0 if dh2 is None else dh2.stride(0),
         n_rows, D, cdiv(n_rows, n_prog),
         HAS_DH=dh2 is not None, STAGES=stages, BLOCK=block, num_warps=num_warps or row_warps(block),
     )  # fmt: skip
-    return dx, dw_partial.sum(0).to(weight.dtype)
+    return dx, sum_partials(dw_partial, weight.dtype)[0]
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -250,6 +306,10 @@ def rmsnorm(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x's last dim; with `residual`, returns (norm(x + residual), x + residual)."""
-    if use_triton(x, weight, residual):
+    if not use_triton(x, weight, residual):
+        return rmsnorm_ref(x, weight, eps, residual)
+    if needs_grad(x, weight, residual):
         return RMSNormFunction.apply(x, weight, residual, eps)
-    return rmsnorm_ref(x, weight, eps, residual)
+    # inference: the launcher alone (autograd.Function.apply costs ~25 us of host time per call)
+    y, h, _ = rmsnorm_fwd(x, weight, eps, residual)
+    return y.view(x.shape) if residual is None else (y.view(x.shape), h.view(x.shape))

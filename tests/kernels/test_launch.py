@@ -1,0 +1,74 @@
+"""CachedLaunch: the specialization key, and on the GPU, cached launches equal to Triton's own."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.launch import CachedLaunch, _arg_key
+
+
+def test_key_separates_what_triton_specializes():
+    a = torch.zeros(8, dtype=torch.float32)
+    assert _arg_key(a) != _arg_key(a[1:])  # 16-byte aligned vs not
+    assert _arg_key(a) != _arg_key(a.half())  # dtype
+    assert _arg_key(1) != _arg_key(2)  # the value 1
+    assert _arg_key(16) != _arg_key(17)  # divisibility by 16
+    assert _arg_key(16) != _arg_key(2**40)  # 32- vs 64-bit
+    assert _arg_key(True) != _arg_key(False)
+    assert _arg_key(0.5) == _arg_key(2.0)  # floats are runtime fp32 arguments, not specialized
+
+
+@triton.jit
+def _axpy(X, Y, OUT, n, alpha, BLOCK: tl.constexpr, NEG: tl.constexpr = False):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    y = alpha * tl.load(X + offs, mask=ok) + tl.load(Y + offs, mask=ok)
+    if NEG:
+        y = -y
+    tl.store(OUT + offs, y, mask=ok)
+
+
+_axpy_cached = CachedLaunch(_axpy)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 16, 1000, 4099])
+def test_cached_launch_matches_plain_launch(n):
+    base = torch.randn(2 * n + 8, device="cuda")
+    for off in (0, 1, 3):  # misaligned views must not reuse the aligned binary
+        x, y = base[off : off + n], base[n + off : 2 * n + off]
+        for neg in (False, True):
+            for _ in range(3):  # the first call compiles, the next ones take the cached handle
+                out = torch.empty_like(x)
+                _axpy_cached[(triton.cdiv(n, 256),)](x, y, out, n, 0.5, BLOCK=256, NEG=neg)
+                want = -(0.5 * x + y) if neg else 0.5 * x + y
+                torch.testing.assert_close(out, want)
+    # defaults: NEG omitted takes the parameter's default
+    out = torch.empty(n, device="cuda")
+    for _ in range(2):
+        _axpy_cached[(triton.cdiv(n, 256),)](base[:n], base[:n], out, n, 1.0, BLOCK=256)
+        torch.testing.assert_close(out, 2 * base[:n])
+
+
+@pytest.mark.gpu
+def test_cached_launch_follows_the_current_stream_and_graph_capture():
+    x = torch.randn(5000, device="cuda")
+    out = torch.zeros_like(x)
+    grid = (triton.cdiv(5000, 256),)
+    _axpy_cached[grid](x, x, out, 5000, 1.0, BLOCK=256)  # compile outside the side stream
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out2 = torch.empty_like(x)
+        _axpy_cached[grid](x, x, out2, 5000, 2.0, BLOCK=256)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.testing.assert_close(out2, 3 * x)
+    g = torch.cuda.CUDAGraph()
+    out3 = torch.empty_like(x)
+    with torch.cuda.graph(g):
+        _axpy_cached[grid](x, x, out3, 5000, 3.0, BLOCK=256)
+    x.copy_(torch.ones_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out3, torch.full_like(x, 4.0))
