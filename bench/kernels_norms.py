@@ -127,7 +127,7 @@ class Timer:
             return None
         return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
 
-    def host(self, fn: Callable[[], object], n: int = 10) -> float | None:
+    def host(self, fn: Callable[[], object], n: int = 30) -> float | None:
         """Milliseconds of host (CPU) time per call, launches queued without waiting for the GPU."""
         if self.smoke:
             return None

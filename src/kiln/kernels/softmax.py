@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import use_triton
-from kiln.kernels.rmsnorm import FLOAT_DTYPES, as_rows, pow2, row_warps
+from kiln.kernels.launch import CachedLaunch
+from kiln.kernels.rmsnorm import FLOAT_DTYPES, as_rows, needs_grad, pow2, row_warps
 
 MAX_BLOCK = 16384  # the longest row kept whole in registers; longer rows take the online kernel
 ONLINE_BLOCK = 4096  # block the online kernel walks a long row in
@@ -104,6 +105,10 @@ def _softmax_bwd_kernel(
             tl.store(dx_row + start + cols, (y * (dy - dot)).to(DX_ptr.dtype.element_ty), mask=mask)
 
 
+_fwd_launch = CachedLaunch(_softmax_fwd_kernel)
+_bwd_launch = CachedLaunch(_softmax_bwd_kernel)
+
+
 def _plan(n_cols: int, max_block: int, online_block: int) -> tuple[int, bool]:
     """(BLOCK, ONE_BLOCK) for rows of n_cols."""
     whole = pow2(n_cols)
@@ -129,7 +134,7 @@ def softmax_fwd(
     if x2.shape[0] == 0:
         return y
     block, one = _plan(N, max_block, online_block)
-    _softmax_fwd_kernel[(x2.shape[0],)](
+    _fwd_launch[(x2.shape[0],)](
         x2, y, x2.stride(0), N, BLOCK=block, ONE_BLOCK=one, num_warps=num_warps or row_warps(block)
     )
     return y
@@ -149,7 +154,7 @@ def softmax_bwd(
     if n_rows == 0:
         return dx
     block, one = _plan(N, max_block, online_block)
-    _softmax_bwd_kernel[(n_rows,)](
+    _bwd_launch[(n_rows,)](
         dy2, y, dx, dy2.stride(0), N, BLOCK=block, ONE_BLOCK=one, num_warps=num_warps or row_warps(block)
     )
     return dx
@@ -173,8 +178,9 @@ class SoftmaxFunction(torch.autograd.Function):
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Softmax of x along `dim`."""
-    if use_triton(x):
-        last = dim in (-1, x.dim() - 1)
-        y = SoftmaxFunction.apply(x if last else x.movedim(dim, -1))
-        return y if last else y.movedim(-1, dim)
-    return softmax_ref(x, dim)
+    if not use_triton(x):
+        return softmax_ref(x, dim)
+    last = dim in (-1, x.dim() - 1)
+    xl = x if last else x.movedim(dim, -1)
+    y = SoftmaxFunction.apply(xl) if needs_grad(xl) else softmax_fwd(xl).view(xl.shape)
+    return y if last else y.movedim(-1, dim)

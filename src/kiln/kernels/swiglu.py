@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import use_triton
-from kiln.kernels.rmsnorm import FLOAT_DTYPES, cdiv
+from kiln.kernels.launch import CachedLaunch
+from kiln.kernels.rmsnorm import FLOAT_DTYPES, cdiv, needs_grad
 
 BLOCK = 1024  # elements per program: 8 per thread at 4 warps, 16-byte loads in bf16
 
@@ -87,6 +88,10 @@ def _swiglu_bwd_kernel(
     tl.store(DG_ptr + row * dg_row_stride + cols, dg.to(DG_ptr.dtype.element_ty), mask=mask)
 
 
+_fwd_launch = CachedLaunch(_swiglu_fwd_kernel)
+_bwd_launch = CachedLaunch(_swiglu_bwd_kernel)
+
+
 def _flat(*ts: torch.Tensor) -> list[torch.Tensor] | None:
     """All of `ts` as one long row each (1, numel) if every one is contiguous, else None."""
     if all(t.is_contiguous() for t in ts):
@@ -130,7 +135,7 @@ def swiglu_fwd(g: torch.Tensor, u: torch.Tensor, block: int = BLOCK, num_warps: 
     flat = _flat(g, u)
     g2, u2, o2 = (*flat, out.view(1, -1)) if flat else (g, u, out)
     n_prog, n_col_blocks = _launch_grid(g2.shape[0], g2.shape[1], block)
-    _swiglu_fwd_kernel[(n_prog,)](
+    _fwd_launch[(n_prog,)](
         g2, u2, o2, g2.stride(0), u2.stride(0), o2.stride(0), g2.shape[1], n_col_blocks,
         BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
@@ -153,7 +158,7 @@ def swiglu_bwd(
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     ts = _flat(dout, g, u, dg, du) or (dout, g, u, dg, du)
     n_prog, n_col_blocks = _launch_grid(ts[0].shape[0], ts[0].shape[1], block)
-    _swiglu_bwd_kernel[(n_prog,)](
+    _bwd_launch[(n_prog,)](
         *ts, *(t.stride(0) for t in ts), ts[0].shape[1], n_col_blocks, BLOCK=block, num_warps=num_warps
     )
 
@@ -182,6 +187,9 @@ class SwiGLUFunction(torch.autograd.Function):
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up; with up=None, gate is the fused (..., 2H) [gate | up] tensor."""
-    if use_triton(gate, up):
+    if not use_triton(gate, up):
+        return swiglu_ref(gate, up)
+    if needs_grad(gate, up):
         return SwiGLUFunction.apply(gate, up)
-    return swiglu_ref(gate, up)
+    g, u = _split(gate, up)
+    return swiglu_fwd(g, u).view(*gate.shape[:-1], g.shape[-1])

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import use_triton
+from kiln.kernels.launch import CachedLaunch
 from kiln.kernels.rmsnorm import FLOAT_DTYPES, cdiv
 
 BLOCK = 1024
@@ -48,6 +49,9 @@ def _add_kernel(
     tl.store(O_ptr + offs, (x.to(tl.float32) + y.to(tl.float32)).to(O_ptr.dtype.element_ty), mask=mask)
 
 
+_add_launch = CachedLaunch(_add_kernel)
+
+
 def vector_add_launch(
     x: torch.Tensor, y: torch.Tensor, block: int = BLOCK, num_warps: int = 4
 ) -> torch.Tensor:
@@ -63,7 +67,7 @@ def vector_add_launch(
     out = torch.empty_like(x)
     n = x.numel()
     if n:
-        _add_kernel[(cdiv(n, block),)](x, y, out, n, BLOCK=block, num_warps=num_warps)
+        _add_launch[(cdiv(n, block),)](x, y, out, n, BLOCK=block, num_warps=num_warps)
     return out
 
 
