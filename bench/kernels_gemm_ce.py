@@ -15,6 +15,7 @@ them, where launch overhead would otherwise swamp a few microseconds of work.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -53,6 +54,7 @@ import triton.testing  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 from kiln.kernels import cross_entropy as ce  # noqa: E402
+from kiln.kernels import linear_cross_entropy as lce  # noqa: E402
 from kiln.kernels.dispatch import use_backend  # noqa: E402
 from kiln.kernels.matmul import (  # noqa: E402
     _matmul_autotuned,
@@ -406,27 +408,23 @@ def bench_lce() -> None:
 
     record("linear_cross_entropy", "forward+backward", {"T": T, "H": H, "V": V, "dtype": str(dt)}, run)
 
-    def sweep():  # which GEMMs, and the chunk budget, vs time and memory: to pick the defaults
+    def sweep():  # a few schedules beside the default (bench/sweep_linear_ce.py sweeps them all)
         out = {}
-        default = ce.CHUNK_BYTES, ce.LOGITS_GEMM, ce.DWEIGHT_GEMM
-        try:
-            for mib, lg, dg in [(440, "kiln", "kiln"), (440, "kiln", "cublas"), (440, "cublas", "kiln"),
-                                (440, "cublas", "cublas"), (320, "kiln", "kiln"), (560, "kiln", "kiln"),
-                                (640, "kiln", "kiln")]:  # fmt: skip
-                ce.CHUNK_BYTES, ce.LOGITS_GEMM, ce.DWEIGHT_GEMM = mib * 2**20, lg, dg
-                f = step(ours)
-                loss = float(ours())
-                out[f"{mib}MiB logits={lg} dweight={dg}"] = {
-                    "ms": ms(f),
-                    "peak_gib": peak_gib(f),
-                    "loss": loss,
-                }
-        finally:
-            ce.CHUNK_BYTES, ce.LOGITS_GEMM, ce.DWEIGHT_GEMM = default
-        return {"chunks": out}
+        plans = {"default": lce.PLAN, "440 MiB chunks": lce.Plan(440 * 2**20),
+                 "440 MiB chunks, dweight=kiln": lce.Plan(440 * 2**20, dweight_gemm="kiln"),
+                 "overlap 2": dataclasses.replace(lce.PLAN, overlap=2)}  # fmt: skip
+        for name, plan in plans.items():
+
+            def call(plan=plan):
+                with use_backend("triton"):
+                    return ce.linear_cross_entropy(h, W, y, plan=plan)
+
+            f = step(call)
+            out[name] = {"plan": str(plan), "ms": ms(f), "peak_gib": peak_gib(f), "loss": float(call().detach())}
+        return {"plans": out}
 
     if within_budget():
-        record("linear_cross_entropy", "chunk sweep", {"T": T, "H": H, "V": V}, sweep)
+        record("linear_cross_entropy", "plan sweep", {"T": T, "H": H, "V": V}, sweep)
 
 
 # ---------------------------------------------------------------- sampling

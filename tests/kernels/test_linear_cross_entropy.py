@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.kernels import cross_entropy as ce
 from kiln.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from kiln.kernels.dispatch import use_backend
+from kiln.kernels.linear_cross_entropy import PLAN, Plan, chunk_bounds, split_rows
 
 from ._tolerance import assert_close
 
@@ -21,13 +21,13 @@ CASES = [
 ]
 
 
-def _run(hidden, weight, targets, bias, ignore_index, eps, reduction, dtype):
+def _run(hidden, weight, targets, bias, ignore_index, eps, reduction, dtype, plan=PLAN):
     leaves = [hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()]
     if bias is not None:
         leaves.append(bias.detach().clone().requires_grad_())
     with use_backend("triton"):
         loss = linear_cross_entropy(leaves[0], leaves[1], targets, leaves[2] if bias is not None else None,
-                                    ignore_index, eps, reduction)  # fmt: skip
+                                    ignore_index, eps, reduction, plan)  # fmt: skip
     ref = [
         t.detach().double().requires_grad_() for t in (hidden, weight) + ((bias,) if bias is not None else ())
     ]
@@ -44,15 +44,18 @@ def _run(hidden, weight, targets, bias, ignore_index, eps, reduction, dtype):
         assert_close(a, b, dtype, name=name)
 
 
-@pytest.mark.parametrize("gemms", ["kiln", "cublas"])
+# "kiln": logits with fused row statistics and dweight accumulated by kiln's matmul; "cublas": torch.matmul.
+# overlap 2: each chunk in two parts (on a GPU their loss kernels run on a second stream).
+PLANS = [("cublas", 1), ("kiln", 1), ("cublas", 2), ("kiln", 3)]
+
+
+@pytest.mark.parametrize("gemms,overlap", PLANS)
 @pytest.mark.parametrize("N,H,V,dtype,has_bias,ignore_index,eps,reduction", CASES)
 def test_linear_cross_entropy_matches_float64(N, H, V, dtype, has_bias, ignore_index, eps, reduction, gemms,
-                                              device, monkeypatch):  # fmt: skip
+                                              overlap, device):  # fmt: skip
     # A budget of 4 rows of logits per chunk, so every case runs several chunks and a ragged last one.
-    monkeypatch.setattr(ce, "CHUNK_BYTES", 4 * V * torch.finfo(dtype).bits // 8)
-    # "kiln": logits with fused row statistics and dweight accumulated by kiln's matmul; "cublas": torch.matmul
-    monkeypatch.setattr(ce, "LOGITS_GEMM", gemms)
-    monkeypatch.setattr(ce, "DWEIGHT_GEMM", gemms)
+    plan = Plan(chunk_bytes=4 * V * torch.finfo(dtype).bits // 8, logits_gemm=gemms, dweight_gemm=gemms,
+                overlap=overlap)  # fmt: skip
     gen = torch.Generator().manual_seed(N + H + V)
     hidden = torch.randn(N, H, generator=gen).to(device, dtype)
     weight = (torch.randn(V, H, generator=gen) / H**0.5).to(device, dtype)
@@ -60,20 +63,18 @@ def test_linear_cross_entropy_matches_float64(N, H, V, dtype, has_bias, ignore_i
     targets = torch.randint(0, V, (N,), generator=gen).to(device)
     if N > 2:
         targets[2] = ignore_index
-    _run(hidden, weight, targets, bias, ignore_index, eps, reduction, dtype)
+    _run(hidden, weight, targets, bias, ignore_index, eps, reduction, dtype, plan)
 
 
-def test_linear_cross_entropy_fewer_programs_than_rows(device, monkeypatch):
-    """The row-striding grid (ROW_PROGRAMS, an L2 tuning knob) computes the same thing."""
-    monkeypatch.setattr(ce, "ROW_PROGRAMS", 3)
-    monkeypatch.setattr(ce, "CHUNK_BYTES", 8 * 40 * 4)
+def test_linear_cross_entropy_fewer_programs_than_rows(device):
+    """The row-striding grid (Plan.row_programs, an L2 tuning knob) computes the same thing."""
     gen = torch.Generator().manual_seed(5)
     hidden, weight = (
         torch.randn(11, 16, generator=gen).to(device),
         torch.randn(40, 16, generator=gen).to(device),
     )
     targets = torch.randint(0, 40, (11,), generator=gen).to(device)
-    _run(hidden, weight, targets, None, -100, 0.1, "mean", torch.float32)
+    _run(hidden, weight, targets, None, -100, 0.1, "mean", torch.float32, Plan(8 * 40 * 4, row_programs=3))
 
 
 def test_linear_cross_entropy_strided_inputs(device):
@@ -105,21 +106,69 @@ def test_linear_cross_entropy_bad_input_errors(device):
                                  torch.zeros(4, dtype=torch.long, device=device))  # fmt: skip
 
 
+def test_chunk_bounds_split_evenly_in_whole_tiles():
+    # 8192 x 151936 bf16 logits under 480 MiB a chunk: 5 chunks of 13, 13, 13, 13 and 12 tiles of 128 rows.
+    assert chunk_bounds(8192, 151936, 2, 480 * 2**20) == [(0, 1664), (1664, 3328), (3328, 4992),
+                                                          (4992, 6656), (6656, 8192)]  # fmt: skip
+    assert split_rows(100, 110, 3) == [(100, 104), (104, 107), (107, 110)]  # under 128 rows a part: rows
+    assert split_rows(0, 300, 2) == [(0, 256), (256, 300)]  # 3 tiles of 128: 2 + 1
+    assert split_rows(0, 5, 8) == [(i, i + 1) for i in range(5)]
+    assert split_rows(3, 3, 2) == []
+
+
+def test_plan_rejects_bad_values():
+    with pytest.raises(ValueError, match="logits_gemm"):
+        Plan(logits_gemm="cutlass")
+    with pytest.raises(ValueError, match="positive"):
+        Plan(overlap=0)
+
+
+@pytest.mark.parametrize("g", [1.0, 2.5])
+def test_scale_in_place(g, device):
+    """The backward's in-place scaling by the incoming gradient, which leaves the tensor alone when g == 1."""
+    from kiln.kernels.linear_cross_entropy import scale_
+
+    x = torch.randn(1000, device=device, dtype=torch.float16)
+    want = (x.double() * g).to(torch.float16)
+    with use_backend("triton"):
+        scale_(x, torch.tensor(g, device=device))
+    assert torch.equal(x, want)
+
+
+def test_linear_cross_entropy_unit_incoming_gradient(device):
+    """loss.backward() (incoming gradient exactly 1: the scaling kernel does nothing) gives the reference's."""
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(12, 16, generator=gen).to(device).requires_grad_()
+    weight = torch.randn(40, 16, generator=gen).to(device).requires_grad_()
+    targets = torch.randint(0, 40, (12,), generator=gen).to(device)
+    with use_backend("triton"):
+        linear_cross_entropy(hidden, weight, targets, plan=Plan(4 * 40 * 4)).backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    linear_cross_entropy_ref(h64, w64, targets).backward()
+    assert_close(hidden.grad, h64.grad, torch.float32, name="dhidden")
+    assert_close(weight.grad, w64.grad, torch.float32, name="dweight")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("logits_gemm", ["kiln", "cublas"])
-@pytest.mark.parametrize("dweight_gemm", ["kiln", "cublas"])
-def test_linear_cross_entropy_bf16_qwen_head(logits_gemm, dweight_gemm, monkeypatch):
+@pytest.mark.parametrize(
+    "plan",
+    [
+        Plan(256 * 151936 * 2, logits_gemm=lg, dweight_gemm=dg)
+        for lg in ("kiln", "cublas")
+        for dg in ("kiln", "cublas")
+    ]
+    + [Plan(256 * 151936 * 2, overlap=2), Plan(256 * 151936 * 2, overlap=2, gemm_priority=True)],
+    ids=["kiln-kiln", "kiln-cublas", "cublas-kiln", "cublas-cublas", "overlap2", "overlap2-priority"],
+)
+def test_linear_cross_entropy_bf16_qwen_head(plan):
     """The Qwen2.5 head (1536 -> 151936) in bf16 on 512 tokens, two chunks."""
-    monkeypatch.setattr(ce, "LOGITS_GEMM", logits_gemm)
-    monkeypatch.setattr(ce, "DWEIGHT_GEMM", dweight_gemm)
-    monkeypatch.setattr(ce, "CHUNK_BYTES", 256 * 151936 * 2)
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(512, 1536, generator=gen).to("cuda", torch.bfloat16)
     weight = (torch.randn(151936, 1536, generator=gen) * 0.02).to("cuda", torch.bfloat16)
     targets = torch.randint(0, 151936, (512,), generator=gen).cuda()
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
-    loss = linear_cross_entropy(h, w, targets)
+    loss = linear_cross_entropy(h, w, targets, plan=plan)
     loss.backward()
     h64 = hidden.double().requires_grad_()
     w64 = weight.double().requires_grad_()

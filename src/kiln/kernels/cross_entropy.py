@@ -1,28 +1,19 @@
-"""Cross-entropy over a vocabulary, and the fused linear + cross-entropy that never holds all logits.
+"""Cross-entropy over a vocabulary: one Triton kernel for the loss, its gradient, or both at once.
 
 cross_entropy(logits (N, V), targets (N,)): per-token loss
     loss_i = lse(z_i) - (1 - eps) * z_i[t_i] - eps * mean_j(z_ij)      (label smoothing eps; eps = 0 is plain CE)
     dloss_i/dz_ij = softmax(z_i)_j - eps / V - (1 - eps) * [j == t_i]
 tokens whose target == ignore_index contribute nothing (loss 0, gradient 0) and are not counted in the mean.
-linear_cross_entropy(hidden (N, H), weight (V, H), targets (N,), bias (V,) or None): the same loss of
-logits = hidden @ weight.T + bias, the training head's loss. Its gradients are
-    dhidden = dz @ weight,   dweight = dz.T @ hidden,   dbias = dz.sum(0).
 reduction: "mean" (over non-ignored tokens), "sum", or "none" (per token, float32).
 
 The Triton path: one program per row streams the vocabulary in blocks, keeping an online logsumexp
 (running max and rescaled sum), so a 151936-wide row never has to fit on chip. The forward reads the
 logits once and saves only lse (N floats); the backward reads them once more and writes the gradient.
-The fused linear version goes over the tokens in chunks: it forms a chunk's logits with one GEMM
-(cuBLAS through torch.matmul), runs the same kernel on them with the gradient written in place of the
-chunk's logits (safe: the chunk is ours and dies right after), and turns that gradient into the chunk's
-share of dhidden and dweight with two more GEMMs. Peak extra memory is one chunk of logits plus the
-gradients, never (N, V). For "mean"/"sum" the gradients are computed in the forward (as Liger does) and
-scaled by the incoming gradient in the backward, on the device, without a host sync; for "none" the
-backward recomputes the chunks with each token's incoming gradient.
+The fused linear + cross-entropy (linear_cross_entropy.py, also importable from here) runs the same
+kernel on chunks of logits, writing the gradient in place of them.
 
 Not done: targets outside [0, V) other than ignore_index are not checked on the GPU (that would need a
-host sync); they read an arbitrary logit. Logits may have any strides; hidden and weight any strides
-torch.matmul accepts.
+host sync); they read an arbitrary logit. Logits may have any strides.
 """
 
 from __future__ import annotations
@@ -33,7 +24,6 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import interpreting, use_triton
-from kiln.kernels.matmul import matmul_fwd, tile_config
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -52,19 +42,6 @@ def cross_entropy_ref(
         label_smoothing=label_smoothing,
         reduction=reduction,
     )
-
-
-def linear_cross_entropy_ref(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    reduction: str = "mean",
-) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias)
-    return cross_entropy_ref(logits, targets, ignore_index, label_smoothing, reduction)
 
 
 @triton.jit
@@ -257,155 +234,6 @@ class CrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def _chunk_rows(N: int, V: int, itemsize: int, chunk_bytes: int) -> int:
-    """Tokens per chunk: the fewest chunks that keep one chunk of logits near chunk_bytes, split evenly
-    (a ragged small last chunk runs its GEMMs inefficiently), rounded up to a multiple of 128 (GEMM tiles)."""
-    if N == 0:
-        return 1
-    chunks = max(1, -(-N * V * itemsize // max(1, chunk_bytes)))
-    rows = -(-N // chunks)
-    if rows >= 128:
-        rows = -(-rows // 128) * 128
-    return min(rows, N)
-
-
-# 8192 x 151936 bf16 logits (2.3 GiB) go in 6 chunks of 1408 tokens (408 MiB each): big enough that the
-# three GEMMs of a chunk run near cuBLAS's peak (dhidden's has 11 x 12 output tiles of 128), small enough
-# that the peak stays under 1 GiB beside dweight (445 MiB).
-CHUNK_BYTES = 440 * 2**20
-# Programs for the chunk's loss + gradient kernel (None: one per row). A grid of a few per SM keeps the
-# rows being worked on (304 KiB each at V = 151936) within L2 between the two passes over them.
-ROW_PROGRAMS: int | None = None
-# Which GEMM forms a chunk's logits and accumulates dweight: "cublas" (torch.matmul) or "kiln"
-# (kiln.kernels.matmul, persistent 128x256 tiles; the logits GEMM also emits each row's per-tile max and
-# sum exp, so the loss needs no pass of its own over the logits). Measured at 8192 x 1536 x 151936 bf16 on
-# the H200, forward+backward: cublas/cublas 20.3 ms, kiln logits 22.1 ms, kiln dweight 21.8 ms, both
-# 22.9 ms (the statistics epilogue costs more than the pass it saves). dhidden's GEMM (c x V) @ (V x H)
-# has too few output tiles for one program per tile and is always cuBLAS's, which splits K.
-LOGITS_GEMM = "cublas"
-DWEIGHT_GEMM = "cublas"
-
-
-def _gemm_config() -> triton.Config:
-    """The fixed (not autotuned) tile config of the fused GEMMs: autotuning would run the accumulating
-    GEMM several times over dweight, and the row statistics' layout depends on BLOCK_N."""
-    if interpreting():
-        return tile_config(32, 32, 32, 1, 4, 4, persistent=True)
-    return tile_config(128, 256, 64, 3, 8, persistent=True)
-
-
-def linear_cross_entropy_chunks(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    ignore_index: int,
-    eps: float,
-    scale: torch.Tensor | None,
-    want: tuple[bool, bool, bool],
-    chunk_bytes: int = CHUNK_BYTES,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Per-row loss (N,) float32, and the gradients of (hidden, weight, bias) that `want` asks for,
-    already multiplied by `scale` (0-d or (N,) float32). `scale` None: no gradients at all."""
-    N, H = hidden.shape
-    V = weight.shape[0]
-    loss = torch.empty(N, device=hidden.device, dtype=torch.float32)
-    grads = scale is not None and any(want)
-    lse = torch.empty(N, device=hidden.device, dtype=torch.float32)
-    dh = hidden.new_empty(N, H) if grads and want[0] else None
-    dw = weight.new_empty(V, H) if grads and want[1] else None
-    db = torch.zeros(V, device=hidden.device, dtype=torch.float32) if grads and want[2] else None
-    C = _chunk_rows(N, V, hidden.element_size(), chunk_bytes)
-    buf = hidden.new_empty(C, V)  # reused by every chunk
-    cfg = _gemm_config()
-    for start in range(0, N, C):
-        end = min(start + C, N)
-        h, z = hidden[start:end], buf[: end - start]
-        stats = None
-        if LOGITS_GEMM == "kiln":
-            n_parts = triton.cdiv(V, cfg.kwargs["BLOCK_N"])
-            stats = torch.empty(3, end - start, n_parts, device=hidden.device, dtype=torch.float32)
-            matmul_fwd(h, weight.t(), bias, out=z, row_stats=stats, config=cfg)  # (c, V) = (c, H) @ (H, V)
-        elif bias is None:
-            torch.matmul(h, weight.t(), out=z)  # (c, V) = (c, H) @ (H, V)
-        else:
-            torch.addmm(bias.to(z.dtype), h, weight.t(), out=z)  # bias broadcast over the rows
-        s = None
-        if grads:
-            s = scale if scale.numel() == 1 else scale[start:end]
-        _launch(z, targets[start:end].contiguous(), loss[start:end], lse[start:end],
-                z if grads else None, s, ignore_index, eps, forward=True, programs=ROW_PROGRAMS,
-                stats=stats)  # fmt: skip
-        if not grads:
-            continue
-        # z now holds dloss/dz for this chunk (c, V), written over its logits.
-        if dh is not None:
-            torch.matmul(z, weight, out=dh[start:end])  # (c, H) = (c, V) @ (V, H)
-        if dw is not None:
-            if DWEIGHT_GEMM == "kiln":  # (V, H) (+)= (V, c) @ (c, H), rounded to dweight's dtype per chunk
-                matmul_fwd(z.t(), h, out=dw, accumulate=start > 0, config=cfg)
-            elif start == 0:
-                torch.matmul(z.t(), h, out=dw)  # (V, H) = (V, c) @ (c, H)
-            else:
-                dw.addmm_(z.t(), h)  # accumulates in dweight's dtype between chunks, as Liger does
-        if db is not None:
-            db += z.sum(0, dtype=torch.float32)
-    return loss, dh, dw, db
-
-
-class LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, bias, ignore_index, label_smoothing, reduction):
-        n_valid = (targets != ignore_index).sum()
-        want = (
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
-            bias is not None and ctx.needs_input_grad[3],
-        )
-        early = reduction != "none" and any(want)
-        # mean/sum: the gradient of each token is the same multiple of dloss/dz, so it is formed now (one
-        # pass instead of recomputing the logits) and scaled by the incoming gradient in the backward.
-        scale = _row_scale(torch.ones((), device=hidden.device), n_valid, reduction) if early else None
-        loss, dh, dw, db = linear_cross_entropy_chunks(
-            hidden, weight, targets, bias, ignore_index, label_smoothing, scale, want
-        )
-        ctx.early, ctx.spent = early, False
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.args = (ignore_index, label_smoothing, reduction, want)
-        if early:
-            ctx.save_for_backward(dh, dw, db)
-        else:
-            ctx.save_for_backward(hidden, weight, targets, bias, n_valid)
-        return _reduce(loss, n_valid, reduction)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        ignore_index, label_smoothing, reduction, want = ctx.args
-        if ctx.early:
-            if ctx.spent:
-                raise RuntimeError(
-                    "linear_cross_entropy scales its saved gradients in place, so it cannot be "
-                    "backpropagated twice (retain_graph=True): call it again for a second backward"
-                )
-            ctx.spent = True
-            dh, dw, db = ctx.saved_tensors
-            g = grad_out.float()
-            # In place, on the device: no host sync to test whether grad_out == 1, no second copy of
-            # dweight (445 MiB at 151936 x 1536 bf16).
-            dh = dh.mul_(g) if dh is not None else None
-            dw = dw.mul_(g) if dw is not None else None
-            db = db.mul_(g) if db is not None else None
-        else:
-            hidden, weight, targets, bias, n_valid = ctx.saved_tensors
-            scale = _row_scale(grad_out, n_valid, reduction)
-            _, dh, dw, db = linear_cross_entropy_chunks(
-                hidden, weight, targets, bias, ignore_index, label_smoothing, scale, want
-            )
-        if db is not None:
-            db = db.to(ctx.bias_dtype)
-        return dh, dw, None, db, None, None, None
-
-
 def cross_entropy(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -419,28 +247,11 @@ def cross_entropy(
     return CrossEntropy.apply(logits, targets, ignore_index, float(label_smoothing), reduction)
 
 
-def linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    reduction: str = "mean",
-) -> torch.Tensor:
-    if not use_triton(hidden, weight, targets, bias):
-        return linear_cross_entropy_ref(
-            hidden, weight, targets, bias, ignore_index, label_smoothing, reduction
-        )
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
-        raise ValueError(
-            f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
-        )
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"hidden is {hidden.dtype} but weight is {weight.dtype}: cast one of them")
-    _check(hidden, targets, label_smoothing, reduction, "hidden (N, H)")
-    return LinearCrossEntropy.apply(
-        hidden, weight, targets, bias, ignore_index, float(label_smoothing), reduction
-    )
+def __getattr__(name: str):
+    # The fused op lives in linear_cross_entropy.py (which imports this module's kernel); it stays
+    # importable from here, where it began: `from kiln.kernels.cross_entropy import linear_cross_entropy`.
+    if name in ("linear_cross_entropy", "linear_cross_entropy_ref", "LinearCrossEntropy", "Plan", "PLAN"):
+        from kiln.kernels import linear_cross_entropy as lce
+
+        return getattr(lce, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

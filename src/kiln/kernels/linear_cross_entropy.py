@@ -1,0 +1,349 @@
+"""Fused linear + cross-entropy: the training head's loss without ever holding all (N, V) logits.
+
+linear_cross_entropy(hidden (N, H), weight (V, H), targets (N,), bias (V,) or None) is the loss of
+cross_entropy.py applied to logits = hidden @ weight.T + bias (same ignore_index, label smoothing and
+reductions). With dz = dloss/dlogits its gradients are
+    dhidden = dz @ weight,   dweight = dz.T @ hidden,   dbias = dz.sum(0).
+
+The tokens go in chunks of about `Plan.chunk_bytes` of logits. Per chunk c (rows r):
+    z = hidden[r] @ weight.T            (c, V)  cuBLAS (or kiln's matmul, which also emits row statistics)
+    z <- scale * dloss/dz               in place, by cross_entropy.py's row kernel (loss and lse on the way)
+    dhidden[r] = z @ weight             (c, H)
+    dweight (+)= z.T @ hidden[r]        (V, H)  accumulated in dweight's dtype, as Liger does
+so the extra memory is one chunk of logits beside the gradients themselves. A chunk can be cut into
+`Plan.overlap` parts whose loss kernels run on a second CUDA stream while the GEMMs of the next part go
+on (the loss kernel is bound by memory, the GEMMs by the tensor cores).
+For "mean"/"sum" the gradients are formed in the forward (one pass, as Liger does) and scaled by the
+incoming gradient in the backward on the device, without a host sync (a no-op kernel when it is 1);
+for "none" the backward recomputes the chunks with each token's incoming gradient.
+
+Not done: targets outside [0, V) other than ignore_index are not checked on the GPU (a host sync);
+they read an arbitrary logit. hidden and weight may have any strides torch.matmul accepts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.cross_entropy import _check, _launch, _reduce, _row_scale, cross_entropy_ref
+from kiln.kernels.dispatch import interpreting, sm_count, use_triton
+from kiln.kernels.matmul import matmul_fwd, tile_config
+
+GEMMS = ("cublas", "kiln")
+
+
+def linear_cross_entropy_ref(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    return cross_entropy_ref(logits, targets, ignore_index, label_smoothing, reduction)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How the fused op schedules its work (the math is the same for every plan).
+
+    chunk_bytes: logits per token chunk; the chunk rows are a multiple of 128 (GEMM tiles) split evenly,
+        so a chunk may pass this by up to 127 rows.
+    logits_gemm / dweight_gemm: "cublas" (torch.matmul) or "kiln" (kiln.kernels.matmul, persistent
+        128x256 tiles; for the logits it also emits per-tile row max / sum exp, so the loss kernel skips
+        its first pass over the row). dhidden's GEMM, (c, V) @ (V, H), has too few output tiles for one
+        program per tile and is always cuBLAS's, which splits K.
+    row_programs: programs of the loss kernel, striding over rows (None: one per row).
+    overlap: parts per chunk; > 1 runs each part's loss kernel on a side stream, overlapping the GEMMs.
+    gemm_priority: run the GEMMs on a high-priority stream, so their blocks go first when both kernels
+        wait for multiprocessors (only with overlap > 1).
+    """
+
+    chunk_bytes: int = 440 * 2**20
+    logits_gemm: str = "cublas"
+    dweight_gemm: str = "cublas"
+    row_programs: int | None = None
+    overlap: int = 1
+    gemm_priority: bool = False
+
+    def __post_init__(self):
+        if self.logits_gemm not in GEMMS or self.dweight_gemm not in GEMMS:
+            raise ValueError(f"logits_gemm and dweight_gemm must be in {GEMMS}")
+        if (
+            self.chunk_bytes < 1
+            or self.overlap < 1
+            or (self.row_programs is not None and self.row_programs < 1)
+        ):
+            raise ValueError(f"chunk_bytes, overlap and row_programs must be positive: {self}")
+
+
+# 8192 x 151936 bf16 logits (2.3 GiB) go in 6 chunks of about 1366 tokens (408 MiB of logits each): big
+# enough that the three GEMMs of a chunk run near cuBLAS's peak, small enough that the peak stays under
+# 1 GiB beside dweight (445 MiB). Measured on the H200 (bench/sweep_linear_ce.py): see docs/readme/linear_ce.md.
+PLAN = Plan()
+
+
+def _gemm_config() -> triton.Config:
+    """The fixed (not autotuned) tile config of kiln's fused GEMMs: autotuning would run the accumulating
+    GEMM several times over dweight, and the row statistics' layout depends on BLOCK_N."""
+    if interpreting():
+        return tile_config(32, 32, 32, 1, 4, 4, persistent=True)
+    return tile_config(128, 256, 64, 3, 8, persistent=True)
+
+
+def split_rows(start: int, end: int, parts: int, unit: int = 128) -> list[tuple[int, int]]:
+    """[start, end) in at most `parts` ranges of whole `unit`s of rows (GEMM tiles), sizes within one
+    unit of each other; unit 1 when the rows are too few for one unit per part."""
+    n = end - start
+    if n <= 0:
+        return []
+    unit = unit if n >= unit * parts else 1
+    units = -(-n // unit)
+    parts = min(parts, units)
+    bounds = []
+    for i in range(parts):
+        stop = min(end, start + (units // parts + (i < units % parts)) * unit)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def chunk_bounds(N: int, V: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Token chunks: the fewest that keep one chunk's (rows, V) logits near chunk_bytes."""
+    return split_rows(0, N, max(1, -(-N * V * itemsize // chunk_bytes)))
+
+
+@functools.cache
+def _stream(device_index: int, priority: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device_index, priority=priority)
+
+
+def _on(stream: torch.cuda.Stream | None):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _mark(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _wait(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
+    if stream is not None and event is not None:
+        stream.wait_event(event)
+
+
+def _handoff(src: torch.cuda.Stream | None, dst: torch.cuda.Stream | None) -> None:
+    """Make `dst` wait for what `src` has queued so far (nothing to do on one stream)."""
+    if src is not None and dst is not None and src != dst:
+        dst.wait_stream(src)
+
+
+def linear_cross_entropy_chunks(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    eps: float,
+    scale: torch.Tensor | None,
+    want: tuple[bool, bool, bool],
+    plan: Plan = PLAN,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Per-row loss (N,) float32, and the gradients of (hidden, weight, bias) that `want` asks for,
+    already multiplied by `scale` (0-d or (N,) float32). `scale` None: no gradients at all."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    grads = scale is not None and any(want)
+    loss = torch.empty(N, device=dev, dtype=torch.float32)
+    lse = torch.empty(N, device=dev, dtype=torch.float32)
+    dh = hidden.new_empty(N, H) if grads and want[0] else None
+    dw = weight.new_empty(V, H) if grads and want[1] else None
+    db = torch.zeros(V, device=dev, dtype=torch.float32) if grads and want[2] else None
+    targets = targets.contiguous()
+    scale = scale.float().reshape(-1) if grads else None
+    chunks = chunk_bounds(N, V, hidden.element_size(), plan.chunk_bytes)
+    rows = max((e - s for s, e in chunks), default=0)
+    buf = hidden.new_empty(rows, V)  # every chunk's logits, then its dloss/dz, in turn
+    cfg = _gemm_config()
+    n_parts = triton.cdiv(V, cfg.kwargs["BLOCK_N"])
+    stats = None
+    if plan.logits_gemm == "kiln":  # (3, rows, n_parts) per-tile row max / sum exp / sum, reused
+        stats = torch.empty(3 * rows * n_parts, device=dev, dtype=torch.float32)
+    # Streams: the GEMMs on `gemm_s`, the loss kernels on `ce_s`; both None (the current stream) unless
+    # the plan overlaps them on a GPU. Tensors used on them are allocated here, before, on the caller's
+    # stream, which waits for both at the end: the allocator cannot hand their memory out early.
+    main = gemm_s = ce_s = None
+    if plan.overlap > 1 and hidden.is_cuda:
+        main = torch.cuda.current_stream(dev)
+        gemm_s = _stream(dev.index or 0, -1) if plan.gemm_priority else main
+        ce_s = _stream(dev.index or 0, 0)
+        _handoff(main, gemm_s)
+        _handoff(main, ce_s)
+    for c0, c1 in chunks:
+        parts = split_rows(c0, c1, plan.overlap)
+        done = []  # per part: its loss kernel has finished (events; None on one stream)
+        for p0, p1 in parts:
+            z = buf[p0 - c0 : p1 - c0]  # (part rows, V)
+            st = None if stats is None else stats[3 * (p0 - c0) * n_parts : 3 * (p1 - c0) * n_parts]
+            with _on(gemm_s):
+                _logits(hidden[p0:p1], weight, bias, z, None if st is None else st.view(3, -1, n_parts), cfg)
+            with _on(ce_s):  # the loss, and the gradient in place, once the part's logits are there
+                _handoff(gemm_s, ce_s)
+                s = None if not grads else scale if scale.numel() == 1 else scale[p0:p1]
+                _launch(z, targets[p0:p1], loss[p0:p1], lse[p0:p1], z if grads else None, s, ignore_index,
+                        eps, forward=True, programs=plan.row_programs,
+                        stats=None if st is None else st.view(3, -1, n_parts))  # fmt: skip
+                done.append(_mark(ce_s))
+        with _on(gemm_s):  # z holds dloss/dz now, part by part; the next chunk's logits wait for these
+            for (p0, p1), ev in zip(parts, done):
+                _wait(gemm_s, ev)
+                if dh is not None:
+                    torch.matmul(buf[p0 - c0 : p1 - c0], weight, out=dh[p0:p1])  # (p, H) = (p, V) @ (V, H)
+            if dw is not None:
+                _dweight(
+                    buf[: c1 - c0], hidden[c0:c1], dw, accumulate=c0 > 0, gemm=plan.dweight_gemm, cfg=cfg
+                )
+            if db is not None:
+                db += buf[: c1 - c0].sum(0, dtype=torch.float32)
+    if main is not None:
+        _handoff(gemm_s, main)
+        _handoff(ce_s, main)
+    return loss, dh, dw, db
+
+
+def _logits(h, weight, bias, z, stats, cfg) -> None:
+    """z (c, V) = h (c, H) @ weight.T (+ bias); with `stats`, kiln's GEMM also writes row statistics."""
+    if stats is not None:
+        matmul_fwd(h, weight.t(), bias, out=z, row_stats=stats, config=cfg)
+    elif bias is None:
+        torch.matmul(h, weight.t(), out=z)
+    else:
+        torch.addmm(bias.to(z.dtype), h, weight.t(), out=z)  # bias broadcast over the rows
+
+
+def _dweight(z, h, dw, accumulate: bool, gemm: str, cfg) -> None:
+    """dw (V, H) (+)= z.T (V, c) @ h (c, H), rounded to dweight's dtype after each chunk."""
+    if gemm == "kiln":
+        matmul_fwd(z.t(), h, out=dw, accumulate=accumulate, config=cfg)
+    elif accumulate:
+        dw.addmm_(z.t(), h)
+    else:
+        torch.matmul(z.t(), h, out=dw)
+
+
+@triton.jit
+def _scale_kernel(
+    X_ptr,  # contiguous tensor of n elements, scaled in place
+    G_ptr,  # one float32: the factor
+    n,
+    BLOCK: tl.constexpr,
+):
+    # Read the factor on the device: when it is 1 (loss.backward() of the loss itself) nothing is read or
+    # written, which skips a pass over dweight (445 MiB at 151936 x 1536 bf16) without a host sync.
+    g = tl.load(G_ptr)
+    if g != 1.0:
+        for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+            offs = start + tl.arange(0, BLOCK).to(tl.int64)
+            x = tl.load(X_ptr + offs, mask=offs < n)
+            tl.store(X_ptr + offs, (x.to(tl.float32) * g).to(X_ptr.dtype.element_ty), mask=offs < n)
+
+
+def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """x *= g in place, g a float32 0-d tensor on x's device; free when g == 1."""
+    if not x.is_contiguous():
+        raise ValueError("scale_ takes a contiguous tensor")
+    n = x.numel()
+    if n == 0:
+        return x
+    block = 64 if interpreting() else 4096
+    programs = min(triton.cdiv(n, block), 4 if interpreting() else 8 * sm_count(x.device))
+    _scale_kernel[(programs,)](x, g.float().reshape(1), n, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    return x
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, bias, ignore_index, label_smoothing, reduction, plan):
+        n_valid = (targets != ignore_index).sum()
+        want = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            bias is not None and ctx.needs_input_grad[3],
+        )
+        early = reduction != "none" and any(want)
+        # mean/sum: the gradient of each token is the same multiple of dloss/dz, so it is formed now (one
+        # pass instead of recomputing the logits) and scaled by the incoming gradient in the backward.
+        scale = _row_scale(torch.ones((), device=hidden.device), n_valid, reduction) if early else None
+        loss, dh, dw, db = linear_cross_entropy_chunks(
+            hidden, weight, targets, bias, ignore_index, label_smoothing, scale, want, plan
+        )
+        ctx.early, ctx.spent = early, False
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.args = (ignore_index, label_smoothing, reduction, want, plan)
+        if early:
+            ctx.save_for_backward(dh, dw, db)
+        else:
+            ctx.save_for_backward(hidden, weight, targets, bias, n_valid)
+        return _reduce(loss, n_valid, reduction)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ignore_index, label_smoothing, reduction, want, plan = ctx.args
+        if ctx.early:
+            if ctx.spent:
+                raise RuntimeError(
+                    "linear_cross_entropy scales its saved gradients in place, so it cannot be "
+                    "backpropagated twice (retain_graph=True): call it again for a second backward"
+                )
+            ctx.spent = True
+            # In place, on the device: no second copy of dweight, no host sync to test grad_out == 1.
+            dh, dw, db = (None if t is None else scale_(t, grad_out) for t in ctx.saved_tensors)
+        else:
+            hidden, weight, targets, bias, n_valid = ctx.saved_tensors
+            scale = _row_scale(grad_out, n_valid, reduction)
+            _, dh, dw, db = linear_cross_entropy_chunks(
+                hidden, weight, targets, bias, ignore_index, label_smoothing, scale, want, plan
+            )
+        if db is not None:
+            db = db.to(ctx.bias_dtype)
+        return dh, dw, None, db, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    plan: Plan = PLAN,
+) -> torch.Tensor:
+    if not use_triton(hidden, weight, targets, bias):
+        return linear_cross_entropy_ref(
+            hidden, weight, targets, bias, ignore_index, label_smoothing, reduction
+        )
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden is {hidden.dtype} but weight is {weight.dtype}: cast one of them")
+    _check(hidden, targets, label_smoothing, reduction, "hidden (N, H)")
+    return LinearCrossEntropy.apply(
+        hidden, weight, targets, bias, ignore_index, float(label_smoothing), reduction, plan
+    )
