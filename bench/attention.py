@@ -206,12 +206,12 @@ def prefill_case(bench: Bench, c: dict, rec: dict, dev: str, dtype, sdpa_backend
 
 def chosen_configs() -> dict:
     """The autotuner's latest pick per kiln kernel (BLOCK_M/BLOCK_N, warps, stages), for tuning notes."""
-    from kiln.kernels import attention as attn
+    from kiln.kernels import attention_bwd, attention_fwd
 
     kernels = {
-        "fwd": attn._attn_fwd_kernel,
-        "dkdv": attn._attn_bwd_dkdv_kernel,
-        "dq": attn._attn_bwd_dq_kernel,
+        "fwd": attention_fwd._attn_fwd_kernel,
+        "dkdv": attention_bwd._attn_bwd_dkdv_kernel,
+        "dq": attention_bwd._attn_bwd_dq_kernel,
     }
     return {name: str(getattr(k, "best_config", None)) for name, k in kernels.items()}
 
@@ -243,7 +243,7 @@ def decode_case(bench: Bench, c: dict, rec: dict, dev: str, dtype, ceilings: dic
     from kiln.kernels import decode_attention as dec
 
     rec["kiln_config"] = str(getattr(dec._decode_split_kernel, "best_config", None))
-    rec["kiln_splits"] = dec.num_splits_for(B, Hk, table.shape[1] * page, dec._sm_count(q.device))
+    rec["kiln_splits"] = dec.num_splits_for(B, Hk, table.shape[1] * page, dec.sm_count(q.device))
     if B * Hk < 64:  # one alternative: half as many splits (~4 programs per SM, round 2's choice)
         half = max(1, rec["kiln_splits"][0] // 2)
 

@@ -145,3 +145,22 @@ def test_gpu_bf16_decode(lens, Hq, Hk, D, page):
     q, kc, vc, table, seq_lens = _paged(lens, Hq, Hk, D, page, torch.bfloat16, "cuda", seed=8)
     got = decode_attention(q, kc, vc, table, seq_lens)
     assert_close(got, _ref64(q, kc, vc, table, seq_lens))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(PREFETCH=True, BLOCK_N=32, num_warps=4, num_stages=1),
+        dict(PREFETCH=True, BLOCK_N=16, num_warps=4, num_stages=1, per_sm=1, align=16),
+        dict(PREFETCH=False, BLOCK_N=64, num_warps=4, num_stages=1, per_sm=2, align=16),
+    ],
+    ids=["prefetch", "prefetch-page-aligned", "page-aligned"],
+)
+def test_decode_sweep_configs(config, device):
+    # The variants bench/sweep_attention.py measures: page indices loaded a tile ahead, split chunks
+    # aligned to pages only (so a split's last tile is ragged), tiles wider than a chunk.
+    from kiln.kernels.decode_attention import decode_attention_triton
+
+    q, kc, vc, table, seq_lens = _paged([400, 1, 60, 333], 8, 2, 16, 16, torch.float32, device, seed=9)
+    got = decode_attention_triton(q, kc, vc, table, seq_lens, 0.25, None, None, None, config)
+    assert_close(got, _ref64(q, kc, vc, table, seq_lens, softmax_scale=0.25))

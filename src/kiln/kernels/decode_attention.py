@@ -26,12 +26,18 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # PTX griddepcontrol (Hopper)
 
 from kiln.kernels.attention import LOG2E, attention_ref
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 
 CHUNK_ALIGN = 128  # split chunks are multiples of this, so every autotuned BLOCK_N divides them
 MAX_SPLITS = 128  # the reduction holds (splits, D) partials of one head in registers
+PER_SM = 4  # (b, kv head, split) programs per SM that the split count aims at
+# Split-kernel switches, chosen from the H200 sweep: PREFETCH loads the next tile's page indices one
+# iteration ahead; PDL launches the reduction as a programmatic dependent launch (Hopper), so its
+# launch overlaps the split kernel's tail and it waits on the grid dependency in-kernel.
+SWITCHES = dict(PREFETCH=False, PDL=False)
 
 
 # ----------------------------------------------------------------------------------------- reference
@@ -83,8 +89,11 @@ def _decode_split_kernel(
     group, window, chunk, qk_scale,  # chunk: keys per split, a multiple of BLOCK_N
     SPLIT_KEY,  # autotuning key only (the split count, capped)
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, WINDOW: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,  # see SWITCHES
     BLOCK_N: tl.constexpr,
 ):
+    if PDL:  # the reduction may launch once every split program has started (it waits for their results)
+        gdc_launch_dependents()
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -106,12 +115,17 @@ def _decode_split_kernel(
     m_i = tl.zeros([BLOCK_H], tl.float32) - 1.0e30  # finite, so an empty split gives l = 0, not NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    page = tl.load(table + (lo + offs_n) // PAGE_SIZE, mask=lo + offs_n < hi, other=0).to(tl.int64)
     for n0 in range(lo, hi, BLOCK_N):
         t = n0 + offs_n  # (BLOCK_N,) token positions; each row found through its page
         t_ok = t < hi
-        page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
-        k_rows = K_CACHE + page * stride_kp + (t % PAGE_SIZE) * stride_kt + hk * stride_kh
-        v_rows = V_CACHE + page * stride_vp + (t % PAGE_SIZE) * stride_vt + hk * stride_vh
+        if PREFETCH:  # this tile's pages were loaded an iteration ago; load the next tile's now
+            cur = page
+            page = tl.load(table + (t + BLOCK_N) // PAGE_SIZE, mask=t + BLOCK_N < hi, other=0).to(tl.int64)
+        else:
+            cur = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
+        k_rows = K_CACHE + cur * stride_kp + (t % PAGE_SIZE) * stride_kt + hk * stride_kh
+        v_rows = V_CACHE + cur * stride_vp + (t % PAGE_SIZE) * stride_vt + hk * stride_vh
         k = tl.load(k_rows[:, None] + offs_d[None, :], mask=t_ok[:, None], other=0.0)  # (BLOCK_N, D)
         v = tl.load(v_rows[:, None] + offs_d[None, :], mask=t_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_H, BLOCK_N), log2 units
@@ -135,7 +149,10 @@ def _decode_reduce_kernel(
     O_PART, LSE_PART, SINKS, OUT,  # partials as above; sinks (Hq,) or a dummy; out (B, Hq, D)
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
     Hq, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, SINK: tl.constexpr,
+    PDL: tl.constexpr,  # launched dependent on the split kernel: wait for its writes first
 ):
+    if PDL:
+        gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -158,23 +175,32 @@ def _decode_reduce_kernel(
 
 
 # ------------------------------------------------------------------------------------------ launcher
-def num_splits_for(batch: int, kv_heads: int, capacity: int, sm_count: int) -> tuple[int, int]:
-    """(splits, chunk): about 4 (b, kv head, split) programs per SM; chunks >= CHUNK_ALIGN. (8 per SM
-    measured slower on the H200: 3.12 against 3.27 TB/s at batch 1 x 64k.)"""
-    want = min(MAX_SPLITS, max(1, triton.cdiv(4 * sm_count, batch * kv_heads)))
-    chunk = max(CHUNK_ALIGN, triton.cdiv(triton.cdiv(max(capacity, 1), want), CHUNK_ALIGN) * CHUNK_ALIGN)
+def num_splits_for(
+    batch: int, kv_heads: int, capacity: int, sm_count: int, per_sm: int = PER_SM, align: int = CHUNK_ALIGN
+) -> tuple[int, int]:
+    """(splits, chunk): about `per_sm` (b, kv head, split) programs per SM; chunks are multiples of
+    `align` keys. (8 per SM measured slower on the H200: 3.12 against 3.27 TB/s at batch 1 x 64k.)"""
+    want = min(MAX_SPLITS, max(1, triton.cdiv(per_sm * sm_count, batch * kv_heads)))
+    chunk = max(align, triton.cdiv(triton.cdiv(max(capacity, 1), want), align) * align)
     return triton.cdiv(max(capacity, 1), chunk), chunk
 
 
 def decode_attention_triton(
-    q, k_cache, v_cache, block_table, seq_lens, softmax_scale, window, sinks, num_splits
+    q, k_cache, v_cache, block_table, seq_lens, softmax_scale, window, sinks, num_splits, config=None
 ):
+    """config (sweeps): a dict of the split kernel's BLOCK_N, num_warps, num_stages and SWITCHES, plus
+    optionally `per_sm` and `align` for the split count, used instead of autotuning and the defaults."""
     B, Hq, D = q.shape
     _, page_size, Hk, _ = k_cache.shape
     capacity = block_table.shape[1] * page_size
     if window is not None:
         capacity = min(capacity, window)
-    splits, chunk = num_splits_for(B, Hk, capacity, sm_count(q.device))
+    config = dict(config or {})
+    per_sm, align = config.pop("per_sm", PER_SM), config.pop("align", CHUNK_ALIGN)
+    switches = {**SWITCHES, **{k: config.pop(k) for k in SWITCHES if k in config}}
+    pdl = switches["PDL"] and q.is_cuda
+    switches["PDL"] = pdl
+    splits, chunk = num_splits_for(B, Hk, capacity, sm_count(q.device), per_sm, align)
     if num_splits is not None:  # an explicit count (tests use it to exercise the reduction)
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"decode_attention: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
@@ -184,19 +210,21 @@ def decode_attention_triton(
     o_part = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
     # fmt: off
-    _decode_split_kernel[(B, Hk, splits)](
+    split_kernel = _decode_split_kernel.fn if config else _decode_split_kernel  # an explicit config: no autotuning
+    split_kernel[(B, Hk, splits)](
         q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
         *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1),
         group, window or 0, chunk, softmax_scale * LOG2E, triton.next_power_of_2(splits),
         HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)), WINDOW=window is not None,
+        **switches, **config,
     )
     out = torch.empty_like(q)
     _decode_reduce_kernel[(B, Hq)](
         o_part, lse_part, sinks if sinks is not None else q, out,
         *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        Hq, splits, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(splits), SINK=sinks is not None,
-        num_warps=8 if splits * D >= 4096 else 4,
+        Hq, splits, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(splits), SINK=sinks is not None, PDL=pdl,
+        num_warps=8 if splits * D >= 4096 else 4, **({"launch_pdl": True} if pdl else {}),
     )
     # fmt: on
     return out
