@@ -14,7 +14,9 @@ are read through TMA tensor descriptors when every operand qualifies (unit strid
 dims, 16-byte aligned base and other stride: what the Hopper copy engine requires), else through block
 pointers, which take any strides. Either operand may be K-major or MN-major (a transposed view), so
 nn.Linear weights and the backward's transposes are read without copies. Configs are autotuned per
-(M, N, K); decode shapes (M <= 16) get their own small-M tiles.
+(M, N, K). Decode shapes (M <= 16 rows) go to kernels/matmul_decode.py (weight-streaming kernels, a fixed
+rule, a lean launch) unless the caller passes a config or tma, or needs an epilogue only this kernel has
+(stored pre-activation, accumulate, row statistics); those get small-M tiles here (`_decode_config`).
 
 Dtypes: float16 and bfloat16 (float32 accumulation); float32 too (IEEE, or TF32 when
 torch.backends.cuda.matmul.allow_tf32 is on). Not done: split-K, persistent scheduling, FP8/int inputs
@@ -105,8 +107,9 @@ def _prune(configs, named_args, **kwargs):
 
 
 def pick_config(M: int, N: int, K: int, sms: int) -> triton.Config | None:
-    """The config a launch without an explicit one uses, or None for the autotuner: decode shapes by rule,
-    and problems whose 128x256 tiles fill the GPU get that config without the autotuner's per-call cost."""
+    """The config a launch of this kernel without an explicit one uses, or None for the autotuner: decode
+    shapes by rule (those that do not go to kernels/matmul_decode.py), and problems whose 128x256 tiles
+    fill the GPU get that config without the autotuner's per-call cost."""
     if M <= 16:
         return _decode_config(N, K, sms)
     if not interpreting() and triton.cdiv(M, 128) * triton.cdiv(N, 256) >= sms:
@@ -115,10 +118,11 @@ def pick_config(M: int, N: int, K: int, sms: int) -> triton.Config | None:
 
 
 def _decode_config(N: int, K: int, sms: int) -> triton.Config:
-    """Decode GEMMs (M <= 16) are weight streams; tiles chosen from a sweep under CUDA graphs on the H200
-    at M = 1 (round 2 of bench/kernels_gemm_ce.py): with few output tiles and a long K (the 8960 -> 1536
-    down projection) K is split 8 ways (9.3 us, cuBLAS 10.0); otherwise 16x64 tiles over all of K
-    (1536 -> 2048: 5.4 us, cuBLAS 4.3; 1536 -> 17920: 19.4 us, cuBLAS 17.0)."""
+    """This kernel's tiles for the decode GEMMs (M <= 16) that kernels/matmul_decode.py does not take.
+    Weight streams; tiles chosen from a sweep under CUDA graphs on the H200 at M = 1 (round 2 of
+    bench/kernels_gemm_ce.py): with few output tiles and a long K (the 8960 -> 1536 down projection) K is
+    split 8 ways (9.3 us, cuBLAS 10.0); otherwise 16x64 tiles over all of K (1536 -> 2048: 5.4 us, cuBLAS
+    4.3; 1536 -> 17920: 19.4 us, cuBLAS 17.0)."""
     if triton.cdiv(N, 64) < sms and K >= 4096:
         return tile_config(16, 128, 128, 4, 4, 1, split_k=8)
     return tile_config(16, 64, 256, 4, 4, 1)
@@ -365,6 +369,10 @@ def matmul_fwd(
             "row_stats needs an explicit config (its BLOCK_N fixes the layout) and no activation"
         )
     store_pre = store_pre and activation != "none"
+    if (config is None and tma is None and 0 < M <= matmul_decode.DECODE_MAX_M and N > 0 and K > 0
+            and not store_pre and not accumulate and row_stats is None):  # fmt: skip
+        # Decode-sized: a weight stream, its own kernels and a fixed rule (kernels/matmul_decode.py).
+        return matmul_decode.decode_matmul(a, b, bias, activation, out=out), None
     if M == 0 or N == 0 or K == 0:  # nothing to tile: the reference gives the right empty/zero result
         pre = matmul_ref(a, b, bias) if store_pre else None
         c = matmul_ref(a, b, bias, activation)
@@ -474,3 +482,8 @@ def linear(
             "pass x.contiguous()"
         ) from err
     return matmul(x2, weight.t(), bias, activation).view(*lead, weight.shape[0])
+
+
+# At the end: the decode module builds on this one (its kernels use _activation above), and is reached
+# through the module object, so either module may be imported first.
+from kiln.kernels import matmul_decode  # noqa: E402

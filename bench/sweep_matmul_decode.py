@@ -1,0 +1,322 @@
+"""Sweep kiln's decode matmul (M <= 16) against cuBLAS at the Qwen2.5-1.5B layer shapes, on the H200.
+
+    python bench/sweep_matmul_decode.py --out bench/results/matmul_decode.json   # on a CUDA GPU (~90 s)
+    python bench/sweep_matmul_decode.py --smoke                                  # CPU, interpreter
+
+Shapes: y = x @ W.T with W (N, K) as nn.Linear, bf16: qkv (K 1536, N 2048), o (1536, 1536), gate_up
+(1536, 17920), down (8960, 1536), at M = 1 and M = 16 (then M = 4, to place the rule's switch between
+the kernels). For each shape, in one process:
+- cuBLAS (F.linear), kiln's routed `linear` (the rule of kernels/matmul_decode.py), the previous tile
+  kernel's decode config (block pointers), and every candidate config of the decode kernels ("gemv":
+  FMAs, no tl.dot; "dot": the weight as the tensor-core M side; split K with a second, deterministic
+  pass), each checked against cuBLAS's output;
+- time per call inside a CUDA graph (GPU time, how a decode loop runs them: median over replays of one
+  graph of back-to-back calls, as triton.testing.do_bench_cudagraph) with the weight L2-warm, as
+  bench/kernels_gemm_ce.py measures; for cuBLAS, the routed path and the best candidates also L2-cold
+  (the graph cycles through copies of W larger than the 50 MB L2 together, as a real decode step
+  streams 28 layers' weights);
+- host microseconds per call of each launch path, next to F.linear's.
+Ratios are cuBLAS time / kiln time (> 1: kiln faster); TB/s counts W, x and y once each, against the
+4.27 TB/s copy figure of ../shared/PLATFORM.md. A failing case records its error and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("--out", default=None, help="write the results here as JSON")
+p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through Triton's interpreter")
+p.add_argument("--budget", type=float, default=90.0, help="seconds; optional parts stop past this")
+ARGS = p.parse_args()
+if ARGS.smoke:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from kiln.kernels.dispatch import sm_count, use_backend  # noqa: E402
+from kiln.kernels.matmul import _decode_config, linear, matmul_fwd  # noqa: E402
+from kiln.kernels.matmul_decode import DecodeConfig, decode_config, decode_matmul  # noqa: E402
+
+CUDA = not ARGS.smoke
+DEV = "cuda" if CUDA else "cpu"
+DT = torch.bfloat16 if CUDA else torch.float16  # the interpreter's bf16 dot is broken
+COPY_TBPS = 4.27
+L2_BYTES = 50 * 2**20
+T0 = time.time()
+RESULTS: list[dict] = []
+SHAPES = [("qkv", 1536, 2048), ("o", 1536, 1536), ("gate_up", 1536, 17920), ("down", 8960, 1536)]
+if ARGS.smoke:
+    SHAPES = [("qkv", 96, 80), ("down", 200, 48)]
+
+
+def left() -> float:
+    return ARGS.budget - (time.time() - T0)
+
+
+def graph_us(fn, calls: int = 200, replays: int = 11) -> float:
+    """Median microseconds per call of `fn` replayed inside one CUDA graph of `calls` calls."""
+    if not CUDA:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del g
+    return statistics.median(times)
+
+
+def record(entry: dict, run) -> dict:
+    t = time.time()
+    try:
+        entry.update(run())
+    except Exception as err:  # one broken case must not lose the others
+        entry.update(error=repr(err)[:400], traceback=traceback.format_exc()[-1200:])
+    entry["wall_s"] = round(time.time() - t, 2)
+    RESULTS.append(entry)
+    print(json.dumps(entry, default=str)[:300], flush=True)
+    return entry
+
+
+def candidates(M: int, N: int, K: int, sms: int) -> list[DecodeConfig]:
+    """Configs worth timing at this shape: enough programs for the GPU, not absurdly many."""
+    out = []
+    if M <= 4:  # FMAs cost M times one row's work: only for a few rows
+        for bn, bk, w, sk, st in [(2, 1024, 4, 1, 1), (4, 512, 4, 1, 1), (4, 1024, 4, 1, 1), (4, 256, 2, 1, 1),
+                                  (8, 256, 4, 1, 1), (8, 512, 4, 1, 1), (8, 512, 4, 1, 3), (8, 1024, 8, 1, 1),
+                                  (4, 2048, 4, 1, 1), (4, 2048, 8, 1, 1), (8, 2048, 8, 1, 1), (16, 256, 4, 1, 1), (16, 512, 4, 1, 1), (16, 512, 8, 1, 1), (32, 256, 4, 1, 1),
+                                  (32, 256, 8, 1, 1), (64, 128, 4, 1, 1), (4, 512, 4, 2, 1), (8, 512, 4, 2, 1),
+                                  (8, 256, 4, 4, 1), (16, 256, 4, 4, 1)]:  # fmt: skip
+            if M > 1 and M * bn * bk > 64 * 32 * w:
+                continue  # more than 64 float32 partial products per thread would spill
+            progs = triton.cdiv(N, bn) * sk
+            if sk > 1 and triton.cdiv(N, bn) >= 2 * sms:
+                continue  # splitting only pays when the columns alone leave SMs idle
+            if sms <= progs <= 40 * sms and bk <= triton.next_power_of_2(K):
+                out.append(DecodeConfig("gemv", bn, bk, sk, w, st))
+    for bn, bk, w, st in [(16, 128, 4, 3), (16, 256, 2, 4), (16, 256, 1, 4), (16, 256, 2, 6), (16, 512, 2, 3),
+                          (32, 128, 4, 3), (32, 256, 4, 3), (32, 256, 2, 4),
+                          (32, 128, 2, 6), (64, 64, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3)]:  # fmt: skip
+        tiles = triton.cdiv(N, bn)
+        for sk in (1, 2, 4, 8):
+            sk = triton.cdiv(K, triton.cdiv(triton.cdiv(K, sk), bk) * bk)  # the split the launcher runs
+            cfg = DecodeConfig("dot", bn, bk, sk, w, st)
+            fills = sms // 2 <= tiles <= 5 * sms if sk == 1 else tiles < sms <= tiles * sk <= 2 * sms
+            if fills and cfg not in out:
+                out.append(cfg)
+    if M == 1:  # the dot kernel at M = 1 is only a reference point: keep a few
+        dots = [c for c in out if c.kernel == "dot"]
+        out = [c for c in out if c.kernel == "gemv"] + dots[:: max(1, len(dots) // 4)]
+    if ARGS.smoke:
+        out = [DecodeConfig("gemv", 16, 32), DecodeConfig("dot", 16, 32, 2)]
+    return out
+
+
+def measure_shape(
+    name: str, M: int, K: int, N: int, sms: int, reserve: float, configs=None
+) -> tuple[dict, list]:
+    """cuBLAS, the routed path, the previous rule, then candidates (`configs`, default `candidates(...)`)
+    while more than `reserve` seconds are left. Returns a summary and the configs ranked fastest first."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, generator=gen).to(DEV, DT)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(DEV, DT)
+    want = F.linear(x.float(), w.float())
+    nbytes = (N * K + M * K + M * N) * x.element_size()
+    shape = {"name": name, "M": M, "K": K, "N": N}
+    base = {}
+
+    def case(variant, fn, config=None, group="decode"):
+        def run():
+            with use_backend("triton"):
+                err = (fn().float() - want).abs().max().item()
+                us = graph_us(fn)
+            r = {"us": us, "tbps": nbytes / us / 1e6, "frac_copy": nbytes / us / 1e6 / COPY_TBPS,
+                 "max_abs_diff_vs_fp32": err}  # fmt: skip
+            if "cublas" in base:
+                r["ratio_vs_cublas"] = base["cublas"] / us
+            return r
+
+        e = record({"group": group, "shape": shape, "variant": variant, "config": config}, run)
+        if "us" in e and variant in ("cublas", "kiln linear (routed)"):
+            base[variant.split()[-1].strip("()")] = e["us"]
+        return e
+
+    case("cublas", lambda: F.linear(x, w))
+    old = _decode_config(N, K, sms)
+    case(
+        "kiln previous (tile kernel, rule)", lambda: matmul_fwd(x, w.t(), config=old, tma=False)[0], str(old)
+    )
+    picked = decode_config(M, N, K, sms)
+    case("kiln linear (routed)", lambda: linear(x, w), str(picked))
+    found = []
+    for cfg in candidates(M, N, K, sms) if configs is None else configs:
+        if left() < reserve:  # keep time for what comes after
+            break
+        e = case("candidate", lambda cfg=cfg: decode_matmul(x, w.t(), config=cfg), str(cfg))
+        e["programs"] = triton.cdiv(N, cfg.block_n) * cfg.split_k
+        bad = e.get("max_abs_diff_vs_fp32", 1.0) > 0.05  # bf16 output of a ~N(0, 1) sum: ulp ~ 0.01
+        if "us" in e and not bad:
+            found.append((e["us"], cfg))
+    found.sort(key=lambda t: t[0])
+    summary = {"shape": shape, "cublas_us": base.get("cublas"), "routed_us": base.get("routed"),
+               "best": [(round(us, 3), str(c)) for us, c in found[:5]]}  # fmt: skip
+    return summary, [c for _, c in found]
+
+
+def cold(name: str, M: int, K: int, N: int, configs: list[DecodeConfig]) -> None:
+    """L2-cold: the graph cycles through R copies of W (R * |W| >= 4x L2), each call a different one."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(M, K, generator=gen).to(DEV, DT)
+    wbytes = N * K * x.element_size()
+    R = min(64, max(2, triton.cdiv(4 * L2_BYTES, wbytes))) if CUDA else 2
+    ws = [(torch.randn(N, K, generator=gen) / K**0.5).to(DEV, DT) for _ in range(min(R, 3))]
+    ws = [ws[i % len(ws)].clone() for i in range(R)]  # distinct memory, few random draws
+    nbytes = (N * K + M * K + M * N) * x.element_size()
+    shape = {"name": name, "M": M, "K": K, "N": N, "weight_copies": R}
+    paths = {"cublas": lambda wi: F.linear(x, wi), "kiln linear (routed)": lambda wi: linear(x, wi)}
+    for cfg in configs:
+        paths[f"candidate {cfg}"] = lambda wi, cfg=cfg: decode_matmul(x, wi.t(), config=cfg)
+    base = {}
+    for variant, f in paths.items():
+
+        def run(f=f):
+            with use_backend("triton"):
+                us = graph_us(lambda: [f(wi) for wi in ws], calls=max(1, 200 // R)) / R
+            r = {"us": us, "tbps": nbytes / us / 1e6, "frac_copy": nbytes / us / 1e6 / COPY_TBPS}
+            if "cublas" in base:
+                r["ratio_vs_cublas"] = base["cublas"] / us
+            return r
+
+        e = record({"group": "decode_l2_cold", "shape": shape, "variant": variant}, run)
+        if variant == "cublas" and "us" in e:
+            base["cublas"] = e["us"]
+    ws.clear()
+    if CUDA:
+        torch.cuda.empty_cache()
+
+
+@triton.jit
+def _noop_kernel(X_ptr):
+    tl.store(X_ptr, tl.load(X_ptr) + 1.0)
+
+
+def host_overhead(sms: int) -> None:
+    """Host microseconds per call of each launch path at the qkv decode shape (the GPU never waits)."""
+    if not CUDA:
+        return
+    x = torch.randn(1, 1536, device=DEV, dtype=DT)
+    w = torch.randn(2048, 1536, device=DEV, dtype=DT)
+    z = torch.zeros(1, device=DEV)
+    old = _decode_config(2048, 1536, sms)
+    cfg = decode_config(1, 2048, 1536, sms)
+    paths = {
+        "F.linear": lambda: F.linear(x, w),
+        "kiln linear (routed)": lambda: linear(x, w),
+        "kiln matmul_fwd (routed)": lambda: matmul_fwd(x, w.t()),
+        "decode_matmul (explicit config)": lambda: decode_matmul(x, w.t(), config=cfg),
+        "previous: matmul_fwd (tile kernel, fixed config, block pointers)": lambda: matmul_fwd(
+            x, w.t(), config=old, tma=False
+        ),
+        "trivial Triton kernel (1 pointer arg)": lambda: _noop_kernel[(1,)](z),
+    }
+    for variant, fn in paths.items():
+
+        def run(fn=fn):
+            with use_backend("triton"):
+                for _ in range(20):
+                    fn()
+                torch.cuda.synchronize()
+                best = []
+                for _ in range(3):
+                    t = time.perf_counter()
+                    for _ in range(300):
+                        fn()
+                    best.append((time.perf_counter() - t) / 300 * 1e6)
+                    torch.cuda.synchronize()
+            return {"host_us_per_call": min(best), "host_us_all": best}
+
+        record({"group": "host_overhead", "shape": {"M": 1, "K": 1536, "N": 2048}, "variant": variant}, run)
+
+
+def meta() -> dict:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout
+    except Exception:
+        commit = ""
+    commit = commit.strip() or os.environ.get("KILN_COMMIT", "unknown")
+    return {
+        "gpu": torch.cuda.get_device_name() if CUDA else "cpu (Triton interpreter)",
+        "sms": sm_count(torch.device(DEV)), "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "commit": commit,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "timing": "median over 11 replays of a CUDA graph of 200 back-to-back calls (GPU us per call)",
+        "ceiling": f"copy {COPY_TBPS} TB/s",
+    }  # fmt: skip
+
+
+def main() -> None:
+    info = meta()
+    sms = info["sms"]
+    summary, tops = [], []
+    for M in (1, 16):
+        for name, K, N in SHAPES:
+            s, top = measure_shape(f"{name} M={M}", M, K, N, sms, reserve=45 if M == 1 else 20)
+            summary.append(s)
+            tops.append(top)
+    host_overhead(sms)
+    for s, top in zip(summary, tops):
+        if left() > 8:
+            sh = s["shape"]
+            try:
+                cold(sh["name"], sh["M"], sh["K"], sh["N"], top[:2])
+            except Exception as err:
+                RESULTS.append({"group": "decode_l2_cold", "shape": sh, "error": repr(err)[:400]})
+    for i, (name, K, N) in enumerate(SHAPES):  # M = 4: where the rule should switch from FMAs to tensor cores
+        if left() > 4:  # the best three of each kernel from M = 1 and M = 16 at this shape
+            gemv = [
+                c for c in tops[i] if c.kernel == "gemv" and 4 * c.block_n * c.block_k <= 64 * 32 * c.warps
+            ][:3]
+            dot = [c for c in tops[len(SHAPES) + i] if c.kernel == "dot"][:3]
+            summary.append(measure_shape(f"{name} M=4", 4, K, N, sms, reserve=3, configs=gemv + dot)[0])
+    info["total_s"] = round(time.time() - T0, 1)
+    doc = {"meta": info, "summary": summary, "cases": RESULTS}
+    for s in summary:
+        print(s, flush=True)
+    if ARGS.out:
+        os.makedirs(os.path.dirname(os.path.abspath(ARGS.out)), exist_ok=True)
+        with open(ARGS.out, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+    print(f"{len(RESULTS)} cases, {sum('error' in r for r in RESULTS)} errors, {info['total_s']} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""Decode-sized matmul (M <= 16 rows): C = act(A @ B + bias), read as one stream of B.
+
+Shapes: A (M, K) with M <= DECODE_MAX_M, B (K, N), bias (N,) or None -> C (M, N) in A's dtype. B is
+usually an nn.Linear weight W (N, K) seen as W.T (K-contiguous), but any strides work.
+
+At decode the weight is read once and each of its elements used M times: qkv of Qwen2.5-1.5B at M = 1 is
+6.3 MB for 6.3 MFLOP. Such a GEMM is bound by how fast the weight streams in, and at a few microseconds by
+latency: what counts is spreading W over every SM with many loads in flight, not tensor-core tiles (a
+16-row tile is 15/16 padding at M = 1). Two kernels, both over a grid (cdiv(N, BLOCK_N), SPLIT_K):
+
+- "gemv": each program owns BLOCK_N output columns, i.e. BLOCK_N rows of W, and walks its K range in
+  BLOCK_K chunks with float32 FMAs and a row sum, no tl.dot:
+      acc[m, n] += sum_k x[m, k] * w[n, k]        x (BLOCK_M, BLOCK_K), w (BLOCK_N, BLOCK_K)
+  A small BLOCK_N (4-32) gives N / BLOCK_N programs: several per SM even for N = 1536.
+- "dot" (the swapped form): W is the tensor-core M side, x.T the 16-wide N side:
+      acc (BLOCK_N, 16) += W tile (BLOCK_N, BLOCK_K) @ x.T (BLOCK_K, 16)
+  and the tile is written back transposed into C (M, N). For M up to 16, where FMAs would cost M times
+  the work of one row.
+With SPLIT_K > 1 each of SPLIT_K programs per column block sums one slice of K into a float32
+(SPLIT_K, M, N) buffer (no atomics, no zeroed workspace), and a second kernel adds the slices in a fixed
+order (deterministic), adds the bias and applies the activation.
+
+Which kernel and tiles: `decode_config`, a fixed rule from a sweep on the H200 (bench/sweep_matmul_decode.py,
+docs/readme/matmul_decode.md); no autotuner, so a call costs one config lookup and one or two launches.
+Dtypes: float16, bfloat16 (float32 accumulation) and float32. Forward only: `kiln.kernels.matmul`
+routes here from its launcher and keeps the autograd Function.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.dispatch import interpreting, sm_count
+from kiln.kernels.matmul import _activation
+
+DECODE_MAX_M = 16  # the dot kernel's x.T tile is 16 wide: one column block covers every row
+
+
+class DecodeConfig(NamedTuple):
+    """A launch config: kernel ("gemv" or "dot"), tiles, K split, warps, pipeline stages."""
+
+    kernel: str
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    warps: int = 4
+    stages: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.kernel} BN={self.block_n} BK={self.block_k} SK={self.split_k} w={self.warps} s={self.stages}"
+
+
+@functools.lru_cache(maxsize=256)
+def decode_config(M: int, N: int, K: int, sms: int) -> DecodeConfig:
+    """The config a call without an explicit one uses (pure function of the shape and the SM count)."""
+    if interpreting():  # small tiles: the CPU tests cover ragged tiles and several K steps
+        return DecodeConfig("gemv" if M == 1 else "dot", 16, 32)
+    if M == 1:
+        # Enough column blocks for ~2 programs per SM, BLOCK_K covering 512 of K per step.
+        bn = 8
+        while bn > 4 and triton.cdiv(N, bn) < 2 * sms:
+            bn //= 2
+        while bn < 32 and triton.cdiv(N, 2 * bn) >= 4 * sms:
+            bn *= 2
+        return DecodeConfig("gemv", bn, min(512, 8192 // bn), 1, 4, 1)  # <= 64 float32 partials per thread
+    return DecodeConfig("dot", 64, 128, max(1, min(8, (2 * sms) // triton.cdiv(N, 64))), 4, 3)
+
+
+@triton.jit
+def _gemv_kernel(
+    X_ptr,  # (M, K): x[m, k] at X_ptr + m * stride_xm + k * stride_xk
+    W_ptr,  # (N, K): w[n, k] at W_ptr + n * stride_wn + k * stride_wk (B = W.T)
+    Y_ptr,  # (M, N) contiguous output; with SPLIT_K > 1 a float32 (SPLIT_K, M, N) partial-sum buffer
+    Bias_ptr,  # (N,), read when HAS_BIAS (and SPLIT_K == 1)
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    k_split,  # K range of one split: a multiple of BLOCK_K (K when SPLIT_K == 1)
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # next power of two >= M (rows of x held per program)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    w_rows = W_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+    x_rows = X_ptr + offs_m[:, None] * stride_xm  # (BLOCK_M, 1)
+    n_ok = (offs_n < N)[:, None]
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    # Splits start at multiples of BLOCK_K, so masking against K (not k_hi) is exact, and K's divisibility
+    # (specialized by Triton when K % 16 == 0) keeps the loads 16 bytes wide. Products accumulate
+    # elementwise across the loop and are summed over K once at the end: the loop is loads and FMAs.
+    if BLOCK_M == 1:  # one row: 2-D tiles in the layout W is loaded in (no shuffle through shared memory)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok & (offs_k < K)[None, :], other=0.0)
+            x = tl.load(X_ptr + offs_k * stride_xk, mask=offs_k < K, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)[None, :]  # (1, BLOCK_N)
+    else:
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok & (offs_k < K)[None, :], other=0.0)
+            x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=(offs_m < M)[:, None] & (offs_k < K)[None, :],
+                        other=0.0)  # fmt: skip
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # (BLOCK_M, BLOCK_N, BLOCK_K)
+        y = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
+    _store(y, offs_m[:, None], offs_n[None, :], pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS, ACTIVATION, SPLIT_K)
+
+
+@triton.jit
+def _dot_kernel(
+    X_ptr,  # (M, K): x[m, k] at X_ptr + m * stride_xm + k * stride_xk, M <= 16
+    W_ptr,  # (N, K): w[n, k] at W_ptr + n * stride_wn + k * stride_wk (B = W.T)
+    Y_ptr,  # (M, N) contiguous output; with SPLIT_K > 1 a float32 (SPLIT_K, M, N) partial-sum buffer
+    Bias_ptr,  # (N,), read when HAS_BIAS (and SPLIT_K == 1)
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    k_split,  # K range of one split: a multiple of BLOCK_K (K when SPLIT_K == 1)
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" or "tf32" (float32 inputs only)
+    BLOCK_M: tl.constexpr,  # 16: the narrowest tl.dot side
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    w_rows = W_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+    x_cols = X_ptr + offs_m[None, :] * stride_xm  # (1, BLOCK_M): x.T's columns
+    n_ok = (offs_n < N)[:, None]
+    m_ok = (offs_m < M)[None, :]
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok & (offs_k < K)[None, :], other=0.0)
+        xt = tl.load(x_cols + offs_k[:, None] * stride_xk, mask=m_ok & (offs_k < K)[:, None], other=0.0)
+        acc = tl.dot(w, xt, acc, input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
+    # Written as it lies, (n, m) -> C[m, n]: no transpose through shared memory.
+    _store(acc, offs_m[None, :], offs_n[:, None], pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS, ACTIVATION, SPLIT_K)
+
+
+@triton.jit
+def _store(acc, m, n, pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+           SPLIT_K: tl.constexpr):  # fmt: skip
+    """float32 acc -> C[m, n] with bias and activation, or into split pid_k's partial slice. m and n are
+    row and column indices broadcastable to acc's shape ((BLOCK_M, 1) and (1, BLOCK_N), or transposed)."""
+    mask = (m < M) & (n < N)
+    at = m * N + n
+    if SPLIT_K > 1:
+        tl.store(Y_ptr + pid_k.to(tl.int64) * M * N + at, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(Bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+        acc = _activation(acc, ACTIVATION)
+        tl.store(Y_ptr + at, acc.to(Y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_sum_kernel(
+    P_ptr,  # (SPLIT_K, M, N) float32 partial sums, contiguous
+    Y_ptr,  # (M, N) contiguous output
+    Bias_ptr,  # (N,), read when HAS_BIAS
+    MN,  # M * N
+    N,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(P_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):  # a fixed order: the same bits on every run
+        acc += tl.load(P_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(Bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    acc = _activation(acc, ACTIVATION)
+    tl.store(Y_ptr + offs, acc.to(Y_ptr.dtype.element_ty), mask=mask)
+
+
+def decode_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+    *,
+    out: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Launcher: act(a @ b + bias) into `out` (a contiguous (M, N) tensor) or a new tensor.
+
+    Inputs are taken as checked by `kiln.kernels.matmul` (2-D, one dtype and device, M <= DECODE_MAX_M,
+    M, N, K > 0); only what this path adds is checked here. config: skip the rule (tests, the sweep).
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    if M > DECODE_MAX_M:
+        raise ValueError(f"decode_matmul takes at most {DECODE_MAX_M} rows, got {M}")
+    if config is None:
+        config = decode_config(M, N, K, sm_count(a.device))
+    c = torch.empty((M, N), device=a.device, dtype=a.dtype) if out is None else out
+    split = config.split_k
+    # Whole BLOCK_K steps per split, so every split but the last covers k_split exactly.
+    k_split = triton.cdiv(triton.cdiv(K, split), config.block_k) * config.block_k
+    split = triton.cdiv(K, k_split)  # a split with no K left would add nothing: drop it
+    dst = c if split == 1 else torch.empty((split, M, N), device=a.device, dtype=torch.float32)
+    grid = (triton.cdiv(N, config.block_n), split)
+    args = (a, b, dst, bias if bias is not None else c, M, N, K, a.stride(0), a.stride(1), b.stride(1),
+            b.stride(0), k_split)  # fmt: skip
+    has_bias = bias is not None and split == 1
+    act = activation if split == 1 else "none"
+    if config.kernel == "gemv":
+        _gemv_kernel[grid](*args, has_bias, act, triton.next_power_of_2(M), config.block_n, config.block_k,
+                           split, num_warps=config.warps, num_stages=config.stages)  # fmt: skip
+    elif config.kernel == "dot":
+        precision = "tf32" if a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+        _dot_kernel[grid](*args, has_bias, act, precision, 16, config.block_n, config.block_k, split,
+                          num_warps=config.warps, num_stages=config.stages)  # fmt: skip
+    else:
+        raise ValueError(f"unknown decode kernel {config.kernel!r}: 'gemv' or 'dot'")
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(M * N, block),)](
+            dst, c, bias if bias is not None else c, M * N, N, bias is not None, activation, split, block
+        )
+    return c

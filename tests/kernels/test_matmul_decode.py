@@ -1,0 +1,169 @@
+"""The decode matmul (M <= 16 rows) against float64: both kernels (FMA "gemv" and swapped "dot"), split K
+with its deterministic second pass, bias and every activation, odd N and K, M from 1 to 16, strided x and
+both weight layouts; that kiln's matmul/linear route decode shapes here (and nothing else); the rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.kernels import matmul_decode
+from kiln.kernels.dispatch import use_backend
+from kiln.kernels.matmul import ACTIVATIONS, linear, matmul_fwd, matmul_ref, tile_config
+from kiln.kernels.matmul_decode import DecodeConfig, decode_config, decode_matmul
+
+from ._tolerance import assert_close
+
+CONFIGS = [
+    DecodeConfig("gemv", 16, 32),  # several K steps, a ragged last column block
+    DecodeConfig("gemv", 8, 32, split_k=3),  # K in 3 slices, summed by the second kernel
+    DecodeConfig("dot", 16, 32),
+    DecodeConfig("dot", 32, 16, split_k=4),
+]
+
+
+def _inputs(M, K, N, dtype, device, seed, x_strided=False, w_rowmajor=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, 2 * K if x_strided else K, generator=gen).to(device, dtype)
+    x = x[:, ::2] if x_strided else x  # (M, K) with stride_xk = 2
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(device, dtype)
+    b = w.t().contiguous() if w_rowmajor else w.t()  # (K, N): N-contiguous, or the nn.Linear view
+    bias = torch.randn(N, generator=gen).to(device, dtype)
+    return x, b, bias
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("M,K,N", [(1, 100, 37), (3, 64, 48), (16, 200, 24), (7, 33, 17)])
+def test_decode_matmul_matches_float64(config, M, K, N, device):
+    # fp16: the interpreter's bf16 tl.dot is broken (PLATFORM.md); bf16 runs on the GPU below
+    x, b, bias = _inputs(M, K, N, torch.float16, device, seed=M * K + N)
+    c = decode_matmul(x, b, bias, "silu", config=config)
+    assert c.dtype == torch.float16 and c.shape == (M, N)
+    assert_close(c, matmul_ref(x.double(), b.double(), bias.double(), "silu"), name=str(config))
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[3]], ids=str)
+def test_decode_epilogue_every_activation(activation, config, device):
+    """Bias and activation in the kernel (one K slice) and in the split-K sum kernel."""
+    x, b, bias = _inputs(2, 48, 40, torch.float32, device, seed=3)
+    c = decode_matmul(x, b, bias, activation, config=config)
+    assert_close(c, matmul_ref(x.double(), b.double(), bias.double(), activation), name=activation)
+
+
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2]], ids=str)
+def test_decode_strided_x_and_row_major_weight(config, device):
+    """x with a K stride of 2 and B = a (K, N) row-major tensor: loads take any strides."""
+    x, b, _ = _inputs(5, 40, 24, torch.float32, device, seed=4, x_strided=True, w_rowmajor=True)
+    assert x.stride(1) == 2 and b.stride(1) == 1
+    assert_close(decode_matmul(x, b, config=config), matmul_ref(x.double(), b.double()), name="strided")
+
+
+def test_decode_gemv_bfloat16_and_out(device):
+    """The FMA kernel has no tl.dot, so bf16 runs through the interpreter too; `out` is written in place."""
+    x, b, bias = _inputs(1, 96, 40, torch.bfloat16, device, seed=5)
+    out = torch.empty(1, 40, device=device, dtype=torch.bfloat16)
+    c = decode_matmul(x, b, bias, "gelu", out=out, config=DecodeConfig("gemv", 8, 32, split_k=2))
+    assert c.data_ptr() == out.data_ptr()
+    assert_close(c, matmul_ref(x.double(), b.double(), bias.double(), "gelu"), name="bf16 gemv")
+
+
+def test_decode_split_k_is_deterministic(device):
+    x, b, bias = _inputs(4, 96, 32, torch.float32, device, seed=6)
+    cfg = DecodeConfig("gemv", 8, 16, split_k=3)
+    assert torch.equal(decode_matmul(x, b, bias, config=cfg), decode_matmul(x, b, bias, config=cfg))
+
+
+def test_decode_rejects_too_many_rows(device):
+    x, b, _ = _inputs(17, 16, 8, torch.float32, device, seed=7)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        decode_matmul(x, b)
+    with pytest.raises(ValueError, match="unknown decode kernel"):
+        decode_matmul(x[:2], b, config=DecodeConfig("wgmma", 16, 16))
+
+
+def test_matmul_routes_decode_shapes(monkeypatch, device):
+    """linear/matmul/matmul_fwd send M <= 16 to the decode kernels, M > 16 and the cases they do not
+    cover (a stored pre-activation for the backward, accumulate, an explicit config) to the tile kernel;
+    the results match float64 on both paths, gradients included."""
+    calls, real = [], matmul_decode.decode_matmul
+
+    def counted(a, *args, **kwargs):
+        calls.append(tuple(a.shape))
+        return real(a, *args, **kwargs)
+
+    monkeypatch.setattr(matmul_decode, "decode_matmul", counted)
+    gen = torch.Generator().manual_seed(8)
+    w = (torch.randn(24, 32, generator=gen) / 6).to(device, torch.float16)
+    bias = torch.randn(24, generator=gen).to(device, torch.float16)
+    with use_backend("triton"):
+        for lead in [(1,), (2, 8), (17,)]:  # 1 and 16 tokens: decode; 17: the tile kernel
+            x = torch.randn(*lead, 32, generator=gen).to(device, torch.float16)
+            want = matmul_ref(x.double().reshape(-1, 32), w.double().t(), bias.double(), "relu")
+            assert_close(linear(x, w, bias, "relu"), want.reshape(*lead, 24), name=f"linear {lead}")
+        assert calls == [(1, 32), (16, 32)]
+        x = torch.randn(4, 32, generator=gen).to(device, torch.float16)
+        matmul_fwd(x, w.t(), config=tile_config(16, 16, 16, 1, 4, 1))
+        matmul_fwd(x, w.t(), out=torch.zeros(4, 24, device=device, dtype=torch.float16), accumulate=True)
+        assert len(calls) == 2
+        # autograd with an activation stores the pre-activation: the tile kernel's epilogue
+        leaves = [t.clone().requires_grad_() for t in (x, w, bias)]
+        y = linear(*leaves, "silu")
+        assert len(calls) == 2
+        ref = [t.double().requires_grad_() for t in (x, w, bias)]
+        want = matmul_ref(ref[0], ref[1].t(), ref[2], "silu")
+        assert_close(y, want, name="autograd forward")
+        g = torch.randn(4, 24, generator=gen, dtype=torch.float64)
+        got = torch.autograd.grad(y, leaves, g.to(device, torch.float16))
+        exp = torch.autograd.grad(want, ref, g.to(device))
+        for name, a, r in zip(("dx", "dW", "dbias"), got, exp):
+            assert_close(
+                a, r, scale=24**0.5, name=name
+            )  # fp16 dpre summed over up to 24 terms (as test_matmul)
+
+
+def test_decode_config_rule(monkeypatch):
+    """The rule on the H200 (132 SMs) at the Qwen2.5-1.5B shapes: a known kernel, every SM busy, and whole
+    BLOCK_K steps. Pure Python: checks the rule, not the GPU."""
+    monkeypatch.setattr(matmul_decode, "interpreting", lambda: False)
+    rule = decode_config.__wrapped__  # past the cache (which holds interpreter answers)
+    for M in (1, 2, 4, 8, 16):
+        for K, N in [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536), (1536, 151936)]:
+            cfg = rule(M, N, K, 132)
+            assert cfg.kernel in ("gemv", "dot"), cfg
+            programs = -(-N // cfg.block_n) * cfg.split_k
+            assert programs >= 132 // 2, (M, K, N, cfg)
+            assert cfg.kernel == "dot" or M * cfg.block_n * cfg.block_k <= 64 * 32 * cfg.warps, (M, cfg)
+
+
+QWEN_DECODE = [
+    (M, K, N) for M in (1, 4, 16) for K, N in [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536)]
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,N", QWEN_DECODE)
+def test_decode_bf16_qwen_shapes(M, K, N):
+    """The rule's config at every Qwen2.5-1.5B decode shape, bf16 with bias and activation, and inside a
+    CUDA graph (how decode runs it: the split-K buffer is allocated in the graph's pool)."""
+    x, b, bias = _inputs(M, K, N, torch.bfloat16, "cuda", seed=M + N)
+    want = matmul_ref(x.double(), b.double(), bias.double(), "silu")
+    with use_backend("triton"):
+        y = linear(x, b.t(), bias, "silu")
+        assert_close(y, want, name=f"bf16 {decode_config(M, N, K, 132)}")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            yg = linear(x, b.t(), bias, "silu")
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config", [DecodeConfig("gemv", 8, 512, 2), DecodeConfig("dot", 64, 128, 4, 4, 3)], ids=str
+)
+def test_decode_bf16_explicit_configs(config):
+    x, b, bias = _inputs(16 if config.kernel == "dot" else 1, 1536, 2048, torch.bfloat16, "cuda", seed=9)
+    y = decode_matmul(x, b, bias, "gelu_tanh", config=config)
+    assert_close(y, matmul_ref(x.double(), b.double(), bias.double(), "gelu_tanh"), name=str(config))
