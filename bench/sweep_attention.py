@@ -81,6 +81,9 @@ BWD_VARIANTS = [
     ("dq_m128n128w8s2", cfg(64, 128, 8, 3, FLAT=True, HEAVY_FIRST=True), cfg(128, 128, 8, 2)),
     ("dq_m64n128w4s2", cfg(64, 128, 8, 3, FLAT=True, HEAVY_FIRST=True), cfg(64, 128, 4, 2)),
     ("dq_m128n32w4s4", cfg(64, 128, 8, 3, FLAT=True, HEAVY_FIRST=True), cfg(128, 32, 4, 4)),
+    # the Triton tutorial's blocks (32 x 128 dK/dV, 128 x 32 dQ, 4 warps, 5 stages)
+    ("tutorial_flat_heavy", cfg(32, 128, 4, 5, FLAT=True, HEAVY_FIRST=True), cfg(128, 32, 4, 5)),
+    ("flat_heavy_m32n128w4s4", cfg(32, 128, 4, 4, FLAT=True, HEAVY_FIRST=True), DQ0),
 ]
 FWD_VARIANTS = [
     ("default", None),
