@@ -97,6 +97,11 @@ FWD_VARIANTS = [
     ("m128n64w8s3_maxnreg", cfg(128, 64, 8, 3, maxnreg=240)),
     ("m128n64w8s2_ws", cfg(128, 64, 8, 2, WS=True)),
     ("m128n128w8s2_ws", cfg(128, 128, 8, 2, WS=True)),
+    # through TMA descriptors (Hopper's warp specialization partitions TMA loads into producer warps)
+    ("m64n64w4s3_tma", cfg(64, 64, 4, 3, TMA=True)),
+    ("m128n64w8s3_tma", cfg(128, 64, 8, 3, TMA=True)),
+    ("m128n64w8s2_ws_tma", cfg(128, 64, 8, 2, WS=True, TMA=True)),
+    ("m128n128w8s2_ws_tma", cfg(128, 128, 8, 2, WS=True, TMA=True)),
 ]
 # Prefill points: the GQA backward below SDPA-flash (goal 2), the marginal MHA one, an MHA of the GQA
 # case's FLOPs (Hq 32 = Hk 32, the per-FLOP control), the hd128 causal goal points for goal 3.
@@ -121,7 +126,7 @@ def tasks(smoke: bool) -> list[tuple]:
             [("decode", dict(B=1, L=70, Hq=8, Hk=2, D=16, page=16), n, v) for n, v in small]
             + [("bwd", p, n, (a, b)) for n, a, b in BWD_VARIANTS[:1]]
             + [("bwd", p, "flat", (cfg(32, 64, 4, 1, FLAT=True, HEAVY_FIRST=True), cfg(64, 32, 4, 1)))]
-            + [("fwd", p, "m64n32", cfg(64, 32, 4, 1))]
+            + [("fwd", p, "m64n32", cfg(64, 32, 4, 1)), ("fwd", p, "m64n32_tma", cfg(64, 32, 4, 1, TMA=True))]
         )
     out = [("decode", dict(B=1, L=65536, Hq=64, Hk=8, D=128, page=16), n, v) for n, v in DECODE_B1]
     out += [("decode", dict(B=64, L=4096, Hq=64, Hk=8, D=128, page=16), n, v) for n, v in DECODE_B64]
@@ -173,7 +178,9 @@ def runner(kind, c, variant, inputs):
     q, k, v, do, o, lse = inputs
     scale = c["D"] ** -0.5
     if kind == "fwd":
-        return lambda: attention_fwd(q, k, v, True, scale, None, None, None, 0, config=variant)
+        knobs = dict(variant or {})
+        tma = knobs.pop("TMA", False)
+        return lambda: attention_fwd(q, k, v, True, scale, None, None, None, 0, tma, knobs or None)
     dkdv, dq = variant
     return lambda: attention_bwd(
         do, q, k, v, o, lse, True, scale, None, None, 0, dkdv_config=dkdv, dq_config=dq
