@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kiln.kernels.dispatch import use_backend
-from kiln.kernels.rope import apply_rope, apply_rope_ref, rope_launch
+from kiln.kernels.rope import apply_rope, apply_rope_ref, rope_launch, rope_rows_launch
 
 from ._tolerance import assert_close, check_op
 
@@ -84,6 +84,25 @@ def test_rope_tokens_per_program(tokens):
     q2, k2 = _ref(q.double(), k.double(), cos, sin, pos, False)
     assert_close(qo, q2, name="q")
     assert_close(ko, k2, name="k")
+
+
+@pytest.mark.parametrize("rows,persistent,flat", [(4, 0, True), (8, 1, True), (16, 0, False), (8, 1, False)])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_row_blocks(rows, persistent, flat, interleaved):
+    # the row-block kernel: q rows then k rows, ragged last blocks, a persistent grid (4 "SMs" on the CPU),
+    # (B, H, T, D) memory, positions, and the inverse rotation
+    g = torch.Generator().manual_seed(4)
+    cos, sin = tables(16, 8)
+    q = torch.randn(2, 3, 7, 8, generator=g).transpose(1, 2)  # (B, T, Hq, D) view of (B, H, T, D) memory
+    k = torch.randn(2, 7, 1, 8, generator=g)
+    pos = torch.randint(0, 16, (2, 7), generator=g)
+    for backward in (False, True):
+        qo, ko = rope_rows_launch(q, k, cos, sin, pos, interleaved, backward, rows=rows, num_warps=1,
+                                  persistent=persistent, flat=flat)  # fmt: skip
+        sgn = -1.0 if backward else 1.0
+        q2, k2 = _ref(q.double(), k.double(), cos, sgn * sin, pos, interleaved)
+        assert_close(qo, q2, name="q")
+        assert_close(ko, k2, name="k")
 
 
 def test_rope_errors():

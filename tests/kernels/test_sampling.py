@@ -164,3 +164,15 @@ def test_sample_qwen_vocab(temperature, top_k, top_p, dtype):
     want = sample_ref(logits, temperature, top_k, top_p, torch.Generator("cuda").manual_seed(3))
     got = sample(logits, temperature, top_k, top_p, torch.Generator("cuda").manual_seed(3))
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_sample_whole_row_fallback_qwen_vocab():
+    """A flat distribution: the 0.9 nucleus spills past the candidates, stage 2 searches whole rows."""
+    logits = (torch.randn(4, 151936, generator=torch.Generator().manual_seed(1)) * 0.05).cuda()
+    noise = torch.empty(logits.shape, device="cuda").exponential_(
+        1.0, generator=torch.Generator("cuda").manual_seed(2)
+    )
+    want = sample_ref_with_noise(logits, noise, 1.0, None, 0.9)
+    got = sample_with_noise(logits, noise, 1.0, None, 0.9)
+    assert torch.equal(got, want)

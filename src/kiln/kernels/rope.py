@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.dispatch import use_triton
+from kiln.kernels.dispatch import sm_count, use_triton
 from kiln.kernels.rmsnorm import FLOAT_DTYPES, cdiv, pow2
 
 
@@ -177,6 +177,87 @@ def _rope_kernel(
     )
 
 
+@triton.jit
+def _rotate_rows(
+    X_ptr, O_ptr, COS_ptr, SIN_ptr, POS_ptr, blk,
+    stride_b, stride_t, stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
+    n_tokens, T, n_heads, half, sin_sign,
+    HAS_POS: tl.constexpr, INTERLEAVED: tl.constexpr, TABLE: tl.constexpr, EVICT: tl.constexpr,
+    FLAT: tl.constexpr, TOKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Rotate block blk of one tensor, as (TOKS, BLOCK_H, D/2) tiles per pair member.
+    FLAT: the tensor is (B * T * H) rows of D and the block is TOKS consecutive rows (BLOCK_H = 1), each
+    row gathering its own cos/sin; else the block is TOKS tokens with all their heads, cos/sin loaded once
+    per token. Either way a program streams one stretch of one tensor (contiguous in dense layouts)."""
+    # index math in int32 (B * T * H < 2**31), byte offsets in int64
+    if FLAT:
+        r = tl.arange(0, TOKS)[:, None, None] + blk * TOKS  # (TOKS, 1, 1) = token * H + head
+        tok = r // n_heads
+        head = r % n_heads
+        ok = tok < n_tokens
+    else:
+        tok = tl.arange(0, TOKS)[:, None, None] + blk * TOKS  # (TOKS, 1, 1)
+        head = tl.arange(0, BLOCK_H)[None, :, None]  # (1, BLOCK_H, 1)
+        ok = (tok < n_tokens) & (head < n_heads)
+    b = (tok // T).to(tl.int64)
+    t = (tok % T).to(tl.int64)
+    head = head.to(tl.int64)
+    i = tl.arange(0, BLOCK_D)[None, None, :]
+    tok_ok = (tok < n_tokens) & (i < half)
+    mask = ok & (i < half)
+    if TABLE:
+        if HAS_POS:
+            pos = tl.load(POS_ptr + b * pos_stride_b + t * pos_stride_t, mask=tok < n_tokens, other=0)
+            pos = pos.to(tl.int64)
+        else:
+            pos = t
+        c = tl.load(COS_ptr + pos * cos_row_stride + i, mask=tok_ok, other=0.0).to(tl.float32)
+        s = tl.load(SIN_ptr + pos * sin_row_stride + i, mask=tok_ok, other=0.0).to(tl.float32) * sin_sign
+    else:  # timing probe only (bench/sweep_rope_sampling.py): what the cos/sin reads cost
+        c = tl.full((TOKS, 1, BLOCK_D), 1.0, tl.float32)
+        s = tl.zeros((TOKS, 1, BLOCK_D), tl.float32)
+    ia, ib = _pair_offsets(i, half, INTERLEAVED)
+    src = X_ptr + b * stride_b + t * stride_t + head * stride_h
+    a = tl.load(src + ia, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    bb = tl.load(src + ib, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    dst = O_ptr + (tok.to(tl.int64) * n_heads + head) * (2 * half)
+    tl.store(dst + ia, (a * c - bb * s).to(O_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + ib, (a * s + bb * c).to(O_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_rows_kernel(
+    Q_ptr, K_ptr, QO_ptr, KO_ptr, COS_ptr, SIN_ptr, POS_ptr,
+    q_stride_b, q_stride_t, q_stride_h,
+    k_stride_b, k_stride_t, k_stride_h,
+    cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
+    n_tokens, T, n_q_heads, n_k_heads, half, n_q_blocks, n_blocks,
+    sin_sign,  # -1 for the backward: the inverse rotation (a runtime value: one compiled kernel for both)
+    HAS_POS: tl.constexpr, INTERLEAVED: tl.constexpr, TABLE: tl.constexpr, EVICT: tl.constexpr,
+    FLAT: tl.constexpr, TOKS_Q: tl.constexpr, TOKS_K: tl.constexpr, BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr, PERSISTENT: tl.constexpr,
+):  # fmt: skip
+    """q's blocks, then k's: blocks 0 .. n_q_blocks - 1 rotate q, the rest k. PERSISTENT: a grid of a
+    few programs per SM strides over the blocks; else one program per block."""
+    start = tl.program_id(0)
+    step = tl.num_programs(0) if PERSISTENT else n_blocks
+    for blk in range(start, n_blocks, step):
+        if blk < n_q_blocks:
+            _rotate_rows(
+                Q_ptr, QO_ptr, COS_ptr, SIN_ptr, POS_ptr, blk,
+                q_stride_b, q_stride_t, q_stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
+                n_tokens, T, n_q_heads, half, sin_sign,
+                HAS_POS, INTERLEAVED, TABLE, EVICT, FLAT, TOKS_Q, BLOCK_QH, BLOCK_D,
+            )  # fmt: skip
+        else:
+            _rotate_rows(
+                K_ptr, KO_ptr, COS_ptr, SIN_ptr, POS_ptr, blk - n_q_blocks,
+                k_stride_b, k_stride_t, k_stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
+                n_tokens, T, n_k_heads, half, sin_sign,
+                HAS_POS, INTERLEAVED, TABLE, EVICT, FLAT, TOKS_K, BLOCK_KH, BLOCK_D,
+            )  # fmt: skip
+
+
 # One token per program, 4 warps: on the H200 (B8 T4096 Hq32 Hk8 D128 bf16) 2 or 4 tokens per program and
 # 1 or 2 warps were no faster (0.174-0.186 ms against 0.174), so no autotuner (its host cost showed).
 TOKENS_PER_PROGRAM = 1
@@ -259,6 +340,55 @@ def rope_launch(
         BLOCK_D=pow2(D // 2),
     )  # fmt: skip
     _rope_kernel[(cdiv(B * T, tokens),)](*args, **flags, TOKENS=tokens, num_warps=num_warps)
+    return qo, ko
+
+
+def rope_rows_launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    interleaved: bool,
+    backward: bool = False,
+    rows: int = 32,
+    num_warps: int = 4,
+    persistent: int = 0,
+    flat: bool = True,
+    num_stages: int = 1,
+    table: bool = True,
+    evict: str = "",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block kernel: q's blocks then k's, about `rows` (token, head) rows per block (flat: exactly
+    `rows` rows; else whole tokens, rows // pow2(H) of them); `persistent` > 0 launches that many programs
+    per SM, striding over the blocks. `table=False` is a timing probe (wrong output)."""
+    q, k, cos, sin = (_last_contiguous(t) for t in (q, k, cos, sin))
+    B, T, Hq, D = q.shape
+    Hk = k.shape[2]
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if B * T == 0:
+        return qo, ko
+    pos = position_ids if position_ids is not None else q
+    pos_strides = (pos.stride(0), pos.stride(1)) if position_ids is not None else (0, 0)
+    bqh, bkh = (1, 1) if flat else (pow2(Hq), pow2(Hk))
+    toks_q, toks_k = max(1, rows // bqh), max(1, rows // bkh)
+    if flat:
+        n_q_blocks, n_k_blocks = cdiv(B * T * Hq, toks_q), cdiv(B * T * Hk, toks_k)
+    else:
+        n_q_blocks, n_k_blocks = cdiv(B * T, toks_q), cdiv(B * T, toks_k)
+    n_blocks = n_q_blocks + n_k_blocks
+    grid = min(n_blocks, persistent * sm_count(q.device)) if persistent else n_blocks
+    _rope_rows_kernel[(grid,)](
+        q, k, qo, ko, cos, sin, pos,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        cos.stride(0), sin.stride(0), *pos_strides,
+        B * T, T, Hq, Hk, D // 2, n_q_blocks, n_blocks, -1.0 if backward else 1.0,
+        HAS_POS=position_ids is not None, INTERLEAVED=interleaved, TABLE=table, EVICT=evict,
+        FLAT=flat, TOKS_Q=toks_q, TOKS_K=toks_k, BLOCK_QH=bqh, BLOCK_KH=bkh, BLOCK_D=pow2(D // 2),
+        PERSISTENT=bool(persistent), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
     return qo, ko
 
 

@@ -360,7 +360,8 @@ CHUNK = 2048  # stage-1 columns per program: 75 programs per row at V = 151936
 KC = 64  # candidates per chunk: top_k up to KC costs nothing extra; larger k raises it to pow2(k)
 KC_MAX = 1024  # past this top_k the candidates would not fit a chunk's registers: the whole-row path
 CHUNK_WARPS = 4
-COMBINE_WARPS = 8
+COMBINE_WARPS = 4  # greedy and plain temperature: the combine reads a few hundred partials
+SEARCH_WARPS = 16  # with a filter: (4096 columns x 8 cut points) counters per search step, 64 a thread
 COMBINE_BLOCK = 4096  # the combine's step over candidates (and over the whole row when it falls back)
 
 
@@ -421,7 +422,8 @@ def sample_with_noise(
         logits, logits.stride(0), noise, noise.stride(0), part_m, part_s, part_r, part_i, cand_z, cand_i, out,
         V, n_chunks, temp, int(top_k) if use_k else 0, float(top_p) if use_p else 1.0,
         GREEDY=greedy, TOP_K=use_k, TOP_P=use_p, CANDIDATES=candidates, KC=kc, CHUNKS=_pow2(n_chunks),
-        BLOCK=block, SEARCH_BLOCK=block, SPLITS=8, num_warps=combine_warps or COMBINE_WARPS,
+        BLOCK=block, SEARCH_BLOCK=block, SPLITS=8,
+        num_warps=combine_warps or (SEARCH_WARPS if use_k or use_p else COMBINE_WARPS),
     )  # fmt: skip
     return out
 
