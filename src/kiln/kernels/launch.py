@@ -2,7 +2,8 @@
 
 `kernel[grid](*args, **meta)` costs about 17 us of host time per call on the H200's host (Triton 3.6:
 it queries the device and stream, binds and specializes every argument, hashes a cache key, checks
-global values), against 9 us through the compiled kernel's own handle (bench/host_overhead.py). For
+global values, builds launch metadata and calls the (empty) launch-hook chains), against 9 us through
+the compiled kernel's own handle (bench/host_overhead.py). For
 a norm's forward+backward that is two launches on the critical path between the forward kernel and
 the backward kernel, where the GPU sits idle waiting for the host.
 
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from triton import knobs
 from triton.runtime import driver
 
 from kiln.kernels.dispatch import interpreting
@@ -28,14 +30,21 @@ from kiln.kernels.dispatch import interpreting
 
 def _arg_key(a: Any) -> Any:
     if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
+        return (a.dtype, a.data_ptr() & 15 == 0)
     if isinstance(a, bool) or a is None:
         return a
     if isinstance(a, int):
-        return (a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a >= 2**63)
+        return (a == 1, a & 15 == 0, -(2**31) <= a < 2**31, a >= 2**63)
     if isinstance(a, float):
         return float
     return a
+
+
+def _hooks_active() -> bool:
+    """Whether a launch hook (e.g. Triton's proton profiler) is installed: in Triton 3.6 the hook is an
+    always-present chain, empty unless a profiler adds to it."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 class CachedLaunch:
@@ -47,6 +56,7 @@ class CachedLaunch:
 
     def __init__(self, fn) -> None:
         self.fn = fn
+        self.interpret = interpreting()  # fixed once triton is imported, as the kernel itself is
         self.compiled: dict[tuple, Any] = {}
         # parameter names and defaults (the interpreter's wrapper has neither, and never needs them)
         params = getattr(fn, "params", [])
@@ -57,17 +67,22 @@ class CachedLaunch:
         return lambda *args, **meta: self.launch(grid, args, meta)
 
     def launch(self, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> Any:
-        if interpreting():
+        if self.interpret:
             return self.fn[grid](*args, **meta)
         device = torch.cuda.current_device()
         key = (device, tuple(map(_arg_key, args)), tuple(meta.items()))
         kernel = self.compiled.get(key)
-        if kernel is None:  # first launch of this specialization: compile (or load) through Triton
+        if kernel is None or _hooks_active():
+            # first launch of this specialization (compile or load through Triton), or a profiler hook
+            # that wants Triton's launch metadata: the plain path
             kernel = self.fn[grid](*args, **meta)
             self.compiled[key] = kernel
             return kernel
         # the compiled handle takes every parameter in order, constexprs included
         rest = [meta[n] if n in meta else self.defaults[n] for n in self.names[len(args) :]]
-        g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        kernel[g](*args, *rest, stream=driver.active.get_current_stream(device))
+        kernel.run(
+            grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+            driver.active.get_current_stream(device), kernel.function, kernel.packed_metadata,
+            None, None, None, *args, *rest,
+        )  # fmt: skip
         return kernel
