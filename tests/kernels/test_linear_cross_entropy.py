@@ -121,6 +121,8 @@ def test_plan_rejects_bad_values():
         Plan(logits_gemm="cutlass")
     with pytest.raises(ValueError, match="positive"):
         Plan(overlap=0)
+    with pytest.raises(ValueError, match="power of two"):
+        Plan(row_block=3000)
 
 
 @pytest.mark.parametrize("g", [1.0, 2.5])
@@ -157,8 +159,20 @@ def test_linear_cross_entropy_unit_incoming_gradient(device):
         for lg in ("kiln", "cublas")
         for dg in ("kiln", "cublas")
     ]
-    + [Plan(256 * 151936 * 2, overlap=2), Plan(256 * 151936 * 2, overlap=2, gemm_priority=True)],
-    ids=["kiln-kiln", "kiln-cublas", "cublas-kiln", "cublas-cublas", "overlap2", "overlap2-priority"],
+    + [
+        Plan(256 * 151936 * 2, overlap=2),
+        Plan(256 * 151936 * 2, overlap=2, gemm_priority=True),
+        Plan(256 * 151936 * 2, row_programs=132, row_block=16384, row_warps=16),
+    ],
+    ids=[
+        "kiln-kiln",
+        "kiln-cublas",
+        "cublas-kiln",
+        "cublas-cublas",
+        "overlap2",
+        "overlap2-priority",
+        "rows-132x16384",
+    ],
 )
 def test_linear_cross_entropy_bf16_qwen_head(plan):
     """The Qwen2.5 head (1536 -> 151936) in bf16 on 512 tokens, two chunks."""

@@ -144,10 +144,11 @@ def _check(x: torch.Tensor, targets: torch.Tensor, label_smoothing: float, reduc
         raise ValueError(f"targets are on {targets.device} but {what} on {x.device}")
 
 
-def _launch_config(V: int) -> tuple[int, int]:
-    """(BLOCK, num_warps): 4096-wide steps over big vocabularies, one step for small ones."""
-    block = min(triton.next_power_of_2(V), 64 if interpreting() else 4096)
-    return block, (8 if block >= 2048 else 4)
+def _launch_config(V: int, block: int | None = None, warps: int | None = None) -> tuple[int, int]:
+    """(BLOCK, num_warps): 4096-wide steps over big vocabularies, one step for small ones; the fused
+    linear CE may ask for other widths (wider steps keep more bytes in flight per program)."""
+    block = min(triton.next_power_of_2(V), 64 if interpreting() else block or 4096)
+    return block, warps or (max(8, min(32, block // 512)) if block >= 2048 else 4)
 
 
 def cross_entropy_rows(
@@ -184,12 +185,12 @@ def cross_entropy_grad(
 
 
 def _launch(logits, targets, loss, lse, grad, scale, ignore_index, eps, forward: bool, programs=None,
-            stats=None) -> None:  # fmt: skip
+            stats=None, block=None, warps=None) -> None:  # fmt: skip
     N, V = logits.shape
     if N == 0:
         return
     parts = 1 if stats is None else stats.shape[2]
-    block, warps = _launch_config(V)
+    block, warps = _launch_config(V, block, warps)
     write = grad is not None
     g = grad if write else logits
     s = scale.float().reshape(-1) if write else lse

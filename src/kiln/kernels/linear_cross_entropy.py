@@ -61,7 +61,10 @@ class Plan:
         128x256 tiles; for the logits it also emits per-tile row max / sum exp, so the loss kernel skips
         its first pass over the row). dhidden's GEMM, (c, V) @ (V, H), has too few output tiles for one
         program per tile and is always cuBLAS's, which splits K.
-    row_programs: programs of the loss kernel, striding over rows (None: one per row).
+    row_programs: programs of the loss kernel, striding over rows (None: one per row). Fewer rows in
+        flight (132 x 304 KiB at V = 151936) can stay in L2 between the kernel's two passes over a row.
+    row_block, row_warps: the loss kernel's vocabulary columns per step and warps (None: its defaults,
+        4096 and 8); wider steps keep more bytes in flight per program, which fewer programs need.
     overlap: parts per chunk; > 1 runs each part's loss kernel on a side stream, overlapping the GEMMs.
     gemm_priority: run the GEMMs on a high-priority stream, so their blocks go first when both kernels
         wait for multiprocessors (only with overlap > 1).
@@ -71,18 +74,19 @@ class Plan:
     logits_gemm: str = "cublas"
     dweight_gemm: str = "cublas"
     row_programs: int | None = None
+    row_block: int | None = None
+    row_warps: int | None = None
     overlap: int = 1
     gemm_priority: bool = False
 
     def __post_init__(self):
         if self.logits_gemm not in GEMMS or self.dweight_gemm not in GEMMS:
             raise ValueError(f"logits_gemm and dweight_gemm must be in {GEMMS}")
-        if (
-            self.chunk_bytes < 1
-            or self.overlap < 1
-            or (self.row_programs is not None and self.row_programs < 1)
-        ):
-            raise ValueError(f"chunk_bytes, overlap and row_programs must be positive: {self}")
+        knobs = (self.chunk_bytes, self.overlap, self.row_programs, self.row_block, self.row_warps)
+        if any(v is not None and v < 1 for v in knobs):
+            raise ValueError(f"chunk_bytes, overlap and the row kernel's settings must be positive: {self}")
+        if self.row_block is not None and self.row_block & (self.row_block - 1):
+            raise ValueError(f"row_block must be a power of two, got {self.row_block}")
 
 
 # 8192 x 151936 bf16 logits (2.3 GiB) go in 6 chunks of about 1366 tokens (408 MiB of logits each): big
@@ -187,8 +191,9 @@ def linear_cross_entropy_chunks(
     main = gemm_s = ce_s = None
     if plan.overlap > 1 and hidden.is_cuda:
         main = torch.cuda.current_stream(dev)
-        gemm_s = _stream(dev.index or 0, -1) if plan.gemm_priority else main
-        ce_s = _stream(dev.index or 0, 0)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        gemm_s = _stream(index, -1) if plan.gemm_priority else main
+        ce_s = _stream(index, 0)
         _handoff(main, gemm_s)
         _handoff(main, ce_s)
     for c0, c1 in chunks:
@@ -204,7 +209,8 @@ def linear_cross_entropy_chunks(
                 s = None if not grads else scale if scale.numel() == 1 else scale[p0:p1]
                 _launch(z, targets[p0:p1], loss[p0:p1], lse[p0:p1], z if grads else None, s, ignore_index,
                         eps, forward=True, programs=plan.row_programs,
-                        stats=None if st is None else st.view(3, -1, n_parts))  # fmt: skip
+                        stats=None if st is None else st.view(3, -1, n_parts), block=plan.row_block,
+                        warps=plan.row_warps)  # fmt: skip
                 done.append(_mark(ce_s))
         with _on(gemm_s):  # z holds dloss/dz now, part by part; the next chunk's logits wait for these
             for (p0, p1), ev in zip(parts, done):
