@@ -84,6 +84,13 @@ BWD_VARIANTS = [
     # the Triton tutorial's blocks (32 x 128 dK/dV, 128 x 32 dQ, 4 warps, 5 stages)
     ("tutorial_flat_heavy", cfg(32, 128, 4, 5, FLAT=True, HEAVY_FIRST=True), cfg(128, 32, 4, 5)),
     ("flat_heavy_m32n128w4s4", cfg(32, 128, 4, 4, FLAT=True, HEAVY_FIRST=True), DQ0),
+    # TMA loads in both kernels, then with the unmasked loops warp-specialized
+    ("tma_flat_heavy", cfg(64, 128, 8, 3, FLAT=True, HEAVY_FIRST=True, TMA=True), {**DQ0, "TMA": True}),
+    (
+        "ws_tma_flat_heavy",
+        cfg(64, 128, 8, 2, FLAT=True, HEAVY_FIRST=True, WS=True, TMA=True),
+        {**DQ0, "WS": True, "TMA": True},
+    ),
 ]
 FWD_VARIANTS = [
     ("default", None),
@@ -181,10 +188,9 @@ def runner(kind, c, variant, inputs):
         knobs = dict(variant or {})
         tma = knobs.pop("TMA", False)
         return lambda: attention_fwd(q, k, v, True, scale, None, None, None, 0, tma, knobs or None)
-    dkdv, dq = variant
-    return lambda: attention_bwd(
-        do, q, k, v, o, lse, True, scale, None, None, 0, dkdv_config=dkdv, dq_config=dq
-    )
+    dkdv, dq = (dict(x) if x else None for x in variant)
+    tma = any(x.pop("TMA", False) for x in (dkdv, dq) if x)  # one switch for both kernels
+    return lambda: attention_bwd(do, q, k, v, o, lse, True, scale, None, None, 0, tma, dkdv, dq)
 
 
 class Inputs:
@@ -237,8 +243,8 @@ def _warm(task) -> str | None:
 def _risky(task) -> bool:
     """Variants whose compile or graph capture may break the process (warp specialization, programmatic
     dependent launch): tried in a pool of their own first, and measured only where that succeeded."""
-    v = task[3]
-    return isinstance(v, dict) and bool(v.get("WS") or v.get("PDL"))
+    parts = task[3] if isinstance(task[3], tuple) else (task[3],)
+    return any(isinstance(v, dict) and bool(v.get("WS") or v.get("PDL")) for v in parts)
 
 
 def precompile(all_tasks, workers: int, bench: Bench) -> list[str | None]:

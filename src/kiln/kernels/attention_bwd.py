@@ -130,13 +130,13 @@ def _load_head_rows(src, h, row0, n_rows, stride_t, stride_h, HEAD_DIM: tl.const
 def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_qh, stride_dot, stride_doh,
                     stride_lh, h0, n_heads, start, end, kpos, Tq, Tk, window, qk_scale, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                    TMA: tl.constexpr):
+                    TMA: tl.constexpr, WS: tl.constexpr):
     """Accumulate dK, dV (BLOCK_N, D) of one key block over query blocks [start, end) of query heads
     h0 .. h0 + n_heads - 1, all in one loop (one software pipeline). Computed transposed (keys by
     queries) so no operand needs a transpose in registers."""
     offs_m = tl.arange(0, BLOCK_M)
     n_blocks = tl.cdiv(end - start, BLOCK_M)
-    for i in range(0, n_heads * n_blocks):
+    for i in tl.range(0, n_heads * n_blocks, warp_specialize=WS):
         h = h0 + i // n_blocks
         m0 = start + (i % n_blocks) * BLOCK_M
         rows = m0 + offs_m  # (BLOCK_M,)
@@ -173,6 +173,7 @@ def _attn_bwd_dkdv_kernel(
     TMA: tl.constexpr,
     FLAT: tl.constexpr,  # one loop over the group's (head, query block) pairs; else a loop per head
     HEAVY_FIRST: tl.constexpr,  # grid (B * Hk, key blocks): every first key block (the longest) starts first
+    WS: tl.constexpr,  # warp-specialize the unmasked loop (Hopper)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     if HEAVY_FIRST:
@@ -212,25 +213,25 @@ def _attn_bwd_dkdv_kernel(
     if FLAT:
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_qh, stride_dot,
                                  stride_doh, stride_lh, hk * group, group, lo, full_lo, offs_n, Tq, Tk, window,
-                                 qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, TMA)
+                                 qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, TMA, False)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_qh, stride_dot,
                                  stride_doh, stride_lh, hk * group, group, full_lo, full_hi, offs_n, Tq, Tk, window,
-                                 qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, WINDOW, TMA)
+                                 qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, WINDOW, TMA, WS)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_qh, stride_dot,
                                  stride_doh, stride_lh, hk * group, group, full_hi, hi, offs_n, Tq, Tk, window,
-                                 qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, TMA)
+                                 qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, TMA, False)
     else:
         for g in range(group):  # the query heads sharing this K/V head accumulate into one dK, dV
             h = hk * group + g
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_qh,
                                      stride_dot, stride_doh, stride_lh, h, 1, lo, full_lo, offs_n, Tq, Tk, window,
-                                     qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, TMA)
+                                     qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, TMA, False)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_qh,
                                      stride_dot, stride_doh, stride_lh, h, 1, full_lo, full_hi, offs_n, Tq, Tk,
-                                     window, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, WINDOW, TMA)
+                                     window, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, WINDOW, TMA, WS)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_qh,
                                      stride_dot, stride_doh, stride_lh, h, 1, full_hi, hi, offs_n, Tq, Tk, window,
-                                     qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, TMA)
+                                     qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, TMA, False)
     dk_ptrs = DK + bb * stride_dkb + row0 * stride_dkt + hk * stride_dkh + offs_n[:, None] * stride_dkt
     dv_ptrs = DV + bb * stride_dvb + row0 * stride_dvt + hk * stride_dvh + offs_n[:, None] * stride_dvt
     tl.store(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok)
@@ -240,10 +241,10 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, start, end, qpos, Tk, window,
                   qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, TMA: tl.constexpr):
+                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     """Accumulate dQ (BLOCK_M, D) of one query block over key blocks [start, end)."""
     offs_n = tl.arange(0, BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WS):
         k = _load_rows(k_src, n0, Tk, stride_kt, HEAD_DIM, BLOCK_N, MASK, TMA)
         v = _load_rows(v_src, n0, Tk, stride_vt, HEAD_DIM, BLOCK_N, MASK, TMA)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N)
@@ -265,7 +266,7 @@ def _attn_bwd_dq_kernel(
     stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh,
     Hq, group, Tq, Tk, window, qk_scale, sm_scale, LEN_KEY, GQA_KEY,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
-    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest query blocks first, as in the forward
     pid_bh = tl.program_id(1)
@@ -295,11 +296,11 @@ def _attn_bwd_dq_kernel(
 
     lo, full_lo, full_hi, hi = _key_ranges(m0, Tq, Tk, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, lo, full_lo, qpos, Tk, window,
-                       qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA)
+                       qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA, False)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, full_lo, full_hi, qpos, Tk,
-                       window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW, TMA)
+                       window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW, TMA, WS)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, full_hi, hi, qpos, Tk, window,
-                       qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA)
+                       qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA, False)
     dq_ptrs = DQ + bb * stride_dqb + row0 * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt
     tl.store(dq_ptrs + tl.arange(0, HEAD_DIM)[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
@@ -343,7 +344,7 @@ def attention_bwd(
     tma = _tma_ok(q4, k4, v4, do4) if tma is None else tma
     if tma and q.is_cuda:
         triton.set_allocator(_tma_allocator)
-    flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, VARLEN=varlen, TMA=tma)
+    flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, VARLEN=varlen, TMA=tma, WS=False)
     strides = (
         *q4.stride()[:3],
         *k4.stride()[:3],
