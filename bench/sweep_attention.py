@@ -262,17 +262,18 @@ def precompile(all_tasks, workers: int, bench: Bench) -> list[str | None]:
         first.setdefault(keys[-1], i)
     safe = [i for i in first.values() if not _risky(all_tasks[i])]
     risky = [i for i in first.values() if _risky(all_tasks[i])]
-    with (
-        ProcessPoolExecutor(workers, mp_context=ctx) as pool,
-        ProcessPoolExecutor(1, mp_context=ctx) as alone,
-    ):
-        futures = {i: pool.submit(_warm, all_tasks[i]) for i in safe}
-        futures |= {i: alone.submit(_warm, all_tasks[i]) for i in risky}
-        for i, f in futures.items():
-            try:
-                errors[i] = f.result()
-            except Exception as e:  # noqa: BLE001 - a crashed worker (BrokenProcessPool)
-                errors[i] = f"worker died: {type(e).__name__}"
+    pools = [ProcessPoolExecutor(workers, mp_context=ctx)]
+    futures = {i: pools[0].submit(_warm, all_tasks[i]) for i in safe}
+    for i in risky:  # each in a process of its own: a crash takes nothing else with it
+        pools.append(ProcessPoolExecutor(1, mp_context=ctx))
+        futures[i] = pools[-1].submit(_warm, all_tasks[i])
+    for i, f in futures.items():
+        try:
+            errors[i] = f.result()
+        except Exception as e:  # noqa: BLE001 - a crashed worker (BrokenProcessPool)
+            errors[i] = f"worker died: {type(e).__name__}"
+    for pool in pools:
+        pool.shutdown()
     errors = [errors[first[key]] for key in keys]  # a compile's outcome holds for every task sharing it
     bench.log(f"precompiled {len(first)} variants in {workers} workers ({sum(map(bool, errors))} failed)")
     return errors
@@ -316,7 +317,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
+    ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     args = ap.parse_args()
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
