@@ -174,6 +174,10 @@ ROPE_VARIANTS = {
 }
 
 
+def _err(got: tuple, want: tuple) -> float:
+    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(got, want))
+
+
 def bench_rope() -> dict:
     B, T, Hq, Hk, D = (1, 5, 4, 2, 16) if SMOKE else (8, 4096, 32, 8, 128)
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -244,12 +248,20 @@ def bench_rope() -> dict:
             )  # fmt: skip
     # the interleaved layout and position ids on the two kernels' defaults and the best-guess block configs
     pos = torch.randint(0, T, (B, T), generator=g, device=DEV)
+    want_qi = apply_rope_ref(q, k, cos, sin, None, True)
     for name in ("flat_r64_w4", "tok_r128_w8", "token_t1_w4"):
         launch, kw = ROPE_VARIANTS[name]
         measure(
-            fwd, f"interleaved_{name}", lambda launch=launch, kw=kw: launch(q, k, cos, sin, None, True, **kw)
-        )
-        if name != "token_t1_w4":
+            fwd, f"interleaved_{name}", lambda launch=launch, kw=kw: launch(q, k, cos, sin, None, True, **kw),
+            lambda launch=launch, kw=kw: {"max_abs_err": _err(launch(q, k, cos, sin, None, True, **kw), want_qi)},
+        )  # fmt: skip
+        if (
+            name != "token_t1_w4"
+        ):  # pairs loaded as two strided tiles instead of whole rows split in registers
+            measure(
+                fwd, f"interleaved_{name}_pair_loads",
+                lambda launch=launch, kw=kw: launch(q, k, cos, sin, None, True, **kw, whole_rows=False),
+            )  # fmt: skip
             measure(
                 fwd,
                 f"positions_{name}",

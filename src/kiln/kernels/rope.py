@@ -183,7 +183,7 @@ def _rotate_rows(
     stride_b, stride_t, stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
     n_tokens, T, n_heads, half, sin_sign,
     HAS_POS: tl.constexpr, INTERLEAVED: tl.constexpr, TABLE: tl.constexpr, EVICT: tl.constexpr,
-    FLAT: tl.constexpr, TOKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    WHOLE_ROWS: tl.constexpr, FLAT: tl.constexpr, TOKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Rotate block blk of one tensor, as (TOKS, BLOCK_H, D/2) tiles per pair member.
     FLAT: the tensor is (B * T * H) rows of D and the block is TOKS consecutive rows (BLOCK_H = 1), each
@@ -216,13 +216,22 @@ def _rotate_rows(
     else:  # timing probe only (bench/sweep_rope_sampling.py): what the cos/sin reads cost
         c = tl.full((TOKS, 1, BLOCK_D), 1.0, tl.float32)
         s = tl.zeros((TOKS, 1, BLOCK_D), tl.float32)
-    ia, ib = _pair_offsets(i, half, INTERLEAVED)
     src = X_ptr + b * stride_b + t * stride_t + head * stride_h
-    a = tl.load(src + ia, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    bb = tl.load(src + ib, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     dst = O_ptr + (tok.to(tl.int64) * n_heads + head) * (2 * half)
-    tl.store(dst + ia, (a * c - bb * s).to(O_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + ib, (a * s + bb * c).to(O_ptr.dtype.element_ty), mask=mask)
+    if INTERLEAVED and WHOLE_ROWS:
+        # one contiguous load of whole rows; the pairs (x[2i], x[2i+1]) split apart in registers
+        j = tl.arange(0, 2 * BLOCK_D)[None, None, :]
+        row_mask = ok & (j < 2 * half)
+        x = tl.load(src + j, mask=row_mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        a, bb = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], BLOCK_D, 2)))
+        y = tl.reshape(tl.join(a * c - bb * s, a * s + bb * c), (x.shape[0], x.shape[1], 2 * BLOCK_D))
+        tl.store(dst + j, y.to(O_ptr.dtype.element_ty), mask=row_mask, eviction_policy=EVICT)
+    else:
+        ia, ib = _pair_offsets(i, half, INTERLEAVED)
+        a = tl.load(src + ia, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        bb = tl.load(src + ib, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        tl.store(dst + ia, (a * c - bb * s).to(O_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICT)
+        tl.store(dst + ib, (a * s + bb * c).to(O_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICT)
 
 
 @triton.jit
@@ -234,7 +243,7 @@ def _rope_rows_kernel(
     n_tokens, T, n_q_heads, n_k_heads, half, n_q_blocks, n_blocks,
     sin_sign,  # -1 for the backward: the inverse rotation (a runtime value: one compiled kernel for both)
     HAS_POS: tl.constexpr, INTERLEAVED: tl.constexpr, TABLE: tl.constexpr, EVICT: tl.constexpr,
-    FLAT: tl.constexpr, TOKS_Q: tl.constexpr, TOKS_K: tl.constexpr, BLOCK_QH: tl.constexpr,
+    WHOLE_ROWS: tl.constexpr, FLAT: tl.constexpr, TOKS_Q: tl.constexpr, TOKS_K: tl.constexpr, BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr, PERSISTENT: tl.constexpr,
 ):  # fmt: skip
     """q's blocks, then k's: blocks 0 .. n_q_blocks - 1 rotate q, the rest k. PERSISTENT: a grid of a
@@ -247,14 +256,14 @@ def _rope_rows_kernel(
                 Q_ptr, QO_ptr, COS_ptr, SIN_ptr, POS_ptr, blk,
                 q_stride_b, q_stride_t, q_stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
                 n_tokens, T, n_q_heads, half, sin_sign,
-                HAS_POS, INTERLEAVED, TABLE, EVICT, FLAT, TOKS_Q, BLOCK_QH, BLOCK_D,
+                HAS_POS, INTERLEAVED, TABLE, EVICT, WHOLE_ROWS, FLAT, TOKS_Q, BLOCK_QH, BLOCK_D,
             )  # fmt: skip
         else:
             _rotate_rows(
                 K_ptr, KO_ptr, COS_ptr, SIN_ptr, POS_ptr, blk - n_q_blocks,
                 k_stride_b, k_stride_t, k_stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
                 n_tokens, T, n_k_heads, half, sin_sign,
-                HAS_POS, INTERLEAVED, TABLE, EVICT, FLAT, TOKS_K, BLOCK_KH, BLOCK_D,
+                HAS_POS, INTERLEAVED, TABLE, EVICT, WHOLE_ROWS, FLAT, TOKS_K, BLOCK_KH, BLOCK_D,
             )  # fmt: skip
 
 
@@ -358,6 +367,7 @@ def rope_rows_launch(
     num_stages: int = 1,
     table: bool = True,
     evict: str = "",
+    whole_rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The block kernel: q's blocks then k's, about `rows` (token, head) rows per block (flat: exactly
     `rows` rows; else whole tokens, rows // pow2(H) of them); `persistent` > 0 launches that many programs
@@ -385,7 +395,7 @@ def rope_rows_launch(
         k.stride(0), k.stride(1), k.stride(2),
         cos.stride(0), sin.stride(0), *pos_strides,
         B * T, T, Hq, Hk, D // 2, n_q_blocks, n_blocks, -1.0 if backward else 1.0,
-        HAS_POS=position_ids is not None, INTERLEAVED=interleaved, TABLE=table, EVICT=evict,
+        HAS_POS=position_ids is not None, INTERLEAVED=interleaved, TABLE=table, EVICT=evict, WHOLE_ROWS=whole_rows,
         FLAT=flat, TOKS_Q=toks_q, TOKS_K=toks_k, BLOCK_QH=bqh, BLOCK_KH=bkh, BLOCK_D=pow2(D // 2),
         PERSISTENT=bool(persistent), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
