@@ -137,12 +137,19 @@ def tasks(smoke: bool) -> list[tuple]:
         )
     out = [("decode", dict(B=1, L=65536, Hq=64, Hk=8, D=128, page=16), n, v) for n, v in DECODE_B1]
     out += [("decode", dict(B=64, L=4096, Hq=64, Hk=8, D=128, page=16), n, v) for n, v in DECODE_B64]
-    for c in BWD_CASES:
+
+    def bwd(c):
         full = c["T"] <= 2048 and c["Hq"] != c["Hk"] or c in (BWD_CASES[4], BWD_CASES[6])
         variants = BWD_VARIANTS if full else [BWD_VARIANTS[i] for i in (0, 1, 2, 3, 4, 8, 9)]
-        out += [("bwd", {**c, "D": 128}, n, (a, b)) for n, a, b in variants]
+        return [("bwd", {**c, "D": 128}, n, (a, b)) for n, a, b in variants]
+
+    # goal 2's short sequences, then the forward, then the long backward points (time budget order)
+    for i in (0, 1, 4, 5):
+        out += bwd(BWD_CASES[i])
     for c in FWD_CASES:
         out += [("fwd", {**c, "D": 128}, n, v) for n, v in FWD_VARIANTS]
+    for i in (2, 3, 6):
+        out += bwd(BWD_CASES[i])
     return out
 
 
