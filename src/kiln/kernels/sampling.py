@@ -402,11 +402,12 @@ def sample_with_noise(
     chunk = max(min(chunk or CHUNK, _pow2(V)), kc if candidates else 1)
     n_chunks = -(-V // chunk)
     dev = logits.device
-    part_m = torch.empty(B, n_chunks, device=dev, dtype=torch.float32)
-    part_s, part_r = torch.empty_like(part_m), torch.empty_like(part_m)
-    part_i = torch.empty(B, n_chunks, device=dev, dtype=torch.int32)
-    cand_z = torch.empty(B, n_chunks * kc if candidates else 1, device=dev, dtype=torch.float32)
-    cand_i = torch.empty(cand_z.shape, device=dev, dtype=torch.int32)
+    # one workspace (an allocation costs host time on every decode step): 4 partials per (row, chunk), then
+    # 2 per candidate; int32 parts are views of the same float32 words
+    n_part, n_cand = B * n_chunks, B * n_chunks * kc if candidates else 1
+    work = torch.empty(4 * n_part + 2 * n_cand, device=dev, dtype=torch.float32)
+    part_m, part_s, part_r, part_i, cand_z, cand_i = work.split([n_part] * 4 + [n_cand] * 2)
+    part_i, cand_i = part_i.view(torch.int32), cand_i.view(torch.int32)
     noise = logits if noise is None else noise  # a placeholder pointer when greedy
     temp = float(temperature) if not greedy else 1.0
     if greedy or candidates or not use_k:  # (a large top-k without candidates needs no stage 1)
