@@ -287,6 +287,15 @@ def variants() -> dict:
             Plan(budget(5), row_programs=132, row_block=32768, row_warps=32)
         ),
         "5 chunks row all x8192/16w": Variant(Plan(budget(5), row_block=8192, row_warps=16)),
+        "6 chunks row 132x16384/16w": Variant(
+            Plan(440 * mib, row_programs=132, row_block=16384, row_warps=16)
+        ),
+        "5 chunks overlap 2 row 132x16384/16w": Variant(
+            Plan(budget(5), overlap=2, row_programs=132, row_block=16384, row_warps=16)
+        ),
+        "5 chunks overlap 2 priority row 132x16384/16w": Variant(
+            Plan(budget(5), overlap=2, gemm_priority=True, row_programs=132, row_block=16384, row_warps=16)
+        ),
         "5 chunks overlap 2": Variant(Plan(budget(5), overlap=2)),
         "5 chunks overlap 3": Variant(Plan(budget(5), overlap=3)),
         "5 chunks overlap 4": Variant(Plan(budget(5), overlap=4)),
