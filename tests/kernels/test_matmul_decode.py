@@ -16,7 +16,7 @@ from ._tolerance import assert_close
 
 CONFIGS = [
     DecodeConfig("gemv", 16, 32),  # several K steps, a ragged last column block
-    DecodeConfig("gemv", 8, 32, split_k=3),  # K in 3 slices, summed by the second kernel
+    DecodeConfig("gemv", 8, 32, split_k=3, stages=3),  # K in 3 slices, summed by the second kernel
     DecodeConfig("dot", 16, 32),
     DecodeConfig("dot", 32, 16, split_k=4),
 ]
@@ -161,9 +161,15 @@ def test_decode_bf16_qwen_shapes(M, K, N):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "config", [DecodeConfig("gemv", 8, 512, 2), DecodeConfig("dot", 64, 128, 4, 4, 3)], ids=str
-)
+    "config",
+    [DecodeConfig("gemv", 8, 512, 2), DecodeConfig("dot", 64, 128, 4, 4, 3), DecodeConfig("gemv", 8, 512, 2, pdl=True),
+     DecodeConfig("dot", 16, 256, 1, 2, 4, pdl=True)],
+    ids=str,
+)  # fmt: skip
 def test_decode_bf16_explicit_configs(config):
+    """Split K (bf16 partial sums in float32), both kernels, and programmatic dependent launch (Hopper)."""
+    if config.pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
     x, b, bias = _inputs(16 if config.kernel == "dot" else 1, 1536, 2048, torch.bfloat16, "cuda", seed=9)
     y = decode_matmul(x, b, bias, "gelu_tanh", config=config)
     assert_close(y, matmul_ref(x.double(), b.double(), bias.double(), "gelu_tanh"), name=str(config))

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kiln.kernels.dispatch import interpreting, sm_count
 from kiln.kernels.matmul import _activation
@@ -42,7 +43,9 @@ DECODE_MAX_M = 16  # the dot kernel's x.T tile is 16 wide: one column block cove
 
 
 class DecodeConfig(NamedTuple):
-    """A launch config: kernel ("gemv" or "dot"), tiles, K split, warps, pipeline stages."""
+    """A launch config: kernel ("gemv" or "dot"), tiles, K split, warps, pipeline stages, and whether the
+    kernels use programmatic dependent launch (Hopper+: a kernel may start while the one before it in the
+    stream finishes, and waits for it with griddepcontrol.wait before its first load)."""
 
     kernel: str
     block_n: int
@@ -50,9 +53,11 @@ class DecodeConfig(NamedTuple):
     split_k: int = 1
     warps: int = 4
     stages: int = 1
+    pdl: bool = False
 
     def __str__(self) -> str:
-        return f"{self.kernel} BN={self.block_n} BK={self.block_k} SK={self.split_k} w={self.warps} s={self.stages}"
+        pdl = " pdl" if self.pdl else ""
+        return f"{self.kernel} BN={self.block_n} BK={self.block_k} SK={self.split_k} w={self.warps} s={self.stages}{pdl}"
 
 
 @functools.lru_cache(maxsize=256)
@@ -91,7 +96,12 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    STAGES: tl.constexpr,  # > 1: the K loop's loads go through shared memory STAGES - 1 steps ahead (cp.async)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel here
 ):
+    if PDL:
+        gdc_wait()  # everything the previous kernel wrote (x, even W) is visible after this
+        gdc_launch_dependents()  # and the next kernel may start launching
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,7 +116,7 @@ def _gemv_kernel(
     # elementwise across the loop and are summed over K once at the end: the loop is loads and FMAs.
     if BLOCK_M == 1:  # one row: 2-D tiles in the layout W is loaded in (no shuffle through shared memory)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok & (offs_k < K)[None, :], other=0.0)
             x = tl.load(X_ptr + offs_k * stride_xk, mask=offs_k < K, other=0.0)
@@ -114,7 +124,7 @@ def _gemv_kernel(
         y = tl.sum(acc, axis=1)[None, :]  # (1, BLOCK_N)
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok & (offs_k < K)[None, :], other=0.0)
             x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=(offs_m < M)[:, None] & (offs_k < K)[None, :],
@@ -145,7 +155,11 @@ def _dot_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel here
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -193,7 +207,11 @@ def _split_sum_kernel(
     ACTIVATION: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the partial sums here
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(P_ptr + offs, mask=mask, other=0.0)
@@ -226,28 +244,31 @@ def decode_matmul(
     if config is None:
         config = decode_config(M, N, K, sm_count(a.device))
     c = torch.empty((M, N), device=a.device, dtype=a.dtype) if out is None else out
-    split = config.split_k
-    # Whole BLOCK_K steps per split, so every split but the last covers k_split exactly.
-    k_split = triton.cdiv(triton.cdiv(K, split), config.block_k) * config.block_k
-    split = triton.cdiv(K, k_split)  # a split with no K left would add nothing: drop it
-    dst = c if split == 1 else torch.empty((split, M, N), device=a.device, dtype=torch.float32)
+    split, k_split, dst = 1, K, c
+    if config.split_k > 1:
+        # Whole BLOCK_K steps per split, so every split but the last covers k_split exactly; a split that
+        # would find no K left is dropped.
+        k_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
+        split = triton.cdiv(K, k_split)
+        dst = torch.empty((split, M, N), device=a.device, dtype=torch.float32) if split > 1 else c
     grid = (triton.cdiv(N, config.block_n), split)
-    args = (a, b, dst, bias if bias is not None else c, M, N, K, a.stride(0), a.stride(1), b.stride(1),
-            b.stride(0), k_split)  # fmt: skip
+    (sxm, sxk), (sbk, sbn) = a.stride(), b.stride()  # B (K, N) = W.T: W's row stride is sbn
+    args = (a, b, dst, c if bias is None else bias, M, N, K, sxm, sxk, sbn, sbk, k_split)
     has_bias = bias is not None and split == 1
     act = activation if split == 1 else "none"
+    pdl = config.pdl
     if config.kernel == "gemv":
         _gemv_kernel[grid](*args, has_bias, act, triton.next_power_of_2(M), config.block_n, config.block_k,
-                           split, num_warps=config.warps, num_stages=config.stages)  # fmt: skip
+                           split, config.stages, pdl, num_warps=config.warps, launch_pdl=pdl)  # fmt: skip
     elif config.kernel == "dot":
         precision = "tf32" if a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
-        _dot_kernel[grid](*args, has_bias, act, precision, 16, config.block_n, config.block_k, split,
-                          num_warps=config.warps, num_stages=config.stages)  # fmt: skip
+        _dot_kernel[grid](*args, has_bias, act, precision, 16, config.block_n, config.block_k, split, pdl,
+                          num_warps=config.warps, num_stages=config.stages, launch_pdl=pdl)  # fmt: skip
     else:
         raise ValueError(f"unknown decode kernel {config.kernel!r}: 'gemv' or 'dot'")
     if split > 1:
         block = 1024
-        _split_sum_kernel[(triton.cdiv(M * N, block),)](
-            dst, c, bias if bias is not None else c, M * N, N, bias is not None, activation, split, block
-        )
+        _split_sum_kernel[(triton.cdiv(M * N, block),)](dst, c, c if bias is None else bias, M * N, N,
+                                                        bias is not None, activation, split, block, pdl,
+                                                        launch_pdl=pdl)  # fmt: skip
     return c
