@@ -141,11 +141,11 @@ ROPE_VARIANTS = {
     "token_t1_w8": (rope_launch, {"tokens": 1, "num_warps": 8}),
     **{
         f"flat_r{r}_w{w}": (rope_rows_launch, {"rows": r, "num_warps": w, "flat": True})
-        for r, w in [(16, 2), (32, 4), (64, 4), (64, 8), (128, 8)]
+        for r, w in [(8, 1), (16, 2), (32, 4), (64, 4), (64, 8), (128, 8)]
     },
     **{
         f"tok_r{r}_w{w}": (rope_rows_launch, {"rows": r, "num_warps": w, "flat": False})
-        for r, w in [(32, 4), (64, 4), (128, 8), (256, 8)]
+        for r, w in [(32, 2), (32, 4), (64, 2), (64, 4), (128, 8), (256, 8)]
     },
     **{
         f"{'flat' if f else 'tok'}_r{r}_w{w}_p{p}_s{st}": (
@@ -287,12 +287,18 @@ SAMPLE_MODES = {
     "top-k 50": {"temperature": 0.8, "top_k": 50},
     "top-p 0.9": {"temperature": 0.8, "top_p": 0.9},
 }
-SAMPLE_CONFIGS = {  # mode -> launch overrides (chunk, chunk_warps, combine_warps)
-    "greedy": [(1024, 4, 4), (2048, 4, 4), (4096, 8, 4), (8192, 8, 4)],
-    "temperature": [(1024, 4, 4), (2048, 4, 4), (4096, 8, 4)],
-    "top-k 50 + top-p 0.9": [(1024, 4, 16), (2048, 4, 16), (2048, 4, 8), (4096, 8, 16)],
-    "top-k 50": [(2048, 4, 16)],
-    "top-p 0.9": [(2048, 4, 16)],
+SAMPLE_CONFIGS = {  # mode -> launch overrides (chunk, chunk_warps, combine_warps, combine_block, search_block)
+    "greedy": [(1024, 4, 4, 0, 0), (2048, 4, 4, 0, 0), (4096, 8, 4, 0, 0), (8192, 8, 4, 0, 0)],
+    "temperature": [(1024, 4, 4, 0, 0), (2048, 4, 4, 0, 0), (4096, 8, 4, 0, 0)],
+    "top-k 50 + top-p 0.9": [
+        (1024, 4, 16, 4096, 2048),
+        (2048, 4, 16, 4096, 2048),
+        (2048, 4, 16, 4096, 4096),
+        (2048, 4, 16, 2048, 1024),
+        (4096, 8, 16, 4096, 2048),
+    ],
+    "top-k 50": [(2048, 4, 16, 4096, 2048)],
+    "top-p 0.9": [(2048, 4, 16, 4096, 2048)],
 }
 
 
@@ -320,8 +326,9 @@ def _sample_case(logits: torch.Tensor, noise: torch.Tensor, mode: str, kw: dict)
     want = S.sample_ref(logits, **kw) if mode == "greedy" else _ref_with_noise(logits, noise, **kw)
     with use_backend("triton"):
         measure(res, "kiln_sample", lambda: S.sample(logits, **kw))
-        for chunk, cw, mw in SAMPLE_CONFIGS[mode]:
-            over = {"chunk": min(chunk, 128) if SMOKE else chunk, "chunk_warps": cw, "combine_warps": mw}
+        for chunk, cw, mw, blk, sb in SAMPLE_CONFIGS[mode]:
+            over = {"chunk": min(chunk, 128) if SMOKE else chunk, "chunk_warps": cw, "combine_warps": mw,
+                    "combine_block": blk or None, "search_block": sb or None}  # fmt: skip
 
             def run(over=over):
                 return S.sample_with_noise(logits, noise if kw["temperature"] else None, **kw, **over)
@@ -329,7 +336,7 @@ def _sample_case(logits: torch.Tensor, noise: torch.Tensor, mode: str, kw: dict)
             def check(run=run):
                 return {"matches_ref": int((run() == want).sum()), "rows": logits.shape[0]}
 
-            measure(res, f"c{chunk}_w{cw}_m{mw}", run, check)
+            measure(res, f"c{chunk}_w{cw}_m{mw}" + (f"_b{blk}_s{sb}" if blk else ""), run, check)
     kiln = [n for n in res if n not in peers]
     return {"results": res, "summary": ratios(res, kiln, list(peers))}
 
