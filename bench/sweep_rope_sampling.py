@@ -52,7 +52,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     p.add_argument(
         "--budget",
-        default="rope=50,sampling=40",
+        default="rope=60,sampling=35",
         help="seconds per section; its later variants are skipped past it",
     )
     p.add_argument("--only", default="rope,sampling")
