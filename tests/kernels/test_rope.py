@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kiln.kernels.dispatch import use_backend
-from kiln.kernels.rope import apply_rope, apply_rope_ref, rope_launch, rope_rows_launch
+from kiln.kernels.rope import apply_rope, apply_rope_ref, rope_launch
 
 from ._tolerance import assert_close, check_op
 
@@ -75,7 +75,7 @@ def test_rope_packed_sequences_and_decode_positions():
 
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_rope_tokens_per_program(tokens):
-    # the fixed-config path the benchmark sweeps: 1 token per program, and 4 with a ragged last block
+    # whole-token blocks as bench/kernels_norms.py sweeps them: 1 token per block, and 4 with a ragged last one
     g = torch.Generator().manual_seed(3)
     cos, sin = tables(16, 8)
     q, k = torch.randn(1, 7, 3, 8, generator=g), torch.randn(1, 7, 1, 8, generator=g)
@@ -86,19 +86,18 @@ def test_rope_tokens_per_program(tokens):
     assert_close(ko, k2, name="k")
 
 
-@pytest.mark.parametrize("rows,persistent,flat", [(4, 0, True), (8, 1, True), (16, 0, False), (8, 1, False)])
+@pytest.mark.parametrize("block", [{"rows": 4}, {"rows": 16}, {"tokens": 1}, {"tokens": 2}])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_rope_row_blocks(rows, persistent, flat, interleaved):
-    # the row-block kernel: q rows then k rows, ragged last blocks, a persistent grid (4 "SMs" on the CPU),
-    # (B, H, T, D) memory, positions, and the inverse rotation
+def test_rope_blocks(block, interleaved):
+    # flat row blocks and whole-token blocks: q blocks then k blocks, ragged last blocks, non-power-of-two
+    # heads, (B, H, T, D) memory, positions, and the inverse rotation
     g = torch.Generator().manual_seed(4)
     cos, sin = tables(16, 8)
     q = torch.randn(2, 3, 7, 8, generator=g).transpose(1, 2)  # (B, T, Hq, D) view of (B, H, T, D) memory
     k = torch.randn(2, 7, 1, 8, generator=g)
     pos = torch.randint(0, 16, (2, 7), generator=g)
     for backward in (False, True):
-        qo, ko = rope_rows_launch(q, k, cos, sin, pos, interleaved, backward, rows=rows, num_warps=1,
-                                  persistent=persistent, flat=flat)  # fmt: skip
+        qo, ko = rope_launch(q, k, cos, sin, pos, interleaved, backward, num_warps=1, **block)
         sgn = -1.0 if backward else 1.0
         q2, k2 = _ref(q.double(), k.double(), cos, sgn * sin, pos, interleaved)
         assert_close(qo, q2, name="q")

@@ -12,12 +12,15 @@ Backward: the rotation is orthogonal, so the gradient is the inverse rotation of
 (sin -> -sin), the same kernel run again. cos and sin are constants: they get no gradient (the Triton
 path refuses tables that require one).
 
-One launch does q and k: each program takes a block of tokens (one by default), loads their cos/sin
-rows once and rotates all Hq query heads and Hk key heads as (tokens, heads, D/2) tiles, every
-load issued before the first store. Any strides for B, T and heads are taken as they
-are (so (B, H, T, D) tensors passed as `.transpose(1, 2)` views, or q/k sliced out of a fused qkv
-projection, are read in place); only the last dim must be contiguous. Position ids must lie in [0, P):
-like any indexing kernel, the GPU path does not check this (a check would cost a host sync).
+One launch does q and k: the grid is q's blocks then k's, so each program streams one stretch of one
+tensor (contiguous for dense layouts). By default a block is a few (token, head) rows of D, each row
+gathering its cos/sin row (the tables are small and stay in L1/L2); `tokens=` makes a block whole tokens
+with all their heads instead, cos/sin loaded once per token. Half-rotated pairs load as two (rows, D/2)
+tiles; interleaved pairs load as whole rows split into (x[2i], x[2i+1]) in registers (two stride-2
+loads ran 13x slower on the H200). Any strides for B, T and heads are taken as they are (so (B, H, T, D)
+tensors passed as `.transpose(1, 2)` views, or q/k sliced out of a fused qkv projection, are read in
+place); only the last dim must be contiguous. Position ids must lie in [0, P): like any indexing kernel,
+the GPU path does not check this (a check would cost a host sync).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.dispatch import sm_count, use_triton
-from kiln.kernels.rmsnorm import FLOAT_DTYPES, cdiv, pow2
+from kiln.kernels.dispatch import use_triton
+from kiln.kernels.launch import CachedLaunch
+from kiln.kernels.rmsnorm import FLOAT_DTYPES, cdiv, needs_grad, pow2
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -60,135 +64,17 @@ def apply_rope_ref(
 
 
 @triton.jit
-def _pair_offsets(i, half, INTERLEAVED: tl.constexpr):
-    """Offsets within a head of the two members of pair i: (2i, 2i+1) interleaved, (i, i + D/2) half."""
-    if INTERLEAVED:
-        return 2 * i, 2 * i + 1
-    return i, i + half
-
-
-@triton.jit
-def _load_heads(
-    X_ptr, tok_b, tok_t, stride_b, stride_t, stride_h, n_heads, half, tok_ok,
-    INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Both pair members of every head of a (TOKENS, 1, 1) block of tokens: two (TOKENS, BLOCK_H,
-    BLOCK_D) float32 tiles."""
-    heads = tl.arange(0, BLOCK_H)[None, :, None]
-    i = tl.arange(0, BLOCK_D)[None, None, :]
-    mask = tok_ok & (heads < n_heads) & (i < half)
-    ia, ib = _pair_offsets(i, half, INTERLEAVED)
-    rows = X_ptr + tok_b * stride_b + tok_t * stride_t + heads * stride_h
-    # read once: streamed through L2 without displacing the cos/sin tables
-    a = tl.load(rows + ia, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    b = tl.load(rows + ib, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    return a, b
-
-
-@triton.jit
-def _store_heads(
-    O_ptr, tok, n_heads, half, tok_ok, a, b,
-    INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Store rotated pairs into the contiguous (tokens, n_heads, D) output."""
-    heads = tl.arange(0, BLOCK_H)[None, :, None]
-    i = tl.arange(0, BLOCK_D)[None, None, :]
-    mask = tok_ok & (heads < n_heads) & (i < half)
-    ia, ib = _pair_offsets(i, half, INTERLEAVED)
-    rows = O_ptr + (tok * n_heads + heads) * (2 * half)
-    tl.store(rows + ia, a.to(O_ptr.dtype.element_ty), mask=mask)
-    tl.store(rows + ib, b.to(O_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rope_kernel(
-    Q_ptr,  # (B, T, Hq, D) any strides but the last
-    K_ptr,  # (B, T, Hk, D)
-    QO_ptr,  # (B, T, Hq, D) out, contiguous
-    KO_ptr,  # (B, T, Hk, D) out, contiguous
-    COS_ptr,  # (P, D/2)
-    SIN_ptr,  # (P, D/2)
-    POS_ptr,  # (B, T) integer positions (read only if HAS_POS)
-    q_stride_b, q_stride_t, q_stride_h,
-    k_stride_b, k_stride_t, k_stride_h,
-    cos_row_stride,
-    sin_row_stride,
-    pos_stride_b, pos_stride_t,
-    n_tokens, T, n_q_heads, n_k_heads, half,
-    HAS_POS: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    BACKWARD: tl.constexpr,  # rotate by -angle: the gradient of the forward rotation
-    TOKENS: tl.constexpr,  # tokens per program
-    BLOCK_QH: tl.constexpr,  # next_power_of_2(Hq)
-    BLOCK_KH: tl.constexpr,  # next_power_of_2(Hk)
-    BLOCK_D: tl.constexpr,  # next_power_of_2(D / 2)
-):  # fmt: skip
-    tok = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)[:, None, None]  # (TOKENS, 1, 1)
-    tok_ok = tok < n_tokens
-    b = tok // T
-    t = tok % T
-    if HAS_POS:
-        pos = tl.load(POS_ptr + b * pos_stride_b + t * pos_stride_t, mask=tok_ok, other=0).to(tl.int64)
-    else:
-        pos = t
-    i = tl.arange(0, BLOCK_D)[None, None, :]
-    cs_mask = tok_ok & (i < half)
-    # cos/sin rows are reused by every sequence of the batch: keep them in L2 against the streamed q/k
-    c = tl.load(COS_ptr + pos * cos_row_stride + i, mask=cs_mask, other=0.0, eviction_policy="evict_last")
-    s = tl.load(SIN_ptr + pos * sin_row_stride + i, mask=cs_mask, other=0.0, eviction_policy="evict_last")
-    c = c.to(tl.float32)  # (TOKENS, 1, BLOCK_D)
-    s = s.to(tl.float32)
-    if BACKWARD:
-        s = -s
-    # every load is issued before any store: the q and k traffic of the block overlaps
-    qa, qb = _load_heads(
-        Q_ptr,
-        b,
-        t,
-        q_stride_b,
-        q_stride_t,
-        q_stride_h,
-        n_q_heads,
-        half,
-        tok_ok,
-        INTERLEAVED,
-        BLOCK_QH,
-        BLOCK_D,
-    )
-    ka, kb = _load_heads(
-        K_ptr,
-        b,
-        t,
-        k_stride_b,
-        k_stride_t,
-        k_stride_h,
-        n_k_heads,
-        half,
-        tok_ok,
-        INTERLEAVED,
-        BLOCK_KH,
-        BLOCK_D,
-    )
-    _store_heads(
-        QO_ptr, tok, n_q_heads, half, tok_ok, qa * c - qb * s, qa * s + qb * c, INTERLEAVED, BLOCK_QH, BLOCK_D
-    )
-    _store_heads(
-        KO_ptr, tok, n_k_heads, half, tok_ok, ka * c - kb * s, ka * s + kb * c, INTERLEAVED, BLOCK_KH, BLOCK_D
-    )
-
-
-@triton.jit
-def _rotate_rows(
+def _rotate_block(
     X_ptr, O_ptr, COS_ptr, SIN_ptr, POS_ptr, blk,
     stride_b, stride_t, stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
     n_tokens, T, n_heads, half, sin_sign,
-    HAS_POS: tl.constexpr, INTERLEAVED: tl.constexpr, TABLE: tl.constexpr, EVICT: tl.constexpr,
-    WHOLE_ROWS: tl.constexpr, FLAT: tl.constexpr, TOKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_POS: tl.constexpr, INTERLEAVED: tl.constexpr, EVICT: tl.constexpr,
+    FLAT: tl.constexpr, TOKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Rotate block blk of one tensor, as (TOKS, BLOCK_H, D/2) tiles per pair member.
     FLAT: the tensor is (B * T * H) rows of D and the block is TOKS consecutive rows (BLOCK_H = 1), each
     row gathering its own cos/sin; else the block is TOKS tokens with all their heads, cos/sin loaded once
-    per token. Either way a program streams one stretch of one tensor (contiguous in dense layouts)."""
+    per token. Every load is issued before the first store."""
     # index math in int32 (B * T * H < 2**31), byte offsets in int64
     if FLAT:
         r = tl.arange(0, TOKS)[:, None, None] + blk * TOKS  # (TOKS, 1, 1) = token * H + head
@@ -205,20 +91,16 @@ def _rotate_rows(
     i = tl.arange(0, BLOCK_D)[None, None, :]
     tok_ok = (tok < n_tokens) & (i < half)
     mask = ok & (i < half)
-    if TABLE:
-        if HAS_POS:
-            pos = tl.load(POS_ptr + b * pos_stride_b + t * pos_stride_t, mask=tok < n_tokens, other=0)
-            pos = pos.to(tl.int64)
-        else:
-            pos = t
-        c = tl.load(COS_ptr + pos * cos_row_stride + i, mask=tok_ok, other=0.0).to(tl.float32)
-        s = tl.load(SIN_ptr + pos * sin_row_stride + i, mask=tok_ok, other=0.0).to(tl.float32) * sin_sign
-    else:  # timing probe only (bench/sweep_rope_sampling.py): what the cos/sin reads cost
-        c = tl.full((TOKS, 1, BLOCK_D), 1.0, tl.float32)
-        s = tl.zeros((TOKS, 1, BLOCK_D), tl.float32)
+    pos = t
+    if HAS_POS:
+        pos = tl.load(POS_ptr + b * pos_stride_b + t * pos_stride_t, mask=tok < n_tokens, other=0)
+        pos = pos.to(tl.int64)
+    # (TOKS, 1, BLOCK_D): a few KB of table per program, read from L1/L2 (HBM sees the tables once)
+    c = tl.load(COS_ptr + pos * cos_row_stride + i, mask=tok_ok, other=0.0).to(tl.float32)
+    s = tl.load(SIN_ptr + pos * sin_row_stride + i, mask=tok_ok, other=0.0).to(tl.float32) * sin_sign
     src = X_ptr + b * stride_b + t * stride_t + head * stride_h
     dst = O_ptr + (tok.to(tl.int64) * n_heads + head) * (2 * half)
-    if INTERLEAVED and WHOLE_ROWS:
+    if INTERLEAVED:
         # one contiguous load of whole rows; the pairs (x[2i], x[2i+1]) split apart in registers
         j = tl.arange(0, 2 * BLOCK_D)[None, None, :]
         row_mask = ok & (j < 2 * half)
@@ -226,51 +108,62 @@ def _rotate_rows(
         a, bb = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], BLOCK_D, 2)))
         y = tl.reshape(tl.join(a * c - bb * s, a * s + bb * c), (x.shape[0], x.shape[1], 2 * BLOCK_D))
         tl.store(dst + j, y.to(O_ptr.dtype.element_ty), mask=row_mask, eviction_policy=EVICT)
-    else:
-        ia, ib = _pair_offsets(i, half, INTERLEAVED)
-        a = tl.load(src + ia, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        bb = tl.load(src + ib, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        tl.store(dst + ia, (a * c - bb * s).to(O_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICT)
-        tl.store(dst + ib, (a * s + bb * c).to(O_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICT)
+    else:  # half-rotated: the pairs (x[i], x[i + D/2]) are two contiguous half rows
+        a = tl.load(src + i, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        bb = tl.load(src + i + half, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        tl.store(dst + i, (a * c - bb * s).to(O_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICT)
+        tl.store(
+            dst + i + half, (a * s + bb * c).to(O_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICT
+        )
 
 
 @triton.jit
-def _rope_rows_kernel(
-    Q_ptr, K_ptr, QO_ptr, KO_ptr, COS_ptr, SIN_ptr, POS_ptr,
+def _rope_kernel(
+    Q_ptr,  # (B, T, Hq, D) any strides but the last
+    K_ptr,  # (B, T, Hk, D)
+    QO_ptr,  # (B, T, Hq, D) out, contiguous
+    KO_ptr,  # (B, T, Hk, D) out, contiguous
+    COS_ptr,  # (P, D/2)
+    SIN_ptr,  # (P, D/2)
+    POS_ptr,  # (B, T) integer positions (read only if HAS_POS)
     q_stride_b, q_stride_t, q_stride_h,
     k_stride_b, k_stride_t, k_stride_h,
     cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
-    n_tokens, T, n_q_heads, n_k_heads, half, n_q_blocks, n_blocks,
+    n_tokens, T, n_q_heads, n_k_heads, half,
+    n_q_blocks,  # programs 0 .. n_q_blocks - 1 rotate q, the rest k
     sin_sign,  # -1 for the backward: the inverse rotation (a runtime value: one compiled kernel for both)
-    HAS_POS: tl.constexpr, INTERLEAVED: tl.constexpr, TABLE: tl.constexpr, EVICT: tl.constexpr,
-    WHOLE_ROWS: tl.constexpr, FLAT: tl.constexpr, TOKS_Q: tl.constexpr, TOKS_K: tl.constexpr, BLOCK_QH: tl.constexpr,
-    BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr, PERSISTENT: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    EVICT: tl.constexpr,  # eviction policy of q/k and their outputs ("evict_first": streamed once)
+    FLAT: tl.constexpr,  # blocks of TOKS_* (token, head) rows; else of TOKS_* whole tokens
+    TOKS_Q: tl.constexpr,
+    TOKS_K: tl.constexpr,
+    BLOCK_QH: tl.constexpr,  # 1 when FLAT, else next_power_of_2(Hq)
+    BLOCK_KH: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # next_power_of_2(D / 2)
 ):  # fmt: skip
-    """q's blocks, then k's: blocks 0 .. n_q_blocks - 1 rotate q, the rest k. PERSISTENT: a grid of a
-    few programs per SM strides over the blocks; else one program per block."""
-    start = tl.program_id(0)
-    step = tl.num_programs(0) if PERSISTENT else n_blocks
-    for blk in range(start, n_blocks, step):
-        if blk < n_q_blocks:
-            _rotate_rows(
-                Q_ptr, QO_ptr, COS_ptr, SIN_ptr, POS_ptr, blk,
-                q_stride_b, q_stride_t, q_stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
-                n_tokens, T, n_q_heads, half, sin_sign,
-                HAS_POS, INTERLEAVED, TABLE, EVICT, WHOLE_ROWS, FLAT, TOKS_Q, BLOCK_QH, BLOCK_D,
-            )  # fmt: skip
-        else:
-            _rotate_rows(
-                K_ptr, KO_ptr, COS_ptr, SIN_ptr, POS_ptr, blk - n_q_blocks,
-                k_stride_b, k_stride_t, k_stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
-                n_tokens, T, n_k_heads, half, sin_sign,
-                HAS_POS, INTERLEAVED, TABLE, EVICT, WHOLE_ROWS, FLAT, TOKS_K, BLOCK_KH, BLOCK_D,
-            )  # fmt: skip
+    blk = tl.program_id(0)
+    if blk < n_q_blocks:
+        _rotate_block(
+            Q_ptr, QO_ptr, COS_ptr, SIN_ptr, POS_ptr, blk,
+            q_stride_b, q_stride_t, q_stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
+            n_tokens, T, n_q_heads, half, sin_sign, HAS_POS, INTERLEAVED, EVICT, FLAT, TOKS_Q, BLOCK_QH, BLOCK_D,
+        )  # fmt: skip
+    else:
+        _rotate_block(
+            K_ptr, KO_ptr, COS_ptr, SIN_ptr, POS_ptr, blk - n_q_blocks,
+            k_stride_b, k_stride_t, k_stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
+            n_tokens, T, n_k_heads, half, sin_sign, HAS_POS, INTERLEAVED, EVICT, FLAT, TOKS_K, BLOCK_KH, BLOCK_D,
+        )  # fmt: skip
 
 
-# One token per program, 4 warps: on the H200 (B8 T4096 Hq32 Hk8 D128 bf16) 2 or 4 tokens per program and
-# 1 or 2 warps were no faster (0.174-0.186 ms against 0.174), so no autotuner (its host cost showed).
-TOKENS_PER_PROGRAM = 1
-NUM_WARPS = 4
+# H200, q (8, 4096, 32, 128) + k (8 heads) bf16 (bench/sweep_rope_sampling.py, round 1): blocks of 8 rows in
+# one warp ran at the speed of torch's own copy of q and k (0.163 ms forward); 16 rows / 2 warps and whole
+# tokens (32-128 rows, 2-8 warps) were within 1-3%; the previous kernel (one token, q and k together, 4
+# warps) took 0.173 ms; persistent grids 0.184-0.191 ms. evict_first on the streamed q/k gained ~1%.
+ROWS = 8
+NUM_WARPS = 1
+EVICT = "evict_first"
 
 
 def _check(q, k, cos, sin, position_ids) -> None:
@@ -315,6 +208,9 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+_rope_launch = CachedLaunch(_rope_kernel)
+
+
 def rope_launch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -323,81 +219,40 @@ def rope_launch(
     position_ids: torch.Tensor | None,
     interleaved: bool,
     backward: bool = False,
-    tokens: int = TOKENS_PER_PROGRAM,
+    rows: int = ROWS,
     num_warps: int = NUM_WARPS,
+    tokens: int | None = None,
+    evict: str = EVICT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k (by -angle if `backward`) in one launch; returns new contiguous tensors."""
+    """Rotate q and k (by -angle if `backward`) in one launch; returns new contiguous tensors.
+    Blocks of `rows` (token, head) rows (powers of two), or with `tokens`, of that many whole q tokens (and
+    as many k tokens as fill the same tile)."""
     q, k, cos, sin = (_last_contiguous(t) for t in (q, k, cos, sin))
     B, T, Hq, D = q.shape
     Hk = k.shape[2]
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if B * T == 0:
+    n = B * T
+    if n == 0:
         return qo, ko
+    if tokens is None:  # flat rows
+        bqh = bkh = 1
+        toks_q = toks_k = rows
+        n_q_blocks, n_k_blocks = cdiv(n * Hq, rows), cdiv(n * Hk, rows)
+    else:  # whole tokens: k blocks hold as many heads x tokens as q blocks
+        bqh, bkh = pow2(Hq), pow2(Hk)
+        toks_q, toks_k = tokens, max(1, tokens * bqh // bkh)
+        n_q_blocks, n_k_blocks = cdiv(n, toks_q), cdiv(n, toks_k)
     pos = position_ids if position_ids is not None else q  # a dummy pointer when HAS_POS is off
     pos_strides = (pos.stride(0), pos.stride(1)) if position_ids is not None else (0, 0)
-    args = (
+    _rope_launch[(n_q_blocks + n_k_blocks,)](
         q, k, qo, ko, cos, sin, pos,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         cos.stride(0), sin.stride(0), *pos_strides,
-        B * T, T, Hq, Hk, D // 2,
-    )  # fmt: skip
-    flags = dict(
-        HAS_POS=position_ids is not None, INTERLEAVED=interleaved, BACKWARD=backward,
-        BLOCK_QH=pow2(Hq), BLOCK_KH=pow2(Hk),
-        BLOCK_D=pow2(D // 2),
-    )  # fmt: skip
-    _rope_kernel[(cdiv(B * T, tokens),)](*args, **flags, TOKENS=tokens, num_warps=num_warps)
-    return qo, ko
-
-
-def rope_rows_launch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    interleaved: bool,
-    backward: bool = False,
-    rows: int = 32,
-    num_warps: int = 4,
-    persistent: int = 0,
-    flat: bool = True,
-    num_stages: int = 1,
-    table: bool = True,
-    evict: str = "",
-    whole_rows: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block kernel: q's blocks then k's, about `rows` (token, head) rows per block (flat: exactly
-    `rows` rows; else whole tokens, rows // pow2(H) of them); `persistent` > 0 launches that many programs
-    per SM, striding over the blocks. `table=False` is a timing probe (wrong output)."""
-    q, k, cos, sin = (_last_contiguous(t) for t in (q, k, cos, sin))
-    B, T, Hq, D = q.shape
-    Hk = k.shape[2]
-    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if B * T == 0:
-        return qo, ko
-    pos = position_ids if position_ids is not None else q
-    pos_strides = (pos.stride(0), pos.stride(1)) if position_ids is not None else (0, 0)
-    bqh, bkh = (1, 1) if flat else (pow2(Hq), pow2(Hk))
-    toks_q, toks_k = max(1, rows // bqh), max(1, rows // bkh)
-    if flat:
-        n_q_blocks, n_k_blocks = cdiv(B * T * Hq, toks_q), cdiv(B * T * Hk, toks_k)
-    else:
-        n_q_blocks, n_k_blocks = cdiv(B * T, toks_q), cdiv(B * T, toks_k)
-    n_blocks = n_q_blocks + n_k_blocks
-    grid = min(n_blocks, persistent * sm_count(q.device)) if persistent else n_blocks
-    _rope_rows_kernel[(grid,)](
-        q, k, qo, ko, cos, sin, pos,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        cos.stride(0), sin.stride(0), *pos_strides,
-        B * T, T, Hq, Hk, D // 2, n_q_blocks, n_blocks, -1.0 if backward else 1.0,
-        HAS_POS=position_ids is not None, INTERLEAVED=interleaved, TABLE=table, EVICT=evict, WHOLE_ROWS=whole_rows,
-        FLAT=flat, TOKS_Q=toks_q, TOKS_K=toks_k, BLOCK_QH=bqh, BLOCK_KH=bkh, BLOCK_D=pow2(D // 2),
-        PERSISTENT=bool(persistent), num_warps=num_warps, num_stages=num_stages,
+        n, T, Hq, Hk, D // 2, n_q_blocks, -1.0 if backward else 1.0,
+        HAS_POS=position_ids is not None, INTERLEAVED=interleaved, EVICT=evict, FLAT=tokens is None,
+        TOKS_Q=toks_q, TOKS_K=toks_k, BLOCK_QH=bqh, BLOCK_KH=bkh, BLOCK_D=pow2(D // 2), num_warps=num_warps,
     )  # fmt: skip
     return qo, ko
 
@@ -427,5 +282,8 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q (B, T, Hq, D) and k (B, T, Hk, D) by the angles of cos/sin (P, D/2) at position_ids."""
     if use_triton(q, k, cos, sin, position_ids):
-        return RoPEFunction.apply(q, k, cos, sin, position_ids, interleaved)
+        if needs_grad(q, k):
+            return RoPEFunction.apply(q, k, cos, sin, position_ids, interleaved)
+        _check(q, k, cos, sin, position_ids)
+        return rope_launch(q, k, cos, sin, position_ids, interleaved)
     return apply_rope_ref(q, k, cos, sin, position_ids, interleaved)
