@@ -4,8 +4,7 @@
     python bench/sweep_rope_sampling.py --smoke --out /tmp/sweep.json                  # CPU interpreter
 
 RoPE (q (8, 4096, 32, 128), k (8, 4096, 8, 128) bf16, HF half-rotated pairs): kiln's launch variants
-(the per-token kernel; the block kernel over flat (token, head) rows or over whole tokens; persistent
-grids; a probe without the cos/sin reads) against eager PyTorch (the HF formula of bench/kernels_norms.py),
+(blocks of flat (token, head) rows or of whole tokens, warps, eviction policy) against eager PyTorch (the HF formula of bench/kernels_norms.py),
 torch.compile of it, Liger's rope (if importable) and a plain copy of q and k (the floor). Each is timed
 forward, and forward + backward (kiln variants: the forward launch then the inverse-rotation launch,
 what RoPEFunction runs; peers: autograd), as GPU time replayed from a CUDA graph (`graph_ms`), with
@@ -40,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels_norms import eager_rope  # noqa: E402 - the same HF formula the norms benchmark gives its peers
 from kiln.kernels import sampling as S  # noqa: E402
 from kiln.kernels.dispatch import use_backend  # noqa: E402
-from kiln.kernels.rope import apply_rope, apply_rope_ref, rope_launch, rope_rows_launch  # noqa: E402
+from kiln.kernels.rope import apply_rope, apply_rope_ref, rope_launch  # noqa: E402
 
 COPY_TBPS = 4.27  # PLATFORM.md: H200 device-to-device copy, read + write
 T0 = time.perf_counter()
@@ -135,42 +134,18 @@ def ratios(results: dict, kiln_keys: list[str], peer_keys: list[str], nbytes: in
 
 
 # ---------------------------------------------------------------- RoPE
-ROPE_VARIANTS = {
-    # name: (launcher, kwargs); "token": the per-token kernel (all heads of q and k in one program)
-    "token_t1_w4": (rope_launch, {"tokens": 1, "num_warps": 4}),
-    "token_t1_w8": (rope_launch, {"tokens": 1, "num_warps": 8}),
-    **{
-        f"flat_r{r}_w{w}": (rope_rows_launch, {"rows": r, "num_warps": w, "flat": True})
-        for r, w in [(8, 1), (16, 2), (32, 4), (64, 4), (64, 8), (128, 8)]
-    },
-    **{
-        f"tok_r{r}_w{w}": (rope_rows_launch, {"rows": r, "num_warps": w, "flat": False})
-        for r, w in [(32, 2), (32, 4), (64, 2), (64, 4), (128, 8), (256, 8)]
-    },
-    **{
-        f"{'flat' if f else 'tok'}_r{r}_w{w}_p{p}_s{st}": (
-            rope_rows_launch,
-            {"rows": r, "num_warps": w, "flat": f, "persistent": p, "num_stages": st},
-        )
-        for f, r, w, p, st in [
-            (True, 64, 4, 4, 1),
-            (True, 64, 4, 8, 2),
-            (True, 128, 8, 4, 3),
-            (False, 128, 8, 4, 1),
-            (False, 128, 8, 4, 3),
-        ]  # fmt: skip
-    },
-    "flat_r64_w4_evict_first": (rope_rows_launch, {"rows": 64, "num_warps": 4, "evict": "evict_first"}),
-    "tok_r128_w8_evict_first": (
-        rope_rows_launch,
-        {"rows": 128, "num_warps": 8, "flat": False, "evict": "evict_first"},
-    ),
-    # probes: the same kernels without the cos/sin loads (wrong output; what the table reads cost)
-    "probe_notable_flat_r64_w4": (rope_rows_launch, {"rows": 64, "num_warps": 4, "table": False}),
-    "probe_notable_tok_r128_w8": (
-        rope_rows_launch,
-        {"rows": 128, "num_warps": 8, "flat": False, "table": False},
-    ),
+ROPE_VARIANTS = {  # name: rope_launch keyword arguments ("default": the launcher's defaults)
+    "default": {},
+    "r8_w1_noevict": {"rows": 8, "num_warps": 1, "evict": ""},
+    "r4_w1": {"rows": 4, "num_warps": 1},
+    "r16_w1": {"rows": 16, "num_warps": 1},
+    "r16_w2": {"rows": 16, "num_warps": 2},
+    "r16_w2_noevict": {"rows": 16, "num_warps": 2, "evict": ""},
+    "r32_w2": {"rows": 32, "num_warps": 2},
+    "tok1_w2": {"tokens": 1, "num_warps": 2},
+    "tok2_w2": {"tokens": 2, "num_warps": 2},
+    "tok4_w8": {"tokens": 4, "num_warps": 8},
+    "tok4_w8_noevict": {"tokens": 4, "num_warps": 8, "evict": ""},
 }
 
 
@@ -201,10 +176,8 @@ def bench_rope() -> dict:
 
     peers: dict[str, Callable | None] = {
         "eager": as_bthd(lambda q, k: eager_rope(q, k, cos_full, sin_full)),
-        "compile": None
-        if SMOKE
-        else as_bthd(torch.compile(lambda q, k: eager_rope(q, k, cos_full, sin_full))),
-    }
+        "compile": None if SMOKE else as_bthd(torch.compile(lambda q, k: eager_rope(q, k, cos_full, sin_full))),
+    }  # fmt: skip
     try:
         from liger_kernel.ops.rope import LigerRopeFunction
 
@@ -214,8 +187,10 @@ def bench_rope() -> dict:
     for name, f in peers.items():
         if f is None:
             continue
-        measure(fwd, name, lambda f=f: f(q, k))
-        qg, kg = q.detach().requires_grad_(), k.detach().requires_grad_()
+        # each peer gets its own copies of q and k: Liger rotates its inputs in place
+        qp, kp = q.clone(), k.clone()
+        measure(fwd, name, lambda f=f, qp=qp, kp=kp: f(qp, kp))
+        qg, kg = qp.detach().requires_grad_(), kp.detach().requires_grad_()
 
         def fwd_bwd(f=f, qg=qg, kg=kg):
             oq, ok = f(qg, kg)
@@ -223,7 +198,7 @@ def bench_rope() -> dict:
 
         measure(fb, name, fwd_bwd)
     measure(fwd, "copy", lambda: (q.clone(), k.clone()))  # the floor: torch's copy of the same bytes
-    with use_backend("triton"):
+    with use_backend("triton"):  # the public op: autograd Function (fwd+bwd) or the launcher (no grad)
         qg, kg = q.detach().requires_grad_(), k.detach().requires_grad_()
         measure(fwd, "kiln_apply_rope", lambda: apply_rope(q, k, cos, sin))
         measure(
@@ -231,45 +206,31 @@ def bench_rope() -> dict:
             "kiln_apply_rope",
             lambda: torch.autograd.grad(apply_rope(qg, kg, cos, sin), (qg, kg), (dq, dk)),
         )
-    for name, (launch, kw) in ROPE_VARIANTS.items():
-
-        def err(launch=launch, kw=kw):
-            oq, ok = launch(q, k, cos, sin, None, False, **kw)
-            return {"max_abs_err": max(float((oq.float() - want_q.float()).abs().max()),
-                                       float((ok.float() - want_k.float()).abs().max()))}  # fmt: skip
-
-        measure(fwd, name, lambda launch=launch, kw=kw: launch(q, k, cos, sin, None, False, **kw), err)
-        if not name.startswith("probe"):
-            measure(
-                fb, name,
-                lambda launch=launch, kw=kw: (
-                    launch(q, k, cos, sin, None, False, **kw), launch(dq, dk, cos, sin, None, False, True, **kw)
-                ),
-            )  # fmt: skip
-    # the interleaved layout and position ids on the two kernels' defaults and the best-guess block configs
-    pos = torch.randint(0, T, (B, T), generator=g, device=DEV)
-    want_qi = apply_rope_ref(q, k, cos, sin, None, True)
-    for name in ("flat_r64_w4", "tok_r128_w8", "token_t1_w4"):
-        launch, kw = ROPE_VARIANTS[name]
+    for name, kw in ROPE_VARIANTS.items():
         measure(
-            fwd, f"interleaved_{name}", lambda launch=launch, kw=kw: launch(q, k, cos, sin, None, True, **kw),
-            lambda launch=launch, kw=kw: {"max_abs_err": _err(launch(q, k, cos, sin, None, True, **kw), want_qi)},
+            fwd, name, lambda kw=kw: rope_launch(q, k, cos, sin, None, False, **kw),
+            lambda kw=kw: {"max_abs_err": _err(rope_launch(q, k, cos, sin, None, False, **kw), (want_q, want_k))},
         )  # fmt: skip
-        if (
-            name != "token_t1_w4"
-        ):  # pairs loaded as two strided tiles instead of whole rows split in registers
-            measure(
-                fwd, f"interleaved_{name}_pair_loads",
-                lambda launch=launch, kw=kw: launch(q, k, cos, sin, None, True, **kw, whole_rows=False),
-            )  # fmt: skip
-            measure(
-                fwd,
-                f"positions_{name}",
-                lambda launch=launch, kw=kw: launch(q, k, cos, sin, pos, False, **kw),
-            )
-    kiln_fwd = [
-        n for n in fwd if n not in peers and n != "copy" and not n.startswith(("probe", "inter", "posi"))
-    ]
+        measure(
+            fb, name,
+            lambda kw=kw: (rope_launch(q, k, cos, sin, None, False, **kw),
+                           rope_launch(dq, dk, cos, sin, None, False, True, **kw)),
+        )  # fmt: skip
+    # the interleaved layout and position ids on the default and on whole-token blocks
+    pos = torch.randint(0, T, (B, T), generator=g, device=DEV)
+    want_i = apply_rope_ref(q, k, cos, sin, None, True)
+    want_p = apply_rope_ref(q, k, cos, sin, pos, False)
+    for name in ("default", "tok4_w8"):
+        kw = ROPE_VARIANTS[name]
+        measure(
+            fwd, f"interleaved_{name}", lambda kw=kw: rope_launch(q, k, cos, sin, None, True, **kw),
+            lambda kw=kw: {"max_abs_err": _err(rope_launch(q, k, cos, sin, None, True, **kw), want_i)},
+        )  # fmt: skip
+        measure(
+            fwd, f"positions_{name}", lambda kw=kw: rope_launch(q, k, cos, sin, pos, False, **kw),
+            lambda kw=kw: {"max_abs_err": _err(rope_launch(q, k, cos, sin, pos, False, **kw), want_p)},
+        )  # fmt: skip
+    kiln_fwd = [n for n in fwd if n not in peers and n != "copy" and not n.startswith(("inter", "posi"))]
     res.update(
         fwd=fwd, fwd_bwd=fb,
         summary_fwd=ratios(fwd, kiln_fwd, list(peers), 2 * e),
