@@ -133,12 +133,15 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, 
                     TMA: tl.constexpr, WS: tl.constexpr):
     """Accumulate dK, dV (BLOCK_N, D) of one key block over query blocks [start, end) of query heads
     h0 .. h0 + n_heads - 1, all in one loop (one software pipeline). Computed transposed (keys by
-    queries) so no operand needs a transpose in registers."""
+    queries) so no operand needs a transpose in registers.
+    The (head, block) pair is carried from one iteration to the next, not divided out of the loop
+    index: with an empty range that division is by zero, undefined behaviour the compiler may reason
+    from. (The dividing version hit an illegal address on the H200 exactly where the first range is
+    empty, non-causal GQA; this form has no runtime division at all.)"""
     offs_m = tl.arange(0, BLOCK_M)
-    n_blocks = tl.cdiv(end - start, BLOCK_M)
-    for i in tl.range(0, n_heads * n_blocks, warp_specialize=WS):
-        h = h0 + i // n_blocks
-        m0 = start + (i % n_blocks) * BLOCK_M
+    h = h0
+    m0 = start
+    for _ in tl.range(0, n_heads * tl.cdiv(end - start, BLOCK_M), warp_specialize=WS):
         rows = m0 + offs_m  # (BLOCK_M,)
         q = _load_head_rows(q_src, h, m0, Tq, stride_qt, stride_qh, HEAD_DIM, BLOCK_M, MASK, TMA)
         do = _load_head_rows(do_src, h, m0, Tq, stride_dot, stride_doh, HEAD_DIM, BLOCK_M, MASK, TMA)
@@ -157,6 +160,10 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, 
         dp_t = tl.dot(v, tl.trans(do))  # (BLOCK_N, BLOCK_M)
         ds_t = p_t * (dp_t - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q)
+        m0 += BLOCK_M
+        wrap = m0 >= end  # past this head's last block: the next head's first
+        h = tl.where(wrap, h + 1, h)
+        m0 = tl.where(wrap, start, m0)
     return dk, dv
 
 
