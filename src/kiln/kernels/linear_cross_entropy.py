@@ -12,7 +12,7 @@ The tokens go in chunks of about `Plan.chunk_bytes` of logits. Per chunk c (rows
     dweight (+)= z.T @ hidden[r]        (V, H)  accumulated in dweight's dtype, as Liger does
 so the extra memory is one chunk of logits beside the gradients themselves. A chunk can be cut into
 `Plan.overlap` parts whose loss kernels run on a second CUDA stream while the GEMMs of the next part go
-on (the loss kernel is bound by memory, the GEMMs by the tensor cores).
+on (the loss kernel is bound by memory, the GEMMs by the tensor cores; no faster on the H200, see PLAN).
 For "mean"/"sum" the gradients are formed in the forward (one pass, as Liger does) and scaled by the
 incoming gradient in the backward on the device, without a host sync (a no-op kernel when it is 1);
 for "none" the backward recomputes the chunks with each token's incoming gradient.
@@ -65,7 +65,8 @@ class Plan:
         flight (132 x 304 KiB at V = 151936) can stay in L2 between the kernel's two passes over a row.
     row_block, row_warps: the loss kernel's vocabulary columns per step and warps (None: its defaults,
         4096 and 8); wider steps keep more bytes in flight per program, which fewer programs need.
-    overlap: parts per chunk; > 1 runs each part's loss kernel on a side stream, overlapping the GEMMs.
+    overlap: parts per chunk; > 1 runs each part's loss kernel on a side stream, overlapping the GEMMs
+        (measured no faster on the H200; kept to measure elsewhere).
     gemm_priority: run the GEMMs on a high-priority stream, so their blocks go first when both kernels
         wait for multiprocessors (only with overlap > 1).
     """
@@ -89,9 +90,13 @@ class Plan:
             raise ValueError(f"row_block must be a power of two, got {self.row_block}")
 
 
-# 8192 x 151936 bf16 logits (2.3 GiB) go in 6 chunks of about 1366 tokens (408 MiB of logits each): big
-# enough that the three GEMMs of a chunk run near cuBLAS's peak, small enough that the peak stays under
-# 1 GiB beside dweight (445 MiB). Measured on the H200 (bench/sweep_linear_ce.py): see docs/readme/linear_ce.md.
+# 8192 x 151936 bf16 logits (2.3 GiB) go in 6 chunks of 1408 or 1280 tokens (at most 408 MiB of logits):
+# the peak stays under 1 GiB beside dweight (445 MiB), and a 1408-row chunk's dhidden GEMM is exactly one
+# wave of 128x128 tiles on 132 SMs (11 x 12). Round 1 of bench/sweep_linear_ce.py on the H200 (median of 4
+# rounds, ms): 6 chunks 19.4-19.6, 5 chunks 19.9, 7 chunks 21.8, 8 chunks 20.7, 4 (over 1 GiB) 20.0;
+# kiln's GEMMs for dweight or the logits +1.0-1.5; the loss kernels on a second stream (overlap 2-4, with
+# or without a high-priority GEMM stream) 20.1-21.6: no gain, the GEMMs run near the 700 W cap and the
+# work only moves around. Details in docs/readme/linear_ce.md.
 PLAN = Plan()
 
 
