@@ -407,13 +407,18 @@ def bench_lce() -> None:
     }
 
     def run():
-        # Every entry is timed in each of several rounds, in turn, and the median round counts: the ~20 ms
-        # calls are power-bound GEMMs, and the clocks drift between the start and the end of the run.
+        # Every entry is timed in each of several rounds and the median round counts: the ~20 ms calls are
+        # GEMMs near the GPU's power cap, whose clocks drift between the start and the end of the run.
         fns = {"kiln": step(ours), **{n: step(f) for n, f in peers.items()}}
         fns.update({n: step(plan_call(p)) for n, p in plans.items()})
         out = {"kiln": {}, "peers": {}, "plans": {}}
-        for f in fns.values():
-            f()  # compile / autotune first
+        failed = {}
+        for name, f in list(fns.items()):
+            try:
+                f()  # compile / autotune first
+            except Exception as err:  # a broken peer or plan must not lose the others
+                failed[name] = {"error": repr(err)[:300]}
+                del fns[name]
         rows = {name: {"peak_gib": peak_gib(f)} for name, f in fns.items()}
         for name, times in rotation_ms(fns).items():
             v = rows[name]
@@ -424,8 +429,12 @@ def bench_lce() -> None:
                 out["kiln"] = v
             else:
                 out["plans" if name in plans else "peers"][name] = v
+        if "kiln" in failed:
+            raise RuntimeError(f"kiln's default plan failed: {failed['kiln']['error']}")
+        for name, v in failed.items():
+            out["plans" if name in plans else "peers"][name] = v
         for name, p in plans.items():
-            out["plans"][name]["plan"] = str(p)
+            out["plans"].setdefault(name, {})["plan"] = str(p)
         out["kiln"]["plan"] = str(lce.PLAN)
         for name in ("kiln", "torch.compile"):
             if name in fns and DEV == "cuda":
