@@ -51,7 +51,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     p.add_argument(
         "--budget",
-        default="rope=60,sampling=35",
+        default="rope=45,sampling=55",
         help="seconds per section; its later variants are skipped past it",
     )
     p.add_argument("--only", default="rope,sampling")
@@ -249,17 +249,17 @@ SAMPLE_MODES = {
     "top-p 0.9": {"temperature": 0.8, "top_p": 0.9},
 }
 SAMPLE_CONFIGS = {  # mode -> launch overrides (chunk, chunk_warps, combine_warps, combine_block, search_block)
-    "greedy": [(1024, 4, 4, 0, 0), (2048, 4, 4, 0, 0), (4096, 8, 4, 0, 0), (8192, 8, 4, 0, 0)],
-    "temperature": [(1024, 4, 4, 0, 0), (2048, 4, 4, 0, 0), (4096, 8, 4, 0, 0)],
+    "greedy": [(2048, 4, 4, 0, 0), (4096, 4, 4, 0, 0), (8192, 8, 4, 0, 0)],
+    "temperature": [(1024, 4, 4, 0, 0), (1024, 2, 4, 0, 0), (2048, 4, 4, 0, 0)],
     "top-k 50 + top-p 0.9": [
-        (1024, 4, 16, 4096, 2048),
         (2048, 4, 16, 4096, 2048),
-        (2048, 4, 16, 4096, 4096),
-        (2048, 4, 16, 2048, 1024),
         (4096, 8, 16, 4096, 2048),
+        (4096, 4, 16, 4096, 2048),
+        (8192, 8, 16, 4096, 2048),
+        (8192, 16, 16, 2048, 1024),
     ],
-    "top-k 50": [(2048, 4, 16, 4096, 2048)],
-    "top-p 0.9": [(2048, 4, 16, 4096, 2048)],
+    "top-k 50": [(4096, 8, 16, 4096, 2048)],
+    "top-p 0.9": [(4096, 8, 16, 4096, 2048)],
 }
 
 

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import interpreting, use_triton
+from kiln.kernels.launch import CachedLaunch
 
 
 def sample_ref(
@@ -229,17 +230,31 @@ def _sample_row(
 
 
 @triton.jit
+def _workspace(Work_ptr, n_part, KC: tl.constexpr):
+    """The stage-1 -> stage-2 workspace, one float32 buffer (one allocation per call: host time matters
+    at decode): per (row, chunk) its max, sum of exp, best ratio and a column (int32); then per row the
+    candidates' values and columns, (B, NCHUNK * KC) each."""
+    n_cand = n_part * KC
+    cand = Work_ptr + 4 * n_part
+    return (
+        Work_ptr, Work_ptr + n_part, Work_ptr + 2 * n_part,
+        (Work_ptr + 3 * n_part).to(tl.pointer_type(tl.int32), bitcast=True),
+        cand, (cand + n_cand).to(tl.pointer_type(tl.int32), bitcast=True),
+    )  # fmt: skip
+
+
+def _workspace_words(B: int, n_chunks: int, kc: int, candidates: bool) -> int:
+    n_part = B * n_chunks
+    return 4 * n_part + (2 * n_part * kc if candidates else 0)
+
+
+@triton.jit
 def _sample_chunk_kernel(
     Z_ptr,  # logits (B, V), unit stride along V
     z_stride,
     Noise_ptr,  # (B, V) float32 Exp(1) draws, unit stride along V (read only by plain temperature)
     noise_stride,
-    PartM_ptr,  # (B, NCHUNK) float32: greedy: the chunk's max logit; sampling: its max z = logit / temperature
-    PartS_ptr,  # (B, NCHUNK) float32: sum exp(z - max) (sampling)
-    PartR_ptr,  # (B, NCHUNK) float32: best exp(z - max) / noise (plain temperature)
-    PartI_ptr,  # (B, NCHUNK) int32: the column of the max (greedy) or of the best ratio
-    CandZ_ptr,  # (B, NCHUNK * KC) float32: the chunk's KC largest z, descending (CANDIDATES)
-    CandI_ptr,  # (B, NCHUNK * KC) int32: their columns (>= V for padding)
+    Work_ptr,  # float32 workspace, see _workspace
     V,
     temperature,
     GREEDY: tl.constexpr,
@@ -250,6 +265,9 @@ def _sample_chunk_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     n_chunks = tl.num_programs(1)
+    PartM_ptr, PartS_ptr, PartR_ptr, PartI_ptr, CandZ_ptr, CandI_ptr = _workspace(
+        Work_ptr, tl.num_programs(0) * n_chunks, KC
+    )
     c = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(Z_ptr + row * z_stride + c, mask=c < V, other=-float("inf")).to(tl.float32)
     part = row * n_chunks + chunk
@@ -285,8 +303,7 @@ def _sample_combine_kernel(
     z_stride,
     Noise_ptr,  # (B, V) float32 Exp(1) draws
     noise_stride,
-    PartM_ptr, PartS_ptr, PartR_ptr, PartI_ptr,  # (B, NCHUNK) from stage 1
-    CandZ_ptr, CandI_ptr,  # (B, NCHUNK * KC) from stage 1
+    Work_ptr,  # float32 workspace written by stage 1, see _workspace
     Out_ptr,  # (B,) int64 token ids
     V,
     n_chunks,
@@ -304,6 +321,9 @@ def _sample_combine_kernel(
     SPLITS: tl.constexpr,  # cut points tried per search pass: the range shrinks (SPLITS + 1)-fold per pass
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    PartM_ptr, PartS_ptr, PartR_ptr, PartI_ptr, CandZ_ptr, CandI_ptr = _workspace(
+        Work_ptr, tl.num_programs(0) * n_chunks, KC
+    )
     ch = tl.arange(0, CHUNKS)
     ch_ok = ch < n_chunks
     part = row * n_chunks + ch
@@ -355,11 +375,15 @@ def _check(logits: torch.Tensor, temperature: float, top_p: float | None) -> Non
         raise ValueError(f"top_p must be in (0, 1] (1 or None disables it), got {top_p}")
 
 
-# Launch configuration (H200, V = 151936; bench/sweep_rope_sampling.py measures the alternatives).
-CHUNK = 2048  # stage-1 columns per program: 75 programs per row at V = 151936
+# Launch configuration (H200, V = 151936; bench/sweep_rope_sampling.py measured the alternatives in round 1,
+# GPU time in CUDA graphs): greedy 2.8 us at batch 1 and 7.3 us at 64 with 2048 columns a program (1024-8192
+# within 10%); plain temperature 3.8 / 20.9 us with 1024 (2048: 4.2 / 21.9); with a filter, the combine's
+# searches over NCHUNK * KC candidates dominate at batch 1: 4096 columns (2432 candidates) 64 us against
+# 75 us with 2048 and 103 us with 1024.
+CHUNK = {"greedy": 2048, "temperature": 1024, "filter": 4096}  # stage-1 columns per program
+CHUNK_WARPS = {"greedy": 4, "temperature": 4, "filter": 8}
 KC = 64  # candidates per chunk: top_k up to KC costs nothing extra; larger k raises it to pow2(k)
 KC_MAX = 1024  # past this top_k the candidates would not fit a chunk's registers: the whole-row path
-CHUNK_WARPS = 4
 COMBINE_WARPS = 4  # greedy and plain temperature: the combine reads a few hundred partials
 SEARCH_WARPS = 16  # with a filter: (4096 columns x 8 cut points) counters per search step, 64 a thread
 COMBINE_BLOCK = 4096  # the combine's step over candidates (and over the whole row when it falls back)
@@ -377,7 +401,29 @@ def sample_with_noise(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    *,
+    **config: int,
+) -> torch.Tensor:
+    """Launcher: the token each row draws given its Exp(1) noise (B, V) float32 (unused when greedy).
+    `config` overrides the launch configuration of _launch (the sweep and the tests)."""
+    _check(logits, temperature, top_p)
+    if temperature != 0 and (noise is None or noise.shape != logits.shape or noise.dtype != torch.float32):
+        raise ValueError(f"noise must be a float32 tensor of shape {tuple(logits.shape)}")
+    for name, t in (("logits", logits), ("noise", noise)):
+        if t is not None and t.stride(1) != 1 and t.shape[1] > 1:
+            raise ValueError(f"{name} must have unit stride along the vocabulary, got strides {t.stride()}")
+    return _launch(logits, noise, temperature, top_k, top_p, **config)
+
+
+_chunk_launch = CachedLaunch(_sample_chunk_kernel)
+_combine_launch = CachedLaunch(_sample_combine_kernel)
+
+
+def _launch(
+    logits: torch.Tensor,
+    noise: torch.Tensor | None,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
     chunk: int | None = None,
     kc: int | None = None,
     chunk_warps: int | None = None,
@@ -385,47 +431,36 @@ def sample_with_noise(
     combine_block: int | None = None,
     search_block: int | None = None,
 ) -> torch.Tensor:
-    """Launcher: the token each row draws given its Exp(1) noise (B, V) float32 (unused when greedy).
-    chunk / kc / *_warps override the launch configuration (powers of two; the sweep and the tests)."""
-    _check(logits, temperature, top_p)
+    """The two launches, on checked inputs (chunk, kc and the blocks are powers of two)."""
     B, V = logits.shape
-    greedy = temperature == 0
-    if not greedy and (noise is None or noise.shape != logits.shape or noise.dtype != torch.float32):
-        raise ValueError(f"noise must be a float32 tensor of shape {tuple(logits.shape)}")
-    for name, t in (("logits", logits), ("noise", noise)):
-        if t is not None and t.stride(1) != 1 and V > 1:
-            raise ValueError(f"{name} must have unit stride along the vocabulary, got strides {t.stride()}")
     out = torch.empty(B, device=logits.device, dtype=torch.int64)
     if B == 0:
         return out
+    greedy = temperature == 0
     use_k = not greedy and top_k is not None and 0 < top_k < V
     use_p = not greedy and top_p is not None and top_p < 1.0
     kc = kc or max(KC, _pow2(top_k) if use_k else 1)
     # the candidates need k <= kc <= chunk; past KC_MAX the combine searches the whole row directly
     candidates = (use_k or use_p) and kc <= KC_MAX
-    chunk = max(min(chunk or CHUNK, _pow2(V)), kc if candidates else 1)
+    mode = "greedy" if greedy else "filter" if use_k or use_p else "temperature"
+    chunk = max(min(chunk or CHUNK[mode], _pow2(V)), kc if candidates else 1)
     n_chunks = -(-V // chunk)
-    dev = logits.device
-    # one workspace (an allocation costs host time on every decode step): 4 partials per (row, chunk), then
-    # 2 per candidate; int32 parts are views of the same float32 words
-    n_part, n_cand = B * n_chunks, B * n_chunks * kc if candidates else 1
-    work = torch.empty(4 * n_part + 2 * n_cand, device=dev, dtype=torch.float32)
-    part_m, part_s, part_r, part_i, cand_z, cand_i = work.split([n_part] * 4 + [n_cand] * 2)
-    part_i, cand_i = part_i.view(torch.int32), cand_i.view(torch.int32)
+    work = torch.empty(
+        _workspace_words(B, n_chunks, kc, candidates), device=logits.device, dtype=torch.float32
+    )
     noise = logits if noise is None else noise  # a placeholder pointer when greedy
     temp = float(temperature) if not greedy else 1.0
     if greedy or candidates or not use_k:  # (a large top-k without candidates needs no stage 1)
-        _sample_chunk_kernel[(B, n_chunks)](
-            logits, logits.stride(0), noise, noise.stride(0), part_m, part_s, part_r, part_i, cand_z, cand_i,
-            V, temp, GREEDY=greedy, CANDIDATES=candidates, CHUNK=chunk, KC=kc,
-            num_warps=chunk_warps or CHUNK_WARPS,
+        _chunk_launch[(B, n_chunks)](
+            logits, logits.stride(0), noise, noise.stride(0), work, V, temp,
+            GREEDY=greedy, CANDIDATES=candidates, CHUNK=chunk, KC=kc, num_warps=chunk_warps or CHUNK_WARPS[mode],
         )  # fmt: skip
     cap = _pow2(V if not candidates else n_chunks * kc)
     if interpreting():  # small steps: the CPU tests cover several of them
         cap = min(cap, 128)
     block = min(combine_block or COMBINE_BLOCK, cap)
-    _sample_combine_kernel[(B,)](
-        logits, logits.stride(0), noise, noise.stride(0), part_m, part_s, part_r, part_i, cand_z, cand_i, out,
+    _combine_launch[(B,)](
+        logits, logits.stride(0), noise, noise.stride(0), work, out,
         V, n_chunks, temp, int(top_k) if use_k else 0, float(top_p) if use_p else 1.0,
         GREEDY=greedy, TOP_K=use_k, TOP_P=use_p, CANDIDATES=candidates, KC=kc, CHUNKS=_pow2(n_chunks),
         BLOCK=block, SEARCH_BLOCK=min(search_block or SEARCH_BLOCK, block), SPLITS=8,
@@ -450,4 +485,6 @@ def sample(
         # gives the same token on both paths; on the device, so no host sync.
         noise = torch.empty(logits.shape, device=logits.device, dtype=torch.float32)
         noise.exponential_(1.0, generator=generator)
-    return sample_with_noise(logits, noise, temperature, top_k, top_p)
+    if logits.stride(1) != 1 and logits.shape[1] > 1:
+        raise ValueError(f"logits must have unit stride along the vocabulary, got strides {logits.stride()}")
+    return _launch(logits, noise, temperature, top_k, top_p)
