@@ -36,7 +36,7 @@ import traceback
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--out", default=None, help="write the results here as JSON")
 p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through Triton's interpreter")
-p.add_argument("--budget", type=float, default=92.0, help="seconds; optional parts stop past this")
+p.add_argument("--budget", type=float, default=100.0, help="seconds; optional parts stop past this")
 ARGS = p.parse_args()
 if ARGS.smoke:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
@@ -105,52 +105,40 @@ def record(entry: dict, run) -> dict:
     return entry
 
 
-def candidates(M: int, N: int, K: int, sms: int) -> list[DecodeConfig]:
-    """Configs worth timing at this shape: enough programs for the GPU, not absurdly many."""
-    out = []
-    if M <= 4:  # FMAs cost M times one row's work: only for a few rows
-        # (BLOCK_N, BLOCK_K, warps, SPLIT_K, stages): one pass over much of K; K loops without and with
-        # cp.async pipelining (stages > 1); K split in 2-4 (with the second pass)
-        for bn, bk, w, sk, st in [(2, 1024, 4, 1, 1), (4, 512, 4, 1, 1), (4, 1024, 4, 1, 1), (4, 2048, 4, 1, 1),
-                                  (4, 2048, 8, 1, 1), (8, 1024, 8, 1, 1), (8, 2048, 8, 1, 1),
-                                  (4, 256, 2, 1, 1), (8, 256, 4, 1, 1), (8, 512, 4, 1, 1), (16, 256, 4, 1, 1),
-                                  (16, 512, 4, 1, 1), (16, 512, 8, 1, 1), (32, 256, 4, 1, 1), (32, 256, 8, 1, 1),
-                                  (64, 128, 4, 1, 1),
-                                  (4, 256, 2, 1, 3), (4, 512, 4, 1, 3), (4, 1024, 4, 1, 3), (8, 256, 4, 1, 3),
-                                  (8, 512, 4, 1, 2), (8, 512, 4, 1, 3), (16, 256, 4, 1, 3), (32, 256, 8, 1, 3),
-                                  (32, 128, 4, 1, 4), (64, 128, 4, 1, 3),
-                                  (4, 512, 4, 2, 1), (8, 512, 4, 2, 1), (8, 256, 4, 2, 3), (8, 256, 4, 4, 1),
-                                  (16, 256, 4, 4, 1)]:  # fmt: skip
-            if M > 1 and M * bn * bk > 64 * 32 * w:
-                continue  # more than 64 float32 partial products per thread would spill
-            progs = triton.cdiv(N, bn) * sk
-            if sk > 1 and triton.cdiv(N, bn) >= 2 * sms:
-                continue  # splitting only pays when the columns alone leave SMs idle
-            if sms <= progs <= 40 * sms and bk <= triton.next_power_of_2(K):
-                out.append(DecodeConfig("gemv", bn, bk, sk, w, st))
-    for bn, bk, w, st in [(16, 128, 4, 3), (16, 256, 2, 4), (16, 256, 1, 4), (16, 256, 2, 6), (16, 512, 2, 3),
-                          (32, 128, 4, 3), (32, 256, 4, 3), (32, 256, 2, 4),
-                          (32, 128, 2, 6), (64, 64, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3)]:  # fmt: skip
-        tiles = triton.cdiv(N, bn)
-        for sk in (1, 2, 4, 8):
-            sk = triton.cdiv(K, triton.cdiv(triton.cdiv(K, sk), bk) * bk)  # the split the launcher runs
-            cfg = DecodeConfig("dot", bn, bk, sk, w, st)
-            fills = sms // 2 <= tiles <= 5 * sms if sk == 1 else tiles < sms <= tiles * sk <= 2 * sms
-            if fills and cfg not in out:
-                out.append(cfg)
-    if M == 1:  # the dot kernel at M = 1 is only a reference point: keep a few
-        dots = [c for c in out if c.kernel == "dot"]
-        out = [c for c in out if c.kernel == "gemv"] + dots[:: max(1, len(dots) // 4)]
+def candidates(M: int, K: int, N: int) -> list[DecodeConfig]:
+    """Configs timed beside the rule's: round 1 (bench/results/matmul_decode-round1.json) swept ~250 over
+    the gemv and dot kernels; these are its front runners at each shape class and their neighbours."""
     if ARGS.smoke:
-        out = [DecodeConfig("gemv", 16, 32), DecodeConfig("dot", 16, 32, 2)]
-    return out
+        return [DecodeConfig("gemv", 16, 32), DecodeConfig("dot", 16, 32, 2)]
+    g, d = "gemv", "dot"
+    if M == 1:
+        out = [DecodeConfig(g, 4, 256, 1, 2, 3), DecodeConfig(g, 4, 256, 1, 2, 2), DecodeConfig(g, 4, 256, 1, 2, 4),
+               DecodeConfig(g, 4, 512, 1, 4, 1), DecodeConfig(g, 4, 512, 1, 4, 3), DecodeConfig(g, 4, 128, 1, 1, 4),
+               DecodeConfig(g, 2, 256, 1, 1, 3), DecodeConfig(g, 2, 512, 1, 2, 3), DecodeConfig(g, 2, 1024, 1, 4, 1),
+               DecodeConfig(g, 2, 1024, 1, 4, 3), DecodeConfig(g, 8, 256, 1, 4, 3)]  # fmt: skip
+        return out + (
+            [DecodeConfig(g, 4, 2048, 1, 8, 1), DecodeConfig(g, 2, 2048, 1, 8, 1)] if K > 4096 else []
+        )
+    if M < 16:  # where FMAs give way to the tensor cores
+        return [DecodeConfig(g, 4, 256, 1, 2, 3), DecodeConfig(g, 2, 1024, 1, 4, 1), DecodeConfig(d, 16, 128, 1, 4, 3),
+                DecodeConfig(d, 16, 256, 1, 1, 4), DecodeConfig(d, 64, 128, 1, 4, 3)]  # fmt: skip
+    if N >= 64 * 132:  # gate_up: enough 64-wide column blocks
+        return [DecodeConfig(d, 64, 128, 1, 4, 3), DecodeConfig(d, 64, 64, 1, 4, 4), DecodeConfig(d, 64, 128, 1, 4, 4),
+                DecodeConfig(d, 64, 64, 1, 4, 6), DecodeConfig(d, 32, 128, 1, 4, 3), DecodeConfig(d, 128, 64, 1, 4, 4),
+                DecodeConfig(d, 64, 256, 1, 4, 2)]  # fmt: skip
+    if K <= 4096:  # qkv, o
+        return [DecodeConfig(d, 16, 256, 1, 1, 4), DecodeConfig(d, 16, 256, 1, 1, 3), DecodeConfig(d, 16, 256, 1, 1, 5),
+                DecodeConfig(d, 16, 128, 1, 1, 6), DecodeConfig(d, 16, 512, 1, 1, 3), DecodeConfig(d, 16, 128, 1, 4, 3),
+                DecodeConfig(d, 16, 128, 1, 2, 4), DecodeConfig(d, 16, 256, 2, 1, 4)]  # fmt: skip
+    return [DecodeConfig(d, 64, 64, 11, 4, 4), DecodeConfig(d, 64, 64, 8, 4, 4), DecodeConfig(d, 64, 64, 11, 4, 6),
+            DecodeConfig(d, 64, 128, 10, 4, 3), DecodeConfig(d, 64, 128, 8, 4, 3), DecodeConfig(d, 128, 64, 11, 4, 4),
+            DecodeConfig(d, 32, 128, 11, 2, 4), DecodeConfig(d, 64, 64, 6, 4, 4)]  # fmt: skip
 
 
-def measure_shape(
-    name: str, M: int, K: int, N: int, sms: int, reserve: float, configs=None
-) -> tuple[dict, list]:
-    """cuBLAS, the routed path, the previous rule, then candidates (`configs`, default `candidates(...)`)
-    while more than `reserve` seconds are left. Returns a summary and the configs ranked fastest first."""
+def measure_shape(name: str, M: int, K: int, N: int, sms: int, reserve: float, extras: bool) -> dict:
+    """cuBLAS, kiln's routed `linear` (the rule), the previous tile kernel, the candidates while more than
+    `reserve` seconds are left; with `extras` the rule's config again with PDL, and cuBLAS and kiln after
+    another kernel. Returns a summary."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(M, K, generator=gen).to(DEV, DT)
     w = (torch.randn(N, K, generator=gen) / K**0.5).to(DEV, DT)
@@ -176,14 +164,12 @@ def measure_shape(
         return e
 
     case("cublas", lambda: F.linear(x, w))
-    old = _decode_config(N, K, sms)
-    case(
-        "kiln previous (tile kernel, rule)", lambda: matmul_fwd(x, w.t(), config=old, tma=False)[0], str(old)
-    )
     picked = decode_config(M, N, K, sms)
     case("kiln linear (routed)", lambda: linear(x, w), str(picked))
+    old = _decode_config(N, K, sms)
+    case("kiln previous (tile kernel)", lambda: matmul_fwd(x, w.t(), config=old, tma=False)[0], str(old))
     found = []
-    for cfg in candidates(M, N, K, sms) if configs is None else configs:
+    for cfg in candidates(M, K, N):
         if left() < reserve:  # keep time for what comes after
             break
         e = case("candidate", lambda cfg=cfg: decode_matmul(x, w.t(), config=cfg), str(cfg))
@@ -192,39 +178,36 @@ def measure_shape(
         if "us" in e and not bad:
             found.append((e["us"], cfg))
     found.sort(key=lambda t: t[0])
-    if configs is None and CUDA and torch.cuda.get_device_capability()[0] >= 9:
-        # The best three again with programmatic dependent launch (each call may start while the one
-        # before it finishes: back to back, as timed here, that hides launch latency).
-        for _, cfg in found[:3]:
-            if left() < reserve - 6:
-                break
-            cp = cfg._replace(pdl=True)
-            e = case("candidate pdl", lambda cp=cp: decode_matmul(x, w.t(), config=cp), str(cp))
-            if "us" in e and e.get("max_abs_diff_vs_fp32", 1.0) <= 0.05:
-                found.append((e["us"], cp))
-        found.sort(key=lambda t: t[0])
-        # After another kernel: x rewritten in place by an elementwise kernel before each call (as a decode
-        # step feeds a GEMM), minus that kernel alone. PDL gains nothing after a kernel that does not use it.
-        paths = [("cublas", lambda: F.linear(x, w)), ("kiln linear (routed)", lambda: linear(x, w))]
-        paths += [(f"candidate {c}", lambda c=c: decode_matmul(x, w.t(), config=c)) for _, c in found[:4]]
-        for variant, f in paths:
-            if left() < reserve - 8:
-                break
+    summary = {"shape": shape, "config": str(picked), "cublas_us": base.get("cublas"),
+               "routed_us": base.get("routed"), "best": [(round(us, 3), str(c)) for us, c in found[:5]],
+               "best_cfg": [c for _, c in found[:1]]}  # fmt: skip
+    if not extras:
+        return summary
+    if CUDA and torch.cuda.get_device_capability()[0] >= 9 and left() > reserve - 4:
+        # The rule's config launched with PDL: back to back, each call starts while the one before it
+        # finishes. A decode step whose other kernels signal early would see this; kiln's do not yet.
+        cp = picked._replace(pdl=True)
+        case("rule config with pdl (back to back)", lambda: decode_matmul(x, w.t(), config=cp), str(cp))
+    # After another kernel: x rewritten in place by an elementwise kernel before each call (as a decode step
+    # feeds a GEMM), minus that kernel alone.
+    paths = [("cublas", lambda: F.linear(x, w)), ("kiln linear (routed)", lambda: linear(x, w))]
+    paths += [(f"candidate {c}", lambda c=c: decode_matmul(x, w.t(), config=c)) for _, c in found[:1]]
+    for variant, f in paths:
+        if left() < reserve - 6:
+            break
 
-            def run(f=f):
-                with use_backend("triton"):
-                    alone = graph_us(lambda: x.mul_(1.0))
-                    pair = graph_us(lambda: (x.mul_(1.0), f()))
-                return {"us": pair - alone, "us_elementwise_alone": alone}
+        def run(f=f):
+            with use_backend("triton"):
+                alone = graph_us(lambda: x.mul_(1.0))
+                pair = graph_us(lambda: (x.mul_(1.0), f()))
+            return {"us": pair - alone, "us_elementwise_alone": alone}
 
-            e = record({"group": "decode_after_other_kernel", "shape": shape, "variant": variant}, run)
-            if variant == "cublas" and "us" in e:
-                base["cublas_after"] = e["us"]
-            elif "us" in e and "cublas_after" in base:
-                e["ratio_vs_cublas_same_setting"] = base["cublas_after"] / e["us"]
-    summary = {"shape": shape, "cublas_us": base.get("cublas"), "routed_us": base.get("routed"),
-               "best": [(round(us, 3), str(c)) for us, c in found[:5]]}  # fmt: skip
-    return summary, [c for _, c in found]
+        e = record({"group": "decode_after_other_kernel", "shape": shape, "variant": variant}, run)
+        if variant == "cublas" and "us" in e:
+            base["cublas_after"] = e["us"]
+        elif "us" in e and "cublas_after" in base:
+            e["ratio_vs_cublas_same_setting"] = base["cublas_after"] / e["us"]
+    return summary
 
 
 def cold(name: str, M: int, K: int, N: int, configs: list[DecodeConfig]) -> None:
@@ -309,7 +292,8 @@ def meta() -> dict:
         ).stdout
     except Exception:
         commit = ""
-    commit = commit.strip() or os.environ.get("KILN_COMMIT", "unknown")
+    # A copy of the tree (the GPU machine's) may carry a stale .git: the commit given by the caller wins.
+    commit = os.environ.get("KILN_COMMIT") or commit.strip() or "unknown"
     return {
         "gpu": torch.cuda.get_device_name() if CUDA else "cpu (Triton interpreter)",
         "sms": sm_count(torch.device(DEV)), "torch": torch.__version__, "triton": triton.__version__,
@@ -323,30 +307,29 @@ def meta() -> dict:
 def main() -> None:
     info = meta()
     sms = info["sms"]
-    summary, tops = [], []
-    for M in (1, 16):
+    summary = []
+    for M in (1, 16):  # the goal's shapes: every extra
         for name, K, N in SHAPES:
-            s, top = measure_shape(f"{name} M={M}", M, K, N, sms, reserve=42 if M == 1 else 20)
-            summary.append(s)
-            tops.append(top)
+            summary.append(
+                measure_shape(f"{name} M={M}", M, K, N, sms, reserve=50 if M == 1 else 30, extras=True)
+            )
+    for M in (2, 4, 8):  # the rule between them: FMAs or tensor cores
+        for name, K, N in SHAPES:
+            if left() > 25:
+                summary.append(measure_shape(f"{name} M={M}", M, K, N, sms, reserve=25, extras=False))
     host_overhead(sms)
-    for s, top in zip(summary, tops):
-        if left() > 8:
-            sh = s["shape"]
+    for s in summary[: 2 * len(SHAPES)]:  # L2-cold: cuBLAS, the rule, and the fastest candidate if another
+        sh = s["shape"]
+        best = [c for c in s.get("best_cfg", []) if str(c) != s["config"]]
+        if left() > 5:
             try:
-                cold(sh["name"], sh["M"], sh["K"], sh["N"], top[:2])
+                cold(sh["name"], sh["M"], sh["K"], sh["N"], best)
             except Exception as err:
                 RESULTS.append({"group": "decode_l2_cold", "shape": sh, "error": repr(err)[:400]})
-    for i, (name, K, N) in enumerate(SHAPES):  # M = 4: where the rule should switch from FMAs to tensor cores
-        if left() > 4:  # the best three of each kernel from M = 1 and M = 16 at this shape
-            gemv = [
-                c for c in tops[i] if c.kernel == "gemv" and 4 * c.block_n * c.block_k <= 64 * 32 * c.warps
-            ][:3]
-            dot = [c for c in tops[len(SHAPES) + i] if c.kernel == "dot"][:3]
-            summary.append(measure_shape(f"{name} M=4", 4, K, N, sms, reserve=3, configs=gemv + dot)[0])
     info["total_s"] = round(time.time() - T0, 1)
     doc = {"meta": info, "summary": summary, "cases": RESULTS}
     for s in summary:
+        s.pop("best_cfg", None)
         print(s, flush=True)
     if ARGS.out:
         os.makedirs(os.path.dirname(os.path.abspath(ARGS.out)), exist_ok=True)

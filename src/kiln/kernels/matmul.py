@@ -460,7 +460,9 @@ def matmul(
     """act(a @ b + bias) for a (M, K), b (K, N), bias (N,)."""
     if not use_triton(a, b, bias):
         return matmul_ref(a, b, bias, activation)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias)):
+    if torch.is_grad_enabled() and (
+        a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad)
+    ):
         return Matmul.apply(a, b, bias, activation)
     return matmul_fwd(a, b, bias, activation)[0]  # inference: no autograd node, less launch overhead
 
@@ -473,6 +475,8 @@ def linear(
         raise ValueError(
             f"linear expects x (..., K) and weight (N, K), got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
+    if x.dim() == 2:  # (tokens, K) already: no views (a decode step's host time is mostly such calls)
+        return matmul(x, weight.t(), bias, activation)
     lead = x.shape[:-1]
     try:
         x2 = x.view(-1, x.shape[-1])

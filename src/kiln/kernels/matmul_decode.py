@@ -37,15 +37,18 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kiln.kernels.dispatch import interpreting, sm_count
+from kiln.kernels.launch import CachedLaunch
 from kiln.kernels.matmul import _activation
 
 DECODE_MAX_M = 16  # the dot kernel's x.T tile is 16 wide: one column block covers every row
 
 
 class DecodeConfig(NamedTuple):
-    """A launch config: kernel ("gemv" or "dot"), tiles, K split, warps, pipeline stages, and whether the
-    kernels use programmatic dependent launch (Hopper+: a kernel may start while the one before it in the
-    stream finishes, and waits for it with griddepcontrol.wait before its first load)."""
+    """A launch config: kernel ("gemv" or "dot"), tiles, K split, warps, pipeline stages, and `pdl`: launch
+    the main kernel with programmatic dependent launch (Hopper+), so that it may start while the kernel
+    before it in the stream finishes, waiting for it (griddepcontrol.wait) before its first load. That
+    pays only after kernels that signal early (griddepcontrol.launch_dependents), as these do: off by
+    default, since the ops around a decode GEMM do not yet."""
 
     kernel: str
     block_n: int
@@ -62,18 +65,37 @@ class DecodeConfig(NamedTuple):
 
 @functools.lru_cache(maxsize=256)
 def decode_config(M: int, N: int, K: int, sms: int) -> DecodeConfig:
-    """The config a call without an explicit one uses (pure function of the shape and the SM count)."""
+    """The config a call without an explicit one uses: a pure function of the shape and the SM count.
+
+    From the H200 sweep (docs/readme/matmul_decode.md has the numbers), GPU time in CUDA graphs:
+    - one row: FMAs over 4 columns per program (N / 4 programs, 3 to 34 per SM at the Qwen2.5-1.5B
+      shapes), 2 warps and 256-wide K steps through a 3-deep cp.async pipeline; a long K (the 8960-deep
+      down projection) streams best with 2 columns per program and 1024-wide steps;
+    - 2 to 16 rows, tensor cores: with enough 64-wide column blocks to fill the GPU (gate_up) 64x128 tiles
+      over all of K; with few columns and a short K (qkv, o) 16-wide blocks of one warp over all of K;
+      with few columns and a long K (down) 64-wide blocks with K split so that about two programs run
+      per SM, the slices summed by the second kernel.
+    """
     if interpreting():  # small tiles: the CPU tests cover ragged tiles and several K steps
         return DecodeConfig("gemv" if M == 1 else "dot", 16, 32)
     if M == 1:
-        # Enough column blocks for ~2 programs per SM, BLOCK_K covering 512 of K per step.
-        bn = 8
-        while bn > 4 and triton.cdiv(N, bn) < 2 * sms:
-            bn //= 2
-        while bn < 32 and triton.cdiv(N, 2 * bn) >= 4 * sms:
-            bn *= 2
-        return DecodeConfig("gemv", bn, min(512, 8192 // bn), 1, 4, 1)  # <= 64 float32 partials per thread
-    return DecodeConfig("dot", 64, 128, max(1, min(8, (2 * sms) // triton.cdiv(N, 64))), 4, 3)
+        return DecodeConfig("gemv", 4, 256, 1, 2, 3) if K <= 4096 else DecodeConfig("gemv", 2, 1024, 1, 4, 1)
+    tiles = triton.cdiv(N, 64)
+    if tiles >= sms:
+        return DecodeConfig("dot", 64, 128, 1, 4, 3)
+    if K <= 4096:
+        return DecodeConfig("dot", 16, 256, 1, 1, 4)
+    return DecodeConfig("dot", 64, 64, max(2, round(2 * sms / tiles)), 4, 4)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a jit function: ~3 us per call from Python
+
+
+@functools.cache
+def _griddep(device_index: int) -> bool:
+    """Whether kernels on this GPU can signal their dependents early (griddepcontrol: sm_90+)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 @triton.jit
@@ -98,10 +120,12 @@ def _gemv_kernel(
     SPLIT_K: tl.constexpr,
     STAGES: tl.constexpr,  # > 1: the K loop's loads go through shared memory STAGES - 1 steps ahead (cp.async)
     PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel here
+    GRIDDEP: tl.constexpr,  # sm_90+: let the next kernel (the split-K sum) launch while this one runs
 ):
     if PDL:
         gdc_wait()  # everything the previous kernel wrote (x, even W) is visible after this
-        gdc_launch_dependents()  # and the next kernel may start launching
+    if GRIDDEP:
+        gdc_launch_dependents()  # a dependent waits for this grid's completion itself (gdc_wait)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -156,9 +180,11 @@ def _dot_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel here
+    GRIDDEP: tl.constexpr,  # sm_90+: let the next kernel (the split-K sum) launch while this one runs
 ):
     if PDL:
         gdc_wait()
+    if GRIDDEP:
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -211,7 +237,6 @@ def _split_sum_kernel(
 ):
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(P_ptr + offs, mask=mask, other=0.0)
@@ -221,6 +246,12 @@ def _split_sum_kernel(
         acc += tl.load(Bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     acc = _activation(acc, ACTIVATION)
     tl.store(Y_ptr + offs, acc.to(Y_ptr.dtype.element_ty), mask=mask)
+
+
+# Launched through their compiled handles after the first call (host time: kernels/launch.py).
+_gemv_launch = CachedLaunch(_gemv_kernel)
+_dot_launch = CachedLaunch(_dot_kernel)
+_sum_launch = CachedLaunch(_split_sum_kernel)
 
 
 def decode_matmul(
@@ -248,27 +279,29 @@ def decode_matmul(
     if config.split_k > 1:
         # Whole BLOCK_K steps per split, so every split but the last covers k_split exactly; a split that
         # would find no K left is dropped.
-        k_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
-        split = triton.cdiv(K, k_split)
+        k_split = _cdiv(_cdiv(K, config.split_k), config.block_k) * config.block_k
+        split = _cdiv(K, k_split)
         dst = torch.empty((split, M, N), device=a.device, dtype=torch.float32) if split > 1 else c
-    grid = (triton.cdiv(N, config.block_n), split)
+    grid = (_cdiv(N, config.block_n), split)
     (sxm, sxk), (sbk, sbn) = a.stride(), b.stride()  # B (K, N) = W.T: W's row stride is sbn
     args = (a, b, dst, c if bias is None else bias, M, N, K, sxm, sxk, sbn, sbk, k_split)
     has_bias = bias is not None and split == 1
     act = activation if split == 1 else "none"
-    pdl = config.pdl
+    # Hopper: the main kernel lets its dependents launch early, and the split-K sum is launched as one
+    # (programmatic dependent launch), so its launch overlaps the main kernel instead of following it.
+    griddep = a.is_cuda and _griddep(a.device.index)
+    pdl = config.pdl and griddep
     if config.kernel == "gemv":
-        _gemv_kernel[grid](*args, has_bias, act, triton.next_power_of_2(M), config.block_n, config.block_k,
-                           split, config.stages, pdl, num_warps=config.warps, launch_pdl=pdl)  # fmt: skip
+        _gemv_launch[grid](*args, has_bias, act, 1 << (M - 1).bit_length(), config.block_n, config.block_k,
+                           split, config.stages, pdl, griddep, num_warps=config.warps, launch_pdl=pdl)  # fmt: skip
     elif config.kernel == "dot":
         precision = "tf32" if a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
-        _dot_kernel[grid](*args, has_bias, act, precision, 16, config.block_n, config.block_k, split, pdl,
-                          num_warps=config.warps, num_stages=config.stages, launch_pdl=pdl)  # fmt: skip
+        _dot_launch[grid](*args, has_bias, act, precision, 16, config.block_n, config.block_k, split, pdl,
+                          griddep, num_warps=config.warps, num_stages=config.stages, launch_pdl=pdl)  # fmt: skip
     else:
         raise ValueError(f"unknown decode kernel {config.kernel!r}: 'gemv' or 'dot'")
     if split > 1:
         block = 1024
-        _split_sum_kernel[(triton.cdiv(M * N, block),)](dst, c, c if bias is None else bias, M * N, N,
-                                                        bias is not None, activation, split, block, pdl,
-                                                        launch_pdl=pdl)  # fmt: skip
+        _sum_launch[(_cdiv(M * N, block),)](dst, c, c if bias is None else bias, M * N, N, bias is not None,
+                                                  activation, split, block, griddep, launch_pdl=griddep)  # fmt: skip
     return c
