@@ -81,11 +81,19 @@ def _path_cases():
     ]
 
 
-@pytest.mark.parametrize("case", _path_cases(), ids=lambda c: c[0])
-def test_sample_candidates_and_whole_row_fallback(case, device):
+@pytest.mark.parametrize(
+    "case,dtype",
+    [(c, torch.float32) for c in _path_cases()]
+    + [(c, dt) for c in _path_cases() if c[4] is None for dt in (torch.bfloat16, torch.float16)],
+    ids=lambda x: x[0] if isinstance(x, tuple) else str(x),
+)
+def test_sample_candidates_and_whole_row_fallback(case, dtype, device):
     """Stage 2 samples from the chunks' candidates when they provably hold every survivor, else searches the
-    whole row: both give the reference's token. Small chunks (128) and candidate sets (kc 8) force both."""
+    whole row: both give the reference's token. Small chunks (128) and candidate sets (kc 8) force both.
+    16-bit logits pick candidates from packed 32-bit words (top-k cases: with top-p the reference's sort
+    splits runs of tied 16-bit logits by position, see _dtypes)."""
     _, row, temperature, top_k, top_p, from_candidates = case
+    row = row.to(dtype).float()  # the values the kernel sees
     chunk, kc = 128, 8
     z = row / temperature
     # the deciding cut: top-k's k-th value, else the smallest value top-p keeps; the case takes its path
@@ -93,7 +101,7 @@ def test_sample_candidates_and_whole_row_fallback(case, device):
     cut = z.topk(top_k).values[-1] if top_k else kept[kept.isfinite()].min()
     assert (float(cut) > _largest_kth_of_chunks(z, chunk, kc)) == from_candidates
     gen = torch.Generator().manual_seed(3)
-    logits = torch.stack([row, row.flip(0), row.roll(50)]).to(device)
+    logits = torch.stack([row, row.flip(0), row.roll(50)]).to(device, dtype)
     noise = torch.empty(logits.shape).exponential_(1.0, generator=gen).to(device)
     want = sample_ref_with_noise(logits, noise, temperature, top_k, top_p)
     with use_backend("triton"):

@@ -259,8 +259,9 @@ def _sample_chunk_kernel(
     temperature,
     GREEDY: tl.constexpr,
     CANDIDATES: tl.constexpr,
-    CHUNK: tl.constexpr,  # columns per program (a power of two)
+    CHUNK: tl.constexpr,  # columns per program (a power of two, <= 65536)
     KC: tl.constexpr,  # candidates kept per chunk (a power of two <= CHUNK)
+    PACK16: tl.constexpr,  # 16-bit logits: candidates picked from 32-bit packed words
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -282,13 +283,29 @@ def _sample_chunk_kernel(
         tl.store(PartM_ptr + part, m)
         tl.store(PartS_ptr + part, tl.sum(p, axis=0))
         if CANDIDATES:
-            # value key in the high word, 0x7FFFFFFF - column in the low one: descending order is by value,
-            # then by column; padding (-inf) sorts last
-            packed = (_key(z).to(tl.int64) << 32) | (0x7FFFFFFF - c).to(tl.int64)
-            top = tl.topk(packed, KC)  # (KC,) descending
             slot = row * n_chunks * KC + chunk * KC + tl.arange(0, KC)
-            tl.store(CandZ_ptr + slot, _unkey((top >> 32).to(tl.int32)))
-            tl.store(CandI_ptr + slot, (0x7FFFFFFF - (top & 0x7FFFFFFF)).to(tl.int32))
+            if PACK16:
+                # 16-bit logits: their bits ordered as integers (the order of z: dividing by the temperature
+                # keeps distinct 16-bit values distinct) in the high half of an int32, 0xFFFF - the column
+                # within the chunk in the low half; a sorting network on 32-bit words costs half of 64-bit
+                bits = tl.load(
+                    Z_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + row * z_stride + c,
+                    mask=c < V,
+                    other=0,
+                ).to(tl.int32)
+                key = tl.where(c < V, tl.where(bits < 0, bits ^ 0x7FFF, bits), -32768)  # padding sorts last
+                top = tl.topk((key << 16) | (0xFFFF - (c - chunk * CHUNK)), KC)  # (KC,) descending
+                col = chunk * CHUNK + 0xFFFF - (top & 0xFFFF)
+                cz = tl.load(Z_ptr + row * z_stride + col, mask=col < V, other=-float("inf")).to(tl.float32)
+                tl.store(CandZ_ptr + slot, cz / temperature)
+                tl.store(CandI_ptr + slot, col)
+            else:
+                # z's key in the high word, 0x7FFFFFFF - column in the low one: descending order is by value,
+                # then by column; padding (-inf) sorts last
+                packed = (_key(z).to(tl.int64) << 32) | (0x7FFFFFFF - c).to(tl.int64)
+                top = tl.topk(packed, KC)  # (KC,) descending
+                tl.store(CandZ_ptr + slot, _unkey((top >> 32).to(tl.int32)))
+                tl.store(CandI_ptr + slot, (0x7FFFFFFF - (top & 0x7FFFFFFF)).to(tl.int32))
         else:
             e = tl.load(Noise_ptr + row * noise_stride + c, mask=c < V, other=1.0)
             r = tl.where(c < V, p / e, -1.0)
@@ -443,7 +460,7 @@ def _launch(
     # the candidates need k <= kc <= chunk; past KC_MAX the combine searches the whole row directly
     candidates = (use_k or use_p) and kc <= KC_MAX
     mode = "greedy" if greedy else "filter" if use_k or use_p else "temperature"
-    chunk = max(min(chunk or CHUNK[mode], _pow2(V)), kc if candidates else 1)
+    chunk = max(min(chunk or CHUNK[mode], _pow2(V), 65536), kc if candidates else 1)
     n_chunks = -(-V // chunk)
     work = torch.empty(
         _workspace_words(B, n_chunks, kc, candidates), device=logits.device, dtype=torch.float32
@@ -453,7 +470,8 @@ def _launch(
     if greedy or candidates or not use_k:  # (a large top-k without candidates needs no stage 1)
         _chunk_launch[(B, n_chunks)](
             logits, logits.stride(0), noise, noise.stride(0), work, V, temp,
-            GREEDY=greedy, CANDIDATES=candidates, CHUNK=chunk, KC=kc, num_warps=chunk_warps or CHUNK_WARPS[mode],
+            GREEDY=greedy, CANDIDATES=candidates, CHUNK=chunk, KC=kc, PACK16=logits.element_size() == 2,
+            num_warps=chunk_warps or CHUNK_WARPS[mode],
         )  # fmt: skip
     cap = _pow2(V if not candidates else n_chunks * kc)
     if interpreting():  # small steps: the CPU tests cover several of them
