@@ -150,15 +150,15 @@ def test_gpu_bf16_decode(lens, Hq, Hk, D, page):
 @pytest.mark.parametrize(
     "config",
     [
-        dict(PREFETCH=True, BLOCK_N=32, num_warps=4, num_stages=1),
-        dict(PREFETCH=True, BLOCK_N=16, num_warps=4, num_stages=1, per_sm=1, align=16),
-        dict(PREFETCH=False, BLOCK_N=64, num_warps=4, num_stages=1, per_sm=2, align=16),
+        dict(BLOCK_N=32, num_warps=4, num_stages=1),
+        dict(BLOCK_N=16, num_warps=4, num_stages=1, per_sm=1, align=16),
+        dict(BLOCK_N=64, num_warps=4, num_stages=1, per_sm=2, align=16),
     ],
-    ids=["prefetch", "prefetch-page-aligned", "page-aligned"],
+    ids=["explicit", "page-aligned-1-per-sm", "page-aligned-wide-tiles"],
 )
 def test_decode_sweep_configs(config, device):
-    # The variants bench/sweep_attention.py measures: page indices loaded a tile ahead, split chunks
-    # aligned to pages only (so a split's last tile is ragged), tiles wider than a chunk.
+    # The variants bench/sweep_attention.py measures: explicit tile configs, split chunks aligned to
+    # pages only (so a split's last tile is ragged), tiles wider than a chunk.
     from kiln.kernels.decode_attention import decode_attention_triton
 
     q, kc, vc, table, seq_lens = _paged([400, 1, 60, 333], 8, 2, 16, 16, torch.float32, device, seed=9)

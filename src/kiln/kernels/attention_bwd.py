@@ -13,11 +13,14 @@ Under GQA a dK/dV program does `group` times the work of an MHA one, so its caus
 first key block, which every query sees) is `group` times longer. Two switches address that:
 FLAT streams the group's (head, query block) pairs through one loop, one software pipeline per
 program instead of three per head; HEAVY_FIRST orders the grid key-block-major so the longest
-programs start first and the short ones fill the tail.
+programs start first and the short ones fill the tail. Measured on the H200 (GQA 32q/8kv hd128
+causal, whole backward): B16 x 1024 1.66 ms with neither, 1.46 FLAT, 1.64 HEAVY_FIRST, 1.39 both;
+B2 x 8192 8.30, 7.95, 7.83, 7.46. (MHA is unchanged within 1-3%: a group of one.)
 
-`tma_bwd=True` streams Q/dO (dK/dV kernel) and K/V (dQ kernel) through TMA tensor descriptors; it
-measured 1.03x at 4k and 1.06x at 16k (MHA, hd128 causal) and is off by default, only those two
-points having been measured.
+`tma_bwd=True` streams Q/dO (dK/dV kernel, one 3-D descriptor for all heads) and K/V (dQ kernel)
+through TMA tensor descriptors; off by default: with the FLAT loop it measured 0.96-0.98x of the
+pointer loads (hd128 causal, 1k-4k). Warp-specializing the unmasked loops (Triton 3.6
+`warp_specialize=True`, with TMA) compiled and lost another 4-6%; it is not used.
 """
 
 from __future__ import annotations
@@ -47,23 +50,27 @@ from kiln.kernels.attention_fwd import (
 from kiln.kernels.attention_ref import LOG2E
 
 # dK/dV: BLOCK_M is the query block streamed, BLOCK_N the key block a program owns (dK, dV accumulators
-# of BLOCK_N x D fp32 each live in registers, which bounds BLOCK_N x D per warp).
+# of BLOCK_N x D fp32 each live in registers, which bounds BLOCK_N x D per warp). At hd128 on the H200
+# 64 x 128 with 8 warps and 3 stages won at every swept point (2 or 4 stages: 2-6% slower; 64 x 64
+# with 4 warps 10-20% slower; 32-row query blocks with 4 warps, the Triton tutorial's, 2-3x slower).
 _DKDV_SPACE = [
     (32, 128, 4, 3, _SMALL),
     (64, 128, 8, 3, _SMALL),
+    (64, 128, 8, 3, _MID),
     (64, 128, 8, 2, _MID),
-    (64, 64, 4, 3, _MID),
     (32, 64, 4, 2, _BIG),
     (64, 64, 8, 2, _BIG),
 ]
-# The dK/dV kernel's loop structure and grid order (see the module doc), chosen from the H200 sweep.
-DKDV_SWITCHES = dict(FLAT=True, HEAVY_FIRST=False)
-# dQ: BLOCK_M is the query block a program owns, BLOCK_N the key block streamed.
+# The dK/dV kernel's loop structure and grid order (see the module doc): both on, from the H200 sweep
+# (GQA 32q/8kv hd128 causal, B16 x 1024: 1.39 ms against 1.66 for a loop per head in L2 order).
+DKDV_SWITCHES = dict(FLAT=True, HEAVY_FIRST=True)
+# dQ: BLOCK_M is the query block a program owns, BLOCK_N the key block streamed. At hd128, 3 stages
+# beat 2 by 7-10% (GQA 1k: 1.29 against 1.39 ms for the whole backward); 128 x 128 is the runner-up.
 _DQ_SPACE = [
     (128, 64, 8, 3, _SMALL),
     (128, 32, 4, 3, _SMALL),
-    (128, 64, 8, 2, _MID),
-    (64, 64, 4, 3, _MID),
+    (128, 64, 8, 3, _MID),
+    (128, 128, 8, 2, _MID),
     (64, 32, 4, 2, _BIG),
     (64, 64, 8, 2, _BIG),
 ]
@@ -130,7 +137,7 @@ def _load_head_rows(src, h, row0, n_rows, stride_t, stride_h, HEAD_DIM: tl.const
 def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_qh, stride_dot, stride_doh,
                     stride_lh, h0, n_heads, start, end, kpos, Tq, Tk, window, qk_scale, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                    TMA: tl.constexpr, WS: tl.constexpr):
+                    TMA: tl.constexpr):
     """Accumulate dK, dV (BLOCK_N, D) of one key block over query blocks [start, end) of query heads
     h0 .. h0 + n_heads - 1, all in one loop (one software pipeline). Computed transposed (keys by
     queries) so no operand needs a transpose in registers.
@@ -141,7 +148,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, 
     offs_m = tl.arange(0, BLOCK_M)
     h = h0
     m0 = start
-    for _ in tl.range(0, n_heads * tl.cdiv(end - start, BLOCK_M), warp_specialize=WS):
+    for _ in tl.range(0, n_heads * tl.cdiv(end - start, BLOCK_M)):
         rows = m0 + offs_m  # (BLOCK_M,)
         q = _load_head_rows(q_src, h, m0, Tq, stride_qt, stride_qh, HEAD_DIM, BLOCK_M, MASK, TMA)
         do = _load_head_rows(do_src, h, m0, Tq, stride_dot, stride_doh, HEAD_DIM, BLOCK_M, MASK, TMA)
@@ -180,7 +187,6 @@ def _attn_bwd_dkdv_kernel(
     TMA: tl.constexpr,
     FLAT: tl.constexpr,  # one loop over the group's (head, query block) pairs; else a loop per head
     HEAVY_FIRST: tl.constexpr,  # grid (B * Hk, key blocks): every first key block (the longest) starts first
-    WS: tl.constexpr,  # warp-specialize the unmasked loop (Hopper)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     if HEAVY_FIRST:
@@ -220,25 +226,25 @@ def _attn_bwd_dkdv_kernel(
     if FLAT:
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_qh, stride_dot,
                                  stride_doh, stride_lh, hk * group, group, lo, full_lo, offs_n, Tq, Tk, window,
-                                 qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, TMA, False)
+                                 qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_qh, stride_dot,
                                  stride_doh, stride_lh, hk * group, group, full_lo, full_hi, offs_n, Tq, Tk, window,
-                                 qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, WINDOW, TMA, WS)
+                                 qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, WINDOW, TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_qh, stride_dot,
                                  stride_doh, stride_lh, hk * group, group, full_hi, hi, offs_n, Tq, Tk, window,
-                                 qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, TMA, False)
+                                 qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, TMA)
     else:
         for g in range(group):  # the query heads sharing this K/V head accumulate into one dK, dV
             h = hk * group + g
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_qh,
                                      stride_dot, stride_doh, stride_lh, h, 1, lo, full_lo, offs_n, Tq, Tk, window,
-                                     qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, TMA, False)
+                                     qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, TMA)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_qh,
                                      stride_dot, stride_doh, stride_lh, h, 1, full_lo, full_hi, offs_n, Tq, Tk,
-                                     window, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, WINDOW, TMA, WS)
+                                     window, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, WINDOW, TMA)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_qh,
                                      stride_dot, stride_doh, stride_lh, h, 1, full_hi, hi, offs_n, Tq, Tk, window,
-                                     qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, TMA, False)
+                                     qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, TMA)
     dk_ptrs = DK + bb * stride_dkb + row0 * stride_dkt + hk * stride_dkh + offs_n[:, None] * stride_dkt
     dv_ptrs = DV + bb * stride_dvb + row0 * stride_dvt + hk * stride_dvh + offs_n[:, None] * stride_dvt
     tl.store(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok)
@@ -248,10 +254,10 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, start, end, qpos, Tk, window,
                   qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, TMA: tl.constexpr):
     """Accumulate dQ (BLOCK_M, D) of one query block over key blocks [start, end)."""
     offs_n = tl.arange(0, BLOCK_N)
-    for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WS):
+    for n0 in tl.range(start, end, BLOCK_N):
         k = _load_rows(k_src, n0, Tk, stride_kt, HEAD_DIM, BLOCK_N, MASK, TMA)
         v = _load_rows(v_src, n0, Tk, stride_vt, HEAD_DIM, BLOCK_N, MASK, TMA)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N)
@@ -273,7 +279,7 @@ def _attn_bwd_dq_kernel(
     stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh,
     Hq, group, Tq, Tk, window, qk_scale, sm_scale, LEN_KEY, GQA_KEY,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest query blocks first, as in the forward
     pid_bh = tl.program_id(1)
@@ -303,11 +309,11 @@ def _attn_bwd_dq_kernel(
 
     lo, full_lo, full_hi, hi = _key_ranges(m0, Tq, Tk, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, lo, full_lo, qpos, Tk, window,
-                       qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA, False)
+                       qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, full_lo, full_hi, qpos, Tk,
-                       window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW, TMA, WS)
+                       window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW, TMA)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, full_hi, hi, qpos, Tk, window,
-                       qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA, False)
+                       qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA)
     dq_ptrs = DQ + bb * stride_dqb + row0 * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt
     tl.store(dq_ptrs + tl.arange(0, HEAD_DIM)[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
@@ -351,7 +357,7 @@ def attention_bwd(
     tma = _tma_ok(q4, k4, v4, do4) if tma is None else tma
     if tma and q.is_cuda:
         triton.set_allocator(_tma_allocator)
-    flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, VARLEN=varlen, TMA=tma, WS=False)
+    flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, VARLEN=varlen, TMA=tma)
     strides = (
         *q4.stride()[:3],
         *k4.stride()[:3],

@@ -11,9 +11,11 @@ diagonal, the window's far edge, the ragged end), so the bulk loop runs without 
 Varlen, window and sinks are constexpr switches: the plain causal/full kernel compiles without them.
 
 Loads go through masked pointers, or with `tma=True` through TMA tensor descriptors (Hopper; one
-descriptor per sequence, whose shape clips ragged ends). On the H200 TMA made the forward slower
-(0.92x at 4k, 0.98x at 16k: the descriptors are built per program on the device), so it is off by
-default. Inputs: fp16, bf16, fp32, head dims 16..256, last dim contiguous; within one sequence row
+descriptor per sequence, whose shape clips ragged ends). On the H200 TMA measured 0.92-0.98x of the
+pointer loads in one session and 1.02-1.03x in the next (64 x 64 blocks), so it stays off by default.
+Triton 3.6's warp specialization of the bulk loop (`tl.range(..., warp_specialize=True)`) compiles
+for this kernel but was 12-35% slower (with pointer or TMA loads, 64- or 128-row blocks); it is not
+used. Inputs: fp16, bf16, fp32, head dims 16..256, last dim contiguous; within one sequence row
 offsets are int32 (Tq * Hq * D < 2**31).
 """
 
@@ -61,14 +63,16 @@ def _bench(fn, quantiles):
 
 _SMALL, _MID, _BIG = (16, 32, 64), (128,), (256,)
 # Few configs per head dim: each costs a compile (seconds) the first time a kernel variant runs.
-# From the H200 runs: 64-row forward blocks with 4 warps won at every point of the grid (more programs
-# share an SM, so one's softmax overlaps another's matmuls); the rest are the runners-up.
+# From the H200 runs: 64-row forward blocks with 4 warps win up to 4k (more programs share an SM, so
+# one's softmax overlaps another's matmuls: 428 TFLOP/s at 4 x 4096 hd128 causal against 415 for
+# 128 x 128 blocks, 404 for 128 x 64); at 16k 128 x 128 blocks with 8 warps and 3 stages win (516
+# against 493). 4 stages lost (307 at 4k).
 _FWD_SPACE = [
     (64, 64, 4, 3, _SMALL),
     (64, 64, 4, 4, _SMALL),
     (64, 64, 4, 3, _MID),
-    (64, 64, 4, 4, _MID),
     (64, 32, 4, 3, _MID),
+    (128, 128, 8, 3, _MID),
     (128, 64, 8, 3, _MID),
     (64, 64, 4, 2, _BIG),
     (128, 64, 8, 2, _BIG),
@@ -142,11 +146,10 @@ def _load_rows(src, row0, n_rows, stride_t, HEAD_DIM: tl.constexpr, ROWS: tl.con
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, start, end, qpos, Tk, window, qk_scale,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               WINDOW: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
-    """Online softmax over key blocks [start, end): acc (BLOCK_M, D), l_i and m_i (BLOCK_M,) updated.
-    WS: warp-specialize the loop (producer warps load, consumer warps compute; Hopper)."""
+               WINDOW: tl.constexpr, TMA: tl.constexpr):
+    """Online softmax over key blocks [start, end): acc (BLOCK_M, D), l_i and m_i (BLOCK_M,) updated."""
     offs_n = tl.arange(0, BLOCK_N)
-    for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WS):
+    for n0 in tl.range(start, end, BLOCK_N):
         k = _load_rows(k_src, n0, Tk, stride_kt, HEAD_DIM, BLOCK_N, MASK, TMA)  # (BLOCK_N, D)
         qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N); times qk_scale it is in log2 units
         if MASK:
@@ -176,8 +179,7 @@ def _attn_fwd_kernel(
     Hq, group, Tq, Tk, window, qk_scale,  # group = Hq // Hk; qk_scale = softmax scale * log2(e)
     LEN_KEY, GQA_KEY,  # autotuning keys only (a length bucket, the group size)
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SINK: tl.constexpr,
-    VARLEN: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,  # WS: warp-specialize the unmasked loop
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Heaviest (last, under causal masking) query blocks first: a shorter tail at the end of the grid.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -217,11 +219,11 @@ def _attn_fwd_kernel(
 
     lo, full_lo, full_hi, hi = _key_ranges(m0, Tq, Tk, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, lo, full_lo, qpos, Tk, window,
-                               qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA, False)
+                               qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, full_lo, full_hi, qpos, Tk,
-                               window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW, TMA, WS)
+                               window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW, TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, full_hi, hi, qpos, Tk, window,
-                               qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA, False)
+                               qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, TMA)
 
     has = l_i > 0.0
     acc = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -265,7 +267,7 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 
 def launch(kernel, grid, args, flags, config):
     """kernel[grid](*args, **flags), autotuned; or, with `config` (a dict of BLOCK_M, BLOCK_N,
-    num_warps, num_stages and any kernel switch such as WS), that one config with no autotuning (sweeps)."""
+    num_warps, num_stages and any kernel switch), that one config with no autotuning (sweeps)."""
     if config is None:
         kernel[grid](*args, **flags)
     else:
@@ -298,7 +300,7 @@ def attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seql
         Hq, Hq // Hk, Tq, Tk, window or 0, sm_scale * LOG2E, _len_key(rows), Hq // Hk,
     )
     flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, SINK=sinks is not None, VARLEN=varlen,
-                 TMA=tma, WS=False)
+                 TMA=tma)
     launch(_attn_fwd_kernel, grid, args, flags, config)
     # fmt: on
     return (o[0] if varlen else o), lse

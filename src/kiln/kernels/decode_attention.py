@@ -17,6 +17,13 @@ Kernel 2 combines them: o = sum_s 2^(lse_s - m) o_s / (sum_s 2^(lse_s - m) + 2^(
 The split count is chosen so that B * Hk * splits fills the GPU a few times over (batch 1 with a
 64k context still uses every SM), computed from the block table's capacity, not from seq_lens, so
 the launch needs no device-to-host sync (CUDA-graph friendly).
+
+Measured on the H200 and not kept (bench/sweep_attention.py, batch 1 x 64k): split counts of 1-8
+programs per SM (4 is best; fewer cannot keep enough loads in flight per SM), page indices loaded a
+tile ahead (up to 16% slower: the compiler already pipelines the table load with the K/V loads), and
+the reduction as a programmatic dependent launch (no gain within noise). Folding the reduction
+into the last program of each (sequence, KV head) was not tried: it would serialize the combine of
+all splits of 8 query heads on 8 SMs.
 """
 
 from __future__ import annotations
@@ -26,18 +33,15 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # PTX griddepcontrol (Hopper)
 
 from kiln.kernels.attention import LOG2E, attention_ref
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 
 CHUNK_ALIGN = 128  # split chunks are multiples of this, so every autotuned BLOCK_N divides them
 MAX_SPLITS = 128  # the reduction holds (splits, D) partials of one head in registers
-PER_SM = 4  # (b, kv head, split) programs per SM that the split count aims at
-# Split-kernel switches, chosen from the H200 sweep: PREFETCH loads the next tile's page indices one
-# iteration ahead; PDL launches the reduction as a programmatic dependent launch (Hopper), so its
-# launch overlaps the split kernel's tail and it waits on the grid dependency in-kernel.
-SWITCHES = dict(PREFETCH=False, PDL=False)
+# (b, kv head, split) programs per SM that the split count aims at. H200 sweep at batch 1 x 64k: 1 per
+# SM 43% of the copy bandwidth, 2: 66%, 3: 73%, 4: 77%, 6: 66%, 8: 74% (tiles of 64 keys, 3 stages).
+PER_SM = 4
 
 
 # ----------------------------------------------------------------------------------------- reference
@@ -89,11 +93,8 @@ def _decode_split_kernel(
     group, window, chunk, qk_scale,  # chunk: keys per split, a multiple of BLOCK_N
     SPLIT_KEY,  # autotuning key only (the split count, capped)
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, WINDOW: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr,  # see SWITCHES
     BLOCK_N: tl.constexpr,
 ):
-    if PDL:  # the reduction may launch once every split program has started (it waits for their results)
-        gdc_launch_dependents()
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -115,17 +116,12 @@ def _decode_split_kernel(
     m_i = tl.zeros([BLOCK_H], tl.float32) - 1.0e30  # finite, so an empty split gives l = 0, not NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    page = tl.load(table + (lo + offs_n) // PAGE_SIZE, mask=lo + offs_n < hi, other=0).to(tl.int64)
     for n0 in range(lo, hi, BLOCK_N):
         t = n0 + offs_n  # (BLOCK_N,) token positions; each row found through its page
         t_ok = t < hi
-        if PREFETCH:  # this tile's pages were loaded an iteration ago; load the next tile's now
-            cur = page
-            page = tl.load(table + (t + BLOCK_N) // PAGE_SIZE, mask=t + BLOCK_N < hi, other=0).to(tl.int64)
-        else:
-            cur = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
-        k_rows = K_CACHE + cur * stride_kp + (t % PAGE_SIZE) * stride_kt + hk * stride_kh
-        v_rows = V_CACHE + cur * stride_vp + (t % PAGE_SIZE) * stride_vt + hk * stride_vh
+        page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
+        k_rows = K_CACHE + page * stride_kp + (t % PAGE_SIZE) * stride_kt + hk * stride_kh
+        v_rows = V_CACHE + page * stride_vp + (t % PAGE_SIZE) * stride_vt + hk * stride_vh
         k = tl.load(k_rows[:, None] + offs_d[None, :], mask=t_ok[:, None], other=0.0)  # (BLOCK_N, D)
         v = tl.load(v_rows[:, None] + offs_d[None, :], mask=t_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_H, BLOCK_N), log2 units
@@ -149,10 +145,7 @@ def _decode_reduce_kernel(
     O_PART, LSE_PART, SINKS, OUT,  # partials as above; sinks (Hq,) or a dummy; out (B, Hq, D)
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
     Hq, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, SINK: tl.constexpr,
-    PDL: tl.constexpr,  # launched dependent on the split kernel: wait for its writes first
 ):
-    if PDL:
-        gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -188,8 +181,8 @@ def num_splits_for(
 def decode_attention_triton(
     q, k_cache, v_cache, block_table, seq_lens, softmax_scale, window, sinks, num_splits, config=None
 ):
-    """config (sweeps): a dict of the split kernel's BLOCK_N, num_warps, num_stages and SWITCHES, plus
-    optionally `per_sm` and `align` for the split count, used instead of autotuning and the defaults."""
+    """config (sweeps): a dict of the split kernel's BLOCK_N, num_warps, num_stages, plus optionally
+    `per_sm` and `align` for the split count, used instead of autotuning and the defaults."""
     B, Hq, D = q.shape
     _, page_size, Hk, _ = k_cache.shape
     capacity = block_table.shape[1] * page_size
@@ -197,9 +190,6 @@ def decode_attention_triton(
         capacity = min(capacity, window)
     config = dict(config or {})
     per_sm, align = config.pop("per_sm", PER_SM), config.pop("align", CHUNK_ALIGN)
-    switches = {**SWITCHES, **{k: config.pop(k) for k in SWITCHES if k in config}}
-    pdl = switches["PDL"] and q.is_cuda
-    switches["PDL"] = pdl
     splits, chunk = num_splits_for(B, Hk, capacity, sm_count(q.device), per_sm, align)
     if num_splits is not None:  # an explicit count (tests use it to exercise the reduction)
         if not 1 <= num_splits <= MAX_SPLITS:
@@ -217,14 +207,14 @@ def decode_attention_triton(
         *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1),
         group, window or 0, chunk, softmax_scale * LOG2E, triton.next_power_of_2(splits),
         HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)), WINDOW=window is not None,
-        **switches, **config,
+        **config,
     )
     out = torch.empty_like(q)
     _decode_reduce_kernel[(B, Hq)](
         o_part, lse_part, sinks if sinks is not None else q, out,
         *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        Hq, splits, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(splits), SINK=sinks is not None, PDL=pdl,
-        num_warps=8 if splits * D >= 4096 else 4, **({"launch_pdl": True} if pdl else {}),
+        Hq, splits, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(splits), SINK=sinks is not None,
+        num_warps=8 if splits * D >= 4096 else 4,
     )
     # fmt: on
     return out
