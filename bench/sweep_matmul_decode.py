@@ -48,7 +48,7 @@ import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 from kiln.kernels.dispatch import sm_count, use_backend  # noqa: E402
-from kiln.kernels.matmul import _decode_config, linear, matmul_fwd  # noqa: E402
+from kiln.kernels.matmul import _decode_config, linear, matmul, matmul_fwd  # noqa: E402
 from kiln.kernels.matmul_decode import DecodeConfig, decode_config, decode_matmul  # noqa: E402
 
 CUDA = not ARGS.smoke
@@ -242,6 +242,34 @@ def cold(name: str, M: int, K: int, N: int, configs: list[DecodeConfig]) -> None
         torch.cuda.empty_cache()
 
 
+def row_major_b(M: int, K: int, N: int, sms: int) -> None:
+    """matmul(x, B) with B (K, N) row-major (not the nn.Linear layout): cuBLAS vs kiln's routed matmul."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(M, K, generator=gen).to(DEV, DT)
+    b = (torch.randn(K, N, generator=gen) / K**0.5).to(DEV, DT)
+    want = x.float() @ b.float()
+    shape = {"name": f"M={M} row-major B", "M": M, "K": K, "N": N}
+    config = str(decode_config(M, N, K, sms, False))
+    base = {}
+    for variant, f in [
+        ("cublas", lambda: torch.matmul(x, b)),
+        ("kiln matmul (routed)", lambda: matmul(x, b)),
+    ]:
+
+        def run(f=f):
+            with use_backend("triton"):
+                err = (f().float() - want).abs().max().item()
+                us = graph_us(f)
+            r = {"us": us, "max_abs_diff_vs_fp32": err}
+            if "cublas" in base:
+                r["ratio_vs_cublas"] = base["cublas"] / us
+            return r
+
+        e = record({"group": "decode_row_major_b", "shape": shape, "variant": variant, "config": config}, run)
+        if variant == "cublas" and "us" in e:
+            base["cublas"] = e["us"]
+
+
 @triton.jit
 def _noop_kernel(X_ptr):
     tl.store(X_ptr, tl.load(X_ptr) + 1.0)
@@ -318,6 +346,8 @@ def main() -> None:
             if left() > 25:
                 summary.append(measure_shape(f"{name} M={M}", M, K, N, sms, reserve=25, extras=False))
     host_overhead(sms)
+    for M in (1, 16):  # qkv's shape
+        row_major_b(M, *((96, 80) if ARGS.smoke else (1536, 2048)), sms)
     for s in summary[: 2 * len(SHAPES)]:  # L2-cold: cuBLAS, the rule, and the fastest candidate if another
         sh = s["shape"]
         best = [c for c in s.get("best_cfg", []) if str(c) != s["config"]]

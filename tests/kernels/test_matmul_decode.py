@@ -59,6 +59,15 @@ def test_decode_strided_x_and_row_major_weight(config, device):
     assert_close(decode_matmul(x, b, config=config), matmul_ref(x.double(), b.double()), name="strided")
 
 
+def test_matmul_one_row_of_row_major_b(device):
+    """matmul(x, B) with B (K, N) row-major, one row: the rule takes the dot kernel (tiles along N)."""
+    x, b, bias = _inputs(1, 64, 40, torch.float16, device, seed=10, w_rowmajor=True)
+    with use_backend("triton"):
+        c = matmul_fwd(x, b, bias, "relu")[0]
+    assert decode_config(1, 40, 64, 4, False).kernel == "dot"
+    assert_close(c, matmul_ref(x.double(), b.double(), bias.double(), "relu"), name="row-major B")
+
+
 def test_decode_gemv_bfloat16_and_out(device):
     """The FMA kernel has no tl.dot, so bf16 runs through the interpreter too; `out` is written in place."""
     x, b, bias = _inputs(1, 96, 40, torch.bfloat16, device, seed=5)
@@ -134,6 +143,7 @@ def test_decode_config_rule(monkeypatch):
             programs = -(-N // cfg.block_n) * cfg.split_k
             assert programs >= 132 // 2, (M, K, N, cfg)
             assert cfg.kernel == "dot" or M * cfg.block_n * cfg.block_k <= 64 * 32 * cfg.warps, (M, cfg)
+            assert rule(M, N, K, 132, k_major=False).kernel == "dot"  # row-major B: no 16-byte loads along K
 
 
 QWEN_DECODE = [

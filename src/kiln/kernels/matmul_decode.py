@@ -64,8 +64,9 @@ class DecodeConfig(NamedTuple):
 
 
 @functools.lru_cache(maxsize=256)
-def decode_config(M: int, N: int, K: int, sms: int) -> DecodeConfig:
-    """The config a call without an explicit one uses: a pure function of the shape and the SM count.
+def decode_config(M: int, N: int, K: int, sms: int, k_major: bool = True) -> DecodeConfig:
+    """The config a call without an explicit one uses: a pure function of the shape, the SM count and
+    whether W is K-contiguous (the nn.Linear layout; the gemv's 16-byte loads run along K).
 
     From the H200 sweep (docs/readme/matmul_decode.md has the numbers), GPU time in CUDA graphs:
     - one row: FMAs over 4 columns per program (N / 4 programs, 3 to 34 per SM at the Qwen2.5-1.5B
@@ -74,11 +75,12 @@ def decode_config(M: int, N: int, K: int, sms: int) -> DecodeConfig:
     - 2 to 16 rows, tensor cores: with enough 64-wide column blocks to fill the GPU (gate_up) 64x128 tiles
       over all of K; with few columns and a short K (qkv, o) 16-wide blocks of one warp over all of K;
       with few columns and a long K (down) 64-wide blocks with K split so that about two programs run
-      per SM, the slices summed by the second kernel.
+      per SM, the slices summed by the second kernel. One row of a W that is not K-contiguous (a
+      row-major B) takes these too: the dot kernel's tiles load along whichever dim is contiguous.
     """
     if interpreting():  # small tiles: the CPU tests cover ragged tiles and several K steps
-        return DecodeConfig("gemv" if M == 1 else "dot", 16, 32)
-    if M == 1:
+        return DecodeConfig("gemv" if M == 1 and k_major else "dot", 16, 32)
+    if M == 1 and k_major:
         return DecodeConfig("gemv", 4, 256, 1, 2, 3) if K <= 4096 else DecodeConfig("gemv", 2, 1024, 1, 4, 1)
     tiles = triton.cdiv(N, 64)
     if tiles >= sms:
@@ -273,7 +275,7 @@ def decode_matmul(
     if M > DECODE_MAX_M:
         raise ValueError(f"decode_matmul takes at most {DECODE_MAX_M} rows, got {M}")
     if config is None:
-        config = decode_config(M, N, K, sm_count(a.device))
+        config = decode_config(M, N, K, sm_count(a.device), b.stride(0) == 1)
     c = torch.empty((M, N), device=a.device, dtype=a.dtype) if out is None else out
     split, k_split, dst = 1, K, c
     if config.split_k > 1:
