@@ -131,8 +131,10 @@ def candidates(M: int, K: int, N: int) -> list[DecodeConfig]:
                 DecodeConfig(d, 16, 128, 1, 1, 6), DecodeConfig(d, 16, 512, 1, 1, 3), DecodeConfig(d, 16, 128, 1, 4, 3),
                 DecodeConfig(d, 16, 128, 1, 2, 4), DecodeConfig(d, 16, 256, 2, 1, 4)]  # fmt: skip
     return [DecodeConfig(d, 64, 64, 11, 4, 4), DecodeConfig(d, 64, 64, 8, 4, 4), DecodeConfig(d, 64, 64, 11, 4, 6),
-            DecodeConfig(d, 64, 128, 10, 4, 3), DecodeConfig(d, 64, 128, 8, 4, 3), DecodeConfig(d, 128, 64, 11, 4, 4),
-            DecodeConfig(d, 32, 128, 11, 2, 4), DecodeConfig(d, 64, 64, 6, 4, 4)]  # fmt: skip
+            DecodeConfig(d, 64, 64, 11, 4, 3), DecodeConfig(d, 64, 64, 22, 4, 4), DecodeConfig(d, 64, 128, 10, 4, 3),
+            DecodeConfig(d, 64, 128, 8, 4, 3), DecodeConfig(d, 128, 64, 11, 4, 4), DecodeConfig(d, 128, 64, 22, 4, 4),
+            DecodeConfig(d, 32, 128, 11, 2, 4), DecodeConfig(d, 32, 64, 11, 1, 6), DecodeConfig(d, 64, 64, 6, 4, 4),
+            DecodeConfig(d, 64, 32, 11, 4, 8)]  # fmt: skip
 
 
 def measure_shape(name: str, M: int, K: int, N: int, sms: int, reserve: float, extras: bool) -> dict:
