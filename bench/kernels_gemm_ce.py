@@ -398,11 +398,14 @@ def bench_lce() -> None:
         return call
 
     # A few other schedules beside the default (bench/sweep_linear_ce.py sweeps them all).
+    two = dataclasses.replace(lce.PLAN, one_pass=False)
     plans = {
-        "kiln 5 chunks": dataclasses.replace(lce.PLAN, chunk_bytes=480 * 2**20),
-        "kiln loss kernel 8192 wide, 16 warps": dataclasses.replace(lce.PLAN, row_block=8192, row_warps=16),
-        "kiln 5 chunks, loss kernel 264 programs x 16384 wide": lce.Plan(
-            480 * 2**20, row_programs=264, row_block=16384, row_warps=16
+        "kiln two-pass loss kernel (the round-1 default)": two,
+        "kiln two-pass, 5 chunks": dataclasses.replace(two, chunk_bytes=480 * 2**20),
+        "kiln two-pass, 8192-wide steps": dataclasses.replace(two, row_block=8192, row_warps=16),
+        "kiln one-pass, 5 chunks": dataclasses.replace(lce.PLAN, one_pass=True, chunk_bytes=480 * 2**20),
+        "kiln one-pass, 8192-wide steps": dataclasses.replace(
+            lce.PLAN, one_pass=True, row_block=8192, row_warps=16
         ),
     }
 
@@ -433,8 +436,19 @@ def bench_lce() -> None:
             raise RuntimeError(f"kiln's default plan failed: {failed['kiln']['error']}")
         for name, v in failed.items():
             out["plans" if name in plans else "peers"][name] = v
+        ref = [g.detach().clone() for g in fns["kiln"]()]
         for name, p in plans.items():
-            out["plans"].setdefault(name, {})["plan"] = str(p)
+            row = out["plans"].setdefault(name, {})
+            row["plan"] = str(p)
+            if name in fns:  # agreement with the default plan, relative to each gradient's largest entry
+                got = fns[name]()
+                for what, a, b in zip(("dhidden", "dweight"), got, ref):
+                    row[f"max_diff_{what}_vs_default"] = (
+                        (a.float() - b.float()).abs().max() / b.float().abs().max()
+                    ).item()
+                row["loss"] = float(plan_call(p)().detach())
+                del got
+        del ref
         out["kiln"]["plan"] = str(lce.PLAN)
         for name in ("kiln", "torch.compile"):
             if name in fns and DEV == "cuda":

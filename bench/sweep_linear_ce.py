@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -264,56 +265,54 @@ class Variant:
 
 def variants() -> dict:
     mib = 2**20
+    P = functools.partial(Plan, one_pass=False)  # round 1's variants: the two-pass loss kernel
     v = {
-        "current (6 chunks, 440 MiB, mul_ scale)": Variant(Plan(440 * mib), old_scale=True),
-        "6 chunks 440 MiB": Variant(Plan(440 * mib)),
-        "5 chunks": Variant(Plan(budget(5))),
-        "7 chunks": Variant(Plan(budget(7))),
-        "8 chunks": Variant(Plan(budget(8))),
-        "4 chunks (over 1 GiB)": Variant(Plan(budget(4))),
-        "5 chunks dweight=kiln": Variant(Plan(budget(5), dweight_gemm="kiln")),
-        "6 chunks dweight=kiln": Variant(Plan(440 * mib, dweight_gemm="kiln")),
-        "5 chunks logits=kiln": Variant(Plan(budget(5), logits_gemm="kiln")),
-        "5 chunks row_programs=528": Variant(Plan(budget(5), row_programs=528)),
-        "5 chunks row_programs=1056": Variant(Plan(budget(5), row_programs=1056)),
-        "5 chunks row 132x16384/16w": Variant(
-            Plan(budget(5), row_programs=132, row_block=16384, row_warps=16)
-        ),
-        "5 chunks row 264x16384/16w": Variant(
-            Plan(budget(5), row_programs=264, row_block=16384, row_warps=16)
-        ),
-        "5 chunks row 132x8192/16w": Variant(Plan(budget(5), row_programs=132, row_block=8192, row_warps=16)),
-        "5 chunks row 132x32768/32w": Variant(
-            Plan(budget(5), row_programs=132, row_block=32768, row_warps=32)
-        ),
-        "5 chunks row all x8192/16w": Variant(Plan(budget(5), row_block=8192, row_warps=16)),
-        "6 chunks row 132x16384/16w": Variant(
-            Plan(440 * mib, row_programs=132, row_block=16384, row_warps=16)
-        ),
+        "current (6 chunks, 440 MiB, mul_ scale)": Variant(P(440 * mib), old_scale=True),
+        "6 chunks 440 MiB": Variant(P(440 * mib)),
+        "5 chunks": Variant(P(budget(5))),
+        "7 chunks": Variant(P(budget(7))),
+        "8 chunks": Variant(P(budget(8))),
+        "4 chunks (over 1 GiB)": Variant(P(budget(4))),
+        "5 chunks dweight=kiln": Variant(P(budget(5), dweight_gemm="kiln")),
+        "6 chunks dweight=kiln": Variant(P(440 * mib, dweight_gemm="kiln")),
+        "5 chunks logits=kiln": Variant(P(budget(5), logits_gemm="kiln")),
+        "5 chunks row_programs=528": Variant(P(budget(5), row_programs=528)),
+        "5 chunks row_programs=1056": Variant(P(budget(5), row_programs=1056)),
+        "5 chunks row 132x16384/16w": Variant(P(budget(5), row_programs=132, row_block=16384, row_warps=16)),
+        "5 chunks row 264x16384/16w": Variant(P(budget(5), row_programs=264, row_block=16384, row_warps=16)),
+        "5 chunks row 132x8192/16w": Variant(P(budget(5), row_programs=132, row_block=8192, row_warps=16)),
+        "5 chunks row 132x32768/32w": Variant(P(budget(5), row_programs=132, row_block=32768, row_warps=32)),
+        "5 chunks row all x8192/16w": Variant(P(budget(5), row_block=8192, row_warps=16)),
+        "6 chunks row 132x16384/16w": Variant(P(440 * mib, row_programs=132, row_block=16384, row_warps=16)),
         "5 chunks overlap 2 row 132x16384/16w": Variant(
-            Plan(budget(5), overlap=2, row_programs=132, row_block=16384, row_warps=16)
+            P(budget(5), overlap=2, row_programs=132, row_block=16384, row_warps=16)
         ),
         "5 chunks overlap 2 priority row 132x16384/16w": Variant(
-            Plan(budget(5), overlap=2, gemm_priority=True, row_programs=132, row_block=16384, row_warps=16)
+            P(budget(5), overlap=2, gemm_priority=True, row_programs=132, row_block=16384, row_warps=16)
         ),
-        "5 chunks overlap 2": Variant(Plan(budget(5), overlap=2)),
-        "5 chunks overlap 3": Variant(Plan(budget(5), overlap=3)),
-        "5 chunks overlap 4": Variant(Plan(budget(5), overlap=4)),
-        "5 chunks overlap 2 priority": Variant(Plan(budget(5), overlap=2, gemm_priority=True)),
-        "5 chunks overlap 3 priority": Variant(Plan(budget(5), overlap=3, gemm_priority=True)),
-        "6 chunks overlap 2": Variant(Plan(440 * mib, overlap=2)),
-        "6 chunks overlap 2 priority": Variant(Plan(440 * mib, overlap=2, gemm_priority=True)),
-        "5 chunks overlap 2 dweight=kiln": Variant(Plan(budget(5), overlap=2, dweight_gemm="kiln")),
+        "5 chunks overlap 2": Variant(P(budget(5), overlap=2)),
+        "5 chunks overlap 3": Variant(P(budget(5), overlap=3)),
+        "5 chunks overlap 4": Variant(P(budget(5), overlap=4)),
+        "5 chunks overlap 2 priority": Variant(P(budget(5), overlap=2, gemm_priority=True)),
+        "5 chunks overlap 3 priority": Variant(P(budget(5), overlap=3, gemm_priority=True)),
+        "6 chunks overlap 2": Variant(P(440 * mib, overlap=2)),
+        "6 chunks overlap 2 priority": Variant(P(440 * mib, overlap=2, gemm_priority=True)),
+        "5 chunks overlap 2 dweight=kiln": Variant(P(budget(5), overlap=2, dweight_gemm="kiln")),
     }
+    v["one-pass 6 chunks"] = Variant(Plan(440 * mib, one_pass=True))
+    v["one-pass 5 chunks"] = Variant(Plan(budget(5), one_pass=True))
+    v["one-pass 6 chunks 8192-wide steps"] = Variant(
+        Plan(440 * mib, one_pass=True, row_block=8192, row_warps=16)
+    )
     if DEV == "cuda":
         v["5 chunks overlap 2 carveout 8 (CE 64 programs)"] = Variant(
-            Plan(budget(5), overlap=2, row_programs=64), carveout=8
+            P(budget(5), overlap=2, row_programs=64), carveout=8
         )
         v["5 chunks overlap 2 carveout 16 (CE 128 programs)"] = Variant(
-            Plan(budget(5), overlap=2, row_programs=128), carveout=16
+            P(budget(5), overlap=2, row_programs=128), carveout=16
         )
         v["5 chunks overlap 3 carveout 8 priority (CE 64 programs)"] = Variant(
-            Plan(budget(5), overlap=3, row_programs=64, gemm_priority=True), carveout=8
+            P(budget(5), overlap=3, row_programs=64, gemm_priority=True), carveout=8
         )
     return v
 
@@ -336,7 +335,7 @@ def peers() -> dict:
 def rotation() -> None:
     cases = {f"kiln: {k}": v for k, v in variants().items()}
     cases.update({f"peer: {k}": v for k, v in peers().items()})
-    base = cases["kiln: 6 chunks 440 MiB"]
+    base = cases["kiln: 6 chunks 440 MiB"]  # two-pass, round 1's default
     ref = guarded("reference gradients", lambda: [g.detach().clone() for g in base()])
     info: dict[str, dict] = {}
     for name, fn in cases.items():  # warm up (compile, autotune), memory, agreement with the default

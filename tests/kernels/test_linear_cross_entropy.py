@@ -45,17 +45,19 @@ def _run(hidden, weight, targets, bias, ignore_index, eps, reduction, dtype, pla
 
 
 # "kiln": logits with fused row statistics and dweight accumulated by kiln's matmul; "cublas": torch.matmul.
-# overlap 2: each chunk in two parts (on a GPU their loss kernels run on a second stream).
-PLANS = [("cublas", 1), ("kiln", 1), ("cublas", 2), ("kiln", 3)]
+# overlap 2: each chunk in two parts (on a GPU their loss kernels run on a second stream). one_pass: the loss
+# kernel writes exp(z - m) and a row factor instead of dloss/dz (float16 falls back to two passes).
+PLANS = [("cublas", 1, False), ("kiln", 1, False), ("cublas", 2, False), ("kiln", 3, False),
+         ("cublas", 1, True), ("cublas", 2, True)]  # fmt: skip
 
 
-@pytest.mark.parametrize("gemms,overlap", PLANS)
+@pytest.mark.parametrize("gemms,overlap,one_pass", PLANS)
 @pytest.mark.parametrize("N,H,V,dtype,has_bias,ignore_index,eps,reduction", CASES)
 def test_linear_cross_entropy_matches_float64(N, H, V, dtype, has_bias, ignore_index, eps, reduction, gemms,
-                                              overlap, device):  # fmt: skip
+                                              overlap, one_pass, device):  # fmt: skip
     # A budget of 4 rows of logits per chunk, so every case runs several chunks and a ragged last one.
     plan = Plan(chunk_bytes=4 * V * torch.finfo(dtype).bits // 8, logits_gemm=gemms, dweight_gemm=gemms,
-                overlap=overlap)  # fmt: skip
+                overlap=overlap, one_pass=one_pass)  # fmt: skip
     gen = torch.Generator().manual_seed(N + H + V)
     hidden = torch.randn(N, H, generator=gen).to(device, dtype)
     weight = (torch.randn(V, H, generator=gen) / H**0.5).to(device, dtype)
@@ -64,6 +66,45 @@ def test_linear_cross_entropy_matches_float64(N, H, V, dtype, has_bias, ignore_i
     if N > 2:
         targets[2] = ignore_index
     _run(hidden, weight, targets, bias, ignore_index, eps, reduction, dtype, plan)
+
+
+BF16_CASES = [
+    # bf16 through torch.matmul (the interpreter's bf16 tl.dot is broken, so no kiln GEMMs here)
+    (12, 32, 200, True, -100, 0.0, "mean"),
+    (9, 16, 130, False, -100, 0.1, "none"),
+    (7, 24, 77, True, 3, 0.2, "sum"),
+]
+
+
+@pytest.mark.parametrize("one_pass", [False, True])
+@pytest.mark.parametrize("N,H,V,has_bias,ignore_index,eps,reduction", BF16_CASES)
+def test_linear_cross_entropy_bf16_matches_float64(N, H, V, has_bias, ignore_index, eps, reduction, one_pass,
+                                                   device):  # fmt: skip
+    dtype = torch.bfloat16
+    plan = Plan(chunk_bytes=4 * V * 2, one_pass=one_pass)
+    gen = torch.Generator().manual_seed(N * H + V)
+    hidden = torch.randn(N, H, generator=gen).to(device, dtype)
+    weight = (torch.randn(V, H, generator=gen) / H**0.5).to(device, dtype)
+    bias = torch.randn(V, generator=gen).to(device, dtype) if has_bias else None
+    targets = torch.randint(0, V, (N,), generator=gen).to(device)
+    targets[1] = ignore_index
+    _run(hidden, weight, targets, bias, ignore_index, eps, reduction, dtype, plan)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_one_pass_moves_its_reference_up(eps, device):
+    """Logits that jump far above the first block and the target (a bias of +30, +60, +95 late in the
+    vocabulary) make the one-pass kernel move its reference and rescale what it has written, up to three
+    times in a row; the result is the float64 reference's."""
+    gen = torch.Generator().manual_seed(11)
+    N, H, V = 6, 16, 260  # 64-wide steps in the interpreter: 5 blocks per row
+    hidden = torch.randn(N, H, generator=gen).to(device)
+    weight = (torch.randn(V, H, generator=gen) / H**0.5).to(device)
+    bias = torch.zeros(V)
+    bias[[70, 150, 250]] = torch.tensor([30.0, 60.0, 95.0])
+    targets = torch.tensor([0, 5, 70, 150, 250, 10]).to(device)
+    _run(hidden, weight, targets, bias.to(device), -100, eps, "mean", torch.float32,
+         Plan(chunk_bytes=4 * V * 4, one_pass=True))  # fmt: skip
 
 
 def test_linear_cross_entropy_fewer_programs_than_rows(device):
@@ -123,6 +164,8 @@ def test_plan_rejects_bad_values():
         Plan(overlap=0)
     with pytest.raises(ValueError, match="power of two"):
         Plan(row_block=3000)
+    with pytest.raises(ValueError, match="one_pass"):
+        Plan(logits_gemm="kiln")  # one_pass (the default) needs cuBLAS logits
 
 
 @pytest.mark.parametrize("g", [1.0, 2.5])
@@ -155,14 +198,16 @@ def test_linear_cross_entropy_unit_incoming_gradient(device):
 @pytest.mark.parametrize(
     "plan",
     [
-        Plan(256 * 151936 * 2, logits_gemm=lg, dweight_gemm=dg)
+        Plan(256 * 151936 * 2, logits_gemm=lg, dweight_gemm=dg, one_pass=False)
         for lg in ("kiln", "cublas")
         for dg in ("kiln", "cublas")
     ]
     + [
-        Plan(256 * 151936 * 2, overlap=2),
-        Plan(256 * 151936 * 2, overlap=2, gemm_priority=True),
-        Plan(256 * 151936 * 2, row_programs=132, row_block=16384, row_warps=16),
+        Plan(256 * 151936 * 2, overlap=2, one_pass=False),
+        Plan(256 * 151936 * 2, overlap=2, gemm_priority=True, one_pass=False),
+        Plan(256 * 151936 * 2, row_programs=132, row_block=16384, row_warps=16, one_pass=False),
+        Plan(256 * 151936 * 2, one_pass=True),
+        Plan(256 * 151936 * 2, one_pass=True, overlap=2),
     ],
     ids=[
         "kiln-kiln",
@@ -172,6 +217,8 @@ def test_linear_cross_entropy_unit_incoming_gradient(device):
         "overlap2",
         "overlap2-priority",
         "rows-132x16384",
+        "one-pass",
+        "one-pass-overlap2",
     ],
 )
 def test_linear_cross_entropy_bf16_qwen_head(plan):

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.cross_entropy import _check, _launch, _reduce, _row_scale, cross_entropy_ref
+from kiln.kernels.cross_entropy import _check, _launch, _launch_config, _reduce, _row_scale, cross_entropy_ref
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.matmul import matmul_fwd, tile_config
 
@@ -69,6 +69,10 @@ class Plan:
         (measured no faster on the H200; kept to measure elsewhere).
     gemm_priority: run the GEMMs on a high-priority stream, so their blocks go first when both kernels
         wait for multiprocessors (only with overlap > 1).
+    one_pass: the loss kernel reads the logits once and writes U = exp(z - m) against a per-row
+        reference m instead of dloss/dz (which needs the logsumexp first, so a second read); the GEMMs
+        take U and the row factor c = scale * exp(m - lse) is applied to their small operand or result
+        (see _one_pass_kernel). bfloat16 and float32 only: float16's range cannot hold U.
     """
 
     chunk_bytes: int = 440 * 2**20
@@ -79,6 +83,7 @@ class Plan:
     row_warps: int | None = None
     overlap: int = 1
     gemm_priority: bool = False
+    one_pass: bool = True
 
     def __post_init__(self):
         if self.logits_gemm not in GEMMS or self.dweight_gemm not in GEMMS:
@@ -86,6 +91,10 @@ class Plan:
         knobs = (self.chunk_bytes, self.overlap, self.row_programs, self.row_block, self.row_warps)
         if any(v is not None and v < 1 for v in knobs):
             raise ValueError(f"chunk_bytes, overlap and the row kernel's settings must be positive: {self}")
+        if self.one_pass and self.logits_gemm != "cublas":
+            raise ValueError(
+                "logits_gemm='kiln' (row statistics for the two-pass kernel) needs one_pass=False"
+            )
         if self.row_block is not None and self.row_block & (self.row_block - 1):
             raise ValueError(f"row_block must be a power of two, got {self.row_block}")
 
@@ -96,7 +105,9 @@ class Plan:
 # rounds, ms): 6 chunks 19.4-19.6, 5 chunks 19.9, 7 chunks 21.8, 8 chunks 20.7, 4 (over 1 GiB) 20.0;
 # kiln's GEMMs for dweight or the logits +1.0-1.5; the loss kernels on a second stream (overlap 2-4, with
 # or without a high-priority GEMM stream) 20.1-21.6: no gain, the GEMMs run near the 700 W cap and the
-# work only moves around. Details in docs/readme/linear_ce.md.
+# work only moves around. The one-pass loss kernel (one read and one write of the logits instead of two
+# reads and a write) came after that sweep: measured in the final bench/kernels_gemm_ce.py run beside the
+# two-pass kernel. Details in docs/readme/linear_ce.md.
 PLAN = Plan()
 
 
@@ -182,6 +193,11 @@ def linear_cross_entropy_chunks(
     db = torch.zeros(V, device=dev, dtype=torch.float32) if grads and want[2] else None
     targets = targets.contiguous()
     scale = scale.float().reshape(-1) if grads else None
+    one_pass = grads and plan.one_pass and hidden.dtype != torch.float16
+    if one_pass:  # per row: c (the factor U is scaled by) and, with smoothing, k = scale * eps / V
+        cfac = torch.empty(N, device=dev, dtype=torch.float32)
+        k = (scale.expand(N) * (targets != ignore_index) * (eps / V)) if eps > 0 else None
+        wsum = weight.sum(0, dtype=torch.float32) if k is not None and dh is not None else None  # (H,)
     chunks = chunk_bounds(N, V, hidden.element_size(), plan.chunk_bytes)
     rows = max((e - s for s, e in chunks), default=0)
     buf = hidden.new_empty(rows, V)  # every chunk's logits, then its dloss/dz, in turn
@@ -212,25 +228,44 @@ def linear_cross_entropy_chunks(
             with _on(ce_s):  # the loss, and the gradient in place, once the part's logits are there
                 _handoff(gemm_s, ce_s)
                 s = None if not grads else scale if scale.numel() == 1 else scale[p0:p1]
-                _launch(z, targets[p0:p1], loss[p0:p1], lse[p0:p1], z if grads else None, s, ignore_index,
-                        eps, forward=True, programs=plan.row_programs,
-                        stats=None if st is None else st.view(3, -1, n_parts), block=plan.row_block,
-                        warps=plan.row_warps)  # fmt: skip
+                if one_pass:
+                    _launch_one_pass(z, targets[p0:p1], loss[p0:p1], lse[p0:p1], cfac[p0:p1], s, ignore_index,
+                                     eps, plan)  # fmt: skip
+                else:
+                    _launch(z, targets[p0:p1], loss[p0:p1], lse[p0:p1], z if grads else None, s,
+                            ignore_index, eps, forward=True, programs=plan.row_programs,
+                            stats=None if st is None else st.view(3, -1, n_parts), block=plan.row_block,
+                            warps=plan.row_warps)  # fmt: skip
                 done.append(_mark(ce_s))
         with _on(gemm_s):  # z holds dloss/dz now, part by part; the next chunk's logits wait for these
             for (p0, p1), ev in zip(parts, done):
                 _wait(gemm_s, ev)
                 if dh is not None:
                     torch.matmul(buf[p0 - c0 : p1 - c0], weight, out=dh[p0:p1])  # (p, H) = (p, V) @ (V, H)
-            if dw is not None:
-                _dweight(
-                    buf[: c1 - c0], hidden[c0:c1], dw, accumulate=c0 > 0, gemm=plan.dweight_gemm, cfg=cfg
+                    if one_pass:  # dh = c * (U @ W) - k * sum_j W_j, in float32, rounded once
+                        dh[p0:p1].mul_(cfac[p0:p1, None])
+                        if k is not None:
+                            dh[p0:p1] -= k[p0:p1, None] * wsum
+            h = hidden[c0:c1]
+            if one_pass:  # dweight += U.T @ (c * h): c folded into the small operand, (c, H), one kernel
+                h = torch.mul(
+                    h, cfac[c0:c1, None], out=torch.empty_like(h, memory_format=torch.contiguous_format)
                 )
+            if dw is not None:
+                _dweight(buf[: c1 - c0], h, dw, accumulate=c0 > 0, gemm=plan.dweight_gemm, cfg=cfg)
             if db is not None:
-                db += buf[: c1 - c0].sum(0, dtype=torch.float32)
+                if one_pass:  # db += U.T @ c
+                    db += torch.matmul(cfac[c0:c1].to(buf.dtype), buf[: c1 - c0]).float()
+                else:
+                    db += buf[: c1 - c0].sum(0, dtype=torch.float32)
     if main is not None:
         _handoff(gemm_s, main)
         _handoff(ce_s, main)
+    if one_pass and k is not None:  # smoothing's -eps/V on every logit: a rank-one term for dweight and dbias
+        if dw is not None:
+            dw -= (k @ hidden.float()).to(dw.dtype)  # every row of dweight gets -sum_i k_i h_i
+        if db is not None:
+            db -= k.sum()
     return loss, dh, dw, db
 
 
@@ -252,6 +287,93 @@ def _dweight(z, h, dw, accumulate: bool, gemm: str, cfg) -> None:
         dw.addmm_(z.t(), h)
     else:
         torch.matmul(z.t(), h, out=dw)
+
+
+@triton.jit
+def _one_pass_kernel(
+    Z_ptr,  # (N, V) logits, unit column stride; overwritten with U (same dtype)
+    z_row_stride,
+    T_ptr,  # targets (N,) int, contiguous
+    Loss_ptr,  # (N,) float32 out
+    Lse_ptr,  # (N,) float32 out
+    C_ptr,  # (N,) float32 out: the row factor c, so that scale * dloss/dz_j = c * U_j (- scale * eps / V)
+    S_ptr,  # float32 gradient scale per row at S_ptr + i * s_stride (s_stride 0: one scalar for all)
+    s_stride,
+    N,
+    V,
+    ignore_index,
+    eps,  # label smoothing
+    margin,  # largest z - m written before the reference moves up (U <= exp(margin))
+    SMOOTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One read and one write of the row, instead of a read for the logsumexp and a read + write for the
+    # gradient: U_j = exp(z_j - m) needs only a reference m near the row's max, not lse. c = scale *
+    # exp(m - lse) is known at the end and applied outside (to the GEMMs' small operand or result), and
+    # U at the target is rewritten last as (p_t - (1 - eps)) * exp(lse - m), formed in float32 (no
+    # cancellation in bf16). m starts at the larger of the first block's max and the target's logit; a
+    # block more than `margin` above it (rare) moves m up and rescales the blocks already written.
+    for r in range(tl.program_id(0), N, tl.num_programs(0)):
+        row = tl.cast(r, tl.int64)
+        z_row = Z_ptr + row * z_row_stride
+        t = tl.load(T_ptr + row).to(tl.int64)
+        valid = t != ignore_index
+        cols = tl.arange(0, BLOCK)
+        z_t = tl.load(z_row + t, mask=valid, other=0.0).to(tl.float32)
+        first = tl.load(z_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+        m = tl.maximum(tl.max(first, axis=0), tl.where(valid, z_t, -3.0e38))
+        m = tl.maximum(m, -3.0e38)  # finite even if the first block is all -inf
+        s = 0.0
+        z_sum = 0.0
+        for start in range(0, V, BLOCK):
+            c = start + cols
+            mask = c < V
+            z = tl.load(z_row + c, mask=mask, other=-float("inf")).to(tl.float32)
+            top = tl.max(z, axis=0)
+            if top > m + margin:  # rare: move the reference up, rescale what is written so far
+                shrink = tl.exp(m - top)
+                tl.debug_barrier()  # the earlier blocks' stores (other threads) before reading them back
+                for back in range(0, start, BLOCK):
+                    b = back + cols
+                    u_old = tl.load(z_row + b, mask=b < V, other=0.0).to(tl.float32)
+                    tl.store(z_row + b, (u_old * shrink).to(Z_ptr.dtype.element_ty), mask=b < V)
+                s = s * shrink
+                m = top
+            u = tl.exp(z - m)
+            s += tl.sum(u, axis=0)
+            if SMOOTH:
+                z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+            tl.store(z_row + c, tl.where(valid, u, 0.0).to(Z_ptr.dtype.element_ty), mask=mask)
+        lse = m + tl.log(s)
+        loss = lse - (1.0 - eps) * z_t
+        if SMOOTH:
+            loss -= eps * z_sum / V
+        scale = tl.load(S_ptr + row * s_stride)
+        u_t = tl.exp(z_t - m) - (1.0 - eps) * tl.exp(lse - m)
+        tl.debug_barrier()  # U[t] was stored by the block loop; this store must land after it
+        tl.store(z_row + t, u_t.to(Z_ptr.dtype.element_ty), mask=valid)
+        tl.store(Loss_ptr + row, tl.where(valid, loss, 0.0))
+        tl.store(Lse_ptr + row, lse)
+        tl.store(C_ptr + row, tl.where(valid, scale * tl.exp(m - lse), 0.0))
+
+
+# U = exp(z - m) <= exp(20) = 4.9e8, and c = scale * exp(m - lse) >= scale * exp(-20) / V: both far inside
+# the range of bf16 and float32, so neither U nor c * hidden lose precision to overflow or subnormals.
+ONE_PASS_MARGIN = 20.0
+
+
+def _launch_one_pass(z, targets, loss, lse, cfac, scale, ignore_index, eps, plan: Plan) -> None:
+    N, V = z.shape
+    if N == 0:
+        return
+    if z.stride(1) != 1:
+        raise ValueError("the one-pass loss kernel needs logits with unit column stride")
+    block, warps = _launch_config(V, plan.row_block, plan.row_warps)
+    programs = N if plan.row_programs is None else max(1, min(N, plan.row_programs))
+    _one_pass_kernel[(programs,)](
+        z, z.stride(0), targets, loss, lse, cfac, scale, 0 if scale.numel() == 1 else scale.stride(0),
+        N, V, ignore_index, float(eps), ONE_PASS_MARGIN, SMOOTH=eps > 0, BLOCK=block, num_warps=warps,
+    )  # fmt: skip
 
 
 @triton.jit
