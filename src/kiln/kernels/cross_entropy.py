@@ -10,7 +10,9 @@ The Triton path: one program per row streams the vocabulary in blocks, keeping a
 (running max and rescaled sum), so a 151936-wide row never has to fit on chip. The forward reads the
 logits once and saves only lse (N floats); the backward reads them once more and writes the gradient.
 The fused linear + cross-entropy (linear_cross_entropy.py, also importable from here) runs the same
-kernel on chunks of logits, writing the gradient in place of them.
+kernel on chunks of logits, writing the gradient in place of them, or a one-pass variant that writes
+U = exp(z - m) against a per-row reference m and a row factor c with scale * dloss/dz = c * U (one read
+and one write of the logits instead of two reads and a write; see _one_pass_kernel).
 
 Not done: targets outside [0, V) other than ignore_index are not checked on the GPU (that would need a
 host sync); they read an arbitrary logit. Logits may have any strides.
@@ -200,6 +202,96 @@ def _launch(logits, targets, loss, lse, grad, scale, ignore_index, eps, forward:
         lse if stats is None else stats, parts, N * parts, N, V, ignore_index, float(eps),
         FORWARD=forward, FROM_STATS=stats is not None, PARTS=triton.next_power_of_2(parts),
         WRITE_GRAD=write, SMOOTH=eps > 0, BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+
+
+@triton.jit
+def _one_pass_kernel(
+    Z_ptr,  # (N, V) logits, unit column stride; overwritten with U (same dtype)
+    z_row_stride,
+    T_ptr,  # targets (N,) int, contiguous
+    Loss_ptr,  # (N,) float32 out
+    Lse_ptr,  # (N,) float32 out
+    C_ptr,  # (N,) float32 out: the row factor c, so that scale * dloss/dz_j = c * U_j (- scale * eps / V)
+    S_ptr,  # float32 gradient scale per row at S_ptr + i * s_stride (s_stride 0: one scalar for all)
+    s_stride,
+    N,
+    V,
+    ignore_index,
+    eps,  # label smoothing
+    margin,  # largest z - m written before the reference moves up (U <= exp(margin))
+    SMOOTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One read and one write of the row, instead of a read for the logsumexp and a read + write for the
+    # gradient: U_j = exp(z_j - m) needs only a reference m near the row's max, not lse. c = scale *
+    # exp(m - lse) is known at the end and applied outside (to the GEMMs' small operand or result), and
+    # U at the target is rewritten last as (p_t - (1 - eps)) * exp(lse - m), formed in float32 (no
+    # cancellation in bf16). m starts at the larger of the first block's max and the target's logit; a
+    # block more than `margin` above it (rare) moves m up and rescales the blocks already written.
+    for r in range(tl.program_id(0), N, tl.num_programs(0)):
+        row = tl.cast(r, tl.int64)
+        z_row = Z_ptr + row * z_row_stride
+        t = tl.load(T_ptr + row).to(tl.int64)
+        valid = t != ignore_index
+        cols = tl.arange(0, BLOCK)
+        z_t = tl.load(z_row + t, mask=valid, other=0.0).to(tl.float32)
+        first = tl.load(z_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+        m = tl.maximum(tl.max(first, axis=0), tl.where(valid, z_t, -3.0e38))
+        m = tl.maximum(m, -3.0e38)  # finite even if the first block is all -inf
+        s = 0.0
+        z_sum = 0.0
+        for start in range(0, V, BLOCK):
+            c = start + cols
+            mask = c < V
+            z = tl.load(z_row + c, mask=mask, other=-float("inf")).to(tl.float32)
+            top = tl.max(z, axis=0)
+            if top > m + margin:  # rare: move the reference up, rescale what is written so far
+                shrink = tl.exp(m - top)
+                tl.debug_barrier()  # the earlier blocks' stores (other threads) before reading them back
+                for back in range(0, start, BLOCK):
+                    b = back + cols
+                    u_old = tl.load(z_row + b, mask=b < V, other=0.0).to(tl.float32)
+                    tl.store(z_row + b, (u_old * shrink).to(Z_ptr.dtype.element_ty), mask=b < V)
+                s = s * shrink
+                m = top
+            u = tl.exp(z - m)
+            s += tl.sum(u, axis=0)
+            if SMOOTH:
+                z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+            tl.store(z_row + c, tl.where(valid, u, 0.0).to(Z_ptr.dtype.element_ty), mask=mask)
+        lse = m + tl.log(s)
+        loss = lse - (1.0 - eps) * z_t
+        if SMOOTH:
+            loss -= eps * z_sum / V
+        scale = tl.load(S_ptr + row * s_stride)
+        u_t = tl.exp(z_t - m) - (1.0 - eps) * tl.exp(lse - m)
+        tl.debug_barrier()  # U[t] was stored by the block loop; this store must land after it
+        tl.store(z_row + t, u_t.to(Z_ptr.dtype.element_ty), mask=valid)
+        tl.store(Loss_ptr + row, tl.where(valid, loss, 0.0))
+        tl.store(Lse_ptr + row, lse)
+        tl.store(C_ptr + row, tl.where(valid, scale * tl.exp(m - lse), 0.0))
+
+
+# U = exp(z - m) <= exp(20) = 4.9e8, and c = scale * exp(m - lse) >= scale * exp(-20) / V: both far inside
+# the range of bf16 and float32, so neither U nor c * hidden lose precision to overflow or subnormals.
+ONE_PASS_MARGIN = 20.0
+
+
+def cross_entropy_one_pass(z, targets, loss, lse, cfac, scale, ignore_index, eps, programs=None, block=None,
+                           warps=None) -> None:  # fmt: skip
+    """Launcher of the one-pass kernel: loss, lse and the row factor cfac (each (N,) float32) of the
+    logits z (N, V), which it overwrites with U; `scale` a 0-d or (N,) float32 tensor."""
+    N, V = z.shape
+    if N == 0:
+        return
+    if z.stride(1) != 1:
+        raise ValueError("the one-pass loss kernel needs logits with unit column stride")
+    block, warps = _launch_config(V, block, warps)
+    programs = N if programs is None else max(1, min(N, programs))
+    _one_pass_kernel[(programs,)](
+        z, z.stride(0), targets, loss, lse, cfac, scale, 0 if scale.numel() == 1 else scale.stride(0),
+        N, V, ignore_index, float(eps), ONE_PASS_MARGIN, SMOOTH=eps > 0, BLOCK=block, num_warps=warps,
     )  # fmt: skip
 
 

@@ -31,7 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.cross_entropy import _check, _launch, _launch_config, _reduce, _row_scale, cross_entropy_ref
+from kiln.kernels.cross_entropy import (
+    _check,
+    _launch,
+    _reduce,
+    _row_scale,
+    cross_entropy_one_pass,
+    cross_entropy_ref,
+)
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.matmul import matmul_fwd, tile_config
 
@@ -72,7 +79,7 @@ class Plan:
     one_pass: the loss kernel reads the logits once and writes U = exp(z - m) against a per-row
         reference m instead of dloss/dz (which needs the logsumexp first, so a second read); the GEMMs
         take U and the row factor c = scale * exp(m - lse) is applied to their small operand or result
-        (see _one_pass_kernel). bfloat16 and float32 only: float16's range cannot hold U.
+        (cross_entropy.py's one-pass kernel). bfloat16 and float32 only: float16's range cannot hold U.
     """
 
     chunk_bytes: int = 440 * 2**20
@@ -229,8 +236,9 @@ def linear_cross_entropy_chunks(
                 _handoff(gemm_s, ce_s)
                 s = None if not grads else scale if scale.numel() == 1 else scale[p0:p1]
                 if one_pass:
-                    _launch_one_pass(z, targets[p0:p1], loss[p0:p1], lse[p0:p1], cfac[p0:p1], s, ignore_index,
-                                     eps, plan)  # fmt: skip
+                    cross_entropy_one_pass(z, targets[p0:p1], loss[p0:p1], lse[p0:p1], cfac[p0:p1], s,
+                                           ignore_index, eps, plan.row_programs, plan.row_block,
+                                           plan.row_warps)  # fmt: skip
                 else:
                     _launch(z, targets[p0:p1], loss[p0:p1], lse[p0:p1], z if grads else None, s,
                             ignore_index, eps, forward=True, programs=plan.row_programs,
@@ -287,93 +295,6 @@ def _dweight(z, h, dw, accumulate: bool, gemm: str, cfg) -> None:
         dw.addmm_(z.t(), h)
     else:
         torch.matmul(z.t(), h, out=dw)
-
-
-@triton.jit
-def _one_pass_kernel(
-    Z_ptr,  # (N, V) logits, unit column stride; overwritten with U (same dtype)
-    z_row_stride,
-    T_ptr,  # targets (N,) int, contiguous
-    Loss_ptr,  # (N,) float32 out
-    Lse_ptr,  # (N,) float32 out
-    C_ptr,  # (N,) float32 out: the row factor c, so that scale * dloss/dz_j = c * U_j (- scale * eps / V)
-    S_ptr,  # float32 gradient scale per row at S_ptr + i * s_stride (s_stride 0: one scalar for all)
-    s_stride,
-    N,
-    V,
-    ignore_index,
-    eps,  # label smoothing
-    margin,  # largest z - m written before the reference moves up (U <= exp(margin))
-    SMOOTH: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # One read and one write of the row, instead of a read for the logsumexp and a read + write for the
-    # gradient: U_j = exp(z_j - m) needs only a reference m near the row's max, not lse. c = scale *
-    # exp(m - lse) is known at the end and applied outside (to the GEMMs' small operand or result), and
-    # U at the target is rewritten last as (p_t - (1 - eps)) * exp(lse - m), formed in float32 (no
-    # cancellation in bf16). m starts at the larger of the first block's max and the target's logit; a
-    # block more than `margin` above it (rare) moves m up and rescales the blocks already written.
-    for r in range(tl.program_id(0), N, tl.num_programs(0)):
-        row = tl.cast(r, tl.int64)
-        z_row = Z_ptr + row * z_row_stride
-        t = tl.load(T_ptr + row).to(tl.int64)
-        valid = t != ignore_index
-        cols = tl.arange(0, BLOCK)
-        z_t = tl.load(z_row + t, mask=valid, other=0.0).to(tl.float32)
-        first = tl.load(z_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
-        m = tl.maximum(tl.max(first, axis=0), tl.where(valid, z_t, -3.0e38))
-        m = tl.maximum(m, -3.0e38)  # finite even if the first block is all -inf
-        s = 0.0
-        z_sum = 0.0
-        for start in range(0, V, BLOCK):
-            c = start + cols
-            mask = c < V
-            z = tl.load(z_row + c, mask=mask, other=-float("inf")).to(tl.float32)
-            top = tl.max(z, axis=0)
-            if top > m + margin:  # rare: move the reference up, rescale what is written so far
-                shrink = tl.exp(m - top)
-                tl.debug_barrier()  # the earlier blocks' stores (other threads) before reading them back
-                for back in range(0, start, BLOCK):
-                    b = back + cols
-                    u_old = tl.load(z_row + b, mask=b < V, other=0.0).to(tl.float32)
-                    tl.store(z_row + b, (u_old * shrink).to(Z_ptr.dtype.element_ty), mask=b < V)
-                s = s * shrink
-                m = top
-            u = tl.exp(z - m)
-            s += tl.sum(u, axis=0)
-            if SMOOTH:
-                z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
-            tl.store(z_row + c, tl.where(valid, u, 0.0).to(Z_ptr.dtype.element_ty), mask=mask)
-        lse = m + tl.log(s)
-        loss = lse - (1.0 - eps) * z_t
-        if SMOOTH:
-            loss -= eps * z_sum / V
-        scale = tl.load(S_ptr + row * s_stride)
-        u_t = tl.exp(z_t - m) - (1.0 - eps) * tl.exp(lse - m)
-        tl.debug_barrier()  # U[t] was stored by the block loop; this store must land after it
-        tl.store(z_row + t, u_t.to(Z_ptr.dtype.element_ty), mask=valid)
-        tl.store(Loss_ptr + row, tl.where(valid, loss, 0.0))
-        tl.store(Lse_ptr + row, lse)
-        tl.store(C_ptr + row, tl.where(valid, scale * tl.exp(m - lse), 0.0))
-
-
-# U = exp(z - m) <= exp(20) = 4.9e8, and c = scale * exp(m - lse) >= scale * exp(-20) / V: both far inside
-# the range of bf16 and float32, so neither U nor c * hidden lose precision to overflow or subnormals.
-ONE_PASS_MARGIN = 20.0
-
-
-def _launch_one_pass(z, targets, loss, lse, cfac, scale, ignore_index, eps, plan: Plan) -> None:
-    N, V = z.shape
-    if N == 0:
-        return
-    if z.stride(1) != 1:
-        raise ValueError("the one-pass loss kernel needs logits with unit column stride")
-    block, warps = _launch_config(V, plan.row_block, plan.row_warps)
-    programs = N if plan.row_programs is None else max(1, min(N, plan.row_programs))
-    _one_pass_kernel[(programs,)](
-        z, z.stride(0), targets, loss, lse, cfac, scale, 0 if scale.numel() == 1 else scale.stride(0),
-        N, V, ignore_index, float(eps), ONE_PASS_MARGIN, SMOOTH=eps > 0, BLOCK=block, num_warps=warps,
-    )  # fmt: skip
 
 
 @triton.jit
