@@ -207,7 +207,7 @@ def linear_cross_entropy_chunks(
         wsum = weight.sum(0, dtype=torch.float32) if k is not None and dh is not None else None  # (H,)
     chunks = chunk_bounds(N, V, hidden.element_size(), plan.chunk_bytes)
     rows = max((e - s for s, e in chunks), default=0)
-    buf = hidden.new_empty(rows, V)  # every chunk's logits, then its dloss/dz, in turn
+    buf = hidden.new_empty(rows, V)  # every chunk's logits, then its dloss/dz (or U), in turn
     cfg = _gemm_config()
     n_parts = triton.cdiv(V, cfg.kwargs["BLOCK_N"])
     stats = None
@@ -245,12 +245,12 @@ def linear_cross_entropy_chunks(
                             stats=None if st is None else st.view(3, -1, n_parts), block=plan.row_block,
                             warps=plan.row_warps)  # fmt: skip
                 done.append(_mark(ce_s))
-        with _on(gemm_s):  # z holds dloss/dz now, part by part; the next chunk's logits wait for these
+        with _on(gemm_s):  # z holds dloss/dz (or U) now, part by part; the next chunk's logits wait for these
             for (p0, p1), ev in zip(parts, done):
                 _wait(gemm_s, ev)
                 if dh is not None:
                     torch.matmul(buf[p0 - c0 : p1 - c0], weight, out=dh[p0:p1])  # (p, H) = (p, V) @ (V, H)
-                    if one_pass:  # dh = c * (U @ W) - k * sum_j W_j, in float32, rounded once
+                    if one_pass:  # dh = c * (U @ W) - k * sum_j W_j (the GEMM's result scaled in float32)
                         dh[p0:p1].mul_(cfac[p0:p1, None])
                         if k is not None:
                             dh[p0:p1] -= k[p0:p1, None] * wsum
