@@ -82,7 +82,7 @@ class Plan:
         (cross_entropy.py's one-pass kernel). bfloat16 and float32 only: float16's range cannot hold U.
     """
 
-    chunk_bytes: int = 440 * 2**20
+    chunk_bytes: int = 480 * 2**20
     logits_gemm: str = "cublas"
     dweight_gemm: str = "cublas"
     row_programs: int | None = None
@@ -106,15 +106,13 @@ class Plan:
             raise ValueError(f"row_block must be a power of two, got {self.row_block}")
 
 
-# 8192 x 151936 bf16 logits (2.3 GiB) go in 6 chunks of 1408 or 1280 tokens (at most 408 MiB of logits):
-# the peak stays under 1 GiB beside dweight (445 MiB), and a 1408-row chunk's dhidden GEMM is exactly one
-# wave of 128x128 tiles on 132 SMs (11 x 12). Round 1 of bench/sweep_linear_ce.py on the H200 (median of 4
-# rounds, ms): 6 chunks 19.4-19.6, 5 chunks 19.9, 7 chunks 21.8, 8 chunks 20.7, 4 (over 1 GiB) 20.0;
-# kiln's GEMMs for dweight or the logits +1.0-1.5; the loss kernels on a second stream (overlap 2-4, with
-# or without a high-priority GEMM stream) 20.1-21.6: no gain, the GEMMs run near the 700 W cap and the
-# work only moves around. The one-pass loss kernel (one read and one write of the logits instead of two
-# reads and a write) came after that sweep: measured in the final bench/kernels_gemm_ce.py run beside the
-# two-pass kernel. Details in docs/readme/linear_ce.md.
+# 8192 x 151936 bf16 logits (2.3 GiB) go in 5 chunks of 1664 or 1536 tokens (at most 482 MiB of logits):
+# the peak stays under 1 GiB beside dweight (445 MiB) and dhidden. Final H200 run (bench/kernels_gemm_ce.py,
+# 6 rounds in shuffled order, median ms, forward + backward): one-pass 5 chunks 17.86 (0.93 GiB), one-pass
+# 6 chunks 18.15 (0.86), two-pass 5 chunks 18.10, two-pass 6 chunks 18.58; torch.compile 18.04 (2.78 GiB).
+# Round 1 (bench/sweep_linear_ce.py): 7 or 8 chunks, kiln's GEMMs for dweight or the logits, and the loss
+# kernels overlapped with the GEMMs on a second stream were all slower; the GEMMs run near the 700 W cap
+# (1.5 GHz of 1.98 under load), so concurrent work only moves around. Details in docs/readme/linear_ce.md.
 PLAN = Plan()
 
 
