@@ -83,6 +83,37 @@ def test_decode_split_k_is_deterministic(device):
     assert torch.equal(decode_matmul(x, b, bias, config=cfg), decode_matmul(x, b, bias, config=cfg))
 
 
+def test_cached_launch_keys_tell_configs_apart(monkeypatch, device):
+    """CachedLaunch (kernels/launch.py) reuses a compiled kernel for calls with equal keys, and keys
+    positional ints by Triton's value classes only (== 1, divisible by 16): a constexpr passed positionally
+    let SPLIT_K 2 and 4 share one binary on the H200 (the sum kernel added 2 of 4 slices). Every launch's
+    key must differ between configs that compile differently."""
+    from kiln.kernels.launch import _arg_key
+
+    keys: dict[str, list] = {}
+    for name in ("_gemv_launch", "_dot_launch", "_sum_launch"):
+        real = getattr(matmul_decode, name)
+
+        def record(grid, name=name, real=real):
+            def go(*args, **meta):
+                keys.setdefault(name, []).append((tuple(map(_arg_key, args)), tuple(meta.items())))
+                return real[grid](*args, **meta)
+
+            return go
+
+        monkeypatch.setattr(
+            matmul_decode, name, type("Recorder", (), {"__getitem__": lambda self, g, r=record: r(g)})()
+        )
+    x, b, bias = _inputs(2, 96, 40, torch.float16, device, seed=11)
+    want = matmul_ref(x.double(), b.double(), bias.double(), "silu")
+    for config in [DecodeConfig("gemv", 4, 32, 2), DecodeConfig("gemv", 8, 16, 4), DecodeConfig("dot", 16, 32, 2),
+                   DecodeConfig("dot", 32, 16, 4)]:  # fmt: skip
+        assert_close(decode_matmul(x, b, bias, "silu", config=config), want, name=str(config))
+    # two gemv and two dot configs, each splitting K in 2 and then 3 (K = 96 in 32- and 16-wide steps)
+    assert len(set(keys["_gemv_launch"])) == len(set(keys["_dot_launch"])) == 2, "two configs share a key"
+    assert len(keys["_sum_launch"]) == 4 and len(set(keys["_sum_launch"])) == 2, "SPLIT_K 2 and 3 share a key"
+
+
 def test_decode_rejects_too_many_rows(device):
     x, b, _ = _inputs(17, 16, 8, torch.float32, device, seed=7)
     with pytest.raises(ValueError, match="at most 16 rows"):

@@ -293,17 +293,22 @@ def decode_matmul(
     # (programmatic dependent launch), so its launch overlaps the main kernel instead of following it.
     griddep = a.is_cuda and _griddep(a.device.index)
     pdl = config.pdl and griddep
+    # Constexprs by keyword: CachedLaunch keys keywords by value but positional ints by Triton's value
+    # classes (== 1, divisible by 16), which would let SPLIT_K = 2 and 4 share one binary.
     if config.kernel == "gemv":
-        _gemv_launch[grid](*args, has_bias, act, 1 << (M - 1).bit_length(), config.block_n, config.block_k,
-                           split, config.stages, pdl, griddep, num_warps=config.warps, launch_pdl=pdl)  # fmt: skip
+        _gemv_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, BLOCK_M=1 << (M - 1).bit_length(),
+                           BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, STAGES=config.stages,
+                           PDL=pdl, GRIDDEP=griddep, num_warps=config.warps, launch_pdl=pdl)  # fmt: skip
     elif config.kernel == "dot":
         precision = "tf32" if a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
-        _dot_launch[grid](*args, has_bias, act, precision, 16, config.block_n, config.block_k, split, pdl,
-                          griddep, num_warps=config.warps, num_stages=config.stages, launch_pdl=pdl)  # fmt: skip
+        _dot_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, PRECISION=precision, BLOCK_M=16,
+                          BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, PDL=pdl, GRIDDEP=griddep,
+                          num_warps=config.warps, num_stages=config.stages, launch_pdl=pdl)  # fmt: skip
     else:
         raise ValueError(f"unknown decode kernel {config.kernel!r}: 'gemv' or 'dot'")
     if split > 1:
         block = 1024
-        _sum_launch[(_cdiv(M * N, block),)](dst, c, c if bias is None else bias, M * N, N, bias is not None,
-                                                  activation, split, block, griddep, launch_pdl=griddep)  # fmt: skip
+        _sum_launch[(_cdiv(M * N, block),)](dst, c, c if bias is None else bias, M * N, N, HAS_BIAS=bias is not None,
+                                            ACTIVATION=activation, SPLIT_K=split, BLOCK=block, PDL=griddep,
+                                            launch_pdl=griddep)  # fmt: skip
     return c
