@@ -157,10 +157,11 @@ def _rope_kernel(
         )  # fmt: skip
 
 
-# H200, q (8, 4096, 32, 128) + k (8 heads) bf16 (bench/sweep_rope_sampling.py, round 1): blocks of 8 rows in
-# one warp ran at the speed of torch's own copy of q and k (0.163 ms forward); 16 rows / 2 warps and whole
+# H200, q (8, 4096, 32, 128) + k (8 heads) bf16 (bench/sweep_rope_sampling.py): blocks of 8 rows in one warp
+# ran at the speed of torch's own copy of q and k (round 1: 0.163 ms forward); 16 rows / 2 warps and whole
 # tokens (32-128 rows, 2-8 warps) were within 1-3%; the previous kernel (one token, q and k together, 4
-# warps) took 0.173 ms; persistent grids 0.184-0.191 ms. evict_first on the streamed q/k gained ~1%.
+# warps) took 0.173 ms; persistent grids 0.184-0.191 ms. evict_first gained ~1% GPU time on two configs in
+# round 1, but round 2 measured it slower with normal launches (0.181 against 0.169 ms without it).
 ROWS = 8
 NUM_WARPS = 1
 EVICT = "evict_first"
