@@ -4,6 +4,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from kiln.kernels.launch import CachedLaunch, _arg_key
 
@@ -17,6 +18,28 @@ def test_key_separates_what_triton_specializes():
     assert _arg_key(16) != _arg_key(2**40)  # 32- vs 64-bit
     assert _arg_key(True) != _arg_key(False)
     assert _arg_key(0.5) == _arg_key(2.0)  # floats are runtime fp32 arguments, not specialized
+
+
+def _scaled_copy(X, OUT, n, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(OUT + offs, SCALE * tl.load(X + offs, mask=offs < n), mask=offs < n)
+
+
+def test_key_takes_constexprs_by_value_positional_or_keyword():
+    # a compiled JITFunction (not the interpreter's wrapper) carries the parameter list the key needs
+    launch = CachedLaunch(JITFunction(_scaled_copy))
+    x = torch.zeros(64)
+    k2 = launch.key(0, (x, x, 64, 2, 32), {})
+    k4 = launch.key(0, (x, x, 64, 4, 32), {})  # SCALE 2 vs 4: both "even", but different binaries
+    assert k2 != k4
+    assert launch.key(0, (x, x, 64), {"SCALE": 2, "BLOCK": 32}) != launch.key(
+        0, (x, x, 64), {"SCALE": 4, "BLOCK": 32}
+    )
+    assert launch.key(0, (x, x, 64, 2, 32), {}) == k2  # and equal launches share one entry
+    assert (
+        launch.key(0, (x, x, 48, 2, 32), {}) == k2
+    )  # runtime ints: only their class matters (48, 64 % 16 == 0)
+    assert launch.key(0, (x, x, 50, 2, 32), {}) != k2
 
 
 @triton.jit

@@ -11,7 +11,8 @@ the backward kernel, where the GPU sits idle waiting for the host.
 launch, and launches it directly afterwards. The key is built so that it is at least as fine as
 Triton's own specialization, so a cached kernel is only reused where Triton would have picked the same
 binary: each tensor's dtype and 16-byte alignment, each int's value class (== 1, divisible by 16,
-32- or 64-bit), the current device, and every keyword (constexprs and launch options) by value.
+32- or 64-bit), the current device, and every constexpr (positional or keyword) and launch option by
+value.
 Floats are not specialized by Triton (they are fp32 arguments), so only their type enters the key.
 Under the interpreter it defers to the plain launch.
 """
@@ -40,6 +41,10 @@ def _arg_key(a: Any) -> Any:
     return a
 
 
+def _value(a: Any) -> Any:
+    return a
+
+
 def _hooks_active() -> bool:
     """Whether a launch hook (e.g. Triton's proton profiler) is installed: in Triton 3.6 the hook is an
     always-present chain, empty unless a profiler adds to it."""
@@ -62,15 +67,20 @@ class CachedLaunch:
         params = getattr(fn, "params", [])
         self.names: list[str] = [p.name for p in params]
         self.defaults = {p.name: p.default for p in params if p.has_default}
+        # a constexpr passed positionally is keyed by its value, like one passed by keyword
+        self.keyers = [_value if p.is_constexpr else _arg_key for p in params]
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
         return lambda *args, **meta: self.launch(grid, args, meta)
 
+    def key(self, device: int, args: tuple, meta: dict[str, Any]) -> tuple:
+        """The cache key of a launch: finer than Triton's specialization (see the module docstring)."""
+        return (device, tuple(k(a) for k, a in zip(self.keyers, args)), tuple(meta.items()))
+
     def launch(self, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> Any:
         if self.interpret:
             return self.fn[grid](*args, **meta)
-        device = torch.cuda.current_device()
-        key = (device, tuple(map(_arg_key, args)), tuple(meta.items()))
+        key = self.key(torch.cuda.current_device(), args, meta)
         kernel = self.compiled.get(key)
         if kernel is None or _hooks_active():
             # first launch of this specialization (compile or load through Triton), or a profiler hook
@@ -82,7 +92,7 @@ class CachedLaunch:
         rest = [meta[n] if n in meta else self.defaults[n] for n in self.names[len(args) :]]
         kernel.run(
             grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-            driver.active.get_current_stream(device), kernel.function, kernel.packed_metadata,
+            driver.active.get_current_stream(key[0]), kernel.function, kernel.packed_metadata,
             None, None, None, *args, *rest,
         )  # fmt: skip
         return kernel
