@@ -112,7 +112,7 @@ class Plan:
 # 6 chunks 18.15 (0.86), two-pass 5 chunks 18.10, two-pass 6 chunks 18.58; torch.compile 18.04 (2.78 GiB).
 # Round 1 (bench/sweep_linear_ce.py): 7 or 8 chunks, kiln's GEMMs for dweight or the logits, and the loss
 # kernels overlapped with the GEMMs on a second stream were all slower; the GEMMs run near the 700 W cap
-# (1.5 GHz of 1.98 under load), so concurrent work only moves around. Details in docs/readme/linear_ce.md.
+# (1.5 GHz of 1.98 under load), so concurrent work only moves around. Details in docs/kernels/linear_ce.md.
 PLAN = Plan()
 
 

@@ -21,7 +21,7 @@ With SPLIT_K > 1 each of SPLIT_K programs per column block sums one slice of K i
 order (deterministic), adds the bias and applies the activation.
 
 Which kernel and tiles: `decode_config`, a fixed rule from a sweep on the H200 (bench/sweep_matmul_decode.py,
-docs/readme/matmul_decode.md); no autotuner, so a call costs one config lookup and one or two launches.
+docs/kernels/matmul_decode.md); no autotuner, so a call costs one config lookup and one or two launches.
 Dtypes: float16, bfloat16 (float32 accumulation) and float32. Forward only: `kiln.kernels.matmul`
 routes here from its launcher and keeps the autograd Function.
 """
@@ -68,7 +68,7 @@ def decode_config(M: int, N: int, K: int, sms: int, k_major: bool = True) -> Dec
     """The config a call without an explicit one uses: a pure function of the shape, the SM count and
     whether W is K-contiguous (the nn.Linear layout; the gemv's 16-byte loads run along K).
 
-    From the H200 sweep (docs/readme/matmul_decode.md has the numbers), GPU time in CUDA graphs:
+    From the H200 sweep (docs/kernels/matmul_decode.md has the numbers), GPU time in CUDA graphs:
     - one row: FMAs over 4 columns per program (N / 4 programs, 3 to 34 per SM at the Qwen2.5-1.5B
       shapes), 2 warps and 256-wide K steps through a 3-deep cp.async pipeline; a long K (the 8960-deep
       down projection) streams best with 2 columns per program and 1024-wide steps;

@@ -59,7 +59,7 @@ class Decoder(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Causal LM. forward -> logits (B, T, V); loss -> scalar; generate -> ids (docs/readme/model.md)."""
+    """Causal LM. forward -> logits (B, T, V); loss -> scalar; generate -> ids (README, "The model")."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
