@@ -14,7 +14,7 @@ binary: each tensor's dtype and 16-byte alignment, each int's value class (== 1,
 32- or 64-bit), the current device, and every constexpr (positional or keyword) and launch option by
 value.
 Floats are not specialized by Triton (they are fp32 arguments), so only their type enters the key.
-Under the interpreter it defers to the plain launch.
+Under the interpreter, and while torch.compile traces, it defers to the plain launch.
 """
 
 from __future__ import annotations
@@ -78,7 +78,9 @@ class CachedLaunch:
         return (device, tuple(k(a) for k, a in zip(self.keyers, args)), tuple(meta.items()))
 
     def launch(self, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> Any:
-        if self.interpret:
+        if self.interpret or torch.compiler.is_compiling():
+            # the interpreter; or torch.compile tracing, which captures a plain launch of a @triton.jit
+            # function into its graph (it could not trace this cache's data_ptr keys)
             return self.fn[grid](*args, **meta)
         key = self.key(torch.cuda.current_device(), args, meta)
         kernel = self.compiled.get(key)
