@@ -72,12 +72,13 @@ def test_layernorm_fixed_configs():
     g = torch.Generator().manual_seed(4)
     x, dy = torch.randn(9, 40, generator=g), torch.randn(9, 40, generator=g)
     w, b = torch.randn(40, generator=g), torch.randn(40, generator=g)
-    y, h, mean, rstd = layernorm_fwd(x, w, b, 1e-5, num_warps=2)
     xr, wr, br = (t.double().requires_grad_() for t in (x, w, b))
     yr = layernorm_ref(xr, wr, br, 1e-5)
     yr.backward(dy.double())
-    assert_close(y, yr, name="y")
-    for stages in (1, 3):
+    # forward tiles of 1, 2 and 4 rows (9 rows: a ragged last tile), each one's mean/rstd feeding a backward
+    for rows, stages in ((1, 1), (2, 3), (4, 3)):
+        y, h, mean, rstd = layernorm_fwd(x, w, b, 1e-5, num_warps=2, rows=rows)
+        assert_close(y, yr, name=f"y rows={rows}")
         dx, dw, db = layernorm_bwd(
             dy, h, w, b.dtype, mean, rstd, None, num_warps=2, programs_per_sm=1, stages=stages
         )

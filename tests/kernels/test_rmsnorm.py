@@ -97,12 +97,13 @@ def test_rmsnorm_fixed_configs():
 
     g = torch.Generator().manual_seed(4)
     x, w, dy = torch.randn(9, 40, generator=g), torch.randn(40, generator=g), torch.randn(9, 40, generator=g)
-    y, h, rstd = rmsnorm_fwd(x, w, 1e-6, num_warps=2)
     xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
     yr = rmsnorm_ref(xr, wr, 1e-6)
     yr.backward(dy.double())
-    assert_close(y, yr, name="y")
-    for stages in (1, 3):
+    # forward tiles of 1, 2 and 4 rows (9 rows: a ragged last tile), each one's rstd feeding a backward
+    for rows, stages in ((1, 1), (2, 3), (4, 3)):
+        y, h, rstd = rmsnorm_fwd(x, w, 1e-6, num_warps=2, rows=rows)
+        assert_close(y, yr, name=f"y rows={rows}")
         dx, dw = rmsnorm_bwd(dy, h, w, rstd, None, num_warps=2, programs_per_sm=1, stages=stages)
         assert_close(dx, xr.grad, name="dx")
         assert_close(dw, wr.grad, name="dw")

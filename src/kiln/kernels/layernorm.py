@@ -30,6 +30,7 @@ from kiln.kernels.rmsnorm import (
     as_rows,
     cdiv,
     check_rows,
+    fwd_rows,
     needs_grad,
     pow2,
     programs_per_device,
@@ -65,35 +66,39 @@ def _layernorm_fwd_kernel(
     x_row_stride,
     r_row_stride,
     y_row_stride,  # also H's: both are fresh (n_rows, D) tensors
+    n_rows,
     n_cols,
     eps,
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,  # rows per program, as one (ROWS, BLOCK) tile: weight and bias read once for all
     BLOCK: tl.constexpr,  # next_power_of_2(D)
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    # weight and bias (L2 hits) first, so that their latency overlaps the row's
-    w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # (ROWS, 1)
+    cols = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK)
+    col_ok = cols < n_cols
+    mask = (rows < n_rows) & col_ok
+    # weight and bias (L2 hits) first, so that their latency overlaps the rows'
+    w = tl.load(W_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        b = tl.load(B_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    h = tl.load(X_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+        b = tl.load(B_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    h = tl.load(X_ptr + rows * x_row_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(R_ptr + row * r_row_stride + cols, mask=mask, other=0.0)
+        r = tl.load(R_ptr + rows * r_row_stride + cols, mask=mask, other=0.0)
         # add in float32 and round once to the input dtype: what the eager bf16/fp16 add does
         h = (h.to(tl.float32) + r.to(tl.float32)).to(X_ptr.dtype.element_ty)
-        tl.store(H_ptr + row * y_row_stride + cols, h, mask=mask)
+        tl.store(H_ptr + rows * y_row_stride + cols, h, mask=mask)
     hf = h.to(tl.float32)
-    mean = tl.sum(hf, axis=0) / n_cols
-    xc = tl.where(mask, hf - mean, 0.0)  # padding lanes must not enter the variance
-    rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
-    y = xc * rstd * w
+    mean = tl.sum(hf, axis=1) / n_cols  # (ROWS,)
+    xc = tl.where(col_ok, hf - mean[:, None], 0.0)  # padding lanes must not enter the variance
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+    y = xc * rstd[:, None] * w
     if HAS_BIAS:
         y += b
-    tl.store(Y_ptr + row * y_row_stride + cols, y.to(Y_ptr.dtype.element_ty), mask=mask)
-    tl.store(MEAN_ptr + row, mean)
-    tl.store(RSTD_ptr + row, rstd)
+    tl.store(Y_ptr + rows * y_row_stride + cols, y.to(Y_ptr.dtype.element_ty), mask=mask)
+    row_ok = rows < n_rows
+    tl.store(MEAN_ptr + rows, mean[:, None], mask=row_ok)
+    tl.store(RSTD_ptr + rows, rstd[:, None], mask=row_ok)
 
 
 @triton.jit
@@ -159,8 +164,9 @@ def layernorm_fwd(
     eps: float,
     residual: torch.Tensor | None = None,
     num_warps: int | None = None,
+    rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the forward. Returns (y, h, mean, rstd) over (n_rows, D) rows."""
+    """Launch the forward. Returns (y, h, mean, rstd) over (n_rows, D) rows; rows: rows per program."""
     check_rows("layernorm", x, weight, residual)
     D = x.shape[-1]
     if bias is not None and (bias.shape != (D,) or bias.device != x.device):
@@ -177,12 +183,13 @@ def layernorm_fwd(
     if n_rows == 0:
         return y, h, mean, rstd
     block = pow2(D)
-    _fwd_launch[(n_rows,)](
+    rows = rows or fwd_rows(block)
+    _fwd_launch[(cdiv(n_rows, rows),)](
         x2, x2 if r2 is None else r2, h, y, weight, weight if bias is None else bias, mean, rstd,
         x2.stride(0), 0 if r2 is None else r2.stride(0), D,
-        D, eps,
-        HAS_RESIDUAL=r2 is not None, HAS_BIAS=bias is not None, BLOCK=block,
-        num_warps=num_warps or row_warps(block),
+        n_rows, D, eps,
+        HAS_RESIDUAL=r2 is not None, HAS_BIAS=bias is not None, ROWS=rows, BLOCK=block,
+        num_warps=num_warps or row_warps(block * rows),
     )  # fmt: skip
     return y, h, mean, rstd
 

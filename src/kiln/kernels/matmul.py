@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
+from kiln.kernels.launch import CachedLaunch
 
 ACTIVATIONS = ("none", "relu", "silu", "gelu", "gelu_tanh")
 
@@ -315,6 +316,13 @@ _matmul_autotuned = triton.autotune(
 )(_matmul_kernel)  # fmt: skip
 
 
+# Fixed-config launches through the compiled handle: Triton's own launch path cost ~55 us of host time
+# per prefill GEMM on the H200's host (bench/host_overhead.py), more than a 1536-wide GEMM's GPU time at
+# a few thousand tokens. Device-side tensor descriptors still get their scratch: the compiled kernel's
+# launcher asks triton's allocator for it on every launch.
+_matmul_launch = CachedLaunch(_matmul_kernel)
+
+
 def _tma_ok(t: torch.Tensor, unit_dim: int) -> bool:
     """TMA needs unit stride in `unit_dim`, the other stride and the base address 16-byte aligned."""
     other = t.stride(1 - unit_dim) * t.element_size()
@@ -413,8 +421,8 @@ def matmul_fwd(
                  ROW_STATS=row_stats is not None, PRECISION=precision)  # fmt: skip
     if config is None:
         _matmul_autotuned[grid](*args, **flags)
-    else:  # an explicit config, bypassing the autotuner (fused cross-entropy, tests, the benchmark's sweep)
-        _matmul_kernel[grid(config.kwargs)](
+    else:  # a fixed config, bypassing the autotuner (prefill-sized problems, fused cross-entropy, tests)
+        _matmul_launch[grid(config.kwargs)](
             *args, **flags, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
         )
     return c, pre

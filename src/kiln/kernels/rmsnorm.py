@@ -53,26 +53,29 @@ def _rmsnorm_fwd_kernel(
     x_row_stride,  # elements between rows of X (and of R, H, Y: see launcher)
     r_row_stride,
     y_row_stride,
+    n_rows,
     n_cols,  # D
     eps,  # float
     HAS_RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,  # rows per program, as one (ROWS, BLOCK) tile: the weight is read once for all
     BLOCK: tl.constexpr,  # next_power_of_2(D): the whole row in one block
 ):
-    row = tl.program_id(0).to(tl.int64)  # int64: row * stride can pass 2**31
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    # the weight (an L2 hit) is loaded first so that its latency overlaps the row's, not the reduction's
-    w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    h = tl.load(X_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+    # (ROWS, 1) rows in int64: row * stride can pass 2**31
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK)
+    mask = (rows < n_rows) & (cols < n_cols)
+    # the weight (an L2 hit) is loaded first so that its latency overlaps the rows', not the reduction's
+    w = tl.load(W_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    h = tl.load(X_ptr + rows * x_row_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(R_ptr + row * r_row_stride + cols, mask=mask, other=0.0)
+        r = tl.load(R_ptr + rows * r_row_stride + cols, mask=mask, other=0.0)
         # add in float32 and round once to the input dtype: what the eager bf16/fp16 add does
         h = (h.to(tl.float32) + r.to(tl.float32)).to(X_ptr.dtype.element_ty)
-        tl.store(H_ptr + row * y_row_stride + cols, h, mask=mask)
+        tl.store(H_ptr + rows * y_row_stride + cols, h, mask=mask)
     hf = h.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
-    tl.store(Y_ptr + row * y_row_stride + cols, (hf * rstd * w).to(Y_ptr.dtype.element_ty), mask=mask)
-    tl.store(RSTD_ptr + row, rstd)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=1) / n_cols + eps)[:, None]  # (ROWS, 1)
+    tl.store(Y_ptr + rows * y_row_stride + cols, (hf * rstd * w).to(Y_ptr.dtype.element_ty), mask=mask)
+    tl.store(RSTD_ptr + rows, rstd, mask=rows < n_rows)
 
 
 @triton.jit
@@ -173,6 +176,8 @@ def sum_partials(
 # autotuned: the autotuner's per-call host cost showed up in the forward+backward timings.
 ROW_LOOP_STAGES = 3
 PROGRAMS_PER_SM = 2
+# The forward's tile: rows of at least this many elements get a program each; shorter ones are grouped.
+FWD_ROW_ELEMS = 4096
 
 
 def pow2(n: int) -> int:
@@ -182,6 +187,11 @@ def pow2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def fwd_rows(block: int) -> int:
+    """Rows per program of the norms' forward: short rows share a program (and its weight load)."""
+    return max(1, FWD_ROW_ELEMS // block)
 
 
 def row_warps(block: int) -> int:
@@ -232,8 +242,10 @@ def rmsnorm_fwd(
     eps: float,
     residual: torch.Tensor | None = None,
     num_warps: int | None = None,
+    rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the forward. Returns (y, h, rstd) as (n_rows, D) rows; h is x's rows without a residual."""
+    """Launch the forward. Returns (y, h, rstd) as (n_rows, D) rows; h is x's rows without a residual.
+    rows: rows per program (a power of two; default `fwd_rows`)."""
     check_rows("rmsnorm", x, weight, residual)
     D = x.shape[-1]
     x2 = as_rows(x, D)
@@ -245,11 +257,12 @@ def rmsnorm_fwd(
     if n_rows == 0:
         return y, h, rstd
     block = pow2(D)
-    _fwd_launch[(n_rows,)](
+    rows = rows or fwd_rows(block)
+    _fwd_launch[(cdiv(n_rows, rows),)](
         x2, x2 if r2 is None else r2, h, y, weight, rstd,
         x2.stride(0), 0 if r2 is None else r2.stride(0), D,
-        D, eps,
-        HAS_RESIDUAL=r2 is not None, BLOCK=block, num_warps=num_warps or row_warps(block),
+        n_rows, D, eps,
+        HAS_RESIDUAL=r2 is not None, ROWS=rows, BLOCK=block, num_warps=num_warps or row_warps(block * rows),
     )  # fmt: skip
     return y, h, rstd
 

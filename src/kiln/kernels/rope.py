@@ -69,14 +69,21 @@ def _rotate_block(
     stride_b, stride_t, stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
     n_tokens, T, n_heads, half, sin_sign,
     HAS_POS: tl.constexpr, INTERLEAVED: tl.constexpr, EVICT: tl.constexpr,
-    FLAT: tl.constexpr, TOKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FLAT: tl.constexpr, ONE_TOKEN: tl.constexpr, TOKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Rotate block blk of one tensor, as (TOKS, BLOCK_H, D/2) tiles per pair member.
     FLAT: the tensor is (B * T * H) rows of D and the block is TOKS consecutive rows (BLOCK_H = 1), each
     row gathering its own cos/sin; else the block is TOKS tokens with all their heads, cos/sin loaded once
     per token. Every load is issued before the first store."""
     # index math in int32 (B * T * H < 2**31), byte offsets in int64
-    if FLAT:
+    if FLAT and ONE_TOKEN:
+        # TOKS divides n_heads: the block is TOKS heads of one token, so the token, its position and its
+        # cos/sin row are scalars (one table row per program, not one per row)
+        first = blk * TOKS
+        tok = first // n_heads
+        head = tl.arange(0, TOKS)[:, None, None] + first % n_heads  # (TOKS, 1, 1)
+        ok = tok < n_tokens
+    elif FLAT:
         r = tl.arange(0, TOKS)[:, None, None] + blk * TOKS  # (TOKS, 1, 1) = token * H + head
         tok = r // n_heads
         head = r % n_heads
@@ -136,6 +143,8 @@ def _rope_kernel(
     INTERLEAVED: tl.constexpr,
     EVICT: tl.constexpr,  # eviction policy of q/k and their outputs ("evict_first": streamed once)
     FLAT: tl.constexpr,  # blocks of TOKS_* (token, head) rows; else of TOKS_* whole tokens
+    Q_ONE_TOKEN: tl.constexpr,  # FLAT and TOKS_Q divides Hq: each q block lies within one token
+    K_ONE_TOKEN: tl.constexpr,
     TOKS_Q: tl.constexpr,
     TOKS_K: tl.constexpr,
     BLOCK_QH: tl.constexpr,  # 1 when FLAT, else next_power_of_2(Hq)
@@ -147,13 +156,15 @@ def _rope_kernel(
         _rotate_block(
             Q_ptr, QO_ptr, COS_ptr, SIN_ptr, POS_ptr, blk,
             q_stride_b, q_stride_t, q_stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
-            n_tokens, T, n_q_heads, half, sin_sign, HAS_POS, INTERLEAVED, EVICT, FLAT, TOKS_Q, BLOCK_QH, BLOCK_D,
+            n_tokens, T, n_q_heads, half, sin_sign, HAS_POS, INTERLEAVED, EVICT, FLAT, Q_ONE_TOKEN, TOKS_Q, BLOCK_QH,
+            BLOCK_D,
         )  # fmt: skip
     else:
         _rotate_block(
             K_ptr, KO_ptr, COS_ptr, SIN_ptr, POS_ptr, blk - n_q_blocks,
             k_stride_b, k_stride_t, k_stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
-            n_tokens, T, n_k_heads, half, sin_sign, HAS_POS, INTERLEAVED, EVICT, FLAT, TOKS_K, BLOCK_KH, BLOCK_D,
+            n_tokens, T, n_k_heads, half, sin_sign, HAS_POS, INTERLEAVED, EVICT, FLAT, K_ONE_TOKEN, TOKS_K, BLOCK_KH,
+            BLOCK_D,
         )  # fmt: skip
 
 
@@ -165,6 +176,7 @@ def _rope_kernel(
 ROWS = 8
 NUM_WARPS = 1
 EVICT = "evict_first"
+ONE_TOKEN = True  # flat blocks that fit in one token's heads read its cos/sin row once (scalar indices)
 
 
 def _check(q, k, cos, sin, position_ids) -> None:
@@ -224,6 +236,7 @@ def rope_launch(
     num_warps: int = NUM_WARPS,
     tokens: int | None = None,
     evict: str = EVICT,
+    one_token: bool = ONE_TOKEN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k (by -angle if `backward`) in one launch; returns new contiguous tensors.
     Blocks of `rows` (token, head) rows (powers of two), or with `tokens`, of that many whole q tokens (and
@@ -253,6 +266,8 @@ def rope_launch(
         cos.stride(0), sin.stride(0), *pos_strides,
         n, T, Hq, Hk, D // 2, n_q_blocks, -1.0 if backward else 1.0,
         HAS_POS=position_ids is not None, INTERLEAVED=interleaved, EVICT=evict, FLAT=tokens is None,
+        Q_ONE_TOKEN=one_token and tokens is None and Hq % toks_q == 0,
+        K_ONE_TOKEN=one_token and tokens is None and Hk % toks_k == 0,
         TOKS_Q=toks_q, TOKS_K=toks_k, BLOCK_QH=bqh, BLOCK_KH=bkh, BLOCK_D=pow2(D // 2), num_warps=num_warps,
     )  # fmt: skip
     return qo, ko
