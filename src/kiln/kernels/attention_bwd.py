@@ -48,6 +48,7 @@ from kiln.kernels.attention_fwd import (
     launch,
 )
 from kiln.kernels.attention_ref import LOG2E
+from kiln.kernels.launch import cdiv
 
 # dK/dV: BLOCK_M is the query block streamed, BLOCK_N the key block a program owns (dK, dV accumulators
 # of BLOCK_N x D fp32 each live in registers, which bounds BLOCK_N x D per warp). At hd128 on the H200
@@ -369,12 +370,12 @@ def attention_bwd(
     scalars = (Tq, Tk, window or 0, sm_scale * LOG2E, sm_scale, _len_key(rows), Hq // Hk)
 
     def grid_kv(meta):
-        n_blocks = triton.cdiv(cols, meta["BLOCK_N"])
+        n_blocks = cdiv(cols, meta["BLOCK_N"])
         return (n_prog * Hk, n_blocks) if meta["HEAVY_FIRST"] else (n_blocks, n_prog * Hk)
 
-    grid_q = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), n_prog * Hq)  # noqa: E731
+    grid_q = lambda meta: (cdiv(rows, meta["BLOCK_M"]), n_prog * Hq)  # noqa: E731
     # fmt: off
-    _attn_bwd_preprocess_kernel[(triton.cdiv(Tq, 64), B * Hq)](
+    _attn_bwd_preprocess_kernel[(cdiv(Tq, 64), B * Hq)](
         o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], delta.stride(0), delta.stride(1), Hq, Tq,
         HEAD_DIM=D, BLOCK_M=64,
     )

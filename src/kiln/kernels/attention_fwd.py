@@ -27,6 +27,7 @@ import triton.language as tl
 
 from kiln.kernels.attention_ref import LOG2E
 from kiln.kernels.dispatch import interpreting
+from kiln.kernels.launch import cdiv, pow2
 
 
 # ------------------------------------------------------------------------------------ autotune space
@@ -241,7 +242,7 @@ def _attn_fwd_kernel(
 # ------------------------------------------------------------------------------------------ launcher
 def _len_key(n: int) -> int:
     """Autotuning length bucket: the next power of two, capped (long sequences share a config)."""
-    return min(triton.next_power_of_2(max(n, 1)), 8192)
+    return min(pow2(max(n, 1)), 8192)
 
 
 def _as_4d(x: torch.Tensor, varlen: bool) -> torch.Tensor:
@@ -292,7 +293,7 @@ def attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seql
     n_prog = len(cu_seqlens) - 1 if varlen else B
     rows = max_seqlen if varlen else Tq
     cu = cu_seqlens.to(torch.int32) if varlen else q4  # a dummy pointer when dense
-    grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), n_prog * Hq)  # noqa: E731
+    grid = lambda meta: (cdiv(rows, meta["BLOCK_M"]), n_prog * Hq)  # noqa: E731
     # fmt: off
     args = (
         q4, k4, v4, o, lse, sinks if sinks is not None else q4, cu,

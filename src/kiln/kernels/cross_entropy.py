@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import interpreting, use_triton
+from kiln.kernels.launch import pow2
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -149,7 +150,7 @@ def _check(x: torch.Tensor, targets: torch.Tensor, label_smoothing: float, reduc
 def _launch_config(V: int, block: int | None = None, warps: int | None = None) -> tuple[int, int]:
     """(BLOCK, num_warps): 4096-wide steps over big vocabularies, one step for small ones; the fused
     linear CE may ask for other widths (wider steps keep more bytes in flight per program)."""
-    block = min(triton.next_power_of_2(V), 64 if interpreting() else block or 4096)
+    block = min(pow2(V), 64 if interpreting() else block or 4096)
     return block, warps or (max(8, min(32, block // 512)) if block >= 2048 else 4)
 
 
@@ -200,7 +201,7 @@ def _launch(logits, targets, loss, lse, grad, scale, ignore_index, eps, forward:
         logits, logits.stride(0), logits.stride(1), targets, loss, lse,
         g, g.stride(0), g.stride(1), s, 0 if s.numel() == 1 else s.stride(0),
         lse if stats is None else stats, parts, N * parts, N, V, ignore_index, float(eps),
-        FORWARD=forward, FROM_STATS=stats is not None, PARTS=triton.next_power_of_2(parts),
+        FORWARD=forward, FROM_STATS=stats is not None, PARTS=pow2(parts),
         WRITE_GRAD=write, SMOOTH=eps > 0, BLOCK=block, num_warps=warps,
     )  # fmt: skip
 

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from kiln.kernels.attention import LOG2E, attention_ref
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
+from kiln.kernels.launch import cdiv, pow2
 
 CHUNK_ALIGN = 128  # split chunks are multiples of this, so every autotuned BLOCK_N divides them
 MAX_SPLITS = 128  # the reduction holds (splits, D) partials of one head in registers
@@ -48,7 +49,7 @@ PER_SM = 4
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, b: int, n: int) -> torch.Tensor:
     """Sequence b's first n cached rows (n, Hk, D), gathered through its block table."""
     bs = cache.shape[1]
-    pages = block_table[b, : triton.cdiv(n, bs)].long()
+    pages = block_table[b, : cdiv(n, bs)].long()
     return cache[pages].reshape(-1, *cache.shape[2:])[:n]
 
 
@@ -173,9 +174,9 @@ def num_splits_for(
 ) -> tuple[int, int]:
     """(splits, chunk): about `per_sm` (b, kv head, split) programs per SM; chunks are multiples of
     `align` keys. (8 per SM measured slower on the H200: 3.12 against 3.27 TB/s at batch 1 x 64k.)"""
-    want = min(MAX_SPLITS, max(1, triton.cdiv(per_sm * sm_count, batch * kv_heads)))
-    chunk = max(align, triton.cdiv(triton.cdiv(max(capacity, 1), want), align) * align)
-    return triton.cdiv(max(capacity, 1), chunk), chunk
+    want = min(MAX_SPLITS, max(1, cdiv(per_sm * sm_count, batch * kv_heads)))
+    chunk = max(align, cdiv(cdiv(max(capacity, 1), want), align) * align)
+    return cdiv(max(capacity, 1), chunk), chunk
 
 
 def decode_attention_triton(
@@ -194,8 +195,8 @@ def decode_attention_triton(
     if num_splits is not None:  # an explicit count (tests use it to exercise the reduction)
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"decode_attention: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-        chunk = triton.cdiv(triton.cdiv(max(capacity, 1), num_splits), CHUNK_ALIGN) * CHUNK_ALIGN
-        splits = triton.cdiv(max(capacity, 1), chunk)
+        chunk = cdiv(cdiv(max(capacity, 1), num_splits), CHUNK_ALIGN) * CHUNK_ALIGN
+        splits = cdiv(max(capacity, 1), chunk)
     group = Hq // Hk
     o_part = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
@@ -205,15 +206,15 @@ def decode_attention_triton(
         q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
         *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1),
-        group, window or 0, chunk, softmax_scale * LOG2E, triton.next_power_of_2(splits),
-        HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)), WINDOW=window is not None,
+        group, window or 0, chunk, softmax_scale * LOG2E, pow2(splits),
+        HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, pow2(group)), WINDOW=window is not None,
         **config,
     )
     out = torch.empty_like(q)
     _decode_reduce_kernel[(B, Hq)](
         o_part, lse_part, sinks if sinks is not None else q, out,
         *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        Hq, splits, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(splits), SINK=sinks is not None,
+        Hq, splits, HEAD_DIM=D, BLOCK_S=pow2(splits), SINK=sinks is not None,
         num_warps=8 if splits * D >= 4096 else 4,
     )
     # fmt: on

@@ -23,16 +23,14 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import use_triton
-from kiln.kernels.launch import CachedLaunch
+from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.rmsnorm import (
     PROGRAMS_PER_SM,
     ROW_LOOP_STAGES,
     as_rows,
-    cdiv,
     check_rows,
     fwd_rows,
     needs_grad,
-    pow2,
     programs_per_device,
     row_warps,
     sum_partials,

@@ -40,6 +40,7 @@ from kiln.kernels.cross_entropy import (
     cross_entropy_ref,
 )
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
+from kiln.kernels.launch import cdiv
 from kiln.kernels.matmul import matmul_fwd, tile_config
 
 GEMMS = ("cublas", "kiln")
@@ -207,7 +208,7 @@ def linear_cross_entropy_chunks(
     rows = max((e - s for s, e in chunks), default=0)
     buf = hidden.new_empty(rows, V)  # every chunk's logits, then its dloss/dz (or U), in turn
     cfg = _gemm_config()
-    n_parts = triton.cdiv(V, cfg.kwargs["BLOCK_N"])
+    n_parts = cdiv(V, cfg.kwargs["BLOCK_N"])
     stats = None
     if plan.logits_gemm == "kiln":  # (3, rows, n_parts) per-tile row max / sum exp / sum, reused
         stats = torch.empty(3 * rows * n_parts, device=dev, dtype=torch.float32)
@@ -320,7 +321,7 @@ def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return x
     block = 64 if interpreting() else 4096
-    programs = min(triton.cdiv(n, block), 4 if interpreting() else 8 * sm_count(x.device))
+    programs = min(cdiv(n, block), 4 if interpreting() else 8 * sm_count(x.device))
     _scale_kernel[(programs,)](x, g.float().reshape(1), n, BLOCK=block, num_warps=8 if block >= 2048 else 4)
     return x
 

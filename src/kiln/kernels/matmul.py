@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
-from kiln.kernels.launch import CachedLaunch
+from kiln.kernels.launch import CachedLaunch, cdiv
 
 ACTIVATIONS = ("none", "relu", "silu", "gelu", "gelu_tanh")
 
@@ -102,7 +102,7 @@ def _prune(configs, named_args, **kwargs):
     if len(configs) == 1:
         return configs
     M, N = named_args["M"], named_args["N"]
-    if triton.cdiv(M, 128) * triton.cdiv(N, 256) >= named_args["num_programs"]:
+    if cdiv(M, 128) * cdiv(N, 256) >= named_args["num_programs"]:
         return configs[:1]
     return configs
 
@@ -113,7 +113,7 @@ def pick_config(M: int, N: int, K: int, sms: int) -> triton.Config | None:
     fill the GPU get that config without the autotuner's per-call cost."""
     if M <= 16:
         return _decode_config(N, K, sms)
-    if not interpreting() and triton.cdiv(M, 128) * triton.cdiv(N, 256) >= sms:
+    if not interpreting() and cdiv(M, 128) * cdiv(N, 256) >= sms:
         return _PERSISTENT_128x256
     return None
 
@@ -124,7 +124,7 @@ def _decode_config(N: int, K: int, sms: int) -> triton.Config:
     bench/kernels_gemm_ce.py): with few output tiles and a long K (the 8960 -> 1536 down projection) K is
     split 8 ways (9.3 us, cuBLAS 10.0); otherwise 16x64 tiles over all of K (1536 -> 2048: 5.4 us, cuBLAS
     4.3; 1536 -> 17920: 19.4 us, cuBLAS 17.0)."""
-    if triton.cdiv(N, 64) < sms and K >= 4096:
+    if cdiv(N, 64) < sms and K >= 4096:
         return tile_config(16, 128, 128, 4, 4, 1, split_k=8)
     return tile_config(16, 64, 256, 4, 4, 1)
 
@@ -405,13 +405,13 @@ def matmul_fwd(
     precision = "tf32" if a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
     def grid(meta):
-        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
         return (min(tiles, programs) if meta["PERSISTENT"] else tiles * meta["SPLIT_K"],)
 
     # Split-K workspace (the kernel leaves it zeroed): M x N partial sums, then one counter per tile (at
     # most cdiv(M, 16) * cdiv(N, 16) tiles, as BLOCK_M and BLOCK_N are at least 16).
     split = config is not None and config.kwargs["SPLIT_K"] > 1
-    work = torch.zeros(M * N + triton.cdiv(M, 16) * triton.cdiv(N, 16), device=a.device) if split else c
+    work = torch.zeros(M * N + cdiv(M, 16) * cdiv(N, 16), device=a.device) if split else c
 
     args = (a, b, c, bias if bias is not None else c, pre if pre is not None else c,
             row_stats if row_stats is not None else c, work, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),

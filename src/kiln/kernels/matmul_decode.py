@@ -37,7 +37,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kiln.kernels.dispatch import interpreting, sm_count
-from kiln.kernels.launch import CachedLaunch
+from kiln.kernels.launch import CachedLaunch, cdiv
 from kiln.kernels.matmul import _activation
 
 DECODE_MAX_M = 16  # the dot kernel's x.T tile is 16 wide: one column block covers every row
@@ -83,7 +83,7 @@ def decode_config(M: int, N: int, K: int, sms: int, k_major: bool = True) -> Dec
         return DecodeConfig("gemv" if M == 1 and k_major else "dot", 16, 32)
     if M == 1 and k_major:
         return DecodeConfig("gemv", 4, 256, 1, 2, 3) if K <= 4096 else DecodeConfig("gemv", 2, 1024, 1, 4, 1)
-    tiles = triton.cdiv(N, 64)
+    tiles = cdiv(N, 64)
     if tiles >= sms:
         return DecodeConfig("dot", 64, 128, 1, 4, 3)
     if K <= 4096:
@@ -91,10 +91,6 @@ def decode_config(M: int, N: int, K: int, sms: int, k_major: bool = True) -> Dec
         # measured 6.3 us (0.69x) and four warps over 128-wide steps 4.2-4.4 us (1.00-1.50x)
         return DecodeConfig("dot", 16, 256, 1, 1, 4) if M == 16 else DecodeConfig("dot", 16, 128, 1, 4, 3)
     return DecodeConfig("dot", 64, 64, max(2, round(2 * sms / tiles)), 4, 4)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a jit function: ~3 us per call from Python
 
 
 @functools.cache
@@ -284,10 +280,10 @@ def decode_matmul(
     if config.split_k > 1:
         # Whole BLOCK_K steps per split, so every split but the last covers k_split exactly; a split that
         # would find no K left is dropped.
-        k_split = _cdiv(_cdiv(K, config.split_k), config.block_k) * config.block_k
-        split = _cdiv(K, k_split)
+        k_split = cdiv(cdiv(K, config.split_k), config.block_k) * config.block_k
+        split = cdiv(K, k_split)
         dst = torch.empty((split, M, N), device=a.device, dtype=torch.float32) if split > 1 else c
-    grid = (_cdiv(N, config.block_n), split)
+    grid = (cdiv(N, config.block_n), split)
     (sxm, sxk), (sbk, sbn) = a.stride(), b.stride()  # B (K, N) = W.T: W's row stride is sbn
     args = (a, b, dst, c if bias is None else bias, M, N, K, sxm, sxk, sbn, sbk, k_split)
     has_bias = bias is not None and split == 1
@@ -311,7 +307,7 @@ def decode_matmul(
         raise ValueError(f"unknown decode kernel {config.kernel!r}: 'gemv' or 'dot'")
     if split > 1:
         block = 1024
-        _sum_launch[(_cdiv(M * N, block),)](dst, c, c if bias is None else bias, M * N, N, HAS_BIAS=bias is not None,
+        _sum_launch[(cdiv(M * N, block),)](dst, c, c if bias is None else bias, M * N, N, HAS_BIAS=bias is not None,
                                             ACTIVATION=activation, SPLIT_K=split, BLOCK=block, PDL=griddep,
                                             launch_pdl=griddep)  # fmt: skip
     return c

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import use_triton
+from kiln.kernels.launch import pow2
 
 
 # ----------------------------------------------------------------------------------------- reference
@@ -74,7 +75,7 @@ def paged_kv_write_triton(k_cache, v_cache, k, v, slots) -> None:
     _paged_kv_write_kernel[(N,)](
         k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], Hk, D,
-        PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hk), BLOCK_D=triton.next_power_of_2(D),
+        PAGE_SIZE=k_cache.shape[1], BLOCK_H=pow2(Hk), BLOCK_D=pow2(D),
     )
     # fmt: on
 

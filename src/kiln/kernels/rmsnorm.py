@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import sm_count, use_triton
-from kiln.kernels.launch import CachedLaunch
+from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_ROW = 65536  # a longer row would not fit in one program's registers
@@ -178,15 +178,6 @@ ROW_LOOP_STAGES = 3
 PROGRAMS_PER_SM = 2
 # The forward's tile: rows of at least this many elements get a program each; shorter ones are grouped.
 FWD_ROW_ELEMS = 4096
-
-
-def pow2(n: int) -> int:
-    """The smallest power of two >= n (host side: triton.next_power_of_2 costs a JIT-function call)."""
-    return 1 << (n - 1).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def fwd_rows(block: int) -> int:

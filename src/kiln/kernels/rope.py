@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import use_triton
-from kiln.kernels.launch import CachedLaunch
-from kiln.kernels.rmsnorm import FLOAT_DTYPES, cdiv, needs_grad, pow2
+from kiln.kernels.launch import CachedLaunch, cdiv, pow2
+from kiln.kernels.rmsnorm import FLOAT_DTYPES, needs_grad
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import interpreting, use_triton
-from kiln.kernels.launch import CachedLaunch
+from kiln.kernels.launch import CachedLaunch, pow2
 
 
 def sample_ref(
@@ -408,10 +408,6 @@ COMBINE_BLOCK = 4096  # the combine's step over candidates (and over the whole r
 SEARCH_BLOCK = 2048
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def sample_with_noise(
     logits: torch.Tensor,
     noise: torch.Tensor | None,
@@ -456,11 +452,11 @@ def _launch(
     greedy = temperature == 0
     use_k = not greedy and top_k is not None and 0 < top_k < V
     use_p = not greedy and top_p is not None and top_p < 1.0
-    kc = kc or max(KC, _pow2(top_k) if use_k else 1)
+    kc = kc or max(KC, pow2(top_k) if use_k else 1)
     # the candidates need k <= kc <= chunk; past KC_MAX the combine searches the whole row directly
     candidates = (use_k or use_p) and kc <= KC_MAX
     mode = "greedy" if greedy else "filter" if use_k or use_p else "temperature"
-    chunk = max(min(chunk or CHUNK[mode], _pow2(V), 65536), kc if candidates else 1)
+    chunk = max(min(chunk or CHUNK[mode], pow2(V), 65536), kc if candidates else 1)
     n_chunks = -(-V // chunk)
     work = torch.empty(
         _workspace_words(B, n_chunks, kc, candidates), device=logits.device, dtype=torch.float32
@@ -473,14 +469,14 @@ def _launch(
             GREEDY=greedy, CANDIDATES=candidates, CHUNK=chunk, KC=kc, PACK16=logits.element_size() == 2,
             num_warps=chunk_warps or CHUNK_WARPS[mode],
         )  # fmt: skip
-    cap = _pow2(V if not candidates else n_chunks * kc)
+    cap = pow2(V if not candidates else n_chunks * kc)
     if interpreting():  # small steps: the CPU tests cover several of them
         cap = min(cap, 128)
     block = min(combine_block or COMBINE_BLOCK, cap)
     _combine_launch[(B,)](
         logits, logits.stride(0), noise, noise.stride(0), work, out,
         V, n_chunks, temp, int(top_k) if use_k else 0, float(top_p) if use_p else 1.0,
-        GREEDY=greedy, TOP_K=use_k, TOP_P=use_p, CANDIDATES=candidates, KC=kc, CHUNKS=_pow2(n_chunks),
+        GREEDY=greedy, TOP_K=use_k, TOP_P=use_p, CANDIDATES=candidates, KC=kc, CHUNKS=pow2(n_chunks),
         BLOCK=block, SEARCH_BLOCK=min(search_block or SEARCH_BLOCK, block), SPLITS=8,
         num_warps=combine_warps or (SEARCH_WARPS if use_k or use_p else COMBINE_WARPS),
     )  # fmt: skip

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.dispatch import use_triton
-from kiln.kernels.launch import CachedLaunch
-from kiln.kernels.rmsnorm import FLOAT_DTYPES, cdiv
+from kiln.kernels.launch import CachedLaunch, cdiv
+from kiln.kernels.rmsnorm import FLOAT_DTYPES
 
 BLOCK = 1024
 
