@@ -73,14 +73,16 @@ def test_matmul_strided_slices(device):
     assert_close(c, matmul_ref(a.double(), b.double()), name="C")
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_matmul_explicit_configs(persistent, device):
-    """The non-autotuned path the benchmark sweeps: one tile per program, or 4 programs looping over 12."""
+@pytest.mark.parametrize("persistent,flatten", [(False, False), (True, False), (True, True)])
+def test_matmul_explicit_configs(persistent, flatten, device):
+    """The non-autotuned path the benchmark sweeps: one tile per program, or 4 programs looping over 12
+    (with flatten, the tile loop and the K loop pipelined as one)."""
     gen = torch.Generator().manual_seed(9)
     a = torch.randn(64, 48, generator=gen).to(device, torch.float16)
     w = torch.randn(96, 48, generator=gen).to(device, torch.float16)
+    cfg = tile_config(16, 32, 16, 2, 4, 2, persistent=persistent, flatten=flatten)
     with use_backend("triton"):
-        c, _ = matmul_fwd(a, w.t(), config=tile_config(16, 32, 16, 2, 4, 2, persistent=persistent))
+        c, _ = matmul_fwd(a, w.t(), config=cfg)
     assert_close(c, matmul_ref(a.double(), w.double().t()), name="C")
 
 

@@ -71,11 +71,15 @@ def _activation(x, ACTIVATION: tl.constexpr):
     return x
 
 
-def tile_config(bm, bn, bk, stages, warps, group=8, ws=False, persistent=False, split_k=1) -> triton.Config:
+def tile_config(
+    bm, bn, bk, stages, warps, group=8, ws=False, persistent=False, split_k=1, flatten=False
+) -> triton.Config:
     """A launch config for `matmul_fwd(config=...)`: tile sizes, pipeline stages, warps, group size,
-    warp specialization, persistent tile loop, and the number of programs sharing one tile's K range."""
+    warp specialization, persistent tile loop (`flatten`: pipelined as one loop with each tile's K loop,
+    so a tile's epilogue overlaps the next tile's first loads), and the number of programs sharing one
+    tile's K range."""
     meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "WARP_SPEC": ws,
-            "PERSISTENT": persistent, "SPLIT_K": split_k}  # fmt: skip
+            "PERSISTENT": persistent, "SPLIT_K": split_k, "FLATTEN": flatten}  # fmt: skip
     return triton.Config(meta, num_stages=stages, num_warps=warps)
 
 
@@ -281,6 +285,7 @@ def _matmul_kernel(
     WARP_SPEC: tl.constexpr,  # producer/consumer warp specialization of the loop (Hopper+)
     PERSISTENT: tl.constexpr,  # a grid of num_programs programs loops over the tiles; else one tile each
     SPLIT_K: tl.constexpr,  # programs per tile, each over 1 / SPLIT_K of K (not with PERSISTENT)
+    FLATTEN: tl.constexpr = False,  # PERSISTENT: pipeline the tile loop and the K loop as one loop
 ):
     if TMA:
         # Descriptors are laid out with the unit-stride dim last, as TMA requires; MN-major tiles are
@@ -298,7 +303,7 @@ def _matmul_kernel(
         a_desc, b_desc, c_desc = A_ptr, B_ptr, C_ptr  # unused
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), num_tiles, num_programs):
+        for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN):
             _tile(tile, A_ptr, B_ptr, C_ptr, Bias_ptr, Pre_ptr, Stats_ptr, Work_ptr, a_desc, b_desc, c_desc,
                   M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stats_plane, A_KMAJOR, B_KMAJOR, TMA,
                   HAS_BIAS, ACTIVATION, STORE_PRE, ACCUMULATE, ROW_STATS, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
