@@ -32,8 +32,8 @@ for part in $PARTS; do
              > "$OUT/gpu_tests.log" 2>&1
            for f in "$OUT"/gpu_tests.test_*.log; do echo "== $f"; cat "$f"; done >> "$OUT/gpu_tests.log"
            rm -f "$OUT"/gpu_tests.test_*.log ;;
-    norms) timeout 130 python3 bench/kernels_norms.py --out "$OUT/kernels_norms.json" >> "$OUT/bench.log" 2>&1 ;;
-    gemm_ce) timeout 130 python3 bench/kernels_gemm_ce.py --out "$OUT/kernels_gemm_ce.json" >> "$OUT/bench.log" 2>&1 ;;
+    norms) timeout 170 python3 bench/kernels_norms.py --budget 150 --out "$OUT/kernels_norms.json" >> "$OUT/bench.log" 2>&1 ;;
+    gemm_ce) timeout 150 python3 bench/kernels_gemm_ce.py --out "$OUT/kernels_gemm_ce.json" >> "$OUT/bench.log" 2>&1 ;;
     attention) timeout 130 python3 bench/attention.py --out "$OUT/attention.json" >> "$OUT/bench.log" 2>&1 ;;
     run) timeout 55 python3 -m kiln.cli run --no-progress --out /tmp/kiln-gpu-run --data.max_bytes=12000000 \
            --tokenizer.train_bytes=3000000 --train.steps=150 --train.eval_interval=50 --train.ckpt_interval=150 \

@@ -9,7 +9,9 @@ forward+backward at LLM shapes in bf16. Peers measured in the same run: eager Py
 composition of ops), torch.compile of that, the fused PyTorch op where one exists (F.rms_norm,
 F.layer_norm, torch.softmax, torch.add) and Liger Kernel (imported if installed; else "unavailable").
 
-Every time is the median of triton.testing.do_bench. Bandwidth is the op's useful bytes (each input
+Every time is the median over 5 rounds of triton.testing.do_bench (L2 flushed before each call), each
+round visiting the implementations of a case in a fresh random order (bench/timing.py), so that none is
+favoured by where it falls in the run. Bandwidth is the op's useful bytes (each input
 read once, each output written once; weights and tables are ignored) over that time, the same byte
 count for every implementation, so TB/s ratios are time ratios; "frac_copy" divides by the 4.27 TB/s
 device copy of PLATFORM.md (the copy is re-measured in the run too). Forward runs under no_grad;
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kiln.kernels.dispatch import use_backend
 from kiln.kernels.layernorm import layernorm, layernorm_bwd, layernorm_fwd
 from kiln.kernels.rmsnorm import rmsnorm, rmsnorm_bwd, rmsnorm_fwd, rmsnorm_ref
@@ -43,6 +46,7 @@ from kiln.kernels.rope import apply_rope, rope_launch
 from kiln.kernels.softmax import softmax, softmax_fwd
 from kiln.kernels.swiglu import swiglu, swiglu_fwd
 from kiln.kernels.vector_add import vector_add, vector_add_launch
+from timing import interleaved_ms  # noqa: E402
 
 COPY_TBPS = 4.27  # PLATFORM.md: H200 device-to-device copy, read + write
 EPS = 1e-6
@@ -120,6 +124,12 @@ class Timer:
             return (time.perf_counter() - t) * 1e3
         return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
+    def interleaved(self, fns: dict[str, Callable[[], object]]) -> dict[str, dict]:
+        """Median milliseconds of each fn, timed in rounds that visit every fn in a random order."""
+        if self.smoke:
+            return {name: {"ms": self(fn)} for name, fn in fns.items()}
+        return interleaved_ms(fns)
+
     def graph(self, fn: Callable[[], object]) -> float | None:
         """Median milliseconds of fn() replayed from a CUDA graph: the GPU time alone, without the host's
         launch and autograd overhead (None in a smoke run)."""
@@ -194,6 +204,7 @@ class Bench:
         """Time every implementation in each mode; impls map a name to f(*inputs) (None: not available)."""
         for mode in modes:
             res: dict[str, dict] = {}
+            runs: dict[str, Callable[[], object]] = {}
             for name, f in impls.items():
                 if name == "compile" and (self.smoke or self.over_budget()):
                     res[name] = {"error": "skipped: smoke run" if self.smoke else "skipped: time budget"}
@@ -207,16 +218,20 @@ class Bench:
                     else:
                         run = fwd_bwd(f, [t.detach().requires_grad_() for t in inputs], grads)
                     run()  # compile / autotune / warm up outside the timing
-                    ms = self.timer(run)
-                    tbps = nbytes[mode] / ms / 1e9
-                    res[name] = {
-                        "ms": round(ms, 4),
-                        "TBps": round(tbps, 3),
-                        "frac_copy": round(tbps / COPY_TBPS, 3),
-                    }
+                    runs[name] = run
                 except Exception as e:  # noqa: BLE001 - record and go on
                     res[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                    continue
+            # every implementation timed in each of several rounds, in random order (bench/timing.py)
+            for name, ms in self.timer.interleaved(runs).items():
+                tbps = nbytes[mode] / ms["ms"] / 1e9
+                res[name] = {
+                    "ms": round(ms["ms"], 4),
+                    "TBps": round(tbps, 3),
+                    "frac_copy": round(tbps / COPY_TBPS, 3),
+                }
+                if "rounds" in ms:
+                    res[name]["rounds_ms"] = ms["rounds"]
+            for name, run in runs.items():
                 try:
                     res[name]["host_ms"] = _round(self.timer.host(run))
                     res[name]["graph_ms"] = _round(self.timer.graph(run))

@@ -7,8 +7,8 @@ Groups (bf16, the shapes of bench/kernels_norms.py and kernels_gemm_ce.py):
 - rmsnorm / layernorm / rmsnorm+residual forward at 32768 x 4096 (and RMSNorm at 32768 x 1536, the
   Qwen2.5-1.5B width): rows per program (one (rows, D) tile, the weight read once for all) x warps,
   against Liger and torch.compile;
-- RoPE forward on q (8, 4096, 32, 128), k (8, 4096, 8, 128): flat row blocks with and without the
-  one-token cos/sin path, rows x warps x eviction policy, against torch.compile, Liger and a copy;
+- RoPE forward on q (8, 4096, 32, 128), k (8, 4096, 8, 128): flat row blocks, rows x warps x eviction
+  policy, against torch.compile, Liger and a copy;
 - SwiGLU 32768 x 8960 forward + backward against torch.compile, and the backward kernel's block x warps;
 - prefill GEMMs of a Qwen2.5-1.5B layer at 8192 tokens (qkv, o, gate_up, down) through `linear`,
   against F.linear (cuBLAS): do_bench time, CUDA-graph time and host time per call.
@@ -127,15 +127,14 @@ def rope(mk: kn.Inputs, smoke: bool) -> dict:
     cos, sin = ang.cos(), ang.sin()
     cos_full, sin_full = torch.cat((cos, cos), -1).bfloat16(), torch.cat((sin, sin), -1).bfloat16()
     fns: dict[str, Callable[[], object] | None] = {}
-    for one in (True, False):
-        for evict in ("", "evict_first"):
-            for rows, nw in ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4)):
-                name = f"kiln_r{rows}_w{nw}_{'one' if one else 'row'}{'_ef' if evict else ''}"
-                fns[name] = no_grad(
-                    lambda rows=rows, nw=nw, one=one, evict=evict: rope_launch(
-                        q, k, cos, sin, None, False, rows=rows, num_warps=nw, evict=evict, one_token=one
-                    )
+    for evict in ("", "evict_first"):
+        for rows, nw in ((4, 1), (8, 1), (16, 1), (16, 2), (32, 2), (32, 4)):
+            name = f"kiln_r{rows}_w{nw}{'_ef' if evict else ''}"
+            fns[name] = no_grad(
+                lambda rows=rows, nw=nw, evict=evict: rope_launch(
+                    q, k, cos, sin, None, False, rows=rows, num_warps=nw, evict=evict
                 )
+            )
     qt, kt = q.transpose(1, 2), k.transpose(1, 2)  # the peers take (B, H, T, D) views of the same memory
     c = mk.compiled(kn.eager_rope)
     fns["compile"] = c and no_grad(lambda: c(qt, kt, cos_full, sin_full))

@@ -104,22 +104,6 @@ def test_rope_blocks(block, interleaved):
         assert_close(ko, k2, name="k")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4])
-@pytest.mark.parametrize("one_token", [False, True])
-def test_rope_one_token_blocks(rows, one_token):
-    # flat blocks that lie within one token's heads (rows divides Hq = 8; for Hk = 2 only rows <= 2) take
-    # scalar token indices and one cos/sin row per block; the others the per-row path in the same launch
-    g = torch.Generator().manual_seed(5)
-    cos, sin = tables(16, 8)
-    q, k = torch.randn(2, 5, 8, 8, generator=g), torch.randn(2, 5, 2, 8, generator=g)
-    pos = torch.randint(0, 16, (2, 5), generator=g)
-    for interleaved in (False, True):
-        qo, ko = rope_launch(q, k, cos, sin, pos, interleaved, rows=rows, num_warps=1, one_token=one_token)
-        q2, k2 = _ref(q.double(), k.double(), cos, sin, pos, interleaved)
-        assert_close(qo, q2, name="q")
-        assert_close(ko, k2, name="k")
-
-
 def test_rope_errors():
     cos, sin = tables(8, 8)
     q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 1, 8)

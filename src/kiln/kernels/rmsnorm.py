@@ -11,8 +11,8 @@ Backward, with g = dy * w:         dh = rstd * (g - h * rstd^2 * sum(g * h) / D)
                                    dw = sum over rows of dy * h * rstd.
 Both x and residual receive dh.
 
-The Triton path keeps a whole row in registers (BLOCK = next_power_of_2(D), D <= 65536), one row per
-program in the forward; it saves rstd (one float32 per row) for the backward. The backward runs a few
+The Triton path keeps a whole row in registers (BLOCK = next_power_of_2(D), D <= 65536); in the
+forward a program takes one row, or for short rows (D <= 2048) a (rows, BLOCK) tile of several; it saves rstd (one float32 per row) for the backward. The backward runs a few
 programs per SM, each over a contiguous chunk of rows, accumulating its dw partial sum in registers;
 the (programs, D) float32 partials are summed afterwards, so dw costs no atomics. The last dim must be
 contiguous (other layouts are copied to contiguous rows first); x may be fp32, fp16 or bf16.
@@ -176,13 +176,16 @@ def sum_partials(
 # autotuned: the autotuner's per-call host cost showed up in the forward+backward timings.
 ROW_LOOP_STAGES = 3
 PROGRAMS_PER_SM = 2
-# The forward's tile: rows of at least this many elements get a program each; shorter ones are grouped.
+# The forward's tile: rows of at least this many elements get a program each, shorter ones share one
+# (and its weight load), with the warps of one row. H200, 32768 rows bf16 (bench/sweep_memory_bound.py,
+# interleaved with Liger): D = 4096, one row in 8 warps 133.7 us (2 or 4 rows 134.6-135.6, Liger 132.5-
+# 135.5 across runs); D = 1536, two rows in 4 warps 51.8 us (one row 52.7, Liger 62.4).
 FWD_ROW_ELEMS = 4096
 
 
-def fwd_rows(block: int) -> int:
-    """Rows per program of the norms' forward: short rows share a program (and its weight load)."""
-    return max(1, FWD_ROW_ELEMS // block)
+def fwd_rows(block: int, tile: int = FWD_ROW_ELEMS) -> int:
+    """Rows per program of a norm's forward: as many rows of `block` as fill `tile` elements, at least 1."""
+    return max(1, tile // block)
 
 
 def row_warps(block: int) -> int:
@@ -253,7 +256,7 @@ def rmsnorm_fwd(
         x2, x2 if r2 is None else r2, h, y, weight, rstd,
         x2.stride(0), 0 if r2 is None else r2.stride(0), D,
         n_rows, D, eps,
-        HAS_RESIDUAL=r2 is not None, ROWS=rows, BLOCK=block, num_warps=num_warps or row_warps(block * rows),
+        HAS_RESIDUAL=r2 is not None, ROWS=rows, BLOCK=block, num_warps=num_warps or row_warps(block),
     )  # fmt: skip
     return y, h, rstd
 

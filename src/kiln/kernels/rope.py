@@ -69,21 +69,14 @@ def _rotate_block(
     stride_b, stride_t, stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
     n_tokens, T, n_heads, half, sin_sign,
     HAS_POS: tl.constexpr, INTERLEAVED: tl.constexpr, EVICT: tl.constexpr,
-    FLAT: tl.constexpr, ONE_TOKEN: tl.constexpr, TOKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FLAT: tl.constexpr, TOKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Rotate block blk of one tensor, as (TOKS, BLOCK_H, D/2) tiles per pair member.
     FLAT: the tensor is (B * T * H) rows of D and the block is TOKS consecutive rows (BLOCK_H = 1), each
     row gathering its own cos/sin; else the block is TOKS tokens with all their heads, cos/sin loaded once
     per token. Every load is issued before the first store."""
     # index math in int32 (B * T * H < 2**31), byte offsets in int64
-    if FLAT and ONE_TOKEN:
-        # TOKS divides n_heads: the block is TOKS heads of one token, so the token, its position and its
-        # cos/sin row are scalars (one table row per program, not one per row)
-        first = blk * TOKS
-        tok = first // n_heads
-        head = tl.arange(0, TOKS)[:, None, None] + first % n_heads  # (TOKS, 1, 1)
-        ok = tok < n_tokens
-    elif FLAT:
+    if FLAT:
         r = tl.arange(0, TOKS)[:, None, None] + blk * TOKS  # (TOKS, 1, 1) = token * H + head
         tok = r // n_heads
         head = r % n_heads
@@ -141,10 +134,8 @@ def _rope_kernel(
     sin_sign,  # -1 for the backward: the inverse rotation (a runtime value: one compiled kernel for both)
     HAS_POS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
-    EVICT: tl.constexpr,  # eviction policy of q/k and their outputs ("evict_first": streamed once)
+    EVICT: tl.constexpr,  # eviction policy of q/k and their outputs ("": none, the measured default)
     FLAT: tl.constexpr,  # blocks of TOKS_* (token, head) rows; else of TOKS_* whole tokens
-    Q_ONE_TOKEN: tl.constexpr,  # FLAT and TOKS_Q divides Hq: each q block lies within one token
-    K_ONE_TOKEN: tl.constexpr,
     TOKS_Q: tl.constexpr,
     TOKS_K: tl.constexpr,
     BLOCK_QH: tl.constexpr,  # 1 when FLAT, else next_power_of_2(Hq)
@@ -156,27 +147,28 @@ def _rope_kernel(
         _rotate_block(
             Q_ptr, QO_ptr, COS_ptr, SIN_ptr, POS_ptr, blk,
             q_stride_b, q_stride_t, q_stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
-            n_tokens, T, n_q_heads, half, sin_sign, HAS_POS, INTERLEAVED, EVICT, FLAT, Q_ONE_TOKEN, TOKS_Q, BLOCK_QH,
+            n_tokens, T, n_q_heads, half, sin_sign, HAS_POS, INTERLEAVED, EVICT, FLAT, TOKS_Q, BLOCK_QH,
             BLOCK_D,
         )  # fmt: skip
     else:
         _rotate_block(
             K_ptr, KO_ptr, COS_ptr, SIN_ptr, POS_ptr, blk - n_q_blocks,
             k_stride_b, k_stride_t, k_stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
-            n_tokens, T, n_k_heads, half, sin_sign, HAS_POS, INTERLEAVED, EVICT, FLAT, K_ONE_TOKEN, TOKS_K, BLOCK_KH,
+            n_tokens, T, n_k_heads, half, sin_sign, HAS_POS, INTERLEAVED, EVICT, FLAT, TOKS_K, BLOCK_KH,
             BLOCK_D,
         )  # fmt: skip
 
 
-# H200, q (8, 4096, 32, 128) + k (8 heads) bf16 (bench/sweep_rope_sampling.py): blocks of 8 rows in one warp
-# ran at the speed of torch's own copy of q and k (round 1: 0.163 ms forward); 16 rows / 2 warps and whole
-# tokens (32-128 rows, 2-8 warps) were within 1-3%; the previous kernel (one token, q and k together, 4
-# warps) took 0.173 ms; persistent grids 0.184-0.191 ms. evict_first gained ~1% GPU time on two configs in
-# round 1, but round 2 measured it slower with normal launches (0.181 against 0.169 ms without it).
-ROWS = 8
+# H200, q (8, 4096, 32, 128) + k (8 heads) bf16. bench/sweep_rope_sampling.py (last session): blocks of
+# 8-16 rows in 1-2 warps ran within 1% of torch's own copy of q and k; whole-token blocks (32-128 rows, 2-8
+# warps) 1-3% slower; the first kernel (one token, q and k together, 4 warps) 0.173 ms; persistent grids
+# 0.184-0.191 ms. bench/sweep_memory_bound.py (interleaved with torch.compile, L2 flushed before each call):
+# 16 rows in one warp 168.9 us, 8 rows 169.2, 32 rows 172.4-173.6, 4 rows 203.5; evict_first on q/k and the
+# outputs cost 7-11 us under the flush (it was the previous default); loading each block's cos/sin row once
+# when the block lies within one token (scalar token indices) changed nothing (169.0 against 169.0).
+ROWS = 16
 NUM_WARPS = 1
-EVICT = "evict_first"
-ONE_TOKEN = True  # flat blocks that fit in one token's heads read its cos/sin row once (scalar indices)
+EVICT = ""
 
 
 def _check(q, k, cos, sin, position_ids) -> None:
@@ -236,7 +228,6 @@ def rope_launch(
     num_warps: int = NUM_WARPS,
     tokens: int | None = None,
     evict: str = EVICT,
-    one_token: bool = ONE_TOKEN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k (by -angle if `backward`) in one launch; returns new contiguous tensors.
     Blocks of `rows` (token, head) rows (powers of two), or with `tokens`, of that many whole q tokens (and
@@ -266,8 +257,6 @@ def rope_launch(
         cos.stride(0), sin.stride(0), *pos_strides,
         n, T, Hq, Hk, D // 2, n_q_blocks, -1.0 if backward else 1.0,
         HAS_POS=position_ids is not None, INTERLEAVED=interleaved, EVICT=evict, FLAT=tokens is None,
-        Q_ONE_TOKEN=one_token and tokens is None and Hq % toks_q == 0,
-        K_ONE_TOKEN=one_token and tokens is None and Hk % toks_k == 0,
         TOKS_Q=toks_q, TOKS_K=toks_k, BLOCK_QH=bqh, BLOCK_KH=bkh, BLOCK_D=pow2(D // 2), num_warps=num_warps,
     )  # fmt: skip
     return qo, ko
