@@ -88,7 +88,12 @@ def tile_config(
 # (.gpu round 4, bench/results/sweep_gemm_flatten.json; do_bench, L2 flushed, interleaved with cuBLAS):
 # 0.95-0.99x cuBLAS on the Qwen2.5-1.5B prefill GEMMs at 8192 tokens, 0.97x at 4096^3, 1.06x at 8192^3.
 # Without flattening the short-K (1536) projections ran at 0.91x, the epilogue a bubble per tile.
-_PERSISTENT_128x256 = tile_config(128, 256, 64, 3, 8, group=4, persistent=True, flatten=True)
+_PERSISTENT_FLAT = tile_config(128, 256, 64, 3, 8, group=4, persistent=True, flatten=True)
+# The same tiles without flattening, for epilogues that store more than C (the pre-activation for the
+# backward, C's old value for accumulate, row statistics): flattened, the training forward's
+# silu(x @ W.T + b) with its stored pre-activation asked for 245784 bytes of shared memory, over the
+# H200's 232448 (bench/results/kernels_gemm_ce.json, commit 7415a00).
+_PERSISTENT_128x256 = tile_config(128, 256, 64, 3, 8, persistent=True)
 
 
 def _configs() -> list[triton.Config]:
@@ -113,14 +118,15 @@ def _prune(configs, named_args, **kwargs):
     return configs
 
 
-def pick_config(M: int, N: int, K: int, sms: int) -> triton.Config | None:
+def pick_config(M: int, N: int, K: int, sms: int, plain: bool = True) -> triton.Config | None:
     """The config a launch of this kernel without an explicit one uses, or None for the autotuner: decode
     shapes by rule (those that do not go to kernels/matmul_decode.py), and problems whose 128x256 tiles
-    fill the GPU get that config without the autotuner's per-call cost."""
+    fill the GPU get those tiles without the autotuner's per-call cost (flattened when the epilogue is
+    `plain`: C alone, with at most a bias and an activation)."""
     if M <= 16:
         return _decode_config(N, K, sms)
     if not interpreting() and cdiv(M, 128) * cdiv(N, 256) >= sms:
-        return _PERSISTENT_128x256
+        return _PERSISTENT_FLAT if plain else _PERSISTENT_128x256
     return None
 
 
@@ -403,7 +409,7 @@ def matmul_fwd(
         raise ValueError("tma=True but the operands' strides or alignment do not allow tensor descriptors")
     programs = sm_count(a.device)
     if config is None:
-        config = pick_config(M, N, K, programs)
+        config = pick_config(M, N, K, programs, plain=not (store_pre or accumulate or row_stats is not None))
         if M <= 16:  # block pointers: 10-30% faster than descriptors on decode weight streams (same sweep)
             tma = False if tma is None else tma
     use_tma = allowed if tma is None else tma
