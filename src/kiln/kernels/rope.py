@@ -68,7 +68,7 @@ def _rotate_block(
     X_ptr, O_ptr, COS_ptr, SIN_ptr, POS_ptr, blk,
     stride_b, stride_t, stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
     n_tokens, T, n_heads, half, sin_sign,
-    HAS_POS: tl.constexpr, INTERLEAVED: tl.constexpr, EVICT: tl.constexpr,
+    HAS_POS: tl.constexpr, INTERLEAVED: tl.constexpr, EVICT: tl.constexpr, TABLE_EVICT: tl.constexpr,
     FLAT: tl.constexpr, TOKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Rotate block blk of one tensor, as (TOKS, BLOCK_H, D/2) tiles per pair member.
@@ -96,8 +96,10 @@ def _rotate_block(
         pos = tl.load(POS_ptr + b * pos_stride_b + t * pos_stride_t, mask=tok < n_tokens, other=0)
         pos = pos.to(tl.int64)
     # (TOKS, 1, BLOCK_D): a few KB of table per program, read from L1/L2 (HBM sees the tables once)
-    c = tl.load(COS_ptr + pos * cos_row_stride + i, mask=tok_ok, other=0.0).to(tl.float32)
-    s = tl.load(SIN_ptr + pos * sin_row_stride + i, mask=tok_ok, other=0.0).to(tl.float32) * sin_sign
+    c = tl.load(COS_ptr + pos * cos_row_stride + i, mask=tok_ok, other=0.0, eviction_policy=TABLE_EVICT)
+    s = tl.load(SIN_ptr + pos * sin_row_stride + i, mask=tok_ok, other=0.0, eviction_policy=TABLE_EVICT)
+    c = c.to(tl.float32)
+    s = s.to(tl.float32) * sin_sign
     src = X_ptr + b * stride_b + t * stride_t + head * stride_h
     dst = O_ptr + (tok.to(tl.int64) * n_heads + head) * (2 * half)
     if INTERLEAVED:
@@ -135,6 +137,7 @@ def _rope_kernel(
     HAS_POS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     EVICT: tl.constexpr,  # eviction policy of q/k and their outputs ("": none, the measured default)
+    TABLE_EVICT: tl.constexpr,  # eviction policy of the cos/sin rows
     FLAT: tl.constexpr,  # blocks of TOKS_* (token, head) rows; else of TOKS_* whole tokens
     TOKS_Q: tl.constexpr,
     TOKS_K: tl.constexpr,
@@ -147,14 +150,14 @@ def _rope_kernel(
         _rotate_block(
             Q_ptr, QO_ptr, COS_ptr, SIN_ptr, POS_ptr, blk,
             q_stride_b, q_stride_t, q_stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
-            n_tokens, T, n_q_heads, half, sin_sign, HAS_POS, INTERLEAVED, EVICT, FLAT, TOKS_Q, BLOCK_QH,
+            n_tokens, T, n_q_heads, half, sin_sign, HAS_POS, INTERLEAVED, EVICT, TABLE_EVICT, FLAT, TOKS_Q, BLOCK_QH,
             BLOCK_D,
         )  # fmt: skip
     else:
         _rotate_block(
             K_ptr, KO_ptr, COS_ptr, SIN_ptr, POS_ptr, blk - n_q_blocks,
             k_stride_b, k_stride_t, k_stride_h, cos_row_stride, sin_row_stride, pos_stride_b, pos_stride_t,
-            n_tokens, T, n_k_heads, half, sin_sign, HAS_POS, INTERLEAVED, EVICT, FLAT, TOKS_K, BLOCK_KH,
+            n_tokens, T, n_k_heads, half, sin_sign, HAS_POS, INTERLEAVED, EVICT, TABLE_EVICT, FLAT, TOKS_K, BLOCK_KH,
             BLOCK_D,
         )  # fmt: skip
 
@@ -169,6 +172,7 @@ def _rope_kernel(
 ROWS = 16
 NUM_WARPS = 1
 EVICT = ""
+TABLE_EVICT = ""
 
 
 def _check(q, k, cos, sin, position_ids) -> None:
@@ -228,6 +232,7 @@ def rope_launch(
     num_warps: int = NUM_WARPS,
     tokens: int | None = None,
     evict: str = EVICT,
+    table_evict: str = TABLE_EVICT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k (by -angle if `backward`) in one launch; returns new contiguous tensors.
     Blocks of `rows` (token, head) rows (powers of two), or with `tokens`, of that many whole q tokens (and
@@ -256,7 +261,8 @@ def rope_launch(
         k.stride(0), k.stride(1), k.stride(2),
         cos.stride(0), sin.stride(0), *pos_strides,
         n, T, Hq, Hk, D // 2, n_q_blocks, -1.0 if backward else 1.0,
-        HAS_POS=position_ids is not None, INTERLEAVED=interleaved, EVICT=evict, FLAT=tokens is None,
+        HAS_POS=position_ids is not None, INTERLEAVED=interleaved, EVICT=evict, TABLE_EVICT=table_evict,
+        FLAT=tokens is None,
         TOKS_Q=toks_q, TOKS_K=toks_k, BLOCK_QH=bqh, BLOCK_KH=bkh, BLOCK_D=pow2(D // 2), num_warps=num_warps,
     )  # fmt: skip
     return qo, ko
