@@ -548,14 +548,16 @@ def bench_sampling() -> None:
 
 
 def meta() -> dict:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except Exception:
-        commit = None
-    if not commit or commit == "HEAD":  # a copy of the tree without git history (the GPU machine)
-        commit = os.environ.get("KILN_COMMIT", commit)
+    # $KILN_COMMIT first: the GPU machine's copy of the tree can carry a stale .git (it reported the
+    # session's first commit for a run of a later one)
+    commit = os.environ.get("KILN_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except Exception:
+            commit = None
     liger = None
     try:
         from importlib.metadata import version
