@@ -34,6 +34,8 @@ import time
 import traceback
 from pathlib import Path
 
+from provenance import git_commit
+
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_COPY_TBPS = 4.27  # PLATFORM.md, device-to-device copy (read + write)
 PEAK_BF16_TFLOPS = 735.0  # PLATFORM.md, bf16 matmul 4096^3
@@ -82,19 +84,6 @@ def case_name(c: dict) -> str:
 
 def attn_flops(c: dict) -> float:
     return 4.0 * c["B"] * c["Hq"] * c["T"] * c["T"] * c["D"] * (0.5 if c["causal"] else 1.0)
-
-
-def git_commit() -> str:
-    """HEAD's hash; where the tree has no git history (a copied working tree), $KILN_COMMIT or 'unknown'."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        out = ""
-    if len(out) == 40 and all(c in "0123456789abcdef" for c in out):
-        return out
-    return os.environ.get("KILN_COMMIT", "unknown")
 
 
 class Bench:

@@ -15,7 +15,6 @@ import io
 import json
 import pstats
 import statistics
-import subprocess
 import time
 
 import torch
@@ -25,6 +24,7 @@ import triton.language as tl
 
 from kiln.kernels import layernorm as LN
 from kiln.kernels import rmsnorm as RN
+from provenance import git_commit
 
 
 @triton.jit
@@ -168,12 +168,11 @@ def main() -> None:
     prof.disable()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     out = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "commit": commit.strip(),
+        "commit": git_commit(short=True),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host_us_per_call": res,
         "profile_rmsnorm_fwd_bwd_500_calls": s.getvalue(),

@@ -69,6 +69,7 @@ from kiln.kernels.matmul import (  # noqa: E402
 from kiln.kernels.sampling import sample, sample_ref  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from provenance import git_commit  # noqa: E402
 from timing import interleaved_ms  # noqa: E402
 
 DEV = "cpu" if ARGS.smoke else "cuda"
@@ -548,16 +549,7 @@ def bench_sampling() -> None:
 
 
 def meta() -> dict:
-    # $KILN_COMMIT first: the GPU machine's copy of the tree can carry a stale .git (it reported the
-    # session's first commit for a run of a later one)
-    commit = os.environ.get("KILN_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-        except Exception:
-            commit = None
+    commit = git_commit()
     liger = None
     try:
         from importlib.metadata import version

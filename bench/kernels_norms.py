@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from kiln.kernels.rope import apply_rope, rope_launch
 from kiln.kernels.softmax import softmax, softmax_fwd
 from kiln.kernels.swiglu import swiglu, swiglu_fwd
 from kiln.kernels.vector_add import vector_add, vector_add_launch
+from provenance import git_commit  # noqa: E402
 from timing import interleaved_ms  # noqa: E402
 
 COPY_TBPS = 4.27  # PLATFORM.md: H200 device-to-device copy, read + write
@@ -508,18 +508,6 @@ def measure_copy(device: str, timer: Timer) -> float | None:
     dst = torch.empty_like(src)
     ms = timer(lambda: dst.copy_(src))
     return round(2 * src.numel() / ms / 1e9, 3)
-
-
-def git_commit() -> str:
-    """HEAD's hash: from $KILN_COMMIT, else git, else "unknown" (the GPU machine may get no .git)."""
-    if os.environ.get("KILN_COMMIT"):
-        return os.environ["KILN_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 FULL = {"add": 2**28, "norm": (32768, 4096), "softmax_long": (4096, 151936), "swiglu": (32768, 8960),

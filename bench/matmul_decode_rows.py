@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 
 import torch
@@ -21,6 +20,7 @@ import triton
 from kiln.kernels.dispatch import sm_count
 from kiln.kernels.matmul import linear
 from kiln.kernels.matmul_decode import decode_config
+from provenance import git_commit
 
 SHAPES = {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "down": (8960, 1536)}
 
@@ -49,12 +49,11 @@ def main() -> None:
             }  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     meta = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "commit": commit.strip() or "unknown",
+        "commit": git_commit(short=True),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "timing": "do_bench_cudagraph median, GPU time",
     }

@@ -50,6 +50,7 @@ from kiln.kernels.cross_entropy import _launch  # noqa: E402
 from kiln.kernels.dispatch import use_backend  # noqa: E402
 from kiln.kernels.linear_cross_entropy import Plan, chunk_bounds  # noqa: E402
 from kiln.kernels.matmul import matmul_fwd, tile_config  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 DEV = "cpu" if ARGS.smoke else "cuda"
 T, H, V = (64, 32, 300) if ARGS.smoke else (8192, 1536, 151936)
@@ -386,15 +387,7 @@ def rotation() -> None:
 
 
 def meta() -> dict:
-    commit = None
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except Exception:
-        pass
-    if not commit or commit == "HEAD":  # a copy of the tree without git history (the GPU machine)
-        commit = os.environ.get("KILN_COMMIT", commit)
+    commit = git_commit()
     smi = None
     if DEV == "cuda":
         try:

@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -50,6 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kiln.kernels.dispatch import sm_count, use_backend  # noqa: E402
 from kiln.kernels.matmul import _decode_config, linear, matmul, matmul_fwd  # noqa: E402
 from kiln.kernels.matmul_decode import DecodeConfig, decode_config, decode_matmul  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 CUDA = not ARGS.smoke
 DEV = "cuda" if CUDA else "cpu"
@@ -316,14 +316,7 @@ def host_overhead(sms: int) -> None:
 
 
 def meta() -> dict:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout
-    except Exception:
-        commit = ""
-    # A copy of the tree (the GPU machine's) may carry a stale .git: the commit given by the caller wins.
-    commit = os.environ.get("KILN_COMMIT") or commit.strip() or "unknown"
+    commit = git_commit()
     return {
         "gpu": torch.cuda.get_device_name() if CUDA else "cpu (Triton interpreter)",
         "sms": sm_count(torch.device(DEV)), "torch": torch.__version__, "triton": triton.__version__,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from kernels_norms import eager_rope  # noqa: E402 - the same HF formula the nor
 from kiln.kernels import sampling as S  # noqa: E402
 from kiln.kernels.dispatch import use_backend  # noqa: E402
 from kiln.kernels.rope import apply_rope, apply_rope_ref, rope_launch  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 COPY_TBPS = 4.27  # PLATFORM.md: H200 device-to-device copy, read + write
 T0 = time.perf_counter()
@@ -313,17 +313,6 @@ def _ref_with_noise(logits, noise, temperature, top_k=None, top_p=None):
         sz = sz.masked_fill((p.cumsum(-1) - p) >= top_p, float("-inf"))
         z = torch.full_like(z, float("-inf")).scatter(-1, order, sz)
     return (torch.softmax(z, -1) / noise).argmax(-1)
-
-
-def git_commit() -> str:
-    if os.environ.get("KILN_COMMIT"):
-        return os.environ["KILN_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 def main() -> int:
