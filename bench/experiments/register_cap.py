@@ -1,5 +1,9 @@
 """One-off H200 experiment: a register cap on the norm forwards (results in bench/results/register_cap.json).
 
+Ran at commit 52c74d2, whose norm launchers took `maxnreg`; the option was removed afterwards because the
+cap made every kernel slower (RMSNorm 4096: 135.1 us capped at 32 against 134.3 uncapped and Liger's 132.5;
+LayerNorm 634.9 against 133.3: spills), so this script needs that commit.
+
     python bench/experiments/register_cap.py OUT.json   # from the repo root, on a CUDA GPU
 
 kiln's RMSNorm forward at D = 4096 (one row of 16 elements a thread in 8 warps) compiles to 40 registers a

@@ -169,10 +169,8 @@ def layernorm_fwd(
     residual: torch.Tensor | None = None,
     num_warps: int | None = None,
     rows: int | None = None,
-    maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the forward. Returns (y, h, mean, rstd) over (n_rows, D) rows; rows: rows per program;
-    maxnreg: a register cap per thread."""
+    """Launch the forward. Returns (y, h, mean, rstd) over (n_rows, D) rows; rows: rows per program."""
     check_rows("layernorm", x, weight, residual)
     D = x.shape[-1]
     if bias is not None and (bias.shape != (D,) or bias.device != x.device):
@@ -195,7 +193,7 @@ def layernorm_fwd(
         x2.stride(0), 0 if r2 is None else r2.stride(0), D,
         n_rows, D, eps,
         HAS_RESIDUAL=r2 is not None, HAS_BIAS=bias is not None, ROWS=rows, BLOCK=block,
-        num_warps=num_warps or row_warps(block), maxnreg=maxnreg,
+        num_warps=num_warps or row_warps(block),
     )  # fmt: skip
     return y, h, mean, rstd
 

@@ -237,10 +237,9 @@ def rmsnorm_fwd(
     residual: torch.Tensor | None = None,
     num_warps: int | None = None,
     rows: int | None = None,
-    maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward. Returns (y, h, rstd) as (n_rows, D) rows; h is x's rows without a residual.
-    rows: rows per program (a power of two; default `fwd_rows`); maxnreg: a register cap per thread."""
+    rows: rows per program (a power of two; default `fwd_rows`)."""
     check_rows("rmsnorm", x, weight, residual)
     D = x.shape[-1]
     x2 = as_rows(x, D)
@@ -258,7 +257,6 @@ def rmsnorm_fwd(
         x2.stride(0), 0 if r2 is None else r2.stride(0), D,
         n_rows, D, eps,
         HAS_RESIDUAL=r2 is not None, ROWS=rows, BLOCK=block, num_warps=num_warps or row_warps(block),
-        maxnreg=maxnreg,
     )  # fmt: skip
     return y, h, rstd
 
