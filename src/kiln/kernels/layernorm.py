@@ -11,8 +11,9 @@ Backward, with g = dy * w:        dh = rstd * (g - mean(g) - xhat * mean(g * xha
                                  dw = sum over rows of dy * xhat,  db = sum over rows of dy.
 
 Same launch plan as rmsnorm.py: whole rows in registers for the forward, a (rows, BLOCK) tile of a few
-rows per program (mean and rstd saved, one float32 each per row); a few persistent programs per SM in the backward, each keeping its dw/db
-partial sums in registers over a contiguous chunk of rows, summed afterwards (no atomics).
+rows per program (mean and rstd saved, one float32 each per row); a few persistent programs per SM in
+the backward, each keeping its dw/db partial sums in registers over a contiguous chunk of rows, summed
+afterwards (no atomics).
 """
 
 from __future__ import annotations

@@ -85,7 +85,8 @@ def tile_config(
 
 # Persistent 128x256: one program per SM looping over tiles, the tile loop flattened into the K loop so
 # that one tile's epilogue overlaps the next tile's first loads, in groups of 4 tile rows. On the H200
-# (.gpu round 4, bench/results/sweep_gemm_flatten.json; do_bench, L2 flushed, interleaved with cuBLAS):
+# (bench/experiments/gemm_flatten.py -> bench/results/sweep_gemm_flatten.json; do_bench, L2 flushed,
+# interleaved with cuBLAS):
 # 0.95-0.99x cuBLAS on the Qwen2.5-1.5B prefill GEMMs at 8192 tokens, 0.97x at 4096^3, 1.06x at 8192^3.
 # Without flattening the short-K (1536) projections ran at 0.91x, the epilogue a bubble per tile.
 _PERSISTENT_FLAT = tile_config(128, 256, 64, 3, 8, group=4, persistent=True, flatten=True)

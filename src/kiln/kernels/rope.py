@@ -16,9 +16,8 @@ One launch does q and k: the grid is q's blocks then k's, so each program stream
 tensor (contiguous for dense layouts). By default a block is a few (token, head) rows of D, each row
 gathering its cos/sin row (the tables are small and, loaded `evict_last`, stay in L2 while q and k stream
 past them); `tokens=` makes a block whole tokens with all their heads instead, cos/sin loaded once per
-token. Half-rotated pairs load as two (rows, D/2)
-tiles; interleaved pairs load as whole rows split into (x[2i], x[2i+1]) in registers (two stride-2
-loads ran 13x slower on the H200). Any strides for B, T and heads are taken as they are (so (B, H, T, D)
+token. Half-rotated pairs load as two (rows, D/2) tiles; interleaved pairs load as whole rows split into
+(x[2i], x[2i+1]) in registers (two stride-2 loads ran 13x slower on the H200). Any strides for B, T and heads are taken as they are (so (B, H, T, D)
 tensors passed as `.transpose(1, 2)` views, or q/k sliced out of a fused qkv projection, are read in
 place); only the last dim must be contiguous. Position ids must lie in [0, P): like any indexing kernel,
 the GPU path does not check this (a check would cost a host sync).
