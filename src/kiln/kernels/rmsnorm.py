@@ -13,9 +13,10 @@ Both x and residual receive dh.
 
 The Triton path keeps a whole row in registers (BLOCK = next_power_of_2(D), D <= 65536); in the
 forward a program takes one row, or for short rows (D <= 2048) a (rows, BLOCK) tile of several; it
-saves rstd (one float32 per row) for the backward. The backward runs a few programs per SM, each over a contiguous chunk of rows, accumulating its dw partial sum in registers;
-the (programs, D) float32 partials are summed afterwards, so dw costs no atomics. The last dim must be
-contiguous (other layouts are copied to contiguous rows first); x may be fp32, fp16 or bf16.
+saves rstd (one float32 per row) for the backward. The backward runs a few programs per SM, each over
+a contiguous chunk of rows, accumulating its dw partial sum in registers; the (programs, D) float32
+partials are summed afterwards, so dw costs no atomics. The last dim must be contiguous (other layouts
+are copied to contiguous rows first); x may be fp32, fp16 or bf16.
 """
 
 from __future__ import annotations
