@@ -22,3 +22,19 @@ def git_commit(short: bool = False) -> str:
     except (OSError, subprocess.SubprocessError):
         out = ""
     return out if out and out != "HEAD" else "unknown"
+
+
+def run_meta() -> dict:
+    """The fields every result JSON starts with: device, library versions, commit, UTC date."""
+    import time
+
+    import torch
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }

@@ -42,6 +42,7 @@ from kiln.kernels.matmul import linear  # noqa: E402
 from kiln.kernels.rmsnorm import rmsnorm_fwd  # noqa: E402
 from kiln.kernels.rope import rope_launch  # noqa: E402
 from kiln.kernels.swiglu import swiglu, swiglu_bwd  # noqa: E402
+from provenance import run_meta  # noqa: E402
 from timing import interleaved_ms  # noqa: E402
 
 EPS = 1e-6
@@ -189,10 +190,7 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mk = kn.Inputs(device, args.smoke)
     M = 32768 if not args.smoke else 8
-    res = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter smoke run)",
-           "torch": torch.__version__, "triton": triton.__version__, "liger": kn.LIGER,
-           "commit": kn.git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "groups": [], "errors": []}  # fmt: skip
+    res = run_meta() | {"liger": kn.LIGER, "groups": [], "errors": []}
     steps = {"norms": lambda: norms(mk, M, args.smoke), "rope": lambda: [rope(mk, args.smoke)],
              "swiglu": lambda: swiglu_group(mk, args.smoke), "gemm": lambda: gemms(mk, args.smoke)}  # fmt: skip
     t0 = time.perf_counter()

@@ -13,9 +13,7 @@
 
 import functools
 import json
-import os
 import sys
-import time
 
 import torch
 import triton
@@ -26,6 +24,7 @@ import kernels_norms as kn  # noqa: E402
 from kiln.kernels import rope  # noqa: E402
 from kiln.kernels.dispatch import use_backend  # noqa: E402
 from kiln.kernels.rmsnorm import rmsnorm_fwd  # noqa: E402
+from provenance import run_meta  # noqa: E402
 from sweep_memory_bound import no_grad, run_group  # noqa: E402
 
 
@@ -43,9 +42,7 @@ def rms_hinted(X, Y, W, RSTD, stride, n_cols, eps, XE: tl.constexpr, WE: tl.cons
 
 
 def main():
-    out = {"commit": os.environ.get("KILN_COMMIT"), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "liger": kn.LIGER, "groups": []}  # fmt: skip
+    out = run_meta() | {"liger": kn.LIGER, "groups": []}
     mk = kn.Inputs("cuda", False)
     B, T, Hq, Hk, D = kn.FULL["rope"]
     q, k = mk.randn(B, T, Hq, D), mk.randn(B, T, Hk, D)

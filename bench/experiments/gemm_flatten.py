@@ -9,27 +9,21 @@ flattened 128x256 tiles in groups of 4 became the default for plain epilogues.
 """
 
 import json
-import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, "bench")
 import kernels_norms as kn
 from kiln.kernels.matmul import matmul_fwd, tile_config
+from provenance import run_meta  # noqa: E402
 from sweep_memory_bound import run_group
 
 
 def main():
-    out = {
+    out = run_meta() | {
         "groups": [],
-        "commit": os.environ.get("KILN_COMMIT"),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
         "errors": {},
     }
     mk = kn.Inputs("cuda", False)

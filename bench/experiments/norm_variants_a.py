@@ -11,9 +11,7 @@ commit); prefill GEMM host path. None of the RMSNorm variants beat Liger (134.6-
 """
 
 import json
-import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +25,7 @@ from kiln.kernels.layernorm import layernorm_fwd
 from kiln.kernels.matmul import linear, matmul_fwd
 from kiln.kernels.rmsnorm import rmsnorm_fwd
 from kiln.kernels.rope import rope_launch
+from provenance import run_meta  # noqa: E402
 from sweep_memory_bound import no_grad, run_group
 
 
@@ -54,12 +53,8 @@ def rms_var(
 
 
 def main():
-    out = {
+    out = run_meta() | {
         "groups": [],
-        "commit": os.environ.get("KILN_COMMIT"),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
     }
     mk = kn.Inputs("cuda", False)
     M = 32768

@@ -9,9 +9,7 @@ the sweep). Prefill GEMM tile configs against cuBLAS.
 """
 
 import json
-import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +20,7 @@ sys.path.insert(0, "bench")
 import kernels_norms as kn
 from kiln.kernels.matmul import matmul_fwd, tile_config
 from kiln.kernels.rmsnorm import rmsnorm_fwd
+from provenance import run_meta  # noqa: E402
 from sweep_memory_bound import no_grad, run_group
 
 
@@ -58,12 +57,8 @@ def rms_strided(X, Y, W, RSTD, stride, n_rows, n_cols, eps, STAGES: tl.constexpr
 
 
 def main():
-    out = {
+    out = run_meta() | {
         "groups": [],
-        "commit": os.environ.get("KILN_COMMIT"),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
     }
     mk = kn.Inputs("cuda", False)
     M = 32768

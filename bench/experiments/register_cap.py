@@ -16,27 +16,23 @@ kiln's launcher as it is and with the cap.
 
 import functools
 import json
-import os
 import sys
-import time
 
 import torch
-import triton
 
 sys.path.insert(0, "bench")
 import kernels_norms as kn  # noqa: E402
 from kiln.kernels import rmsnorm  # noqa: E402
 from kiln.kernels.dispatch import use_backend  # noqa: E402
 from kiln.kernels.layernorm import layernorm_fwd  # noqa: E402
+from provenance import run_meta  # noqa: E402
 from sweep_memory_bound import no_grad, run_group  # noqa: E402
 
 EPS = 1e-6
 
 
 def main():
-    out = {"commit": os.environ.get("KILN_COMMIT"), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "liger": kn.LIGER, "groups": []}  # fmt: skip
+    out = run_meta() | {"liger": kn.LIGER, "groups": []}
     mk = kn.Inputs("cuda", False)
     M = kn.FULL["norm"][0]
     for D in (4096, 1536):
