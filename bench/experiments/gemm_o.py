@@ -51,7 +51,9 @@ def main():
                 out["errors"].append(f"{name} {cname}: {type(e).__name__}: {str(e)[:300]}")
         with torch.no_grad():
             g = run_group(f"gemm_{name}_M{M}", fns, False)
-        g["tflops"] = {n: round(2 * M * N * K / r["ms"] / 1e9, 1) for n, r in g["results"].items() if "ms" in r}
+        g["tflops"] = {
+            n: round(2 * M * N * K / r["ms"] / 1e9, 1) for n, r in g["results"].items() if "ms" in r
+        }
         out["groups"].append(g)
         with open(sys.argv[1], "w") as fh:
             json.dump(out, fh, indent=1)

@@ -146,8 +146,12 @@ def main():
         print(name, out["timeline_us"][name], flush=True)
     pc = out["per_call_us"]
     pc["kiln rmsnorm fwd+bwd"] = per_call_us(lambda: torch.autograd.grad(RN.rmsnorm(x, w), (x, w), g))
-    pc["F.rms_norm fwd+bwd"] = per_call_us(lambda: torch.autograd.grad(F.rms_norm(x, (4096,), w, 1e-6), (x, w), g))
-    pc["kiln layernorm fwd+bwd"] = per_call_us(lambda: torch.autograd.grad(LN.layernorm(x, w, b), (x, w, b), g))
+    pc["F.rms_norm fwd+bwd"] = per_call_us(
+        lambda: torch.autograd.grad(F.rms_norm(x, (4096,), w, 1e-6), (x, w), g)
+    )
+    pc["kiln layernorm fwd+bwd"] = per_call_us(
+        lambda: torch.autograd.grad(LN.layernorm(x, w, b), (x, w, b), g)
+    )
     pc["F.layer_norm fwd+bwd"] = per_call_us(
         lambda: torch.autograd.grad(F.layer_norm(x, (4096,), w, b), (x, w, b), g)
     )
@@ -158,7 +162,9 @@ def main():
         pc["kiln rmsnorm_bwd"] = per_call_us(lambda: RN.rmsnorm_bwd(g, h, w, rstd))
         p = torch.empty(264, 4096, device=dev)
         pc["sum_partials"] = per_call_us(lambda: RN.sum_partials(p, torch.bfloat16))
-        pc["torch.empty 64x4096"] = per_call_us(lambda: torch.empty(64, 4096, device=dev, dtype=torch.bfloat16))
+        pc["torch.empty 64x4096"] = per_call_us(
+            lambda: torch.empty(64, 4096, device=dev, dtype=torch.bfloat16)
+        )
         # the launch path of the forward kernel, arguments prepared
         y = torch.empty_like(x)
         args = (x, x, x, y, w, rstd, 4096, 0, 4096, 64, 4096, 1e-6)
@@ -169,11 +175,13 @@ def main():
         pc["CachedLaunch key only"] = per_call_us(lambda: lc.key(torch.cuda.current_device(), args, meta))
         pc["torch.cuda.current_device"] = per_call_us(torch.cuda.current_device)
         kern = lc.compiled[key]
-        rest = [meta[n] if n in meta else lc.defaults[n] for n in lc.names[len(args):]]
+        rest = [meta[n] if n in meta else lc.defaults[n] for n in lc.names[len(args) :]]
         stream = L.driver.active.get_current_stream(0)
         pc["get_current_stream"] = per_call_us(lambda: L.driver.active.get_current_stream(0))
         pc["kernel.run direct"] = per_call_us(
-            lambda: kern.run(64, 1, 1, stream, kern.function, kern.packed_metadata, None, None, None, *args, *rest)
+            lambda: kern.run(
+                64, 1, 1, stream, kern.function, kern.packed_metadata, None, None, None, *args, *rest
+            )
         )
     for k, v in pc.items():
         print(f"{k:40s} {v}", flush=True)

@@ -103,7 +103,10 @@ def rms_variants(x, w):
     sms = sm_count(x.device)
     fns = {}
     for rows in (1, 2):
-        xd, yd = TensorDescriptor(x, [M, D], [D, 1], [rows, B]), TensorDescriptor(y, [M, D], [D, 1], [rows, B])
+        xd, yd = (
+            TensorDescriptor(x, [M, D], [D, 1], [rows, B]),
+            TensorDescriptor(y, [M, D], [D, 1], [rows, B]),
+        )
         for nw in (4, 8, 16):
             fns[f"tma_r{rows}_w{nw}"] = (lambda xd=xd, yd=yd, rows=rows, nw=nw: rms_tma[(triton.cdiv(M, rows),)](
                 xd, yd, w, rstd, M, D, EPS, ROWS=rows, BLOCK=B, PERSIST=False, STAGES=1, num_warps=nw))  # fmt: skip
@@ -156,7 +159,10 @@ def main():
     fns = {"kiln": no_grad(lambda: layernorm_fwd(x, w, b, EPS)),
            "liger": kn.liger(no_grad(lambda: kn.LigerLayerNormFunction.apply(x, w, b, EPS)))}  # fmt: skip
     for rows in (1, 2):
-        xd, yd = TensorDescriptor(x, [M, D], [D, 1], [rows, D]), TensorDescriptor(y, [M, D], [D, 1], [rows, D])
+        xd, yd = (
+            TensorDescriptor(x, [M, D], [D, 1], [rows, D]),
+            TensorDescriptor(y, [M, D], [D, 1], [rows, D]),
+        )
         for nw in (4, 8, 16):
             fns[f"tma_r{rows}_w{nw}"] = (lambda xd=xd, yd=yd, rows=rows, nw=nw: ln_tma[(triton.cdiv(M, rows),)](
                 xd, yd, w, b, mean, rstd, M, D, EPS, ROWS=rows, BLOCK=D, num_warps=nw))  # fmt: skip
