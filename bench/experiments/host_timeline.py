@@ -107,7 +107,7 @@ def timeline(fn_cls, x, w, g, n=300) -> dict:
         t0 = ns()
         y = fn_cls.apply(x, w)
         t1 = ns()
-        torch.autograd.grad(y, (x, w), g)
+        torch.autograd.grad(y, (x, w), g, allow_unused=True)
         t2 = ns()
         if i < 30:
             continue
@@ -183,6 +183,18 @@ def main():
                 64, 1, 1, stream, kern.function, kern.packed_metadata, None, None, None, *args, *rest
             )
         )
+    from kiln.kernels.matmul import linear, matmul_fwd, pick_config
+
+    xm, wm = (
+        torch.randn(8192, 1536, device=dev, dtype=torch.bfloat16),
+        torch.randn(1536, 1536, device=dev, dtype=torch.bfloat16),
+    )
+    with torch.no_grad():
+        pc["F.linear 8192x1536x1536"] = per_call_us(lambda: F.linear(xm, wm), n=50)
+        pc["kiln linear"] = per_call_us(lambda: linear(xm, wm), n=50)
+        cfg = pick_config(8192, 1536, 1536, 132)
+        pc["kiln matmul_fwd fixed config"] = per_call_us(lambda: matmul_fwd(xm, wm.t(), config=cfg), n=50)
+        pc["torch.empty 8192x1536"] = per_call_us(lambda: xm.new_empty(8192, 1536), n=50)
     for k, v in pc.items():
         print(f"{k:40s} {v}", flush=True)
     with open(sys.argv[1], "w") as f:

@@ -121,7 +121,7 @@ def rms_variants(x, w):
         for nw in (4, 8):
             fns[f"tma3d_w{nw}"] = (lambda nw=nw: rms_tma3[(M,)](
                 xd3, yd3, w, rstd, M, D, EPS, ROWS=1, SPLIT=S, num_warps=nw))  # fmt: skip
-    return fns
+    return fns, y
 
 
 def main():
