@@ -195,6 +195,29 @@ def main():
         cfg = pick_config(8192, 1536, 1536, 132)
         pc["kiln matmul_fwd fixed config"] = per_call_us(lambda: matmul_fwd(xm, wm.t(), config=cfg), n=50)
         pc["torch.empty 8192x1536"] = per_call_us(lambda: xm.new_empty(8192, 1536), n=50)
+        # the GEMM launch path in pieces: Python before the launch (launch stubbed), the cache key, the
+        # compiled handle's run (which asks the allocator for the descriptors' scratch), the scratch alone
+        from kiln.kernels import matmul as MM
+
+        ml = MM._matmul_launch
+        seen = {}
+        ml.launch = lambda grid, a, m: seen.update(grid=grid, args=a, meta=m)
+        pc["matmul_fwd python only (launch stubbed)"] = per_call_us(
+            lambda: matmul_fwd(xm, wm.t(), config=cfg), n=50
+        )
+        del ml.launch
+        margs, mmeta, mgrid = seen["args"], seen["meta"], seen["grid"]
+        mkey = ml.key(torch.cuda.current_device(), margs, mmeta)
+        pc["matmul CachedLaunch key only"] = per_call_us(lambda: ml.key(0, margs, mmeta), n=50)
+        mk_ = ml.compiled[mkey]
+        mrest = [mmeta[n] if n in mmeta else ml.defaults[n] for n in ml.names[len(margs) :]]
+        pc["matmul kernel.run direct"] = per_call_us(
+            lambda: mk_.run(
+                mgrid[0], 1, 1, stream, mk_.function, mk_.packed_metadata, None, None, None, *margs, *mrest
+            ),
+            n=50,
+        )
+        pc["descriptor scratch alloc"] = per_call_us(lambda: MM._tma_alloc(132 * 384, 128, None), n=50)
     for k, v in pc.items():
         print(f"{k:40s} {v}", flush=True)
     with open(sys.argv[1], "w") as f:
