@@ -42,6 +42,22 @@ def test_key_takes_constexprs_by_value_positional_or_keyword():
     assert launch.key(0, (x, x, 50, 2, 32), {}) != k2
 
 
+def test_generated_key_is_the_per_argument_key():
+    """The key function generated per argument kinds gives, for each argument, what `_arg_key` gives
+    (flattened), and constexprs by value, for every kind of argument a launcher passes."""
+    launch = CachedLaunch(JITFunction(_scaled_copy))
+    a, p = torch.zeros(64), torch.nn.Parameter(torch.zeros(64))
+    for args in [(a, a, 64, 2, 32), (a[1:], p, 1, 2, 32), (a.half(), None, 2**40, 3, 16), (p, a, 17, 2, 32)]:
+        want: list = []
+        for x, const in zip(args, (False, False, False, True, True)):
+            k = x if const else _arg_key(x)
+            want += list(k) if isinstance(k, tuple) else [k]
+        device, kinds, got, meta = launch.key(0, args, {"num_warps": 4})
+        assert (device, kinds, got, meta) == (0, tuple(map(type, args)), tuple(want), (("num_warps", 4),))
+    # a float argument is specialized by type only
+    assert launch.key(0, (a, a, 0.5), {})[2] == launch.key(0, (a, a, 2.0), {})[2]
+
+
 @triton.jit
 def _axpy(X, Y, OUT, n, alpha, BLOCK: tl.constexpr, NEG: tl.constexpr = False):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -34,6 +34,7 @@ from kiln.kernels.rmsnorm import (
     needs_grad,
     programs_per_device,
     row_warps,
+    shaped,
     sum_partials,
 )
 
@@ -246,8 +247,8 @@ class LayerNormFunction(torch.autograd.Function):
         ctx.shape = x.shape
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.has_residual = residual is not None
-        y = y.view(x.shape)
-        return y if residual is None else (y, h.view(x.shape))
+        y = shaped(y, x.shape)
+        return y if residual is None else (y, shaped(h, x.shape))
 
     @staticmethod
     def backward(ctx, dy, dh=None):
@@ -255,7 +256,7 @@ class LayerNormFunction(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros_like(h)
         dx, dw, db = layernorm_bwd(dy, h, weight, ctx.bias_dtype, mean, rstd, dh)
-        dx = dx.view(ctx.shape)
+        dx = shaped(dx, ctx.shape)
         return dx, dw, db, (dx if ctx.has_residual else None), None
 
 
@@ -272,4 +273,4 @@ def layernorm(
     if needs_grad(x, weight, bias, residual):
         return LayerNormFunction.apply(x, weight, bias, residual, eps)
     y, h, _, _ = layernorm_fwd(x, weight, bias, eps, residual)
-    return y.view(x.shape) if residual is None else (y.view(x.shape), h.view(x.shape))
+    return shaped(y, x.shape) if residual is None else (shaped(y, x.shape), shaped(h, x.shape))

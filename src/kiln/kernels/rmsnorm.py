@@ -196,8 +196,15 @@ def row_warps(block: int) -> int:
 
 def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     """`t` as a (rows, n_cols) view with a contiguous last dim, copying only when it has to."""
+    if t.dim() == 2 and t.stride(1) == 1:  # rows already: no new view (each is host time on the hot path)
+        return t
     t2 = t.reshape(-1, n_cols)
     return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
+
+
+def shaped(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """`t` (contiguous rows) viewed as `shape`: itself when it has that shape already."""
+    return t if t.shape == shape else t.view(shape)
 
 
 def programs_per_device(device: torch.device, per_sm: int) -> int:
@@ -299,8 +306,8 @@ class RMSNormFunction(torch.autograd.Function):
         ctx.save_for_backward(h, weight, rstd)
         ctx.shape = x.shape
         ctx.has_residual = residual is not None
-        y = y.view(x.shape)
-        return y if residual is None else (y, h.view(x.shape))
+        y = shaped(y, x.shape)
+        return y if residual is None else (y, shaped(h, x.shape))
 
     @staticmethod
     def backward(ctx, dy, dh=None):
@@ -308,7 +315,7 @@ class RMSNormFunction(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros_like(h)
         dx, dw = rmsnorm_bwd(dy, h, weight, rstd, dh)
-        dx = dx.view(ctx.shape)
+        dx = shaped(dx, ctx.shape)
         return dx, dw, (dx if ctx.has_residual else None), None
 
 
@@ -322,4 +329,4 @@ def rmsnorm(
         return RMSNormFunction.apply(x, weight, residual, eps)
     # inference: the launcher alone (autograd.Function.apply costs ~25 us of host time per call)
     y, h, _ = rmsnorm_fwd(x, weight, eps, residual)
-    return y.view(x.shape) if residual is None else (y.view(x.shape), h.view(x.shape))
+    return shaped(y, x.shape) if residual is None else (shaped(y, x.shape), shaped(h, x.shape))

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, pow2
-from kiln.kernels.rmsnorm import FLOAT_DTYPES, as_rows, needs_grad, row_warps
+from kiln.kernels.rmsnorm import FLOAT_DTYPES, as_rows, needs_grad, row_warps, shaped
 
 MAX_BLOCK = 16384  # the longest row kept whole in registers; longer rows take the online kernel
 ONLINE_BLOCK = 4096  # block the online kernel walks a long row in
@@ -168,12 +168,12 @@ class SoftmaxFunction(torch.autograd.Function):
         y = softmax_fwd(x)
         ctx.save_for_backward(y)
         ctx.shape = x.shape
-        return y.view(x.shape)
+        return shaped(y, x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
-        return softmax_bwd(dy, y).view(ctx.shape)
+        return shaped(softmax_bwd(dy, y), ctx.shape)
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -182,5 +182,5 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return softmax_ref(x, dim)
     last = dim in (-1, x.dim() - 1)
     xl = x if last else x.movedim(dim, -1)
-    y = SoftmaxFunction.apply(xl) if needs_grad(xl) else softmax_fwd(xl).view(xl.shape)
+    y = SoftmaxFunction.apply(xl) if needs_grad(xl) else shaped(softmax_fwd(xl), xl.shape)
     return y if last else y.movedim(-1, dim)
