@@ -137,6 +137,24 @@ def test_matmul_bad_input_errors(device):
             matmul(torch.randn(4, 4, device=device), torch.randn(4, 4, device=device).half())
 
 
+def test_matmul_plans_follow_alignment_and_keep_their_checks(device):
+    """matmul_fwd plans each layout of arguments once: a view of the same shape and strides at an address
+    that is not 16-byte aligned must get its own plan (block pointers, not TMA), and a bad call after good
+    ones still gets its error."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(40 * 64 + 8, generator=gen).to(device, torch.float16)
+    b = (torch.randn(64, 48, generator=gen) / 8).to(device, torch.float16)
+    with use_backend("triton"):
+        for off in (0, 1, 0, 1):  # aligned, misaligned, and each again (the memoized plans)
+            a = base[off : off + 40 * 64].view(40, 64)
+            c, _ = matmul_fwd(a, b, activation="silu")
+            assert_close(c, matmul_ref(a.double(), b.double(), None, "silu"), name=f"C at offset {off}")
+        with pytest.raises(ValueError, match=r"\(M, K\)"):
+            matmul_fwd(a, b[:5])
+        with pytest.raises(ValueError, match="bias"):
+            matmul_fwd(a, b, torch.zeros(47, device=device, dtype=torch.float16))
+
+
 QWEN_SHAPES = [(8192, 1536, 2048), (8192, 1536, 1536), (1, 1536, 17920), (16, 8960, 1536), (4096, 4096, 4096)]
 
 
