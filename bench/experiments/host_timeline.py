@@ -191,7 +191,7 @@ def main():
         key = lc.key(torch.cuda.current_device(), args, meta)
         pc["CachedLaunch key only"] = per_call_us(lambda: lc.key(torch.cuda.current_device(), args, meta))
         pc["torch.cuda.current_device"] = per_call_us(torch.cuda.current_device)
-        kern = lc.compiled[key]
+        kern = lc.compiled[key][0]
         rest = [meta[n] if n in meta else lc.defaults[n] for n in lc.names[len(args) :]]
         stream = L.driver.active.get_current_stream(0)
         pc["get_current_stream"] = per_call_us(lambda: L.driver.active.get_current_stream(0))
@@ -226,7 +226,7 @@ def main():
         margs, mmeta, mgrid = seen["args"], seen["meta"], seen["grid"]
         mkey = ml.key(torch.cuda.current_device(), margs, mmeta)
         pc["matmul CachedLaunch key only"] = per_call_us(lambda: ml.key(0, margs, mmeta), n=50)
-        mk_ = ml.compiled[mkey]
+        mk_ = ml.compiled[mkey][0]
         mrest = [mmeta[n] if n in mmeta else ml.defaults[n] for n in ml.names[len(margs) :]]
         pc["matmul kernel.run direct"] = per_call_us(
             lambda: mk_.run(
