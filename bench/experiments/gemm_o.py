@@ -1,7 +1,9 @@
 """One-off H200 experiment: tile configs for the short-K prefill GEMMs (Qwen2.5-1.5B O projection 8192 x
 1536 x 1536 and QKV 8192 x 1536 -> 2048), against cuBLAS, interleaved; do_bench, CUDA-graph and host time.
 
-    python bench/experiments/gemm_o.py OUT.json   # from the repo root, on a CUDA GPU (~1 minute)
+    python bench/experiments/gemm_o.py OUT.json [quick]   # from the repo root, on a CUDA GPU (~1 minute)
+
+quick: only cuBLAS and kiln's `linear` (the default config), for the host path.
 """
 
 import json
@@ -39,7 +41,7 @@ def main():
         x, w = mk.randn(M, K), mk.randn(N, K, scale=K**-0.5)
         ref = F.linear(x, w)
         fns = {"cublas": lambda x=x, w=w: F.linear(x, w), "kiln_linear": lambda x=x, w=w: linear(x, w)}
-        for cname, cfg in CONFIGS.items():
+        for cname, cfg in CONFIGS.items() if sys.argv[2:] != ["quick"] else ():
             f = lambda x=x, w=w, cfg=cfg: matmul_fwd(x, w.t(), config=cfg)[0]  # noqa: E731
             try:
                 err = float((f().float() - ref.float()).abs().max())
