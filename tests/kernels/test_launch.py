@@ -111,3 +111,15 @@ def test_cached_launch_follows_the_current_stream_and_graph_capture():
     g.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out3, torch.full_like(x, 4.0))
+
+
+@pytest.mark.gpu
+def test_bound_launch_runs_the_binary_on_new_arguments():
+    n = 1000
+    x, y, out = torch.randn(n, device="cuda"), torch.randn(n, device="cuda"), torch.empty(n, device="cuda")
+    run = _axpy_cached.bind((triton.cdiv(n, 256),), (x, y, out, n, 0.5), {"BLOCK": 256, "NEG": True})
+    torch.testing.assert_close(out, -(0.5 * x + y))
+    for alpha in (2.0, -1.0):  # new tensors, a new float: the same specialization
+        x2, y2, out2 = torch.randn_like(x), torch.randn_like(x), torch.empty_like(x)
+        run((x2, y2, out2, n, alpha))
+        torch.testing.assert_close(out2, -(alpha * x2 + y2))

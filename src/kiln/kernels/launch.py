@@ -115,6 +115,32 @@ class CachedLaunch:
             f = self.key_functions[kinds] = _key_function(kinds, self.constexpr)
         return (device, kinds, f(args), tuple(meta.items()))
 
+    def bind(self, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> Callable[[tuple], Any]:
+        """Launch once with (args, meta), and return `run(new_args)` that launches the same binary on
+        the same grid with other positional arguments, without computing a key. The caller guarantees
+        that the new arguments specialize as `args` did (kinds, dtypes, 16-byte alignment, int classes),
+        e.g. by memoizing `run` under a key holding all of those (matmul_fwd's plans)."""
+        kernel = self.launch(grid, args, meta)
+        entry = (
+            None if self.interpret else self.compiled.get(self.key(torch.cuda.current_device(), args, meta))
+        )
+        if entry is None:  # the interpreter, torch.compile tracing or a profiler hook: plain launches
+            return lambda new_args: self.launch(grid, new_args, meta)
+        rest = entry[1]
+        device = torch.cuda.current_device()
+        g0, g1, g2 = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+
+        def run(new_args: tuple) -> Any:
+            if torch.cuda.current_device() != device or _hooks_active() or torch.compiler.is_compiling():
+                return self.launch(grid, new_args, meta)
+            kernel.run(
+                g0, g1, g2, driver.active.get_current_stream(device), kernel.function, kernel.packed_metadata,
+                None, None, None, *new_args, *rest,
+            )  # fmt: skip
+            return kernel
+
+        return run
+
     def launch(self, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> Any:
         if self.interpret or torch.compiler.is_compiling():
             # the interpreter; or torch.compile tracing, which captures a plain launch of a @triton.jit

@@ -25,7 +25,9 @@ torch.backends.cuda.matmul.allow_tf32 is on). Not done: split-K, persistent sche
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -74,14 +76,15 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 def tile_config(
-    bm, bn, bk, stages, warps, group=8, ws=False, persistent=False, split_k=1, flatten=False
+    bm, bn, bk, stages, warps, group=8, ws=False, persistent=False, split_k=1, flatten=False, epi_split=1
 ) -> triton.Config:
     """A launch config for `matmul_fwd(config=...)`: tile sizes, pipeline stages, warps, group size,
     warp specialization, persistent tile loop (`flatten`: pipelined as one loop with each tile's K loop,
-    so a tile's epilogue overlaps the next tile's first loads), and the number of programs sharing one
-    tile's K range."""
+    so a tile's epilogue overlaps the next tile's first loads), the number of programs sharing one
+    tile's K range, and the pieces C's TMA store is split into (`epi_split` 2: half the shared memory
+    to stage it, room for another pipeline stage)."""
     meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "WARP_SPEC": ws,
-            "PERSISTENT": persistent, "SPLIT_K": split_k, "FLATTEN": flatten}  # fmt: skip
+            "PERSISTENT": persistent, "SPLIT_K": split_k, "FLATTEN": flatten, "EPI_SPLIT": epi_split}  # fmt: skip
     return triton.Config(meta, num_stages=stages, num_warps=warps)
 
 
@@ -182,7 +185,13 @@ def _epilogue(
         tl.store(pre_blk, acc.to(Pre_ptr.dtype.element_ty), boundary_check=(0, 1))
     acc = _activation(acc, ACTIVATION)
     if TMA:
-        c_desc.store([off_m, off_n], acc.to(C_ptr.dtype.element_ty))
+        if c_desc.block_shape[1] == BLOCK_N:
+            c_desc.store([off_m, off_n], acc.to(C_ptr.dtype.element_ty))
+        else:  # the tile in two column halves: half the shared memory to stage the store (EPI_SPLIT)
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            left, right = tl.split(halves)
+            c_desc.store([off_m, off_n], left.to(C_ptr.dtype.element_ty))
+            c_desc.store([off_m, off_n + BLOCK_N // 2], right.to(C_ptr.dtype.element_ty))
     else:
         c_blk = tl.make_block_ptr(C_ptr, (M, N), (N, 1), (off_m, off_n), (BLOCK_M, BLOCK_N), (1, 0))
         tl.store(c_blk, acc.to(C_ptr.dtype.element_ty), boundary_check=(0, 1))
@@ -297,6 +306,7 @@ def _matmul_kernel(
     PERSISTENT: tl.constexpr,  # a grid of num_programs programs loops over the tiles; else one tile each
     SPLIT_K: tl.constexpr,  # programs per tile, each over 1 / SPLIT_K of K (not with PERSISTENT)
     FLATTEN: tl.constexpr = False,  # PERSISTENT: pipeline the tile loop and the K loop as one loop
+    EPI_SPLIT: tl.constexpr = 1,  # TMA: store C in 1 or 2 column pieces (2: half the staging memory)
 ):
     if TMA:
         # Descriptors are laid out with the unit-stride dim last, as TMA requires; MN-major tiles are
@@ -309,7 +319,7 @@ def _matmul_kernel(
             b_desc = tl.make_tensor_descriptor(B_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
         else:
             b_desc = tl.make_tensor_descriptor(B_ptr, [K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N])
-        c_desc = tl.make_tensor_descriptor(C_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
+        c_desc = tl.make_tensor_descriptor(C_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N // EPI_SPLIT])
     else:
         a_desc, b_desc, c_desc = A_ptr, B_ptr, C_ptr  # unused
     if PERSISTENT:
@@ -350,7 +360,8 @@ def _tma_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
-class _Plan(NamedTuple):
+@dataclass(slots=True)
+class _Plan:
     """How matmul_fwd runs one layout of arguments (everything but the tensors' contents and addresses)."""
 
     kind: str  # "decode" (kernels/matmul_decode.py), "empty" (a zero-size dim), or "tiles" (this kernel)
@@ -363,6 +374,7 @@ class _Plan(NamedTuple):
     config: triton.Config | None  # None: the autotuner picks
     flags: dict[str, Any]  # constexpr keywords, with a fixed config's tile sizes and launch options
     grid: tuple[int] | None  # for a fixed config
+    run: Callable[[tuple], Any] | None = None  # a fixed config's launch, bound at the first call
 
 
 # matmul_fwd's plans by argument layout: the checks and choices of a call are made once per layout, and a
@@ -394,13 +406,14 @@ def matmul_fwd(
     explicit `config` (its BLOCK_N fixes the layout) and no activation. config: skip the autotuner.
     tma: force tensor descriptors (True) or block pointers (False); default: descriptors when allowed.
     """
-    # every property the plan depends on (16-byte alignment: TMA's and Triton's specialization)
+    # every property the plan depends on, and all that Triton specializes the launch on (dtypes, 16-byte
+    # alignment, the ints' values): a plan's bound launch is only reused for an identical layout
     key = (
         a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device,
         a.data_ptr() & 15, b.data_ptr() & 15,
-        None if bias is None else (bias.shape, bias.device),
+        None if bias is None else (bias.shape, bias.dtype, bias.device, bias.data_ptr() & 15),
         None if out is None else (out.shape, out.dtype, out.stride(), out.data_ptr() & 15),
-        None if row_stats is None else row_stats.shape,
+        None if row_stats is None else (row_stats.shape, row_stats.dtype, row_stats.data_ptr() & 15),
         activation, store_pre, accumulate, config, tma,
         a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32,
     )  # fmt: skip
@@ -437,8 +450,12 @@ def matmul_fwd(
             return (min(tiles, programs) if meta["PERSISTENT"] else tiles * meta["SPLIT_K"],)
 
         _matmul_autotuned[grid](*args, **plan.flags)
-    else:  # a fixed config, bypassing the autotuner (prefill-sized problems, fused cross-entropy, tests)
-        _matmul_launch[plan.grid](*args, **plan.flags)
+    elif (
+        plan.run is None
+    ):  # a fixed config, bypassing the autotuner (prefill-sized problems, fused CE, tests)
+        plan.run = _matmul_launch.bind(plan.grid, args, plan.flags)
+    else:  # the key holds every property Triton specializes on (the fresh C, pre and work are aligned)
+        plan.run(args)
     return c, pre
 
 
