@@ -110,7 +110,7 @@ def main() -> None:
 
     # the RMSNorm forward kernel alone, arguments prepared
     y = torch.empty_like(x)
-    rstd = torch.empty(64, device=dev)
+    rstd = torch.empty(64 + RN.COUNTERS.value, device=dev)  # rstd per row, then the counters
     a13 = (x, x, x, y, w, rstd, 4096, 0, 4096, 4096, 1e-6)
     kw = dict(HAS_RESIDUAL=False, BLOCK=4096, num_warps=8)
     res["rmsnorm fwd kernel launch"] = per_call_us(lambda: RN._rmsnorm_fwd_kernel[(64,)](*a13, **kw))

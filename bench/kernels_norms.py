@@ -367,11 +367,11 @@ def bench_layernorm(bench: Bench, mk: Inputs, M: int, N: int) -> None:
         },
         [x, w, b], [dy],
     )  # fmt: skip
-    y, h, mean, rstd = layernorm_fwd(x, w, b, EPS)
+    y, h, stats = layernorm_fwd(x, w, b, EPS)
     bench.tune(
         "layernorm_bwd",
-        {"default": lambda: layernorm_bwd(dy, h, w, b.dtype, mean, rstd)}
-        | {f"w{nw}_p{p}_s{s}": (lambda nw=nw, p=p, s=s: layernorm_bwd(dy, h, w, b.dtype, mean, rstd, None, nw, p, s))
+        {"default": lambda: layernorm_bwd(dy, h, w, b.dtype, stats)}
+        | {f"w{nw}_p{p}_s{s}": (lambda nw=nw, p=p, s=s: layernorm_bwd(dy, h, w, b.dtype, stats, None, nw, p, s))
            for nw in (8, 16) for p in (1, 2, 3, 4) for s in (1, 3, 4)},
     )  # fmt: skip
 

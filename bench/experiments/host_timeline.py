@@ -2,6 +2,10 @@
 
     python bench/experiments/host_timeline.py OUT.json   # from the repo root, on a CUDA GPU (~30 s)
 
+Run at commits 7f34ca8 and 19a1a39 (bench/results/host_timeline*.json): its TimedRMS copies the backward
+of those commits (a second launch for the dw partial sums, `sum_partials`, since folded into the
+backward kernel), so it needs one of them checked out.
+
 On the 2-core CPU machine kiln's RMSNorm forward+backward costs ~90 us of Python; on the H200's host it
 measured 300-660 us per call, over the GPU time of the 32768 x 4096 case. Here every step of one call is
 stamped with perf_counter_ns on small (64 x 4096) tensors, so the GPU never holds the host back:

@@ -77,14 +77,34 @@ def test_layernorm_fixed_configs():
     yr.backward(dy.double())
     # forward tiles of 1, 2 and 4 rows (9 rows: a ragged last tile), each one's mean/rstd feeding a backward
     for rows, stages in ((1, 1), (2, 3), (4, 3)):
-        y, h, mean, rstd = layernorm_fwd(x, w, b, 1e-5, num_warps=2, rows=rows)
+        y, h, stats = layernorm_fwd(x, w, b, 1e-5, num_warps=2, rows=rows)
         assert_close(y, yr, name=f"y rows={rows}")
         dx, dw, db = layernorm_bwd(
-            dy, h, w, b.dtype, mean, rstd, None, num_warps=2, programs_per_sm=1, stages=stages
+            dy, h, w, b.dtype, stats, None, num_warps=2, programs_per_sm=1, stages=stages
         )
         assert_close(dx, xr.grad, name="dx")
         assert_close(dw, wr.grad, name="dw")
         assert_close(db, br.grad, name="db")
+
+
+def test_layernorm_backward_sums_groups_and_resets_its_counters(device):
+    """dw and db summed by the backward's last programs over three groups (40 programs on the
+    interpreter), the same bits from a second backward of the same forward."""
+    from kiln.kernels.layernorm import layernorm_bwd, layernorm_fwd
+
+    g = torch.Generator().manual_seed(6)
+    x, dy = torch.randn(50, 24, generator=g).to(device), torch.randn(50, 24, generator=g).to(device)
+    w, b = torch.randn(24, generator=g).to(device), torch.randn(24, generator=g).to(device)
+    xr, wr, br = (t.double().requires_grad_() for t in (x, w, b))
+    layernorm_ref(xr, wr, br, 1e-5).backward(dy.double())
+    with use_backend("triton"):
+        _, h, stats = layernorm_fwd(x, w, b, 1e-5)
+        per_sm = 10 if device.type == "cpu" else 1
+        first = layernorm_bwd(dy, h, w, b.dtype, stats, None, num_warps=1, programs_per_sm=per_sm)
+        second = layernorm_bwd(dy, h, w, b.dtype, stats, None, num_warps=1, programs_per_sm=per_sm)
+    for name, got, want in zip(("dx", "dw", "db"), first, (xr.grad, wr.grad, br.grad)):
+        assert_close(got, want, name=name)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 @pytest.mark.gpu

@@ -109,6 +109,32 @@ def test_rmsnorm_fixed_configs():
         assert_close(dw, wr.grad, name="dw")
 
 
+def test_rmsnorm_backward_sums_groups_and_resets_its_counters(device):
+    """dw is summed in the backward's own launch by the programs that finish last (groups of 16, then the
+    group sums): 40 programs make three groups, one ragged. A second backward through the same graph
+    (retain_graph) must find the counters zeroed again and give the same gradients, bit for bit."""
+    from kiln.kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
+
+    g = torch.Generator().manual_seed(5)
+    x, w, dy = (t.to(device) for t in (torch.randn(50, 24, generator=g), torch.randn(24, generator=g),
+                                       torch.randn(50, 24, generator=g)))  # fmt: skip
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    rmsnorm_ref(xr, wr, 1e-6).backward(dy.double())
+    with use_backend("triton"):
+        _, h, rstd = rmsnorm_fwd(x, w, 1e-6)
+        per_sm = 10 if device.type == "cpu" else 1  # 40 programs on the interpreter, the SM count on a GPU
+        first = rmsnorm_bwd(dy, h, w, rstd, None, num_warps=1, programs_per_sm=per_sm)
+        second = rmsnorm_bwd(dy, h, w, rstd, None, num_warps=1, programs_per_sm=per_sm)
+        assert_close(first[0], xr.grad, name="dx")
+        assert_close(first[1], wr.grad, name="dw")
+        assert torch.equal(first[1], second[1]) and torch.equal(first[0], second[0])
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = rmsnorm(xa, wa)
+        once = torch.autograd.grad(y, (xa, wa), dy, retain_graph=True)
+        twice = torch.autograd.grad(y, (xa, wa), dy)
+        assert all(torch.equal(a, b) for a, b in zip(once, twice))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4, 1024, 4096), (3, 333, 1536), (2, 17, 8192)])
 @pytest.mark.parametrize("residual", [False, True])

@@ -11,9 +11,10 @@ Backward, with g = dy * w:        dh = rstd * (g - mean(g) - xhat * mean(g * xha
                                  dw = sum over rows of dy * xhat,  db = sum over rows of dy.
 
 Same launch plan as rmsnorm.py: whole rows in registers for the forward, a (rows, BLOCK) tile of a few
-rows per program (mean and rstd saved, one float32 each per row); a few persistent programs per SM in
-the backward, each keeping its dw/db partial sums in registers over a contiguous chunk of rows, summed
-afterwards (no atomics).
+rows per program, saving one float32 statistics buffer (mean per row, rstd per row, then the backward's
+zeroed counters); a few persistent programs per SM in the backward, each keeping its dw/db partial sums
+in registers over a contiguous chunk of rows, summed in the same launch by the programs that finish
+last, in program order (rmsnorm.py's `sum_partial_rows`: deterministic, no atomics on the data).
 """
 
 from __future__ import annotations
@@ -26,16 +27,19 @@ import triton.language as tl
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.rmsnorm import (
+    COUNTERS,
     PROGRAMS_PER_SM,
     ROW_LOOP_STAGES,
     as_rows,
+    backward_programs,
     check_rows,
     fwd_rows,
     needs_grad,
-    programs_per_device,
     row_warps,
     shaped,
-    sum_partials,
+    sum_partial_rows,
+    sum_rows_step,
+    zero_counters,
 )
 
 
@@ -61,8 +65,7 @@ def _layernorm_fwd_kernel(
     Y_ptr,  # (n_rows, D) out
     W_ptr,  # (D,) weight
     B_ptr,  # (D,) bias (read only if HAS_BIAS)
-    MEAN_ptr,  # (n_rows,) out: float32 row means
-    RSTD_ptr,  # (n_rows,) out: float32 1/std per row
+    STATS_ptr,  # (2 * n_rows + COUNTERS,) out: float32 mean per row, 1/std per row, zeroed counters
     x_row_stride,
     r_row_stride,
     y_row_stride,  # also H's: both are fresh (n_rows, D) tensors
@@ -97,8 +100,10 @@ def _layernorm_fwd_kernel(
         y += b
     tl.store(Y_ptr + rows * y_row_stride + cols, y.to(Y_ptr.dtype.element_ty), mask=mask)
     row_ok = rows < n_rows
-    tl.store(MEAN_ptr + rows, mean[:, None], mask=row_ok)
-    tl.store(RSTD_ptr + rows, rstd[:, None], mask=row_ok)
+    tl.store(STATS_ptr + rows, mean[:, None], mask=row_ok)
+    tl.store(STATS_ptr + n_rows + rows, rstd[:, None], mask=row_ok)
+    if tl.program_id(0) == 0:  # the backward's counters, after the statistics
+        zero_counters(STATS_ptr + 2 * n_rows)
 
 
 @triton.jit
@@ -107,11 +112,11 @@ def _layernorm_bwd_kernel(
     H_ptr,  # (n_rows, D) the normalized input saved by the forward
     DH_ptr,  # (n_rows, D) gradient reaching the returned residual (read only if HAS_DH)
     W_ptr,  # (D,)
-    MEAN_ptr,  # (n_rows,) float32
-    RSTD_ptr,  # (n_rows,) float32
+    STATS_ptr,  # (2 * n_rows + COUNTERS,) float32 from the forward: means, rstds, counters
     DX_ptr,  # (n_rows, D) out, contiguous
-    DW_ptr,  # (n_programs, D) out: float32 partial sums of dw
-    DB_ptr,  # (n_programs, D) out: float32 partial sums of db (written only if HAS_BIAS)
+    DW_ptr,  # (n_programs, D) float32 scratch: partial sums of dw, then of db (if HAS_BIAS) after them
+    DW_OUT,  # (D,) out: dw in the weight's dtype
+    DB_OUT,  # (D,) out: db in the bias's dtype (written only if HAS_BIAS)
     dy_row_stride,
     h_row_stride,
     dh_row_stride,
@@ -121,9 +126,11 @@ def _layernorm_bwd_kernel(
     HAS_DH: tl.constexpr,
     STAGES: tl.constexpr,  # software-pipelining depth of the row loop
     HAS_BIAS: tl.constexpr,
+    SUM_ROWS: tl.constexpr,  # partial rows per step of the final sums
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    DB_ptr = DW_ptr + tl.num_programs(0) * n_cols
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -135,8 +142,8 @@ def _layernorm_bwd_kernel(
     for row in tl.range(row_start, row_end, num_stages=STAGES):
         dy = tl.load(DY_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         h = tl.load(H_ptr + row * h_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(MEAN_ptr + row)
-        rstd = tl.load(RSTD_ptr + row)
+        mean = tl.load(STATS_ptr + row)
+        rstd = tl.load(STATS_ptr + n_rows + row)
         xhat = tl.where(mask, (h - mean) * rstd, 0.0)
         g = dy * w
         c1 = tl.sum(g * xhat, axis=0) / n_cols
@@ -151,6 +158,9 @@ def _layernorm_bwd_kernel(
     tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
     if HAS_BIAS:
         tl.store(DB_ptr + pid.to(tl.int64) * n_cols + cols, db, mask=mask)
+    sum_partial_rows(
+        DW_ptr, DB_ptr, DW_OUT, DB_OUT, STATS_ptr + 2 * n_rows, n_cols, HAS_BIAS, SUM_ROWS, BLOCK
+    )
 
 
 # The forward's tile: two rows of 4096 per program (weight and bias read once for both), with the warps of
@@ -171,8 +181,10 @@ def layernorm_fwd(
     residual: torch.Tensor | None = None,
     num_warps: int | None = None,
     rows: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the forward. Returns (y, h, mean, rstd) over (n_rows, D) rows; rows: rows per program."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward. Returns (y, h, stats): y and h as (n_rows, D) rows, stats the (2 * n_rows +
+    COUNTERS,) float32 the backward takes (means, then 1/std per row, then its zeroed counters; one
+    buffer, no views to make on the host). rows: rows per program."""
     check_rows("layernorm", x, weight, residual)
     D = x.shape[-1]
     if bias is not None and (bias.shape != (D,) or bias.device != x.device):
@@ -184,20 +196,19 @@ def layernorm_fwd(
     n_rows = x2.shape[0]
     y = torch.empty((n_rows, D), dtype=x.dtype, device=x.device)
     h = x2 if r2 is None else torch.empty_like(y)
-    stats = torch.empty((2, n_rows), dtype=torch.float32, device=x.device)  # one allocation: mean, rstd
-    mean, rstd = stats[0], stats[1]
+    stats = torch.empty(2 * n_rows + COUNTERS.value, dtype=torch.float32, device=x.device)
     if n_rows == 0:
-        return y, h, mean, rstd
+        return y, h, stats
     block = pow2(D)
     rows = rows or fwd_rows(block, FWD_ROW_ELEMS)
     _fwd_launch[(cdiv(n_rows, rows),)](
-        x2, x2 if r2 is None else r2, h, y, weight, weight if bias is None else bias, mean, rstd,
+        x2, x2 if r2 is None else r2, h, y, weight, weight if bias is None else bias, stats,
         x2.stride(0), 0 if r2 is None else r2.stride(0), D,
         n_rows, D, eps,
         HAS_RESIDUAL=r2 is not None, HAS_BIAS=bias is not None, ROWS=rows, BLOCK=block,
         num_warps=num_warps or row_warps(block),
     )  # fmt: skip
-    return y, h, mean, rstd
+    return y, h, stats
 
 
 def layernorm_bwd(
@@ -205,36 +216,35 @@ def layernorm_bwd(
     h: torch.Tensor,
     weight: torch.Tensor,
     bias_dtype: torch.dtype | None,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
+    stats: torch.Tensor,
     dh: torch.Tensor | None = None,
     num_warps: int | None = None,
     programs_per_sm: int = PROGRAMS_PER_SM,
     stages: int = ROW_LOOP_STAGES,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Launch the backward over (n_rows, D) rows. Returns (dx rows, dw, db or None if there is no bias)."""
+    """Launch the backward over (n_rows, D) rows with the forward's `stats`. Returns (dx rows, dw, db or
+    None if there is no bias)."""
     has_bias = bias_dtype is not None
     n_rows, D = h.shape
+    if n_rows == 0:
+        db = torch.zeros(D, dtype=bias_dtype, device=h.device) if has_bias else None
+        return torch.empty_like(h), torch.zeros_like(weight), db
     dy2 = as_rows(dy, D)
     dh2 = None if dh is None else as_rows(dh, D)
     dx = torch.empty((n_rows, D), dtype=h.dtype, device=h.device)
-    if n_rows == 0:
-        db = torch.zeros(D, dtype=bias_dtype, device=h.device) if has_bias else None
-        return dx, torch.zeros_like(weight), db
-    n_prog = max(1, min(n_rows, programs_per_device(h.device, programs_per_sm)))
-    # dw and db partials in one allocation (each allocation is a few us of host time on the critical
-    # path between the forward kernel and this launch)
-    partials = torch.empty((2 if has_bias else 1, n_prog, D), dtype=torch.float32, device=h.device)
-    dw_partial, db_partial = partials[0], partials[-1]
+    n_prog = backward_programs(n_rows, h.device, programs_per_sm)
+    # dw and db partials in one allocation (each allocation is host time on the critical path)
+    partials = torch.empty(((2 if has_bias else 1) * n_prog, D), dtype=torch.float32, device=h.device)
+    dw = torch.empty_like(weight)
+    db = torch.empty(D, dtype=bias_dtype, device=h.device) if has_bias else None
     block = pow2(D)
     _bwd_launch[(n_prog,)](
-        dy2, h, dy2 if dh2 is None else dh2, weight, mean, rstd, dx, dw_partial, db_partial,
+        dy2, h, dy2 if dh2 is None else dh2, weight, stats, dx, partials, dw, dw if db is None else db,
         dy2.stride(0), h.stride(0), 0 if dh2 is None else dh2.stride(0),
         n_rows, D, cdiv(n_rows, n_prog),
-        HAS_DH=dh2 is not None, HAS_BIAS=has_bias, STAGES=stages, BLOCK=block,
+        HAS_DH=dh2 is not None, STAGES=stages, HAS_BIAS=has_bias, SUM_ROWS=sum_rows_step(block), BLOCK=block,
         num_warps=num_warps or row_warps(block),
     )  # fmt: skip
-    dw, db = sum_partials(dw_partial, weight.dtype, db_partial if has_bias else None, bias_dtype)
     return dx, dw, db
 
 
@@ -242,8 +252,8 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual, eps):
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
-        y, h, mean, rstd = layernorm_fwd(x, weight, bias, eps, residual)
-        ctx.save_for_backward(h, weight, mean, rstd)
+        y, h, stats = layernorm_fwd(x, weight, bias, eps, residual)
+        ctx.save_for_backward(h, weight, stats)
         ctx.shape = x.shape
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.has_residual = residual is not None
@@ -252,10 +262,10 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh=None):
-        h, weight, mean, rstd = ctx.saved_tensors
+        h, weight, stats = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(h)
-        dx, dw, db = layernorm_bwd(dy, h, weight, ctx.bias_dtype, mean, rstd, dh)
+        dx, dw, db = layernorm_bwd(dy, h, weight, ctx.bias_dtype, stats, dh)
         dx = shaped(dx, ctx.shape)
         return dx, dw, db, (dx if ctx.has_residual else None), None
 
@@ -272,5 +282,5 @@ def layernorm(
         return layernorm_ref(x, weight, bias, eps, residual)
     if needs_grad(x, weight, bias, residual):
         return LayerNormFunction.apply(x, weight, bias, residual, eps)
-    y, h, _, _ = layernorm_fwd(x, weight, bias, eps, residual)
+    y, h, _ = layernorm_fwd(x, weight, bias, eps, residual)
     return shaped(y, x.shape) if residual is None else (shaped(y, x.shape), shaped(h, x.shape))

@@ -13,10 +13,14 @@ Both x and residual receive dh.
 
 The Triton path keeps a whole row in registers (BLOCK = next_power_of_2(D), D <= 65536); in the
 forward a program takes one row, or for short rows (D <= 2048) a (rows, BLOCK) tile of several; it
-saves rstd (one float32 per row) for the backward. The backward runs a few programs per SM, each over
-a contiguous chunk of rows, accumulating its dw partial sum in registers; the (programs, D) float32
-partials are summed afterwards, so dw costs no atomics. The last dim must be contiguous (other layouts
-are copied to contiguous rows first); x may be fp32, fp16 or bf16.
+saves rstd (one float32 per row) for the backward, followed by COUNTERS zeroed int32 counters. The
+backward runs a few programs per SM, each over a contiguous chunk of rows, accumulating its dw partial
+sum in registers and storing it as one row of a (programs, D) float32 array; the partial rows are then
+summed in the same launch, by the programs that finish last (`sum_partial_rows`): the last of each
+group of GROUP programs sums its group's rows, the last group's summer sums the group sums. Every sum
+runs in program order, so dw is deterministic; the counters deciding who sums are the forward's, left
+zeroed again. One launch, no atomics on the data. The last dim must be contiguous (other layouts are
+copied to contiguous rows first); x may be fp32, fp16 or bf16.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_ROW = 65536  # a longer row would not fit in one program's registers
+# The backward's final sums (`sum_partial_rows`): programs per first-level group, and the int32 counters
+# the forward zeroes after its statistics (counter 0 for the groups, 1 + g for group g's programs).
+GROUP = tl.constexpr(16)
+COUNTERS = tl.constexpr(128)
+MAX_PROGRAMS = GROUP.value * (COUNTERS.value - 1)
 
 
 def rmsnorm_ref(
@@ -50,7 +59,7 @@ def _rmsnorm_fwd_kernel(
     H_ptr,  # (n_rows, D) out: x + residual (written only if HAS_RESIDUAL)
     Y_ptr,  # (n_rows, D) out: normalized rows
     W_ptr,  # (D,) weight
-    RSTD_ptr,  # (n_rows,) out: float32 1/rms per row, for the backward
+    RSTD_ptr,  # (n_rows + COUNTERS,) out: float32 1/rms per row, for the backward, then its counters
     x_row_stride,  # elements between rows of X (and of R, H, Y: see launcher)
     r_row_stride,
     y_row_stride,
@@ -77,6 +86,69 @@ def _rmsnorm_fwd_kernel(
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=1) / n_cols + eps)[:, None]  # (ROWS, 1)
     tl.store(Y_ptr + rows * y_row_stride + cols, (hf * rstd * w).to(Y_ptr.dtype.element_ty), mask=mask)
     tl.store(RSTD_ptr + rows, rstd, mask=rows < n_rows)
+    if tl.program_id(0) == 0:  # the backward's counters, after the n_rows rstd values
+        zero_counters(RSTD_ptr + n_rows)
+
+
+@triton.jit
+def zero_counters(at):
+    """Zero the COUNTERS int32 counters at `at` (a float32 pointer into a norm's saved statistics)."""
+    tl.store(at.to(tl.pointer_type(tl.int32)) + tl.arange(0, COUNTERS), tl.zeros((COUNTERS,), tl.int32))
+
+
+@triton.jit
+def sum_partial_rows(
+    P_ptr,  # (n_programs, D) float32 partial rows, one per program of this launch (row pid: this one's)
+    Q_ptr,  # a second set (LayerNorm's db), summed alongside when HAS_Q
+    OUT_P,  # (D,) out: the column sums of P, in OUT_P's dtype
+    OUT_Q,
+    CNT_ptr,  # float32 pointer to COUNTERS int32 counters, zero on entry and left zero
+    n_cols,
+    HAS_Q: tl.constexpr,
+    SUM_ROWS: tl.constexpr,  # partial rows loaded per step (a (SUM_ROWS, BLOCK) tile)
+    BLOCK: tl.constexpr,
+):
+    """Called by every program of a backward once its partial rows are stored: the last program of each
+    GROUP to get here sums the group's rows (in program order) into the group's first row; the last
+    group to finish sums those rows (in order) into OUT. Counter 0 counts finished groups, counter
+    1 + g the finished programs of group g; each is reset by the program that saw it complete."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    cnt = CNT_ptr.to(tl.pointer_type(tl.int32))
+    group = pid // GROUP
+    first = group * GROUP
+    size = tl.minimum(n_prog - first, GROUP)
+    tl.debug_barrier()  # every thread's partial stores happen before this program's release below
+    if tl.atomic_add(cnt + 1 + group, 1, sem="acq_rel") == size - 1:
+        tl.store(cnt + 1 + group, 0)  # all of the group has counted: reset for the next backward
+        sum_rows(P_ptr, Q_ptr, P_ptr + first * n_cols, Q_ptr + first * n_cols, first, size, 1, n_cols,
+                  HAS_Q, SUM_ROWS, BLOCK)  # fmt: skip
+        n_groups = tl.cdiv(n_prog, GROUP)
+        tl.debug_barrier()
+        if tl.atomic_add(cnt, 1, sem="acq_rel") == n_groups - 1:
+            tl.store(cnt, 0)
+            sum_rows(P_ptr, Q_ptr, OUT_P, OUT_Q, 0, n_groups, GROUP, n_cols, HAS_Q, SUM_ROWS, BLOCK)
+
+
+@triton.jit
+def sum_rows(P_ptr, Q_ptr, OUT_P, OUT_Q, start, count, step, n_cols, HAS_Q: tl.constexpr,
+              SUM_ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """OUT = sum of rows start, start + step, ... (count of them) of P (and Q), in that order."""
+    cols = tl.arange(0, BLOCK)[None, :]
+    acc_p = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_q = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(0, count, SUM_ROWS):
+        k = i + tl.arange(0, SUM_ROWS)[:, None]
+        offs = (start + k * step).to(tl.int64) * n_cols + cols
+        ok = (k < count) & (cols < n_cols)
+        # .cg: from L2, where the other programs' rows are (this SM's L1 is not coherent with theirs)
+        acc_p += tl.sum(tl.load(P_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+        if HAS_Q:
+            acc_q += tl.sum(tl.load(Q_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+    c = tl.arange(0, BLOCK)
+    tl.store(OUT_P + c, acc_p.to(OUT_P.dtype.element_ty), mask=c < n_cols)
+    if HAS_Q:
+        tl.store(OUT_Q + c, acc_q.to(OUT_Q.dtype.element_ty), mask=c < n_cols)
 
 
 @triton.jit
@@ -85,9 +157,10 @@ def _rmsnorm_bwd_kernel(
     H_ptr,  # (n_rows, D) the normalized input h (x, or x + residual) saved by the forward
     DH_ptr,  # (n_rows, D) gradient reaching the returned residual h (read only if HAS_DH)
     W_ptr,  # (D,) weight
-    RSTD_ptr,  # (n_rows,) float32, saved by the forward
+    RSTD_ptr,  # (n_rows + COUNTERS,) float32, saved by the forward: 1/rms per row, then the counters
     DX_ptr,  # (n_rows, D) out: gradient of h (= of x, = of residual)
-    DW_ptr,  # (n_programs, D) out: float32 per-program partial sums of dw
+    DW_ptr,  # (n_programs, D) float32 scratch: per-program partial sums of dw
+    DW_OUT,  # (D,) out: dw in the weight's dtype
     dy_row_stride,
     h_row_stride,
     dh_row_stride,
@@ -96,6 +169,7 @@ def _rmsnorm_bwd_kernel(
     rows_per_program,
     HAS_DH: tl.constexpr,
     STAGES: tl.constexpr,  # software-pipelining depth of the row loop
+    SUM_ROWS: tl.constexpr,  # partial rows per step of the final sums
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -117,58 +191,11 @@ def _rmsnorm_bwd_kernel(
         tl.store(DX_ptr + row * n_cols + cols, dx.to(DX_ptr.dtype.element_ty), mask=mask)
         dw += dy * (h * rstd)
     tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
-
-
-@triton.jit
-def _sum_partials_kernel(
-    P_ptr,  # (n_rows, D) float32 partial sums, rows contiguous
-    Q_ptr,  # (n_rows, D) a second set (read only if HAS_Q: LayerNorm's bias partials)
-    OUT_P,  # (D,) out: column sums of P, in the output dtype
-    OUT_Q,  # (D,) out: column sums of Q
-    n_rows,
-    n_cols,
-    HAS_Q: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    # one program per BLOCK_C columns, summing down all rows in a fixed order: deterministic, and one
-    # launch instead of torch's sum + cast per output (two ops each on the backward's host path)
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < n_cols
-    acc_p = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    acc_q = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for r0 in range(0, n_rows, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-        ok = (rows < n_rows)[:, None] & col_ok[None, :]
-        acc_p += tl.sum(tl.load(P_ptr + offs, mask=ok, other=0.0), axis=0)
-        if HAS_Q:
-            acc_q += tl.sum(tl.load(Q_ptr + offs, mask=ok, other=0.0), axis=0)
-    tl.store(OUT_P + cols, acc_p.to(OUT_P.dtype.element_ty), mask=col_ok)
-    if HAS_Q:
-        tl.store(OUT_Q + cols, acc_q.to(OUT_Q.dtype.element_ty), mask=col_ok)
+    sum_partial_rows(DW_ptr, DW_ptr, DW_OUT, DW_OUT, RSTD_ptr + n_rows, n_cols, False, SUM_ROWS, BLOCK)
 
 
 _fwd_launch = CachedLaunch(_rmsnorm_fwd_kernel)
 _bwd_launch = CachedLaunch(_rmsnorm_bwd_kernel)
-_sum_launch = CachedLaunch(_sum_partials_kernel)
-
-
-def sum_partials(
-    p: torch.Tensor, dtype: torch.dtype, q: torch.Tensor | None = None, q_dtype: torch.dtype | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Column sums of the backward's (programs, D) float32 partials, cast to `dtype` (and of `q`)."""
-    n_rows, D = p.shape
-    out_p = torch.empty(D, dtype=dtype, device=p.device)
-    out_q = None if q is None else torch.empty(D, dtype=q_dtype or dtype, device=p.device)
-    # narrow column blocks, tall row tiles: 128 programs for D = 4096, each summing its 264 partial rows
-    # (2 per SM) in 3 steps. With 128-column blocks and 16-row steps it took 18-28 us on the H200, not ~5.
-    block_c = 32
-    _sum_launch[(cdiv(D, block_c),)](
-        p, p if q is None else q, out_p, out_p if out_q is None else out_q, n_rows, D,
-        HAS_Q=q is not None, BLOCK_R=128, BLOCK_C=block_c, num_warps=4,
-    )  # fmt: skip
-    return out_p, out_q
 
 
 # The backward's row loop: on the H200 (32768 x 4096 bf16, 2026-11-29) three pipeline stages with two
@@ -207,9 +234,17 @@ def shaped(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return t if t.shape == shape else t.view(shape)
 
 
-def programs_per_device(device: torch.device, per_sm: int) -> int:
-    """How many persistent programs a backward launches: `per_sm` per SM on CUDA, 4 on the interpreter."""
-    return sm_count(device) * per_sm if device.type == "cuda" else 4
+def backward_programs(n_rows: int, device: torch.device, per_sm: int) -> int:
+    """How many persistent programs a backward launches: `per_sm` per SM on CUDA (4 * per_sm on the
+    interpreter, as if it had 4 SMs), at most one per row and at most what the counters cover."""
+    per_device = (sm_count(device) if device.type == "cuda" else 4) * per_sm
+    return max(1, min(n_rows, per_device, MAX_PROGRAMS))
+
+
+def sum_rows_step(block: int) -> int:
+    """Partial rows per step of the backward's final sums: a (rows, block) float32 tile of at most
+    16384 values, 64 per thread at a row's warps (`row_warps`)."""
+    return max(1, min(4, 16384 // block))
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -246,8 +281,9 @@ def rmsnorm_fwd(
     num_warps: int | None = None,
     rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the forward. Returns (y, h, rstd) as (n_rows, D) rows; h is x's rows without a residual.
-    rows: rows per program (a power of two; default `fwd_rows`)."""
+    """Launch the forward. Returns (y, h, rstd) with y and h as (n_rows, D) rows (h is x's rows without a
+    residual) and rstd the (n_rows + COUNTERS,) float32 statistics the backward takes: 1/rms per row,
+    then its zeroed counters. rows: rows per program (a power of two; default `fwd_rows`)."""
     check_rows("rmsnorm", x, weight, residual)
     D = x.shape[-1]
     x2 = as_rows(x, D)
@@ -255,7 +291,7 @@ def rmsnorm_fwd(
     n_rows = x2.shape[0]
     y = torch.empty((n_rows, D), dtype=x.dtype, device=x.device)
     h = x2 if r2 is None else torch.empty_like(y)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(n_rows + COUNTERS.value, dtype=torch.float32, device=x.device)
     if n_rows == 0:
         return y, h, rstd
     block = pow2(D)
@@ -279,23 +315,26 @@ def rmsnorm_bwd(
     programs_per_sm: int = PROGRAMS_PER_SM,
     stages: int = ROW_LOOP_STAGES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward over (n_rows, D) rows. Returns (dx rows in h's dtype, dw in weight's dtype)."""
+    """Launch the backward over (n_rows, D) rows, with `rstd` the forward's statistics (and counters).
+    Returns (dx rows in h's dtype, dw in weight's dtype)."""
     n_rows, D = h.shape
+    if n_rows == 0:
+        return torch.empty_like(h), torch.zeros_like(weight)
     dy2 = as_rows(dy, D)
     dh2 = None if dh is None else as_rows(dh, D)
     dx = torch.empty((n_rows, D), dtype=h.dtype, device=h.device)
-    n_prog = max(1, min(n_rows, programs_per_device(h.device, programs_per_sm)))
+    n_prog = backward_programs(n_rows, h.device, programs_per_sm)
     dw_partial = torch.empty((n_prog, D), dtype=torch.float32, device=h.device)
-    if n_rows == 0:
-        return dx, torch.zeros_like(weight)
+    dw = torch.empty_like(weight)
     block = pow2(D)
     _bwd_launch[(n_prog,)](
-        dy2, h, dy2 if dh2 is None else dh2, weight, rstd, dx, dw_partial,
+        dy2, h, dy2 if dh2 is None else dh2, weight, rstd, dx, dw_partial, dw,
         dy2.stride(0), h.stride(0), 0 if dh2 is None else dh2.stride(0),
         n_rows, D, cdiv(n_rows, n_prog),
-        HAS_DH=dh2 is not None, STAGES=stages, BLOCK=block, num_warps=num_warps or row_warps(block),
+        HAS_DH=dh2 is not None, STAGES=stages, SUM_ROWS=sum_rows_step(block), BLOCK=block,
+        num_warps=num_warps or row_warps(block),
     )  # fmt: skip
-    return dx, sum_partials(dw_partial, weight.dtype)[0]
+    return dx, dw
 
 
 class RMSNormFunction(torch.autograd.Function):
