@@ -89,12 +89,14 @@ def tile_config(
 
 
 # Persistent 128x256: one program per SM looping over tiles, the tile loop flattened into the K loop so
-# that one tile's epilogue overlaps the next tile's first loads, in groups of 4 tile rows. On the H200
-# (bench/experiments/gemm_flatten.py -> bench/results/sweep_gemm_flatten.json; do_bench, L2 flushed,
-# interleaved with cuBLAS):
-# 0.95-0.99x cuBLAS on the Qwen2.5-1.5B prefill GEMMs at 8192 tokens, 0.97x at 4096^3, 1.06x at 8192^3.
-# Without flattening the short-K (1536) projections ran at 0.91x, the epilogue a bubble per tile.
-_PERSISTENT_FLAT = tile_config(128, 256, 64, 3, 8, group=4, persistent=True, flatten=True)
+# that one tile's epilogue overlaps the next tile's first loads, in groups of 8 tile rows, C stored in two
+# 128x128 halves so that the 32 KB saved for staging it buys a fourth pipeline stage. On the H200
+# (bench/experiments/gemm_o.py -> bench/results/sweep_gemm_subtile.json; do_bench, L2 flushed, interleaved
+# with cuBLAS), against the previous 3-stage whole-tile store with groups of 4: O projection 58.2 against
+# 58.9 us (cuBLAS 55.7), QKV 74.9 / 75.4 (72.0), gate/up 685.5 / 700.9 (677.7), down 312.7 / 315.1
+# (309.8), 4096^3 193.6 / 194.5 (189.7), 8192^3 1602 / 1618 (1654). Before flattening (sweep_gemm_flatten
+# .json) the short-K (1536) projections ran at 0.91x, the epilogue a bubble per tile.
+_PERSISTENT_FLAT = tile_config(128, 256, 64, 4, 8, group=8, persistent=True, flatten=True, epi_split=2)
 # The same tiles without flattening, for epilogues that store more than C (the pre-activation for the
 # backward, C's old value for accumulate, row statistics): flattened, the training forward's
 # silu(x @ W.T + b) with its stored pre-activation asked for 245784 bytes of shared memory, over the
