@@ -102,8 +102,7 @@ def _layernorm_fwd_kernel(
     row_ok = rows < n_rows
     tl.store(STATS_ptr + rows, mean[:, None], mask=row_ok)
     tl.store(STATS_ptr + n_rows + rows, rstd[:, None], mask=row_ok)
-    if tl.program_id(0) == 0:  # the backward's counters, after the statistics
-        zero_counters(STATS_ptr + 2 * n_rows)
+    zero_counters(STATS_ptr + 2 * n_rows)  # the backward's counters, after the statistics
 
 
 @triton.jit
@@ -242,7 +241,7 @@ def layernorm_bwd(
         dy2, h, dy2 if dh2 is None else dh2, weight, stats, dx, partials, dw, dw if db is None else db,
         dy2.stride(0), h.stride(0), 0 if dh2 is None else dh2.stride(0),
         n_rows, D, cdiv(n_rows, n_prog),
-        HAS_DH=dh2 is not None, STAGES=stages, HAS_BIAS=has_bias, SUM_ROWS=sum_rows_step(block), BLOCK=block,
+        HAS_DH=dh2 is not None, STAGES=stages, HAS_BIAS=has_bias, SUM_ROWS=sum_rows_step(block, 2 if has_bias else 1), BLOCK=block,
         num_warps=num_warps or row_warps(block),
     )  # fmt: skip
     return dx, dw, db
