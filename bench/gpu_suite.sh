@@ -36,7 +36,7 @@ for part in $PARTS; do
     norms) timeout 170 python3 bench/kernels_norms.py --budget 150 --out "$OUT/kernels_norms.json" >> "$OUT/bench.log" 2>&1 ;;
     gemm_ce) timeout 150 python3 bench/kernels_gemm_ce.py --out "$OUT/kernels_gemm_ce.json" >> "$OUT/bench.log" 2>&1 ;;
     attention) timeout 130 python3 bench/attention.py --out "$OUT/attention.json" >> "$OUT/bench.log" 2>&1 ;;
-    run) timeout 55 python3 -m kiln.cli run --no-progress --out /tmp/kiln-gpu-run --data.max_bytes=12000000 \
+    run) timeout 75 python3 -m kiln.cli run --no-progress --out /tmp/kiln-gpu-run --data.max_bytes=12000000 \
            --tokenizer.train_bytes=3000000 --train.steps=150 --train.eval_interval=50 --train.ckpt_interval=150 \
            > "$OUT/run_gpu.log" 2>&1 ;;
     *) echo "unknown part $part" ;;
