@@ -87,6 +87,20 @@ def test_layernorm_fixed_configs():
         assert_close(db, br.grad, name="db")
 
 
+@pytest.mark.parametrize("shape", [(128, 64), (4, 4096), (3, 7, 123)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layernorm_inference_path(shape, bias, device):
+    """Without autograd the forward saves no statistics; (128, 64) and (4, 4096) take the unmasked tiles."""
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(shape, generator=g).to(device), torch.randn(shape[-1], generator=g).to(device)
+    b = torch.randn(shape[-1], generator=g).to(device) if bias else None
+    with torch.no_grad(), use_backend("triton"):
+        got = layernorm(x, w, b, 1e-5)
+    want = layernorm_ref(x.double(), w.double(), None if b is None else b.double(), 1e-5)
+    assert got.shape == want.shape
+    assert_close(got, want, name="inference")
+
+
 def test_layernorm_backward_sums_groups_and_resets_its_counters(device):
     """dw and db summed by the backward's last programs over three groups (40 programs on the
     interpreter), the same bits from a second backward of the same forward."""

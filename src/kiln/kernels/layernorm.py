@@ -34,6 +34,7 @@ from kiln.kernels.rmsnorm import (
     backward_programs,
     check_rows,
     fwd_rows,
+    load_rows,
     needs_grad,
     row_warps,
     shaped,
@@ -74,35 +75,38 @@ def _layernorm_fwd_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    FOR_BACKWARD: tl.constexpr,  # save mean and rstd, zero the backward's counters (inference: neither)
+    EVEN: tl.constexpr,  # D == BLOCK and ROWS divides n_rows: no masks
     ROWS: tl.constexpr,  # rows per program, as one (ROWS, BLOCK) tile: weight and bias read once for all
     BLOCK: tl.constexpr,  # next_power_of_2(D)
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # (ROWS, 1)
     cols = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK)
     col_ok = cols < n_cols
-    mask = (rows < n_rows) & col_ok
+    mask = None if EVEN else (rows < n_rows) & col_ok
     # weight and bias (L2 hits) first, so that their latency overlaps the rows'
-    w = tl.load(W_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    w = load_rows(W_ptr + cols, col_ok, EVEN).to(tl.float32)
     if HAS_BIAS:
-        b = tl.load(B_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    h = tl.load(X_ptr + rows * x_row_stride + cols, mask=mask, other=0.0)
+        b = load_rows(B_ptr + cols, col_ok, EVEN).to(tl.float32)
+    h = load_rows(X_ptr + rows * x_row_stride + cols, mask, EVEN)
     if HAS_RESIDUAL:
-        r = tl.load(R_ptr + rows * r_row_stride + cols, mask=mask, other=0.0)
+        r = load_rows(R_ptr + rows * r_row_stride + cols, mask, EVEN)
         # add in float32 and round once to the input dtype: what the eager bf16/fp16 add does
         h = (h.to(tl.float32) + r.to(tl.float32)).to(X_ptr.dtype.element_ty)
         tl.store(H_ptr + rows * y_row_stride + cols, h, mask=mask)
     hf = h.to(tl.float32)
     mean = tl.sum(hf, axis=1) / n_cols  # (ROWS,)
-    xc = tl.where(col_ok, hf - mean[:, None], 0.0)  # padding lanes must not enter the variance
+    xc = hf - mean[:, None] if EVEN else tl.where(col_ok, hf - mean[:, None], 0.0)  # no padding lanes in it
     rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
     y = xc * rstd[:, None] * w
     if HAS_BIAS:
         y += b
     tl.store(Y_ptr + rows * y_row_stride + cols, y.to(Y_ptr.dtype.element_ty), mask=mask)
-    row_ok = rows < n_rows
-    tl.store(STATS_ptr + rows, mean[:, None], mask=row_ok)
-    tl.store(STATS_ptr + n_rows + rows, rstd[:, None], mask=row_ok)
-    zero_counters(STATS_ptr + 2 * n_rows)  # the backward's counters, after the statistics
+    if FOR_BACKWARD:
+        row_ok = rows < n_rows
+        tl.store(STATS_ptr + rows, mean[:, None], mask=row_ok)
+        tl.store(STATS_ptr + n_rows + rows, rstd[:, None], mask=row_ok)
+        zero_counters(STATS_ptr + 2 * n_rows)  # the backward's counters, after the statistics
 
 
 @triton.jit
@@ -180,10 +184,11 @@ def layernorm_fwd(
     residual: torch.Tensor | None = None,
     num_warps: int | None = None,
     rows: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    for_backward: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the forward. Returns (y, h, stats): y and h as (n_rows, D) rows, stats the (2 * n_rows +
     COUNTERS,) float32 the backward takes (means, then 1/std per row, then its zeroed counters; one
-    buffer, no views to make on the host). rows: rows per program."""
+    buffer, no views to make on the host), None when not `for_backward`. rows: rows per program."""
     check_rows("layernorm", x, weight, residual)
     D = x.shape[-1]
     if bias is not None and (bias.shape != (D,) or bias.device != x.device):
@@ -195,16 +200,21 @@ def layernorm_fwd(
     n_rows = x2.shape[0]
     y = torch.empty((n_rows, D), dtype=x.dtype, device=x.device)
     h = x2 if r2 is None else torch.empty_like(y)
-    stats = torch.empty(2 * n_rows + COUNTERS.value, dtype=torch.float32, device=x.device)
+    stats = (
+        torch.empty(2 * n_rows + COUNTERS.value, dtype=torch.float32, device=x.device)
+        if for_backward
+        else None
+    )
     if n_rows == 0:
         return y, h, stats
     block = pow2(D)
     rows = rows or fwd_rows(block, FWD_ROW_ELEMS)
     _fwd_launch[(cdiv(n_rows, rows),)](
-        x2, x2 if r2 is None else r2, h, y, weight, weight if bias is None else bias, stats,
+        x2, x2 if r2 is None else r2, h, y, weight, weight if bias is None else bias, y if stats is None else stats,
         x2.stride(0), 0 if r2 is None else r2.stride(0), D,
         n_rows, D, eps,
-        HAS_RESIDUAL=r2 is not None, HAS_BIAS=bias is not None, ROWS=rows, BLOCK=block,
+        HAS_RESIDUAL=r2 is not None, HAS_BIAS=bias is not None, FOR_BACKWARD=for_backward,
+        EVEN=block == D and n_rows % rows == 0, ROWS=rows, BLOCK=block,
         num_warps=num_warps or row_warps(block),
     )  # fmt: skip
     return y, h, stats
@@ -281,5 +291,5 @@ def layernorm(
         return layernorm_ref(x, weight, bias, eps, residual)
     if needs_grad(x, weight, bias, residual):
         return LayerNormFunction.apply(x, weight, bias, residual, eps)
-    y, h, _ = layernorm_fwd(x, weight, bias, eps, residual)
+    y, h, _ = layernorm_fwd(x, weight, bias, eps, residual, for_backward=False)
     return shaped(y, x.shape) if residual is None else (shaped(y, x.shape), shaped(h, x.shape))

@@ -67,26 +67,35 @@ def _rmsnorm_fwd_kernel(
     n_cols,  # D
     eps,  # float
     HAS_RESIDUAL: tl.constexpr,
+    FOR_BACKWARD: tl.constexpr,  # save rstd and zero the backward's counters (inference saves nothing)
+    EVEN: tl.constexpr,  # D == BLOCK and ROWS divides n_rows: no masks
     ROWS: tl.constexpr,  # rows per program, as one (ROWS, BLOCK) tile: the weight is read once for all
     BLOCK: tl.constexpr,  # next_power_of_2(D): the whole row in one block
 ):
     # (ROWS, 1) rows in int64: row * stride can pass 2**31
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK)
-    mask = (rows < n_rows) & (cols < n_cols)
+    mask = None if EVEN else (rows < n_rows) & (cols < n_cols)
     # the weight (an L2 hit) is loaded first so that its latency overlaps the rows', not the reduction's
-    w = tl.load(W_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    h = tl.load(X_ptr + rows * x_row_stride + cols, mask=mask, other=0.0)
+    w = load_rows(W_ptr + cols, cols < n_cols, EVEN).to(tl.float32)
+    h = load_rows(X_ptr + rows * x_row_stride + cols, mask, EVEN)
     if HAS_RESIDUAL:
-        r = tl.load(R_ptr + rows * r_row_stride + cols, mask=mask, other=0.0)
+        r = load_rows(R_ptr + rows * r_row_stride + cols, mask, EVEN)
         # add in float32 and round once to the input dtype: what the eager bf16/fp16 add does
         h = (h.to(tl.float32) + r.to(tl.float32)).to(X_ptr.dtype.element_ty)
         tl.store(H_ptr + rows * y_row_stride + cols, h, mask=mask)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=1) / n_cols + eps)[:, None]  # (ROWS, 1)
     tl.store(Y_ptr + rows * y_row_stride + cols, (hf * rstd * w).to(Y_ptr.dtype.element_ty), mask=mask)
-    tl.store(RSTD_ptr + rows, rstd, mask=rows < n_rows)
-    zero_counters(RSTD_ptr + n_rows)  # the backward's counters, after the n_rows rstd values
+    if FOR_BACKWARD:
+        tl.store(RSTD_ptr + rows, rstd, mask=rows < n_rows)
+        zero_counters(RSTD_ptr + n_rows)  # the backward's counters, after the n_rows rstd values
+
+
+@triton.jit
+def load_rows(ptrs, mask, EVEN: tl.constexpr):
+    """A tile load: unmasked when EVEN (every row and column in bounds), else zero past the ends."""
+    return tl.load(ptrs) if EVEN else tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -289,10 +298,12 @@ def rmsnorm_fwd(
     residual: torch.Tensor | None = None,
     num_warps: int | None = None,
     rows: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    for_backward: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the forward. Returns (y, h, rstd) with y and h as (n_rows, D) rows (h is x's rows without a
     residual) and rstd the (n_rows + COUNTERS,) float32 statistics the backward takes: 1/rms per row,
-    then its zeroed counters. rows: rows per program (a power of two; default `fwd_rows`)."""
+    then its zeroed counters (None when not `for_backward`: inference writes y and h alone).
+    rows: rows per program (a power of two; default `fwd_rows`)."""
     check_rows("rmsnorm", x, weight, residual)
     D = x.shape[-1]
     x2 = as_rows(x, D)
@@ -300,16 +311,19 @@ def rmsnorm_fwd(
     n_rows = x2.shape[0]
     y = torch.empty((n_rows, D), dtype=x.dtype, device=x.device)
     h = x2 if r2 is None else torch.empty_like(y)
-    rstd = torch.empty(n_rows + COUNTERS.value, dtype=torch.float32, device=x.device)
+    rstd = (
+        torch.empty(n_rows + COUNTERS.value, dtype=torch.float32, device=x.device) if for_backward else None
+    )
     if n_rows == 0:
         return y, h, rstd
     block = pow2(D)
     rows = rows or fwd_rows(block)
     _fwd_launch[(cdiv(n_rows, rows),)](
-        x2, x2 if r2 is None else r2, h, y, weight, rstd,
+        x2, x2 if r2 is None else r2, h, y, weight, y if rstd is None else rstd,
         x2.stride(0), 0 if r2 is None else r2.stride(0), D,
         n_rows, D, eps,
-        HAS_RESIDUAL=r2 is not None, ROWS=rows, BLOCK=block, num_warps=num_warps or row_warps(block),
+        HAS_RESIDUAL=r2 is not None, FOR_BACKWARD=for_backward, EVEN=block == D and n_rows % rows == 0,
+        ROWS=rows, BLOCK=block, num_warps=num_warps or row_warps(block),
     )  # fmt: skip
     return y, h, rstd
 
@@ -376,5 +390,5 @@ def rmsnorm(
     if needs_grad(x, weight, residual):
         return RMSNormFunction.apply(x, weight, residual, eps)
     # inference: the launcher alone (autograd.Function.apply costs ~25 us of host time per call)
-    y, h, _ = rmsnorm_fwd(x, weight, eps, residual)
+    y, h, _ = rmsnorm_fwd(x, weight, eps, residual, for_backward=False)
     return shaped(y, x.shape) if residual is None else (shaped(y, x.shape), shaped(h, x.shape))
