@@ -19,7 +19,8 @@ sum in registers and storing it as one row of a (programs, D) float32 array; the
 summed in the same launch, by the programs that finish last (`sum_partial_rows`): the last of each
 group of GROUP programs sums its group's rows, the last group's summer sums the group sums. Every sum
 runs in program order, so dw is deterministic; the counters deciding who sums are the forward's, left
-zeroed again. One launch, no atomics on the data. The last dim must be contiguous (other layouts are
+zeroed again (so two backwards through one forward run one after the other, as autograd runs them, not
+concurrently on two streams). One launch, no atomics on the data. The last dim must be contiguous (other layouts are
 copied to contiguous rows first); x may be fp32, fp16 or bf16.
 """
 
