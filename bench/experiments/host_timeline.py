@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, "bench")
+from host_overhead import per_call_us  # noqa: E402 - the same per-call timer
 from kiln.kernels import launch as L  # noqa: E402
 from kiln.kernels import layernorm as LN  # noqa: E402
 from kiln.kernels import rmsnorm as RN  # noqa: E402
@@ -122,20 +123,6 @@ def timeline(fn_cls, x, w, g, n=300) -> dict:
             segs[k].append(v / 1e3)
     torch.cuda.synchronize()
     return {k: round(statistics.median(v), 2) for k, v in segs.items()}
-
-
-def per_call_us(fn, n=200, reps=7) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - t) / n * 1e6)
-        torch.cuda.synchronize()
-    return round(statistics.median(out), 2)
 
 
 def busy_call_us(fn, n=100, reps=5) -> float:
