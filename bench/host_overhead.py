@@ -111,12 +111,14 @@ def main() -> None:
     # the RMSNorm forward kernel alone, arguments prepared
     y = torch.empty_like(x)
     rstd = torch.empty(64 + RN.COUNTERS.value, device=dev)  # rstd per row, then the counters
-    a13 = (x, x, x, y, w, rstd, 4096, 0, 4096, 4096, 1e-6)
-    kw = dict(HAS_RESIDUAL=False, BLOCK=4096, num_warps=8)
-    res["rmsnorm fwd kernel launch"] = per_call_us(lambda: RN._rmsnorm_fwd_kernel[(64,)](*a13, **kw))
-    ck = RN._rmsnorm_fwd_kernel[(64,)](*a13, **kw)
+    args = (x, x, x, y, w, rstd, 4096, 0, 4096, 64, 4096, 1e-6)
+    consts = dict(HAS_RESIDUAL=False, FOR_BACKWARD=True, EVEN=True, ROWS=1, BLOCK=4096)
+    res["rmsnorm fwd kernel launch"] = per_call_us(
+        lambda: RN._rmsnorm_fwd_kernel[(64,)](*args, **consts, num_warps=8)
+    )
+    ck = RN._rmsnorm_fwd_kernel[(64,)](*args, **consts, num_warps=8)
     res["rmsnorm fwd CompiledKernel[grid]"] = per_call_us(
-        lambda: ck[(64, 1, 1)](*a13, False, 4096, stream=stream)
+        lambda: ck[(64, 1, 1)](*args, *consts.values(), stream=stream)
     )
     with torch.no_grad():
         res["kiln rmsnorm_fwd launcher"] = per_call_us(lambda: RN.rmsnorm_fwd(x, w, 1e-6))
