@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, "bench")
+from host_busy import calls_us  # noqa: E402 - the idle/busy timer
+
 from host_overhead import per_call_us  # noqa: E402 - the same per-call timer
 from kiln.kernels import launch as L  # noqa: E402
 from kiln.kernels import layernorm as LN  # noqa: E402
@@ -125,21 +127,10 @@ def timeline(fn_cls, x, w, g, n=300) -> dict:
     return {k: round(statistics.median(v), 2) for k, v in segs.items()}
 
 
-def busy_call_us(fn, n=100, reps=5) -> float:
-    """Host microseconds per call while the GPU is busy (a long sleep kernel queued first): launches go
-    into a non-empty queue, as in a GPU-bound benchmark loop."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time, longer than the n calls take on the host
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - t) / n * 1e6)
-        torch.cuda.synchronize()
-    return round(statistics.median(out), 2)
+def busy_call_us(fn) -> float:
+    """Host microseconds per call while the GPU is busy (host_busy.py's timer, a sleep kernel queued
+    first): launches go into a non-empty queue, as in a GPU-bound benchmark loop."""
+    return calls_us(fn, busy=True)
 
 
 def main():
