@@ -48,8 +48,10 @@ from timing import interleaved_ms  # noqa: E402
 EPS = 1e-6
 
 
-def run_group(name: str, fns: dict[str, Callable[[], object] | None], smoke: bool, nbytes: int = 0) -> dict:
-    """Warm up every contender, then time them interleaved; graph and host time once each."""
+def run_group(
+    name: str, fns: dict[str, Callable[[], object] | None], smoke: bool, nbytes: int = 0, rounds: int = 5
+) -> dict:
+    """Warm up every contender, then time them interleaved (`rounds`); graph and host time once each."""
     ok: dict[str, Callable[[], object]] = {}
     res: dict[str, dict] = {}
     for n, f in fns.items():
@@ -63,7 +65,7 @@ def run_group(name: str, fns: dict[str, Callable[[], object] | None], smoke: boo
             res[n] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     if smoke:
         return {"group": name, "results": res | {n: {"ran": True} for n in ok}}
-    for n, r in interleaved_ms(ok).items():
+    for n, r in interleaved_ms(ok, rounds).items():
         res[n] = {"ms": round(r["ms"], 5), "rounds": r["rounds"]}
         if nbytes:
             res[n]["TBps"] = round(nbytes / r["ms"] / 1e9, 3)
