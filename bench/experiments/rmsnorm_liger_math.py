@@ -14,6 +14,8 @@ kernels, timed interleaved (7 rounds):
 
     python bench/experiments/rmsnorm_liger_math.py OUT.json           # on a CUDA GPU, ~1 minute
     python bench/experiments/rmsnorm_liger_math.py OUT.json --smoke   # CPU interpreter: variants checked
+    ... --second: the leaders of the first run again (9 rounds), DELAY extra FMAs per element before the
+    store, and Hugging Face's rounding order with a float32 weight
 """
 
 import itertools
@@ -40,8 +42,8 @@ FLAGS = ("MASK", "RSTD", "ROUND", "OFFSET")
 
 
 @triton.jit
-def rms_flags(X, Y, W, RSTD_ptr, stride, n_cols, eps, offset, MASK: tl.constexpr, RSTD: tl.constexpr,
-              ROUND: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def rms_flags(X, Y, W, RSTD_ptr, stride, n_cols, eps, offset, one, MASK: tl.constexpr, RSTD: tl.constexpr,
+              ROUND: tl.constexpr, OFFSET: tl.constexpr, DELAY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     if MASK:
@@ -56,6 +58,8 @@ def rms_flags(X, Y, W, RSTD_ptr, stride, n_cols, eps, offset, MASK: tl.constexpr
         tl.store(RSTD_ptr + row, rstd)
     wf = w.to(tl.float32) + offset if OFFSET else w.to(tl.float32)
     y = (xf * rstd).to(x.dtype) * wf if ROUND else xf * rstd * wf
+    for _ in tl.static_range(DELAY):  # DELAY more FMAs per element before the store (one = 1.0, offset = 0)
+        y = y * one + offset
     if MASK:
         tl.store(Y + row * stride + cols, y.to(Y.dtype.element_ty), mask=cols < n_cols)
     else:
@@ -89,15 +93,35 @@ def main():
         def run(flags=flags):
             y = torch.empty((M, D), dtype=x.dtype, device=x.device)
             rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-            rms_flags[(M,)](x, y, w, rstd, D, D, EPS, 0.0, **flags, BLOCK=D, num_warps=8)
+            rms_flags[(M,)](x, y, w, rstd, D, D, EPS, 0.0, 1.0, **flags, DELAY=0, BLOCK=D, num_warps=8)
             return y
 
         fns["v_" + "_".join(n.lower() for n, on in flags.items() if on) if any(bits) else "v_kiln_like"] = run
+    if "--second" in sys.argv:  # the second round: the leaders again, more rounds, and two new questions
+        keep = ("kiln", "liger", "liger_kernel_plain", "v_kiln_like", "v_mask", "v_offset", "v_round_offset",
+                "v_mask_round_offset", "v_mask_rstd_round_offset")  # fmt: skip
+        fns = {n: f for n, f in fns.items() if n in keep}
+        # does more work between the reduction and the stores speed it up? (DELAY FMAs per element)
+        # and HF's order with a float32 weight (mixed-precision training keeps float32 weights)
+        w32 = w.float()
+        for name, wt, rnd, delay in (("v_delay1", w, False, 1), ("v_delay2", w, False, 2),
+                                     ("v_delay4", w, False, 4), ("v_delay8", w, False, 8),
+                                     ("v_kiln_like_w32", w32, False, 0), ("v_round_w32", w32, True, 0)):  # fmt: skip
+
+            def run(wt=wt, rnd=rnd, delay=delay):
+                y = torch.empty((M, D), dtype=x.dtype, device=x.device)
+                rms_flags[(M,)](x, y, wt, y, D, D, EPS, 0.0, 1.0, MASK=False, RSTD=False, ROUND=rnd,
+                                OFFSET=False, DELAY=delay, BLOCK=D, num_warps=8)  # fmt: skip
+                return y
+
+            fns[name] = run
     with use_backend("triton"):
         ref = RN.rmsnorm_ref(x, w, EPS).float()
         errors = {n: float((f().float() - ref).abs().max()) for n, f in fns.items()}
         out = run_meta() | {"flags": FLAGS, "max_abs_err_vs_reference": errors}
-        out["group"] = run_group("rmsnorm_fwd_liger_math", fns, smoke, 2 * x.numel() * 2, rounds=7)
+        out["group"] = run_group(
+            "rmsnorm_fwd_liger_math", fns, smoke, 2 * x.numel() * 2, rounds=9 if "--second" in sys.argv else 7
+        )
     print(json.dumps(errors), flush=True)
     with open(sys.argv[1], "w") as f:
         json.dump(out, f, indent=1)
