@@ -85,13 +85,15 @@ def main():
 
     def kiln_kernel_plain():
         y = torch.empty((M, D), dtype=x.dtype, device=x.device)
-        RN._rmsnorm_fwd_kernel[(M,)](x, x, y, y, w, y, D, 0, D, M, D, EPS, FOR_BACKWARD=False, **consts)
+        RN._rmsnorm_fwd_kernel[(M,)](x, x, y, y, w, y, D, 0, D, M, D, EPS, 0.0, FOR_BACKWARD=False, **consts)
         return y
 
     def kiln_kernel_liger_alloc():
         y = torch.empty((M, D), dtype=x.dtype, device=x.device)
         rstd = torch.empty(M + RN.COUNTERS.value, dtype=torch.float32, device=x.device)
-        RN._rmsnorm_fwd_kernel[(M,)](x, x, y, y, w, rstd, D, 0, D, M, D, EPS, FOR_BACKWARD=True, **consts)
+        RN._rmsnorm_fwd_kernel[(M,)](
+            x, x, y, y, w, rstd, D, 0, D, M, D, EPS, 0.0, FOR_BACKWARD=True, **consts
+        )
         return y
 
     fns = {
@@ -118,7 +120,7 @@ def main():
             return y
 
         def kiln_into(y=y, rstd=rstd):
-            RN._fwd_launch[(M,)](x, x, y, y, w, rstd, D, 0, D, M, D, EPS, FOR_BACKWARD=True, **consts)
+            RN._fwd_launch[(M,)](x, x, y, y, w, rstd, D, 0, D, M, D, EPS, 0.0, FOR_BACKWARD=True, **consts)
             return y
 
         same[f"liger_kernel_buf{b}"], same[f"kiln_kernel_buf{b}"] = liger_into, kiln_into

@@ -12,13 +12,13 @@ from ._tolerance import assert_close, check_op
 SHAPES = [(1, 1, 8), (4, 64), (3, 7, 123)]
 
 
-def _op(x, w, r=None):
+def _op(x, w, r=None, offset=0.0):
     with use_backend("triton"):
-        return rmsnorm(x, w, 1e-6, r)
+        return rmsnorm(x, w, 1e-6, r, offset)
 
 
-def _ref(x, w, r=None):
-    return rmsnorm_ref(x, w, 1e-6, r)
+def _ref(x, w, r=None, offset=0.0):
+    return rmsnorm_ref(x, w, 1e-6, r, offset)
 
 
 def _ref_rounded(dtype):
@@ -45,6 +45,49 @@ def test_rmsnorm_matches_float64(shape, dtype, residual):
     w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype)
     inputs = [x, w] + ([torch.randn(shape, generator=g).to(dtype)] if residual else [])
     check_op(_op, _ref_rounded(dtype), inputs)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rmsnorm_weight_offset(residual):
+    """offset + w as the weight (Gemma-style zero-centred weights, offset 1): forward, dx, dw, dresidual."""
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(3, 7, 123, generator=g), 0.1 * torch.randn(123, generator=g)
+    inputs = [x, w] + ([torch.randn(3, 7, 123, generator=g)] if residual else [])
+    check_op(lambda *t: _op(*t, offset=1.0), lambda *t: _ref(*t, offset=1.0), inputs)
+    # the same function as the plain op on a weight of 1 + w
+    with torch.no_grad():
+        a, b = _op(x, w, offset=1.0), _op(x, 1.0 + w)
+    assert_close(a, b.double(), name="offset vs 1 + w")
+
+
+def _rounds_like_hugging_face(dtype, device):
+    """The normalized row is rounded to x's dtype before the weight multiply, as Hugging Face's
+    LlamaRMSNorm does (`weight * hidden.to(dtype)`); the reference is that code, line for line."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(16, 96, generator=g).to(device, dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(device, dtype)
+    hs = x.float()
+    hs = hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + 1e-6)
+    hf_out = w * hs.to(dtype)
+    assert torch.equal(rmsnorm_ref(x, w, 1e-6), hf_out)
+    with torch.no_grad():
+        got = _op(x, w)
+    # the kernel's rsqrt and sum order differ from torch's in the last float32 bits, which can flip a
+    # rounding: at most one step of `dtype` apart, and equal almost everywhere
+    step = torch.finfo(dtype).eps * hf_out.float().abs()
+    assert bool(((got.float() - hf_out.float()).abs() <= step).all())
+    assert (got == hf_out).float().mean() > 0.98
+
+
+def test_rmsnorm_rounds_like_hugging_face():
+    # fp16 on the CPU: the interpreter (Triton 3.6) casts float32 to bf16 by truncation, not to nearest
+    _rounds_like_hugging_face(torch.float16, "cpu")
+
+
+@pytest.mark.gpu
+def test_rmsnorm_rounds_like_hugging_face_gpu():
+    _rounds_like_hugging_face(torch.bfloat16, "cuda")
+    _rounds_like_hugging_face(torch.float16, "cuda")
 
 
 def test_rmsnorm_fp16_weight_fp32():
