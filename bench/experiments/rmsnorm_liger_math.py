@@ -43,7 +43,8 @@ FLAGS = ("MASK", "RSTD", "ROUND", "OFFSET")
 
 @triton.jit
 def rms_flags(X, Y, W, RSTD_ptr, stride, n_cols, eps, offset, one, MASK: tl.constexpr, RSTD: tl.constexpr,
-              ROUND: tl.constexpr, OFFSET: tl.constexpr, DELAY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+              ROUND: tl.constexpr, OFFSET: tl.constexpr, DELAY: tl.constexpr, BLOCK: tl.constexpr,
+              RSTD_LATE: tl.constexpr = False):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     if MASK:
@@ -54,7 +55,7 @@ def rms_flags(X, Y, W, RSTD_ptr, stride, n_cols, eps, offset, one, MASK: tl.cons
         w = tl.load(W + cols)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    if RSTD:
+    if RSTD and not RSTD_LATE:
         tl.store(RSTD_ptr + row, rstd)
     wf = w.to(tl.float32) + offset if OFFSET else w.to(tl.float32)
     y = (xf * rstd).to(x.dtype) * wf if ROUND else xf * rstd * wf
@@ -64,6 +65,8 @@ def rms_flags(X, Y, W, RSTD_ptr, stride, n_cols, eps, offset, one, MASK: tl.cons
         tl.store(Y + row * stride + cols, y.to(Y.dtype.element_ty), mask=cols < n_cols)
     else:
         tl.store(Y + row * stride + cols, y.to(Y.dtype.element_ty))
+    if RSTD and RSTD_LATE:  # stored after y (kiln's order at 176d0fc) instead of before
+        tl.store(RSTD_ptr + row, rstd)
 
 
 def main():
