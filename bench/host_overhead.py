@@ -112,7 +112,7 @@ def main() -> None:
     y = torch.empty_like(x)
     rstd = torch.empty(64 + RN.COUNTERS.value, device=dev)  # rstd per row, then the counters
     args = (x, x, x, y, w, rstd, 4096, 0, 4096, 64, 4096, 1e-6, 0.0)
-    consts = dict(HAS_RESIDUAL=False, FOR_BACKWARD=True, EVEN=True, ROWS=1, BLOCK=4096)
+    consts = dict(HAS_RESIDUAL=False, FOR_BACKWARD=True, ROWS=1, BLOCK=4096)
     res["rmsnorm fwd kernel launch"] = per_call_us(
         lambda: RN._rmsnorm_fwd_kernel[(64,)](*args, **consts, num_warps=8)
     )

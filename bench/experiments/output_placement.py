@@ -38,7 +38,7 @@ def main():
         def into(y=buffers[-1]):
             RN._fwd_launch[(M,)](
                 x, x, y, y, w, y, D, 0, D, M, D, EPS, 0.0,
-                HAS_RESIDUAL=False, FOR_BACKWARD=False, EVEN=True, ROWS=1, BLOCK=D, num_warps=8,
+                HAS_RESIDUAL=False, FOR_BACKWARD=False, ROWS=1, BLOCK=D, num_warps=8,
             )  # fmt: skip
 
         fns[f"kiln_into_buffer{i}"] = into

@@ -81,7 +81,7 @@ def main():
         )  # fmt: skip
         return y
 
-    consts = dict(HAS_RESIDUAL=False, EVEN=True, ROWS=1, BLOCK=D, num_warps=8)
+    consts = dict(HAS_RESIDUAL=False, ROWS=1, BLOCK=D, num_warps=8)
 
     def kiln_kernel_plain():
         y = torch.empty((M, D), dtype=x.dtype, device=x.device)

@@ -155,8 +155,8 @@ def test_rmsnorm_fixed_configs():
 @pytest.mark.parametrize("shape", [(128, 64), (2, 4096), (3, 7, 123), (5, 48)])
 @pytest.mark.parametrize("residual", [False, True])
 def test_rmsnorm_inference_path(shape, residual, device):
-    """Without autograd the forward saves no statistics; (128, 64) and (2, 4096) take the unmasked tiles
-    (D a power of two, the rows a multiple of the tile), the others the masked ones."""
+    """Without autograd the forward saves no statistics: rows of a power of two and not, tiles of several
+    rows (D = 64, 48) and one (4096), a ragged last tile (5 rows of 48)."""
     g = torch.Generator().manual_seed(8)
     x, w = torch.randn(shape, generator=g).to(device), torch.randn(shape[-1], generator=g).to(device)
     r = torch.randn(shape, generator=g).to(device) if residual else None

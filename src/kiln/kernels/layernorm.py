@@ -34,7 +34,6 @@ from kiln.kernels.rmsnorm import (
     backward_programs,
     check_rows,
     fwd_rows,
-    load_rows,
     needs_grad,
     row_warps,
     shaped,
@@ -56,6 +55,12 @@ def layernorm_ref(
     b = None if bias is None else bias.to(acc)
     y = F.layer_norm(h.to(acc), (h.shape[-1],), weight.to(acc), b, eps).to(x.dtype)
     return y if residual is None else (y, h)
+
+
+@triton.jit
+def load_rows(ptrs, mask, EVEN: tl.constexpr):
+    """A tile load: unmasked when EVEN (every row and column in bounds), else zero past the ends."""
+    return tl.load(ptrs) if EVEN else tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
