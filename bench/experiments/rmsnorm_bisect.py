@@ -41,6 +41,19 @@ from sweep_memory_bound import no_grad, run_group  # noqa: E402
 EPS = 1e-6
 
 
+def liger_kernel_into(x, w, y, rstd):
+    """Liger's RMSNorm forward kernel into y and rstd (x: (M, D) rows, D a power of two), launched as its
+    op launches it (llama casting, 8 warps at D = 4096) but without its autograd Function."""
+    from liger_kernel.ops import rms_norm as LR
+
+    M, D = x.shape
+    LR._rms_norm_forward_kernel[(M,)](
+        y, y.stride(0), x, x.stride(0), w, w.stride(0), rstd, rstd.stride(0), D, EPS, 0.0, 0,
+        elementwise_affine=True, BLOCK_SIZE=D, num_warps=8,
+    )  # fmt: skip
+    return y
+
+
 @triton.jit
 def rms_persistent(X, Y, W, n_rows, stride, n_cols, eps, PREFETCH: tl.constexpr, BLOCK: tl.constexpr):
     """Rows pid, pid + programs, ...: the weight loaded once; with PREFETCH the next row's load is issued
@@ -70,16 +83,10 @@ def main():
     mk = kn.Inputs(device, smoke)
     M, D = (64, 256) if smoke else (32768, 4096)
     x, w = mk.randn(M, D), mk.randn(D, scale=0.1) + 1
-    from liger_kernel.ops import rms_norm as LR
 
     def liger_kernel_plain():
         y = torch.empty((M, D), dtype=x.dtype, device=x.device)
-        rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-        LR._rms_norm_forward_kernel[(M,)](
-            y, y.stride(0), x, x.stride(0), w, w.stride(0), rstd, rstd.stride(0), D, EPS, 0.0, 0,
-            elementwise_affine=True, BLOCK_SIZE=D, num_warps=8,
-        )  # fmt: skip
-        return y
+        return liger_kernel_into(x, w, y, torch.empty(M, dtype=torch.float32, device=x.device))
 
     consts = dict(HAS_RESIDUAL=False, ROWS=1, BLOCK=D, num_warps=8)
 
@@ -113,11 +120,7 @@ def main():
         keep += [y, rstd, torch.empty((b + 1) * (40 << 20), dtype=torch.uint8, device=x.device)]
 
         def liger_into(y=y, rstd=rstd):
-            LR._rms_norm_forward_kernel[(M,)](
-                y, y.stride(0), x, x.stride(0), w, w.stride(0), rstd, rstd.stride(0), D, EPS, 0.0, 0,
-                elementwise_affine=True, BLOCK_SIZE=D, num_warps=8,
-            )  # fmt: skip
-            return y
+            return liger_kernel_into(x, w, y, rstd)
 
         def kiln_into(y=y, rstd=rstd):
             RN._fwd_launch[(M,)](x, x, y, y, w, rstd, D, 0, D, M, D, EPS, 0.0, FOR_BACKWARD=True, **consts)

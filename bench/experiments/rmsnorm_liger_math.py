@@ -77,16 +77,11 @@ def main():
     x, w = mk.randn(M, D), mk.randn(D, scale=0.1) + 1
     fns = {"kiln": no_grad(lambda: RN.rmsnorm(x, w, EPS))}
     if not smoke:  # Liger's kernel calls eps.to(), which the interpreter's plain float has not
-        from liger_kernel.ops import rms_norm as LR
+        from rmsnorm_bisect import liger_kernel_into
 
         def liger_kernel_plain():
             y = torch.empty((M, D), dtype=x.dtype, device=x.device)
-            rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-            LR._rms_norm_forward_kernel[(M,)](
-                y, y.stride(0), x, x.stride(0), w, w.stride(0), rstd, rstd.stride(0), D, EPS, 0.0, 0,
-                elementwise_affine=True, BLOCK_SIZE=D, num_warps=8,
-            )  # fmt: skip
-            return y
+            return liger_kernel_into(x, w, y, torch.empty(M, dtype=torch.float32, device=x.device))
 
         fns["liger"] = no_grad(lambda: kn.LigerRMSNormFunction.apply(x, w, EPS))
         fns["liger_kernel_plain"] = liger_kernel_plain
