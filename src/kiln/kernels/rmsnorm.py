@@ -88,7 +88,7 @@ def _rmsnorm_fwd_kernel(
     # Masked even where every row and column is in bounds: unmasked loads measured 0.3% slower on the
     # H200 (32768 x 4096 bf16, each kernel into the same outputs: bench/experiments/rmsnorm_same_buffer.py)
     mask = (rows < n_rows) & (cols < n_cols)
-    # the weight (an L2 hit) is loaded first so that its latency overlaps the rows', not the reduction's
+    # the weight (an L2 hit): the compiler issues its loads after the row's, during the reduction
     w = tl.load(W_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
     h = tl.load(X_ptr + rows * x_row_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
