@@ -259,3 +259,49 @@ def test_dkdv_loop_and_grid_switches(flat, heavy_first, device):
     ref_grads = torch.autograd.grad(ref, leaves, do.cpu().double())
     for name, g, rg in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):
         assert_close(g, rg, name=name)
+
+
+def _prefix_inputs(q_lens, k_lens, Hq, Hk, D, dtype, device, seed, sinks=False):
+    """Packed queries and keys of documents whose keys are a cached prefix plus their new rows."""
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q, k, v, s = _inputs(1, sum(q_lens), sum(k_lens), Hq, Hk, D, dtype, device, seed=seed, sinks=sinks)
+    return q[0], k[0], v[0], s, cu_q, cu_k
+
+
+@pytest.mark.parametrize("window,sinks", [(None, False), (None, True), (20, False)])
+def test_varlen_cached_prefix(window, sinks, device):
+    # Documents with 0, 31, 100 and 7 cached keys before 5, 1, 70 and 1 new queries: chunked prefill,
+    # a decode row and a prefix-cache hit in one packed batch, against the float64 reference.
+    q_lens, k_lens = [5, 1, 70, 1], [5, 32, 170, 8]
+    q, k, v, s, cu_q, cu_k = _prefix_inputs(q_lens, k_lens, 4, 2, 16, torch.float32, device, 13, sinks)
+    with use_backend("triton"), torch.no_grad():
+        out = attention(q, k, v, sinks=s, window=window, cu_seqlens=cu_q, max_seqlen=70, cu_seqlens_k=cu_k)
+    ref = attention_ref(
+        q.cpu().double(), k.cpu().double(), v.cpu().double(), sinks=None if s is None else s.cpu().double(),
+        window=window, cu_seqlens=cu_q.cpu(), cu_seqlens_k=cu_k.cpu(),
+    )  # fmt: skip
+    assert_close(out, ref, name="out")
+    # each document alone, dense, with its queries at the end of its keys: the same rows
+    for i in range(len(q_lens)):
+        a, b, c, d = cu_q[i].item(), cu_q[i + 1].item(), cu_k[i].item(), cu_k[i + 1].item()
+        alone = attention_ref(q[None, a:b], k[None, c:d], v[None, c:d], sinks=s, window=window)[0]
+        assert_close(out[a:b], alone, name=f"doc {i}")
+
+
+def test_varlen_cached_prefix_is_forward_only(device):
+    q, k, v, _, cu_q, cu_k = _prefix_inputs([3], [9], 2, 2, 16, torch.float32, device, 14)
+    with use_backend("triton"), pytest.raises(ValueError, match="forward-only"):
+        attention(q.requires_grad_(), k, v, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_varlen_cached_prefix():
+    q_lens, k_lens = [100, 1, 1000, 1, 37], [100, 513, 1900, 2, 2085]
+    q, k, v, s, cu_q, cu_k = _prefix_inputs(q_lens, k_lens, 8, 2, 128, torch.bfloat16, "cuda", 15, True)
+    with torch.no_grad():
+        out = attention(q, k, v, sinks=s, cu_seqlens=cu_q, max_seqlen=1000, cu_seqlens_k=cu_k)
+    ref = attention_ref(
+        q.double(), k.double(), v.double(), sinks=s.double(), cu_seqlens=cu_q, cu_seqlens_k=cu_k
+    )
+    assert_close(out, ref, name="out")

@@ -29,7 +29,7 @@ __all__ = ["LOG2E", "FlashAttention", "attention", "attention_bwd", "attention_f
 
 
 # ------------------------------------------------------------------------------------------ checks
-def _check(q, k, v, sinks, cu_seqlens):
+def _check(q, k, v, sinks, cu_seqlens, cu_seqlens_k=None):
     varlen = cu_seqlens is not None
     want = 3 if varlen else 4
     layout = "(total, H, D) with cu_seqlens" if varlen else "(B, T, H, D)"
@@ -40,7 +40,10 @@ def _check(q, k, v, sinks, cu_seqlens):
         raise TypeError(
             f"attention: q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
+    if cu_seqlens_k is not None and (not varlen or cu_seqlens_k.shape != cu_seqlens.shape):
+        raise ValueError("attention: cu_seqlens_k must come with cu_seqlens, one bound per document")
+    same_rows = cu_seqlens_k is not None or k.shape[0] == q.shape[0]
+    if k.shape != v.shape or not same_rows or k.shape[-1] != q.shape[-1]:
         raise ValueError(
             f"attention: incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
@@ -92,19 +95,37 @@ def attention(
     sinks: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention over (B, T, H, D) tensors (or packed (total, H, D) with cu_seqlens); see the module doc."""
+    """Attention over (B, T, H, D) tensors (or packed (total, H, D) with cu_seqlens); see the module doc.
+
+    max_seqlen: the longest document of cu_seqlens, when the caller knows it (else read from the device,
+    a host sync). cu_seqlens_k: separate key bounds (keys = each document's cached prefix + its new rows,
+    `attention_ref`'s doc); forward only (inference): no gradient flows through that form."""
     if window is not None and window < 1:
         raise ValueError(f"attention: window must be >= 1 (keys p - W < j <= p), got {window}")
     if softmax_scale is not None and not softmax_scale > 0:
         raise ValueError(f"attention: softmax_scale must be positive, got {softmax_scale}")
     triton_ok = attn_mask is None and q.shape[-1] in HEAD_DIMS and q.numel() > 0 and k.numel() > 0
     if triton_ok and use_triton(q, k, v, sinks, cu_seqlens):
-        _check(q, k, v, sinks, cu_seqlens)
+        _check(q, k, v, sinks, cu_seqlens, cu_seqlens_k)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens is not None else 0
+        if cu_seqlens is None:
+            max_seqlen = 0
+        elif max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        if cu_seqlens_k is not None:
+            if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+                raise ValueError(
+                    "attention: cu_seqlens_k (a cached prefix) is forward-only; run under no_grad"
+                )
+            o, _ = attention_fwd(
+                q, k, v, causal, scale, window, sinks, cu_seqlens, max_seqlen, cu_seqlens_k=cu_seqlens_k
+            )
+            return o
         return FlashAttention.apply(q, k, v, sinks, cu_seqlens, max_seqlen, causal, scale, window)
     return attention_ref(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks, attn_mask=attn_mask,
-        cu_seqlens=cu_seqlens,
+        cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
     )  # fmt: skip

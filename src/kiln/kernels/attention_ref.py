@@ -11,7 +11,9 @@ Layout is (batch, seq, heads, head_dim) throughout, as FlashAttention takes it:
 - attn_mask (optional): bool (B, 1 or Hq, Tq, Tk), True where attention is allowed, combined with the
   masks above (padded batches);
 - varlen: q, k, v packed as (total, H, D) with cu_seqlens (N+1,) int32 document boundaries; each
-  document attends only within itself.
+  document attends only within itself. With cu_seqlens_k as well, k and v are packed by their own
+  boundaries (total_k, Hk, D): document b's keys are a prefix (e.g. cached) followed by its new rows,
+  and its queries sit at the end of them (the causal alignment above), as in chunked prefill.
 Fully masked rows give zeros, not NaN. Float32 math (float64 for float64 inputs), output in q's dtype.
 """
 
@@ -78,17 +80,23 @@ def attention_ref(
     sinks: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eager attention (float32 math, or float64 for float64 inputs); differentiable by autograd."""
     if cu_seqlens is None:
+        if cu_seqlens_k is not None:
+            raise ValueError("cu_seqlens_k needs cu_seqlens (packed queries)")
         return _attention_dense_ref(q, k, v, causal, softmax_scale, window, sinks, attn_mask)
     if attn_mask is not None:
         raise ValueError("attn_mask cannot be combined with cu_seqlens: packed documents mask themselves")
-    bounds = cu_seqlens.tolist()
+    qb = cu_seqlens.tolist()
+    kb = qb if cu_seqlens_k is None else cu_seqlens_k.tolist()
+    if len(kb) != len(qb):
+        raise ValueError(f"cu_seqlens_k has {len(kb)} bounds, cu_seqlens {len(qb)}")
     outs = [
         _attention_dense_ref(
-            q[None, a:b], k[None, a:b], v[None, a:b], causal, softmax_scale, window, sinks, None
+            q[None, a:b], k[None, c:d], v[None, c:d], causal, softmax_scale, window, sinks, None
         )[0]
-        for a, b in zip(bounds[:-1], bounds[1:])
+        for a, b, c, d in zip(qb[:-1], qb[1:], kb[:-1], kb[1:])
     ]
-    return torch.cat(outs, dim=0)
+    return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
