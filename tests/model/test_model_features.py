@@ -7,9 +7,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kiln.errors import KilnError
 from kiln.model import ModelConfig, Transformer, build_model, from_pretrained, save_pretrained
+from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.layers import Attention
 from kiln.model.moe import SparseMoE
 
@@ -39,11 +41,13 @@ def test_attention_layer_with_sinks_and_window_against_manual_softmax():
         for p in layer.parameters():
             p.normal_(0, 0.3)
     x = torch.randn(2, 9, 40)
-    got = layer(x, None, None, None)
     B, T, H, D = 2, 9, 5, 8
-    q = layer.q_proj(x).view(B, T, H, D).transpose(1, 2).double()
-    k = layer.k_proj(x).view(B, T, H, D).transpose(1, 2).double()
-    v = layer.v_proj(x).view(B, T, H, D).transpose(1, 2).double()
+    got = layer(x.view(B * T, 40), None, AttnMetadata.dense(B, T)).view(B, T, 40)
+    w = layer.state_dict()  # the checkpoint names of the merged q/k/v projection
+    q, k, v = (
+        F.linear(x, w[f"{n}.weight"]).view(B, T, H, D).transpose(1, 2).double()
+        for n in ("q_proj", "k_proj", "v_proj")
+    )
     s = q @ k.transpose(-1, -2) / math.sqrt(D)  # (B, H, T, T)
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
     s = s.masked_fill(~((j <= i) & (j > i - 4)), float("-inf"))

@@ -34,7 +34,7 @@ def test_no_decay_on_norms_and_biases():
     assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
     names = {id(p): n for n, p in model.named_parameters()}
     undecayed = {names[id(p)] for p in no_decay["params"]}
-    assert any("norm" in n for n in undecayed) and any(n.endswith("q_proj.bias") for n in undecayed)
+    assert any("norm" in n for n in undecayed) and any(n.endswith("qkv_proj.bias") for n in undecayed)
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 

@@ -48,6 +48,30 @@ ROPE_REQUIRED = {
     "llama3": {"factor", "low_freq_factor", "high_freq_factor"},
 }
 HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")
+LINEAR_BACKENDS = ("auto", "torch", "kiln")
+ATTENTION_BACKENDS = ("kiln", "sdpa")
+
+
+@dataclass
+class KernelConfig:
+    """Which kernel runs each op of the model; it does not change the model (not saved with weights).
+
+    linear     "auto" (kiln's decode-row kernels for <= 16 rows at inference on CUDA, cuBLAS elsewhere),
+               "torch" (F.linear / cuBLAS) or "kiln" (kiln's Triton matmul everywhere); kiln.model.linear
+    attention  "kiln" (kiln's FlashAttention and paged decode kernels) or "sdpa" (torch's
+               scaled_dot_product_attention for dense batches without sinks or masks; kiln elsewhere)
+    """
+
+    linear: str = "auto"
+    attention: str = "kiln"
+
+    def __post_init__(self) -> None:
+        if self.linear not in LINEAR_BACKENDS:
+            raise KilnError(f"kernels.linear {self.linear!r} is not one of {', '.join(LINEAR_BACKENDS)}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise KilnError(
+                f"kernels.attention {self.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
+            )
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """The pieces of a block: norms, attention, and the dense MLPs. Every op goes through kiln.kernels.
 
-Attribute names match the HF checkpoints (q_proj, o_proj, gate_proj, input_layernorm, ...), so importing
-and exporting weights is a rename table (kiln/model/hf.py).
+State-dict names match the HF checkpoints (q_proj, o_proj, gate_proj, input_layernorm, ...), so importing
+and exporting weights is a rename table (kiln/model/hf.py); q/k/v and gate/up are stored merged and
+presented under their checkpoint names (kiln/model/linear.py). Every layer takes flat tokens (N, d) and
+the step's AttnMetadata (kiln/model/attn_metadata.py).
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kiln.kernels.attention import attention
+from kiln.kernels.decode_attention import decode_attention
 from kiln.kernels.layernorm import layernorm
+from kiln.kernels.paged_kv import paged_kv_write
 from kiln.kernels.rmsnorm import rmsnorm
 from kiln.kernels.rope import apply_rope
 from kiln.kernels.swiglu import swiglu
-from kiln.model.cache import KVCache
-from kiln.model.config import ModelConfig
+from kiln.model.attn_metadata import AttnMetadata
+from kiln.model.config import KernelConfig, ModelConfig
+from kiln.model.linear import Linear, MergedLinear
 
 
 class Norm(nn.Module):
@@ -51,25 +56,25 @@ class Norm(nn.Module):
         return self(x)[0]
 
 
-def _linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
-    return nn.Linear(n_in, n_out, bias=bias)
-
-
 class Attention(nn.Module):
-    """Multi-head attention with GQA (K/V heads never repeated), optional q/k norm, window and sinks."""
+    """Multi-head attention with GQA (K/V heads never repeated), optional q/k norm, window and sinks.
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    q/k/v are one merged projection (`qkv_proj`; checkpoints keep q_proj/k_proj/v_proj, see
+    kiln.model.linear). The layer index lives on the layer: it picks this layer's paged cache."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: KernelConfig | None = None):
         super().__init__()
+        kernels = kernels or KernelConfig()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = cfg.sliding_window
         self.rope_interleaved = cfg.rope_interleaved
+        self.attention_backend = kernels.attention
         d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         qkv_bias = cfg.qkv_bias or cfg.has_bias
-        self.q_proj = _linear(d, q, qkv_bias)
-        self.k_proj = _linear(d, kv, qkv_bias)
-        self.v_proj = _linear(d, kv, qkv_bias)
-        self.o_proj = _linear(q, d, cfg.has_bias)
+        self.qkv_proj = MergedLinear(d, {"q_proj": q, "k_proj": kv, "v_proj": kv}, qkv_bias, kernels.linear)
+        self.qkv_proj.load_from_parts(self, "qkv_proj")
+        self.o_proj = Linear(q, d, cfg.has_bias, kernels.linear)
         if cfg.qk_norm:
             self.q_norm = Norm(cfg.head_dim, cfg.norm_eps, bias=False)
             self.k_norm = Norm(cfg.head_dim, cfg.norm_eps, bias=False)
@@ -81,20 +86,58 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-        attn_mask: torch.Tensor | None,
-        cache: KVCache | None,
+        meta: AttnMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
         key_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """x (B, T, d); rope = (cos, sin, index) for the T query positions, or None (learned positions);
-        attn_mask bool (B, 1, T, S+T) or None; key_rope: tables for all S+T keys when the cache rotates
-        keys itself (streaming)."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        """x (N, d) -> (N, d). rope = (cos, sin, index) for the N query positions, or None (learned
+        positions); kv_cache = this layer's paged (k_cache, v_cache) (num_blocks, block_size, Hk, D);
+        key_rope: tables for every key when a legacy cache rotates keys itself (streaming)."""
+        N = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(N, self.n_heads, self.head_dim)
+        k = k.view(N, self.n_kv_heads, self.head_dim)
+        v = v.view(N, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
-        attn = dict(window=self.window, sinks=self.sinks, attn_mask=attn_mask)
+        if meta.batch_shape is not None:
+            y = self._dense(q, k, v, rope, meta, key_rope)
+        else:
+            y = self._flat(q, k, v, rope, meta, kv_cache)
+        return self.o_proj(y.reshape(N, -1))
+
+    def _flat(self, q, k, v, rope, meta: AttnMetadata, kv_cache):
+        """Packed sequences (AttnMetadata's prefill and decode paths): q (N, Hq, D) -> (N, Hq, D)."""
+        if rope is not None:  # the kernel takes (B, T, H, D): the flat batch is one row of N
+            q, k = apply_rope(q[None], k[None], *rope, interleaved=self.rope_interleaved)
+            q, k = q[0], k[0]
+        attn = dict(window=self.window, sinks=self.sinks)
+        if kv_cache is not None:
+            k_cache, v_cache = kv_cache
+            paged_kv_write(k_cache, v_cache, k, v, meta.slot_mapping)
+            if meta.decode:
+                return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, **attn)
+            if meta.has_prefix:  # keys this pass did not compute: read every key back from the cache
+                k = k_cache.view(-1, *k_cache.shape[2:])[meta.key_slots]  # (total_k, Hk, D)
+                v = v_cache.view(-1, *v_cache.shape[2:])[meta.key_slots]
+                return attention(
+                    q, k, v, causal=True, cu_seqlens=meta.cu_seqlens_q, max_seqlen=meta.max_seqlen_q,
+                    cu_seqlens_k=meta.cu_seqlens_k, **attn,
+                )  # fmt: skip
+        elif meta.decode or meta.has_prefix:
+            raise ValueError("attention: decode and cached-prefix steps need the layer's paged KV cache")
+        return attention(
+            q, k, v, causal=True, cu_seqlens=meta.cu_seqlens_q, max_seqlen=meta.max_seqlen_q, **attn
+        )
+
+    def _dense(self, q, k, v, rope, meta: AttnMetadata, key_rope):
+        """B sequences of T tokens (training, HF parity, model.generate's legacy cache) -> (N, Hq, D)."""
+        B, T = meta.batch_shape
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        cache = meta.legacy_cache
+        attn = dict(window=self.window, sinks=self.sinks, attn_mask=meta.attn_mask)
         if cache is not None and cache.rotate_keys_in_cache:
             # streaming: keys are stored unrotated, then queries and all keys are rotated at their cache
             # slots; apply_rope rotates a pair of one length, so each side goes as both arguments
@@ -102,39 +145,49 @@ class Attention(nn.Module):
             if rope is not None:
                 q = apply_rope(q, q, *rope[:2], rope[2], interleaved=self.rope_interleaved)[0]
                 k = apply_rope(k, k, *key_rope[:2], key_rope[2], interleaved=self.rope_interleaved)[0]
-            y = attention(q, k, v, causal=True, **attn)
-        else:
-            if rope is not None:
-                q, k = apply_rope(q, k, *rope[:2], rope[2], interleaved=self.rope_interleaved)
-            y = (
-                attention(q, k, v, causal=True, **attn)
-                if cache is None
-                else cache.attend(self.layer_idx, q, k, v, **attn)
+            return attention(q, k, v, causal=True, **attn)
+        if rope is not None:
+            q, k = apply_rope(q, k, *rope[:2], rope[2], interleaved=self.rope_interleaved)
+        if cache is not None:
+            return cache.attend(self.layer_idx, q, k, v, **attn)
+        if (
+            self.attention_backend == "sdpa"
+            and self.sinks is None
+            and meta.attn_mask is None
+            and self.window is None
+        ):
+            y = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
             )
-        return self.o_proj(y.reshape(B, T, -1))
+            return y.transpose(1, 2)
+        return attention(q, k, v, causal=True, **attn)
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)): Llama / Qwen / Mistral."""
+    """down(silu(gate(x)) * up(x)): Llama / Qwen / Mistral; gate and up are one merged projection."""
 
-    def __init__(self, d_model: int, hidden: int):
+    def __init__(self, d_model: int, hidden: int, kernels: KernelConfig | None = None):
         super().__init__()
-        self.gate_proj = _linear(d_model, hidden, False)
-        self.up_proj = _linear(d_model, hidden, False)
-        self.down_proj = _linear(hidden, d_model, False)
+        kernels = kernels or KernelConfig()
+        self.gate_up_proj = MergedLinear(
+            d_model, {"gate_proj": hidden, "up_proj": hidden}, False, kernels.linear
+        )
+        self.gate_up_proj.load_from_parts(self, "gate_up_proj")
+        self.down_proj = Linear(hidden, d_model, False, kernels.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu(self.gate_up_proj(x), None))  # [gate | up] in one tensor
 
 
 class GeluMLP(nn.Module):
     """down(gelu(up(x))) with biases: GPT-2 (its c_fc is up_proj, its mlp.c_proj is down_proj)."""
 
-    def __init__(self, d_model: int, hidden: int, act: str):
+    def __init__(self, d_model: int, hidden: int, act: str, kernels: KernelConfig | None = None):
         super().__init__()
+        kernels = kernels or KernelConfig()
         self.approximate = "tanh" if act == "gelu_tanh" else "none"
-        self.up_proj = _linear(d_model, hidden, True)
-        self.down_proj = _linear(hidden, d_model, True)
+        self.up_proj = Linear(d_model, hidden, True, kernels.linear)
+        self.down_proj = Linear(hidden, d_model, True, kernels.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate))

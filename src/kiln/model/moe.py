@@ -54,7 +54,7 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Router (`gate`, as HF names it) + experts. forward returns (out (B, T, d), aux loss scalar)."""
+    """Router (`gate`, as HF names it) + experts. forward(x (..., d)) returns (out like x, aux loss scalar)."""
 
     def __init__(self, d_model: int, hidden: int, n_experts: int, top_k: int):
         super().__init__()
@@ -63,7 +63,7 @@ class SparseMoE(nn.Module):
         self.experts = Experts(n_experts, d_model, hidden)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, T, d = x.shape
+        d = x.shape[-1]
         flat = x.reshape(-1, d)
         logits = self.gate(flat)  # (N, E)
         probs = torch.softmax(logits.float(), dim=-1)
@@ -73,4 +73,4 @@ class SparseMoE(nn.Module):
         E = probs.shape[-1]
         f = torch.bincount(top_i.reshape(-1), minlength=E).float() / flat.shape[0]  # (E,)
         aux = E * (f * probs.mean(dim=0)).sum()
-        return out.view(B, T, d), aux
+        return out.view(x.shape), aux

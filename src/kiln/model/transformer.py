@@ -17,31 +17,33 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kiln.kernels.cross_entropy import linear_cross_entropy
+from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.cache import KVCache
-from kiln.model.config import ModelConfig
+from kiln.model.config import KernelConfig, ModelConfig
 from kiln.model.layers import Attention, GatedMLP, GeluMLP, Norm
 from kiln.model.moe import SparseMoE
 from kiln.model.rope import RotaryTables
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: KernelConfig):
         super().__init__()
+        self.layer_idx = layer_idx
         self.input_layernorm = Norm(cfg.d_model, cfg.norm_eps, cfg.has_bias)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg, layer_idx, kernels)
         self.post_attention_layernorm = Norm(cfg.d_model, cfg.norm_eps, cfg.has_bias)
         if cfg.n_experts:
             self.mlp = SparseMoE(cfg.d_model, cfg.ffn_hidden, cfg.n_experts, cfg.n_experts_per_tok)
         elif cfg.arch == "gpt2":
-            self.mlp = GeluMLP(cfg.d_model, cfg.ffn_hidden, cfg.hidden_act)
+            self.mlp = GeluMLP(cfg.d_model, cfg.ffn_hidden, cfg.hidden_act, kernels)
         else:
-            self.mlp = GatedMLP(cfg.d_model, cfg.ffn_hidden)
+            self.mlp = GatedMLP(cfg.d_model, cfg.ffn_hidden, kernels)
 
-    def forward(self, h, residual, rope, attn_mask, cache, key_rope):
-        """h: the previous sublayer's output (B, T, d); residual: the stream it adds to (None before the
+    def forward(self, h, residual, rope, meta, kv_cache=None, key_rope=None):
+        """h: the previous sublayer's output (N, d); residual: the stream it adds to (None before the
         first block). Returns (this block's MLP output, the stream before it, the MoE aux loss or None)."""
         x, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(x, rope, attn_mask, cache, key_rope)
+        h = self.self_attn(x, rope, meta, kv_cache, key_rope)
         x, residual = self.post_attention_layernorm(h, residual)
         if isinstance(self.mlp, SparseMoE):
             h, aux = self.mlp(x)
@@ -50,28 +52,81 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The decoder stack on the flat-token contract (kiln.model.attn_metadata):
+
+        forward(tokens (N,), positions (N,), meta, kv_caches=None) -> (final-norm output (N, d), aux)
+
+    kv_caches: one (k_cache, v_cache) pair per layer, (num_blocks, block_size, Hk, D) each, when `meta`
+    is paged. For dense metadata, positions may be (B, T) (one row expanded over the batch shares its
+    RoPE table rows). aux is the mean MoE load-balancing loss over layers, or None.
+    """
+
+    def __init__(self, cfg: ModelConfig, kernels: KernelConfig | None = None):
         super().__init__()
+        kernels = kernels or KernelConfig()
+        self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.embed_positions = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, kernels) for i in range(cfg.n_layers))
         self.norm = Norm(cfg.d_model, cfg.norm_eps, cfg.has_bias)
+        self.rope = RotaryTables(cfg) if cfg.uses_rope else None
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttnMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be flat (N,), got shape {tuple(tokens.shape)}")
+        if kv_caches is not None and len(kv_caches) != len(self.layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} entries for {len(self.layers)} layers")
+        h = self.embed_tokens(tokens)  # (N, d)
+        rope = key_rope = None
+        if self.rope is not None:
+            pos = positions if positions.dim() == 2 else positions[None]  # (B, T) or (1, N)
+            rope = self.rope(pos)
+            cache = meta.legacy_cache
+            if cache is not None and cache.rotate_keys_in_cache:
+                B, T = meta.batch_shape
+                past = cache.seq_len
+                key_rope = self.rope(torch.arange(past + T, device=tokens.device).expand(B, past + T))
+        else:
+            h = h + self.embed_positions(positions.reshape(-1))
+        residual, auxes = None, []
+        for i, layer in enumerate(self.layers):
+            kv = kv_caches[i] if kv_caches is not None else None
+            h, residual, aux = layer(h, residual, rope, meta, kv, key_rope)
+            if aux is not None:
+                auxes.append(aux)
+        h, _ = self.norm(h, residual)
+        return h, (torch.stack(auxes).mean() if auxes else None)
 
 
 class Transformer(nn.Module):
-    """Causal LM. forward -> logits (B, T, V); loss -> scalar; generate -> ids (README, "The model")."""
+    """Causal LM. `model` is the flat-token Decoder (the engine's contract); forward(input_ids (B, T))
+    -> logits (B, T, V), loss and generate are the dense wrapper over it (README, "The model")."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: KernelConfig | None = None):
         super().__init__()
         self.config = cfg
-        self.model = Decoder(cfg)
+        self.kernels = kernels or KernelConfig()
+        self.model = Decoder(cfg, self.kernels)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.rope = RotaryTables(cfg) if cfg.uses_rope else None
+
+    @property
+    def rope(self) -> RotaryTables | None:
+        return self.model.rope
 
     @property
     def head_weight(self) -> torch.Tensor:
         """(V, d): the untied head, or the token embedding when tied."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states (..., d) -> logits (..., V) (the engine calls it on the rows it samples)."""
+        return F.linear(h, self.head_weight)
 
     # ---- forward -------------------------------------------------------------------------------------------
     def hidden_states(
@@ -81,7 +136,8 @@ class Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The final-norm output (B, T, d) and the mean MoE aux loss over layers (None for dense models)."""
+        """The final-norm output (B, T, d) and the mean MoE aux loss over layers (None for dense models):
+        the dense wrapper, which builds dense AttnMetadata and runs the flat Decoder."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -99,27 +155,15 @@ class Transformer(nn.Module):
                     f"attention_mask must be (batch, past + seq) = {(B, past + T)}, got {tuple(attention_mask.shape)}"
                 )
             attn_mask = attention_mask.bool()[:, None, None, :].expand(B, 1, T, past + T)
-        h = self.model.embed_tokens(input_ids)
-        rope = key_rope = None
-        if self.rope is not None:
-            rope = self.rope(position_ids)
-            if cache is not None and cache.rotate_keys_in_cache:
-                key_rope = self.rope(torch.arange(past + T, device=dev).expand(B, past + T))
-        else:
-            if default_positions and past + T > self.config.max_seq_len:
-                raise ValueError(
-                    f"positions up to {past + T} exceed the {self.config.max_seq_len} learned positions"
-                )
-            h = h + self.model.embed_positions(position_ids)
-        residual, auxes = None, []
-        for layer in self.model.layers:
-            h, residual, aux = layer(h, residual, rope, attn_mask, cache, key_rope)
-            if aux is not None:
-                auxes.append(aux)
-        h, _ = self.model.norm(h, residual)
+        if self.rope is None and default_positions and past + T > self.config.max_seq_len:
+            raise ValueError(
+                f"positions up to {past + T} exceed the {self.config.max_seq_len} learned positions"
+            )
+        meta = AttnMetadata.dense(B, T, attn_mask=attn_mask, legacy_cache=cache)
+        h, aux = self.model(input_ids.reshape(-1), position_ids, meta)
         if cache is not None:
             cache.advance(T)
-        return h, (torch.stack(auxes).mean() if auxes else None)
+        return h.view(B, T, -1), aux
 
     def forward(
         self,
@@ -134,7 +178,7 @@ class Transformer(nn.Module):
         0 for padding, over the cached and the new tokens. cache: a KVCache that this call extends.
         """
         h, _ = self.hidden_states(input_ids, position_ids, attention_mask, cache)
-        return F.linear(h, self.head_weight)
+        return self.compute_logits(h)
 
     def loss(
         self,
@@ -222,12 +266,14 @@ class Transformer(nn.Module):
         residual-side projections (o_proj, up_proj, down_proj, experts) std / sqrt(2 * (layer + 1));
         token embedding N(0, 1) with an untied head of std d_model^-0.5 (tied: both d_model^-0.5).
         Norm weights are 1, biases and sink logits 0.
+        Tensors are visited by their checkpoint names (merged q/k/v and gate/up by part, see
+        kiln.model.linear), so each part gets its own scale and the draws do not depend on the fusion.
         """
         cfg = self.config
         std, L, d = cfg.init_std, cfg.n_layers, cfg.d_model
         gen = torch.Generator(device=self.head_weight.device).manual_seed(seed)
         gpt2 = cfg.arch == "gpt2"
-        for name, p in self.named_parameters():
+        for name, p in self.state_dict(keep_vars=True).items():
             if p.dim() < 2:
                 p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
                 continue
@@ -253,12 +299,16 @@ class Transformer(nn.Module):
 
 
 def build_model(
-    cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
+    cfg: ModelConfig,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    kernels: KernelConfig | None = None,
 ) -> Transformer:
     """Build on the meta device (no memory, no init work), allocate on `device`, initialize in float32
     from `seed`, then cast to `dtype`."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, kernels)
     model.to_empty(device=device)
     model.init_weights(seed)
     return model.to(dtype)

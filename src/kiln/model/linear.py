@@ -1,0 +1,107 @@
+"""The model's linear layers: plain and merged (fused QKV, fused gate/up), on a chosen matmul backend.
+
+`Linear` is y = x W^T + b like nn.Linear (same attribute names, same init hooks), with the matmul taken
+by `KernelConfig.linear` (kiln.model.config):
+- "torch": F.linear (cuBLAS on CUDA);
+- "kiln": kiln.kernels.matmul.linear (kiln's Triton tile kernel, and its decode kernels for <= 16 rows);
+- "auto" (default): kiln's decode kernels where they won on the H200 (CUDA, <= 16 rows, inference:
+  1.1-2.5x cuBLAS at the Qwen2.5-1.5B decode shapes, docs/kernels/matmul_decode.md), F.linear elsewhere.
+The choice reads only shapes and flags, so it is fixed for a captured decode step.
+
+`MergedLinear` stores several projections of the same input as one weight (sum of out sizes, in), so a
+step runs one GEMM instead of two or three: q/k/v (`qkv_proj`) and gate/up (`gate_up_proj`). Its state
+dict still speaks the checkpoint names: `...self_attn.q_proj.weight` etc. are views of the slices (a
+state-dict hook), and loading takes those names and copies each into its slice (a load pre-hook), so
+HF import/export, kiln checkpoints and `init_weights` see the unfused names. Quantized or tensor-parallel
+linears later replace these classes, not the model.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kiln.kernels.matmul import linear as kiln_linear
+
+DECODE_ROWS = 16  # kiln.kernels.matmul_decode handles up to this many rows
+
+
+class Linear(nn.Module):
+    """y = x W^T + b. weight (out_features, in_features), bias (out_features,) or None."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, backend: str = "auto"):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.backend = backend
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "kiln" or (self.backend == "auto" and self._decode_rows(x)):
+            return kiln_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def _decode_rows(self, x: torch.Tensor) -> bool:
+        rows = x.numel() // max(x.shape[-1], 1)
+        training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        return x.is_cuda and 0 < rows <= DECODE_ROWS and not training
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, backend={self.backend}"
+
+
+class MergedLinear(Linear):
+    """Several projections of one input in one weight; `parts` maps each checkpoint name to its out size.
+
+    forward returns the concatenated outputs (..., sum of sizes); `split(y)` cuts them apart as views.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, backend: str = "auto"):
+        super().__init__(in_features, sum(parts.values()), bias, backend)
+        self.parts = dict(parts)
+        self._register_state_dict_hook(_split_state)
+
+    def load_from_parts(self, owner: nn.Module, attr: str) -> None:
+        """Let `owner` (the module holding this one as `attr`) take the parts' checkpoint names on
+        load. The hook sits on the owner because load_state_dict hands a child only the keys under the
+        child's own prefix, and the parts are named beside it, not under it."""
+        owner._register_load_state_dict_pre_hook(functools.partial(_merge_state, self, attr))
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(y.split(list(self.parts.values()), dim=-1))
+
+    def slices(self) -> list[tuple[str, int, int]]:
+        """(checkpoint name, first row, end row) of each part in the merged weight."""
+        out, start = [], 0
+        for name, size in self.parts.items():
+            out.append((name, start, start + size))
+            start += size
+        return out
+
+
+def _parent_prefix(prefix: str) -> str:
+    """ "model.layers.0.self_attn.qkv_proj." -> "model.layers.0.self_attn." (where the parts are named)."""
+    return prefix[: prefix.rstrip(".").rfind(".") + 1]
+
+
+def _split_state(module: MergedLinear, state: dict, prefix: str, local_metadata) -> None:
+    # The merged entries become one entry per part (views of their rows), in the parts' order.
+    parent = _parent_prefix(prefix)
+    tensors = {k: state.pop(prefix + k) for k in ("weight", "bias") if prefix + k in state}
+    for name, a, b in module.slices():
+        for kind, t in tensors.items():
+            state[f"{parent}{name}.{kind}"] = t[a:b]
+
+
+def _merge_state(module: MergedLinear, attr: str, state: dict, prefix: str, *args) -> None:
+    # On the owner, at `prefix`: checkpoint names in, the merged tensor out. A missing part leaves the
+    # merged key absent, so load_state_dict reports the merged name as missing.
+    merged = f"{prefix}{attr}."
+    for kind in ("weight", "bias"):
+        keys = [f"{prefix}{name}.{kind}" for name, _, _ in module.slices()]
+        if merged + kind in state or not all(k in state for k in keys):
+            continue
+        state[merged + kind] = torch.cat([state.pop(k) for k in keys], dim=0)
