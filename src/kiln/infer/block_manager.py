@@ -200,5 +200,4 @@ class BlockManager:
                 raise RuntimeError(f"block {block} freed more often than allocated")
         seq.block_table = []
         # seq.block_hashes stays: content hashes, valid for the next allocate's prefix match
-        seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0  # num_cached_tokens stays: the last admission's hit, for statistics
