@@ -20,6 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kiln.model import cli as model_cli
 
     model_cli.register(sub)
+    from kiln.infer import cli as infer_cli
+
+    infer_cli.register(sub)
     return parser
 
 

@@ -34,7 +34,9 @@ def check_batch(sched, batch):
     bs = sched.config.block_size
     assert batch.num_tokens <= sched.config.max_num_batched_tokens
     assert len({s.seq_id for s in batch.seqs}) == len(batch.seqs)
-    for seq, n, before, samples in zip(batch.seqs, batch.num_new_tokens, batch.computed_before, batch.samples):
+    for seq, n, before, samples in zip(
+        batch.seqs, batch.num_new_tokens, batch.computed_before, batch.samples
+    ):
         assert seq.status is SequenceStatus.RUNNING and n >= 1
         assert before == seq.num_computed_tokens and before + n <= seq.num_tokens
         assert len(seq.block_table) * bs >= before + n
@@ -180,9 +182,15 @@ def test_finish_reasons():
     for s in (eos, ignore, stop_id, length):
         sched.add(s)
     run(sched, model)
-    assert eos.output_token_ids == [53, 54, 55, EOS] and (eos.finish_reason, eos.stop_reason) == ("stop", None)
+    assert eos.output_token_ids == [53, 54, 55, EOS] and (eos.finish_reason, eos.stop_reason) == (
+        "stop",
+        None,
+    )
     assert ignore.output_token_ids == [53, 54, 55, EOS, 57] and ignore.finish_reason == "length"
-    assert stop_id.output_token_ids == [53, 54] and (stop_id.finish_reason, stop_id.stop_reason) == ("stop", 54)
+    assert stop_id.output_token_ids == [53, 54] and (stop_id.finish_reason, stop_id.stop_reason) == (
+        "stop",
+        54,
+    )
     assert length.output_token_ids == [53, 54] and length.finish_reason == "length"
     for s in (eos, ignore, stop_id, length):
         assert s.is_finished and s.block_table == [] and s.finished_time >= s.first_token_time
@@ -257,7 +265,9 @@ def test_logprobs_are_stored_for_the_sequences_that_asked():
     sched.add(a)
     sched.add(b)
     batch = sched.schedule()
-    sched.postprocess(batch, [5, 6], logprobs=[-0.5, -1.5], top_logprobs=[[(5, -0.5), (9, -2.0)], [(6, -1.5), (1, -3.0)]])
+    sched.postprocess(
+        batch, [5, 6], logprobs=[-0.5, -1.5], top_logprobs=[[(5, -0.5), (9, -2.0)], [(6, -1.5), (1, -3.0)]]
+    )
     assert a.output_logprobs == [-0.5] and a.output_top_logprobs == [[(5, -0.5)]]
     assert b.output_logprobs == [] and b.output_top_logprobs == []
 
@@ -294,7 +304,10 @@ def test_random_workload_no_leaks_same_outputs():
         ({"block_size": 0}, "block_size"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "max_num_batched_tokens"),
-        ({"max_num_batched_tokens": 64, "max_model_len": 128, "max_num_seqs": 8, "chunked_prefill": False}, "chunked"),
+        (
+            {"max_num_batched_tokens": 64, "max_model_len": 128, "max_num_seqs": 8, "chunked_prefill": False},
+            "chunked",
+        ),
     ],
 )
 def test_config_validation(kwargs, field):

@@ -128,6 +128,11 @@ class Scheduler:
         return min(seq.num_prompt_tokens + seq.params.max_tokens, self.config.max_model_len)
 
     def add(self, seq: Sequence) -> None:
+        self.check(seq)
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """KilnError if `seq` is not a new request or can never fit; nothing changes either way."""
         cfg = self.config
         if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.output_token_ids:
             raise KilnError(f"sequence {seq.seq_id} is not a new request ({seq!r})")
@@ -144,7 +149,6 @@ class Scheduler:
                 f"max_tokens {seq.params.max_tokens}, block size {cfg.block_size}) but the cache has only "
                 f"{self.block_manager.num_blocks}: lower max_tokens or the prompt, or give the cache more memory"
             )
-        self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

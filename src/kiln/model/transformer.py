@@ -21,6 +21,7 @@ from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.cache import KVCache
 from kiln.model.config import KernelConfig, ModelConfig
 from kiln.model.layers import Attention, GatedMLP, GeluMLP, Norm
+from kiln.model.linear import Linear
 from kiln.model.moe import SparseMoE
 from kiln.model.rope import RotaryTables
 
@@ -114,6 +115,15 @@ class Transformer(nn.Module):
         self.kernels = kernels or KernelConfig()
         self.model = Decoder(cfg, self.kernels)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def set_kernels(self, kernels: KernelConfig) -> None:
+        """Switch the per-op kernel choice of a built model (e.g. one loaded from a checkpoint)."""
+        self.kernels = kernels
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.backend = kernels.linear
+            elif isinstance(m, Attention):
+                m.attention_backend = kernels.attention
 
     @property
     def rope(self) -> RotaryTables | None:

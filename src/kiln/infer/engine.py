@@ -1,0 +1,403 @@
+"""The inference engine: requests in, tokens out, one scheduled step at a time.
+
+    request -> Scheduler (continuous batching, chunked prefill, preemption; BlockManager: paged KV,
+               prefix caching) -> ModelRunner (flat tokens + AttnMetadata, one forward)
+            -> Sampler (per-request parameters on the device) -> Scheduler.postprocess (append, stop)
+            -> detokenize, stop strings -> RequestOutput
+
+`LLMEngine` is the step loop (`add_request`, `step`, `abort`), on which `LLM` (offline: `generate`,
+`stream`) and the HTTP server build. One device-to-host copy per step: the sampled ids (with their
+logprobs when a request asked for them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.errors import KilnError
+from kiln.infer.block_manager import BlockManager
+from kiln.infer.config import EngineConfig
+from kiln.infer.runner import ModelRunner
+from kiln.infer.sampler import Sampler, SamplingTensors, token_logprobs
+from kiln.infer.sampling_params import SamplingParams
+from kiln.infer.scheduler import Scheduler, SchedulerConfig
+from kiln.infer.sequence import Sequence
+from kiln.model.transformer import Transformer
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+@dataclass
+class CompletionOutput:
+    """One of a request's n completions. logprobs: per token, the sampled token's logprob and the top-k
+    (token id, logprob) pairs, when the request asked for them."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else float(sum(self.logprobs))
+
+
+@dataclass
+class RequestOutput:
+    """A request's state: its prompt, its completions so far, and (when finished) its timings in seconds:
+    time to first token, end to end, and the mean time per output token after the first."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[float] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class _Request:
+    """The engine's bookkeeping for one request: its n sequences and what each has emitted as text."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams):
+        self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
+        self.seqs: list[Sequence] = []
+        self.texts: list[str] = []  # detokenized output of each sequence (stop strings cut off)
+        self.arrival = time.monotonic()
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+# ----------------------------------------------------------------------------------------------- engine
+class LLMEngine:
+    """model: a kiln Transformer (weights on the engine's device, in its dtype); tokenizer: anything with
+    encode_ordinary(str) -> ids and decode(ids) -> str (kiln's Tokenizer), or None for token-id requests."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer=None,
+        config: EngineConfig | None = None,
+        eos_token_ids: Seq[int] = (),
+        log=print,
+    ):
+        self.config = config = config or EngineConfig()
+        self.device = next(model.parameters()).device
+        self.model = model.eval()
+        self.model.set_kernels(config.kernels)
+        self.tokenizer = tokenizer
+        mcfg = model.config
+        self.vocab_size = mcfg.vocab_size
+        self.max_model_len = min(config.max_model_len or mcfg.max_seq_len, mcfg.max_seq_len)
+        self.runner = ModelRunner(model, config, self.device, self.max_model_len)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=self.max_model_len,
+                block_size=config.block_size,
+                # every running sequence needs a token of the step's budget
+                max_num_seqs=min(config.max_num_seqs, config.max_num_batched_tokens),
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                chunked_prefill=config.chunked_prefill,
+                eos_token_ids=list(eos_token_ids),
+            ),
+            self.block_manager,
+        )
+        self.sampler = Sampler()
+        self.requests: dict[str, _Request] = {}
+        self._by_seq: dict[int, tuple[_Request, int]] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._seeds = random.Random(config.seed)
+        n_tokens = self.runner.num_blocks * config.block_size
+        log(
+            f"kiln engine: {self.runner.num_blocks} KV blocks x {config.block_size} tokens = {n_tokens} tokens "
+            f"({self.runner.num_blocks * self.runner.bytes_per_block / 2**30:.2f} GiB, "
+            f"{self.runner.dtype}); max {n_tokens // self.max_model_len} sequences at the full "
+            f"{self.max_model_len}-token context, {config.max_num_seqs} per step; device {self.device}"
+        )
+
+    # ---- requests -----------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a prompt (text, or token ids); returns its request id. Bad input is a KilnError and
+        leaves the engine as it was."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise KilnError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise KilnError("this engine has no tokenizer: pass the prompt as a list of token ids")
+            text, ids = prompt, list(self.tokenizer.encode_ordinary(prompt))
+        else:
+            text, ids = None, list(prompt)
+            bad = [
+                t
+                for t in ids
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+            ]
+            if bad:
+                raise KilnError(
+                    f"prompt token ids must be ints in [0, {self.vocab_size}): got {bad[:5]} "
+                    f"(the model's vocabulary has {self.vocab_size} tokens)"
+                )
+        if not ids:
+            raise KilnError("the prompt is empty: give at least one token")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise KilnError(
+                f"the prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
+                f"{self.max_model_len} tokens: shorten the prompt or lower max_tokens"
+            )
+        rid = request_id if request_id is not None else f"req-{next(self._request_ids)}"
+        if rid in self.requests:
+            raise KilnError(f"request id {rid!r} is already in use")
+        req = _Request(rid, text, ids, params)
+        seqs = []
+        for j in range(params.n):
+            seed = None if params.seed is not None else self._seeds.getrandbits(63)
+            seq = Sequence(next(self._seq_ids), ids, params, seed=seed)
+            if params.seed is not None and j > 0:  # n seeded samples: distinct, still reproducible
+                seq.seed = (params.seed * 1_000_003 + j) % (1 << 63)
+            seqs.append(seq)
+        for seq in seqs:  # all-or-nothing: a sequence that can never fit refuses the whole request
+            self.scheduler.check(seq)
+        for j, seq in enumerate(seqs):
+            self.scheduler.add(seq)
+            self._by_seq[seq.seq_id] = (req, j)
+        req.seqs, req.texts = seqs, [""] * len(seqs)
+        self.requests[rid] = req
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (e.g. its client went away): its sequences finish with reason "abort"."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for seq in req.seqs:
+            self.scheduler.abort(seq.seq_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- a step -------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return the state of every request that made progress in it (the
+        finished ones for the last time: they are dropped from the engine)."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return self._collect(set())
+        inputs = self.runner.prepare(batch)
+        hidden = self.runner.forward(inputs)
+        sampling = batch.sampling_seqs
+        ids = logprobs = top = None
+        if sampling:
+            logits = self.runner.logits(hidden[inputs.sample_rows(batch)])
+            out = self.sampler(logits, SamplingTensors.build(sampling, self.vocab_size, self.device))
+            ids = out.token_ids.tolist()  # the step's one device-to-host copy
+            if out.logprobs is not None:
+                logprobs = out.logprobs.tolist()
+                top = [list(zip(i, v)) for i, v in zip(out.top_ids.tolist(), out.top_logprobs.tolist())]
+        self._prompt_logprobs(batch, inputs, hidden)
+        self.scheduler.postprocess(batch, ids or [], logprobs, top)
+        touched = {id(self._by_seq[s.seq_id][0]) for s in sampling if s.seq_id in self._by_seq}
+        for seq in sampling:
+            self._detokenize(seq)
+        return self._collect(touched)
+
+    def _prompt_logprobs(self, batch, inputs, hidden) -> None:
+        """log P(prompt[p] | prompt[:p]) at the prompt positions this step computed, for requests that asked."""
+        for i, seq in enumerate(batch.seqs):
+            k = seq.params.prompt_logprobs
+            start, n = batch.computed_before[i], batch.num_new_tokens[i]
+            last = min(start + n, seq.num_prompt_tokens - 1)  # positions whose next token is a prompt token
+            if k is None or last <= start or len(seq.prompt_logprobs) >= seq.num_prompt_tokens - 1:
+                continue
+            rows = hidden[inputs.cu_seqlens[i] : inputs.cu_seqlens[i] + (last - start)]
+            lp = torch.log_softmax(self.runner.logits(rows), dim=-1)
+            nxt = torch.tensor(seq.prompt_token_ids[start + 1 : last + 1], device=lp.device)
+            chosen, values, top_ids = token_logprobs(lp, nxt, max(k, 1))
+            tops = [list(zip(i_, v))[:k] for i_, v in zip(top_ids.tolist(), values.tolist())]
+            seq.record_prompt_logprobs(start + 1, chosen.tolist(), tops)
+
+    def _detokenize(self, seq: Sequence) -> None:
+        """Text of the sequence's output; a stop string ends it (the text stops before the string)."""
+        if seq.seq_id not in self._by_seq or self.tokenizer is None:
+            return
+        req, j = self._by_seq[seq.seq_id]
+        text = self.tokenizer.decode(seq.output_token_ids)
+        stops = seq.params.stop
+        if stops and not (seq.is_finished and seq.finish_reason == "abort"):
+            # only the new tail can hold a new match (the longest stop string back from the old end)
+            begin = max(0, len(req.texts[j]) - max(map(len, stops)))
+            hits = [(text.find(s, begin), s) for s in stops if text.find(s, begin) >= 0]
+            if hits:
+                at, s = min(hits)
+                text = text[:at]
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "stop", s)
+                else:  # it had also ended on a token this step: the string came first
+                    seq.finish_reason, seq.stop_reason = "stop", s
+        req.texts[j] = text
+
+    def _collect(self, touched: set[int]) -> list[RequestOutput]:
+        outs = []
+        for rid, req in list(self.requests.items()):
+            if id(req) not in touched and not req.finished:
+                continue
+            outs.append(self._output(req))
+            if req.finished:
+                del self.requests[rid]
+                for seq in req.seqs:
+                    self._by_seq.pop(seq.seq_id, None)
+        return outs
+
+    def _output(self, req: _Request) -> RequestOutput:
+        comps = []
+        for j, seq in enumerate(req.seqs):
+            want = seq.params.logprobs is not None
+            comps.append(
+                CompletionOutput(
+                    index=j,
+                    text=req.texts[j],
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.output_logprobs) if want else None,
+                    top_logprobs=[list(t) for t in seq.output_top_logprobs] if want else None,
+                )
+            )
+        first = req.seqs[0]
+        metrics = {}
+        if req.finished:
+            end = max(s.finished_time for s in req.seqs)
+            metrics["e2e_s"] = end - req.arrival
+            if first.first_token_time is not None:
+                metrics["ttft_s"] = first.first_token_time - req.arrival
+                n = first.num_output_tokens
+                if n > 1:
+                    metrics["tpot_s"] = (first.finished_time - first.first_token_time) / (n - 1)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_ids,
+            outputs=comps,
+            finished=req.finished,
+            prompt_logprobs=list(first.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
+            metrics=metrics,
+        )
+
+
+# ---------------------------------------------------------------------------------------------- offline
+class LLM:
+    """Offline generation: `LLM(model_or_path, **engine_config).generate(prompts, params)`.
+
+    model_or_path: a kiln Transformer (then pass `tokenizer=`), or a path that kiln.model.checkpoint reads:
+    an HF checkpoint directory (safetensors, sharded or not), a kiln model directory, or a `kiln run`
+    directory / checkpoint. The tokenizer is found beside the weights (tokenizer.json, kiln's tokenizer
+    files, or the run's tokenizer/). Engine options are EngineConfig's fields.
+    """
+
+    def __init__(
+        self, model_or_path, tokenizer=None, eos_token_ids: Seq[int] | None = None, log=print, **engine
+    ):
+        config = EngineConfig(**engine)
+        device = config.resolve_device()
+        dtype = config.resolve_dtype(device)
+        if isinstance(model_or_path, Transformer):
+            model = model_or_path.to(device=device, dtype=dtype)
+            eos = list(eos_token_ids or [])
+        else:
+            from kiln.infer.loading import load_for_inference
+
+            model, found_tok, found_eos = load_for_inference(model_or_path, device, dtype)
+            tokenizer = tokenizer if tokenizer is not None else found_tok
+            eos = list(eos_token_ids) if eos_token_ids is not None else found_eos
+        if (
+            eos_token_ids is None
+            and not eos
+            and tokenizer is not None
+            and "<|endoftext|>" in getattr(tokenizer, "special_tokens", {})
+        ):
+            eos = [tokenizer.special_tokens["<|endoftext|>"]]
+        self.engine = LLMEngine(model, tokenizer, config, eos, log=log)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts` (one prompt: text or a list of ids; or a list of them)."""
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+        )
+        batch = [prompts] if single else list(prompts)
+        if not batch:
+            raise KilnError("the prompt list is empty: give at least one prompt")
+        if isinstance(params, list) and len(params) != len(batch):
+            raise KilnError(f"{len(params)} SamplingParams for {len(batch)} prompts")
+        plist = params if isinstance(params, list) else [params] * len(batch)
+        eng = self.engine
+        if eng.has_unfinished():
+            raise KilnError("the engine is busy with other requests: generate() runs a batch to its end")
+        ids = []
+        try:
+            for p, sp in zip(batch, plist):
+                ids.append(eng.add_request(p, sp))
+        except KilnError:
+            for rid in ids:
+                eng.abort(rid)
+            while eng.has_unfinished():
+                eng.step()
+            raise
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[r] for r in ids]
+
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield the request's state after every step that added tokens, the last one finished."""
+        eng = self.engine
+        rid = eng.add_request(prompt, params)
+        while True:
+            for out in eng.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+            if not eng.has_unfinished():
+                return

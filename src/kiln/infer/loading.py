@@ -1,0 +1,66 @@
+"""Loading a model, its tokenizer and its end-of-sequence ids for inference, from any source kiln reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kiln.errors import KilnError
+from kiln.model.checkpoint import load_source
+from kiln.model.transformer import Transformer
+from kiln.tokenizer import Tokenizer
+from kiln.tokenizer.formats import load as load_tokenizer
+
+
+def tokenizer_dirs(path: Path) -> list[Path]:
+    """Where a source's tokenizer may live: beside the weights, or in the run directory's tokenizer/."""
+    if path.is_file():  # a checkpoint file: runs/x/checkpoints/step_100.pt
+        run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+        return [run / "tokenizer", run]
+    run = path.parent if path.name == "checkpoints" else path
+    return [path, run / "tokenizer"]
+
+
+def find_tokenizer(path: str | Path) -> Tokenizer | None:
+    for d in tokenizer_dirs(Path(path)):
+        if d.is_dir():
+            try:
+                return load_tokenizer(d)
+            except KilnError:
+                continue
+    return None
+
+
+def eos_ids(path: str | Path, tokenizer: Tokenizer | None) -> list[int]:
+    """End ids from generation_config.json / config.json (HF), else the tokenizer's <|endoftext|>."""
+    path = Path(path)
+    for name in ("generation_config.json", "config.json"):
+        f = path / name if path.is_dir() else None
+        if f is not None and f.is_file():
+            try:
+                eos = json.loads(f.read_text()).get("eos_token_id")
+            except (json.JSONDecodeError, AttributeError):
+                continue
+            if isinstance(eos, int):
+                return [eos]
+            if isinstance(eos, list) and eos:
+                return [int(e) for e in eos]
+    if tokenizer is not None and "<|endoftext|>" in tokenizer.special_tokens:
+        return [tokenizer.special_tokens["<|endoftext|>"]]
+    return []
+
+
+def load_for_inference(
+    path: str | Path, device: torch.device, dtype: torch.dtype
+) -> tuple[Transformer, Tokenizer | None, list[int]]:
+    """(model on `device` in `dtype`, its tokenizer or None, its end ids) from an HF checkpoint directory,
+    a kiln model directory, or a `kiln run` directory / checkpoint."""
+    if not Path(path).exists():
+        raise KilnError(
+            f"{path} does not exist: give an HF checkpoint directory, a kiln model directory or a run"
+        )
+    model, _ = load_source(path, device=device, dtype=dtype)
+    tok = find_tokenizer(path)
+    return model, tok, eos_ids(path, tok)

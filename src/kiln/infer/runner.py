@@ -1,0 +1,154 @@
+"""ModelRunner: the paged KV cache, and one model forward per scheduled batch.
+
+The runner turns a ScheduledBatch (kiln.infer.scheduler) into the model's flat-token inputs
+(kiln.model.attn_metadata): the new tokens of every sequence packed one after another, their positions,
+and the metadata that routes attention (dense prefill, prefill over a cached prefix, or paged decode).
+It owns one (k_cache, v_cache) pair per layer, each (num_blocks, block_size, Hk, D), sized at start from
+free device memory (CUDA) or a byte budget (CPU). The metadata is built on the host from the sequences'
+block tables and copied to the device once per step; the forward then runs with no device-to-host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kiln.infer.config import EngineConfig
+from kiln.infer.scheduler import ScheduledBatch
+from kiln.model.attn_metadata import AttnMetadata
+from kiln.model.transformer import Transformer
+
+
+@dataclass
+class StepInputs:
+    """The flat batch of one step: tokens and positions (N,), the metadata, and the host row bounds."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    meta: AttnMetadata
+    cu_seqlens: list[int]  # host copy of cu_seqlens_q
+
+    def sample_rows(self, batch: ScheduledBatch) -> list[int]:
+        """Rows of the flat batch whose hidden state is sampled: each sampling sequence's last new token."""
+        return [self.cu_seqlens[i + 1] - 1 for i in batch.sampling_indices]
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, config: EngineConfig, device: torch.device, max_model_len: int):
+        self.model = model
+        self.config = config
+        self.device = device
+        self.dtype = model.head_weight.dtype
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        cfg = model.config
+        self.cache_shape_tail = (config.block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.bytes_per_block = 2 * cfg.n_layers * int(np.prod(self.cache_shape_tail)) * self.dtype.itemsize
+        self.num_blocks = config.num_blocks or self._blocks_that_fit()
+        self.kv_caches = [
+            (
+                torch.zeros(self.num_blocks, *self.cache_shape_tail, dtype=self.dtype, device=device),
+                torch.zeros(self.num_blocks, *self.cache_shape_tail, dtype=self.dtype, device=device),
+            )
+            for _ in range(cfg.n_layers)
+        ]
+
+    # ---- capacity ----------------------------------------------------------------------------------------
+    def _blocks_that_fit(self) -> int:
+        """KV pages the budget holds. CUDA: free memory after the weights, times memory_fraction, less
+        the peak of a profiling step of max_num_batched_tokens tokens (activations and logits)."""
+        if self.device.type != "cuda":
+            return max(1, self.config.cpu_kv_cache_bytes // self.bytes_per_block)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_step()
+        activations = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = int(free * self.config.memory_fraction) - activations
+        return max(1, budget // self.bytes_per_block)
+
+    @torch.inference_mode()
+    def _profile_step(self) -> None:
+        n = self.config.max_num_batched_tokens
+        lens = [min(n - i, self.max_model_len) for i in range(0, n, self.max_model_len)]
+        cu = np.concatenate(([0], np.cumsum(lens))).tolist()
+        tokens = torch.zeros(n, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(k, device=self.device) for k in lens])
+        meta = AttnMetadata(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device), max_seqlen_q=max(lens)
+        )
+        h, _ = self.model.model(tokens, positions, meta)
+        rows = min(self.config.max_num_seqs, n)
+        self.model.compute_logits(h[:rows]).float()
+
+    # ---- a step ------------------------------------------------------------------------------------------
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """Host lists -> one device copy each. Sequence i's new tokens are positions
+        computed_before[i] .. + num_new_tokens[i] - 1; its keys are positions 0 .. that end."""
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        cu_q, cu_k, ctx_lens = [0], [0], []
+        key_slots: list[np.ndarray] = []
+        has_prefix = False
+        tables = [np.asarray(seq.block_table, dtype=np.int64) for seq in batch.seqs]
+        for seq, table, n, start in zip(batch.seqs, tables, batch.num_new_tokens, batch.computed_before):
+            end = start + n
+            tokens.extend(seq.token_ids[start:end])
+            pos = np.arange(start, end, dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + end)
+            ctx_lens.append(end)
+            if start > 0:
+                has_prefix = True
+        decode = batch.is_decode_only
+        has_prefix = has_prefix and not decode
+        dev = self.device
+        fields = {}
+        if decode:
+            width = max(len(t) for t in tables)
+            padded = np.zeros((len(tables), width), dtype=np.int32)
+            for i, t in enumerate(tables):
+                padded[i, : len(t)] = t
+            fields["block_tables"] = torch.from_numpy(padded).to(dev)
+            fields["context_lens"] = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+        elif has_prefix:
+            for table, end in zip(tables, ctx_lens):
+                pos = np.arange(end, dtype=np.int64)
+                key_slots.append(table[pos // bs] * bs + pos % bs)
+            fields["key_slots"] = torch.from_numpy(np.concatenate(key_slots)).to(dev)
+            fields["cu_seqlens_k"] = torch.tensor(cu_k, dtype=torch.int32, device=dev)
+            fields["max_seqlen_k"] = max(ctx_lens)
+        meta = AttnMetadata(
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
+            max_seqlen_q=max(batch.num_new_tokens),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            decode=decode,
+            has_prefix=has_prefix,
+            **fields,
+        )
+        return StepInputs(
+            tokens=torch.tensor(tokens, dtype=torch.long, device=dev),
+            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            meta=meta,
+            cu_seqlens=cu_q,
+        )
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The final hidden states (N, d) of the step's tokens; their K/V are now in the cache."""
+        h, _ = self.model.model(inputs.tokens, inputs.positions, inputs.meta, self.kv_caches)
+        return h
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(rows, d) -> float32 logits (rows, V)."""
+        return self.model.compute_logits(hidden).float()

@@ -1,0 +1,201 @@
+"""The engine against Hugging Face: greedy tokens equal to transformers' generate, alone and batched;
+batching, prefix caching, chunked prefill and preemption never change a request's tokens; no block leaks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kiln.errors import KilnError
+from kiln.infer import SamplingParams
+from kiln.infer.engine import LLM
+from kiln.kernels.dispatch import use_backend
+
+from ._hf import ARCHS, hf_causal_lm, hf_greedy
+
+N_NEW = 20
+# 8 prompts of mixed lengths (1 to 37 tokens), some sharing a 12-token prefix
+PREFIX = [(7 * i + 3) % 512 for i in range(12)]
+PROMPTS = [
+    [5],
+    PREFIX + [100, 101],
+    [(11 * i) % 512 for i in range(37)],
+    PREFIX,
+    [400, 2, 9],
+    PREFIX + [(3 * i) % 512 for i in range(9)],
+    [(13 * i + 1) % 512 for i in range(23)],
+    [42] * 16,
+]
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+@pytest.fixture(scope="module", params=[*ARCHS, "gpt2"])
+def checkpoint(request, tmp_path_factory):
+    """(arch, HF model, its saved directory)."""
+    model = hf_causal_lm(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return request.param, model, path
+
+
+def make_llm(path, **engine) -> LLM:
+    engine = {"device": "cpu", "block_size": 4, "num_blocks": 256, "max_num_batched_tokens": 64, **engine}
+    return LLM(path, log=quiet, **engine)
+
+
+def greedy(n=N_NEW, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_equals_hf_alone_and_batched(checkpoint):
+    arch, hf, path = checkpoint
+    want = [hf_greedy(hf, p, N_NEW) for p in PROMPTS]
+    llm = make_llm(path)
+    free = llm.engine.block_manager.num_free_blocks
+    alone = [tokens(llm.generate(p, greedy()))[0] for p in PROMPTS[:3]]
+    assert alone == want[:3], arch
+    batched = tokens(llm.generate(PROMPTS, greedy()))
+    assert batched == want, arch
+    assert llm.engine.block_manager.num_free_blocks == free  # every block back after every request
+
+
+def test_logprobs_equal_hf_log_softmax(checkpoint):
+    arch, hf, path = checkpoint
+    llm = make_llm(path)
+    prompt = PROMPTS[2]
+    out = llm.generate(prompt, greedy(6, logprobs=3, prompt_logprobs=2))[0]
+    ids = out.outputs[0].token_ids
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + ids])).logits[0].double()
+    ref = torch.log_softmax(logits, dim=-1)
+    n = len(prompt)
+    for i, t in enumerate(ids):
+        assert math.isclose(out.outputs[0].logprobs[i], ref[n - 1 + i, t].item(), abs_tol=1e-4)
+        top = out.outputs[0].top_logprobs[i]
+        assert [tid for tid, _ in top] == ref[n - 1 + i].topk(3).indices.tolist()
+        assert top[0][0] == t  # greedy: the sampled token is the most likely
+    assert len(out.prompt_logprobs) == n - 1
+    for p in range(1, n):
+        assert math.isclose(out.prompt_logprobs[p - 1], ref[p - 1, prompt[p]].item(), abs_tol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_chunked_prefill_prefix_cache_and_preemption_keep_tokens(arch, tmp_path):
+    hf = hf_causal_lm(arch, seed=1)
+    hf.save_pretrained(tmp_path)
+    ref = tokens(make_llm(tmp_path, enable_prefix_caching=False).generate(PROMPTS, greedy()))
+    # chunks of 5 and 16 tokens per step
+    for budget in (5, 16):
+        llm = make_llm(tmp_path, max_num_batched_tokens=budget, enable_prefix_caching=False)
+        assert tokens(llm.generate(PROMPTS, greedy())) == ref, budget
+    # prefix caching: the shared prefix is computed once, then hit
+    llm = make_llm(tmp_path)
+    first = tokens(llm.generate(PROMPTS[1], greedy()))
+    again = tokens(llm.generate(PROMPTS[5], greedy()))
+    assert first == [ref[1]] and again == [ref[5]]
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    # preemption: 24 blocks of 4 tokens cannot hold 8 requests of up to 57 tokens at once
+    small = make_llm(tmp_path, num_blocks=24)
+    got = small.generate(PROMPTS, greedy())
+    assert tokens(got) == ref
+    assert small.engine.block_manager.num_free_blocks == 24
+
+
+def test_prefix_hits_are_counted(tmp_path):
+    hf_causal_lm("llama").save_pretrained(tmp_path)
+    llm = make_llm(tmp_path)
+    llm.generate(PROMPTS[3], greedy(2))  # the 12-token prefix: 3 full blocks
+    eng = llm.engine
+    rid = eng.add_request(PROMPTS[1], greedy(2))
+    seq = eng.requests[rid].seqs[0]
+    eng.step()
+    assert seq.num_cached_tokens == 12
+    while eng.has_unfinished():
+        eng.step()
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tmp_path):
+    hf_causal_lm("qwen2").save_pretrained(tmp_path)
+    llm = make_llm(tmp_path)
+    sp = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    alone = tokens(llm.generate(PROMPTS[4], sp))[0]
+    mixed = llm.generate(PROMPTS, [SamplingParams(max_tokens=12, temperature=0.7, seed=i) for i in range(8)])
+    together = tokens(llm.generate([PROMPTS[0], PROMPTS[4], PROMPTS[2]], [greedy(), sp, greedy()]))[1]
+    assert alone == together
+    assert tokens(llm.generate(PROMPTS[4], sp))[0] == alone
+    assert len({tuple(t) for t in tokens(mixed)}) > 1
+    n3 = llm.generate(PROMPTS[4], SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=5))[0]
+    assert len(n3.outputs) == 3 and len({tuple(o.token_ids) for o in n3.outputs}) == 3
+
+
+def test_stops_eos_and_max_tokens(tmp_path):
+    hf_causal_lm("llama").save_pretrained(tmp_path)
+    llm = make_llm(tmp_path)
+    ref = tokens(llm.generate(PROMPTS[2], greedy()))[0]
+    stop_tok = ref[5]
+    out = llm.generate(PROMPTS[2], greedy(stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert out.token_ids == ref[: ref.index(stop_tok) + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == stop_tok
+    out = llm.generate(PROMPTS[2], greedy(7))[0].outputs[0]
+    assert out.token_ids == ref[:7] and out.finish_reason == "length"
+    eos = LLM(tmp_path, log=quiet, eos_token_ids=[stop_tok], device="cpu", num_blocks=64)
+    out = eos.generate(PROMPTS[2], greedy())[0].outputs[0]
+    assert out.token_ids == ref[: ref.index(stop_tok) + 1] and out.finish_reason == "stop"
+    out = eos.generate(PROMPTS[2], greedy(ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == ref and out.finish_reason == "length"
+
+
+def test_triton_kernels_through_the_interpreter(tmp_path):
+    # the engine's GPU path (paged write, varlen prefill over a cached prefix, paged decode) on the CPU
+    hf = hf_causal_lm("qwen2", seed=2)
+    hf.save_pretrained(tmp_path)
+    prompts = [PROMPTS[1], PROMPTS[5], PROMPTS[0]]
+    want = [hf_greedy(hf, p, 6) for p in prompts]
+    llm = make_llm(tmp_path, max_num_batched_tokens=16)
+    with use_backend("triton"):
+        assert tokens(llm.generate(prompts, greedy(6))) == want
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ([], greedy(), "empty"),
+        ([1, 2, 600], greedy(), "token ids"),
+        ([1, 2, -1], greedy(), "token ids"),
+        ([1] * 120, greedy(20), "context"),
+        ([1, 2], "greedy", "SamplingParams"),
+    ],
+)
+def test_bad_requests_are_clear_errors(prompt, params, match, tmp_path_factory):
+    path = tmp_path_factory.mktemp("bad")
+    hf_causal_lm("llama").save_pretrained(path)
+    llm = make_llm(path)
+    with pytest.raises(KilnError, match=match):
+        llm.generate(prompt, params)
+    assert not llm.engine.has_unfinished()
+    assert tokens(llm.generate([1, 2], greedy(3)))  # the engine still serves
+
+
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"n": 0}, "n"),
+    ],
+)
+def test_bad_sampling_params(kw, field):
+    with pytest.raises(KilnError, match=field):
+        SamplingParams(**kw)
