@@ -65,5 +65,7 @@ def test_normalizations():
 
 
 def test_edges_accepted():
-    SamplingParams(top_p=1.0, min_p=1.0, frequency_penalty=-2, presence_penalty=2, logprobs=0, prompt_logprobs=20)
+    SamplingParams(
+        top_p=1.0, min_p=1.0, frequency_penalty=-2, presence_penalty=2, logprobs=0, prompt_logprobs=20
+    )
     SamplingParams(temperature=0, top_k=1, seed=-5, repetition_penalty=1e-3)
