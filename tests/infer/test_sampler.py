@@ -9,6 +9,7 @@ import torch
 from kiln.infer.sampler import (
     Sampler,
     SamplingTensors,
+    apply_filters,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
@@ -151,6 +152,34 @@ def test_filter_masks_against_the_reference(with_top_p):
         got = set(torch.isfinite(masked[i]).nonzero().flatten().tolist())
         assert got == want, (f, got, want)
         assert torch.equal(masked[i][list(want)], logits[i][list(want)])  # survivors unchanged
+
+
+def test_processed_logits_match_transformers_processors():
+    """HF's RepetitionPenalty -> Temperature -> TopK -> TopP -> MinP chain, one row at a time (HF takes
+    scalar parameters), against the sampler's penalties and filters on the whole batch at once."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(6)
+    logits = torch.randn(len(FILTERS), V) * 2
+    rows = [
+        dict(f, temperature=0.5 + 0.25 * i, repetition_penalty=1.0 + 0.1 * (i % 3))
+        for i, f in enumerate(FILTERS)
+    ]
+    seqs = [seq_with(i, prompt=[i % V, 3], output=[5, (2 * i) % V], **r) for i, r in enumerate(rows)]
+    t = SamplingTensors.build(seqs, V, "cpu")
+    got = apply_filters(apply_penalties(logits, t), t)
+    for i, (seq, r) in enumerate(zip(seqs, rows)):
+        chain = [
+            tf.RepetitionPenaltyLogitsProcessor(r["repetition_penalty"]),
+            tf.TemperatureLogitsWarper(r["temperature"]),
+        ]
+        if r.get("top_k", -1) > 0:
+            chain.append(tf.TopKLogitsWarper(r["top_k"]))
+        if r.get("top_p", 1.0) < 1.0:
+            chain.append(tf.TopPLogitsWarper(r["top_p"]))
+        if r.get("min_p", 0.0) > 0.0:
+            chain.append(tf.MinPLogitsWarper(r["min_p"]))
+        want = tf.LogitsProcessorList(chain)(torch.tensor([seq.token_ids]), logits[i : i + 1].clone())[0]
+        torch.testing.assert_close(got[i], want, rtol=1e-6, atol=1e-6)
 
 
 def test_sampled_tokens_stay_inside_the_filters():

@@ -208,6 +208,16 @@ def apply_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def apply_filters(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on (B, V) float32 (penalized) logits: what the sampler draws from."""
+    logits = logits / t.temperature[:, None]
+    if t.do_top_k or t.do_top_p:
+        logits = apply_top_k_top_p(logits, t)
+    if t.do_min_p:
+        logits = apply_min_p(logits, t)
+    return logits
+
+
 def token_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -237,11 +247,7 @@ class Sampler:
             token_ids = logits.argmax(dim=-1)
         else:
             greedy_ids = logits.argmax(dim=-1) if t.any_greedy else None
-            logits = logits / t.temperature[:, None]
-            if t.do_top_k or t.do_top_p:
-                logits = apply_top_k_top_p(logits, t)
-            if t.do_min_p:
-                logits = apply_min_p(logits, t)
+            logits = apply_filters(logits, t)
             token_ids = (logits + gumbel_noise(t.seeds, t.steps, logits.shape[1])).argmax(dim=-1)
             if greedy_ids is not None:
                 token_ids = torch.where(t.greedy, greedy_ids, token_ids)
