@@ -353,6 +353,7 @@ def test_random_workload_no_leaks_same_outputs():
     "kwargs, field",
     [
         ({"max_model_len": 0}, "max_model_len"),
+        ({"eos_token_ids": ["</s>"]}, "eos_token_ids"),
         ({"block_size": 0}, "block_size"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "max_num_batched_tokens"),

@@ -25,8 +25,10 @@ def test_tokens_and_blocks():
 
 
 def test_effective_seed():
-    assert Sequence(0, [1], SamplingParams(seed=5), seed=99).seed == 5  # the request's own seed wins
+    assert Sequence(0, [1], SamplingParams(seed=5)).seed == 5  # the request's own seed
     assert Sequence(0, [1], SamplingParams(), seed=99).seed == 99  # else the engine's draw
+    assert Sequence(0, [1], SamplingParams(seed=5), seed=6).seed == 6  # the engine's choice (n > 1: seed + i)
+    assert Sequence(0, [1], SamplingParams(seed=2**64 - 1)).seed == -1  # the same 64 bits, signed
     with pytest.raises(KilnError, match="seed"):
         Sequence(0, [1], SamplingParams())
     with pytest.raises(KilnError, match="non-empty prompt"):
