@@ -265,8 +265,13 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
     top = torch.topk(ref, 5, dim=-1)
     torch.testing.assert_close(out.top_logprobs, top.values, rtol=0, atol=0)
     assert torch.equal(out.top_ids, top.indices)
+    # host lists in Scheduler.postprocess's argument order
+    ids, lps, tops = out.to_host()
+    assert ids == out.token_ids.tolist() and lps == out.logprobs.tolist()
+    assert tops[2] == list(zip(top.indices[2].tolist(), top.values[2].tolist()))
     # no row asks: nothing computed
     assert sample([seq_with(0)], logits[:1]).logprobs is None
+    assert sample([seq_with(0)], logits[:1]).to_host()[1:] == (None, None)
 
 
 def test_counts_built_from_ragged_histories():

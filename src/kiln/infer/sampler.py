@@ -171,6 +171,15 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # (B, k) float32, k = the batch's largest params.logprobs
     top_ids: torch.Tensor | None  # (B, k) int64
 
+    def to_host(self) -> tuple[list[int], list[float] | None, list[list[tuple[int, float]]] | None]:
+        """The step's one copy to the host, in Scheduler.postprocess's argument order:
+        (token ids, sampled-token logprobs or None, per row the top-k (id, logprob) pairs or None)."""
+        token_ids = self.token_ids.tolist()  # the sync; the copies below find their tensors ready
+        if self.logprobs is None:
+            return token_ids, None, None
+        top = [list(zip(ids, lps)) for ids, lps in zip(self.top_ids.tolist(), self.top_logprobs.tolist())]
+        return token_ids, self.logprobs.tolist(), top
+
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Repetition, then frequency and presence penalties on (B, V) float32 logits (a new tensor)."""
