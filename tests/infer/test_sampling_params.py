@@ -49,6 +49,8 @@ def test_defaults_are_valid():
         ("stop_token_ids", [1, -3]),
         ("stop_token_ids", "7"),
         ("seed", 1.5),
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
         ("ignore_eos", "yes"),
     ],
 )

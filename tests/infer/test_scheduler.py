@@ -1,10 +1,16 @@
 """Scheduler: continuous batching, chunked prefill, preemption and resumption, finishing, abort, limits.
 
 The "model" is a plain function of a sequence's tokens (the next token), so a run is deterministic and a
-recomputed sequence produces the same tokens as one that was never preempted.
+recomputed sequence produces the same tokens as one that was never preempted. Each step also runs a fake
+KV cache: one slot per (block, offset) holding the token id whose "K/V" was written there. A step writes
+its new tokens through the block tables, then every scheduled sequence "attends" over all its positions
+by reading them back; the read must give exactly its tokens, so a wrong block table, a prefix hit on a
+block not yet written, or a block reused while still held fails the run. Stale slots are never cleared,
+as on a real cache.
 """
 
 import random
+import weakref
 
 import pytest
 
@@ -43,11 +49,32 @@ def check_batch(sched, batch):
         assert samples == (before + n == seq.num_tokens)
 
 
+_caches: "weakref.WeakKeyDictionary[BlockManager, list[int]]" = weakref.WeakKeyDictionary()
+
+
+def run_fake_model(bm, batch, model):
+    """Write the step's tokens into the fake cache, read every scheduled sequence back, sample."""
+    bs = bm.block_size
+    slots = _caches.setdefault(bm, [-1] * (bm.num_blocks * bs))
+    slot = lambda seq, pos: seq.block_table[pos // bs] * bs + pos % bs
+    for seq, n, before in zip(batch.seqs, batch.num_new_tokens, batch.computed_before):
+        for pos in range(before, before + n):
+            slots[slot(seq, pos)] = seq.token_ids[pos]
+    sampled = []
+    for seq, n, before, samples in zip(
+        batch.seqs, batch.num_new_tokens, batch.computed_before, batch.samples
+    ):
+        seen = [slots[slot(seq, pos)] for pos in range(before + n)]
+        assert seen == seq.token_ids[: before + n], f"sequence {seq.seq_id} reads wrong K/V"
+        if samples:
+            sampled.append(model(seen))
+    return sampled
+
+
 def step(sched, model=next_token):
     batch = sched.schedule()
     check_batch(sched, batch)
-    sampled = [model(seq.token_ids) for seq in batch.sampling_seqs]
-    return batch, sched.postprocess(batch, sampled)
+    return batch, sched.postprocess(batch, run_fake_model(sched.block_manager, batch, model))
 
 
 def run(sched, model=next_token, max_steps=10_000):
@@ -227,9 +254,10 @@ def test_abort_between_schedule_and_postprocess():
     sched.add(a)
     sched.add(b)
     batch = sched.schedule()
+    sampled = run_fake_model(bm, batch, next_token)  # the runner's step; the abort arrives meanwhile
     sched.abort(0)
-    finished = sched.postprocess(batch, [7, 8])
-    assert finished == [] and a.output_token_ids == [] and b.output_token_ids == [8]
+    finished = sched.postprocess(batch, sampled)
+    assert finished == [] and a.output_token_ids == [] and b.output_token_ids == [sampled[1]]
     run(sched)
     assert bm.num_free_blocks == 64
 
@@ -256,6 +284,30 @@ def test_prefix_cache_hit_across_requests():
     assert b.num_cached_tokens == 12 and batch.computed_before == [12] and batch.num_new_tokens == [1]
     run(sched)
     assert b.output_token_ids == a.output_token_ids
+    # a prompt of exactly 3 full cached blocks: the last is recomputed, so a token is left to sample from
+    c = make_seq(2, prompt[:12], max_tokens=2)
+    sched.add(c)
+    batch, _ = step(sched)
+    assert c.num_cached_tokens == 8 and batch.num_new_tokens == [4] and batch.samples == [True]
+    run(sched)
+    assert c.output_token_ids == reference_output(prompt[:12], 2)
+
+
+def test_no_prefix_hit_on_a_prefill_still_in_progress():
+    sched, bm = make(max_num_batched_tokens=8, max_num_seqs=4)
+    prompt = list(range(1, 31))  # 30 tokens: A prefills them in 8-token chunks
+    a = make_seq(0, prompt, max_tokens=3)
+    sched.add(a)
+    step(sched)  # A has computed 8 tokens: blocks 0 and 1
+    b = make_seq(1, prompt + [99], max_tokens=3)
+    sched.add(b)
+    step(sched)  # A takes the whole budget; B waits
+    assert b.status is SequenceStatus.WAITING
+    assert bm.num_cached_prefix_tokens(b) == 16  # only what A has computed, not its whole prompt
+    run(sched)
+    assert b.num_cached_tokens >= 16
+    assert a.output_token_ids == reference_output(prompt, 3)
+    assert b.output_token_ids == reference_output(prompt + [99], 3)
 
 
 def test_logprobs_are_stored_for_the_sequences_that_asked():
@@ -301,6 +353,7 @@ def test_random_workload_no_leaks_same_outputs():
     "kwargs, field",
     [
         ({"max_model_len": 0}, "max_model_len"),
+        ({"eos_token_ids": ["</s>"]}, "eos_token_ids"),
         ({"block_size": 0}, "block_size"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "max_num_batched_tokens"),

@@ -171,6 +171,15 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # (B, k) float32, k = the batch's largest params.logprobs
     top_ids: torch.Tensor | None  # (B, k) int64
 
+    def to_host(self) -> tuple[list[int], list[float] | None, list[list[tuple[int, float]]] | None]:
+        """The step's one copy to the host, in Scheduler.postprocess's argument order:
+        (token ids, sampled-token logprobs or None, per row the top-k (id, logprob) pairs or None)."""
+        token_ids = self.token_ids.tolist()  # the sync; the copies below find their tensors ready
+        if self.logprobs is None:
+            return token_ids, None, None
+        top = [list(zip(ids, lps)) for ids, lps in zip(self.top_ids.tolist(), self.top_logprobs.tolist())]
+        return token_ids, self.logprobs.tolist(), top
+
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Repetition, then frequency and presence penalties on (B, V) float32 logits (a new tensor)."""
@@ -208,6 +217,16 @@ def apply_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def apply_filters(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on (B, V) float32 (penalized) logits: what the sampler draws from."""
+    logits = logits / t.temperature[:, None]
+    if t.do_top_k or t.do_top_p:
+        logits = apply_top_k_top_p(logits, t)
+    if t.do_min_p:
+        logits = apply_min_p(logits, t)
+    return logits
+
+
 def token_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -237,11 +256,7 @@ class Sampler:
             token_ids = logits.argmax(dim=-1)
         else:
             greedy_ids = logits.argmax(dim=-1) if t.any_greedy else None
-            logits = logits / t.temperature[:, None]
-            if t.do_top_k or t.do_top_p:
-                logits = apply_top_k_top_p(logits, t)
-            if t.do_min_p:
-                logits = apply_min_p(logits, t)
+            logits = apply_filters(logits, t)
             token_ids = (logits + gumbel_noise(t.seeds, t.steps, logits.shape[1])).argmax(dim=-1)
             if greedy_ids is not None:
                 token_ids = torch.where(t.greedy, greedy_ids, token_ids)

@@ -75,7 +75,9 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise KilnError(f"{name} must be in [-2, 2] (OpenAI's range; 0 = off), got {value}")
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=None)
+            _check_int("seed", self.seed, minimum=-(1 << 63))
+            if self.seed >= 1 << 64:
+                raise KilnError(f"seed must fit in 64 bits ([-2**63, 2**64)), got {self.seed}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:

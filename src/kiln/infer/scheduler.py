@@ -67,6 +67,12 @@ class SchedulerConfig:
             )
         if isinstance(self.eos_token_ids, int):
             self.eos_token_ids = [self.eos_token_ids]
+        if not isinstance(self.eos_token_ids, list | tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.eos_token_ids
+        ):
+            raise KilnError(
+                f"scheduler.eos_token_ids must be a list of token ids, got {self.eos_token_ids!r}"
+            )
         self.eos_token_ids = list(self.eos_token_ids)
 
 

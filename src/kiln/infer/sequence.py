@@ -32,8 +32,10 @@ FINISH_REASONS = ("stop", "length", "abort")
 class Sequence:
     """One generation stream. `seq_id` comes from a counter the engine owns; `seed` is the effective seed.
 
-    The engine passes `seed` = params.seed when set, else one it drew at arrival: sampling depends only on
-    (seed, number of tokens generated so far), so a sequence is reproducible from its seed alone.
+    `seed` None means params.seed; the engine passes its own when params.seed is None (one it drew at
+    arrival) and, for n > 1 completions of a seeded request, params.seed + i for the i-th (else all n
+    would be the same text). Sampling depends only on (seed, tokens generated so far), so a sequence is
+    reproducible from its seed alone. Seeds are 64-bit: [-2**63, 2**64); the sampler uses the bit pattern.
 
     Block-manager bookkeeping: `block_hashes[i]` is the chained content hash of full block i; while the
     sequence holds blocks, exactly its registered (full and computed) blocks have an entry. The hashes are a
@@ -50,17 +52,19 @@ class Sequence:
     ) -> None:
         if not isinstance(prompt_token_ids, list | tuple) or len(prompt_token_ids) == 0:
             raise KilnError("a request needs a non-empty prompt (a list of token ids)")
-        if params.seed is not None:
+        if seed is None:
             seed = params.seed
         if seed is None:
             raise KilnError(
                 f"sequence {seq_id}: no seed; the engine draws one at arrival when SamplingParams.seed is None"
             )
+        if not -(1 << 63) <= seed < (1 << 64):
+            raise KilnError(f"sequence {seq_id}: seed {seed} does not fit in 64 bits")
         self.seq_id = seq_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
-        self.seed = seed
+        self.seed = seed - (1 << 64) if seed >= (1 << 63) else seed  # as a signed int64, same bits
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
