@@ -73,7 +73,7 @@ class LossModule(torch.nn.Module):
         return self.model.loss(x, y)
 
 
-# a logged loss this many times its first logged value means the run is diverging (a warning line);
+# a logged loss this many times the first step's means the run is diverging (a warning line);
 # a fresh model's loss is about ln(vocab), so 1.5x is far worse than guessing uniformly
 DIVERGENCE_FACTOR = 1.5
 
@@ -83,7 +83,7 @@ class TrainState:
     step: int = 0  # optimizer steps taken (skipped ones included: their data was consumed)
     tokens: int = 0  # tokens consumed, all ranks
     skipped: int = 0  # steps whose update was skipped for a non-finite loss or gradient
-    start_loss: float | None = None  # the first logged train loss (the divergence check's reference)
+    start_loss: float | None = None  # the first step's train loss (the divergence check's reference)
 
 
 class Trainer:
@@ -263,6 +263,8 @@ class Trainer:
         while self.state.step < end:
             t_step = time.perf_counter()
             loss, gnorm, ok = self.train_step()
+            if self.state.start_loss is None and bool(ok):  # one sync, on the run's first step only
+                self.state.start_loss = float(loss)  # the untrained model's loss: the divergence reference
             loss_sum += torch.where(ok, loss, 0.0)
             n_ok += ok
             n_bad += ~ok
@@ -316,15 +318,14 @@ class Trainer:
                     "tokens": self.state.tokens,
                     "time": time.time(),
                 }
-                if rec["loss"] is not None:
-                    if self.state.start_loss is None:
-                        self.state.start_loss = rec["loss"]
-                    elif rec["loss"] > DIVERGENCE_FACTOR * self.state.start_loss:
+                start = self.state.start_loss
+                if rec["loss"] is not None and start is not None:
+                    if rec["loss"] > DIVERGENCE_FACTOR * start:
                         rec["diverging"] = True
                         self._warn(
                             bar,
                             f"step {step}: loss {rec['loss']:.3f} is far above its start "
-                            f"{self.state.start_loss:.3f} (more than {DIVERGENCE_FACTOR}x): the run is "
+                            f"{start:.3f} (more than {DIVERGENCE_FACTOR}x): the run is "
                             "diverging; lower train.lr",
                         )
                 self.metrics.write(rec)
