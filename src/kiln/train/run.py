@@ -166,8 +166,8 @@ def run(
     ckpt_dir = run_dir / "checkpoints"
     if resume and not (ckpt_dir / POINTER).exists() and not list_checkpoints(ckpt_dir):
         raise KilnError(f"nothing to resume: {ckpt_dir} holds no checkpoint (run without --resume to start)")
-    # one writer per run directory: rank 0 holds the lock for the whole run (released on return, or by
-    # the kernel when the process dies); the other ranks only read until rank 0 has checked everything
+    # one writer per run directory: rank 0, the only rank that writes, holds the lock for the whole run
+    # (released on return, or by the kernel when the process dies)
     lock = DirLock(run_dir) if env.is_main else None
     if lock is not None:
         lock.acquire()
