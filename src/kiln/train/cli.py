@@ -94,12 +94,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--preset", choices=PRESETS, help="config preset (default: gpu on CUDA machines, else cpu)"
     )
-    p.add_argument("--config", help="a JSON file merged over the preset")
+    p.add_argument(
+        "--config", help="a JSON file merged over the preset (with --resume: over the run's config.json)"
+    )
     p.add_argument("--data", help="text file, directory, JSONL or parquet (default: the bundled corpus)")
     p.add_argument("--out", help="run directory (default: the preset's out_dir)")
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument(
-        "--resume", action="store_true", help="continue the run in --out from its latest checkpoint"
+        "--resume", action="store_true", help="continue the run in --out from its newest intact checkpoint"
     )
     p.add_argument(
         "--resume-from",
