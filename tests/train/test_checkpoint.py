@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kiln.errors import KilnError
-from kiln.train.checkpoint import POINTER, latest_pointer, load_checkpoint, save_checkpoint
+from kiln.io.checkpoint import POINTER, latest_pointer, load_checkpoint, save_checkpoint
 
 
 def _state(step):

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from kiln.configs import PRESETS, load_preset
 from kiln.errors import KilnError
+from kiln.io.checkpoint import POINTER, load_checkpoint
 from kiln.model.config import ModelConfig
 from kiln.model.hf import from_pretrained
 from kiln.model.hf_config import config_from_hf
@@ -85,7 +87,7 @@ def _training_checkpoint(path: Path) -> Path | None:
     if path.is_file() and path.suffix == ".pt":
         return path
     for d in (path, path / "checkpoints"):
-        if (d / "LATEST.json").is_file():
+        if (d / POINTER).is_file():
             return d
     return None
 
@@ -94,8 +96,6 @@ def describe_source(src: str | Path) -> tuple[ModelConfig, str]:
     """(config, kind) of a source without loading weights; kind is 'hf', 'kiln', 'training' or 'run config'."""
     path = Path(src)
     if not path.exists():
-        from kiln.train.config import PRESETS, load_preset  # presets belong to `kiln run`
-
         if str(src) in PRESETS:
             return _config_from_json(load_preset(str(src)), f"preset {src}")[0], "run config"
         raise KilnError(f"{src} does not exist (and is not a preset: {', '.join(PRESETS)})")
@@ -105,8 +105,6 @@ def describe_source(src: str | Path) -> tuple[ModelConfig, str]:
         return ModelConfig.from_dict(_read_json(path / MODEL_JSON)), "kiln"
     ckpt = _training_checkpoint(path)
     if ckpt is not None:
-        from kiln.train.checkpoint import load_checkpoint
-
         state = load_checkpoint(ckpt)
         return _config_from_json(state["config"], str(ckpt))[0], "training"
     if path.is_dir() and (path / "config.json").is_file():
@@ -126,8 +124,6 @@ def load_source(
         return load_model_dir(path, device, dtype), "kiln"
     ckpt = _training_checkpoint(path) if path.exists() else None
     if ckpt is not None:
-        from kiln.train.checkpoint import load_checkpoint
-
         state = load_checkpoint(ckpt)
         cfg, _ = _config_from_json(state["config"], str(ckpt))
         return _with_state(cfg, state["model"], device, dtype, str(ckpt)), "training"

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import torch
 
-from kiln.config import merge, parse_overrides
 from kiln.errors import KilnError
-from kiln.train.config import PRESETS, config_from_dict, resolve_config
+from kiln.train.config import PRESETS, RESUMABLE, resolve_config, resume_config
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -23,17 +22,30 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         overrides.append(f"--out_dir={args.out}")
     if args.device is not None:
         overrides.append(f"--device={args.device}")
-    if args.resume:
-        # the run's own saved config, with only the explicit overrides on top
+    resume = args.resume or args.resume_from is not None
+    if resume:
+        # the run's own saved config <- --config FILE <- overrides; run() then refuses any change the
+        # checkpoint cannot take (RESUMABLE lists what may change). --preset only names the default --out.
         preset_out = resolve_config(_preset(args)).out_dir
         run_dir = Path(args.out or preset_out)
         saved = run_dir / "config.json"
         if not saved.exists():
             raise KilnError(f"nothing to resume in {run_dir} (no config.json): pass --out RUN_DIR")
-        cfg = config_from_dict(merge(json.loads(saved.read_text()), parse_overrides(overrides)))
+        try:
+            saved_cfg = json.loads(saved.read_text())
+        except json.JSONDecodeError as e:
+            raise KilnError(f"{saved} is not valid JSON ({e}): restore it to resume") from None
+        cfg = resume_config(saved_cfg, args.config, overrides)
     else:
         cfg = resolve_config(_preset(args), args.config, overrides)
-    run(cfg, resume=args.resume, progress=not args.no_progress, stop_at=args.stop_at)
+    run(
+        cfg,
+        resume=resume,
+        progress=not args.no_progress,
+        stop_at=args.stop_at,
+        overwrite=args.overwrite,
+        resume_from=args.resume_from,
+    )
     return 0
 
 
@@ -74,23 +86,40 @@ def register(sub: argparse._SubParsersAction) -> None:
         "run",
         help="the whole pipeline: corpus -> tokenizer -> shards -> training -> samples",
         description="Run the main job. Any config key can be overridden with --section.key=value "
-        "(e.g. --train.steps=100 --model.n_layers=2).",
+        "(e.g. --train.steps=100 --model.n_layers=2). With --resume (or --resume-from) the run's saved "
+        "config.json is the base (then --config FILE, then overrides), and only these settings may change: "
+        + ", ".join(RESUMABLE)
+        + "; a change to any other (data, tokenizer, model, batch, optimizer, seeds) is refused.",
     )
     p.add_argument(
         "--preset", choices=PRESETS, help="config preset (default: gpu on CUDA machines, else cpu)"
     )
-    p.add_argument("--config", help="a JSON file merged over the preset")
+    p.add_argument(
+        "--config", help="a JSON file merged over the preset (with --resume: over the run's config.json)"
+    )
     p.add_argument("--data", help="text file, directory, JSONL or parquet (default: the bundled corpus)")
     p.add_argument("--out", help="run directory (default: the preset's out_dir)")
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument(
-        "--resume", action="store_true", help="continue the run in --out from its latest checkpoint"
+        "--resume", action="store_true", help="continue the run in --out from its newest intact checkpoint"
+    )
+    p.add_argument(
+        "--resume-from",
+        metavar="STEP|FILE",
+        help="resume from this checkpoint (a step number or a .pt file) instead of the newest intact one; "
+        "later checkpoints are set aside as step_N.pt.superseded",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a directory that holds an earlier run: delete its checkpoints, metrics, "
+        "loss.png, summary and config first (its tokenizer and shards are reused when their settings match)",
     )
     p.add_argument(
         "--stop-at",
         type=int,
         metavar="STEP",
-        help="stop after this step (checkpointed); continue later with --resume",
+        help="stop after this step (checkpointed; 0: before training); continue later with --resume",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
     p.set_defaults(func=_run, accepts_overrides=True)

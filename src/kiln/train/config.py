@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from kiln.config import from_dict, merge, parse_overrides, to_dict
+from kiln.configs import PRESETS, load_preset
 from kiln.errors import KilnError
 from kiln.model import ModelConfig
 
@@ -68,6 +68,7 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    max_bad_steps: int = 5  # stop after this many consecutive steps with a non-finite loss or gradient
     log_interval: int = 10
     eval_interval: int = 100
     eval_batches: int = 16
@@ -87,6 +88,7 @@ class TrainConfig:
             "eval_interval",
             "eval_batches",
             "ckpt_interval",
+            "max_bad_steps",
         ):
             _require(getattr(self, name) > 0, f"train.{name} must be positive, got {getattr(self, name)}")
         _require(self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
@@ -136,20 +138,25 @@ class RunConfig:
         )
 
 
-PRESETS = ("cpu", "gpu", "tiny")
-
-
-def load_preset(name: str) -> dict[str, Any]:
-    if name not in PRESETS:
-        raise KilnError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
-    return json.loads(resources.files("kiln.configs").joinpath(f"{name}.json").read_text())
-
-
 def resolve_config(
     preset: str, config_file: str | None = None, overrides: list[str] | None = None
 ) -> RunConfig:
     """Preset <- config file <- overrides, validated. tokenizer.vocab_size also sets model.vocab_size."""
-    data = load_preset(preset)
+    return _layered(load_preset(preset), config_file, overrides)
+
+
+def resume_config(
+    saved: dict[str, Any], config_file: str | None = None, overrides: list[str] | None = None
+) -> RunConfig:
+    """A run's saved config.json <- config file <- overrides, as resolve_config layers a preset.
+
+    Whether the result may resume the run is run()'s question (resume_changes), asked against the
+    checkpoint itself.
+    """
+    return _layered(saved, config_file, overrides)
+
+
+def _layered(data: dict[str, Any], config_file: str | None, overrides: list[str] | None) -> RunConfig:
     if config_file is not None:
         path = Path(config_file)
         if not path.exists():
@@ -170,6 +177,57 @@ def config_from_dict(d: dict[str, Any]) -> RunConfig:
     return from_dict(RunConfig, d, "config")
 
 
+# What `kiln run --resume` may change: how long the run goes on, how often it logs, evaluates and checkpoints,
+# where the schedule ends, where it runs, and the samples at the end. Everything else (data, tokenizer,
+# model, batch, optimizer, seeds) decides what the checkpoint's weights mean, and a change is refused.
+RESUMABLE = (
+    "out_dir",
+    "device",
+    "train.steps",
+    "train.min_lr_ratio",
+    "train.log_interval",
+    "train.eval_interval",
+    "train.ckpt_interval",
+    "train.keep_checkpoints",
+    "train.max_bad_steps",
+    "sample.*",
+)
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _resumable(key: str) -> bool:
+    return any(key == r or (r.endswith(".*") and key.startswith(r[:-1])) for r in RESUMABLE)
+
+
+def resume_changes(
+    old: dict[str, Any], new: RunConfig
+) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
+    """(allowed, refused) changes from a checkpoint's config `old` to `new`, as (key, old value, new value).
+
+    `old` is read through RunConfig first where it can be, so keys added since it was written compare
+    as their defaults rather than as changes.
+    """
+    try:
+        old = to_dict(config_from_dict(old))
+    except KilnError:  # written by another version of kiln: compare what it holds
+        pass
+    a, b = _flat(old), _flat(to_dict(new))
+    allowed, refused = [], []
+    for key in sorted(a.keys() | b.keys()):
+        if a.get(key) != b.get(key):
+            (allowed if _resumable(key) else refused).append((key, a.get(key), b.get(key)))
+    return allowed, refused
+
+
 __all__ = [
     "DataConfig",
     "TokenizerConfig",
@@ -178,6 +236,9 @@ __all__ = [
     "RunConfig",
     "resolve_config",
     "config_from_dict",
+    "RESUMABLE",
+    "resume_changes",
     "load_preset",
+    "PRESETS",
     "to_dict",
 ]

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 
 from kiln.errors import KilnError
+from kiln.io.checkpoint import load_checkpoint, resolve_checkpoint
 from kiln.model import build_model
 from kiln.tokenizer import Tokenizer
-from kiln.train.checkpoint import load_checkpoint, resolve_checkpoint
 from kiln.train.config import config_from_dict
 
 

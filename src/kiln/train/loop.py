@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from kiln.config import to_dict
 from kiln.data.loader import TokenLoader
 from kiln.errors import KilnError
-from kiln.train.checkpoint import save_checkpoint
+from kiln.train.checkpoint import check_finite, save_checkpoint
 from kiln.train.config import RunConfig
 from kiln.train.env import DistEnv
 from kiln.train.evaluate import evaluate
@@ -73,10 +73,17 @@ class LossModule(torch.nn.Module):
         return self.model.loss(x, y)
 
 
+# a logged loss this many times the first step's means the run is diverging (a warning line);
+# a fresh model's loss is about ln(vocab), so 1.5x is far worse than guessing uniformly
+DIVERGENCE_FACTOR = 1.5
+
+
 @dataclass
 class TrainState:
-    step: int = 0  # optimizer steps taken
+    step: int = 0  # optimizer steps taken (skipped ones included: their data was consumed)
     tokens: int = 0  # tokens consumed, all ranks
+    skipped: int = 0  # steps whose update was skipped for a non-finite loss or gradient
+    start_loss: float | None = None  # the first step's train loss (the divergence check's reference)
 
 
 class Trainer:
@@ -111,6 +118,12 @@ class Trainer:
         self.state = TrainState()
         self.metrics = MetricsLog(run_dir / "metrics.jsonl" if env.is_main else None)
         self.loss_fn = torch.compile(self.wrapped) if self.tc.compile else self.wrapped
+        # fused AdamW takes the GradScaler's `found_inf` flag and skips its update on the device, so a bad
+        # step costs no host sync; other optimizers need the flag on the host (free on the CPU, which has
+        # no queue of work to stall)
+        self.device_skip = bool(optimizer.defaults.get("fused")) and getattr(
+            optimizer, "_step_supports_amp_scaling", False
+        )
 
     # ---- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -121,6 +134,9 @@ class Trainer:
             "loader": self.train_loader.state_dict(),
             "step": self.state.step,
             "tokens": self.state.tokens,
+            "skipped": self.state.skipped,
+            "start_loss": self.state.start_loss,
+            "world_size": self.env.world_size,
             "rng": rng_state(self.device),
             "config": to_dict(self.cfg),
         }
@@ -135,12 +151,18 @@ class Trainer:
             ) from None
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.train_loader.load_state_dict(ckpt["loader"])
-        self.state = TrainState(step=int(ckpt["step"]), tokens=int(ckpt["tokens"]))
+        self.state = TrainState(
+            step=int(ckpt["step"]),
+            tokens=int(ckpt["tokens"]),
+            skipped=int(ckpt.get("skipped", 0)),
+            start_loss=ckpt.get("start_loss"),
+        )
         set_rng_state(ckpt["rng"], self.device)
         self.metrics.truncate_after(self.state.step)
 
     def save(self) -> None:
         if self.env.is_main:
+            check_finite(self.model, self.state.step)
             save_checkpoint(
                 self.run_dir / "checkpoints", self.state.step, self.state_dict(), self.tc.keep_checkpoints
             )
@@ -151,8 +173,13 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp)
 
-    def train_step(self) -> tuple[float, float]:
-        """One optimizer step over grad_accum micro-batches; returns (mean loss, grad norm)."""
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One optimizer step over grad_accum micro-batches.
+
+        Returns device tensors (mean loss, grad norm, ok), read by the caller only when it logs. ok is
+        False when the loss or the gradient norm is not finite: then the update is skipped (parameters and
+        optimizer state untouched) while the step, schedule and data still advance.
+        """
         self.model.train()
         total = torch.zeros((), device=self.device)
         for micro in range(self.tc.grad_accum):
@@ -166,20 +193,28 @@ class Trainer:
                     loss = self.loss_fn(x, y) / self.tc.grad_accum
                 loss.backward()
             total += loss.detach()
-        if self.tc.grad_clip > 0:
+        if self.tc.grad_clip > 0:  # a non-finite norm makes the clipped grads NaN: skipped below
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip)
         else:
             grad_norm = torch.linalg.vector_norm(
                 torch.stack([p.grad.norm() for p in self.model.parameters() if p.grad is not None])
             )
-        self.optimizer.step()
+        if self.env.distributed:  # before the check, so that every rank takes the same decision
+            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.AVG)
+        ok = torch.isfinite(grad_norm) & torch.isfinite(total)  # grad_norm: the same on every rank (DDP)
+        if self.device_skip:
+            self.optimizer.found_inf = (~ok).float()  # fused AdamW: 1.0 skips the whole update
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+        elif bool(ok):  # the host needs the flag here (see __init__)
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        if self.env.distributed:
-            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.AVG)
         self.state.step += 1
         self.state.tokens += self.tc.batch_size * self.tc.seq_len * self.tc.grad_accum * self.env.world_size
-        return float(total), float(grad_norm)
+        return total, grad_norm.detach(), ok
 
     def validate(self) -> dict[str, float]:
         self.model.eval()
@@ -197,6 +232,10 @@ class Trainer:
         elif self.env.is_main:
             print(line, flush=True)
 
+    def _warn(self, bar: tqdm, line: str) -> None:
+        if self.env.is_main:
+            self._log(bar, f"warning: {line}")
+
     # ---- the loop ------------------------------------------------------------------------------------------
     def fit(self, stop_at: int | None = None) -> dict:
         """Train to train.steps (or to `stop_at`, checkpointing there); returns the last log records."""
@@ -212,18 +251,50 @@ class Trainer:
         )
         last = {}
         busy, tok0 = 0.0, self.state.tokens  # seconds spent in train steps since the last log line
-        losses: list[float] = []  # step losses since the last log line (the line reports their mean)
+        # device-side tallies since the last log line, read only when a line is written (no sync per step)
+        dev = self.device
+        loss_sum = torch.zeros((), device=dev)  # summed loss of the steps that were applied
+        n_ok = torch.zeros((), dtype=torch.long, device=dev)
+        n_bad = torch.zeros((), dtype=torch.long, device=dev)
+        bad_run = torch.zeros((), dtype=torch.long, device=dev)  # consecutive skipped steps, now
+        max_run = torch.zeros((), dtype=torch.long, device=dev)  # the longest such run since it was read
+        seen_bad = 0  # skipped steps already reported
+        gnorm = torch.zeros((), device=dev)
         while self.state.step < end:
             t_step = time.perf_counter()
-            loss, gnorm = self.train_step()
-            losses.append(loss)
-            if not torch.isfinite(torch.tensor(loss)):
-                raise KilnError(
-                    f"loss became {loss} at step {self.state.step}: lower train.lr or check the data"
-                )
+            loss, gnorm, ok = self.train_step()
+            if self.state.start_loss is None and bool(ok):  # one sync, on the run's first step only
+                self.state.start_loss = float(loss)  # the untrained model's loss: the divergence reference
+            loss_sum += torch.where(ok, loss, 0.0)
+            n_ok += ok
+            n_bad += ~ok
+            bad_run = (bad_run + 1) * (~ok)
+            max_run = torch.maximum(max_run, bad_run)
             step = self.state.step
             bar.update(1)
-            if step % tc.log_interval == 0 or step == tc.steps:
+            log_now = step % tc.log_interval == 0 or step == tc.steps
+            eval_now = step % tc.eval_interval == 0 or step == tc.steps
+            ckpt_now = step % tc.ckpt_interval == 0 or step == end
+            if not self.device_skip or log_now or eval_now or ckpt_now:
+                # one sync; every step on the host-skip path, where train_step has synced already
+                bad, longest = int(n_bad), int(max_run)
+                if bad > seen_bad:
+                    self.state.skipped += bad - seen_bad
+                    self._warn(
+                        bar,
+                        f"step {step}: non-finite loss or gradient norm; {bad - seen_bad} update(s) skipped "
+                        f"({self.state.skipped} in this run)",
+                    )
+                    seen_bad = bad
+                if longest >= tc.max_bad_steps:
+                    bar.close()
+                    raise KilnError(
+                        f"{longest} consecutive steps (up to step {step}) had a non-finite loss or gradient: "
+                        f"stopping (train.max_bad_steps={tc.max_bad_steps}). No update was applied from them "
+                        "and no checkpoint holds them; lower train.lr, check the data, or continue from an "
+                        "earlier checkpoint with --resume-from STEP"
+                    )
+            if log_now:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 busy += time.perf_counter() - t_step
@@ -231,27 +302,43 @@ class Trainer:
                 mfu = None
                 if self.peak_flops:
                     mfu = tps / self.env.world_size * self.flops_per_token / self.peak_flops
+                good, skipped = int(n_ok), int(n_bad)
                 rec = {
                     "kind": "train",
                     "step": step,
                     "total_steps": tc.steps,
-                    "loss": sum(losses) / len(losses),
+                    "loss": float(loss_sum) / good if good else None,  # None: every step was skipped
                     "lr": self.scheduler.lr,
-                    "grad_norm": gnorm,
+                    "grad_norm": float(gnorm),
+                    "skipped": skipped,
+                    "skipped_total": self.state.skipped,
                     "tokens_per_s": tps,
                     "mfu": mfu,
                     "mem_gib": memory_gib(self.device),
                     "tokens": self.state.tokens,
                     "time": time.time(),
                 }
+                start = self.state.start_loss
+                if rec["loss"] is not None and start is not None:
+                    if rec["loss"] > DIVERGENCE_FACTOR * start:
+                        rec["diverging"] = True
+                        self._warn(
+                            bar,
+                            f"step {step}: loss {rec['loss']:.3f} is far above its start "
+                            f"{start:.3f} (more than {DIVERGENCE_FACTOR}x): the run is "
+                            "diverging; lower train.lr",
+                        )
                 self.metrics.write(rec)
                 self._log(bar, format_step(rec))
-                bar.set_postfix(loss=f"{rec['loss']:.3f}")
-                busy, tok0, losses = 0.0, self.state.tokens, []
+                if rec["loss"] is not None:
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}")
+                busy, tok0 = 0.0, self.state.tokens
+                loss_sum.zero_(), n_ok.zero_(), n_bad.zero_()
+                seen_bad = 0
                 last.update(rec)
             else:
                 busy += time.perf_counter() - t_step
-            if step % tc.eval_interval == 0 or step == tc.steps:
+            if eval_now:
                 val = self.validate()
                 rec = {"kind": "val", "step": step, **val}
                 self.metrics.write(rec)
@@ -260,7 +347,7 @@ class Trainer:
                     f"step {step:>6d}/{tc.steps} | val loss {val['val_loss']:.4f} | val bpb {val['val_bpb']:.4f}",
                 )
                 last.update(rec)
-            if step % tc.ckpt_interval == 0 or step == end:
+            if ckpt_now:
                 self.save()
                 if self.env.is_main:
                     plot_losses(

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import json
 import resource
 import sys
 from pathlib import Path
 
 import torch
+
+from kiln.io.atomic import append_text, atomic_write_bytes, atomic_write_text
 
 
 class MetricsLog:
@@ -19,8 +22,7 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if self.path is None:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_text(self.path, json.dumps(record) + "\n")  # whole lines only, even on a full disk
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop records past the checkpoint's step (they belong to the lost tail of a run)."""
@@ -28,7 +30,7 @@ class MetricsLog:
             return
         lines = [ln for ln in self.path.read_text().splitlines() if ln.strip()]
         keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
-        self.path.write_text("".join(ln + "\n" for ln in keep))
+        atomic_write_text(self.path, "".join(ln + "\n" for ln in keep))
 
 
 def memory_gib(device: torch.device) -> float:
@@ -42,11 +44,13 @@ def memory_gib(device: torch.device) -> float:
 def format_step(rec: dict) -> str:
     parts = [
         f"step {rec['step']:>6d}/{rec['total_steps']}",
-        f"loss {rec['loss']:.4f}",
+        "loss n/a (all skipped)" if rec["loss"] is None else f"loss {rec['loss']:.4f}",
         f"lr {rec['lr']:.2e}",
         f"grad {rec['grad_norm']:.3f}",
         f"{rec['tokens_per_s'] / 1e3:.1f}k tok/s",
     ]
+    if rec.get("skipped"):
+        parts.append(f"skipped {rec['skipped']}")
     if rec.get("mfu") is not None:
         parts.append(f"mfu {100 * rec['mfu']:.1f}%")
     parts.append(f"mem {rec['mem_gib']:.2f} GiB")
@@ -54,7 +58,9 @@ def format_step(rec: dict) -> str:
 
 
 def plot_losses(metrics_path: Path, png_path: Path, title: str = "kiln run") -> None:
-    """Train and validation loss against step, as a PNG beside the metrics."""
+    """Train and validation loss against step, as a PNG beside the metrics (nothing before the first record)."""
+    if not metrics_path.exists():  # a checkpoint before the first log line (ckpt_interval < log_interval)
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,8 +68,10 @@ def plot_losses(metrics_path: Path, png_path: Path, title: str = "kiln run") -> 
 
     train, val = [], []
     for line in metrics_path.read_text().splitlines():
+        if not line.strip():
+            continue
         rec = json.loads(line)
-        if rec.get("kind") == "train":
+        if rec.get("kind") == "train" and rec.get("loss") is not None:
             train.append((rec["step"], rec["loss"]))
         elif rec.get("kind") == "val":
             val.append((rec["step"], rec["val_loss"]))
@@ -78,7 +86,7 @@ def plot_losses(metrics_path: Path, png_path: Path, title: str = "kiln run") -> 
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = png_path.with_name(f".{png_path.name}.tmp.png")
-    fig.savefig(tmp)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     plt.close(fig)
-    tmp.replace(png_path)
+    atomic_write_bytes(png_path, buf.getvalue())

@@ -1,6 +1,7 @@
 """`kiln run`: the whole pipeline, corpus -> tokenizer -> token shards -> training -> samples.
 
 A run directory holds everything one run makes:
+    .lock              held (fcntl.flock) by the one process writing the run; see kiln.io.lock
     config.json        the resolved config
     stages.json        the data/tokenizer configs the tokenizer and shards were made with (reuse check)
     tokenizer/         the trained BPE tokenizer
@@ -10,12 +11,15 @@ A run directory holds everything one run makes:
     loss.png           train and validation loss curves
     summary.json       final figures and the time each stage took
 Stages whose outputs exist with the same settings are reused, so `--resume` and re-runs skip them.
+A fresh run refuses a directory that holds an earlier run's training outputs unless told `--overwrite`;
+`--resume` refuses any change to a setting the checkpoint depends on (train/config.py: RESUMABLE).
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -26,10 +30,13 @@ from kiln.data.corpus import load_documents
 from kiln.data.loader import TokenLoader
 from kiln.data.shards import load_meta, prepare_shards, read_shard, split_documents
 from kiln.errors import KilnError
+from kiln.io.atomic import atomic_write_text
+from kiln.io.checkpoint import POINTER, latest_pointer, list_checkpoints
+from kiln.io.lock import DirLock
 from kiln.model import build_model
 from kiln.tokenizer import Tokenizer, train_bpe
-from kiln.train.checkpoint import latest_pointer, load_checkpoint
-from kiln.train.config import RunConfig
+from kiln.train.checkpoint import choose_resume_checkpoint, set_aside_later
+from kiln.train.config import RunConfig, resume_changes
 from kiln.train.env import DistEnv, dist_env, init_distributed, resolve_device
 from kiln.train.evaluate import token_byte_lengths, unigram_bpb
 from kiln.train.generate import complete
@@ -42,8 +49,14 @@ def _say(env: DistEnv, msg: str) -> None:
         print(msg, flush=True)
 
 
-def prepare_tokenizer_and_data(cfg: RunConfig, run_dir: Path, progress: bool = True) -> None:
-    """Stages 1-3 (rank 0): read the corpus, train the tokenizer, write the shards, or reuse them."""
+def prepare_tokenizer_and_data(
+    cfg: RunConfig, run_dir: Path, progress: bool = True, resume: bool = False
+) -> None:
+    """Stages 1-3 (rank 0): read the corpus, train the tokenizer, write the shards, or reuse them.
+
+    A resumed run only reuses: its checkpoints were trained on these ids, so a missing or different
+    tokenizer is an error, never a rebuild.
+    """
     env = DistEnv()
     stages = {"data": to_dict(cfg.data), "tokenizer": to_dict(cfg.tokenizer)}
     stages_path = run_dir / "stages.json"
@@ -56,6 +69,14 @@ def prepare_tokenizer_and_data(cfg: RunConfig, run_dir: Path, progress: bool = T
     if done:
         _say(env, f"[1-3/5] reusing the tokenizer and token shards in {run_dir}")
         return
+    if resume:
+        raise KilnError(
+            f"cannot resume {run_dir}: its tokenizer and token shards are missing or were made with other "
+            f"settings than its checkpoints ({stages_path}); restore them, or start a new run"
+        )
+    # the old outputs are about to change: forget their settings first, so that a crash part-way can
+    # never pair a new tokenizer with the old stages.json
+    stages_path.unlink(missing_ok=True)
     t0 = time.perf_counter()
     src = cfg.data.path or "the bundled corpus (Python stdlib sources + pydoc_data)"
     _say(env, f"[1/5] reading {src}")
@@ -99,43 +120,157 @@ def prepare_tokenizer_and_data(cfg: RunConfig, run_dir: Path, progress: bool = T
         f"      train {tr['tokens']:,} tokens ({tr['docs']} docs), val {va['tokens']:,} tokens ({va['docs']} docs), "
         f"{tr['bytes'] / max(1, tr['tokens']):.2f} bytes/token ({time.perf_counter() - t0:.1f}s)",
     )
-    stages_path.write_text(json.dumps(stages, indent=2))
+    atomic_write_text(stages_path, json.dumps(stages, indent=2))
 
 
 def _shard_paths(data_dir: Path, meta: dict, split: str) -> list[Path]:
     return [data_dir / name for name in meta["splits"][split]["shards"]]
 
 
-def run(cfg: RunConfig, resume: bool = False, progress: bool = True, stop_at: int | None = None) -> dict:
+# what an earlier attempt at a run leaves besides its reusable stages (tokenizer/, data/, stages.json)
+OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "loss.png", "config.json")
+
+
+def _earlier_outputs(run_dir: Path) -> list[Path]:
+    found = [run_dir / name for name in OUTPUTS if (run_dir / name).exists()]
+    ckpts = run_dir / "checkpoints"
+    if ckpts in found and not any(ckpts.iterdir()):
+        found.remove(ckpts)
+    # config.json alone is the trace of an attempt that failed before training: not worth a refusal
+    return [] if [p.name for p in found] == ["config.json"] else found
+
+
+def run(
+    cfg: RunConfig,
+    resume: bool = False,
+    progress: bool = True,
+    stop_at: int | None = None,
+    overwrite: bool = False,
+    resume_from: str | None = None,
+) -> dict:
     """Run the pipeline; returns the summary (also written to summary.json).
 
     stop_at: leave after this step with a checkpoint, as a job that runs out of its time slot would;
-    `--resume` continues exactly where it stopped.
+    `--resume` continues exactly where it stopped. resume_from: a step number or a .pt file to resume
+    from instead of the newest intact checkpoint (implies resume). overwrite: a fresh run first deletes
+    an earlier run's outputs in the directory (its reusable tokenizer and shards stay).
     """
+    resume = resume or resume_from is not None
+    if resume and overwrite:
+        raise KilnError("--resume and --overwrite contradict each other: pass one")
+    if stop_at is not None and stop_at < 0:
+        raise KilnError(f"--stop-at must be a step >= 0, got {stop_at}")
     env = dist_env()
     device = resolve_device(cfg.device, env)
-    init_distributed(env, device)
     run_dir = Path(cfg.out_dir)
     ckpt_dir = run_dir / "checkpoints"
-    pointer = latest_pointer(ckpt_dir) if ckpt_dir.exists() else None
-    if resume and pointer is None:
+    if resume and not (ckpt_dir / POINTER).exists() and not list_checkpoints(ckpt_dir):
         raise KilnError(f"nothing to resume: {ckpt_dir} holds no checkpoint (run without --resume to start)")
-    if not resume and pointer is not None:
+    # one writer per run directory: rank 0, the only rank that writes, holds the lock for the whole run
+    # (released on return, or by the kernel when the process dies)
+    lock = DirLock(run_dir) if env.is_main else None
+    if lock is not None:
+        lock.acquire()
+        if lock.previous is not None:
+            print(
+                f"warning: taking over the stale lock of process {lock.previous[0]} in {run_dir} "
+                "(it is no longer running)",
+                flush=True,
+            )
+    try:
+        init_distributed(env, device)
+        return _run(cfg, env, device, run_dir, resume, progress, stop_at, overwrite, resume_from)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _check_resume(cfg: RunConfig, env: DistEnv, ckpt: dict, file: Path, stop_at: int | None) -> str | None:
+    """Refuse a resume that would change what the checkpoint means; a message when nothing is left to do."""
+    _, refused = resume_changes(ckpt["config"], cfg)
+    if refused:
+        changes = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in refused)
         raise KilnError(
-            f"{run_dir} already holds a run (checkpoint at step {pointer['step']}): pass --resume to continue it, "
-            f"or choose another --out"
+            f"--resume cannot change settings the checkpoint {file.name} was trained with ({changes}). "
+            "Drop those overrides to continue the run, or start a new one (another --out, or --overwrite) "
+            "to use them"
         )
+    world = ckpt.get("world_size")
+    if world is not None and int(world) != env.world_size:
+        raise KilnError(
+            f"{file.name} was written by {world} process(es) and this resume has {env.world_size}: the global "
+            f"batch and each rank's data would change; resume with {world} process(es) (torchrun "
+            f"--nproc_per_node={world}), or start a new run"
+        )
+    step = int(ckpt["step"])
+    if cfg.train.steps < step:
+        raise KilnError(
+            f"train.steps={cfg.train.steps} is below the checkpoint's step {step}: to continue pass "
+            f"--train.steps above {step}; to go back, --resume-from an earlier checkpoint"
+        )
+    if cfg.train.steps == step:
+        return f"the run in {cfg.out_dir} already finished at step {step}: nothing to do (raise --train.steps to go on)"
+    if stop_at is not None and stop_at < step:
+        raise KilnError(f"--stop-at {stop_at} is before the checkpoint's step {step}")
+    if stop_at == step:
+        return f"the run in {cfg.out_dir} is already at step {step} (--stop-at {stop_at}): nothing to do"
+    return None
+
+
+def _run(
+    cfg: RunConfig,
+    env: DistEnv,
+    device: torch.device,
+    run_dir: Path,
+    resume: bool,
+    progress: bool,
+    stop_at: int | None,
+    overwrite: bool,
+    resume_from: str | None,
+) -> dict:
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt = ckpt_file = None
+    if resume:  # every rank reads the same files and takes the same decisions
+        ckpt, ckpt_file = choose_resume_checkpoint(ckpt_dir, resume_from, device, lambda m: _say(env, m))
+        done = _check_resume(cfg, env, ckpt, ckpt_file, stop_at)
+        if done is not None:
+            _say(env, done)
+            if env.distributed:
+                torch.distributed.destroy_process_group()
+            try:
+                return json.loads((run_dir / "summary.json").read_text())
+            except (OSError, ValueError):  # stopped before its end, so no summary yet
+                return {"steps": int(ckpt["step"])}
+    elif env.is_main:
+        earlier = _earlier_outputs(run_dir)
+        if earlier and not overwrite:
+            try:
+                pointer = latest_pointer(ckpt_dir) if ckpt_dir.is_dir() else None
+            except KilnError:  # a corrupt pointer: the file list below says enough
+                pointer = None
+            what = f"checkpoint at step {pointer['step']}" if pointer else ", ".join(p.name for p in earlier)
+            raise KilnError(
+                f"{run_dir} already holds a run ({what}): pass --resume to continue it, --overwrite to "
+                "delete it and start over, or choose another --out"
+            )
+        for p in earlier:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if earlier:
+            print(f"--overwrite: deleted {', '.join(p.name for p in earlier)} in {run_dir}", flush=True)
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(format_config(cfg) + "\n")
+        if resume:
+            for key, old, new in resume_changes(ckpt["config"], cfg)[0]:
+                print(f"resume: {key} changed from {old!r} to {new!r}", flush=True)
+        atomic_write_text(run_dir / "config.json", format_config(cfg) + "\n")
         print(f"kiln run -> {run_dir} on {device} ({env.world_size} process(es))")
         print(format_config(cfg), flush=True)
 
     t0 = time.perf_counter()
     if env.is_main:  # other ranks wait for rank 0 to write the tokenizer and shards, then read them
-        prepare_tokenizer_and_data(cfg, run_dir, progress)
+        prepare_tokenizer_and_data(cfg, run_dir, progress, resume)
     if env.distributed:
         torch.distributed.barrier()
     tok = Tokenizer.load(run_dir / "tokenizer")
@@ -206,9 +341,14 @@ def run(cfg: RunConfig, resume: bool = False, progress: bool = True, stop_at: in
         progress=progress,
     )
     if resume:
-        ckpt = load_checkpoint(ckpt_dir, map_location=device)
         trainer.load_state_dict(ckpt)
-        _say(env, f"      resumed from step {trainer.state.step} ({ckpt_dir / pointer['file']})")
+        del ckpt
+        _say(env, f"      resumed from step {trainer.state.step} ({ckpt_file})")
+        if env.is_main:
+            for moved in set_aside_later(ckpt_dir, trainer.state.step):
+                print(f"      set aside the later checkpoint {moved.name} (kept, not used)", flush=True)
+    elif stop_at == 0:
+        trainer.save()  # the untrained state, so that --resume starts from exactly here
     t0 = time.perf_counter()
     last = trainer.fit(stop_at)
     timings["train_s"] = time.perf_counter() - t0
@@ -238,10 +378,14 @@ def run(cfg: RunConfig, resume: bool = False, progress: bool = True, stop_at: in
         "samples": samples,
     }
     if env.is_main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        val = (
+            f"val bpb {summary['val_bpb']:.4f}"
+            if summary["val_bpb"] is not None
+            else f"no validation yet at step {trainer.state.step} (train.eval_interval={tc.eval_interval})"
+        )
         print(
-            f"done: val bpb {summary['val_bpb']:.4f} (unigram {baseline:.4f}); "
-            f"total {timings['total_s']:.0f}s; outputs in {run_dir}",
+            f"done: {val} (unigram {baseline:.4f}); total {timings['total_s']:.0f}s; outputs in {run_dir}",
             flush=True,
         )
     if env.distributed:
