@@ -6,7 +6,8 @@ copies the sampled ids to the host every step, so step boundaries are synchroniz
     time to first token (TTFT): from submission until every request has its first token (prefill);
     decode tok/s = B * (output_len - 1) / (time after prefill)   (one step = one token per request);
     total tok/s = B * output_len / whole time.
-A warm-up point runs first (kernel compilation and autotuning stay out of the numbers).
+A warm-up point runs first (kernel compilation and autotuning stay out of the numbers). Every point
+draws its own random prompts (seeded), so no point hits the prefix cache of another.
 """
 
 from __future__ import annotations
@@ -72,10 +73,10 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, output_len: int, see
 
 
 def run(engine: LLMEngine, batches: list[int], prompt_len: int, output_len: int, log=print) -> list[dict]:
-    measure(engine, min(batches), prompt_len, min(output_len, 8))  # warm-up
+    measure(engine, min(batches), prompt_len, min(output_len, 8), seed=-1)  # warm-up
     rows = []
-    for b in batches:
-        row = measure(engine, b, prompt_len, output_len)
+    for i, b in enumerate(batches):
+        row = measure(engine, b, prompt_len, output_len, seed=i)
         log(
             f"batch {b:4d}: TTFT {row['ttft_s'] * 1e3:8.1f} ms  decode {row['decode_tok_s']:9.1f} tok/s  "
             f"total {row['total_tok_s']:9.1f} tok/s  ({row['steps']} steps)"
