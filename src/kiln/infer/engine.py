@@ -24,6 +24,7 @@ import torch
 from kiln.errors import KilnError
 from kiln.infer.block_manager import BlockManager
 from kiln.infer.config import EngineConfig
+from kiln.infer.loading import load_for_inference
 from kiln.infer.runner import ModelRunner
 from kiln.infer.sampler import Sampler, SamplingTensors, token_logprobs
 from kiln.infer.sampling_params import SamplingParams
@@ -324,8 +325,6 @@ class LLM:
             model = model_or_path.to(device=device, dtype=dtype)
             eos = list(eos_token_ids or [])
         else:
-            from kiln.infer.loading import load_for_inference
-
             model, found_tok, found_eos = load_for_inference(model_or_path, device, dtype)
             tokenizer = tokenizer if tokenizer is not None else found_tok
             eos = list(eos_token_ids) if eos_token_ids is not None else found_eos
