@@ -84,6 +84,7 @@ def test_window_and_sinks(B, Tq, Tk, Hq, Hk, causal, window, sinks, device):
     _check_against_f64(q, k, v, s, causal=causal, window=window)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal,window", [(True, None), (True, 300)])
 def test_length_1000(causal, window, device):
     q, k, v, _ = _inputs(1, 1000, 1000, 2, 1, 16, torch.float32, device, seed=3)
@@ -243,6 +244,7 @@ def test_reference_keeps_float32_math_under_cpu_bf16_autocast():
     torch.testing.assert_close(out, attention_ref(q, k, v, causal=True), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flat,heavy_first", [(False, False), (True, True)])
 def test_dkdv_loop_and_grid_switches(flat, heavy_first, device):
     # The dK/dV kernel's two switches (one loop over the group's heads or one per head; grid order)

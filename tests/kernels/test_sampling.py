@@ -40,6 +40,7 @@ def test_sample_same_token_as_reference(temperature, top_k, top_p, dtype, device
     assert torch.equal(got, want), (got, want)
 
 
+@pytest.mark.slow
 def test_sample_many_draws_match_reference_with_given_noise(device):
     """Over many rows of noise, the kernel's draw equals the reference rule applied to the same noise."""
     gen = torch.Generator().manual_seed(1)

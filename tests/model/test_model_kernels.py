@@ -24,6 +24,7 @@ CFG = dict(
 )
 
 
+@pytest.mark.slow
 def test_triton_path_matches_reference_forward_backward_generate():
     model = build_model(ModelConfig(**CFG), seed=0)
     with torch.no_grad():

@@ -33,6 +33,7 @@ def _losses(run_dir):
     ]
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_one_process(tmp_path, capsys):
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     assert main([*COMMON, "--out", str(single), "--train.batch_size=8"]) == 0

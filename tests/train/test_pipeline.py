@@ -42,6 +42,7 @@ def test_generate_from_a_checkpoint(tiny_run, capsys):
     assert capsys.readouterr().out.startswith("def ")
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_exact_across_processes(tmp_path):
     common = [
         *TINY,

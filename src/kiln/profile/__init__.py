@@ -1,1 +1,1 @@
-"""Hardware ceilings and measurement."""
+"""Measurement: device ceilings, the benchmark harness (timing, provenance, result files)."""

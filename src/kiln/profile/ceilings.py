@@ -1,7 +1,10 @@
 """Ceilings measured on the device at hand, instead of datasheet numbers typed into the code.
 
 MFU is reported against the dense bf16 matmul rate that cuBLAS reaches on this GPU, measured once at
-the start of a run (a fraction of a second), so it reads the same way on any CUDA machine.
+the start of a run (a fraction of a second), so it reads the same way on any CUDA machine. Benchmarks
+state their bandwidth against the device-to-device copy measured in the same run (`measure_ceilings`):
+on the H200 the copy measured 4.27 TB/s (read + write) and the matmul 632-777 TFLOP/s across machines,
+which is why neither figure is a constant here.
 """
 
 from __future__ import annotations
@@ -51,3 +54,23 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**31, iters: int = 20) -
         times.append(start.elapsed_time(end) / 1e3)
     times.sort()
     return 2 * nbytes / times[len(times) // 2]
+
+
+def measure_ceilings(device: torch.device) -> dict:
+    """{"copy_TBps", "bf16_matmul_TFLOPs", "matmul_n"} measured now on a CUDA device; None values (and a
+    note) on any other device, where a benchmark's fractions of a ceiling are not computed."""
+    if device.type != "cuda":
+        return {"copy_TBps": None, "bf16_matmul_TFLOPs": None, "note": f"not measured on {device.type}"}
+    n = 4096
+    return {
+        "copy_TBps": round(copy_bandwidth(device) / 1e12, 3),
+        "bf16_matmul_TFLOPs": round(matmul_flops(device, torch.bfloat16, n) / 1e12, 1),
+        "matmul_n": n,
+    }
+
+
+def fraction(value: float | None, ceiling: float | None) -> float | None:
+    """value / ceiling rounded to 3 places, None when either is unknown (a CPU smoke run)."""
+    if not value or not ceiling:
+        return None
+    return round(value / ceiling, 3)

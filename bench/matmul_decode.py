@@ -1,0 +1,78 @@
+"""kiln's linear against cuBLAS (F.linear) at every decode row count, Qwen2.5-1.5B layer shapes, bf16.
+
+    python bench/matmul_decode.py             # on a CUDA GPU, ~30 s -> bench/results/matmul_decode.json
+    python bench/matmul_decode.py --smoke     # tiny shapes on the CPU through the interpreter (fp16)
+
+GPU time in CUDA graphs (triton.testing.do_bench_cudagraph, median over rounds that visit kiln and cuBLAS
+in a fresh random order, kiln.profile.timing), for M in 1, 2, 4, 8, 12, 16 rows and the four projections
+(weights (N, K) as nn.Linear holds them); each result is checked against cuBLAS's. The unit is the weight
+bytes streamed per second, against the copy bandwidth measured in the run; the config kiln's rule picked is
+recorded beside each figure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+import torch.nn.functional as F
+
+from kiln.kernels.dispatch import sm_count, use_backend
+from kiln.kernels.matmul import linear
+from kiln.kernels.matmul_decode import decode_config
+from kiln.profile.ceilings import fraction
+from kiln.profile.harness import BenchRun, bench_parser, format_table
+
+SHAPES = {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "down": (8960, 1536)}
+ROWS = (1, 2, 4, 8, 12, 16)
+SMOKE_SHAPES = {"qkv": (32, 48), "down": (96, 32)}
+SMOKE_ROWS = (1, 3, 16)
+
+
+def main() -> int:
+    args = bench_parser("matmul_decode", __doc__).parse_args()
+    run = BenchRun("matmul_decode", __file__, args)
+    dev = run.device
+    # the interpreter's bf16 tl.dot is wrong (PLATFORM.md): the smoke run checks fp16
+    dtype = torch.float16 if run.smoke else torch.bfloat16
+    shapes, row_counts = (SMOKE_SHAPES, SMOKE_ROWS) if run.smoke else (SHAPES, ROWS)
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    with use_backend("triton"):
+        for name, (K, N) in shapes.items():
+            w = torch.randn(N, K, device=dev, generator=g).div_(K**0.5).to(dtype)
+            for M in row_counts:
+                x = torch.randn(M, K, device=dev, generator=g).to(dtype)
+                want = F.linear(x.float(), w.float())
+                got = linear(x, w)
+                err = float((got.float() - want).abs().max())
+                t = run.timer.interleaved(
+                    {"kiln": lambda x=x, w=w: linear(x, w), "cublas": lambda x=x, w=w: F.linear(x, w)},
+                    graph=True,
+                )
+                kiln_us, cublas_us = t["kiln"]["ms"] * 1e3, t["cublas"]["ms"] * 1e3
+                tbps = N * K * w.element_size() / kiln_us / 1e6
+                row = {
+                    "shape": name, "M": M, "K": K, "N": N,
+                    "config": str(decode_config(M, N, K, sm_count(x.device))),
+                    "kiln_us": round(kiln_us, 2), "cublas_us": round(cublas_us, 2),
+                    "ratio": round(cublas_us / kiln_us, 3), "max_abs_diff_vs_fp32": err,
+                    "tbps": round(tbps, 3), "frac_copy": fraction(tbps, run.ceilings["copy_TBps"]),
+                }  # fmt: skip
+                rows.append(row)
+                run.log(
+                    f"{name} M={M}: kiln {row['kiln_us']} us, cuBLAS {row['cublas_us']} us, {row['ratio']}x"
+                )
+    cols = [("shape", "shape"), ("M", "rows"), ("kiln_us", "kiln us"), ("cublas_us", "cuBLAS us"),
+            ("ratio", "ratio"), ("tbps", "TB/s"), ("frac_copy", "of copy")]  # fmt: skip
+    print(format_table(rows, cols))
+    run.write(timing="do_bench_cudagraph median over interleaved rounds, GPU time", cases=rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
