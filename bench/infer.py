@@ -2,7 +2,7 @@
 on a random-init Qwen2.5-1.5B-shaped model (3.09 GB of bf16 weights), with the weight-bandwidth roofline
 measured in the same run.
 
-    python bench/infer.py --out bench/results/infer.json [--batches 1,64] [--prompt 128] [--new 128]
+    python bench/infer.py [--batches 1,64] [--prompt 128] [--new 128]   # -> bench/results/infer.json
     python bench/infer.py --smoke          # CPU, a tiny model: checks the script end to end
 
 Each figure: greedy, `new` tokens after a `prompt`-token random prompt, B sequences. decode tok/s =
@@ -13,9 +13,13 @@ reads every weight once; the KV cache is small next to them at these lengths).
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
+import sys
 import time
+
+if "--smoke" in sys.argv:  # before triton is imported (the harness's rule)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 
@@ -23,7 +27,7 @@ from kiln.infer import bench
 from kiln.infer.engine import LLM
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import build_model
-from provenance import run_meta
+from kiln.profile.harness import BenchRun, bench_parser, format_table
 
 
 def _sync(dev):
@@ -70,18 +74,17 @@ def hf_generate(cfg: ModelConfig, B, prompt, new, dev, dtype) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser("infer", __doc__)
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, a few tokens")
-    ap.add_argument("--out")
     args = ap.parse_args()
+    run = BenchRun("infer", __file__, args)
+    dev = run.device
     batches = [int(b) for b in args.batches.split(",")]
-    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    if args.smoke:
+    if run.smoke:
         cfg = ModelConfig(arch="qwen2", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                           ffn_hidden=64, max_seq_len=64, qkv_bias=True, tie_embeddings=True)  # fmt: skip
         batches, args.prompt, args.new = [1, 4], 8, 4
@@ -89,53 +92,44 @@ def main() -> None:
         cfg = bench.qwen2_1p5b_config(max_seq_len=args.prompt + args.new + 16)
     model = build_model(cfg, device=dev, dtype=dtype, seed=0).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    result = {**run_meta(), "model": "random-init Qwen2.5-1.5B shape" if not args.smoke else "tiny (smoke)"}
-    result.update(weight_GB=round(weight_bytes / 1e9, 3), prompt=args.prompt, new=args.new)
-    copy_bw = None
-    if dev.type == "cuda":
-        from kiln.profile.ceilings import copy_bandwidth
-
-        copy_bw = copy_bandwidth(dev)
-        result["copy_TBps"] = round(copy_bw / 1e12, 3)
-    llm = LLM(
-        model,
-        device=str(dev),
-        max_num_seqs=max(batches),
-        memory_fraction=0.3,
-        num_blocks=None if dev.type == "cuda" else 64,
-    )
+    copy_tbps = run.ceilings.get("copy_TBps")
+    llm = LLM(model, device=str(dev), max_num_seqs=max(batches), memory_fraction=0.3, log=run.log,
+              num_blocks=None if dev.type == "cuda" else 64)  # fmt: skip
+    bench.measure(llm.engine, 1, args.prompt, 8, seed=-1)  # warm-up: other prompts, no prefix hits
     rows = []
-    bench.measure(llm.engine, 1, args.prompt, 8, seed=-1)  # warm-up: other prompts, no prefix hits (compiles and autotunes the kernels)
     for B in batches:
-        row = {"batch": B}
         e = bench.measure(llm.engine, B, args.prompt, args.new, seed=B)
-        row["engine"] = {"ttft_s": e["ttft_s"], "decode_tok_s": e["decode_tok_s"]}
+        row = {"batch": B, "engine": {"ttft_s": e["ttft_s"], "decode_tok_s": e["decode_tok_s"]}}
         row["model_generate"] = dense_loop(model, B, args.prompt, args.new, dev)
         if dev.type == "cuda" and not args.no_hf:
             row["hf_generate"] = hf_generate(cfg, B, args.prompt, args.new, dev, dtype)
-        row["engine_vs_model_generate"] = round(
-            row["engine"]["decode_tok_s"] / row["model_generate"]["decode_tok_s"], 3
-        )
+        eng = row["engine"]["decode_tok_s"]
+        row["engine_vs_model_generate"] = round(eng / row["model_generate"]["decode_tok_s"], 3)
         if "hf_generate" in row:
-            row["engine_vs_hf"] = round(row["engine"]["decode_tok_s"] / row["hf_generate"]["decode_tok_s"], 3)
-        if copy_bw:
-            roof = copy_bw / weight_bytes * B
+            row["engine_vs_hf"] = round(eng / row["hf_generate"]["decode_tok_s"], 3)
+        if copy_tbps:
+            roof = copy_tbps * 1e12 / weight_bytes * B
             row["roofline_tok_s"] = round(roof, 1)
-            row["engine_fraction_of_roofline"] = round(row["engine"]["decode_tok_s"] / roof, 4)
+            row["engine_fraction_of_roofline"] = round(eng / roof, 4)
         rows.append(row)
-        print(json.dumps(row), flush=True)
-    result["points"] = rows
-    print(f"{'batch':>6} {'engine tok/s':>13} {'generate':>10} {'HF':>10} {'eng/gen':>8} {'roofline':>9}")
-    for r in rows:
-        hf = r.get("hf_generate", {}).get("decode_tok_s", float("nan"))
-        print(
-            f"{r['batch']:>6} {r['engine']['decode_tok_s']:>13.1f} {r['model_generate']['decode_tok_s']:>10.1f} "
-            f"{hf:>10.1f} {r['engine_vs_model_generate']:>8.2f} {r.get('roofline_tok_s', float('nan')):>9.1f}"
-        )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+        run.log(json.dumps(row))
+    table = [
+        {
+            "batch": r["batch"],
+            "engine": r["engine"]["decode_tok_s"],
+            "generate": r["model_generate"]["decode_tok_s"],
+            "hf": r.get("hf_generate", {}).get("decode_tok_s"),
+            "ratio": r["engine_vs_model_generate"],
+            "roofline": r.get("roofline_tok_s"),
+        }
+        for r in rows
+    ]
+    cols = [("batch", "batch"), ("engine", "engine tok/s"), ("generate", "model.generate"), ("hf", "HF generate"),
+            ("ratio", "engine / generate"), ("roofline", "roofline tok/s")]  # fmt: skip
+    print(format_table(table, cols))
+    model_name = "tiny (smoke)" if run.smoke else "random-init Qwen2.5-1.5B shape"
+    run.write(model=model_name, weight_GB=round(weight_bytes / 1e9, 3), prompt=args.prompt, new=args.new,
+              cases=rows)  # fmt: skip
 
 
 if __name__ == "__main__":
