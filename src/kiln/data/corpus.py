@@ -247,5 +247,6 @@ def load_documents(
         )
     if not docs:
         where = "the default corpus" if path is None else str(path)
-        raise KilnError(f"no text found in {where}: the corpus is empty")
+        why = f"its {len(skipped)} file(s) are binary or not UTF-8 text" if skipped else "the corpus is empty"
+        raise KilnError(f"no text found in {where}: {why}")
     return docs
