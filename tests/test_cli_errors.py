@@ -105,7 +105,18 @@ def test_out_is_an_existing_file(capsys, tmp_path):
     assert f.read_text() == "x"
 
 
+def test_stop_at_negative(capsys, tmp_path):
+    msg = kiln_error(capsys, RUN + ["--out", str(tmp_path / "r"), "--stop-at", "-1"])
+    assert "--stop-at must be a step number >= 0" in msg
+
+
 # ---- kiln run: data ----------------------------------------------------------------------------------------
+def test_missing_data_path_before_the_run_directory_is_made(capsys, tmp_path):
+    msg = kiln_error(capsys, RUN + ["--out", str(tmp_path / "r"), "--data", str(tmp_path / "nope.txt")])
+    assert "does not exist" in msg and "--data PATH" in msg
+    assert not (tmp_path / "r").exists()
+
+
 def test_parquet_text_column_of_ints(capsys, tmp_path):
     data = tmp_path / "d.parquet"
     pq.write_table(pa.table({"text": [1, 2, 3]}), data)
@@ -170,6 +181,9 @@ def test_generate_refuses_out_of_range_sampling(capsys, tmp_path, args, expect):
 def test_generate_missing_checkpoint(capsys, tmp_path):
     msg = kiln_error(capsys, ["generate", "--checkpoint", str(tmp_path / "nope")])
     assert "does not exist" in msg and "kiln convert" in msg
+    (tmp_path / "notes.txt").write_text("not a model")
+    msg = kiln_error(capsys, ["generate", "--checkpoint", str(tmp_path)])
+    assert "is not a model" in msg and "kiln model directory" in msg
 
 
 # ---- kiln tokenizer ----------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.device is not None:
         overrides.append(f"--device={args.device}")
     _check_out(args.out)
+    if args.stop_at is not None and args.stop_at < 0:
+        raise KilnError(f"--stop-at must be a step number >= 0, got {args.stop_at}")
     if args.resume:
         # the run's own saved config, with only the explicit overrides on top
         preset_out = resolve_config(_preset(args)).out_dir
@@ -37,6 +39,10 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     else:
         cfg = resolve_config(_preset(args), args.config, overrides)
     _check_out(cfg.out_dir)
+    if cfg.data.path is not None and not Path(cfg.data.path).exists():  # before the run directory is made
+        raise KilnError(
+            f"data path {cfg.data.path} does not exist: pass --data PATH to a text/JSONL/parquet file or a directory"
+        )
     run(cfg, resume=args.resume, progress=not args.no_progress, stop_at=args.stop_at)
     return 0
 

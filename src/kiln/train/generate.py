@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from kiln.errors import KilnError
-from kiln.model.checkpoint import load_source, tokenizer_dir
+from kiln.model.checkpoint import describe_source, load_source, tokenizer_dir
 from kiln.tokenizer import Tokenizer
 
 ENDOFTEXT = "<|endoftext|>"
@@ -118,8 +118,9 @@ def load_for_generation(checkpoint: str | Path, device: torch.device) -> tuple[t
             f"--checkpoint {path} does not exist: pass a run directory, a checkpoint .pt file, "
             "or a model directory written by `kiln convert`"
         )
-    tok_dir = tokenizer_dir(path)  # looked for first: a missing tokenizer fails before the weights load
+    tok_dir = tokenizer_dir(path)  # before the weights load: a missing tokenizer fails fast
     if tok_dir is None:
+        describe_source(path)  # when `path` is no model at all, that is the message
         raise KilnError(
             f"no tokenizer for {path} (a run keeps it in RUN_DIR/tokenizer/, a model directory beside the "
             "weights): convert the model again with `kiln convert` from its run, which copies the tokenizer, "
