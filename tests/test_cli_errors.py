@@ -290,3 +290,12 @@ def test_run_help_keys_match_the_config():
         if dataclasses.is_dataclass(f.default_factory):
             keys = [g.name for g in dataclasses.fields(f.default_factory)]
             assert f"  {f.name + ':':<11}" + ", ".join(keys) in text
+
+
+def test_tokenizer_train_skips_binary_files_with_a_note(capsys, tmp_path, corpus_dir):
+    (corpus_dir / "blob").write_bytes(b"\x7fELF\x00\x00\x00")  # valid UTF-8, but binary
+    (corpus_dir / "latin1.txt").write_bytes("café".encode("latin-1"))
+    argv = ["tokenizer", "train", str(corpus_dir), "--out", str(tmp_path / "t"), "--vocab-size", "270"]
+    assert main(argv + ["--processes", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "kiln: note: skipped 2 file(s) that are binary or not UTF-8 text" in err

@@ -140,13 +140,17 @@ def _read_text_files(inputs: list[str], ext: str | None) -> tuple[list[Path], in
 def _texts(files: list[Path], explicit: set[Path], skipped: list[Path]) -> Iterator[str]:
     for path in files:
         try:
-            yield path.read_text(encoding="utf-8")
+            raw = path.read_bytes()
+        except OSError as e:
+            raise KilnError(f"cannot read {path}: {e.strerror}") from e
+        try:
+            if b"\0" in raw[:8192]:  # binary, though it may decode (as kiln run's --data reads directories)
+                raise UnicodeDecodeError("utf-8", raw, raw.index(b"\0"), raw.index(b"\0") + 1, "NUL byte")
+            yield raw.decode("utf-8")
         except UnicodeDecodeError as e:
             if path in explicit:
                 raise KilnError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
             skipped.append(path)  # a binary file found while walking a directory
-        except OSError as e:
-            raise KilnError(f"cannot read {path}: {e.strerror}") from e
 
 
 def _read_template(path: str | None) -> str | None:
@@ -189,7 +193,10 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     options = {"chat_template": template} if template is not None else {}
     tok.save(args.out, **options)
     if skipped:
-        print(f"skipped {len(skipped)} files that are not UTF-8 text (e.g. {skipped[0]})")
+        print(
+            f"kiln: note: skipped {len(skipped)} file(s) that are binary or not UTF-8 text (e.g. {skipped[0]})",
+            file=sys.stderr,
+        )
     print(f"trained {tok.n_vocab} ids in {seconds:.1f} s -> {args.out}")
     return 0
 
