@@ -8,8 +8,21 @@ import sys
 from kiln.errors import KilnError
 
 
+def version() -> str:
+    """The installed distribution's version; kiln.__version__ when kiln runs from a source tree."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kiln")
+    except metadata.PackageNotFoundError:
+        import kiln
+
+        return kiln.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kiln", description="kiln: an LLM stack from tokens to silicon")
+    parser.add_argument("--version", action="version", version=f"kiln {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     from kiln.train import cli as train_cli
 

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import types
 import typing
+from pathlib import Path
 from typing import Any, TypeVar
 
 from kiln.errors import KilnError
@@ -58,7 +59,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise KilnError(f"{where}: expected a section (a JSON object), got {value!r}")
+            key = where.partition(".")[2] or where
+            raise KilnError(
+                f"{where} is a section, not a value (got {value!r}): set its keys, e.g. --{key}.KEY=VALUE "
+                f'or {{"{key}": {{"KEY": VALUE}}}} in a config file'
+            )
         return from_dict(tp, value, where)
     if tp is Any:
         return value
@@ -125,7 +130,8 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             raise KilnError(f"unexpected argument {arg!r}: overrides look like --section.key=value")
         key, eq, value = arg[2:].partition("=")
         if not eq:
-            if i + 1 >= len(args):
+            # the next argument is the value, unless it is another option (`--train.steps --out X`)
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
                 raise KilnError(f"override --{key} has no value: write --{key}=VALUE")
             value = args[i + 1]
             i += 1
@@ -138,6 +144,36 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         node[leaf] = value
         i += 1
     return out
+
+
+def read_json_object(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """The JSON object in file `path`; a missing path, a directory, non-UTF-8 bytes, bad JSON or a
+    non-object (a list, a number) is a KilnError naming the file and what it should hold."""
+    path = Path(path)
+    if not path.exists():
+        raise KilnError(f"{what} {path} does not exist")
+    if not path.is_file():
+        raise KilnError(f"{what} {path} is a directory, not a file: pass a JSON file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise KilnError(
+            f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8 JSON"
+        ) from None
+    except OSError as e:
+        raise KilnError(f"cannot read {what} {path}: {e.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise KilnError(f"{what} {path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+            type(data), "a number"
+        )
+        raise KilnError(
+            f'{what} {path} holds {kind}, not a JSON object: write {{"section": {{"key": value}}, ...}}'
+        )
+    return data
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

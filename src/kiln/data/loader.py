@@ -47,9 +47,16 @@ class TokenLoader:
         self.per_step = batch_size * world_size
         if len(self.win_start) < self.per_step:
             total = sum(len(s) for s in self.shards)
+            # shards.py names shards {split}_NNN.bin: say which split is short, and what would fix it
+            split = Path(shard_paths[0]).name.split("_")[0] if shard_paths else ""
+            fix = {
+                "val": "raise data.val_fraction, use more data",
+                "train": "use more data (or lower data.val_fraction)",
+            }.get(split, "use more data")
             raise KilnError(
-                f"the data has {total} tokens: too few for one batch of {batch_size} x {seq_len} tokens "
-                f"on {world_size} rank(s); use more data or a smaller batch_size/seq_len"
+                f"too little data: the {({'val': 'validation', 'train': 'training'}).get(split, 'token')} split "
+                f"has {total} tokens, too few for one batch of {batch_size} x {seq_len} tokens on "
+                f"{world_size} rank(s); {fix}, or lower train.batch_size / train.seq_len"
             )
         self.epoch, self.index = 0, 0
         self._perm = self._permutation(0)

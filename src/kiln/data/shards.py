@@ -67,7 +67,8 @@ def split_documents(n_docs: int, val_fraction: float, seed: int) -> list[bool]:
     """Which documents go to validation: a seeded coin per document, at least one on each side."""
     if n_docs < 2:
         raise KilnError(
-            f"the corpus has {n_docs} document(s): at least 2 are needed for a train/validation split"
+            f"too little data: the corpus holds {n_docs} document(s), and a train/validation split needs at "
+            "least 2 (a single text file is cut into documents of about 2-8 KB, so it needs more than 2 KB)"
         )
     rng = random.Random(seed)
     is_val = [rng.random() < val_fraction for _ in range(n_docs)]

@@ -133,3 +133,25 @@ def load_source(
         f"{src} holds no weights kiln can read: expected an HF checkpoint directory (config.json + safetensors), "
         "a kiln model directory (model.json + model.safetensors) or a training checkpoint"
     )
+
+
+def tokenizer_dir(src: str | Path) -> Path | None:
+    """The directory holding the tokenizer that goes with model source `src`, or None.
+
+    A training run keeps it in its tokenizer/ directory (beside checkpoints/); a kiln model directory or
+    an HF checkpoint directory holds it beside the weights (kiln's files or tokenizer.json), as
+    `kiln convert` writes them.
+    """
+    path = Path(src)
+    if not path.exists():
+        return None
+    ckpt = None if (path / MODEL_JSON).is_file() else _training_checkpoint(path)
+    if ckpt is not None:
+        ckpt_dir = ckpt.parent if ckpt.is_file() else ckpt  # runs/X/checkpoints
+        candidates = [ckpt_dir.parent / "tokenizer", ckpt_dir / "tokenizer"]
+    else:
+        candidates = [path] if path.is_dir() else []
+    for d in candidates:
+        if any((d / f).is_file() for f in ("kiln_tokenizer.json", "tokenizer.json", "vocab.json")):
+            return d
+    return None

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
 from kiln.errors import KilnError
-from kiln.model.checkpoint import describe_source, load_source, save_model_dir
+from kiln.model.checkpoint import describe_source, load_source, save_model_dir, tokenizer_dir
 from kiln.model.config import ModelConfig
 from kiln.model.hf import save_pretrained
 from kiln.model.hf_config import ARCH_TO_HF
+from kiln.tokenizer import Tokenizer, formats
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -37,21 +39,53 @@ def _human(n: float, unit: str = "") -> str:
     return f"{n:.0f}{unit}"
 
 
+def _source_tokenizer(src: str, vocab_size: int) -> tuple[Tokenizer | None, str | None]:
+    """The tokenizer (and chat template) that goes with model source `src`, to write beside the converted
+    weights; None, with a note on stderr, when there is none kiln can read."""
+    where = tokenizer_dir(src)
+    if where is None:
+        print(
+            f"kiln: note: no tokenizer found with {src}: only the weights are written "
+            "(`kiln generate` needs a tokenizer beside them)",
+            file=sys.stderr,
+        )
+        return None, None
+    try:
+        tok = Tokenizer.load(where)
+        template = formats.load_chat_template(where)
+    except KilnError as e:
+        print(f"kiln: note: the tokenizer in {where} is not written with the model: {e}", file=sys.stderr)
+        return None, None
+    if tok.n_vocab > vocab_size:
+        raise KilnError(
+            f"the tokenizer in {where} has {tok.n_vocab} ids but the model's vocabulary only {vocab_size}: "
+            "they do not belong together"
+        )
+    return tok, template
+
+
 def _convert(args: argparse.Namespace, extra: list[str]) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else None
-    model, kind = load_source(args.src, "cpu", dtype or torch.float32)
-    to = args.to or ("kiln" if kind == "hf" else "hf")
-    out = Path(args.out)
+    out = Path(args.out)  # checked before the (possibly long) load
     if out.exists() and not out.is_dir():
-        raise KilnError(f"{out} exists and is not a directory")
+        raise KilnError(f"{out} exists and is not a directory: give a directory for the converted model")
     if out.exists() and any(out.iterdir()) and not args.force:
         raise KilnError(f"{out} exists and is not empty: choose another directory or pass --force")
+    shard_bytes = _bytes(args.shard_size)
+    model, kind = load_source(args.src, "cpu", dtype or torch.float32)
+    to = args.to or ("kiln" if kind == "hf" else "hf")
+    tok, template = _source_tokenizer(args.src, model.config.vocab_size)
     if to == "hf":
-        save_pretrained(model, out, max_shard_bytes=_bytes(args.shard_size))
+        save_pretrained(model, out, max_shard_bytes=shard_bytes, tokenizer=tok, chat_template=template)
         fmt = f"Hugging Face {ARCH_TO_HF[model.config.arch]}"
     else:
         save_model_dir(model, out)
+        if tok is not None:
+            # kiln's files and HF's tokenizer.json + tokenizer_config.json, as a run's tokenizer/ holds them
+            tok.save(out, chat_template=template, model_max_length=model.config.max_seq_len)
         fmt = "kiln model directory"
+    if tok is not None:
+        fmt += f", with its tokenizer ({tok.n_vocab} ids)"
     n = sum(p.numel() for p in model.parameters())
     dt = str(next(model.parameters()).dtype).removeprefix("torch.")
     print(
@@ -128,7 +162,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "convert",
         help="convert a model between Hugging Face and kiln formats",
         description="HF checkpoint dir -> kiln model dir, or kiln model dir / training checkpoint -> HF dir "
-        "(config.json + safetensors, sharded with an index above --shard-size).",
+        "(config.json + safetensors, sharded with an index above --shard-size). The source's tokenizer (a "
+        "run's tokenizer/, or the one beside the weights) is written beside the converted weights: HF's "
+        "tokenizer.json + tokenizer_config.json, plus kiln's own files in a kiln model dir.",
     )
     p.add_argument("src", help="HF checkpoint dir, kiln model dir, or training run / checkpoint")
     p.add_argument("out", help="output directory")

@@ -26,6 +26,8 @@ from kiln.errors import KilnError
 from kiln.model.config import ModelConfig
 from kiln.model.hf_config import config_from_hf, config_to_hf
 from kiln.model.transformer import Transformer
+from kiln.tokenizer import Tokenizer
+from kiln.tokenizer.formats import save_hf
 
 _GPT2_RENAME = {
     "wte.weight": "model.embed_tokens.weight",
@@ -223,11 +225,20 @@ def from_pretrained(
 
 
 def save_pretrained(
-    model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None
+    model: Transformer,
+    path: str | Path,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: torch.dtype | None = None,
+    tokenizer: Tokenizer | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """Write config.json + safetensors (sharded with model.safetensors.index.json above max_shard_bytes)
     that transformers' from_pretrained loads as the same model. KilnError if the HF class cannot
-    express the config (sinks, static NTK rope, ...)."""
+    express the config (sinks, static NTK rope, ...).
+
+    With `tokenizer`, also its tokenizer.json + tokenizer_config.json (model_max_length = the model's
+    context, eos <|endoftext|> when it has one, `chat_template` if given), so AutoTokenizer loads the
+    same directory and encodes as kiln does."""
     cfg = model.config
     state = {k: v.to("cpu") for k, v in model.state_dict().items()}
     if dtype is not None:
@@ -261,3 +272,5 @@ def save_pretrained(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     (path / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        save_hf(tokenizer, path, chat_template=chat_template, model_max_length=cfg.max_seq_len)

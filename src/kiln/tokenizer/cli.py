@@ -26,8 +26,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument(
         "--special", action="append", default=None, help="a special token (repeatable; default <|endoftext|>)"
     )
-    t.add_argument("--min-frequency", type=int, default=2, help="stop when the best pair is rarer than this")
-    t.add_argument("--processes", type=int, default=None, help="counting processes (default: all cores)")
+    t.add_argument(
+        "--min-frequency", type=int, default=2, help="stop when the best pair is rarer than this (>= 1)"
+    )
+    t.add_argument(
+        "--processes", type=int, default=None, help="counting processes, >= 1 (default: all cores)"
+    )
+    t.add_argument("--force", action="store_true", help="overwrite a tokenizer already in --out")
     t.add_argument("--ext", default=None, help="only files with these suffixes in directories, e.g. .py,.txt")
     t.add_argument("--chat-template", default=None, help="a Jinja chat template file to save with it")
     t.set_defaults(func=_train)
@@ -63,7 +68,52 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="NAME=ID special token for a tiktoken source (repeatable)",
     )
     c.add_argument("--chat-template", default=None, help="a Jinja chat template file (for --to hf/kiln)")
+    c.add_argument("--force", action="store_true", help="overwrite a tokenizer (or file) already at --out")
     c.set_defaults(func=_convert)
+
+
+# every file a tokenizer directory of any format may hold: --out refuses to overwrite them without --force
+_TOKENIZER_FILES = (
+    "kiln_tokenizer.json",
+    "tokenizer.tiktoken",
+    "merges.kiln",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def _check_out(out: str, *, file: bool, force: bool) -> None:
+    """Refuse an --out that cannot be written (a file where a directory goes, or the reverse; a file
+    among its parents) or that holds a tokenizer already, before any work is done."""
+    path = Path(out)
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise KilnError(f"--out {path}: {parent} is a file, not a directory")
+            break
+    if file:
+        if path.is_dir():
+            raise KilnError(
+                f"--out {path} is a directory, but --to tiktoken writes one file: give a file path, "
+                f"e.g. {path / 'tokenizer.tiktoken'}"
+            )
+        if path.exists() and not force:
+            raise KilnError(
+                f"--out {path} already exists: choose another path, or pass --force to replace it"
+            )
+        return
+    if path.exists() and not path.is_dir():
+        raise KilnError(
+            f"--out {path} is an existing file, not a directory: give a directory (it is created if missing)"
+        )
+    found = [name for name in _TOKENIZER_FILES if (path / name).exists()]
+    if found and not force:
+        raise KilnError(
+            f"--out {path} already holds a tokenizer ({found[0]}): choose another directory, or pass --force "
+            "to overwrite it"
+        )
 
 
 def _read_text_files(inputs: list[str], ext: str | None) -> tuple[list[Path], int]:
@@ -90,13 +140,17 @@ def _read_text_files(inputs: list[str], ext: str | None) -> tuple[list[Path], in
 def _texts(files: list[Path], explicit: set[Path], skipped: list[Path]) -> Iterator[str]:
     for path in files:
         try:
-            yield path.read_text(encoding="utf-8")
+            raw = path.read_bytes()
+        except OSError as e:
+            raise KilnError(f"cannot read {path}: {e.strerror}") from e
+        try:
+            if b"\0" in raw[:8192]:  # binary, though it may decode (as kiln run's --data reads directories)
+                raise UnicodeDecodeError("utf-8", raw, raw.index(b"\0"), raw.index(b"\0") + 1, "NUL byte")
+            yield raw.decode("utf-8")
         except UnicodeDecodeError as e:
             if path in explicit:
                 raise KilnError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
             skipped.append(path)  # a binary file found while walking a directory
-        except OSError as e:
-            raise KilnError(f"cannot read {path}: {e.strerror}") from e
 
 
 def _read_template(path: str | None) -> str | None:
@@ -111,6 +165,13 @@ def _read_template(path: str | None) -> str | None:
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from kiln.tokenizer import train_bpe
 
+    if args.processes is not None and args.processes < 1:
+        raise KilnError(f"--processes must be >= 1 (or left out: all cores), got {args.processes}")
+    if args.min_frequency < 1:
+        raise KilnError(
+            f"--min-frequency must be >= 1 (a merge must occur at least once), got {args.min_frequency}"
+        )
+    _check_out(args.out, file=False, force=args.force)
     files, n_bytes = _read_text_files(args.inputs, args.ext)
     template = _read_template(args.chat_template)
     specials = tuple(args.special) if args.special else ("<|endoftext|>",)
@@ -132,7 +193,10 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     options = {"chat_template": template} if template is not None else {}
     tok.save(args.out, **options)
     if skipped:
-        print(f"skipped {len(skipped)} files that are not UTF-8 text (e.g. {skipped[0]})")
+        print(
+            f"kiln: note: skipped {len(skipped)} file(s) that are binary or not UTF-8 text (e.g. {skipped[0]})",
+            file=sys.stderr,
+        )
     print(f"trained {tok.n_vocab} ids in {seconds:.1f} s -> {args.out}")
     return 0
 
@@ -193,6 +257,7 @@ def _convert(args: argparse.Namespace, extra: list[str]) -> int:
     from kiln.tokenizer import Tokenizer, formats
 
     source = Path(args.source)
+    _check_out(args.out, file=args.to == "tiktoken", force=args.force)
     if source.is_file() and source.suffix != ".json":
         # A tiktoken ranks file: the pattern and the special tokens are not in the file.
         if args.pattern is None:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import torch
 
 from kiln.errors import KilnError
-from kiln.train.config import PRESETS, RESUMABLE, resolve_config, resume_config
+from kiln.train.config import PRESETS, RESUMABLE, RunConfig, resolve_config, resume_config
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -22,6 +24,9 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         overrides.append(f"--out_dir={args.out}")
     if args.device is not None:
         overrides.append(f"--device={args.device}")
+    _check_out(args.out)
+    if args.stop_at is not None and args.stop_at < 0:
+        raise KilnError(f"--stop-at must be a step number >= 0, got {args.stop_at}")
     resume = args.resume or args.resume_from is not None
     if resume:
         # the run's own saved config <- --config FILE <- overrides; run() then refuses any change the
@@ -38,6 +43,11 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         cfg = resume_config(saved_cfg, args.config, overrides)
     else:
         cfg = resolve_config(_preset(args), args.config, overrides)
+    _check_out(cfg.out_dir)
+    if cfg.data.path is not None and not Path(cfg.data.path).exists():  # before the run directory is made
+        raise KilnError(
+            f"data path {cfg.data.path} does not exist: pass --data PATH to a text/JSONL/parquet file or a directory"
+        )
     run(
         cfg,
         resume=resume,
@@ -49,6 +59,11 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _check_out(out: str | None) -> None:
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise KilnError(f"--out {out} is an existing file, not a directory: choose a directory for the run")
+
+
 def _preset(args: argparse.Namespace) -> str:
     if args.preset:
         return args.preset
@@ -58,10 +73,25 @@ def _preset(args: argparse.Namespace) -> str:
 
 def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     from kiln.train.env import resolve_device
-    from kiln.train.generate import complete, load_for_generation
+    from kiln.train.generate import check_sampling, complete, load_for_generation, plan_generation
 
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.n)
     device = resolve_device(args.device or "auto")
     model, tok = load_for_generation(args.checkpoint, device)
+    context = model.config.max_seq_len
+    plan = plan_generation(tok, args.prompt, args.max_new_tokens, context)
+    if plan.prompt_cut:
+        print(
+            f"kiln: note: the prompt fills the model's {context}-token context: its first {plan.prompt_cut} "
+            f"tokens are dropped",
+            file=sys.stderr,
+        )
+    if plan.max_new_tokens < args.max_new_tokens:
+        print(
+            f"kiln: note: --max-new-tokens {args.max_new_tokens} capped at {plan.max_new_tokens}: the model's "
+            f"context is {context} tokens and the prompt takes {len(plan.ids)}",
+            file=sys.stderr,
+        )
     gen = torch.Generator(device=device).manual_seed(args.seed)
     for _ in range(args.n):
         text = complete(
@@ -81,15 +111,52 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def config_help(width: int = 100) -> str:
+    """The config keys `kiln run` takes, section by section (read from RunConfig itself), and where the
+    presets are."""
+    import textwrap
+    from importlib import resources
+
+    top, lines = [], []
+    for f in dataclasses.fields(RunConfig):
+        if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
+            keys = ", ".join(g.name for g in dataclasses.fields(f.default_factory) if g.init)
+            lines += textwrap.wrap(
+                keys, width, initial_indent=f"  {f.name + ':':<11}", subsequent_indent=" " * 13
+            )
+        else:
+            top.append(f.name)
+    presets = resources.files("kiln.configs")
+    return "\n".join(
+        [
+            "config: the preset <- --config FILE (JSON, the same sections) <- --section.key=VALUE overrides",
+            "(e.g. --train.steps=100 --model.n_layers=2); unknown keys are errors. Sections and keys:",
+            f"  {'(top)':<11}{', '.join(top)}",
+            *lines,
+            *textwrap.wrap(
+                f"presets: {', '.join(PRESETS)}, the files {presets}/{{{','.join(PRESETS)}}}.json, each a full "
+                "example of these sections. The resolved config is printed at the start of a run and saved "
+                "in RUN_DIR/config.json.",
+                width,
+            ),
+        ]
+    )
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run",
         help="the whole pipeline: corpus -> tokenizer -> shards -> training -> samples",
-        description="Run the main job. Any config key can be overridden with --section.key=value "
-        "(e.g. --train.steps=100 --model.n_layers=2). With --resume (or --resume-from) the run's saved "
-        "config.json is the base (then --config FILE, then overrides), and only these settings may change: "
-        + ", ".join(RESUMABLE)
-        + "; a change to any other (data, tokenizer, model, batch, optimizer, seeds) is refused.",
+        description=textwrap.fill(
+            "Run the main job. Any config key can be overridden with --section.key=value "
+            "(e.g. --train.steps=100 --model.n_layers=2). With --resume (or --resume-from) the run's saved "
+            "config.json is the base (then --config FILE, then overrides), and only these settings may change: "
+            + ", ".join(RESUMABLE)
+            + "; a change to any other (data, tokenizer, model, batch, optimizer, seeds) is refused.",
+            100,
+        ),
+        epilog=config_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--preset", choices=PRESETS, help="config preset (default: gpu on CUDA machines, else cpu)"
@@ -97,7 +164,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--config", help="a JSON file merged over the preset (with --resume: over the run's config.json)"
     )
-    p.add_argument("--data", help="text file, directory, JSONL or parquet (default: the bundled corpus)")
+    p.add_argument(
+        "--data",
+        help="a text file (split into documents at blank lines, each 2-8 KB), a directory (one document per "
+        "UTF-8 text file; binary and non-UTF-8 files skipped with a note), a JSONL file ('text' field) or "
+        "parquet file ('text' column) (default: the bundled corpus)",
+    )
     p.add_argument("--out", help="run directory (default: the preset's out_dir)")
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument(
@@ -124,14 +196,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
     p.set_defaults(func=_run, accepts_overrides=True)
 
-    g = sub.add_parser("generate", help="sample text from a checkpoint")
-    g.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/ or a .pt file")
+    g = sub.add_parser("generate", help="sample text from a checkpoint or a model directory")
+    g.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a run directory, its checkpoints/ or a .pt file, or a kiln / Hugging Face model directory "
+        "written by `kiln convert` (it holds the tokenizer beside the weights)",
+    )
     g.add_argument("--prompt", default="", help="text to continue")
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=50, help="0 disables")
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--n", type=int, default=1, help="number of samples")
+    g.add_argument(
+        "--max-new-tokens", type=int, default=200, help=">= 0; capped (with a note) at the model's context"
+    )
+    g.add_argument("--temperature", type=float, default=0.8, help=">= 0 and finite; 0 is greedy")
+    g.add_argument("--top-k", type=int, default=50, help=">= 1; 0 disables")
+    g.add_argument("--top-p", type=float, default=0.95, help="in (0, 1]; 1 disables")
+    g.add_argument("--n", type=int, default=1, help="number of samples (>= 1)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", help="auto (default), cpu, cuda")
     g.set_defaults(func=_generate)

@@ -7,12 +7,11 @@ and saved in config.json and in every checkpoint.
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from kiln.config import from_dict, merge, parse_overrides, to_dict
+from kiln.config import from_dict, merge, parse_overrides, read_json_object, to_dict
 from kiln.configs import PRESETS, load_preset
 from kiln.errors import KilnError
 from kiln.model import ModelConfig
@@ -95,6 +94,17 @@ class TrainConfig:
         _require(self.lr > 0, f"train.lr must be positive, got {self.lr}")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]")
         _require(self.grad_clip >= 0, "train.grad_clip must be >= 0")
+        # AdamW's own checks (torch raises ValueError) would fire only after the data is prepared
+        _require(0 <= self.beta1 < 1, f"train.beta1 must be in [0, 1), got {self.beta1}")
+        _require(0 <= self.beta2 < 1, f"train.beta2 must be in [0, 1), got {self.beta2}")
+        _require(self.eps > 0, f"train.eps must be positive, got {self.eps}")
+        _require(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        _require(
+            self.keep_checkpoints >= 0,
+            f"train.keep_checkpoints must be >= 0 (0 keeps every checkpoint), got {self.keep_checkpoints}",
+        )
+        for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
+            _require(math.isfinite(getattr(self, name)), f"train.{name} must be a finite number")
         _require(
             self.dtype in ("auto", "fp32", "bf16"),
             f"train.dtype must be auto, fp32 or bf16, got {self.dtype!r}",
@@ -111,8 +121,17 @@ class SampleConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _require(self.temperature >= 0, "sample.temperature must be >= 0")
-        _require(self.top_p is None or 0 < self.top_p <= 1, "sample.top_p must be in (0, 1]")
+        _require(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            f"sample.temperature must be >= 0 and finite (0 = greedy), got {self.temperature}",
+        )
+        _require(
+            self.top_p is None or 0 < self.top_p <= 1, f"sample.top_p must be in (0, 1], got {self.top_p}"
+        )
+        _require(
+            self.top_k is None or self.top_k >= 0,
+            f"sample.top_k must be >= 1, or 0/null (off), got {self.top_k}",
+        )
         _require(self.max_new_tokens >= 0, "sample.max_new_tokens must be >= 0")
 
 
@@ -158,18 +177,15 @@ def resume_config(
 
 def _layered(data: dict[str, Any], config_file: str | None, overrides: list[str] | None) -> RunConfig:
     if config_file is not None:
-        path = Path(config_file)
-        if not path.exists():
-            raise KilnError(f"config file {path} does not exist")
-        try:
-            data = merge(data, json.loads(path.read_text()))
-        except json.JSONDecodeError as e:
-            raise KilnError(f"config file {path} is not valid JSON: {e}") from None
+        data = merge(data, read_json_object(config_file, "config file"))
     extra = parse_overrides(overrides or [])
     data = merge(data, extra)
-    vocab = data.get("tokenizer", {}).get("vocab_size")
-    if vocab is not None and "vocab_size" not in extra.get("model", {}):
-        data.setdefault("model", {})["vocab_size"] = vocab
+    # a section given as a scalar (`--model=3`) is left for from_dict to name; only sections get the vocab
+    tok, model = data.get("tokenizer"), data.get("model")
+    vocab = tok.get("vocab_size") if isinstance(tok, dict) else None
+    model_extra = extra.get("model")
+    if vocab is not None and isinstance(model, dict) and "vocab_size" not in (model_extra or {}):
+        model["vocab_size"] = vocab
     return from_dict(RunConfig, data, "config")
 
 
