@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
