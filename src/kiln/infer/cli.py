@@ -1,9 +1,11 @@
-"""`kiln bench infer`: the inference engine's latency and throughput (kiln.infer.bench)."""
+"""`kiln generate` (text from any model source, through the engine) and `kiln bench infer` (the engine's
+latency and throughput, kiln.infer.bench)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +30,86 @@ def _positive(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return v
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompts_file is None:
+        return [args.prompt]
+    path = Path(args.prompts_file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise KilnError(f"--prompts-file {path} does not exist") from None
+    except (IsADirectoryError, UnicodeDecodeError) as e:
+        raise KilnError(f"--prompts-file {path} is not a UTF-8 text file ({type(e).__name__})") from None
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise KilnError(f"--prompts-file {path} holds no prompt (one prompt per non-empty line)")
+    return prompts
+
+
+def _generate(args: argparse.Namespace, extra: list[str]) -> int:
+    from kiln.infer.config import EngineConfig
+    from kiln.infer.engine import LLM
+    from kiln.infer.sampling_params import SamplingParams
+    from kiln.model.checkpoint import load_for_generation
+    from kiln.model.generate import ENDOFTEXT, check_sampling, plan_generation
+
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.n)
+    prompts = _read_prompts(args)
+    cfg = EngineConfig(device=args.device or "auto", dtype=args.dtype, block_size=16)
+    device = cfg.resolve_device()
+    model, tok = load_for_generation(args.checkpoint, device, cfg.resolve_dtype(device))
+    context = model.config.max_seq_len
+    plans = []
+    for prompt in prompts:
+        plan = plan_generation(tok, prompt, args.max_new_tokens, context)
+        if plan.prompt_cut:
+            print(f"kiln: note: the prompt fills the model's {context}-token context: its first "
+                  f"{plan.prompt_cut} tokens are dropped", file=sys.stderr)  # fmt: skip
+        if plan.max_new_tokens < args.max_new_tokens:
+            print(f"kiln: note: --max-new-tokens {args.max_new_tokens} capped at {plan.max_new_tokens}: the "
+                  f"model's context is {context} tokens and the prompt takes {len(plan.ids)}", file=sys.stderr)  # fmt: skip
+        plans.append(plan)
+    if all(p.max_new_tokens == 0 for p in plans):
+        print("\n---\n".join(prompts))
+        return 0
+    # a KV cache for exactly these requests (the engine's default takes most of the free device memory)
+    need = sum(-(-(len(p.ids) + p.max_new_tokens) // cfg.block_size) for p in plans) * args.n
+    cfg.num_blocks = need
+    cfg.max_num_seqs = max(1, min(256, len(prompts) * args.n))
+    eot = tok.special_tokens.get(ENDOFTEXT)
+    llm = LLM(model, tokenizer=tok, eos_token_ids=[] if eot is None else [eot], log=_quiet, **vars(cfg))
+    params = [
+        SamplingParams(
+            max_tokens=max(p.max_new_tokens, 1),
+            temperature=args.temperature,
+            top_k=args.top_k or -1,
+            top_p=args.top_p,
+            n=args.n,
+            seed=args.seed,
+        )  # fmt: skip
+        for p in plans
+    ]
+    if len(prompts) == 1 and args.n == 1 and not args.no_stream:
+        print(prompts[0], end="", flush=True)
+        shown = 0
+        for state in llm.stream(plans[0].ids, params[0]):
+            text = state.outputs[0].text
+            if not state.finished and text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for it
+                continue
+            print(text[shown:], end="", flush=True)
+            shown = len(text)
+        print()
+        return 0
+    outs = llm.generate([p.ids for p in plans], params)
+    samples = [prompt + o.text for prompt, out in zip(prompts, outs) for o in out.outputs]
+    print("\n---\n".join(samples))
+    return 0
+
+
+def _quiet(*args, **kwargs) -> None:
+    pass
 
 
 def _bench_infer(args: argparse.Namespace, extra: list[str]) -> int:
@@ -75,6 +157,37 @@ def _bench_infer(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser(
+        "generate",
+        help="sample text from a run, a checkpoint or a model directory (through the inference engine)",
+        description="Continue a prompt (streamed to the terminal), or every line of --prompts-file (batched "
+        "through the engine, samples separated by ---).",
+    )
+    g.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a run directory, its checkpoints/ or a .pt file, or a kiln / Hugging Face model directory "
+        "written by `kiln convert` (it holds the tokenizer beside the weights)",
+    )
+    g.add_argument("--prompt", default="", help="text to continue")
+    g.add_argument("--prompts-file", help="a UTF-8 file with one prompt per line, generated as one batch")
+    g.add_argument(
+        "--max-new-tokens", type=int, default=200, help=">= 0; capped (with a note) at the model's context"
+    )
+    g.add_argument("--temperature", type=float, default=0.8, help=">= 0 and finite; 0 is greedy")
+    g.add_argument("--top-k", type=int, default=50, help=">= 1; 0 disables")
+    g.add_argument("--top-p", type=float, default=0.95, help="in (0, 1]; 1 disables")
+    g.add_argument("--n", type=int, default=1, help="number of samples per prompt (>= 1)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    g.add_argument(
+        "--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"), help="auto: bf16 on CUDA"
+    )
+    g.add_argument(
+        "--no-stream", action="store_true", help="print the text at the end instead of as it comes"
+    )
+    g.set_defaults(func=_generate)
+
     p = sub.add_parser("bench", help="measure kiln (the inference engine: `kiln bench infer`)")
     areas = p.add_subparsers(dest="area", required=True)
     b = areas.add_parser(

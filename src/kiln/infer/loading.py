@@ -8,29 +8,9 @@ from pathlib import Path
 import torch
 
 from kiln.errors import KilnError
-from kiln.model.checkpoint import load_source
+from kiln.model.checkpoint import load_source, tokenizer_dir
 from kiln.model.transformer import Transformer
 from kiln.tokenizer import Tokenizer
-from kiln.tokenizer.formats import load as load_tokenizer
-
-
-def tokenizer_dirs(path: Path) -> list[Path]:
-    """Where a source's tokenizer may live: beside the weights, or in the run directory's tokenizer/."""
-    if path.is_file():  # a checkpoint file: runs/x/checkpoints/step_100.pt
-        run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-        return [run / "tokenizer", run]
-    run = path.parent if path.name == "checkpoints" else path
-    return [path, run / "tokenizer"]
-
-
-def find_tokenizer(path: str | Path) -> Tokenizer | None:
-    for d in tokenizer_dirs(Path(path)):
-        if d.is_dir():
-            try:
-                return load_tokenizer(d)
-            except KilnError:
-                continue
-    return None
 
 
 def eos_ids(path: str | Path, tokenizer: Tokenizer | None) -> list[int]:
@@ -62,5 +42,6 @@ def load_for_inference(
             f"{path} does not exist: give an HF checkpoint directory, a kiln model directory or a run"
         )
     model, _ = load_source(path, device=device, dtype=dtype)
-    tok = find_tokenizer(path)
+    tok_dir = tokenizer_dir(path)
+    tok = Tokenizer.load(tok_dir) if tok_dir is not None else None  # none: prompts as token ids only
     return model, tok, eos_ids(path, tok)

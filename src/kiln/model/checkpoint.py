@@ -25,6 +25,7 @@ from kiln.model.config import ModelConfig
 from kiln.model.hf import from_pretrained
 from kiln.model.hf_config import config_from_hf
 from kiln.model.transformer import Transformer
+from kiln.tokenizer import Tokenizer
 
 MODEL_JSON, MODEL_WEIGHTS = "model.json", "model.safetensors"
 
@@ -155,3 +156,37 @@ def tokenizer_dir(src: str | Path) -> Path | None:
         if any((d / f).is_file() for f in ("kiln_tokenizer.json", "tokenizer.json", "vocab.json")):
             return d
     return None
+
+
+def load_for_generation(
+    checkpoint: str | Path, device: torch.device, dtype: torch.dtype = torch.float32
+) -> tuple[Transformer, Tokenizer]:
+    """Model and tokenizer from any model source `kiln generate` takes.
+
+    `checkpoint`: a run directory, its checkpoints/ directory or a step_*.pt file (tokenizer: the run's
+    tokenizer/), a kiln model directory (model.json + model.safetensors) or a Hugging Face directory
+    (config.json + safetensors); the last two hold their tokenizer beside the weights, as `kiln convert`
+    writes them.
+    """
+    path = Path(checkpoint)
+    if not path.exists():
+        raise KilnError(
+            f"--checkpoint {path} does not exist: pass a run directory, a checkpoint .pt file, "
+            "or a model directory written by `kiln convert`"
+        )
+    tok_dir = tokenizer_dir(path)  # before the weights load: a missing tokenizer fails fast
+    if tok_dir is None:
+        describe_source(path)  # when `path` is no model at all, that is the message
+        raise KilnError(
+            f"no tokenizer for {path} (a run keeps it in RUN_DIR/tokenizer/, a model directory beside the "
+            "weights): convert the model again with `kiln convert` from its run, which copies the tokenizer, "
+            "or put tokenizer.json and tokenizer_config.json beside the weights"
+        )
+    tok = Tokenizer.load(tok_dir)
+    model, _ = load_source(path, device, dtype)
+    if tok.n_vocab > model.config.vocab_size:
+        raise KilnError(
+            f"the tokenizer in {tok_dir} has {tok.n_vocab} ids but the model only {model.config.vocab_size}: "
+            "they do not belong together"
+        )
+    return model, tok

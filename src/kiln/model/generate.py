@@ -1,4 +1,6 @@
-"""Autoregressive generation with a KV cache: one prefill pass over the prompt, then one token per pass.
+"""Autoregressive generation with a KV cache: one prefill pass over the prompt, then one token per pass;
+and the checks and prompt planning every generation front end shares (`check_sampling`, `plan_generation`:
+`kiln generate` through the engine, and the samples `kiln run` writes during training).
 
 Left-padded batches: pass attention_mask (B, T) with 0 on the pads; positions then count only real
 tokens (cumsum of the mask - 1), as transformers' generate does, so a padded row generates exactly what
@@ -8,11 +10,16 @@ the last `window` in the cache, so generation can run far past the training leng
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from kiln.errors import KilnError
 from kiln.kernels.sampling import sample
 from kiln.model.cache import ContiguousKVCache, StreamingKVCache
+from kiln.tokenizer import Tokenizer
 
 
 @torch.no_grad()
@@ -85,3 +92,58 @@ def generate(
         return torch.cat(out, dim=1)
     finally:
         model.train(was_training)
+
+
+# ---- the arguments of a generation request (the `kiln generate` front ends share them) -----------------
+ENDOFTEXT = "<|endoftext|>"
+
+
+def check_sampling(
+    max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None, n: int = 1
+) -> None:
+    """KilnError naming the first out-of-range value (and its `kiln generate` flag).
+
+    temperature >= 0 and finite (0 = greedy); top_k >= 1, or 0/None (off); top_p in (0, 1] or None
+    (1 or None = off); n >= 1; max_new_tokens >= 0. Out-of-range values would otherwise sample from
+    NaN probabilities (top_p 0, temperature nan) and print token 0 (NUL bytes) with exit status 0.
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        raise KilnError(f"temperature (--temperature) must be a number, got {temperature!r}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise KilnError(
+            f"temperature (--temperature) must be a finite number >= 0 (0 = greedy), got {temperature}"
+        )
+    if top_p is not None and not (0.0 < top_p <= 1.0):  # also refuses nan
+        raise KilnError(f"top_p (--top-p) must be in (0, 1] (1 turns it off), got {top_p}")
+    if top_k is not None and top_k < 0:
+        raise KilnError(f"top_k (--top-k) must be >= 1, or 0 to turn it off, got {top_k}")
+    if n < 1:
+        raise KilnError(f"n (--n) is the number of samples and must be >= 1, got {n}")
+    if max_new_tokens < 0:
+        raise KilnError(f"max_new_tokens (--max-new-tokens) must be >= 0, got {max_new_tokens}")
+
+
+@dataclass
+class Plan:
+    """The ids fed to the model and how many tokens fit after them."""
+
+    ids: list[int]  # [eot] + prompt ids, cut from the left when the prompt fills the context
+    max_new_tokens: int  # the request, capped at what the context leaves
+    prompt_cut: int  # prompt ids dropped from the left (0: none)
+
+
+def plan_generation(tok: Tokenizer, prompt: str, max_new_tokens: int, max_len: int) -> Plan:
+    """Documents start with <|endoftext|> in training, so generation does too (when the tokenizer has
+    it). A prompt that leaves less than half the context is cut to its last max_len // 2 ids."""
+    eot = tok.special_tokens.get(ENDOFTEXT)
+    prompt_ids = tok.encode_ordinary(prompt)
+    head = [] if eot is None else [eot]
+    if not head and not prompt_ids:
+        raise KilnError(f"this tokenizer has no {ENDOFTEXT} to start from: give a --prompt")
+    cut = 0
+    if len(head) + len(prompt_ids) >= max_len:
+        keep = max_len // 2
+        cut = len(prompt_ids) - keep
+        prompt_ids = prompt_ids[-keep:]
+    ids = head + prompt_ids
+    return Plan(ids, min(max_new_tokens, max_len - len(ids)), cut)

@@ -1,11 +1,10 @@
-"""`kiln run` and `kiln generate`."""
+"""`kiln run`: the main job (`kiln generate` runs through the engine: kiln.infer.cli)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import sys
 import textwrap
 from pathlib import Path
 
@@ -70,46 +69,6 @@ def _preset(args: argparse.Namespace) -> str:
         return args.preset
     dev = args.device or "auto"
     return "gpu" if dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available()) else "cpu"
-
-
-def _generate(args: argparse.Namespace, extra: list[str]) -> int:
-    from kiln.train.env import resolve_device
-    from kiln.train.generate import check_sampling, complete, load_for_generation, plan_generation
-
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.n)
-    device = resolve_device(args.device or "auto")
-    model, tok = load_for_generation(args.checkpoint, device)
-    context = model.config.max_seq_len
-    plan = plan_generation(tok, args.prompt, args.max_new_tokens, context)
-    if plan.prompt_cut:
-        print(
-            f"kiln: note: the prompt fills the model's {context}-token context: its first {plan.prompt_cut} "
-            f"tokens are dropped",
-            file=sys.stderr,
-        )
-    if plan.max_new_tokens < args.max_new_tokens:
-        print(
-            f"kiln: note: --max-new-tokens {args.max_new_tokens} capped at {plan.max_new_tokens}: the model's "
-            f"context is {context} tokens and the prompt takes {len(plan.ids)}",
-            file=sys.stderr,
-        )
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    for _ in range(args.n):
-        text = complete(
-            model,
-            tok,
-            args.prompt,
-            args.max_new_tokens,
-            args.temperature,
-            args.top_k or None,
-            args.top_p,
-            gen,
-            device,
-        )
-        print(args.prompt + text)
-        if args.n > 1:
-            print("---")
-    return 0
 
 
 def config_help(width: int = 100) -> str:
@@ -196,22 +155,3 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
     p.set_defaults(func=_run, accepts_overrides=True)
-
-    g = sub.add_parser("generate", help="sample text from a checkpoint or a model directory")
-    g.add_argument(
-        "--checkpoint",
-        required=True,
-        help="a run directory, its checkpoints/ or a .pt file, or a kiln / Hugging Face model directory "
-        "written by `kiln convert` (it holds the tokenizer beside the weights)",
-    )
-    g.add_argument("--prompt", default="", help="text to continue")
-    g.add_argument(
-        "--max-new-tokens", type=int, default=200, help=">= 0; capped (with a note) at the model's context"
-    )
-    g.add_argument("--temperature", type=float, default=0.8, help=">= 0 and finite; 0 is greedy")
-    g.add_argument("--top-k", type=int, default=50, help=">= 1; 0 disables")
-    g.add_argument("--top-p", type=float, default=0.95, help="in (0, 1]; 1 disables")
-    g.add_argument("--n", type=int, default=1, help="number of samples (>= 1)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", help="auto (default), cpu, cuda")
-    g.set_defaults(func=_generate)
