@@ -199,3 +199,24 @@ def test_bad_requests_are_clear_errors(prompt, params, match, tmp_path_factory):
 def test_bad_sampling_params(kw, field):
     with pytest.raises(KilnError, match=field):
         SamplingParams(**kw)
+
+
+def test_text_stop_strings_and_streaming(tmp_path):
+    # a byte-level tokenizer of 300 ids under a 512-id model: ids past the tokenizer give no text
+    from kiln.tokenizer import train_bpe
+
+    hf_causal_lm("llama", seed=3).save_pretrained(tmp_path)
+    tok = train_bpe(["hello world, " * 50, "abc def ghi " * 40], vocab_size=300)
+    llm = LLM(tmp_path, tokenizer=tok, log=quiet, device="cpu", num_blocks=64)
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=7)
+    full = llm.generate("hello", params)[0].outputs[0]
+    assert full.text == tok.decode([t for t in full.token_ids if t < tok.n_vocab])
+    text = full.text
+    stop = next(text[i : i + 2] for i in range(4, len(text) - 2) if "\ufffd" not in text[i : i + 2])
+    cut = llm.generate("hello", SamplingParams(max_tokens=40, temperature=1.0, seed=7, stop=[stop]))[0]
+    out = cut.outputs[0]
+    assert out.text == text[: text.find(stop)] and out.finish_reason == "stop" and out.stop_reason == stop
+    streamed = [s.outputs[0].text for s in llm.stream("hello", params)]
+    assert streamed[-1] == text and all(
+        b.startswith(a.rstrip("\ufffd")) for a, b in zip(streamed, streamed[1:])
+    )

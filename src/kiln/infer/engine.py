@@ -73,6 +73,8 @@ class _Request:
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
         self.seqs: list[Sequence] = []
         self.texts: list[str] = []  # detokenized output of each sequence (stop strings cut off)
+        self.bytes: list[bytes] = []  # the bytes of each sequence's output tokens so far
+        self.n_decoded: list[int] = []  # output tokens already in `bytes`
         self.arrival = time.monotonic()
 
     @property
@@ -82,8 +84,8 @@ class _Request:
 
 # ----------------------------------------------------------------------------------------------- engine
 class LLMEngine:
-    """model: a kiln Transformer (weights on the engine's device, in its dtype); tokenizer: anything with
-    encode_ordinary(str) -> ids and decode(ids) -> str (kiln's Tokenizer), or None for token-id requests."""
+    """model: a kiln Transformer (weights on the engine's device, in its dtype); tokenizer: kiln's Tokenizer
+    (encode_ordinary, decode_bytes), or None for token-id requests (then outputs carry ids, no text)."""
 
     def __init__(
         self,
@@ -183,6 +185,7 @@ class LLMEngine:
             self.scheduler.add(seq)
             self._by_seq[seq.seq_id] = (req, j)
         req.seqs, req.texts = seqs, [""] * len(seqs)
+        req.bytes, req.n_decoded = [b""] * len(seqs), [0] * len(seqs)
         self.requests[rid] = req
         return rid
 
@@ -238,11 +241,19 @@ class LLMEngine:
             seq.record_prompt_logprobs(start + 1, chosen.tolist(), tops)
 
     def _detokenize(self, seq: Sequence) -> None:
-        """Text of the sequence's output; a stop string ends it (the text stops before the string)."""
+        """Text of the sequence's output; a stop string ends it (the text stops before the string).
+
+        Incremental: the bytes of the new tokens are appended to the sequence's byte buffer, which is
+        decoded whole (a C-speed pass; a character cut between two tokens becomes whole when its last
+        byte arrives). Ids the tokenizer does not know (a model vocabulary padded past the tokenizer's)
+        give no text."""
         if seq.seq_id not in self._by_seq or self.tokenizer is None:
             return
         req, j = self._by_seq[seq.seq_id]
-        text = self.tokenizer.decode(seq.output_token_ids)
+        new = seq.output_token_ids[req.n_decoded[j] :]
+        req.n_decoded[j] = seq.num_output_tokens
+        req.bytes[j] += b"".join(self._token_bytes(t) for t in new)
+        text = req.bytes[j].decode("utf-8", errors="replace")
         stops = seq.params.stop
         if stops and not (seq.is_finished and seq.finish_reason == "abort"):
             # only the new tail can hold a new match (the longest stop string back from the old end)
@@ -256,6 +267,12 @@ class LLMEngine:
                 else:  # it had also ended on a token this step: the string came first
                     seq.finish_reason, seq.stop_reason = "stop", s
         req.texts[j] = text
+
+    def _token_bytes(self, token: int) -> bytes:
+        try:
+            return self.tokenizer.decode_bytes([token])
+        except ValueError:  # not in the tokenizer's vocabulary
+            return b""
 
     def _collect(self, touched: set[int]) -> list[RequestOutput]:
         outs = []
