@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -99,7 +100,17 @@ class Server:
         self.worker = EngineWorker(engine, self.metrics, config.max_waiting, log=log)
         self.tokens = TokenText(engine.tokenizer)
         self._ids = 0
+        self._deadline: threading.Timer | None = None
         self.app = self._build()
+
+    def begin_shutdown(self, timeout: float) -> None:
+        """Stop admitting (503) and give running requests `timeout` seconds before they are aborted; an
+        aborted stream still ends properly (finish_reason "abort", then [DONE])."""
+        self.worker.accepting = False
+        if self._deadline is None:
+            self._deadline = threading.Timer(timeout, self.worker.abort_all)
+            self._deadline.daemon = True
+            self._deadline.start()
 
     def _build(self) -> FastAPI:
         @asynccontextmanager
@@ -108,6 +119,8 @@ class Server:
             try:
                 yield
             finally:
+                if self._deadline is not None:
+                    self._deadline.cancel()
                 self.worker.stop()
 
         app = FastAPI(title="kiln", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

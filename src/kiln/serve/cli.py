@@ -90,6 +90,8 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
 
     if not 0 <= args.port < 65536:
         raise KilnError(f"--port must be in [0, 65535], got {args.port}")
+    if not args.shutdown_timeout >= 0:
+        raise KilnError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     template, special = chat_template_for(args.model, args.chat_template)
     config = ServeConfig(
         model_name=args.served_model_name or Path(args.model).resolve().name,
@@ -114,11 +116,13 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     llm = LLM(args.model, **engine_opts)
     server = Server(llm.engine, config)
 
-    def stop_admitting():
-        server.worker.accepting = False
-
+    # uvicorn's own deadline is a backstop: by then the aborted requests have ended their responses
     uv = make_uvicorn_server(
-        server.app, args.host, args.port, args.shutdown_timeout, on_signal=stop_admitting
+        server.app,
+        args.host,
+        args.port,
+        args.shutdown_timeout + 10,
+        on_signal=lambda: server.begin_shutdown(args.shutdown_timeout),
     )
     chat = "chat template found" if template else "no chat template (chat completions answer 400)"
     print(

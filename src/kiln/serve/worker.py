@@ -123,6 +123,10 @@ class EngineWorker:
             self.in_flight -= handle.n_seqs
             handle.n_seqs = 0
 
+    def abort_all(self) -> None:
+        """Abort every request in the engine (shutdown's deadline): their handlers end them with "abort"."""
+        self._commands.put(("abort_all", None))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Abort what is left, end the thread. In-flight HTTP handlers see their requests finish (abort)."""
         self.accepting = False
@@ -154,6 +158,9 @@ class EngineWorker:
                         return
                     if kind == "add":
                         self._add(handle, handles)
+                    elif kind == "abort_all":
+                        for rid in list(handles):
+                            eng.abort(rid)
                     elif kind == "abort":
                         for rid in handle.request_ids:
                             eng.abort(rid)
