@@ -176,3 +176,20 @@ def test_models_health_metrics(client, server):
         float(ln.split()[1]) for ln in text.splitlines() if ln.startswith("kiln_generation_tokens_total")
     )
     assert gen > 0
+
+
+def test_stream_n_choices_each_end_once(client):
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=PROMPT, n=3, max_tokens=8, temperature=1.0, seed=3, stream=True, stop=["e"]
+        )
+    )
+    whole = client.completions.create(
+        model="tiny", prompt=PROMPT, n=3, max_tokens=8, temperature=1.0, seed=3, stop=["e"]
+    )
+    for c in whole.choices:
+        mine = [ch.choices[0] for ch in chunks if ch.choices[0].index == c.index]
+        assert "".join(x.text for x in mine) == c.text
+        ends = [x.finish_reason for x in mine if x.finish_reason is not None]
+        assert ends == [c.finish_reason]  # one finish chunk per choice, the last of its chunks
+        assert mine[-1].finish_reason == c.finish_reason

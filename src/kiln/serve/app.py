@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.errors import KilnError
@@ -272,6 +273,8 @@ class Server:
                 self._stream(handle, builder, include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                # runs even when a disconnect cancels the stream before its generator started
+                background=BackgroundTask(handle.abort),
             )
         finals: dict[int, RequestOutput] = {}
         gone = asyncio.ensure_future(_wait_disconnect(request))

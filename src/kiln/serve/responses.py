@@ -69,6 +69,7 @@ class Choice:
         self.sent_chars = 0
         self.sent_tokens = 0
         self.started = False
+        self.ended = False  # its finish_reason was sent (later outputs of the request repeat it)
 
     def delta(self, comp: CompletionOutput, stops: list[str], finished: bool) -> tuple[str, int, int]:
         """(new text, first new token, end token) since the last call."""
@@ -218,7 +219,10 @@ class ResponseBuilder:
         result = []
         for comp in out.outputs:
             ch = self._choice(prompt_index, comp)
+            if ch.ended:  # n > 1: this completion ended in an earlier step, its siblings still run
+                continue
             done = comp.finish_reason is not None
+            ch.ended = done
             text, lo, hi = ch.delta(comp, self.stops, done)
             first = not ch.started
             if not text and lo == hi and not done and not first:
