@@ -16,6 +16,10 @@ from ._server import RunningServer, served
 LONG = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 200, "ignore_eos": True, "temperature": 0.8}
 
 
+def metric(text: str, name: str) -> float:
+    return next(float(ln.split()[1]) for ln in text.splitlines() if ln.startswith(name + " "))
+
+
 def used_blocks(s: RunningServer) -> int:
     bm = s.engine.block_manager
     return bm.num_blocks - bm.num_free_blocks
@@ -36,6 +40,9 @@ def test_disconnect_mid_stream_frees_blocks(model_dir):
                     if len(got) == 3:
                         break
                 assert used_blocks(s) > 0  # the request holds its KV blocks while it runs
+                metrics = httpx.get(s.url + "/metrics").text
+                assert metric(metrics, "kiln_kv_blocks_used") > 0
+                assert metric(metrics, "kiln_requests_running") == 1
             # the connection is closed: the server aborts the request long before its 200 tokens
             t0 = time.monotonic()
             assert s.wait_idle(10)
@@ -49,6 +56,7 @@ def test_disconnect_mid_stream_frees_blocks(model_dir):
             assert s.wait_idle(10) and used_blocks(s) == 0
         text = httpx.get(s.url + "/metrics").text
         assert 'kiln_requests_finished_total{finish_reason="abort"} 2.0' in text
+        assert metric(text, "kiln_kv_blocks_used") == 0 and metric(text, "kiln_requests_running") == 0
 
 
 async def _client(http: httpx.AsyncClient, i: int, statuses: list, disconnect_after: int | None):

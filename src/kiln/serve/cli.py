@@ -88,8 +88,8 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     from kiln.infer.engine import LLM
     from kiln.serve.app import ServeConfig, Server
 
-    if not 0 <= args.port < 65536:
-        raise KilnError(f"--port must be in [0, 65535], got {args.port}")
+    if not 1 <= args.port < 65536:
+        raise KilnError(f"--port must be in [1, 65535], got {args.port}")
     if not args.shutdown_timeout >= 0:
         raise KilnError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     template, special = chat_template_for(args.model, args.chat_template)
@@ -146,7 +146,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", required=True, help="HF checkpoint directory, kiln model directory or run")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--served-model-name", help="the model name clients use (default: the directory name)")
     p.add_argument("--chat-template", help="a Jinja chat template file (default: the tokenizer's own)")
