@@ -193,3 +193,24 @@ def test_stream_n_choices_each_end_once(client):
         ends = [x.finish_reason for x in mine if x.finish_reason is not None]
         assert ends == [c.finish_reason]  # one finish chunk per choice, the last of its chunks
         assert mine[-1].finish_reason == c.finish_reason
+
+
+def test_streamed_logprobs_add_up_to_the_whole(client):
+    kw = dict(model="tiny", max_tokens=10, temperature=0)
+    whole = client.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=1, **kw)
+    stream = client.chat.completions.create(
+        messages=MESSAGES, logprobs=True, top_logprobs=1, stream=True, **kw
+    )
+    parts = [
+        e for ch in stream if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in parts] == [
+        (e.token, e.logprob) for e in whole.choices[0].logprobs.content
+    ]
+    whole = client.completions.create(prompt=PROMPT, logprobs=2, **kw)
+    stream = client.completions.create(prompt=PROMPT, logprobs=2, stream=True, **kw)
+    chunks = [ch.choices[0].logprobs for ch in stream if ch.choices[0].logprobs]
+    want = whole.choices[0].logprobs
+    assert [t for lp in chunks for t in lp.tokens] == want.tokens
+    assert [v for lp in chunks for v in lp.token_logprobs] == want.token_logprobs
+    assert [d for lp in chunks for d in lp.top_logprobs] == want.top_logprobs

@@ -243,7 +243,8 @@ class ResponseBuilder:
                             with_usage,
                         )
                     )
-                if text or lo < hi or done:
+                # a step whose token only extended held-back text sends nothing (unless logprobs were asked)
+                if text or (lo < hi and self.k is not None) or done:
                     result.append(
                         self._chunk(
                             [
