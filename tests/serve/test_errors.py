@@ -124,6 +124,10 @@ def test_key_body_limit_no_template_and_capacity(model_dir):
         assert started.wait(30)
         r = http.post("/v1/completions", json=OK, headers=key)
         assert "at capacity" in error_of(r, 503) and r.headers["retry-after"] == "1"
+        # more sequences than the server could ever hold is the request's fault: 400, not 503
+        assert "exceed what this server holds" in error_of(
+            http.post("/v1/completions", json={**OK, "n": 2}, headers=key), 400
+        )
         release.set()
         t.join(30)
         assert s.wait_idle()

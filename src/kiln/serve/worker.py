@@ -98,6 +98,13 @@ class EngineWorker:
         if not self.accepting or not self.healthy:
             raise APIError(503, "the server is shutting down or its engine has stopped", code="unavailable")
         handle = RequestHandle(self, prompts, params, self._loop, stream)
+        if handle.n_seqs > self.capacity:  # could never be admitted: the client's error, not a busy server
+            raise APIError(
+                400,
+                f"{len(prompts)} prompt(s) x n={params.n} = {handle.n_seqs} sequences exceed what this server "
+                f"holds at once ({self.capacity}): send fewer prompts or a smaller n",
+                param="n",
+            )
         if self.in_flight + handle.n_seqs > self.capacity:
             self.metrics.rejected.inc()
             raise APIError(
