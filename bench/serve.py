@@ -234,8 +234,10 @@ def main() -> None:
         server_kind = args.server or "thread"
     else:
         cfg = bench.qwen2_1p5b_config(max_seq_len=2 * args.max_len + 16)
+        # half the free memory for the KV cache (~60 GiB on the H200, far more than 256 requests of <= 2048
+        # tokens need): the server still fits if the offline engine's memory were not all given back
         engine = {"device": str(dev), "dtype": "bf16" if dev.type == "cuda" else "fp32",
-                  "max_num_seqs": args.max_num_seqs}  # fmt: skip
+                  "max_num_seqs": args.max_num_seqs, "memory_fraction": 0.5}  # fmt: skip
         server_kind = args.server or "subprocess"
     reqs = make_requests(args.n, args.min_len, args.max_len, cfg.vocab_size)
     result = {**run_meta(), "model": "tiny (smoke)" if args.smoke else "random-init Qwen2.5-1.5B shape"}
@@ -253,6 +255,7 @@ def main() -> None:
             gc.collect()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
+                result["bench_process_gpu_GiB_after_offline"] = round(torch.cuda.memory_reserved() / 2**30, 2)
             ctx = subprocess_server(tmp, engine, capacity, Path(tmp) / "server.log")
         else:
             ctx = thread_server(llm, capacity)
