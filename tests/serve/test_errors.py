@@ -141,3 +141,16 @@ def test_cli_errors(tmp_path, capsys):
     assert "kiln: error:" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path), "--port", "70000"]) == 2
     assert "--port must be in" in capsys.readouterr().err
+
+
+def test_engine_failure_is_500_and_unhealthy(model_dir):
+    llm, config = served(model_dir)
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    with RunningServer(llm, config) as s, httpx.Client(base_url=s.url, timeout=30) as http:
+        llm.engine.step = broken_step  # the engine thread's next step fails
+        assert "device lost" in error_of(http.post("/v1/completions", json=OK), 500)
+        assert "not running" in error_of(http.get("/health"), 503)
+        error_of(http.post("/v1/completions", json=OK), 503)  # nothing is admitted any more
