@@ -1,0 +1,288 @@
+"""`kiln serve` under load: the throughput benchmark (nano-vllm's shape: random token-id prompts, input and
+output lengths uniform in [min_len, max_len], EOS ignored) sent through HTTP by an async client, at a fixed
+request rate (Poisson arrivals) and at saturation (every request at once), against the same requests through
+the offline engine (LLM.generate) in the same run, on a random-init Qwen2.5-1.5B-shaped model.
+
+    python bench/serve.py --out bench/results/serve.json          # H200: 128 requests, lengths 100-1024
+    python bench/serve.py --n 256 --rate 16 --out ...             # nano-vllm's 256 requests
+    python bench/serve.py --smoke                                 # CPU, a tiny model, in seconds
+
+Per request the client records the time to its first streamed token (TTFT) and the gaps between streamed
+tokens (ITL: one chunk per engine step); output tok/s = output tokens / (first send -> last response end).
+overhead = 1 - (HTTP tok/s at saturation) / (offline tok/s): the price of the server (JSON, SSE, the event
+loop sharing the GIL with the engine thread) at full load. The server runs as a `kiln serve` subprocess (the
+client's Python does not share its GIL) after the offline run has given its GPU memory back; --server
+thread runs it in this process instead (the smoke test's choice: no second interpreter start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from kiln.infer import bench
+from kiln.infer.engine import LLM
+from kiln.infer.sampling_params import SamplingParams
+from kiln.model.config import ModelConfig
+from kiln.model.hf import save_pretrained
+from kiln.model.transformer import build_model
+from provenance import run_meta
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TEMPERATURE = 0.6  # nano-vllm's; EOS is ignored, so every request runs to its length whatever is sampled
+
+
+def make_requests(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """n (prompt ids, output length) pairs, lengths uniform in [lo, hi]."""
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(vocab) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi)) for _ in range(n)
+    ]
+
+
+def percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"p50": None, "p99": None, "mean": None}
+    s = sorted(xs)
+
+    def q(p):
+        return s[min(len(s) - 1, int(round(p * (len(s) - 1))))]
+
+    return {"p50": round(q(0.5), 5), "p99": round(q(0.99), 5), "mean": round(sum(s) / len(s), 5)}
+
+
+# ---- the offline reference ---------------------------------------------------------------------------
+def offline(llm: LLM, reqs) -> dict:
+    params = [
+        SamplingParams(max_tokens=m, temperature=TEMPERATURE, ignore_eos=True, seed=i)
+        for i, (_, m) in enumerate(reqs)
+    ]
+    # warm-up: batch sizes and lengths like the run's (kernel compilation and autotuning stay out of it)
+    llm.generate([p for p, _ in reqs[:32]], SamplingParams(max_tokens=16, ignore_eos=True))
+    t = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], params)
+    wall = time.perf_counter() - t
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"output_tokens": n_out, "time_s": round(wall, 3), "output_tok_s": round(n_out / wall, 1)}
+
+
+# ---- the HTTP client -------------------------------------------------------------------------------------
+async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: int, seed: int) -> dict:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": TEMPERATURE,
+        "ignore_eos": True,
+        "seed": seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    stamps, usage = [], None
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"status": r.status_code, "error": (await r.aread()).decode()[:300]}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            if line.startswith('data: {"id"') and '"choices":[]' in line:  # the usage chunk
+                usage = json.loads(line[6:])["usage"]
+            else:
+                stamps.append(time.perf_counter())
+    end = time.perf_counter()
+    return {
+        "status": 200,
+        "start": t0,
+        "end": end,
+        "ttft": stamps[0] - t0 if stamps else None,
+        "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+        "tokens": usage["completion_tokens"] if usage else 0,
+    }
+
+
+async def load(url: str, model: str, reqs, rate: float | None, seed: int = 0) -> dict:
+    """All of `reqs` through the server: Poisson arrivals at `rate` per second, or all at once (None)."""
+    limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600), limits=limits) as http:
+        # warm-up, as the offline run's: the server is a fresh process (its kernels compile on first use)
+        await asyncio.gather(*(one_request(http, model, p, 16, -1) for p, _ in reqs[:32]))
+
+        async def later(delay, i, prompt, m):
+            await asyncio.sleep(delay)
+            return await one_request(http, model, prompt, m, i)
+
+        delays, t = [], 0.0
+        for _ in reqs:
+            delays.append(t)
+            if rate is not None:
+                t += rng.expovariate(rate)
+        t0 = time.perf_counter()
+        results = await asyncio.gather(
+            *(later(d, i, p, m) for i, (d, (p, m)) in enumerate(zip(delays, reqs)))
+        )
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if r["status"] == 200]
+    n_out = sum(r["tokens"] for r in ok)
+    return {
+        "request_rate": rate if rate is not None else "saturation",
+        "requests_ok": len(ok),
+        "errors": [r for r in results if r["status"] != 200][:5],
+        "output_tokens": n_out,
+        "time_s": round(wall, 3),
+        "output_tok_s": round(n_out / wall, 1),
+        "ttft_s": percentiles([r["ttft"] for r in ok if r["ttft"] is not None]),
+        "itl_s": percentiles([x for r in ok for x in r["itl"]]),
+        "e2e_s": percentiles([r["end"] - r["start"] for r in ok]),
+    }
+
+
+# ---- the server --------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_health(url: str, proc=None, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"kiln serve exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError("kiln serve did not become healthy")
+
+
+@contextlib.contextmanager
+def subprocess_server(model_dir: str, engine: dict, capacity: int, log_path: Path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "kiln.cli", "serve", "--model", model_dir, "--port", str(port)]
+    cmd += ["--served-model-name", "bench", "--max-waiting-requests", str(capacity)]
+    for k, v in engine.items():
+        if v is not None:
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_health(url, proc)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(120)
+
+
+@contextlib.contextmanager
+def thread_server(llm: LLM, capacity: int):
+    from kiln.serve.app import ServeConfig, Server
+    from kiln.serve.cli import make_uvicorn_server
+
+    server = Server(llm.engine, ServeConfig(model_name="bench", max_waiting=capacity), log=lambda *a: None)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = make_uvicorn_server(server.app, "127.0.0.1", port, 5)
+    t = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_health(url)
+        yield url
+    finally:
+        uv.should_exit = True
+        t.join(60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=128, help="requests (nano-vllm: 256)")
+    ap.add_argument("--min-len", type=int, default=100)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--rate", type=float, default=8.0, help="requests per second of the fixed-rate run")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--server", choices=("subprocess", "thread"), default=None)
+    ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, a few short requests")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if args.smoke:
+        cfg = ModelConfig(arch="qwen2", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                          ffn_hidden=64, max_seq_len=64, qkv_bias=True, tie_embeddings=True)  # fmt: skip
+        args.n, args.min_len, args.max_len, args.rate = 6, 4, 12, 50.0
+        engine = {"device": "cpu", "dtype": "fp32", "num_blocks": 64, "block_size": 4, "max_num_seqs": 8}
+        server_kind = args.server or "thread"
+    else:
+        cfg = bench.qwen2_1p5b_config(max_seq_len=2 * args.max_len + 16)
+        # half the free memory for the KV cache (~60 GiB on the H200, far more than 256 requests of <= 2048
+        # tokens need): the server still fits if the offline engine's memory were not all given back
+        engine = {"device": str(dev), "dtype": "bf16" if dev.type == "cuda" else "fp32",
+                  "max_num_seqs": args.max_num_seqs, "memory_fraction": 0.5}  # fmt: skip
+        server_kind = args.server or "subprocess"
+    reqs = make_requests(args.n, args.min_len, args.max_len, cfg.vocab_size)
+    result = {**run_meta(), "model": "tiny (smoke)" if args.smoke else "random-init Qwen2.5-1.5B shape"}
+    result.update(n=args.n, lengths=[args.min_len, args.max_len], temperature=TEMPERATURE, server=server_kind)
+    result["engine"] = engine
+    model = build_model(cfg, device=dev, dtype=dtype, seed=0).eval()
+    llm = LLM(model, log=lambda *a: None, **engine)
+    result["offline"] = offline(llm, reqs)
+    print("offline", json.dumps(result["offline"]), flush=True)
+    capacity = args.n + 8  # every request admitted: the bench measures speed, not the 503 bound
+    with tempfile.TemporaryDirectory() as tmp:
+        if server_kind == "subprocess":
+            save_pretrained(model, tmp)
+            del llm, model
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+                result["bench_process_gpu_GiB_after_offline"] = round(torch.cuda.memory_reserved() / 2**30, 2)
+            ctx = subprocess_server(tmp, engine, capacity, Path(tmp) / "server.log")
+        else:
+            ctx = thread_server(llm, capacity)
+        try:
+            with ctx as url:
+                for rate in (args.rate, None):
+                    key = "saturation" if rate is None else "fixed_rate"
+                    result[key] = asyncio.run(load(url, "bench", reqs, rate))
+                    print(key, json.dumps(result[key]), flush=True)
+        except Exception:
+            log = Path(tmp) / "server.log"
+            if log.exists():
+                print(log.read_text()[-4000:], file=sys.stderr)
+            raise
+    sat, off = result["saturation"]["output_tok_s"], result["offline"]["output_tok_s"]
+    result["overhead_at_saturation"] = round(1 - sat / off, 4)
+    print(
+        f"offline {off:.1f} tok/s | HTTP saturation {sat:.1f} tok/s (overhead {100 * (1 - sat / off):.1f}%) | "
+        f"rate {args.rate}/s {result['fixed_rate']['output_tok_s']:.1f} tok/s, "
+        f"TTFT p50 {result['fixed_rate']['ttft_s']['p50']} s p99 {result['fixed_rate']['ttft_s']['p99']} s, "
+        f"ITL p50 {result['fixed_rate']['itl_s']['p50']} s p99 {result['fixed_rate']['itl_s']['p99']} s"
+    )
+    if args.out:
+        from kiln.io.atomic import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

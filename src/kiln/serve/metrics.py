@@ -1,0 +1,46 @@
+"""The server's Prometheus metrics, in a registry of its own (one per app: no process-global state).
+
+kiln_requests_running / kiln_requests_waiting   sequences in the engine's running / waiting queues
+kiln_kv_blocks_used / kiln_kv_blocks_total      KV-cache pages held by sequences (prefix-cached free
+                                                pages count as free) / all pages
+kiln_prompt_tokens_total / kiln_generation_tokens_total   tokens admitted / sampled
+kiln_time_to_first_token_seconds    HTTP arrival -> first token of each completion (histogram)
+kiln_inter_token_latency_seconds    time between a completion's consecutive tokens (histogram)
+kiln_e2e_request_latency_seconds    HTTP arrival -> last token of a prompt (histogram)
+kiln_requests_finished_total{finish_reason}       completions by finish reason (stop, length, abort)
+kiln_requests_rejected_total        requests refused with 503 because the server was at capacity
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# seconds; the ranges of a CPU test model up to a 1.5B model's long prompts on a GPU
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class ServerMetrics:
+    def __init__(self, num_blocks: int):
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.running = Gauge("kiln_requests_running", "Sequences in the engine's running queue", registry=r)
+        self.waiting = Gauge("kiln_requests_waiting", "Sequences in the engine's waiting queue", registry=r)
+        self.kv_blocks_used = Gauge("kiln_kv_blocks_used", "KV-cache blocks held by sequences", registry=r)
+        total = Gauge("kiln_kv_blocks_total", "KV-cache blocks in all", registry=r)
+        total.set(num_blocks)
+        self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("kiln_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(
+            "kiln_time_to_first_token_seconds", "Arrival to first token", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "kiln_inter_token_latency_seconds", "Time between tokens", buckets=ITL_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "kiln_e2e_request_latency_seconds", "Arrival to last token", buckets=E2E_BUCKETS, registry=r
+        )
+        self.finished = Counter(
+            "kiln_requests_finished", "Completions by finish reason", ["finish_reason"], registry=r
+        )
+        self.rejected = Counter("kiln_requests_rejected", "Requests refused at capacity (503)", registry=r)

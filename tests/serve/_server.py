@@ -1,0 +1,109 @@
+"""A tiny served model for the server tests: a BPE tokenizer trained on a stdlib source file (with ChatML
+specials and template), a random-init kiln model over its vocabulary, and a uvicorn server on 127.0.0.1
+in a background thread of this process (a free port, chosen by the OS)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from kiln.infer.engine import LLM
+from kiln.model.config import ModelConfig
+from kiln.model.hf import save_pretrained
+from kiln.model.transformer import build_model
+from kiln.serve.app import ServeConfig, Server
+from kiln.serve.cli import chat_template_for, make_uvicorn_server
+from kiln.tokenizer.chat import CHATML
+from kiln.tokenizer.train import train_bpe
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+def make_model_dir(path: Path, chat_template: str | None = CHATML, max_seq_len: int = 256) -> Path:
+    """A random-init qwen2-shaped model and a 300-id tokenizer, saved as an HF directory at `path`."""
+    text = inspect.getsource(contextlib)[:8000]
+    tok = train_bpe([text], 300, special_tokens=SPECIALS, progress=False, processes=1)
+    cfg = ModelConfig(
+        arch="qwen2",
+        vocab_size=tok.n_vocab,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=128,
+        max_seq_len=max_seq_len,
+        qkv_bias=True,
+    )
+    model = build_model(cfg, seed=0)
+    path.mkdir(parents=True, exist_ok=True)
+    save_pretrained(model, path)
+    opts = {"chat_template": chat_template} if chat_template else {}
+    tok.save(path, **opts)
+    return path
+
+
+def engine_for(path: Path, **engine):
+    engine = {"device": "cpu", "block_size": 4, "num_blocks": 128, "max_num_batched_tokens": 64, **engine}
+    return LLM(str(path), log=quiet, **engine)
+
+
+class RunningServer:
+    """`with RunningServer(engine, config) as s:` serves on s.url until the block ends."""
+
+    def __init__(self, llm: LLM, config: ServeConfig, shutdown_timeout: float = 5.0):
+        self.llm = llm
+        self.server = Server(llm.engine, config, log=quiet)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.uv = make_uvicorn_server(self.server.app, "127.0.0.1", self.port, shutdown_timeout)
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> RunningServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            time.sleep(0.05)
+        raise RuntimeError("the test server did not start")
+
+    def __exit__(self, *exc) -> None:
+        self.uv.should_exit = True
+        self.thread.join(30)
+
+    @property
+    def engine(self):
+        return self.llm.engine
+
+    def wait_idle(self, timeout: float = 20.0) -> bool:
+        """True once the engine holds no request (its thread has handed back every aborted one)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.engine.requests and not self.engine.has_unfinished():
+                return True
+            time.sleep(0.02)
+        return False
+
+
+def served(path: Path, name: str = "tiny", **kw) -> tuple[LLM, ServeConfig]:
+    template, special = chat_template_for(str(path), None)
+    engine_kw = {
+        k: kw.pop(k) for k in list(kw) if k in ("num_blocks", "max_num_seqs", "max_num_batched_tokens")
+    }
+    return engine_for(path, **engine_kw), ServeConfig(
+        model_name=name, chat_template=template, special_tokens=special, **kw
+    )

@@ -1,0 +1,24 @@
+"""bench/serve.py --smoke: the benchmark end to end on the CPU (offline run, fixed rate, saturation)."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def test_bench_smoke(tmp_path, monkeypatch):
+    out = tmp_path / "serve.json"
+    monkeypatch.syspath_prepend(str(BENCH))  # the script imports its sibling provenance.py
+    monkeypatch.setattr(sys, "argv", ["serve.py", "--smoke", "--out", str(out)])
+    runpy.run_path(str(BENCH / "serve.py"), run_name="__main__")
+    result = json.loads(out.read_text())
+    for key in ("fixed_rate", "saturation"):
+        run = result[key]
+        assert run["requests_ok"] == result["n"] and not run["errors"]
+        assert run["output_tokens"] == result["offline"]["output_tokens"]  # every request ran to its length
+        assert run["ttft_s"]["p50"] > 0 and run["itl_s"]["p99"] >= run["itl_s"]["p50"] > 0
+    assert "overhead_at_saturation" in result and result["commit"]
