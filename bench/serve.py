@@ -41,7 +41,7 @@ from kiln.infer.sampling_params import SamplingParams
 from kiln.model.config import ModelConfig
 from kiln.model.hf import save_pretrained
 from kiln.model.transformer import build_model
-from provenance import run_meta
+from kiln.profile.provenance import provenance
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TEMPERATURE = 0.6  # nano-vllm's; EOS is ignored, so every request runs to its length whatever is sampled
@@ -240,7 +240,7 @@ def main() -> None:
                   "max_num_seqs": args.max_num_seqs, "memory_fraction": 0.5}  # fmt: skip
         server_kind = args.server or "subprocess"
     reqs = make_requests(args.n, args.min_len, args.max_len, cfg.vocab_size)
-    result = {**run_meta(), "model": "tiny (smoke)" if args.smoke else "random-init Qwen2.5-1.5B shape"}
+    result = {**provenance(), "model": "tiny (smoke)" if args.smoke else "random-init Qwen2.5-1.5B shape"}
     result.update(n=args.n, lengths=[args.min_len, args.max_len], temperature=TEMPERATURE, server=server_kind)
     result["engine"] = engine
     model = build_model(cfg, device=dev, dtype=dtype, seed=0).eval()

@@ -19,14 +19,13 @@ from kiln.errors import KilnError
 def chat_template_for(model_path: str, template_file: str | None) -> tuple[str | None, dict]:
     """(chat template, special tokens for it) of a model: --chat-template's file, else the tokenizer's
     (tokenizer_config.json / chat_template.jinja beside the weights or in the run's tokenizer/)."""
-    from kiln.infer.loading import tokenizer_dirs
+    from kiln.model.checkpoint import tokenizer_dir
     from kiln.tokenizer.formats import load_chat_template
 
     special: dict = {}
     template = None
-    for d in tokenizer_dirs(Path(model_path)):
-        if not d.is_dir():
-            continue
+    found = tokenizer_dir(model_path)
+    for d in [found] if found is not None else []:
         if template is None:
             template = load_chat_template(d)
         cfg = d / "tokenizer_config.json"
