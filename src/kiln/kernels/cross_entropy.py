@@ -9,7 +9,7 @@ reduction: "mean" (over non-ignored tokens), "sum", or "none" (per token, float3
 The Triton path: one program per row streams the vocabulary in blocks, keeping an online logsumexp
 (running max and rescaled sum), so a 151936-wide row never has to fit on chip. The forward reads the
 logits once and saves only lse (N floats); the backward reads them once more and writes the gradient.
-The fused linear + cross-entropy (linear_cross_entropy.py, also importable from here) runs the same
+The fused linear + cross-entropy (kiln.kernels.linear_cross_entropy, which imports this module) runs the same
 kernel on chunks of logits, writing the gradient in place of them, or a one-pass variant that writes
 U = exp(z - m) against a per-row reference m and a row factor c with scale * dloss/dz = c * U (one read
 and one write of the logits instead of two reads and a write; see _one_pass_kernel).
@@ -339,13 +339,3 @@ def cross_entropy(
         return cross_entropy_ref(logits, targets, ignore_index, label_smoothing, reduction)
     _check(logits, targets, label_smoothing, reduction, "logits (N, V)")
     return CrossEntropy.apply(logits, targets, ignore_index, float(label_smoothing), reduction)
-
-
-def __getattr__(name: str):
-    # The fused op lives in linear_cross_entropy.py (which imports this module's kernel); it stays
-    # importable from here, where it began: `from kiln.kernels.cross_entropy import linear_cross_entropy`.
-    if name in ("linear_cross_entropy", "linear_cross_entropy_ref", "LinearCrossEntropy", "Plan", "PLAN"):
-        from kiln.kernels import linear_cross_entropy as lce
-
-        return getattr(lce, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

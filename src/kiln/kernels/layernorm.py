@@ -24,9 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.kernels.dispatch import use_triton
-from kiln.kernels.launch import CachedLaunch, cdiv, pow2
-from kiln.kernels.rmsnorm import (
+from kiln.kernels._common import (
     COUNTERS,
     PROGRAMS_PER_SM,
     ROW_LOOP_STAGES,
@@ -41,6 +39,8 @@ from kiln.kernels.rmsnorm import (
     sum_rows_step,
     zero_counters,
 )
+from kiln.kernels.dispatch import use_triton
+from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 
 
 def layernorm_ref(

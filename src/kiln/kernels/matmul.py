@@ -34,6 +34,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kiln.kernels import matmul_decode
+from kiln.kernels._common import apply_activation
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv
 
@@ -59,20 +61,6 @@ def matmul_ref(
     if bias is not None:
         c = c + bias.to(wide)
     return _act_ref(c, activation).to(a.dtype)
-
-
-@triton.jit
-def _activation(x, ACTIVATION: tl.constexpr):
-    if ACTIVATION == "relu":
-        x = tl.maximum(x, 0.0)
-    elif ACTIVATION == "silu":
-        x = x / (1.0 + tl.exp(-x))
-    elif ACTIVATION == "gelu":
-        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    elif ACTIVATION == "gelu_tanh":
-        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2/pi) * (x + 0.044715 x^3)
-        x = x / (1.0 + tl.exp(-2.0 * u))  # 0.5 x (1 + tanh u) = x * sigmoid(2u)
-    return x
 
 
 def tile_config(
@@ -185,7 +173,7 @@ def _epilogue(
     if STORE_PRE:
         pre_blk = tl.make_block_ptr(Pre_ptr, (M, N), (N, 1), (off_m, off_n), (BLOCK_M, BLOCK_N), (1, 0))
         tl.store(pre_blk, acc.to(Pre_ptr.dtype.element_ty), boundary_check=(0, 1))
-    acc = _activation(acc, ACTIVATION)
+    acc = apply_activation(acc, ACTIVATION)
     if TMA:
         if c_desc.block_shape[1] == BLOCK_N:
             c_desc.store([off_m, off_n], acc.to(C_ptr.dtype.element_ty))
@@ -587,8 +575,3 @@ def linear(
             "pass x.contiguous()"
         ) from err
     return matmul(x2, weight.t(), bias, activation).view(*lead, weight.shape[0])
-
-
-# At the end: the decode module builds on this one (its kernels use _activation above), and is reached
-# through the module object, so either module may be imported first.
-from kiln.kernels import matmul_decode  # noqa: E402

@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import FLOAT_DTYPES, needs_grad
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
-from kiln.kernels.rmsnorm import FLOAT_DTYPES, needs_grad
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import FLOAT_DTYPES, as_rows, needs_grad, row_warps, shaped
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, pow2
-from kiln.kernels.rmsnorm import FLOAT_DTYPES, as_rows, needs_grad, row_warps, shaped
 
 MAX_BLOCK = 16384  # the longest row kept whole in registers; longer rows take the online kernel
 ONLINE_BLOCK = 4096  # block the online kernel walks a long row in

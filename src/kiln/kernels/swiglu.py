@@ -22,9 +22,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import FLOAT_DTYPES, needs_grad
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv
-from kiln.kernels.rmsnorm import FLOAT_DTYPES, needs_grad
 
 BLOCK = 1024  # elements per program: 8 per thread at 4 warps, 16-byte loads in bf16
 

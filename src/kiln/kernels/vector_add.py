@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import FLOAT_DTYPES
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv
-from kiln.kernels.rmsnorm import FLOAT_DTYPES
 
 BLOCK = 1024
 
