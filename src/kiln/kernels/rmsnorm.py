@@ -256,6 +256,72 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw, (dx if ctx.has_residual else None), None, None
 
 
+# ------------------------------------------------------------------------------ torch.compile: custom ops
+# Dynamo cannot trace a Triton launch through CachedLaunch (nor Triton's own launch path): under
+# torch.compile the public op calls these custom ops instead, which the compiler keeps as opaque calls,
+# with fake functions for output shapes and a registered backward (docs/kernels/compile.md). Eager calls
+# keep the autograd.Function above, which costs less host time per call than the dispatcher.
+@torch.library.custom_op("kiln::rmsnorm_fwd", mutates_args=())
+def rmsnorm_fwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    for_backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y like x, h = x + residual like x, rstd (n_rows + COUNTERS,) float32). h is empty without a
+    residual (it would be x itself, and an op's output may not alias its input); rstd is empty unless
+    `for_backward`."""
+    y, h, rstd = rmsnorm_fwd(x, weight, eps, residual, for_backward=for_backward, offset=offset)
+    h = h.view(x.shape) if residual is not None else x.new_empty(0)
+    return y.view(x.shape), h, rstd if rstd is not None else x.new_empty(0, dtype=torch.float32)
+
+
+@rmsnorm_fwd_op.register_fake
+def _(x, weight, residual, eps, offset, for_backward):
+    check_rows("rmsnorm", x, weight, residual)
+    n_rows = x.numel() // x.shape[-1]
+    rstd = x.new_empty(n_rows + COUNTERS.value if for_backward else 0, dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(x.shape if residual is not None else 0), rstd
+
+
+@torch.library.custom_op("kiln::rmsnorm_bwd", mutates_args=())
+def rmsnorm_bwd_op(
+    dy: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    dh: torch.Tensor | None,
+    offset: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx like h, dw like weight) for h shaped like x. The backward's counters in rstd are left zero, as
+    the forward made them, so rstd is read, not changed."""
+    D = h.shape[-1]
+    dx, dw = rmsnorm_bwd(dy, as_rows(h, D), weight, rstd, dh, offset=offset)
+    return dx.view(h.shape), dw
+
+
+@rmsnorm_bwd_op.register_fake
+def _(dy, h, weight, rstd, dh, offset):
+    return h.new_empty(h.shape), torch.empty_like(weight)
+
+
+def _rmsnorm_setup(ctx, inputs, output):
+    x, weight, residual, _, offset, _ = inputs
+    ctx.has_residual, ctx.offset = residual is not None, offset
+    ctx.save_for_backward(output[1] if residual is not None else x, weight, output[2])
+
+
+def _rmsnorm_backward(ctx, dy, dh, _drstd):
+    h, weight, rstd = ctx.saved_tensors
+    dx, dw = rmsnorm_bwd_op(dy, h, weight, rstd, dh if ctx.has_residual else None, ctx.offset)
+    return dx, dw, (dx if ctx.has_residual else None), None, None, None
+
+
+rmsnorm_fwd_op.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup)
+
+
 def rmsnorm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -267,6 +333,9 @@ def rmsnorm(
     used is offset + weight (offset 1.0 for Gemma-style zero-centred weights)."""
     if not use_triton(x, weight, residual):
         return rmsnorm_ref(x, weight, eps, residual, offset)
+    if torch.compiler.is_compiling():
+        y, h, _ = rmsnorm_fwd_op(x, weight, residual, eps, float(offset), needs_grad(x, weight, residual))
+        return y if residual is None else (y, h)
     if needs_grad(x, weight, residual):
         return RMSNormFunction.apply(x, weight, residual, eps, float(offset))
     # inference: the launcher alone (autograd.Function.apply costs ~25 us of host time per call)
