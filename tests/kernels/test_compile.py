@@ -185,3 +185,42 @@ def test_compiled_inference_forward_equals_eager(arch, ops):
         got = torch.compile(model, backend=counter, fullgraph=True)(ids)
     assert counter.frame_count == 1 and _kiln_ops(counter) == ops
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_compiled_training_step_equals_eager_on_gpu():
+    """bf16 autocast on CUDA, the default inductor backend, the whole loss forward in one graph: loss and
+    every gradient equal eager's within bf16 noise (inductor fuses the elementwise code between the
+    kernels, e.g. the autocast casts and the residual promotion, so its roundings may differ)."""
+    torch._dynamo.reset()
+    model = _model(
+        arch="llama", vocab_size=2048, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512,
+        max_seq_len=512,
+    ).cuda()  # fmt: skip
+    ids = torch.randint(0, 2048, (4, 512), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def step(loss_fn):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(ids)
+        loss.backward()
+        return loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()}
+
+    want, want_grads = step(_loss(model))
+    counter = CompileCounterWithBackend("inductor")
+    got, grads = step(torch.compile(_loss(model), backend=counter, fullgraph=True))
+    assert counter.frame_count == 1
+    assert _kiln_ops(counter) == {
+        "rmsnorm_fwd",
+        "rope",
+        "attention_fwd",
+        "swiglu_fwd",
+        "linear_cross_entropy_fwd",
+    }
+    # the loss (about ln 2048 = 7.6) to 1e-3 relative: a few bf16 roundings (2**-9 each) apart at most
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=0)
+    for name, g in want_grads.items():
+        # each gradient as a whole: relative Frobenius error under 1% (bf16 is 2**-8 = 0.4% per rounding,
+        # and a weight gradient sums thousands of rounded products)
+        err = (grads[name] - g).norm() / g.norm().clamp_min(1e-12)
+        assert err < 1e-2, f"{name}: relative error {err:.2e}"
