@@ -7,12 +7,19 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from kiln.kernels.attention import attention_bwd_op, attention_fwd_op
+from kiln.kernels.cross_entropy import cross_entropy_bwd_op, cross_entropy_fwd_op
+from kiln.kernels.decode_attention import decode_attention_op
 from kiln.kernels.dispatch import use_backend
 from kiln.kernels.layernorm import layernorm_bwd_op, layernorm_fwd_op
 from kiln.kernels.linear_cross_entropy import linear_cross_entropy_bwd_op, linear_cross_entropy_fwd_op
+from kiln.kernels.matmul import matmul_op
+from kiln.kernels.paged_kv import paged_kv_write_op
 from kiln.kernels.rmsnorm import rmsnorm_bwd_op, rmsnorm_fwd_op
 from kiln.kernels.rope import rope_op
+from kiln.kernels.sampling import sample_op
+from kiln.kernels.softmax import softmax_bwd_op, softmax_fwd_op
 from kiln.kernels.swiglu import swiglu_bwd_op, swiglu_fwd_op
+from kiln.kernels.vector_add import vector_add_op
 
 # opcheck's utilities: the schema, fake-tensor and autograd-registration checks (its aot_dispatch checks
 # run the op through AOTAutograd too, which the compile tests below do end to end)
@@ -102,6 +109,110 @@ def test_linear_cross_entropy_ops(reduction, bias):
     _opcheck(
         linear_cross_entropy_bwd_op, (h.detach(), w.detach(), t, b, grad_loss, -100, 0.1, True, True, bias)
     )
+
+
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_softmax_ops(dim):
+    g = torch.Generator().manual_seed(6)
+    x = _rand(3, 4, 33, g=g)
+    xl = x if dim == -1 else x.movedim(dim, -1)  # the public op moves `dim` last before the op
+    _opcheck(softmax_fwd_op, (xl,))
+    with torch.no_grad(), use_backend("triton"):
+        y = softmax_fwd_op(xl)
+    _opcheck(softmax_bwd_op, (torch.randn_like(y), y))
+
+
+def test_cross_entropy_ops():
+    g = torch.Generator().manual_seed(7)
+    logits = _rand(5, 40, g=g)
+    t = torch.tensor([3, -100, 39, 0, 7])
+    _opcheck(cross_entropy_fwd_op, (logits, t, -100, 0.1))
+    with torch.no_grad(), use_backend("triton"):
+        _, lse = cross_entropy_fwd_op(logits, t, -100, 0.1)
+    _opcheck(cross_entropy_bwd_op, (logits.detach(), t, lse, torch.rand(5), -100, 0.1))
+
+
+@pytest.mark.parametrize("activation, bias, M", [("none", False, 20), ("silu", True, 20), ("gelu", True, 3)])
+def test_matmul_op(activation, bias, M):
+    g = torch.Generator().manual_seed(8)
+    # M = 3 takes the decode kernels' path (M <= 16) when no pre-activation is stored
+    a, b = _rand(M, 24, g=g), _rand(24, 40, g=g)
+    c = _rand(40, g=g) if bias else None
+    _opcheck(matmul_op, (a, b, c, activation, activation != "none"))
+    _opcheck(matmul_op, (a.detach(), b.detach(), None if c is None else c.detach(), activation, False))
+
+
+def test_vector_add_op():
+    g = torch.Generator().manual_seed(11)
+    _opcheck(vector_add_op, (_rand(3, 7, g=g), _rand(3, 7, g=g)))
+
+
+def test_inference_ops():
+    """The decode step's ops: paged KV write (declared to mutate the caches), decode attention, sampling."""
+    g = torch.Generator().manual_seed(9)
+    k_cache, v_cache = torch.zeros(4, 8, 1, 16), torch.zeros(4, 8, 1, 16)
+    k, v = torch.randn(3, 1, 16, generator=g), torch.randn(3, 1, 16, generator=g)
+    _opcheck(paged_kv_write_op, (k_cache, v_cache, k, v, torch.tensor([0, 9, 17])))
+    k_cache.normal_(generator=g), v_cache.normal_(generator=g)
+    q, table = torch.randn(2, 2, 16, generator=g), torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    seq_lens = torch.tensor([11, 3], dtype=torch.int32)
+    _opcheck(decode_attention_op, (q, k_cache, v_cache, table, seq_lens, 0.25, None, torch.randn(2), 2))
+    logits = torch.randn(2, 50, generator=g)
+    noise = torch.empty(2, 50).exponential_(generator=g)
+    _opcheck(sample_op, (logits, None, 0.0, None, None))
+    _opcheck(sample_op, (logits, noise, 0.8, 5, 0.9))
+
+
+def test_compiled_standalone_ops_equal_eager():
+    """The ops the model does not call, compiled whole (fullgraph) with their backward: linear with an
+    activation, softmax over a middle dim, cross-entropy; and a decode step: KV write, decode attention,
+    greedy sampling."""
+    from kiln.kernels.cross_entropy import cross_entropy
+    from kiln.kernels.decode_attention import decode_attention
+    from kiln.kernels.matmul import linear
+    from kiln.kernels.paged_kv import paged_kv_write
+    from kiln.kernels.sampling import sample
+    from kiln.kernels.softmax import softmax
+
+    g = torch.Generator().manual_seed(10)
+    x, w = _rand(6, 24, g=g), _rand(40, 24, g=g)
+    t = torch.tensor([3, -100, 39, 0, 7, 1])
+
+    def loss_fn(x, w):
+        h = linear(x, w, activation="silu")  # (6, 40)
+        p = softmax(h.view(6, 5, 8), dim=1).reshape(6, 40)
+        return cross_entropy(p * 4.0, t, label_smoothing=0.1)
+
+    def step(fn):
+        x.grad = w.grad = None
+        loss = fn(x, w)
+        loss.backward()
+        return loss.detach(), x.grad, w.grad
+
+    def decode(q, k, v, k_cache, v_cache, slots, table, seq_lens):
+        paged_kv_write(k_cache, v_cache, k, v, slots)
+        o = decode_attention(q, k_cache, v_cache, table, seq_lens)  # (B, Hq, D)
+        return sample(o.reshape(2, -1), temperature=0.0)
+
+    caches = [torch.randn(4, 8, 1, 16, generator=g) for _ in range(2)]
+    q, k, v = (torch.randn(2, h, 16, generator=g) for h in (2, 1, 1))
+    table, seq_lens = (
+        torch.tensor([[2, 0], [1, 3]], dtype=torch.int32),
+        torch.tensor([11, 3], dtype=torch.int32),
+    )
+    # slots of each sequence's last token: position 10 of sequence 0 (page 0, row 2), 2 of sequence 1 (page 1)
+    rest = (torch.tensor([2, 10]), table, seq_lens)
+    with use_backend("triton"):
+        want = step(loss_fn)
+        got = step(torch.compile(loss_fn, backend="aot_eager", fullgraph=True))
+        want_caches = [c.clone() for c in caches]
+        want_tokens = decode(q, k, v, *want_caches, *rest)
+        got_tokens = torch.compile(decode, backend="aot_eager", fullgraph=True)(q, k, v, *caches, *rest)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert got_tokens.tolist() == want_tokens.tolist()
+    for a, b in zip(caches, want_caches):  # the compiled write landed in the caller's caches
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 # A tiny model that reaches every kernel of the training step: RMSNorm with the fused residual add, q/k

@@ -328,6 +328,55 @@ class CrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+# ------------------------------------------------------------------------------ torch.compile: custom ops
+# Under torch.compile the public op calls these instead of CrossEntropy (Dynamo cannot trace the launch):
+# opaque to the compiler, fake functions for shapes, the backward registered (docs/kernels/compile.md).
+@torch.library.custom_op("kiln::cross_entropy_fwd", mutates_args=())
+def cross_entropy_fwd_op(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-row loss (N,) float32, lse (N,) float32)."""
+    return cross_entropy_rows(logits, targets, ignore_index, label_smoothing)
+
+
+@cross_entropy_fwd_op.register_fake
+def _(logits, targets, ignore_index, label_smoothing):
+    _check(logits, targets, label_smoothing, "none", "logits (N, V)")
+    return tuple(logits.new_empty(logits.shape[0], dtype=torch.float32) for _ in range(2))
+
+
+@torch.library.custom_op("kiln::cross_entropy_bwd", mutates_args=())
+def cross_entropy_bwd_op(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    scale: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+) -> torch.Tensor:
+    """scale * dloss/dlogits, a new contiguous (N, V) tensor; scale 0-d or (N,) float32."""
+    return cross_entropy_grad(logits, targets, lse, scale, ignore_index, label_smoothing)
+
+
+@cross_entropy_bwd_op.register_fake
+def _(logits, targets, lse, scale, ignore_index, label_smoothing):
+    return logits.new_empty(logits.shape)
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    logits, targets, ignore_index, label_smoothing = inputs
+    ctx.save_for_backward(logits, targets, output[1])
+    ctx.args = (ignore_index, label_smoothing)
+
+
+def _cross_entropy_backward(ctx, dloss, _dlse):
+    logits, targets, lse = ctx.saved_tensors
+    return cross_entropy_bwd_op(logits, targets, lse, dloss.float(), *ctx.args), None, None, None
+
+
+cross_entropy_fwd_op.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
+
+
 def cross_entropy(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -338,4 +387,8 @@ def cross_entropy(
     if not use_triton(logits, targets):
         return cross_entropy_ref(logits, targets, ignore_index, label_smoothing, reduction)
     _check(logits, targets, label_smoothing, reduction, "logits (N, V)")
+    if torch.compiler.is_compiling():
+        # the per-row losses from the op, reduced here (traced): the backward gets each row's gradient
+        loss, _ = cross_entropy_fwd_op(logits, targets, ignore_index, float(label_smoothing))
+        return _reduce(loss, (targets != ignore_index).sum(), reduction)
     return CrossEntropy.apply(logits, targets, ignore_index, float(label_smoothing), reduction)
