@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batched GPU session: kiln's GPU tests, every benchmark, and the main job on CUDA.
 # Usage (on the H200, from the repo root): bash bench/gpu_suite.sh OUT_DIR [parts...]
-# parts: tests norms gemm_ce attention run (default: all). Each part has its own time cap so one
+# parts: tests norms gemm_ce attention run (default: all), and compile (asked for by name: its JSON
+# would be an 8th file; it replaces a part). Each part has its own time cap so one
 # slow part cannot eat the others'; results are JSON/logs in OUT_DIR.
 # At most 7 files land in OUT_DIR (the device tool brings back 8).
 set -u
@@ -36,6 +37,7 @@ for part in $PARTS; do
     norms) timeout 170 python3 bench/kernels_norms.py --budget 150 --out "$OUT/kernels_norms.json" >> "$OUT/bench.log" 2>&1 ;;
     gemm_ce) timeout 150 python3 bench/kernels_gemm_ce.py --out "$OUT/kernels_gemm_ce.json" >> "$OUT/bench.log" 2>&1 ;;
     attention) timeout 130 python3 bench/attention.py --out "$OUT/attention.json" >> "$OUT/bench.log" 2>&1 ;;
+    compile) timeout 400 python3 bench/compile.py --preset gpu --out "$OUT/compile.json" >> "$OUT/bench.log" 2>&1 ;;
     run) timeout 75 python3 -m kiln.cli run --no-progress --out /tmp/kiln-gpu-run --data.max_bytes=12000000 \
            --tokenizer.train_bytes=3000000 --train.steps=150 --train.eval_interval=50 --train.ckpt_interval=150 \
            > "$OUT/run_gpu.log" 2>&1 ;;
