@@ -4,9 +4,12 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
-from kiln.kernels.launch import CachedLaunch, _arg_key
+from kiln.kernels import launch as L
+from kiln.kernels.launch import CachedLaunch, _arg_key, fast_path_supported
 
 
 def test_key_separates_what_triton_specializes():
@@ -126,8 +129,6 @@ def test_bound_launch_runs_the_binary_on_new_arguments():
 
 
 def test_fast_path_only_on_tested_triton_versions():
-    from kiln.kernels.launch import fast_path_supported
-
     assert fast_path_supported("3.6.0") and fast_path_supported("3.6.1+git0123abcd")
     for version in ("3.7.0", "3.5.1", "4.6.0", "36.0", "", "unknown"):
         assert not fast_path_supported(version), version
@@ -136,8 +137,6 @@ def test_fast_path_only_on_tested_triton_versions():
 def test_untested_triton_takes_the_plain_launch(monkeypatch):
     """On a Triton version the fast path was not tested with, every launch (and every bound run) is the
     plain `fn[grid](...)`, and nothing is cached."""
-    from kiln.kernels import launch as L
-
     calls = []
 
     class Plain:  # stands in for a JITFunction: records the launches it receives
@@ -159,10 +158,6 @@ def test_untested_triton_takes_the_plain_launch(monkeypatch):
 def _triton_key(fn: JITFunction, args: tuple, meta: dict) -> str:
     """Triton's own compiled-kernel cache key for a launch of `fn` (JITFunction.run's `key`), computed for
     an sm_90 target without a GPU: the binder specializes each argument as the launch would."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import compute_cache_key, create_function_from_signature
-
     binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
     _, specialization, options = binder(*args, **meta)
     return compute_cache_key({}, specialization, options)
@@ -215,7 +210,5 @@ def test_cached_kernel_is_tritons_own_compiled_kernel():
         # the options JITFunction.run adds before binding
         debug = bool(fn.debug) or triton.knobs.runtime.debug
         meta_run = dict(meta, debug=debug, instrumentation_mode=triton.knobs.compilation.instrumentation_mode)
-        from triton.runtime.jit import compute_cache_key
-
         _, spec, options = binder(*args, **meta_run)
         assert kernel_cache[compute_cache_key({}, spec, options)] is kernel
