@@ -377,7 +377,7 @@ def bench_lce() -> None:
 
     def ours():
         with use_backend("triton"):
-            return ce.linear_cross_entropy(h, W, y)
+            return lce.linear_cross_entropy(h, W, y)
 
     peers = {"eager": lambda: F.cross_entropy(F.linear(h, W).float(), y)}
     if DEV == "cuda" and within_budget():
@@ -397,7 +397,7 @@ def bench_lce() -> None:
     def plan_call(plan):
         def call():
             with use_backend("triton"):
-                return ce.linear_cross_entropy(h, W, y, plan=plan)
+                return lce.linear_cross_entropy(h, W, y, plan=plan)
 
         return call
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One batched GPU session: kiln's GPU tests, every benchmark, and the main job on CUDA.
 # Usage (on the H200, from the repo root): bash bench/gpu_suite.sh OUT_DIR [parts...]
-# parts: tests norms gemm_ce attention matmul_decode host_overhead run (default: tests norms gemm_ce
-# attention run). Each part has its own time cap so one
+# parts: tests norms gemm_ce attention matmul_decode host_overhead run infer compile (default: tests norms
+# gemm_ce attention run). Each part has its own time cap so one
 # slow part cannot eat the others'; results are JSON/logs in OUT_DIR.
 # At most 7 files land in OUT_DIR (the device tool brings back 8).
 set -u
@@ -40,6 +40,8 @@ for part in $PARTS; do
     matmul_decode) timeout 90 python3 bench/matmul_decode.py --out "$OUT/matmul_decode.json" >> "$OUT/bench.log" 2>&1 ;;
     host_overhead) timeout 90 python3 bench/host_overhead.py --out "$OUT/host_overhead.json" >> "$OUT/bench.log" 2>&1 ;;
     attention) timeout 130 python3 bench/attention.py --out "$OUT/attention.json" >> "$OUT/bench.log" 2>&1 ;;
+    compile) timeout 400 python3 bench/compile.py --preset gpu --out "$OUT/compile.json" >> "$OUT/bench.log" 2>&1 ;;
+    infer) timeout 300 python3 bench/infer.py --out "$OUT/infer.json" >> "$OUT/bench.log" 2>&1 ;;
     run) timeout 75 python3 -m kiln.cli run --no-progress --out /tmp/kiln-gpu-run --data.max_bytes=12000000 \
            --tokenizer.train_bytes=3000000 --train.steps=150 --train.eval_interval=50 --train.ckpt_interval=150 \
            > "$OUT/run_gpu.log" 2>&1 ;;

@@ -4,9 +4,12 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
-from kiln.kernels.launch import CachedLaunch, _arg_key
+from kiln.kernels import launch as L
+from kiln.kernels.launch import CachedLaunch, _arg_key, fast_path_supported
 
 
 def test_key_separates_what_triton_specializes():
@@ -123,3 +126,89 @@ def test_bound_launch_runs_the_binary_on_new_arguments():
         x2, y2, out2 = torch.randn_like(x), torch.randn_like(x), torch.empty_like(x)
         run((x2, y2, out2, n, alpha))
         torch.testing.assert_close(out2, -(alpha * x2 + y2))
+
+
+def test_fast_path_only_on_tested_triton_versions():
+    assert fast_path_supported("3.6.0") and fast_path_supported("3.6.1+git0123abcd")
+    for version in ("3.7.0", "3.5.1", "4.6.0", "36.0", "", "unknown"):
+        assert not fast_path_supported(version), version
+
+
+def test_untested_triton_takes_the_plain_launch(monkeypatch):
+    """On a Triton version the fast path was not tested with, every launch (and every bound run) is the
+    plain `fn[grid](...)`, and nothing is cached."""
+    calls = []
+
+    class Plain:  # stands in for a JITFunction: records the launches it receives
+        params = []
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append((grid, args, meta)) or "kernel"
+
+    monkeypatch.setattr(L, "interpreting", lambda: False)  # as on a GPU machine
+    cached = L.CachedLaunch(Plain(), triton_version="3.7.0")
+    assert not cached.fast
+    assert cached[(3,)](1, 2, BLOCK=4) == "kernel"
+    run = cached.bind((2,), (5,), {"BLOCK": 8})
+    run((6,))
+    assert calls == [((3,), (1, 2), {"BLOCK": 4}), ((2,), (5,), {"BLOCK": 8}), ((2,), (6,), {"BLOCK": 8})]
+    assert cached.compiled == {}
+
+
+def _triton_key(fn: JITFunction, args: tuple, meta: dict) -> str:
+    """Triton's own compiled-kernel cache key for a launch of `fn` (JITFunction.run's `key`), computed for
+    an sm_90 target without a GPU: the binder specializes each argument as the launch would."""
+    binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
+    _, specialization, options = binder(*args, **meta)
+    return compute_cache_key({}, specialization, options)
+
+
+def test_key_is_at_least_as_fine_as_tritons_cache_key():
+    """Two launches that share a CachedLaunch key must share Triton's compiled-kernel cache key: reusing a
+    cached binary is then exactly what Triton would have done. Checked over tensors of every dtype and
+    alignment, ints of every class, floats, None, constexprs positional and by keyword, launch options."""
+    fn = JITFunction(_axpy.fn)  # under the interpreter `_axpy` wraps the Python function
+    launch = CachedLaunch(fn)
+    base = torch.zeros(64)
+    tensors = [base, base[1:], base[4:], base.half(), base.half()[8:], base.bfloat16()[1:]]
+    ints = [1, 2, 16, 48, 17, 2**31 - 16, 2**31, 2**40 + 1, -16, -(2**33)]
+    launches = []
+    for x in tensors:
+        for y in (tensors[0], tensors[1], None):
+            for n in ints:
+                for alpha in (0.5, 2.0):
+                    launches.append(((x, y, base, n, alpha), {"BLOCK": 32}))
+                launches.append(((x, y, base, n, 1.0, 64), {"NEG": True}))
+                launches.append(((x, y, base, n, 1.0), {"BLOCK": 64, "NEG": True, "num_warps": 8}))
+    seen: dict[tuple, str] = {}
+    for args, meta in launches:
+        ours, theirs = launch.key(0, args, meta), _triton_key(fn, args, meta)
+        assert seen.setdefault(ours, theirs) == theirs, (
+            f"one CachedLaunch key, two Triton keys: {args} {meta}"
+        )
+    assert len(seen) > 50  # the launches do reach many specializations
+
+
+@pytest.mark.gpu
+def test_cached_kernel_is_tritons_own_compiled_kernel():
+    """On the GPU: what the cache holds for a launch is the very CompiledKernel in Triton's per-device cache
+    under Triton's key for that launch."""
+    fn = _axpy  # a real JITFunction on the GPU
+    cached = CachedLaunch(fn)
+    base = torch.randn(4200, device="cuda")
+    device = torch.cuda.current_device()
+    for off, n, meta in [
+        (0, 4096, {"BLOCK": 256}),
+        (1, 4096, {"BLOCK": 256}),
+        (0, 1, {"BLOCK": 256, "NEG": True}),
+    ]:
+        args = (base[off : off + n], base[off : off + n], torch.empty(n, device="cuda"), n, 0.5)
+        for _ in range(2):
+            cached[(triton.cdiv(n, 256),)](*args, **meta)
+        kernel, _ = cached.compiled[cached.key(device, args, meta)]
+        kernel_cache, _, _, _, binder = fn.device_caches[device]
+        # the options JITFunction.run adds before binding
+        debug = bool(fn.debug) or triton.knobs.runtime.debug
+        meta_run = dict(meta, debug=debug, instrumentation_mode=triton.knobs.compilation.instrumentation_mode)
+        _, spec, options = binder(*args, **meta_run)
+        assert kernel_cache[compute_cache_key({}, spec, options)] is kernel

@@ -6,9 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from kiln.kernels.dispatch import use_backend
-from kiln.kernels.linear_cross_entropy import PLAN, Plan, chunk_bounds, split_rows
+from kiln.kernels.linear_cross_entropy import (
+    PLAN,
+    Plan,
+    chunk_bounds,
+    linear_cross_entropy,
+    linear_cross_entropy_ref,
+    split_rows,
+)
 
 from ._tolerance import assert_close
 

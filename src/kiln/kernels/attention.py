@@ -83,6 +83,76 @@ class FlashAttention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None, None, None, None, None
 
 
+# ------------------------------------------------------------------------------ torch.compile: custom ops
+# Dynamo cannot trace the autotuned Triton launches: under torch.compile the public op calls these
+# instead, opaque to the compiler, with fake functions for shapes and the backward registered. The
+# sink's gradient is plain tensor math in the registered backward (traced, so the compiler fuses it).
+@torch.library.custom_op("kiln::attention_fwd", mutates_args=())
+def attention_fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    max_seqlen: int,
+    causal: bool,
+    sm_scale: float,
+    window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o like q, lse (B, Hq, Tq) float32; (1, Hq, total) with cu_seqlens). max_seqlen: the longest
+    document with cu_seqlens (any upper bound is correct: programs past a document's end exit)."""
+    return attention_fwd(q, k, v, causal, sm_scale, window, sinks, cu_seqlens, max_seqlen)
+
+
+@attention_fwd_op.register_fake
+def _(q, k, v, sinks, cu_seqlens, max_seqlen, causal, sm_scale, window):
+    _check(q, k, v, sinks, cu_seqlens)
+    lse = (1, q.shape[1], q.shape[0]) if cu_seqlens is not None else (q.shape[0], q.shape[2], q.shape[1])
+    return q.new_empty(q.shape), q.new_empty(lse, dtype=torch.float32)
+
+
+@torch.library.custom_op("kiln::attention_bwd", mutates_args=())
+def attention_bwd_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    max_seqlen: int,
+    causal: bool,
+    sm_scale: float,
+    window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq like q, dk like k, dv like v, delta like lse)."""
+    return attention_bwd(do, q, k, v, o, lse, causal, sm_scale, window, cu_seqlens, max_seqlen)
+
+
+@attention_bwd_op.register_fake
+def _(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, sm_scale, window):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), torch.empty_like(lse)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, sinks, cu_seqlens, max_seqlen, causal, sm_scale, window = inputs
+    ctx.save_for_backward(q, k, v, *output, sinks, cu_seqlens)
+    ctx.args = (max_seqlen, causal, sm_scale, window)
+
+
+def _attention_backward(ctx, do, _dlse):
+    q, k, v, o, lse, sinks, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv, delta = attention_bwd_op(do, q, k, v, o, lse, cu_seqlens, *ctx.args)
+    dsinks = None
+    if sinks is not None and ctx.needs_input_grad[3]:  # as FlashAttention.backward
+        p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse * LN2)  # (B, Hq, Tq)
+        dsinks = (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)
+    return dq, dk, dv, dsinks, None, None, None, None, None
+
+
+attention_fwd_op.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
 # ------------------------------------------------------------------------------------------ public op
 def attention(
     q: torch.Tensor,
@@ -100,8 +170,10 @@ def attention(
 ) -> torch.Tensor:
     """Attention over (B, T, H, D) tensors (or packed (total, H, D) with cu_seqlens); see the module doc.
 
-    max_seqlen: the longest document of cu_seqlens, when the caller knows it (else read from the device,
-    a host sync). cu_seqlens_k: separate key bounds (keys = each document's cached prefix + its new rows,
+    max_seqlen: with cu_seqlens, the longest document's length if the caller knows it on the host (it
+    sizes the grid). Omitted, eager calls read it from cu_seqlens (a device-to-host sync); compiled
+    calls use the total token count instead, an upper bound (no sync; extra programs exit at once).
+    cu_seqlens_k: separate key bounds (keys = each document's cached prefix + its new rows,
     `attention_ref`'s doc); forward only (inference): no gradient flows through that form."""
     if window is not None and window < 1:
         raise ValueError(f"attention: window must be >= 1 (keys p - W < j <= p), got {window}")
@@ -114,7 +186,9 @@ def attention(
         if cu_seqlens is None:
             max_seqlen = 0
         elif max_seqlen is None:
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            # under torch.compile a read of device memory would be a graph break (and a sync)
+            compiling = torch.compiler.is_compiling()
+            max_seqlen = q.shape[0] if compiling else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         if cu_seqlens_k is not None:
             if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
                 raise ValueError(
@@ -124,6 +198,8 @@ def attention(
                 q, k, v, causal, scale, window, sinks, cu_seqlens, max_seqlen, cu_seqlens_k=cu_seqlens_k
             )
             return o
+        if torch.compiler.is_compiling():
+            return attention_fwd_op(q, k, v, sinks, cu_seqlens, max_seqlen, causal, scale, window)[0]
         return FlashAttention.apply(q, k, v, sinks, cu_seqlens, max_seqlen, causal, scale, window)
     return attention_ref(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks, attn_mask=attn_mask,

@@ -9,7 +9,7 @@ reduction: "mean" (over non-ignored tokens), "sum", or "none" (per token, float3
 The Triton path: one program per row streams the vocabulary in blocks, keeping an online logsumexp
 (running max and rescaled sum), so a 151936-wide row never has to fit on chip. The forward reads the
 logits once and saves only lse (N floats); the backward reads them once more and writes the gradient.
-The fused linear + cross-entropy (linear_cross_entropy.py, also importable from here) runs the same
+The fused linear + cross-entropy (kiln.kernels.linear_cross_entropy, which imports this module) runs the same
 kernel on chunks of logits, writing the gradient in place of them, or a one-pass variant that writes
 U = exp(z - m) against a per-row reference m and a row factor c with scale * dloss/dz = c * U (one read
 and one write of the logits instead of two reads and a write; see _one_pass_kernel).
@@ -328,6 +328,55 @@ class CrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+# ------------------------------------------------------------------------------ torch.compile: custom ops
+# Under torch.compile the public op calls these instead of CrossEntropy (Dynamo cannot trace the launch):
+# opaque to the compiler, fake functions for shapes, the backward registered (docs/kernels/compile.md).
+@torch.library.custom_op("kiln::cross_entropy_fwd", mutates_args=())
+def cross_entropy_fwd_op(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-row loss (N,) float32, lse (N,) float32)."""
+    return cross_entropy_rows(logits, targets, ignore_index, label_smoothing)
+
+
+@cross_entropy_fwd_op.register_fake
+def _(logits, targets, ignore_index, label_smoothing):
+    _check(logits, targets, label_smoothing, "none", "logits (N, V)")
+    return tuple(logits.new_empty(logits.shape[0], dtype=torch.float32) for _ in range(2))
+
+
+@torch.library.custom_op("kiln::cross_entropy_bwd", mutates_args=())
+def cross_entropy_bwd_op(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    scale: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+) -> torch.Tensor:
+    """scale * dloss/dlogits, a new contiguous (N, V) tensor; scale 0-d or (N,) float32."""
+    return cross_entropy_grad(logits, targets, lse, scale, ignore_index, label_smoothing)
+
+
+@cross_entropy_bwd_op.register_fake
+def _(logits, targets, lse, scale, ignore_index, label_smoothing):
+    return logits.new_empty(logits.shape)
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    logits, targets, ignore_index, label_smoothing = inputs
+    ctx.save_for_backward(logits, targets, output[1])
+    ctx.args = (ignore_index, label_smoothing)
+
+
+def _cross_entropy_backward(ctx, dloss, _dlse):
+    logits, targets, lse = ctx.saved_tensors
+    return cross_entropy_bwd_op(logits, targets, lse, dloss.float(), *ctx.args), None, None, None
+
+
+cross_entropy_fwd_op.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
+
+
 def cross_entropy(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -338,14 +387,8 @@ def cross_entropy(
     if not use_triton(logits, targets):
         return cross_entropy_ref(logits, targets, ignore_index, label_smoothing, reduction)
     _check(logits, targets, label_smoothing, reduction, "logits (N, V)")
+    if torch.compiler.is_compiling():
+        # the per-row losses from the op, reduced here (traced): the backward gets each row's gradient
+        loss, _ = cross_entropy_fwd_op(logits, targets, ignore_index, float(label_smoothing))
+        return _reduce(loss, (targets != ignore_index).sum(), reduction)
     return CrossEntropy.apply(logits, targets, ignore_index, float(label_smoothing), reduction)
-
-
-def __getattr__(name: str):
-    # The fused op lives in linear_cross_entropy.py (which imports this module's kernel); it stays
-    # importable from here, where it began: `from kiln.kernels.cross_entropy import linear_cross_entropy`.
-    if name in ("linear_cross_entropy", "linear_cross_entropy_ref", "LinearCrossEntropy", "Plan", "PLAN"):
-        from kiln.kernels import linear_cross_entropy as lce
-
-        return getattr(lce, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -222,6 +222,31 @@ def decode_attention_triton(
 
 
 # ------------------------------------------------------------------------------------------ public op
+# ------------------------------------------------------------------------------ torch.compile: custom op
+# Under torch.compile the public op calls this (Dynamo cannot trace the autotuned launches): opaque to the
+# compiler, a fake function for the output's shape. Inference only: no gradient.
+@torch.library.custom_op("kiln::decode_attention", mutates_args=())
+def decode_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    num_splits: int | None,
+) -> torch.Tensor:
+    """decode_attention_triton on checked inputs (q with a contiguous last dim): (B, Hq, D) like q."""
+    return decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, softmax_scale, window, sinks,
+                                   num_splits)  # fmt: skip
+
+
+@decode_attention_op.register_fake
+def _(q, k_cache, v_cache, block_table, seq_lens, softmax_scale, window, sinks, num_splits):
+    return torch.empty_like(q)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -262,6 +287,9 @@ def decode_attention(
         q = q if q.stride(-1) == 1 else q.contiguous()
         if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
             raise ValueError("decode_attention: the caches' last dim must be contiguous")
+        if torch.compiler.is_compiling():
+            args = (q, k_cache, v_cache, block_table, seq_lens, scale, window, sinks, num_splits)
+            return decode_attention_op(*args)
         return decode_attention_triton(
             q, k_cache, v_cache, block_table, seq_lens, scale, window, sinks, num_splits
         )

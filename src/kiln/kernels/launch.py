@@ -18,18 +18,35 @@ The key is computed by a function generated once per tuple of argument types, wi
 expression inlined, and a hit also holds the trailing constexpr arguments the handle takes: on the
 2-core CPU machine that took a 12-argument key from 4.2 to 2.3 us. Under the interpreter, and while
 torch.compile traces, it defers to the plain launch.
+
+The fast path calls Triton internals that are not a public API (the compiled kernel's `run` and its
+argument order, `knobs.runtime` hooks, `driver.active.get_current_stream`), so it is taken only on the
+Triton versions it was tested with (`TESTED_TRITON`, major.minor); on any other version every launch is
+the plain `fn[grid](...)`, slower on the host but correct.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import triton
 from triton import knobs
 from triton.runtime import driver
 
 from kiln.kernels.dispatch import interpreting
+
+# Triton (major, minor) versions the fast path was written and tested against: tests/kernels/test_launch.py
+# checks its key against 3.6's own specialization, and the GPU tests run its launches on the H200.
+TESTED_TRITON = ((3, 6),)
+
+
+def fast_path_supported(version: str) -> bool:
+    """Whether CachedLaunch may bypass `fn[grid]` on Triton `version` (e.g. "3.6.0", "3.7.0+git1234")."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return m is not None and (int(m.group(1)), int(m.group(2))) in TESTED_TRITON
 
 
 def cdiv(a: int, b: int) -> int:
@@ -91,9 +108,11 @@ class CachedLaunch:
     ever grows by one compiled binary per specialization, as Triton's own cache does.
     """
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn, triton_version: str = triton.__version__) -> None:
         self.fn = fn
-        self.interpret = interpreting()  # fixed once triton is imported, as the kernel itself is
+        # the cached handle only where it was tested (module docstring), and never under the interpreter
+        # (fixed once triton is imported, as the kernel itself is); else every launch is plain
+        self.fast = not interpreting() and fast_path_supported(triton_version)
         # key -> (the compiled kernel, the trailing arguments its handle takes after the positional ones)
         self.compiled: dict[tuple, tuple[Any, tuple]] = {}
         # parameter names and defaults (the interpreter's wrapper has neither, and never needs them)
@@ -121,10 +140,8 @@ class CachedLaunch:
         that the new arguments specialize as `args` did (kinds, dtypes, 16-byte alignment, int classes),
         e.g. by memoizing `run` under a key holding all of those (matmul_fwd's plans)."""
         kernel = self.launch(grid, args, meta)
-        entry = (
-            None if self.interpret else self.compiled.get(self.key(torch.cuda.current_device(), args, meta))
-        )
-        if entry is None:  # the interpreter, torch.compile tracing or a profiler hook: plain launches
+        entry = self.compiled.get(self.key(torch.cuda.current_device(), args, meta)) if self.fast else None
+        if entry is None:  # the interpreter, an untested Triton, torch.compile tracing or a profiler hook
             return lambda new_args: self.launch(grid, new_args, meta)
         rest = entry[1]
         device = torch.cuda.current_device()
@@ -142,8 +159,8 @@ class CachedLaunch:
         return run
 
     def launch(self, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> Any:
-        if self.interpret or torch.compiler.is_compiling():
-            # the interpreter; or torch.compile tracing, which captures a plain launch of a @triton.jit
+        if not self.fast or torch.compiler.is_compiling():
+            # the interpreter or an untested Triton version; or torch.compile tracing, which captures a plain launch of a @triton.jit
             # function into its graph (it could not trace this cache's data_ptr keys)
             return self.fn[grid](*args, **meta)
         device = torch.cuda.current_device()

@@ -24,9 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.kernels.dispatch import use_triton
-from kiln.kernels.launch import CachedLaunch, cdiv, pow2
-from kiln.kernels.rmsnorm import (
+from kiln.kernels._common import (
     COUNTERS,
     PROGRAMS_PER_SM,
     ROW_LOOP_STAGES,
@@ -41,6 +39,8 @@ from kiln.kernels.rmsnorm import (
     sum_rows_step,
     zero_counters,
 )
+from kiln.kernels.dispatch import use_triton
+from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 
 
 def layernorm_ref(
@@ -284,6 +284,71 @@ class LayerNormFunction(torch.autograd.Function):
         return dx, dw, db, (dx if ctx.has_residual else None), None
 
 
+# ------------------------------------------------------------------------------ torch.compile: custom ops
+# As rmsnorm.py's: under torch.compile the public op calls these (opaque to the compiler, fake functions
+# for shapes, the backward registered) instead of LayerNormFunction.
+@torch.library.custom_op("kiln::layernorm_fwd", mutates_args=())
+def layernorm_fwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    eps: float,
+    for_backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y like x, h = x + residual like x (empty without a residual: it would alias x), stats (2 * n_rows
+    + COUNTERS,) float32 (empty unless `for_backward`))."""
+    y, h, stats = layernorm_fwd(x, weight, bias, eps, residual, for_backward=for_backward)
+    h = h.view(x.shape) if residual is not None else x.new_empty(0)
+    return y.view(x.shape), h, stats if stats is not None else x.new_empty(0, dtype=torch.float32)
+
+
+@layernorm_fwd_op.register_fake
+def _(x, weight, bias, residual, eps, for_backward):
+    check_rows("layernorm", x, weight, residual)
+    n_rows = x.numel() // x.shape[-1]
+    stats = x.new_empty(2 * n_rows + COUNTERS.value if for_backward else 0, dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(x.shape if residual is not None else 0), stats
+
+
+@torch.library.custom_op("kiln::layernorm_bwd", mutates_args=())
+def layernorm_bwd_op(
+    dy: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stats: torch.Tensor,
+    dh: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx like h, dw like weight, db like bias (empty without a bias)). The counters in stats are left
+    zero, as the forward made them."""
+    D = h.shape[-1]
+    bias_dtype = None if bias is None else bias.dtype
+    dx, dw, db = layernorm_bwd(dy, as_rows(h, D), weight, bias_dtype, stats, dh)
+    return dx.view(h.shape), dw, db if db is not None else weight.new_empty(0)
+
+
+@layernorm_bwd_op.register_fake
+def _(dy, h, weight, bias, stats, dh):
+    db = weight.new_empty(0) if bias is None else weight.new_empty(weight.shape[0], dtype=bias.dtype)
+    return h.new_empty(h.shape), torch.empty_like(weight), db
+
+
+def _layernorm_setup(ctx, inputs, output):
+    x, weight, bias, residual, _, _ = inputs
+    ctx.has_residual = residual is not None
+    ctx.save_for_backward(output[1] if residual is not None else x, weight, bias, output[2])
+
+
+def _layernorm_backward(ctx, dy, dh, _dstats):
+    h, weight, bias, stats = ctx.saved_tensors
+    dx, dw, db = layernorm_bwd_op(dy, h, weight, bias, stats, dh if ctx.has_residual else None)
+    return dx, dw, (db if bias is not None else None), (dx if ctx.has_residual else None), None, None
+
+
+layernorm_fwd_op.register_autograd(_layernorm_backward, setup_context=_layernorm_setup)
+
+
 def layernorm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -294,6 +359,10 @@ def layernorm(
     """LayerNorm of x's last dim; with `residual`, returns (norm(x + residual), x + residual)."""
     if not use_triton(x, weight, bias, residual):
         return layernorm_ref(x, weight, bias, eps, residual)
+    if torch.compiler.is_compiling():
+        for_backward = needs_grad(x, weight, bias, residual)
+        y, h, _ = layernorm_fwd_op(x, weight, bias, residual, eps, for_backward)
+        return y if residual is None else (y, h)
     if needs_grad(x, weight, bias, residual):
         return LayerNormFunction.apply(x, weight, bias, residual, eps)
     y, h, _ = layernorm_fwd(x, weight, bias, eps, residual, for_backward=False)

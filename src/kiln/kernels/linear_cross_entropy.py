@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import needs_grad
 from kiln.kernels.cross_entropy import (
     _check,
     _launch,
@@ -374,6 +375,133 @@ class LinearCrossEntropy(torch.autograd.Function):
         return dh, dw, None, db, None, None, None, None
 
 
+# ------------------------------------------------------------------------------ torch.compile: custom ops
+# Under torch.compile the public op calls these instead of LinearCrossEntropy (Dynamo cannot trace the
+# launches), with the default PLAN (a Plan is not a custom-op argument). As in eager, "mean"/"sum" form
+# the gradients in the forward; the registered backward multiplies them by the incoming gradient out of
+# place (traced, so the compiler fuses it; eager scales in place and skips the pass when it is 1).
+# "none" recomputes the chunks in the backward with each token's incoming gradient.
+def _want_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return t if t is not None else like.new_empty(0)
+
+
+@torch.library.custom_op("kiln::linear_cross_entropy_fwd", mutates_args=())
+def linear_cross_entropy_fwd_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    want_hidden: bool,
+    want_weight: bool,
+    want_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss reduced as `reduction` asks, dhidden (N, H), dweight (V, H), dbias (V,) float32): the
+    gradients of the loss itself (incoming gradient 1), formed for "mean"/"sum" where wanted, else
+    empty."""
+    want = (want_hidden, want_weight, bias is not None and want_bias)
+    n_valid = (targets != ignore_index).sum()
+    early = reduction != "none" and any(want)
+    scale = _row_scale(torch.ones((), device=hidden.device), n_valid, reduction) if early else None
+    loss, dh, dw, db = linear_cross_entropy_chunks(
+        hidden, weight, targets, bias, ignore_index, label_smoothing, scale, want
+    )
+    return (
+        _reduce(loss, n_valid, reduction),
+        _want_empty(dh, hidden),
+        _want_empty(dw, weight),
+        _want_empty(db, loss),
+    )
+
+
+@linear_cross_entropy_fwd_op.register_fake
+def _(hidden, weight, targets, bias, ignore_index, label_smoothing, reduction, want_hidden, want_weight,
+      want_bias):  # fmt: skip
+    _check_inputs(hidden, weight, targets, bias, label_smoothing, reduction)
+    early = reduction != "none"
+    (N, H), V = hidden.shape, weight.shape[0]
+    loss = hidden.new_empty(N if reduction == "none" else (), dtype=torch.float32)
+    return (
+        loss,
+        hidden.new_empty((N, H) if early and want_hidden else 0),
+        weight.new_empty((V, H) if early and want_weight else 0),
+        hidden.new_empty(V if early and want_bias and bias is not None else 0, dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("kiln::linear_cross_entropy_bwd", mutates_args=())
+def linear_cross_entropy_bwd_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    grad_loss: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    want_hidden: bool,
+    want_weight: bool,
+    want_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reduction="none"'s backward: the chunks again, each token's dloss/dz scaled by grad_loss (N,).
+    Returns (dhidden, dweight, dbias float32), empty where not wanted."""
+    want = (want_hidden, want_weight, bias is not None and want_bias)
+    _, dh, dw, db = linear_cross_entropy_chunks(
+        hidden, weight, targets, bias, ignore_index, label_smoothing, grad_loss.float(), want
+    )
+    return _want_empty(dh, hidden), _want_empty(dw, weight), _want_empty(db, grad_loss.float())
+
+
+@linear_cross_entropy_bwd_op.register_fake
+def _(hidden, weight, targets, bias, grad_loss, ignore_index, label_smoothing, want_hidden, want_weight,
+      want_bias):  # fmt: skip
+    (N, H), V = hidden.shape, weight.shape[0]
+    return (
+        hidden.new_empty((N, H) if want_hidden else 0),
+        weight.new_empty((V, H) if want_weight else 0),
+        hidden.new_empty(V if want_bias and bias is not None else 0, dtype=torch.float32),
+    )
+
+
+def _lce_setup(ctx, inputs, output):
+    hidden, weight, targets, bias, ignore_index, label_smoothing, reduction, *want = inputs
+    ctx.args = (ignore_index, label_smoothing, *want)
+    ctx.reduction, ctx.bias_dtype = reduction, None if bias is None else bias.dtype
+    if reduction != "none":
+        ctx.save_for_backward(*output[1:])
+    else:
+        ctx.save_for_backward(hidden, weight, targets, bias)
+
+
+def _lce_backward(ctx, grad_loss, _ddh, _ddw, _ddb):
+    want = ctx.args[2:]
+    if ctx.reduction != "none":
+        g = grad_loss.float()  # 0-d: every gradient is the loss's own times it (as scale_ computes it)
+        dh, dw, db = ((t.float() * g).to(t.dtype) for t in ctx.saved_tensors)
+    else:
+        hidden, weight, targets, bias = ctx.saved_tensors
+        dh, dw, db = linear_cross_entropy_bwd_op(hidden, weight, targets, bias, grad_loss, *ctx.args)
+    dh, dw = (dh if want[0] else None), (dw if want[1] else None)
+    db = db.to(ctx.bias_dtype) if ctx.bias_dtype is not None and want[2] else None
+    return dh, dw, None, db, None, None, None, None, None, None
+
+
+linear_cross_entropy_fwd_op.register_autograd(_lce_backward, setup_context=_lce_setup)
+
+
+def _check_inputs(hidden, weight, targets, bias, label_smoothing, reduction) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden is {hidden.dtype} but weight is {weight.dtype}: cast one of them")
+    _check(hidden, targets, label_smoothing, reduction, "hidden (N, H)")
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -388,15 +516,16 @@ def linear_cross_entropy(
         return linear_cross_entropy_ref(
             hidden, weight, targets, bias, ignore_index, label_smoothing, reduction
         )
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
-        raise ValueError(
-            f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
-        )
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"hidden is {hidden.dtype} but weight is {weight.dtype}: cast one of them")
-    _check(hidden, targets, label_smoothing, reduction, "hidden (N, H)")
+    _check_inputs(hidden, weight, targets, bias, label_smoothing, reduction)
+    if torch.compiler.is_compiling():
+        if plan != PLAN:
+            raise ValueError(
+                "linear_cross_entropy: under torch.compile only the default plan runs (a Plan is not a "
+                f"custom-op argument); got {plan}: call it eagerly to use another plan"
+            )
+        want = (needs_grad(hidden), needs_grad(weight), needs_grad(bias))
+        args = (hidden, weight, targets, bias, ignore_index, float(label_smoothing), reduction, *want)
+        return linear_cross_entropy_fwd_op(*args)[0]
     return LinearCrossEntropy.apply(
         hidden, weight, targets, bias, ignore_index, float(label_smoothing), reduction, plan
     )

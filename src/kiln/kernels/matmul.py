@@ -34,6 +34,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kiln.kernels import matmul_decode
+from kiln.kernels._common import apply_activation, needs_grad
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv
 
@@ -59,20 +61,6 @@ def matmul_ref(
     if bias is not None:
         c = c + bias.to(wide)
     return _act_ref(c, activation).to(a.dtype)
-
-
-@triton.jit
-def _activation(x, ACTIVATION: tl.constexpr):
-    if ACTIVATION == "relu":
-        x = tl.maximum(x, 0.0)
-    elif ACTIVATION == "silu":
-        x = x / (1.0 + tl.exp(-x))
-    elif ACTIVATION == "gelu":
-        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    elif ACTIVATION == "gelu_tanh":
-        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2/pi) * (x + 0.044715 x^3)
-        x = x / (1.0 + tl.exp(-2.0 * u))  # 0.5 x (1 + tanh u) = x * sigmoid(2u)
-    return x
 
 
 def tile_config(
@@ -185,7 +173,7 @@ def _epilogue(
     if STORE_PRE:
         pre_blk = tl.make_block_ptr(Pre_ptr, (M, N), (N, 1), (off_m, off_n), (BLOCK_M, BLOCK_N), (1, 0))
         tl.store(pre_blk, acc.to(Pre_ptr.dtype.element_ty), boundary_check=(0, 1))
-    acc = _activation(acc, ACTIVATION)
+    acc = apply_activation(acc, ACTIVATION)
     if TMA:
         if c_desc.block_shape[1] == BLOCK_N:
             c_desc.store([off_m, off_n], acc.to(C_ptr.dtype.element_ty))
@@ -461,8 +449,8 @@ def matmul_fwd(
     return c, pre
 
 
-def _plan(a, b, bias, activation, store_pre, out, accumulate, row_stats, config, tma) -> _Plan:
-    """matmul_fwd's checks (clear errors for bad arguments) and choices, for one layout of arguments."""
+def _check_operands(a, b, bias, activation) -> None:
+    """Clear errors for bad operands (shapes, dtypes, devices, activation): metadata only."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
@@ -475,6 +463,11 @@ def _plan(a, b, bias, activation, store_pre, out, accumulate, row_stats, config,
         raise ValueError(f"bias must have shape ({b.shape[1]},) on {a.device}, got {tuple(bias.shape)}")
     if a.device != b.device:
         raise ValueError(f"A is on {a.device} but B on {b.device}")
+
+
+def _plan(a, b, bias, activation, store_pre, out, accumulate, row_stats, config, tma) -> _Plan:
+    """matmul_fwd's checks (clear errors for bad arguments) and choices, for one layout of arguments."""
+    _check_operands(a, b, bias, activation)
     M, K = a.shape
     N = b.shape[1]
     if out is not None and (out.shape != (M, N) or out.dtype != a.dtype or out.stride() != (N, 1)):
@@ -555,12 +548,53 @@ class Matmul(torch.autograd.Function):
         return da, db, dbias, None
 
 
+# ------------------------------------------------------------------------------ torch.compile: custom op
+# Under torch.compile the public op calls this instead of Matmul (Dynamo cannot trace the launch): opaque
+# to the compiler, a fake function for shapes, and a backward of two more calls of the op itself.
+@torch.library.custom_op("kiln::matmul", mutates_args=())
+def matmul_op(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str, store_pre: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(a @ b + bias) (M, N) contiguous, the pre-activation (M, N) if `store_pre` and there is an
+    activation, else empty)."""
+    c, pre = matmul_fwd(a, b, bias, activation, store_pre=store_pre)
+    return c, pre if pre is not None else a.new_empty(0)
+
+
+@matmul_op.register_fake
+def _(a, b, bias, activation, store_pre):
+    _check_operands(a, b, bias, activation)
+    M, N = a.shape[0], b.shape[1]
+    return a.new_empty((M, N)), a.new_empty((M, N) if store_pre and activation != "none" else 0)
+
+
+def _matmul_setup(ctx, inputs, output):
+    a, b, bias, activation, _ = inputs
+    ctx.save_for_backward(a, b, output[1])
+    ctx.activation, ctx.has_bias = activation, bias is not None
+
+
+def _matmul_backward(ctx, grad_c, _dpre):
+    a, b, pre = ctx.saved_tensors
+    d = grad_c if ctx.activation == "none" else _act_grad(grad_c, pre, ctx.activation)
+    da = matmul_op(d, b.t(), None, "none", False)[0] if ctx.needs_input_grad[0] else None
+    db = matmul_op(a.t(), d, None, "none", False)[0] if ctx.needs_input_grad[1] else None
+    dbias = d.sum(0, dtype=torch.float32).to(d.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return da, db, dbias, None, None
+
+
+matmul_op.register_autograd(_matmul_backward, setup_context=_matmul_setup)
+
+
 def matmul(
     a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none"
 ) -> torch.Tensor:
     """act(a @ b + bias) for a (M, K), b (K, N), bias (N,)."""
     if not use_triton(a, b, bias):
         return matmul_ref(a, b, bias, activation)
+    if torch.compiler.is_compiling():
+        store_pre = activation != "none" and needs_grad(a, b, bias)  # the backward's act'(pre)
+        return matmul_op(a, b, bias, activation, store_pre)[0]
     if torch.is_grad_enabled() and (
         a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad)
     ):
@@ -587,8 +621,3 @@ def linear(
             "pass x.contiguous()"
         ) from err
     return matmul(x2, weight.t(), bias, activation).view(*lead, weight.shape[0])
-
-
-# At the end: the decode module builds on this one (its kernels use _activation above), and is reached
-# through the module object, so either module may be imported first.
-from kiln.kernels import matmul_decode  # noqa: E402

@@ -36,9 +36,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kiln.kernels._common import apply_activation
 from kiln.kernels.dispatch import interpreting, sm_count
 from kiln.kernels.launch import CachedLaunch, cdiv
-from kiln.kernels.matmul import _activation
 
 DECODE_MAX_M = 16  # the dot kernel's x.T tile is 16 wide: one column block covers every row
 
@@ -219,7 +219,7 @@ def _store(acc, m, n, pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS: tl.constexpr, ACTI
     else:
         if HAS_BIAS:
             acc += tl.load(Bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)
-        acc = _activation(acc, ACTIVATION)
+        acc = apply_activation(acc, ACTIVATION)
         tl.store(Y_ptr + at, acc.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -245,7 +245,7 @@ def _split_sum_kernel(
         acc += tl.load(P_ptr + s * MN + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(Bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    acc = _activation(acc, ACTIVATION)
+    acc = apply_activation(acc, ACTIVATION)
     tl.store(Y_ptr + offs, acc.to(Y_ptr.dtype.element_ty), mask=mask)
 
 

@@ -80,6 +80,21 @@ def paged_kv_write_triton(k_cache, v_cache, k, v, slots) -> None:
     # fmt: on
 
 
+# ------------------------------------------------------------------------------ torch.compile: custom op
+# Under torch.compile the public op calls this (Dynamo cannot trace the launch): an op that writes into
+# the caches in place, declared so (the compiler orders it against reads of the caches).
+@torch.library.custom_op("kiln::paged_kv_write", mutates_args=("k_cache", "v_cache"))
+def paged_kv_write_op(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    paged_kv_write_triton(k_cache, v_cache, k, v, slots)
+
+
+@paged_kv_write_op.register_fake
+def _(k_cache, v_cache, k, v, slots):
+    return None
+
+
 # ------------------------------------------------------------------------------------------ public op
 def paged_kv_write(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
@@ -101,7 +116,9 @@ def paged_kv_write(
         )
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_kv_write: the caches' last dim must be contiguous")
-    if use_triton(k_cache, v_cache, k, v, slots):
+    if use_triton(k_cache, v_cache, k, v, slots) and torch.compiler.is_compiling():
+        paged_kv_write_op(k_cache, v_cache, k, v, slots)
+    elif use_triton(k_cache, v_cache, k, v, slots):
         paged_kv_write_triton(k_cache, v_cache, k, v, slots)
     else:
         paged_kv_write_ref(k_cache, v_cache, k, v, slots)

@@ -35,16 +35,23 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.dispatch import sm_count, use_triton
+from kiln.kernels._common import (
+    COUNTERS,
+    PROGRAMS_PER_SM,
+    ROW_LOOP_STAGES,
+    as_rows,
+    backward_programs,
+    check_rows,
+    fwd_rows,
+    needs_grad,
+    row_warps,
+    shaped,
+    sum_partial_rows,
+    sum_rows_step,
+    zero_counters,
+)
+from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
-
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MAX_ROW = 65536  # a longer row would not fit in one program's registers
-# The backward's final sums (`sum_partial_rows`): programs per first-level group, and the int32 counters
-# the forward zeroes after its statistics (counter 0 for the groups, 1 + g for group g's programs).
-GROUP = tl.constexpr(16)
-COUNTERS = tl.constexpr(128)
-MAX_PROGRAMS = GROUP.value * (COUNTERS.value - 1)
 
 
 def rmsnorm_ref(
@@ -110,74 +117,6 @@ def _rmsnorm_fwd_kernel(
 
 
 @triton.jit
-def zero_counters(at):
-    """Program 0 zeroes the COUNTERS int32 counters at `at` (a float32 pointer into a norm's saved
-    statistics). A masked store rather than a branch: the branch cost the LayerNorm forward 10 registers
-    (64 -> 74 per thread at 8 warps, 4 -> 3 programs per SM; 0.1405 against 0.1334 ms on the H200)."""
-    c = tl.arange(0, COUNTERS)
-    tl.store(
-        at.to(tl.pointer_type(tl.int32)) + c,
-        tl.zeros((COUNTERS,), tl.int32),
-        mask=(c < COUNTERS) & (tl.program_id(0) == 0),
-    )
-
-
-@triton.jit
-def sum_partial_rows(
-    P_ptr,  # (n_programs, D) float32 partial rows, one per program of this launch (row pid: this one's)
-    Q_ptr,  # a second set (LayerNorm's db), summed alongside when HAS_Q
-    OUT_P,  # (D,) out: the column sums of P, in OUT_P's dtype
-    OUT_Q,
-    CNT_ptr,  # float32 pointer to COUNTERS int32 counters, zero on entry and left zero
-    n_cols,
-    HAS_Q: tl.constexpr,
-    SUM_ROWS: tl.constexpr,  # partial rows loaded per step (a (SUM_ROWS, BLOCK) tile)
-    BLOCK: tl.constexpr,
-):
-    """Called by every program of a backward once its partial rows are stored: the last program of each
-    GROUP to get here sums the group's rows (in program order) into the group's first row; the last
-    group to finish sums those rows (in order) into OUT. Counter 0 counts finished groups, counter
-    1 + g the finished programs of group g; each is reset by the program that saw it complete."""
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    cnt = CNT_ptr.to(tl.pointer_type(tl.int32))
-    group = pid // GROUP
-    first = group * GROUP
-    size = tl.minimum(n_prog - first, GROUP)
-    tl.debug_barrier()  # every thread's partial stores happen before this program's release below
-    if tl.atomic_add(cnt + 1 + group, 1, sem="acq_rel") == size - 1:
-        tl.store(cnt + 1 + group, 0)  # all of the group has counted: reset for the next backward
-        sum_rows(P_ptr, Q_ptr, P_ptr + first * n_cols, Q_ptr + first * n_cols, first, size, 1, n_cols,
-                  HAS_Q, SUM_ROWS, BLOCK)  # fmt: skip
-        n_groups = tl.cdiv(n_prog, GROUP)
-        tl.debug_barrier()
-        if tl.atomic_add(cnt, 1, sem="acq_rel") == n_groups - 1:
-            tl.store(cnt, 0)
-            sum_rows(P_ptr, Q_ptr, OUT_P, OUT_Q, 0, n_groups, GROUP, n_cols, HAS_Q, SUM_ROWS, BLOCK)
-
-
-@triton.jit
-def sum_rows(P_ptr, Q_ptr, OUT_P, OUT_Q, start, count, step, n_cols, HAS_Q: tl.constexpr,
-              SUM_ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """OUT = sum of rows start, start + step, ... (count of them) of P (and Q), in that order."""
-    cols = tl.arange(0, BLOCK)[None, :]
-    acc_p = tl.zeros((BLOCK,), dtype=tl.float32)
-    acc_q = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(0, count, SUM_ROWS):
-        k = i + tl.arange(0, SUM_ROWS)[:, None]
-        offs = (start + k * step).to(tl.int64) * n_cols + cols
-        ok = (k < count) & (cols < n_cols)
-        # .cg: from L2, where the other programs' rows are (this SM's L1 is not coherent with theirs)
-        acc_p += tl.sum(tl.load(P_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
-        if HAS_Q:
-            acc_q += tl.sum(tl.load(Q_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
-    c = tl.arange(0, BLOCK)
-    tl.store(OUT_P + c, acc_p.to(OUT_P.dtype.element_ty), mask=c < n_cols)
-    if HAS_Q:
-        tl.store(OUT_Q + c, acc_q.to(OUT_Q.dtype.element_ty), mask=c < n_cols)
-
-
-@triton.jit
 def _rmsnorm_bwd_kernel(
     DY_ptr,  # (n_rows, D) gradient of y
     H_ptr,  # (n_rows, D) the normalized input h (x, or x + residual) saved by the forward
@@ -223,84 +162,6 @@ def _rmsnorm_bwd_kernel(
 
 _fwd_launch = CachedLaunch(_rmsnorm_fwd_kernel)
 _bwd_launch = CachedLaunch(_rmsnorm_bwd_kernel)
-
-
-# The backward's row loop: on the H200 (32768 x 4096 bf16, 2026-11-29) three pipeline stages with two
-# programs per SM measured best for both norms (RMSNorm 0.222 ms, LayerNorm 0.233 ms; one stage: 0.250
-# and 0.277; one program per SM: 0.35 and 0.40, Liger's choice). 8 and 16 warps tied. Fixed rather than
-# autotuned: the autotuner's per-call host cost showed up in the forward+backward timings.
-ROW_LOOP_STAGES = 3
-PROGRAMS_PER_SM = 2
-# The forward's tile: rows of at least this many elements get a program each, shorter ones share one
-# (and its weight load), with the warps of one row. H200, 32768 rows bf16 (bench/sweep_memory_bound.py,
-# interleaved with Liger): D = 4096, one row in 8 warps 133.7 us (2 or 4 rows 134.6-135.6, Liger 132.5-
-# 135.5 across runs); D = 1536, two rows in 4 warps 51.8 us (one row 52.7, Liger 62.4).
-FWD_ROW_ELEMS = 4096
-
-
-def fwd_rows(block: int, tile: int = FWD_ROW_ELEMS) -> int:
-    """Rows per program of a norm's forward: as many rows of `block` as fill `tile` elements, at least 1."""
-    return max(1, tile // block)
-
-
-def row_warps(block: int) -> int:
-    """num_warps for a kernel holding one row of `block` elements: about 16 elements per thread."""
-    return max(1, min(32, block // 512))
-
-
-def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """`t` as a (rows, n_cols) view with a contiguous last dim, copying only when it has to."""
-    if t.dim() == 2 and t.stride(1) == 1:  # rows already: no new view (each is host time on the hot path)
-        return t
-    t2 = t.reshape(-1, n_cols)
-    return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
-
-
-def shaped(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """`t` (contiguous rows) viewed as `shape`: itself when it has that shape already."""
-    return t if t.shape == shape else t.view(shape)
-
-
-def backward_programs(n_rows: int, device: torch.device, per_sm: int) -> int:
-    """How many persistent programs a backward launches: `per_sm` per SM on CUDA (4 * per_sm on the
-    interpreter, as if it had 4 SMs), at most one per row and at most what the counters cover."""
-    per_device = (sm_count(device) if device.type == "cuda" else 4) * per_sm
-    return max(1, min(n_rows, per_device, MAX_PROGRAMS))
-
-
-def sum_rows_step(block: int, sums: int = 1) -> int:
-    """Partial rows per step of the backward's final sums of `sums` arrays: (rows, block) float32 tiles
-    of at most 16384 values in all, 64 per thread at a row's warps (`row_warps`). Compiled for sm_90 at
-    D = 4096, 8 warps: RMSNorm's backward at 4 rows takes 106 registers, LayerNorm's (dw and db) 118 at
-    2 rows and 140 at 4, past the 128 that two programs per SM allow (its backward then ran at 0.277 ms
-    against 0.232 on the H200)."""
-    return max(1, min(4, 16384 // (block * sums)))
-
-
-def needs_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd will record an op on `tensors` (else the launcher is called without a Function)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def check_rows(name: str, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name}: x has dtype {x.dtype}; the kernel takes float32, float16 or bfloat16")
-    if x.dim() == 0 or x.shape[-1] == 0:
-        raise ValueError(f"{name}: x must have a non-empty last dim, got shape {tuple(x.shape)}")
-    if weight.shape != (x.shape[-1],):
-        raise ValueError(f"{name}: weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
-    if x.shape[-1] > MAX_ROW:
-        raise ValueError(
-            f"{name}: rows of {x.shape[-1]} elements exceed the kernel's {MAX_ROW} (one row per program)"
-        )
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(
-            f"{name}: residual must match x in shape and dtype, got {tuple(residual.shape)} {residual.dtype} "
-            f"vs {tuple(x.shape)} {x.dtype}"
-        )
-    for t in (weight, residual):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name}: all tensors must be on one device, got {x.device} and {t.device}")
 
 
 def rmsnorm_fwd(
@@ -395,6 +256,72 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw, (dx if ctx.has_residual else None), None, None
 
 
+# ------------------------------------------------------------------------------ torch.compile: custom ops
+# Dynamo cannot trace a Triton launch through CachedLaunch (nor Triton's own launch path): under
+# torch.compile the public op calls these custom ops instead, which the compiler keeps as opaque calls,
+# with fake functions for output shapes and a registered backward (docs/kernels/compile.md). Eager calls
+# keep the autograd.Function above, which costs less host time per call than the dispatcher.
+@torch.library.custom_op("kiln::rmsnorm_fwd", mutates_args=())
+def rmsnorm_fwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    for_backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y like x, h = x + residual like x, rstd (n_rows + COUNTERS,) float32). h is empty without a
+    residual (it would be x itself, and an op's output may not alias its input); rstd is empty unless
+    `for_backward`."""
+    y, h, rstd = rmsnorm_fwd(x, weight, eps, residual, for_backward=for_backward, offset=offset)
+    h = h.view(x.shape) if residual is not None else x.new_empty(0)
+    return y.view(x.shape), h, rstd if rstd is not None else x.new_empty(0, dtype=torch.float32)
+
+
+@rmsnorm_fwd_op.register_fake
+def _(x, weight, residual, eps, offset, for_backward):
+    check_rows("rmsnorm", x, weight, residual)
+    n_rows = x.numel() // x.shape[-1]
+    rstd = x.new_empty(n_rows + COUNTERS.value if for_backward else 0, dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(x.shape if residual is not None else 0), rstd
+
+
+@torch.library.custom_op("kiln::rmsnorm_bwd", mutates_args=())
+def rmsnorm_bwd_op(
+    dy: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    dh: torch.Tensor | None,
+    offset: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx like h, dw like weight) for h shaped like x. The backward's counters in rstd are left zero, as
+    the forward made them, so rstd is read, not changed."""
+    D = h.shape[-1]
+    dx, dw = rmsnorm_bwd(dy, as_rows(h, D), weight, rstd, dh, offset=offset)
+    return dx.view(h.shape), dw
+
+
+@rmsnorm_bwd_op.register_fake
+def _(dy, h, weight, rstd, dh, offset):
+    return h.new_empty(h.shape), torch.empty_like(weight)
+
+
+def _rmsnorm_setup(ctx, inputs, output):
+    x, weight, residual, _, offset, _ = inputs
+    ctx.has_residual, ctx.offset = residual is not None, offset
+    ctx.save_for_backward(output[1] if residual is not None else x, weight, output[2])
+
+
+def _rmsnorm_backward(ctx, dy, dh, _drstd):
+    h, weight, rstd = ctx.saved_tensors
+    dx, dw = rmsnorm_bwd_op(dy, h, weight, rstd, dh if ctx.has_residual else None, ctx.offset)
+    return dx, dw, (dx if ctx.has_residual else None), None, None, None
+
+
+rmsnorm_fwd_op.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup)
+
+
 def rmsnorm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -406,6 +333,9 @@ def rmsnorm(
     used is offset + weight (offset 1.0 for Gemma-style zero-centred weights)."""
     if not use_triton(x, weight, residual):
         return rmsnorm_ref(x, weight, eps, residual, offset)
+    if torch.compiler.is_compiling():
+        y, h, _ = rmsnorm_fwd_op(x, weight, residual, eps, float(offset), needs_grad(x, weight, residual))
+        return y if residual is None else (y, h)
     if needs_grad(x, weight, residual):
         return RMSNormFunction.apply(x, weight, residual, eps, float(offset))
     # inference: the launcher alone (autograd.Function.apply costs ~25 us of host time per call)

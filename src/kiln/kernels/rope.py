@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import FLOAT_DTYPES, needs_grad
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
-from kiln.kernels.rmsnorm import FLOAT_DTYPES, needs_grad
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -179,7 +179,9 @@ EVICT = ""
 TABLE_EVICT = "evict_last"
 
 
-def _check(q, k, cos, sin, position_ids) -> None:
+def _check(q, k, cos, sin, position_ids, values: bool = True) -> None:
+    """Shapes, dtypes and devices; with `values`, also position ids' range on the CPU (no host sync on the
+    GPU; fake tensors under torch.compile have no values)."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"apply_rope: q and k must be (B, T, H, D) with the same B, T and D, got {tuple(q.shape)} and "
@@ -205,7 +207,8 @@ def _check(q, k, cos, sin, position_ids) -> None:
                 f"{tuple(position_ids.shape)} {position_ids.dtype}"
             )
         if (
-            not position_ids.is_cuda
+            values
+            and not position_ids.is_cuda
             and position_ids.numel()
             and (int(position_ids.min()) < 0 or int(position_ids.max()) >= cos.shape[0])
         ):
@@ -287,6 +290,45 @@ class RoPEFunction(torch.autograd.Function):
         return dq, dk, None, None, None, None
 
 
+# ------------------------------------------------------------------------------ torch.compile: custom op
+# Under torch.compile the public op calls this instead of RoPEFunction (Dynamo cannot trace the launch):
+# opaque to the compiler, a fake function for shapes, and the backward (the inverse rotation) registered.
+@torch.library.custom_op("kiln::rope", mutates_args=())
+def rope_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    interleaved: bool,
+    backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k) rotated (by -angle if `backward`), as new contiguous tensors."""
+    _check(q, k, cos, sin, position_ids)
+    return rope_launch(q, k, cos, sin, position_ids, interleaved, backward=backward)
+
+
+@rope_op.register_fake
+def _(q, k, cos, sin, position_ids, interleaved, backward):
+    _check(q, k, cos, sin, position_ids, values=False)
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def _rope_setup(ctx, inputs, output):
+    _, _, cos, sin, position_ids, interleaved, backward = inputs
+    ctx.save_for_backward(cos, sin, position_ids)
+    ctx.interleaved, ctx.backward = interleaved, backward
+
+
+def _rope_backward(ctx, dq, dk):
+    cos, sin, position_ids = ctx.saved_tensors
+    dq, dk = rope_op(dq, dk, cos, sin, position_ids, ctx.interleaved, not ctx.backward)
+    return dq, dk, None, None, None, None, None
+
+
+rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
 def apply_rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -297,6 +339,8 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q (B, T, Hq, D) and k (B, T, Hk, D) by the angles of cos/sin (P, D/2) at position_ids."""
     if use_triton(q, k, cos, sin, position_ids):
+        if torch.compiler.is_compiling():
+            return rope_op(q, k, cos, sin, position_ids, interleaved, False)
         if needs_grad(q, k):
             return RoPEFunction.apply(q, k, cos, sin, position_ids, interleaved)
         _check(q, k, cos, sin, position_ids)

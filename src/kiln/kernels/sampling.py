@@ -483,6 +483,27 @@ def _launch(
     return out
 
 
+# ------------------------------------------------------------------------------ torch.compile: custom op
+# Under torch.compile the public op calls this (Dynamo cannot trace the launches): opaque to the compiler,
+# a fake function for the (B,) int64 tokens. The noise is drawn outside it, in the traced code.
+@torch.library.custom_op("kiln::sample", mutates_args=())
+def sample_op(
+    logits: torch.Tensor,
+    noise: torch.Tensor | None,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+) -> torch.Tensor:
+    """The token each row draws given its Exp(1) noise (unused, and may be None, when greedy)."""
+    return _launch(logits, noise, temperature, top_k, top_p)
+
+
+@sample_op.register_fake
+def _(logits, noise, temperature, top_k, top_p):
+    _check(logits, temperature, top_p)
+    return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
 def sample(
     logits: torch.Tensor,
     temperature: float = 1.0,
@@ -501,4 +522,6 @@ def sample(
         noise.exponential_(1.0, generator=generator)
     if logits.stride(1) != 1 and logits.shape[1] > 1:
         raise ValueError(f"logits must have unit stride along the vocabulary, got strides {logits.stride()}")
+    if torch.compiler.is_compiling():
+        return sample_op(logits, noise, float(temperature), top_k, None if top_p is None else float(top_p))
     return _launch(logits, noise, temperature, top_k, top_p)

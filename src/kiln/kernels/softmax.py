@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import FLOAT_DTYPES, as_rows, needs_grad, row_warps, shaped
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, pow2
-from kiln.kernels.rmsnorm import FLOAT_DTYPES, as_rows, needs_grad, row_warps, shaped
 
 MAX_BLOCK = 16384  # the longest row kept whole in registers; longer rows take the online kernel
 ONLINE_BLOCK = 4096  # block the online kernel walks a long row in
@@ -176,11 +176,53 @@ class SoftmaxFunction(torch.autograd.Function):
         return shaped(softmax_bwd(dy, y), ctx.shape)
 
 
+# ------------------------------------------------------------------------------ torch.compile: custom ops
+# Under torch.compile the public op calls these instead of SoftmaxFunction (Dynamo cannot trace the
+# launch): opaque to the compiler, fake functions for shapes, the backward registered.
+@torch.library.custom_op("kiln::softmax_fwd", mutates_args=())
+def softmax_fwd_op(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, a new contiguous tensor shaped like x."""
+    return softmax_fwd(x).view(x.shape)
+
+
+@softmax_fwd_op.register_fake
+def _(x):
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"softmax: x has dtype {x.dtype}; the kernel takes float32, float16 or bfloat16")
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("kiln::softmax_bwd", mutates_args=())
+def softmax_bwd_op(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The gradient of softmax's input, given dy and its output y (both shaped like x)."""
+    return softmax_bwd(dy, as_rows(y, y.shape[-1])).view(y.shape)
+
+
+@softmax_bwd_op.register_fake
+def _(dy, y):
+    return y.new_empty(y.shape)
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _softmax_backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return softmax_bwd_op(dy, y)
+
+
+softmax_fwd_op.register_autograd(_softmax_backward, setup_context=_softmax_setup)
+
+
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Softmax of x along `dim`."""
     if not use_triton(x):
         return softmax_ref(x, dim)
     last = dim in (-1, x.dim() - 1)
     xl = x if last else x.movedim(dim, -1)
+    if torch.compiler.is_compiling():
+        y = softmax_fwd_op(xl)
+        return y if last else y.movedim(-1, dim)
     y = SoftmaxFunction.apply(xl) if needs_grad(xl) else shaped(softmax_fwd(xl), xl.shape)
     return y if last else y.movedim(-1, dim)

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import FLOAT_DTYPES, needs_grad
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv
-from kiln.kernels.rmsnorm import FLOAT_DTYPES, needs_grad
 
 BLOCK = 1024  # elements per program: 8 per thread at 4 warps, 16-byte loads in bf16
 
@@ -185,10 +185,62 @@ class SwiGLUFunction(torch.autograd.Function):
         return dg.view(ctx.gate_shape), du.view(ctx.gate_shape)
 
 
+# ------------------------------------------------------------------------------ torch.compile: custom ops
+# Under torch.compile the public op calls these instead of SwiGLUFunction (Dynamo cannot trace the
+# launch): opaque to the compiler, fake functions for shapes, the backward registered.
+@torch.library.custom_op("kiln::swiglu_fwd", mutates_args=())
+def swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
+    """silu(gate) * up, (..., H) contiguous; up None: gate is the fused (..., 2H) [gate | up]."""
+    g, u = _split(gate, up)
+    return swiglu_fwd(g, u).view(*gate.shape[:-1], g.shape[-1])
+
+
+@swiglu_fwd_op.register_fake
+def _(gate, up):
+    g, _ = _split(gate, up)
+    return gate.new_empty((*gate.shape[:-1], g.shape[-1]))
+
+
+@torch.library.custom_op("kiln::swiglu_bwd", mutates_args=())
+def swiglu_bwd_op(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate like gate, dup like up); with the fused form, (d of the fused tensor, an empty tensor)."""
+    g, u = _split(gate, up)
+    H = g.shape[-1]
+    if up is None:
+        dx = torch.empty((g.shape[0], 2 * H), dtype=g.dtype, device=g.device)
+        swiglu_bwd(dout, g, u, dx[:, :H], dx[:, H:])
+        return dx.view(gate.shape), gate.new_empty(0)
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    swiglu_bwd(dout, g, u, dg, du)
+    return dg.view(gate.shape), du.view(gate.shape)
+
+
+@swiglu_bwd_op.register_fake
+def _(dout, gate, up):
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape if up is not None else 0)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_backward(ctx, dout):
+    gate, up = ctx.saved_tensors
+    dg, du = swiglu_bwd_op(dout, gate, up)
+    return dg, (du if up is not None else None)
+
+
+swiglu_fwd_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up; with up=None, gate is the fused (..., 2H) [gate | up] tensor."""
     if not use_triton(gate, up):
         return swiglu_ref(gate, up)
+    if torch.compiler.is_compiling():
+        return swiglu_fwd_op(gate, up)
     if needs_grad(gate, up):
         return SwiGLUFunction.apply(gate, up)
     g, u = _split(gate, up)

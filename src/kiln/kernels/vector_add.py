@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import FLOAT_DTYPES
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv
-from kiln.kernels.rmsnorm import FLOAT_DTYPES
 
 BLOCK = 1024
 
@@ -81,8 +81,26 @@ class VectorAddFunction(torch.autograd.Function):
         return dout, dout
 
 
+# ------------------------------------------------------------------------------ torch.compile: custom op
+# Under torch.compile the public op calls this (Dynamo cannot trace the launch): opaque to the compiler,
+# a fake function for the shape, the (identity) backward registered.
+@torch.library.custom_op("kiln::vector_add", mutates_args=())
+def vector_add_op(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return vector_add_launch(x, y)
+
+
+@vector_add_op.register_fake
+def _(x, y):
+    if x.shape != y.shape or x.dtype != y.dtype or x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"vector_add: x and y must match in shape and float dtype, got {x.shape} {y.shape}")
+    return x.new_empty(x.shape)
+
+
+vector_add_op.register_autograd(lambda ctx, dout: (dout, dout))
+
+
 def vector_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x + y for two tensors of one shape and dtype."""
     if use_triton(x, y):
-        return VectorAddFunction.apply(x, y)
+        return vector_add_op(x, y) if torch.compiler.is_compiling() else VectorAddFunction.apply(x, y)
     return vector_add_ref(x, y)

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kiln.kernels.cross_entropy import linear_cross_entropy
+from kiln.kernels.linear_cross_entropy import linear_cross_entropy
 from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.cache import KVCache
 from kiln.model.config import KernelConfig, ModelConfig

@@ -1,0 +1,180 @@
+"""Helpers shared by several kernel modules: row layouts, launch sizing, autograd checks, and the Triton
+functions that more than one kernel calls (the norms' deterministic partial-row sums, GEMM epilogue
+activations). Nothing here is an op of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.dispatch import sm_count
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_ROW = 65536  # a longer row would not fit in one program's registers
+# The backward's final sums (`sum_partial_rows`): programs per first-level group, and the int32 counters
+# the forward zeroes after its statistics (counter 0 for the groups, 1 + g for group g's programs).
+GROUP = tl.constexpr(16)
+COUNTERS = tl.constexpr(128)
+MAX_PROGRAMS = GROUP.value * (COUNTERS.value - 1)
+
+
+@triton.jit
+def zero_counters(at):
+    """Program 0 zeroes the COUNTERS int32 counters at `at` (a float32 pointer into a norm's saved
+    statistics). A masked store rather than a branch: the branch cost the LayerNorm forward 10 registers
+    (64 -> 74 per thread at 8 warps, 4 -> 3 programs per SM; 0.1405 against 0.1334 ms on the H200)."""
+    c = tl.arange(0, COUNTERS)
+    tl.store(
+        at.to(tl.pointer_type(tl.int32)) + c,
+        tl.zeros((COUNTERS,), tl.int32),
+        mask=(c < COUNTERS) & (tl.program_id(0) == 0),
+    )
+
+
+@triton.jit
+def sum_partial_rows(
+    P_ptr,  # (n_programs, D) float32 partial rows, one per program of this launch (row pid: this one's)
+    Q_ptr,  # a second set (LayerNorm's db), summed alongside when HAS_Q
+    OUT_P,  # (D,) out: the column sums of P, in OUT_P's dtype
+    OUT_Q,
+    CNT_ptr,  # float32 pointer to COUNTERS int32 counters, zero on entry and left zero
+    n_cols,
+    HAS_Q: tl.constexpr,
+    SUM_ROWS: tl.constexpr,  # partial rows loaded per step (a (SUM_ROWS, BLOCK) tile)
+    BLOCK: tl.constexpr,
+):
+    """Called by every program of a backward once its partial rows are stored: the last program of each
+    GROUP to get here sums the group's rows (in program order) into the group's first row; the last
+    group to finish sums those rows (in order) into OUT. Counter 0 counts finished groups, counter
+    1 + g the finished programs of group g; each is reset by the program that saw it complete."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    cnt = CNT_ptr.to(tl.pointer_type(tl.int32))
+    group = pid // GROUP
+    first = group * GROUP
+    size = tl.minimum(n_prog - first, GROUP)
+    tl.debug_barrier()  # every thread's partial stores happen before this program's release below
+    if tl.atomic_add(cnt + 1 + group, 1, sem="acq_rel") == size - 1:
+        tl.store(cnt + 1 + group, 0)  # all of the group has counted: reset for the next backward
+        sum_rows(P_ptr, Q_ptr, P_ptr + first * n_cols, Q_ptr + first * n_cols, first, size, 1, n_cols,
+                  HAS_Q, SUM_ROWS, BLOCK)  # fmt: skip
+        n_groups = tl.cdiv(n_prog, GROUP)
+        tl.debug_barrier()
+        if tl.atomic_add(cnt, 1, sem="acq_rel") == n_groups - 1:
+            tl.store(cnt, 0)
+            sum_rows(P_ptr, Q_ptr, OUT_P, OUT_Q, 0, n_groups, GROUP, n_cols, HAS_Q, SUM_ROWS, BLOCK)
+
+
+@triton.jit
+def sum_rows(P_ptr, Q_ptr, OUT_P, OUT_Q, start, count, step, n_cols, HAS_Q: tl.constexpr,
+              SUM_ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """OUT = sum of rows start, start + step, ... (count of them) of P (and Q), in that order."""
+    cols = tl.arange(0, BLOCK)[None, :]
+    acc_p = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_q = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(0, count, SUM_ROWS):
+        k = i + tl.arange(0, SUM_ROWS)[:, None]
+        offs = (start + k * step).to(tl.int64) * n_cols + cols
+        ok = (k < count) & (cols < n_cols)
+        # .cg: from L2, where the other programs' rows are (this SM's L1 is not coherent with theirs)
+        acc_p += tl.sum(tl.load(P_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+        if HAS_Q:
+            acc_q += tl.sum(tl.load(Q_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+    c = tl.arange(0, BLOCK)
+    tl.store(OUT_P + c, acc_p.to(OUT_P.dtype.element_ty), mask=c < n_cols)
+    if HAS_Q:
+        tl.store(OUT_Q + c, acc_q.to(OUT_Q.dtype.element_ty), mask=c < n_cols)
+
+
+@triton.jit
+def apply_activation(x, ACTIVATION: tl.constexpr):
+    if ACTIVATION == "relu":
+        x = tl.maximum(x, 0.0)
+    elif ACTIVATION == "silu":
+        x = x / (1.0 + tl.exp(-x))
+    elif ACTIVATION == "gelu":
+        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACTIVATION == "gelu_tanh":
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2/pi) * (x + 0.044715 x^3)
+        x = x / (1.0 + tl.exp(-2.0 * u))  # 0.5 x (1 + tanh u) = x * sigmoid(2u)
+    return x
+
+
+# The backward's row loop: on the H200 (32768 x 4096 bf16, 2026-11-29) three pipeline stages with two
+# programs per SM measured best for both norms (RMSNorm 0.222 ms, LayerNorm 0.233 ms; one stage: 0.250
+# and 0.277; one program per SM: 0.35 and 0.40, Liger's choice). 8 and 16 warps tied. Fixed rather than
+# autotuned: the autotuner's per-call host cost showed up in the forward+backward timings.
+ROW_LOOP_STAGES = 3
+PROGRAMS_PER_SM = 2
+# The forward's tile: rows of at least this many elements get a program each, shorter ones share one
+# (and its weight load), with the warps of one row. H200, 32768 rows bf16 (bench/sweep_memory_bound.py,
+# interleaved with Liger): D = 4096, one row in 8 warps 133.7 us (2 or 4 rows 134.6-135.6, Liger 132.5-
+# 135.5 across runs); D = 1536, two rows in 4 warps 51.8 us (one row 52.7, Liger 62.4).
+FWD_ROW_ELEMS = 4096
+
+
+def fwd_rows(block: int, tile: int = FWD_ROW_ELEMS) -> int:
+    """Rows per program of a norm's forward: as many rows of `block` as fill `tile` elements, at least 1."""
+    return max(1, tile // block)
+
+
+def row_warps(block: int) -> int:
+    """num_warps for a kernel holding one row of `block` elements: about 16 elements per thread."""
+    return max(1, min(32, block // 512))
+
+
+def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """`t` as a (rows, n_cols) view with a contiguous last dim, copying only when it has to."""
+    if t.dim() == 2 and t.stride(1) == 1:  # rows already: no new view (each is host time on the hot path)
+        return t
+    t2 = t.reshape(-1, n_cols)
+    return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
+
+
+def shaped(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """`t` (contiguous rows) viewed as `shape`: itself when it has that shape already."""
+    return t if t.shape == shape else t.view(shape)
+
+
+def backward_programs(n_rows: int, device: torch.device, per_sm: int) -> int:
+    """How many persistent programs a backward launches: `per_sm` per SM on CUDA (4 * per_sm on the
+    interpreter, as if it had 4 SMs), at most one per row and at most what the counters cover."""
+    per_device = (sm_count(device) if device.type == "cuda" else 4) * per_sm
+    return max(1, min(n_rows, per_device, MAX_PROGRAMS))
+
+
+def sum_rows_step(block: int, sums: int = 1) -> int:
+    """Partial rows per step of the backward's final sums of `sums` arrays: (rows, block) float32 tiles
+    of at most 16384 values in all, 64 per thread at a row's warps (`row_warps`). Compiled for sm_90 at
+    D = 4096, 8 warps: RMSNorm's backward at 4 rows takes 106 registers, LayerNorm's (dw and db) 118 at
+    2 rows and 140 at 4, past the 128 that two programs per SM allow (its backward then ran at 0.277 ms
+    against 0.232 on the H200)."""
+    return max(1, min(4, 16384 // (block * sums)))
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will record an op on `tensors` (else the launcher is called without a Function)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def check_rows(name: str, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: x has dtype {x.dtype}; the kernel takes float32, float16 or bfloat16")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{name}: x must have a non-empty last dim, got shape {tuple(x.shape)}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"{name}: weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
+    if x.shape[-1] > MAX_ROW:
+        raise ValueError(
+            f"{name}: rows of {x.shape[-1]} elements exceed the kernel's {MAX_ROW} (one row per program)"
+        )
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"{name}: residual must match x in shape and dtype, got {tuple(residual.shape)} {residual.dtype} "
+            f"vs {tuple(x.shape)} {x.dtype}"
+        )
+    for t in (weight, residual):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name}: all tensors must be on one device, got {x.device} and {t.device}")
