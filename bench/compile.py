@@ -6,7 +6,7 @@
 A training step is what `kiln run` does per micro-batch: zero the gradients, the loss forward under bf16
 autocast (fp32 parameters), backward, fused AdamW step. The compiled contender wraps the loss exactly as
 kiln.train.loop does for --train.compile=true (`torch.compile` of a module whose forward is model.loss;
-the kernels enter the graph as custom ops, docs/kernels/compile.md). Both start from the same weights,
+the kernels enter the graph as custom ops, docs/perf/compile.md). Both start from the same weights,
 and the first step's losses are reported side by side (they should agree within bf16 noise). Times are
 the median of `--rounds` rounds of `--steps` steps each, after `--warmup` steps (which include the
 compile); tokens/s = batch * seq_len / median step time. On a CPU machine it runs the reference ops
@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 import torch
+from provenance import run_meta
 
 from kiln.model import build_model
 from kiln.train.config import resolve_config
-from provenance import run_meta
 
 
 class LossModule(torch.nn.Module):

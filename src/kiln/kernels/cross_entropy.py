@@ -330,7 +330,7 @@ class CrossEntropy(torch.autograd.Function):
 
 # ------------------------------------------------------------------------------ torch.compile: custom ops
 # Under torch.compile the public op calls these instead of CrossEntropy (Dynamo cannot trace the launch):
-# opaque to the compiler, fake functions for shapes, the backward registered (docs/kernels/compile.md).
+# opaque to the compiler, fake functions for shapes, the backward registered (docs/perf/compile.md).
 @torch.library.custom_op("kiln::cross_entropy_fwd", mutates_args=())
 def cross_entropy_fwd_op(
     logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float

@@ -259,7 +259,7 @@ class RMSNormFunction(torch.autograd.Function):
 # ------------------------------------------------------------------------------ torch.compile: custom ops
 # Dynamo cannot trace a Triton launch through CachedLaunch (nor Triton's own launch path): under
 # torch.compile the public op calls these custom ops instead, which the compiler keeps as opaque calls,
-# with fake functions for output shapes and a registered backward (docs/kernels/compile.md). Eager calls
+# with fake functions for output shapes and a registered backward (docs/perf/compile.md). Eager calls
 # keep the autograd.Function above, which costs less host time per call than the dispatcher.
 @torch.library.custom_op("kiln::rmsnorm_fwd", mutates_args=())
 def rmsnorm_fwd_op(
