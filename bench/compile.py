@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 import torch
-from provenance import run_meta
 
 from kiln.model import build_model
+from kiln.profile.provenance import provenance
 from kiln.train.config import resolve_config
 
 
@@ -126,7 +126,7 @@ def main() -> None:
     speedup = results["eager"]["step_ms"] / results["compiled"]["step_ms"]
     print(f"compiled / eager tokens/s: {speedup:.3f}")
     out = {
-        **run_meta(),
+        **provenance(),
         "preset": args.preset,
         "model": {"arch": cfg.model.arch, "params": n_params, "d_model": cfg.model.d_model,
                   "n_layers": cfg.model.n_layers, "vocab_size": V},
