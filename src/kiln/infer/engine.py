@@ -26,7 +26,7 @@ from kiln.infer.block_manager import BlockManager
 from kiln.infer.config import EngineConfig
 from kiln.infer.loading import load_for_inference
 from kiln.infer.runner import ModelRunner
-from kiln.infer.sampler import Sampler, SamplingTensors, token_logprobs
+from kiln.infer.sampler import Sampler, SamplingTensors, plain_greedy, token_logprobs
 from kiln.infer.sampling_params import SamplingParams
 from kiln.infer.scheduler import Scheduler, SchedulerConfig
 from kiln.infer.sequence import Sequence
@@ -213,11 +213,14 @@ class LLMEngine:
         ids = logprobs = top = None
         if sampling:
             logits = self.runner.logits(hidden[inputs.sample_rows(batch)])
-            out = self.sampler(logits, SamplingTensors.build(sampling, self.vocab_size, self.device))
-            ids = out.token_ids.tolist()  # the step's one device-to-host copy
-            if out.logprobs is not None:
-                logprobs = out.logprobs.tolist()
-                top = [list(zip(i, v)) for i, v in zip(out.top_ids.tolist(), out.top_logprobs.tolist())]
+            if plain_greedy(sampling):
+                ids = logits.argmax(dim=-1).tolist()  # the step's one device-to-host copy
+            else:
+                out = self.sampler(logits, SamplingTensors.build(sampling, self.vocab_size, self.device))
+                ids = out.token_ids.tolist()  # the step's one device-to-host copy
+                if out.logprobs is not None:
+                    logprobs = out.logprobs.tolist()
+                    top = [list(zip(i, v)) for i, v in zip(out.top_ids.tolist(), out.top_logprobs.tolist())]
         self._prompt_logprobs(batch, inputs, hidden)
         self.scheduler.postprocess(batch, ids or [], logprobs, top)
         touched = {id(self._by_seq[s.seq_id][0]) for s in sampling if s.seq_id in self._by_seq}

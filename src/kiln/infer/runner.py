@@ -35,6 +35,16 @@ class StepInputs:
         return [self.cu_seqlens[i + 1] - 1 for i in batch.sampling_indices]
 
 
+def _token_slice(seq, start: int, end: int) -> list[int]:
+    """seq.token_ids[start:end] without building prompt + output first (O(n), not O(length), per step)."""
+    P = seq.num_prompt_tokens
+    if start >= P:
+        return seq.output_token_ids[start - P : end - P]
+    if end <= P:
+        return seq.prompt_token_ids[start:end]
+    return seq.prompt_token_ids[start:] + seq.output_token_ids[: end - P]
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, config: EngineConfig, device: torch.device, max_model_len: int):
         self.model = model
@@ -100,7 +110,7 @@ class ModelRunner:
         tables = [np.asarray(seq.block_table, dtype=np.int64) for seq in batch.seqs]
         for seq, table, n, start in zip(batch.seqs, tables, batch.num_new_tokens, batch.computed_before):
             end = start + n
-            tokens.extend(seq.token_ids[start:end])
+            tokens.extend(_token_slice(seq, start, end))
             pos = np.arange(start, end, dtype=np.int64)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
