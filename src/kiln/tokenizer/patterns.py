@@ -1,4 +1,5 @@
-"""Pre-tokenization split patterns: the regexes that cut text into chunks before byte-pair merging.
+"""Pre-tokenization: the split patterns that cut text into chunks before byte-pair merging, the
+Splitter that applies them as tiktoken does, and the cut around special tokens.
 
 BPE never merges across a chunk boundary, so the pattern decides what a token can be (a word with its
 leading space, up to three digits, a run of punctuation, ...). The named patterns are copied verbatim
@@ -9,9 +10,13 @@ text exactly as tiktoken's cl100k_base does. They use possessive quantifiers (`+
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 import regex
 
 from kiln.errors import KilnError
+from kiln.tokenizer.unicode_pin import newer_characters, pinned_pattern
 
 # GPT-2 (tiktoken's r50k/p50k): contractions, letters, numbers and punctuation each with an optional
 # leading space, then whitespace.
@@ -153,3 +158,59 @@ def ascii_form(pattern: str) -> str | None:
     if pattern_name(pattern) is None:
         return None
     return _ascii_translation(pattern)
+
+
+class Splitter:
+    """Cuts text into chunks exactly as tiktoken's engine does with `pattern` (a resolved regex).
+
+    Three compiled forms, chosen per text: pure-ASCII text goes to the stdlib `re` with the ASCII form
+    (named patterns only); text with a code point newer than tiktoken's Unicode data goes to the
+    pinned form (see unicode_pin.py); the rest to the `regex` module with the pattern as written.
+    """
+
+    def __init__(self, pattern: str):
+        self.pattern = pattern
+        self._regex = regex.compile(pattern)
+        form = ascii_form(pattern)
+        self._ascii = re.compile(form) if form is not None else self._regex
+        pinned = pinned_pattern(pattern)
+        self._pinned = None
+        if pinned is not None:
+            try:
+                self._pinned = regex.compile(pinned)
+            except regex.error as e:
+                raise KilnError(
+                    f"split pattern {pattern!r} cannot be pinned to tiktoken's Unicode data ({e}); "
+                    "escape any '[' inside a character class"
+                ) from e
+        self._newer = newer_characters()
+
+    def findall(self, text: str) -> list[str]:
+        """The chunks of `text`, in order; they concatenate back to the part of `text` the pattern
+        matches (all of it for the named patterns)."""
+        if text.isascii():
+            return self._ascii.findall(text)
+        if self._pinned is not None and self._newer.search(text) is not None:
+            return self._pinned.findall(text)
+        return self._regex.findall(text)
+
+    def __reduce__(self):
+        return (Splitter, (self.pattern,))
+
+
+ENDOFTEXT = "<|endoftext|>"
+
+
+def special_splitter(special_tokens: Sequence[str]) -> regex.Pattern | None:
+    """A regex matching any special token, longest first (so "<|a|>x" wins over a prefix "<|a|>")."""
+    if not special_tokens:
+        return None
+    return regex.compile("|".join(regex.escape(s) for s in sorted(special_tokens, key=len, reverse=True)))
+
+
+def utf8(text: str) -> bytes:
+    """UTF-8 bytes of `text`; lone surrogates become U+FFFD (as tiktoken does before encoding)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")

@@ -12,22 +12,18 @@ Encoding splits text with the pattern's regex and merges each chunk; results are
 from __future__ import annotations
 
 import os
-import re
 import unicodedata
 from array import array
 from collections.abc import Collection, Iterable, Sequence
 from itertools import chain
 from typing import Literal
 
-import regex
-
 from kiln.errors import KilnError
+from kiln.tokenizer import formats
 from kiln.tokenizer.bpe import merge_by_list, merge_by_rank
-from kiln.tokenizer.patterns import ascii_form, resolve_pattern
-from kiln.tokenizer.train import special_splitter, utf8
+from kiln.tokenizer.patterns import ENDOFTEXT, Splitter, resolve_pattern, special_splitter, utf8
 
 CACHE_MAX = 1 << 18  # chunks per cache generation (two generations: ~100 MB at most)
-ENDOFTEXT = "<|endoftext|>"
 
 
 class DisallowedSpecialError(KilnError, ValueError):
@@ -94,9 +90,7 @@ class Tokenizer:
     def _setup(self) -> None:
         # Derived, rebuilt after unpickling: compiled regexes, the caches, a tiktoken twin.
         self._n_vocab = max(self._decoder) + 1
-        self._split = regex.compile(self.pattern)
-        form = ascii_form(self.pattern)
-        self._split_ascii = re.compile(form) if form is not None else self._split
+        self._split = Splitter(self.pattern)
         self._special_regex = special_splitter(list(self._specials))
         self._chunks = _Memo(lambda piece: self._encode_piece(piece.encode("utf-8")), CACHE_MAX)
         self._tiktoken = None
@@ -107,7 +101,7 @@ class Tokenizer:
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for k in ("_split", "_split_ascii", "_special_regex", "_chunks", "_tiktoken"):
+        for k in ("_split", "_special_regex", "_chunks", "_tiktoken"):
             state.pop(k, None)
         return state
 
@@ -161,12 +155,10 @@ class Tokenizer:
 
     def _encode_chunks(self, text: str) -> list[int]:
         # findall and the cache lookups run in C (map over dict.__getitem__); only a chunk seen for
-        # the first time calls back into Python (_Memo.__missing__ -> the merge loop). Pure-ASCII
-        # text (most source code) is split by the stdlib `re` with the pattern's ASCII form.
+        # the first time calls back into Python (_Memo.__missing__ -> the merge loop).
         if self.normalization is not None:
             text = unicodedata.normalize(self.normalization, text)
-        split = self._split_ascii if text.isascii() else self._split
-        return list(chain.from_iterable(map(self._chunks.__getitem__, split.findall(text))))
+        return list(chain.from_iterable(map(self._chunks.__getitem__, self._split.findall(text))))
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Ids of `text`, with special tokens treated as ordinary text."""
@@ -314,8 +306,6 @@ class Tokenizer:
         also HF's tokenizer.json + tokenizer_config.json so transformers can load the directory;
         `hf_options` (bos_token, eos_token, pad_token, chat_template, model_max_length) go to the
         latter (see kiln.tokenizer.formats.save_hf)."""
-        from kiln.tokenizer import formats
-
         if hf_options and not hf:
             raise ValueError(f"HF options {sorted(hf_options)} given with hf=False")
         formats.save_kiln(self, directory)
@@ -325,10 +315,27 @@ class Tokenizer:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
         """Load a tokenizer from kiln's directory, an HF tokenizer.json (or its directory), or a
-        GPT-2 directory (vocab.json + merges.txt); see kiln.tokenizer.formats for tiktoken files."""
-        from kiln.tokenizer import formats
+        GPT-2 directory (vocab.json + merges.txt); for a tiktoken ranks file see from_tiktoken."""
+        return cls.from_spec(formats.read(path))
 
-        return formats.load(path)
+    @classmethod
+    def from_tiktoken(
+        cls, path: str | os.PathLike, pattern: str, special_tokens: dict[str, int] | None = None
+    ) -> Tokenizer:
+        """A Tokenizer from a tiktoken ranks file plus the pattern and special tokens it was made with."""
+        return cls(formats.load_tiktoken(path), pattern, special_tokens)
+
+    @classmethod
+    def from_spec(cls, spec: formats.TokenizerSpec) -> Tokenizer:
+        """A Tokenizer from what a file reader returned (see kiln.tokenizer.formats)."""
+        return cls(
+            spec.vocab,
+            spec.pattern,
+            spec.special_tokens,
+            merges=spec.merges,
+            ignore_merges=spec.ignore_merges,
+            normalization=spec.normalization,
+        )
 
     def __repr__(self) -> str:
         mode = "ranks" if self._merges is None else f"{len(self._merges)} merges"
