@@ -2,7 +2,8 @@ r"""Pinning split patterns to the Unicode data of tiktoken's regex engine.
 
 A split pattern's \p{L}, \p{N}, \p{M}, ... mean whatever the regex engine's Unicode tables say. The
 `regex` module that kiln splits with carries newer tables (2026.11.19: Unicode 17 and later) than
-tiktoken 0.14's Rust `regex` crate (Unicode 16.0), which HF `tokenizers`' Oniguruma agrees with.
+tiktoken 0.14's Rust `regex` crate (Unicode 16.0); HF `tokenizers` 0.23 (Oniguruma) splits those
+code points as tiktoken does too.
 Code points assigned after 16.0 (CJK Extension J, Seal script, new Latin letters, ...) are letters or
 marks to one and unassigned to the other, so "\U0003E04F's" splits in two different ways and the ids
 differ.
