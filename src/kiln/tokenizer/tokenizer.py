@@ -179,10 +179,10 @@ class Tokenizer:
             done = [merger(c.encode("utf-8")) for c in todo]
         fresh.update(zip(todo, done))
         self._chunks.store(fresh)
-        parts = list(map(self._chunks.get, chunks))
-        if None in parts:  # the store flushed the cache: some chunks are only in `fresh` now
-            parts = [fresh[c] if p is None else p for c, p in zip(chunks, parts)]
-        return parts
+        done_parts = list(map(self._chunks.get, chunks))
+        if None in done_parts:  # the store flushed the cache: the ids are in `parts` or `fresh`
+            done_parts = [fresh[c] if p is None else p for c, p in zip(chunks, parts)]
+        return done_parts
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Ids of `text`, with special tokens treated as ordinary text."""
