@@ -154,15 +154,17 @@ class Tokenizer:
     # ---- encoding --------------------------------------------------------------------------------
 
     def _encode_chunks(self, text: str) -> list[int]:
-        # The split and the cache lookups run in C (map over dict.get); only text with chunks not
-        # seen before goes on to _encode_new.
+        # The split and the cache lookups run in C (map over the dict's lookups); only text with
+        # chunks not seen before goes on to _encode_new.
         if self.normalization is not None:
             text = unicodedata.normalize(self.normalization, text)
         chunks = self._split.findall(text)
+        try:  # every chunk cached (the common case): one pass in C, as fast as it gets
+            return list(chain.from_iterable(map(self._chunks.__getitem__, chunks)))
+        except KeyError:
+            pass
         parts = list(map(self._chunks.get, chunks))
-        if None in parts:
-            parts = self._encode_new(chunks, parts)
-        return list(chain.from_iterable(parts))
+        return list(chain.from_iterable(self._encode_new(chunks, parts)))
 
     def _encode_new(self, chunks: list[str], parts: list[list[int] | None]) -> list[list[int]]:
         """`parts` (the cached ids of each chunk, None where not cached) completed by merging."""
