@@ -1,13 +1,21 @@
 """Tokenizer benchmark on this CPU machine: kiln vs HF `tokenizers` (training) and tiktoken (encoding).
 
 The corpus is the Python sources of the standard library and the venv's site-packages, split by file
-into a training set (>= --mb megabytes) and a held-out set (every 25th file, up to --heldout-mb).
+into a training set (>= --mb megabytes) and a held-out set (every 25th file, up to --heldout-mb), plus
+multilingual text: the translated messages of every gettext catalogue on this machine
+(/usr/share/locale/*/LC_MESSAGES/*.mo: ~3,700 catalogues of system programs in ~100 languages, 78 MB
+of UTF-8), every 4th catalogue held out, --mo-mb of the others in the training stream. No tiktoken
+file ships on this machine, so the vocabulary is trained here.
 
   training    kiln's train_bpe vs HF BpeTrainer, both byte-level with the GPT-4 split regex, to the
               same vocabulary size, both reading the same files from a generator (wall time);
   compression bytes per token of both vocabularies on the held-out set;
   encoding    MB/s over the training set: kiln's encoder in one process and in all cores, vs tiktoken
               built from kiln's own ranks, one thread and all cores (ids checked identical).
+  corpora     single-thread MB/s and the ratio to tiktoken on three held-out corpora, kiln's chunk
+              cache cold (cleared) and warm (a second pass): source files (mostly ASCII), the same
+              files as one string, and the multilingual catalogues. CPU seconds of this process (the 2-core
+              machine is shared, so wall time mostly measures the neighbours).
 
 Usage:
   python bench/tokenizer.py                    # ~100 MB, vocab 32k; writes bench/results/tokenizer-cpu.json
@@ -73,6 +81,40 @@ def split_corpus(
         if n_train >= train_mb * 1e6 and n_held >= heldout_mb * 1e6:
             break
     return train, held, n_train, n_held
+
+
+MO_GLOB = "/usr/share/locale/*/LC_MESSAGES/*.mo"
+
+
+def mo_texts(start: int, max_mb: float, every: int = 4) -> list[str]:
+    """The translated messages of every `every`-th gettext catalogue from `start`, one text each."""
+    import gettext
+    import glob
+
+    out: list[str] = []
+    n = 0
+    paths = sorted(glob.glob(MO_GLOB))
+    chosen = paths[start::every] if every else paths
+    for path in chosen:
+        try:
+            with open(path, "rb") as f:
+                catalog = gettext.GNUTranslations(f)._catalog
+        except (OSError, UnicodeDecodeError, ValueError, KeyError):
+            continue  # a catalogue in a legacy charset or damaged: skipped
+        text = "\n".join(v for k, v in catalog.items() if k and isinstance(v, str))
+        out.append(text)
+        n += len(text.encode("utf-8"))
+        if n >= max_mb * 1e6:
+            break
+    return out
+
+
+def mo_training_texts(max_mb: float) -> list[str]:
+    """Catalogues 1, 2, 3 of every 4 (0 is held out), up to `max_mb`."""
+    texts: list[str] = []
+    for start in (1, 2, 3):
+        texts += mo_texts(start, max_mb / 3)
+    return texts
 
 
 def texts_of(paths: list[Path]):
@@ -155,6 +197,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "tokenizer-cpu.json"))
     ap.add_argument("--mb", type=float, default=105.0, help="training corpus size in MB")
     ap.add_argument("--heldout-mb", type=float, default=10.0)
+    ap.add_argument("--mo-mb", type=float, default=20.0, help="multilingual MB added to the training stream")
+    ap.add_argument("--corpus-mb", type=float, default=8.0, help="MB of each corpus in the corpora case")
+    ap.add_argument("--only-corpora", action="store_true", help="train kiln's vocabulary, run only corpora")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--pattern", default="gpt4")
     ap.add_argument("--processes", type=int, default=os.cpu_count())
@@ -162,7 +207,7 @@ def main() -> int:
     ap.add_argument("--note", default="", help="free text saved in the JSON (e.g. other load on the machine)")
     args = ap.parse_args()
     if args.smoke:
-        args.mb, args.heldout_mb, args.vocab = 3.0, 1.0, 2000
+        args.mb, args.heldout_mb, args.vocab, args.mo_mb, args.corpus_mb = 3.0, 1.0, 2000, 1.0, 0.5
     pattern = resolve_pattern(args.pattern)
     specials = ("<|endoftext|>",)
 
@@ -179,18 +224,26 @@ def main() -> int:
             "vocab_size": args.vocab,
             "pattern": args.pattern,
             "processes": args.processes,
-            "corpus": "*.py of the stdlib and site-packages (utf-8 files), every 25th file held out",
+            "corpus": "*.py of the stdlib and site-packages (utf-8 files), every 25th file held out; "
+            "plus mo_mb of gettext catalogues (every 4th held out)",
+            "mo_mb": args.mo_mb,
+            "corpus_mb": args.corpus_mb,
         },
         "note": args.note,
         "cases": {},
     }
     print(json.dumps(results["config"]), flush=True)
     state: dict = {}
+    mo_train = mo_training_texts(args.mo_mb) if args.mo_mb > 0 else []
+
+    def training_stream():
+        yield from texts_of(train_files)
+        yield from mo_train
 
     def train_kiln():
         tok, seconds = timed(
             lambda: train_bpe(
-                texts_of(train_files), args.vocab, pattern, specials, processes=args.processes, progress=False
+                training_stream(), args.vocab, pattern, specials, processes=args.processes, progress=False
             )
         )
         state["kiln"] = tok
@@ -205,11 +258,14 @@ def main() -> int:
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
-        _, seconds = timed(lambda: hf.train_from_iterator(texts_of(train_files), trainer=trainer))
+        _, seconds = timed(lambda: hf.train_from_iterator(training_stream(), trainer=trainer))
         state["hf"] = hf
         return {"hf_s": seconds, "hf_n_vocab": hf.get_vocab_size()}
 
     run_case(results, "train_kiln", train_kiln)
+    if args.only_corpora:
+        run_case(results, "corpora", lambda: corpora_case(state["kiln"], files[::25], args.corpus_mb))
+        return finish(results, args)
     run_case(results, "train_hf", train_hf)
     tk, th = results["cases"]["train_kiln"], results["cases"]["train_hf"]
     if "kiln_s" in tk and "hf_s" in th:
@@ -284,6 +340,65 @@ def main() -> int:
         return out
 
     run_case(results, "encoding", encoding)
+    run_case(results, "corpora", lambda: corpora_case(state["kiln"], files[::25], args.corpus_mb))
+    return finish(results, args)
+
+
+def cpu_timed(fn):
+    t0 = time.process_time()
+    out = fn()
+    return out, time.process_time() - t0
+
+
+def corpora_case(tok, held_files: list[Path], corpus_mb: float) -> dict:
+    """Single-thread kiln vs tiktoken on three held-out corpora, cold and warm cache. `held_files`:
+    every 25th source file, none of which is in the training stream."""
+    enc = tok.as_tiktoken()
+    code: list[str] = []
+    n = 0
+    for text in texts_of(held_files):
+        code.append(text)
+        n += len(text)
+        if n >= corpus_mb * 1e6:
+            break
+    corpora = {
+        "source_files": code,
+        "one_string": ["".join(code)],
+        "multilingual": mo_texts(0, corpus_mb),
+    }
+    out: dict = {"goal": ">= 0.5x tiktoken, one thread, cold cache, on every corpus"}
+    for name, texts in corpora.items():
+        nbytes = sum(len(t.encode("utf-8")) for t in texts)
+        row: dict = {
+            "bytes": nbytes,
+            "texts": len(texts),
+            "non_ascii_chars": sum(len(t) - len(t.encode("ascii", "ignore")) for t in texts),
+        }
+        # Interleaved, best of three each: tiktoken, kiln cold (cache cleared), kiln warm (same pass again).
+        best = {"tiktoken": float("inf"), "kiln_cold": float("inf"), "kiln_warm": float("inf")}
+        for _ in range(3):
+            ref, s = cpu_timed(lambda texts=texts: [enc.encode_ordinary(t) for t in texts])
+            best["tiktoken"] = min(best["tiktoken"], s)
+            tok.clear_cache()
+            ids, s = cpu_timed(lambda texts=texts: [tok.encode_ordinary(t) for t in texts])
+            best["kiln_cold"] = min(best["kiln_cold"], s)
+            row["identical_cold"] = ids == ref
+            ids, s = cpu_timed(lambda texts=texts: [tok.encode_ordinary(t) for t in texts])
+            best["kiln_warm"] = min(best["kiln_warm"], s)
+            row["identical_warm"] = ids == ref
+            del ids, ref
+        for k, s in best.items():
+            row[f"{k}_MBps"] = nbytes / 1e6 / s
+        row["ratio_cold"] = best["tiktoken"] / best["kiln_cold"]
+        row["ratio_warm"] = best["tiktoken"] / best["kiln_warm"]
+        row["met"] = row["ratio_cold"] >= 0.5
+        out[name] = row
+        print(f"  {name}: {json.dumps(row)}", flush=True)
+    out["met"] = all(out[name]["met"] for name in corpora)
+    return out
+
+
+def finish(results: dict, args) -> int:
     results["machine"]["loadavg_end"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

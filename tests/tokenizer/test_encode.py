@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
 from kiln.tokenizer import DisallowedSpecialError, Tokenizer
-from kiln.tokenizer.patterns import ascii_form, resolve_pattern
+from kiln.tokenizer.bpe import Merger
+from kiln.tokenizer.patterns import ASCII_RUN, Splitter, ascii_form, resolve_pattern
 
 from ._corpora import HARD, PATTERN_NAMES
 
@@ -152,6 +153,13 @@ def test_chunk_cache_flushes_keep_results_exact(trained, heldout_text, monkeypat
     monkeypatch.setattr(tok._chunks, "max_items", 16)
     assert tok.encode_ordinary(heldout_text) == want
     assert len(tok._chunks) <= 16 and len(tok._chunks.previous) <= 16
+    # Texts that share chunks with what is cached and bring new ones: a flush in the middle of a text
+    # drops chunks it found cached, whose ids must still come out.
+    lines = heldout_text.splitlines(keepends=True)[:400]
+    texts = ["".join(lines[i : i + 7]) for i in range(0, len(lines), 3)]
+    want = list(map(tok.as_tiktoken().encode_ordinary, texts))
+    tok.clear_cache()
+    assert [tok.encode_ordinary(t) for t in texts] == want
     tok.clear_cache()
 
 
@@ -176,3 +184,43 @@ def test_ascii_form_only_for_named_patterns():
     assert ascii_form(r"\w+|\s+") is None
     assert ascii_form(r"[a-z]+|.") is None  # custom: always the `regex` module
     assert all(ascii_form(resolve_pattern(n)) is not None for n in PATTERN_NAMES)
+
+
+def test_vectorized_merges_equal_the_loop(trained, heldout_text, tmp_path):
+    # Merger.many (numpy, one merge step per chunk per round) against the one-chunk loop, on every
+    # distinct chunk of the held-out text, with tiktoken's rule and with an explicit merge list (HF's
+    # rule, with and without the whole-chunk shortcut).
+    tok = trained["o200k"]
+    pieces = list(dict.fromkeys(c.encode() for c in regex.findall(tok.pattern, heldout_text)))
+    tok.save(tmp_path)
+    hf = Tokenizer.load(tmp_path / "tokenizer.json")  # HF's rule: an explicit merge list
+    for merger in (
+        Merger(tok.vocab),
+        Merger(hf.vocab, hf.merges, whole_first=True),
+        Merger(hf.vocab, hf.merges, whole_first=False),
+    ):
+        assert merger.many(pieces) == [merger(p) for p in pieces]
+    assert Merger(tok.vocab).many([]) == []
+
+
+# Characters on either side of a line start, for the cuts of mixed ASCII/non-ASCII text.
+_BEFORE = ["a", " ", "\t", ")", "\r", "\n", "é", "\u3000", "1", "'", "\x0c", "\x1c"]
+_AFTER = ["a", " ", "/", "\n", "\r", "1", "'", "é", "\u3000", ")", "\x85", "s", "\x1c", "\t"]
+
+
+@pytest.mark.parametrize("name", PATTERN_NAMES)
+def test_cut_mixed_text_splits_like_the_whole(name, heldout_text):
+    # A long text that mixes ASCII and non-ASCII is cut at line starts into stretches that each go to
+    # the faster exact engine. Put every pair of characters around a "\n" both just before a non-ASCII
+    # character (where a stretch starts) and at the start of a long ASCII run (where one ends).
+    split = Splitter(resolve_pattern(name))
+    code = heldout_text[:3000].encode("ascii", "replace").decode()
+    pieces = []
+    for a in _BEFORE:
+        for b in _AFTER:
+            pieces.append(f"{code}x{a}\n{b}é{a}\n{b}{code}")
+    text = "".join(pieces)
+    assert not text.isascii() and len(text) > 4 * ASCII_RUN
+    assert split.findall(text) == regex.findall(resolve_pattern(name), text)
+    for piece in pieces[:20]:
+        assert split.findall(piece) == regex.findall(resolve_pattern(name), piece)

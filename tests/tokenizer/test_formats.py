@@ -93,16 +93,47 @@ def test_tiktoken_file_round_trip(trained, sample, tmp_path):
     # shuffled order, loads into kiln.
     lines = [base64.b64encode(t) + b" " + str(r).encode() + b"\n" for t, r in tok.vocab.items()]
     (tmp_path / "by_tiktoken.tiktoken").write_bytes(b"".join(reversed(lines)))
-    again = formats.from_tiktoken(tmp_path / "by_tiktoken.tiktoken", "qwen2", tok.special_tokens)
+    again = Tokenizer.from_tiktoken(tmp_path / "by_tiktoken.tiktoken", "qwen2", tok.special_tokens)
     for text in sample:
         assert again.encode_ordinary(text) == tok.encode_ordinary(text)
+
+
+def test_tiktoken_file_with_an_empty_token(trained, sample, tmp_path):
+    # whisper's multilingual.tiktoken has the line "= 50256": base64 of the empty string, padded.
+    # tiktoken loads it as the token b""; kiln must too, and must read back its own save of it.
+    tok = trained["gpt4"]
+    n = len(tok.vocab)
+    lines = [
+        f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(tok.vocab.items(), key=lambda kv: kv[1])
+    ]
+    (tmp_path / "empty.tiktoken").write_text("".join(lines) + f"= {n}\n")
+    ranks = tiktoken.load.load_tiktoken_bpe(str(tmp_path / "empty.tiktoken"))
+    assert ranks[b""] == n
+    assert formats.load_tiktoken(tmp_path / "empty.tiktoken") == ranks
+    specials = {"<|endoftext|>": n + 1}
+    kiln_tok = Tokenizer.from_tiktoken(tmp_path / "empty.tiktoken", "gpt4", specials)
+    ref = tiktoken.Encoding(
+        name="e", pat_str=resolve_pattern("gpt4"), mergeable_ranks=ranks, special_tokens=specials
+    )
+    for text in sample:
+        ids = kiln_tok.encode_ordinary(text)
+        assert ids == ref.encode_ordinary(text)
+        assert kiln_tok.decode(ids) == text
+    assert kiln_tok.decode([n, 104, n]) == ref.decode([n, 104, n]) == "h"
+    kiln_tok.save(tmp_path / "k", hf=False)
+    assert "= " + str(n) in (tmp_path / "k" / "tokenizer.tiktoken").read_text().splitlines()[-1]
+    again = Tokenizer.load(tmp_path / "k")
+    assert again.vocab == ranks and again.special_tokens == specials
+    assert again.encode_ordinary(sample[0]) == ref.encode_ordinary(sample[0])
+    formats.save_tiktoken(again.vocab, tmp_path / "again.tiktoken")
+    assert tiktoken.load.load_tiktoken_bpe(str(tmp_path / "again.tiktoken")) == ranks
 
 
 def test_gpt2_files_match_hf(trained, sample, tmp_path):
     tok = trained["gpt2"]
     formats.save_gpt2(tok, tmp_path)
     assert (tmp_path / "merges.txt").read_text().startswith("#version: 0.2\n")
-    loaded = formats.load_gpt2(tmp_path)
+    loaded = Tokenizer.from_spec(formats.read_gpt2(tmp_path))
     assert loaded.special_tokens == {s: i for s, i in tok.special_tokens.items() if s == "<|endoftext|>"}
     # HF's classic GPT-2 setup: BPE from the two files, ByteLevel pre-tokenizer with its own regex.
     hf = HFTokenizer(models.BPE.from_file(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt")))
@@ -113,9 +144,8 @@ def test_gpt2_files_match_hf(trained, sample, tmp_path):
         assert loaded.decode(ids) == text
     # Same vocabulary, same pattern, GPT-2 merge semantics: the ids match kiln's tiktoken semantics here
     # on ordinary text (the merge list holds every split of every token).
-    assert formats.load_gpt2(tmp_path, pattern=tok.pattern).encode_ordinary(sample[0]) == tok.encode_ordinary(
-        sample[0]
-    )
+    same_pattern = Tokenizer.from_spec(formats.read_gpt2(tmp_path, pattern=tok.pattern))
+    assert same_pattern.encode_ordinary(sample[0]) == tok.encode_ordinary(sample[0])
 
 
 def test_transformers_loads_kiln_directory_and_chat_template(trained, sample, tmp_path):
@@ -191,7 +221,7 @@ def test_malformed_and_missing_files(trained, tmp_path):
         formats.load_tiktoken(tmp_path / "bad.tiktoken")
     (tmp_path / "short.tiktoken").write_text("YQ== 0\n")
     with pytest.raises(KilnError, match="not a byte-level vocabulary"):
-        formats.from_tiktoken(tmp_path / "short.tiktoken", "gpt4")
+        Tokenizer.from_tiktoken(tmp_path / "short.tiktoken", "gpt4")
     trained["gpt4"].save(tmp_path / "k", hf=False)
     (tmp_path / "k" / "kiln_tokenizer.json").write_text('{"format": "kiln-tokenizer", "pattern": "gpt4"}')
     with pytest.raises(KilnError, match="not a valid kiln tokenizer"):

@@ -268,7 +268,7 @@ def _convert(args: argparse.Namespace, extra: list[str]) -> int:
             if not name or not value.isdigit():
                 raise KilnError(f"--special takes NAME=ID, got {item!r}")
             specials[name] = int(value)
-        tok = formats.from_tiktoken(source, args.pattern, specials)
+        tok = Tokenizer.from_tiktoken(source, args.pattern, specials)
     else:
         if args.pattern is not None or args.special:
             raise KilnError("--pattern and --special apply only to a tiktoken ranks file source")

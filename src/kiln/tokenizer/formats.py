@@ -4,11 +4,17 @@
 - kiln: `kiln_tokenizer.json` (pattern, special tokens, semantics) next to `tokenizer.tiktoken`
   (one "base64(token bytes) id" line per token) and, for a vocabulary with an explicit merge list,
   `merges.kiln` (one "base64(left) base64(right)" line per merge, earliest first).
-- tiktoken: the ranks file alone; the pattern and special tokens come from the caller.
+- tiktoken: the ranks file alone; the pattern and special tokens come from the caller. A token may be
+  empty: whisper's multilingual.tiktoken has the line "= 50256" (base64 of nothing, padded); it is
+  read as tiktoken reads it and written the same way.
 - HF and GPT-2: tokens are strings in GPT-2's byte-to-unicode alphabet (each byte one printable
   character). A kiln vocabulary exports with every split of every token as a merge, ordered by the
   token's rank, plus `ignore_merges`: that is exactly tiktoken's rule in HF's terms. An HF or GPT-2
   vocabulary imports with its merge list and is encoded as HF encodes it.
+
+This module works on plain data, below the Tokenizer class: readers return a TokenizerSpec (what
+Tokenizer's constructor takes) and writers take anything with a Tokenizer's attributes (a Tokenizer or
+a TokenizerSpec). Tokenizer.load and Tokenizer.save are built on it.
 """
 
 from __future__ import annotations
@@ -16,16 +22,49 @@ from __future__ import annotations
 import base64
 import json
 import os
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Protocol
+
+import regex
 
 from kiln.errors import KilnError
-from kiln.tokenizer.patterns import onig_compatible, pattern_name
-from kiln.tokenizer.tokenizer import ENDOFTEXT, Tokenizer
+from kiln.tokenizer.patterns import ENDOFTEXT, onig_compatible, pattern_name
 
 KILN_FILE = "kiln_tokenizer.json"
 RANKS_FILE = "tokenizer.tiktoken"
 MERGES_FILE = "merges.kiln"
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What a tokenizer file holds: the arguments of Tokenizer(...) (see its docstring), unchecked."""
+
+    vocab: dict[bytes, int]
+    pattern: str
+    special_tokens: dict[str, int]
+    merges: dict[tuple[bytes, bytes], int] | None = None
+    ignore_merges: bool = True
+    normalization: str | None = None
+
+
+class TokenizerData(Protocol):
+    """What the writers read: a Tokenizer or a TokenizerSpec."""
+
+    @property
+    def vocab(self) -> dict[bytes, int]: ...
+    @property
+    def pattern(self) -> str: ...
+    @property
+    def special_tokens(self) -> dict[str, int]: ...
+    @property
+    def merges(self) -> dict[tuple[bytes, bytes], int] | None: ...
+    @property
+    def ignore_merges(self) -> bool: ...
+    @property
+    def normalization(self) -> str | None: ...
+
 
 # HF's ByteLevel pre-tokenizer regex (use_regex=true): GPT-2's split as HF spells it.
 HF_BYTELEVEL = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -72,9 +111,20 @@ def from_unicode(token: str) -> bytes:
 
 
 def save_tiktoken(vocab: dict[bytes, int], path: str | os.PathLike) -> None:
-    """Write a tiktoken ranks file: "base64(bytes) rank" per line, in rank order."""
-    lines = [f"{base64.b64encode(b).decode()} {i}\n" for b, i in sorted(vocab.items(), key=lambda kv: kv[1])]
+    """Write a tiktoken ranks file: "base64(bytes) rank" per line, in rank order; the empty token is
+    written "=" as in whisper's files (tiktoken's own dump writes nothing there, which no loader reads)."""
+    lines = [f"{_b64(b)} {i}\n" for b, i in sorted(vocab.items(), key=lambda kv: kv[1])]
     Path(path).write_text("".join(lines), encoding="ascii")
+
+
+def _b64(token: bytes) -> str:
+    return base64.b64encode(token).decode() if token else "="
+
+
+def _unb64(text: str) -> bytes:
+    # "=" alone is the empty token (whisper's multilingual.tiktoken); tiktoken's loader decodes it to
+    # b"" because it does not validate. Everything else must be strict base64.
+    return b"" if text == "=" else base64.b64decode(text, validate=True)
 
 
 def load_tiktoken(path: str | os.PathLike) -> dict[bytes, int]:
@@ -90,7 +140,7 @@ def load_tiktoken(path: str | os.PathLike) -> dict[bytes, int]:
             continue
         try:
             token, rank = line.split()
-            ranks[base64.b64decode(token, validate=True)] = int(rank)
+            ranks[_unb64(token)] = int(rank)
         except ValueError as e:
             raise KilnError(f"{path}:{n}: malformed tiktoken line {line[:60]!r} (want 'base64 rank')") from e
     if not ranks:
@@ -98,17 +148,10 @@ def load_tiktoken(path: str | os.PathLike) -> dict[bytes, int]:
     return ranks
 
 
-def from_tiktoken(
-    path: str | os.PathLike, pattern: str, special_tokens: dict[str, int] | None = None
-) -> Tokenizer:
-    """A Tokenizer from a tiktoken ranks file plus the pattern and special tokens it was made with."""
-    return Tokenizer(load_tiktoken(path), pattern, special_tokens)
-
-
 # ---- kiln's directory ----------------------------------------------------------------------------
 
 
-def save_kiln(tok: Tokenizer, directory: str | os.PathLike) -> None:
+def save_kiln(tok: TokenizerData, directory: str | os.PathLike) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_tiktoken(tok.vocab, directory / RANKS_FILE)
@@ -124,17 +167,14 @@ def save_kiln(tok: Tokenizer, directory: str | os.PathLike) -> None:
         "normalization": tok.normalization,
     }
     if merges is not None:
-        lines = [
-            f"{base64.b64encode(a).decode()} {base64.b64encode(b).decode()}\n"
-            for (a, b), _ in sorted(merges.items(), key=lambda kv: kv[1])
-        ]
+        lines = [f"{_b64(a)} {_b64(b)}\n" for (a, b), _ in sorted(merges.items(), key=lambda kv: kv[1])]
         (directory / MERGES_FILE).write_text("".join(lines), encoding="ascii")
     (directory / KILN_FILE).write_text(
         json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
 
 
-def load_kiln(directory: str | os.PathLike) -> Tokenizer:
+def read_kiln(directory: str | os.PathLike) -> TokenizerSpec:
     directory = Path(directory)
     meta = _read_json(directory / KILN_FILE)
     try:
@@ -147,10 +187,10 @@ def load_kiln(directory: str | os.PathLike) -> Tokenizer:
             text = (directory / MERGES_FILE).read_text(encoding="ascii")
             for i, line in enumerate(text.splitlines()):
                 a, b = line.split()
-                merges[(base64.b64decode(a), base64.b64decode(b))] = i
-        return Tokenizer(
+                merges[(_unb64(a), _unb64(b))] = i
+        return TokenizerSpec(
             vocab,
-            meta["pattern"],
+            str(meta["pattern"]),
             {str(k): int(v) for k, v in meta["special_tokens"].items()},
             merges=merges,
             ignore_merges=bool(meta.get("ignore_merges", True)),
@@ -165,7 +205,7 @@ def load_kiln(directory: str | os.PathLike) -> Tokenizer:
 # ---- HF tokenizers -------------------------------------------------------------------------------
 
 
-def hf_merges(tok: Tokenizer) -> list[tuple[bytes, bytes]]:
+def hf_merges(tok: TokenizerData) -> list[tuple[bytes, bytes]]:
     """The merge list that makes HF `tokenizers` (with ignore_merges) encode as `tok` does.
 
     tiktoken merges two parts whenever their concatenation is a token, ranked by that token's rank,
@@ -182,7 +222,7 @@ def hf_merges(tok: Tokenizer) -> list[tuple[bytes, bytes]]:
     return out
 
 
-def to_hf_json(tok: Tokenizer) -> dict:
+def to_hf_json(tok: TokenizerData) -> dict:
     """HF `tokenizers` tokenizer.json content for `tok`."""
     split = {
         "type": "Split",
@@ -227,7 +267,7 @@ def to_hf_json(tok: Tokenizer) -> dict:
 
 
 def save_hf(
-    tok: Tokenizer,
+    tok: TokenizerData,
     directory: str | os.PathLike,
     *,
     bos_token: str | None = None,
@@ -297,7 +337,7 @@ def _hf_pattern(pre: dict | None) -> str:
                     f"Split with behavior={step.get('behavior')!r} invert={step.get('invert')} is not supported"
                 )
             pat = step["pattern"]
-            pattern = pat["Regex"] if "Regex" in pat else __import__("regex").escape(pat["String"])
+            pattern = pat["Regex"] if "Regex" in pat else regex.escape(pat["String"])
         else:
             raise KilnError(
                 f"pre-tokenizer {kind!r} is not supported (kiln reads byte-level BPE: Split + ByteLevel)"
@@ -307,8 +347,8 @@ def _hf_pattern(pre: dict | None) -> str:
     return pattern
 
 
-def from_hf_json(data: dict, source: str = "tokenizer.json") -> Tokenizer:
-    """A Tokenizer from the content of an HF tokenizer.json (byte-level BPE)."""
+def spec_from_hf_json(data: dict, source: str = "tokenizer.json") -> TokenizerSpec:
+    """A tokenizer's spec from the content of an HF tokenizer.json (byte-level BPE)."""
     try:
         model = data["model"]
         if model.get("type", "BPE") != "BPE":
@@ -330,7 +370,7 @@ def from_hf_json(data: dict, source: str = "tokenizer.json") -> Tokenizer:
         for n, m in enumerate(model["merges"]):
             a, b = m.split(" ") if isinstance(m, str) else m
             merges.setdefault((from_unicode(a), from_unicode(b)), n)
-        return Tokenizer(
+        return TokenizerSpec(
             vocab,
             pattern,
             specials,
@@ -342,18 +382,18 @@ def from_hf_json(data: dict, source: str = "tokenizer.json") -> Tokenizer:
         raise KilnError(f"{source} is not a valid HF tokenizer.json ({type(e).__name__}: {e})") from e
 
 
-def load_hf(path: str | os.PathLike) -> Tokenizer:
-    """A Tokenizer from an HF tokenizer.json, or a directory holding one."""
+def read_hf(path: str | os.PathLike) -> TokenizerSpec:
+    """A tokenizer's spec from an HF tokenizer.json, or a directory holding one."""
     path = Path(path)
     if path.is_dir():
         path = path / "tokenizer.json"
-    return from_hf_json(_read_json(path), str(path))
+    return spec_from_hf_json(_read_json(path), str(path))
 
 
 # ---- GPT-2 vocab.json + merges.txt ---------------------------------------------------------------
 
 
-def save_gpt2(tok: Tokenizer, directory: str | os.PathLike) -> None:
+def save_gpt2(tok: TokenizerData, directory: str | os.PathLike) -> None:
     """Write vocab.json (special tokens included) and merges.txt in GPT-2's layout."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -364,10 +404,10 @@ def save_gpt2(tok: Tokenizer, directory: str | os.PathLike) -> None:
     (directory / "merges.txt").write_text("".join(lines), encoding="utf-8")
 
 
-def load_gpt2(
+def read_gpt2(
     directory: str | os.PathLike, pattern: str | None = None, special_tokens: tuple[str, ...] = (ENDOFTEXT,)
-) -> Tokenizer:
-    """A Tokenizer from GPT-2 files: vocab.json entries named in `special_tokens` become special tokens;
+) -> TokenizerSpec:
+    """A tokenizer's spec from GPT-2 files: vocab.json entries named in `special_tokens` become special tokens;
     the pattern defaults to GPT-2's (as HF's ByteLevel pre-tokenizer spells it)."""
     directory = Path(directory)
     raw = _read_json(directory / "vocab.json")
@@ -386,7 +426,7 @@ def load_gpt2(
             merges.setdefault((from_unicode(a), from_unicode(b)), len(merges))
     except (ValueError, TypeError, AttributeError) as e:
         raise KilnError(f"{directory} does not hold valid GPT-2 vocab.json/merges.txt ({e})") from e
-    return Tokenizer(vocab, pattern or HF_BYTELEVEL, specials, merges=merges, ignore_merges=False)
+    return TokenizerSpec(vocab, pattern or HF_BYTELEVEL, specials, merges=merges, ignore_merges=False)
 
 
 def load_chat_template(directory: str | os.PathLike) -> str | None:
@@ -405,27 +445,27 @@ def load_chat_template(directory: str | os.PathLike) -> str | None:
 # ---- any of them ---------------------------------------------------------------------------------
 
 
-def load(path: str | os.PathLike) -> Tokenizer:
-    """Load whichever format `path` holds: a kiln directory, an HF tokenizer.json (or a directory with
+def read(path: str | os.PathLike) -> TokenizerSpec:
+    """Read whichever format `path` holds: a kiln directory, an HF tokenizer.json (or a directory with
     one), or a GPT-2 directory."""
     path = Path(path)
     if not path.exists():
         raise KilnError(f"no tokenizer at {path}: the path does not exist")
     if path.is_dir():
         if (path / KILN_FILE).exists():
-            return load_kiln(path)
+            return read_kiln(path)
         if (path / "tokenizer.json").exists():
-            return load_hf(path)
+            return read_hf(path)
         if (path / "vocab.json").exists() and (path / "merges.txt").exists():
-            return load_gpt2(path)
+            return read_gpt2(path)
         raise KilnError(
             f"{path} holds no tokenizer ({KILN_FILE}, tokenizer.json, or vocab.json + merges.txt)"
         )
     if path.suffix == ".json":
-        return load_hf(path)
+        return read_hf(path)
     raise KilnError(
         f"cannot tell the format of {path}; for a tiktoken ranks file use "
-        "kiln.tokenizer.formats.from_tiktoken(path, pattern, special_tokens)"
+        "Tokenizer.from_tiktoken(path, pattern, special_tokens)"
     )
 
 

@@ -12,22 +12,20 @@ Encoding splits text with the pattern's regex and merges each chunk; results are
 from __future__ import annotations
 
 import os
-import re
 import unicodedata
 from array import array
 from collections.abc import Collection, Iterable, Sequence
-from itertools import chain
+from itertools import chain, compress, islice, repeat
+from operator import is_
 from typing import Literal
 
-import regex
-
 from kiln.errors import KilnError
-from kiln.tokenizer.bpe import merge_by_list, merge_by_rank
-from kiln.tokenizer.patterns import ascii_form, resolve_pattern
-from kiln.tokenizer.train import special_splitter, utf8
+from kiln.tokenizer import formats
+from kiln.tokenizer.bpe import ID_MASK, Merger
+from kiln.tokenizer.patterns import ENDOFTEXT, Splitter, resolve_pattern, special_splitter, utf8
 
 CACHE_MAX = 1 << 18  # chunks per cache generation (two generations: ~100 MB at most)
-ENDOFTEXT = "<|endoftext|>"
+MANY_CHUNKS = 256  # new chunks in one text from which Merger.many (numpy, vectorized) beats the loop
 
 
 class DisallowedSpecialError(KilnError, ValueError):
@@ -77,6 +75,8 @@ class Tokenizer:
         self._decoder: dict[int, bytes] = {i: b for b, i in self._vocab.items()}
         if len(self._decoder) != len(self._vocab):
             raise KilnError("the vocabulary gives the same id to two different tokens")
+        if max(self._decoder) > ID_MASK or min(self._decoder) < 0:
+            raise KilnError(f"ordinary token ids must be in 0..{ID_MASK}")
         for s, i in self._specials.items():
             if not s:
                 raise KilnError("a special token cannot be the empty string")
@@ -94,11 +94,10 @@ class Tokenizer:
     def _setup(self) -> None:
         # Derived, rebuilt after unpickling: compiled regexes, the caches, a tiktoken twin.
         self._n_vocab = max(self._decoder) + 1
-        self._split = regex.compile(self.pattern)
-        form = ascii_form(self.pattern)
-        self._split_ascii = re.compile(form) if form is not None else self._split
+        self._split = Splitter(self.pattern)
         self._special_regex = special_splitter(list(self._specials))
-        self._chunks = _Memo(lambda piece: self._encode_piece(piece.encode("utf-8")), CACHE_MAX)
+        self._merger: Merger | None = None  # built on the first new chunk (a pair table: ~0.1 s at 32k)
+        self._chunks = _ChunkCache(CACHE_MAX)
         self._tiktoken = None
 
     def clear_cache(self) -> None:
@@ -107,7 +106,7 @@ class Tokenizer:
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for k in ("_split", "_split_ascii", "_special_regex", "_chunks", "_tiktoken"):
+        for k in ("_split", "_special_regex", "_merger", "_chunks", "_tiktoken"):
             state.pop(k, None)
         return state
 
@@ -154,19 +153,38 @@ class Tokenizer:
 
     # ---- encoding --------------------------------------------------------------------------------
 
-    def _encode_piece(self, piece: bytes) -> list[int]:
-        if self._merges is None:
-            return merge_by_rank(piece, self._vocab)
-        return merge_by_list(piece, self._vocab, self._merges, self.ignore_merges)
-
     def _encode_chunks(self, text: str) -> list[int]:
-        # findall and the cache lookups run in C (map over dict.__getitem__); only a chunk seen for
-        # the first time calls back into Python (_Memo.__missing__ -> the merge loop). Pure-ASCII
-        # text (most source code) is split by the stdlib `re` with the pattern's ASCII form.
+        # The split and the cache lookups run in C (map over the dict's lookups); only text with
+        # chunks not seen before goes on to _encode_new.
         if self.normalization is not None:
             text = unicodedata.normalize(self.normalization, text)
-        split = self._split_ascii if text.isascii() else self._split
-        return list(chain.from_iterable(map(self._chunks.__getitem__, split.findall(text))))
+        chunks = self._split.findall(text)
+        try:  # every chunk cached (the common case): one pass in C, as fast as it gets
+            return list(chain.from_iterable(map(self._chunks.__getitem__, chunks)))
+        except KeyError:
+            pass
+        parts = list(map(self._chunks.get, chunks))
+        return list(chain.from_iterable(self._encode_new(chunks, parts)))
+
+    def _encode_new(self, chunks: list[str], parts: list[list[int] | None]) -> list[list[int]]:
+        """`parts` (the cached ids of each chunk, None where not cached) completed by merging."""
+        merger = self._merger
+        if merger is None:
+            merger = self._merger = Merger(self._vocab, self._merges, self.ignore_merges)
+        # The distinct new chunks, in order; compress/map keep the pass over all chunks in C.
+        new = dict.fromkeys(compress(chunks, map(is_, parts, repeat(None))))
+        fresh = self._chunks.previous_generation(new)
+        todo = [c for c, ids in fresh.items() if ids is None]
+        if len(todo) >= MANY_CHUNKS:
+            done = merger.many([c.encode("utf-8") for c in todo])
+        else:
+            done = [merger(c.encode("utf-8")) for c in todo]
+        fresh.update(zip(todo, done))
+        self._chunks.store(fresh)
+        done_parts = list(map(self._chunks.get, chunks))
+        if None in done_parts:  # the store flushed the cache: the ids are in `parts` or `fresh`
+            done_parts = [fresh[c] if p is None else p for c, p in zip(chunks, parts)]
+        return done_parts
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Ids of `text`, with special tokens treated as ordinary text."""
@@ -314,8 +332,6 @@ class Tokenizer:
         also HF's tokenizer.json + tokenizer_config.json so transformers can load the directory;
         `hf_options` (bos_token, eos_token, pad_token, chat_template, model_max_length) go to the
         latter (see kiln.tokenizer.formats.save_hf)."""
-        from kiln.tokenizer import formats
-
         if hf_options and not hf:
             raise ValueError(f"HF options {sorted(hf_options)} given with hf=False")
         formats.save_kiln(self, directory)
@@ -325,40 +341,60 @@ class Tokenizer:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
         """Load a tokenizer from kiln's directory, an HF tokenizer.json (or its directory), or a
-        GPT-2 directory (vocab.json + merges.txt); see kiln.tokenizer.formats for tiktoken files."""
-        from kiln.tokenizer import formats
+        GPT-2 directory (vocab.json + merges.txt); for a tiktoken ranks file see from_tiktoken."""
+        return cls.from_spec(formats.read(path))
 
-        return formats.load(path)
+    @classmethod
+    def from_tiktoken(
+        cls, path: str | os.PathLike, pattern: str, special_tokens: dict[str, int] | None = None
+    ) -> Tokenizer:
+        """A Tokenizer from a tiktoken ranks file plus the pattern and special tokens it was made with."""
+        return cls(formats.load_tiktoken(path), pattern, special_tokens)
+
+    @classmethod
+    def from_spec(cls, spec: formats.TokenizerSpec) -> Tokenizer:
+        """A Tokenizer from what a file reader returned (see kiln.tokenizer.formats)."""
+        return cls(
+            spec.vocab,
+            spec.pattern,
+            spec.special_tokens,
+            merges=spec.merges,
+            ignore_merges=spec.ignore_merges,
+            normalization=spec.normalization,
+        )
 
     def __repr__(self) -> str:
         mode = "ranks" if self._merges is None else f"{len(self._merges)} merges"
         return f"Tokenizer(n_vocab={self.n_vocab}, {mode}, specials={list(self._specials)})"
 
 
-class _Memo(dict):
-    """A bounded memo: memo[key] is fn(key), computed in __missing__ on the first lookup only, so a
-    hit never leaves C.
+class _ChunkCache(dict):
+    """chunk text -> ids, bounded: lookups are plain dict.get (in C).
 
-    When `max_items` are kept, they become the previous generation and the memo starts empty; a miss
-    looks there before computing, so the chunks in use survive the flush (two generations
-    approximate LRU without bookkeeping on hits).
+    When `max_items` are kept, they become the previous generation and the cache starts empty; new
+    chunks are looked up there before they are merged, so the chunks in use survive the flush (two
+    generations approximate LRU without bookkeeping on hits).
     """
 
-    def __init__(self, fn, max_items: int):
+    def __init__(self, max_items: int):
         super().__init__()
-        self.fn = fn
         self.max_items = max_items
-        self.previous: dict = {}
+        self.previous: dict[str, list[int]] = {}
 
-    def __missing__(self, key):
-        value = self.previous.get(key)
-        if value is None:
-            value = self.fn(key)
-        if len(self) >= self.max_items:
+    def previous_generation(self, chunks: dict[str, None]) -> dict[str, list[int] | None]:
+        """`chunks` with the ids the previous generation holds for them (None for the rest)."""
+        if not self.previous:
+            return chunks
+        get = self.previous.get
+        return {c: get(c) for c in chunks}
+
+    def store(self, fresh: dict[str, list[int]]) -> None:
+        if len(self) + len(fresh) > self.max_items:
             self.previous = dict(self)
             self.clear()
-        self[key] = value
-        return value
+            if len(fresh) > self.max_items:  # one text with more new chunks than fit: keep its last
+                fresh = dict(islice(fresh.items(), len(fresh) - self.max_items, None))
+        self.update(fresh)
 
     def forget(self) -> None:
         self.clear()

@@ -26,21 +26,16 @@ from __future__ import annotations
 import heapq
 import multiprocessing
 import os
-import re
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice
-from typing import TYPE_CHECKING
 
-import regex
 from tqdm.auto import tqdm
 
 from kiln.errors import KilnError
-from kiln.tokenizer.patterns import ascii_form, resolve_pattern
-
-if TYPE_CHECKING:
-    from kiln.tokenizer.tokenizer import Tokenizer
+from kiln.tokenizer.patterns import Splitter, resolve_pattern, special_splitter, utf8
+from kiln.tokenizer.tokenizer import Tokenizer
 
 BATCH_CHARS = 1 << 21  # ~2 MB of text per counting task
 PAIR_BASE = 1 << 24  # ids stay below 16.7M, far above any vocabulary we train
@@ -56,24 +51,15 @@ class Merge:
     count: int
 
 
-def special_splitter(special_tokens: Sequence[str]) -> regex.Pattern | None:
-    """A regex matching any special token, longest first (so "<|a|>x" wins over a prefix "<|a|>")."""
-    if not special_tokens:
-        return None
-    return regex.compile("|".join(regex.escape(s) for s in sorted(special_tokens, key=len, reverse=True)))
-
-
 def count_chunks_in(texts: Sequence[str], pattern: str, special_tokens: Sequence[str]) -> Counter[str]:
     """Counts of the distinct regex chunks of `texts`, special tokens removed (one worker's task)."""
-    split = regex.compile(pattern)
-    form = ascii_form(pattern)
-    split_ascii = re.compile(form) if form is not None else split  # see Tokenizer._encode_chunks
+    split = Splitter(pattern)  # the encoder's split, so training sees the chunks encoding will
     specials = special_splitter(special_tokens)
     counts: Counter[str] = Counter()
     for text in texts:
         parts = specials.split(text) if specials is not None else (text,)
         for part in parts:
-            counts.update((split_ascii if part.isascii() else split).findall(part))
+            counts.update(split.findall(part))
     return counts
 
 
@@ -263,8 +249,6 @@ def train_bpe(
     its tiktoken rank), then the special tokens. Training can stop short of `vocab_size` when no pair
     occurs `min_frequency` times; `n_vocab` of the result says how many ids there are.
     """
-    from kiln.tokenizer.tokenizer import Tokenizer
-
     if isinstance(texts, str | bytes):
         raise TypeError("train_bpe takes an iterable of texts, not one text: wrap it in a list")
     special_tokens = tuple(special_tokens)
@@ -289,11 +273,3 @@ def train_bpe(
     ranks = {b: i for i, b in enumerate(vocab)}
     specials = {s: len(vocab) + i for i, s in enumerate(special_tokens)}
     return Tokenizer(ranks, regex_text, specials)
-
-
-def utf8(text: str) -> bytes:
-    """UTF-8 bytes of `text`; lone surrogates become U+FFFD (as tiktoken does before encoding)."""
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError:
-        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
