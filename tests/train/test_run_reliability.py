@@ -90,7 +90,7 @@ def test_stop_at_zero_and_early_stops_then_exact_resume(base, tmp_path, capsys):
     rc, _, err = _run(capsys, "--out", split, "--resume", "--train.steps=6", "--stop-at", 3)
     assert rc == 2 and "--stop-at 3 is before the checkpoint's step 4" in err
     rc, _, err = _run(capsys, "--out", split, "--stop-at", -1, "--overwrite")
-    assert rc == 2 and "--stop-at must be a step >= 0" in err
+    assert rc == 2 and "--stop-at must be a step number >= 0" in err
     assert _snapshot(split) == before
 
 

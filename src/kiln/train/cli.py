@@ -25,8 +25,6 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.device is not None:
         overrides.append(f"--device={args.device}")
     _check_out(args.out)
-    if args.stop_at is not None and args.stop_at < 0:
-        raise KilnError(f"--stop-at must be a step number >= 0, got {args.stop_at}")
     resume = args.resume or args.resume_from is not None
     if resume:
         # the run's own saved config <- --config FILE <- overrides; run() then refuses any change the

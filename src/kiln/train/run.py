@@ -159,7 +159,7 @@ def run(
     if resume and overwrite:
         raise KilnError("--resume and --overwrite contradict each other: pass one")
     if stop_at is not None and stop_at < 0:
-        raise KilnError(f"--stop-at must be a step >= 0, got {stop_at}")
+        raise KilnError(f"--stop-at must be a step number >= 0, got {stop_at}")
     env = dist_env()
     device = resolve_device(cfg.device, env)
     run_dir = Path(cfg.out_dir)
