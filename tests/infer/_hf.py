@@ -1,9 +1,12 @@
-"""Random-init Hugging Face checkpoints of each family kiln serves, saved for the engine to load."""
+"""Random-init Hugging Face checkpoints of each family kiln serves, saved for the engine to load: smaller
+than tests/model's (two layers, a 512-id vocabulary), and seeded per test."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from ..model._helpers import randomize_vectors
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,12 +49,7 @@ def hf_causal_lm(arch: str, seed: int = 0):
     else:
         cfg_name, cls_name, extra = ARCHS[arch]
         model = getattr(T, cls_name)(getattr(T, cfg_name)(**BASE, **extra))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                scale = name.endswith("weight") and ("norm" in name or ".ln_" in name)
-                p.copy_(1.0 + 0.1 * torch.randn_like(p) if scale else 0.1 * torch.randn_like(p))
-    return model.eval()
+    return randomize_vectors(model).eval()
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:

@@ -30,10 +30,6 @@ PROMPTS = [
 ]
 
 
-def quiet(*args, **kwargs):
-    pass
-
-
 @pytest.fixture(scope="module", params=[*ARCHS, "gpt2"])
 def checkpoint(request, tmp_path_factory):
     """(arch, HF model, its saved directory)."""
@@ -45,7 +41,7 @@ def checkpoint(request, tmp_path_factory):
 
 def make_llm(path, **engine) -> LLM:
     engine = {"device": "cpu", "block_size": 4, "num_blocks": 256, "max_num_batched_tokens": 64, **engine}
-    return LLM(path, log=quiet, **engine)
+    return LLM(path, log=None, **engine)
 
 
 def greedy(n=N_NEW, **kw) -> SamplingParams:
@@ -148,7 +144,7 @@ def test_stops_eos_and_max_tokens(tmp_path):
     assert out.stop_reason == stop_tok
     out = llm.generate(PROMPTS[2], greedy(7))[0].outputs[0]
     assert out.token_ids == ref[:7] and out.finish_reason == "length"
-    eos = LLM(tmp_path, log=quiet, eos_token_ids=[stop_tok], device="cpu", num_blocks=64)
+    eos = LLM(tmp_path, log=None, eos_token_ids=[stop_tok], device="cpu", num_blocks=64)
     out = eos.generate(PROMPTS[2], greedy())[0].outputs[0]
     assert out.token_ids == ref[: ref.index(stop_tok) + 1] and out.finish_reason == "stop"
     out = eos.generate(PROMPTS[2], greedy(ignore_eos=True))[0].outputs[0]
@@ -207,7 +203,7 @@ def test_text_stop_strings_and_streaming(tmp_path):
 
     hf_causal_lm("llama", seed=3).save_pretrained(tmp_path)
     tok = train_bpe(["hello world, " * 50, "abc def ghi " * 40], vocab_size=300)
-    llm = LLM(tmp_path, tokenizer=tok, log=quiet, device="cpu", num_blocks=64)
+    llm = LLM(tmp_path, tokenizer=tok, log=None, device="cpu", num_blocks=64)
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=7)
     full = llm.generate("hello", params)[0].outputs[0]
     assert full.text == tok.decode([t for t in full.token_ids if t < tok.n_vocab])

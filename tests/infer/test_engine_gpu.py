@@ -16,7 +16,7 @@ from kiln.infer import SamplingParams
 from kiln.infer.engine import LLM
 
 from ._hf import hf_causal_lm
-from .test_engine import PROMPTS, quiet
+from .test_engine import PROMPTS
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +38,7 @@ def test_gpu_bf16_greedy_close_to_hf(arch, tmp_path):
     hf = hf_causal_lm(arch)
     hf.save_pretrained(tmp_path)
     hf = hf.to("cuda", torch.bfloat16)
-    llm = LLM(tmp_path, log=quiet, device="cuda", dtype="bf16", block_size=16, memory_fraction=0.2)
+    llm = LLM(tmp_path, log=None, device="cuda", dtype="bf16", block_size=16, memory_fraction=0.2)
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=5)
     outs = llm.generate(PROMPTS, params)
     exact = 0
@@ -54,7 +54,7 @@ def test_gpu_bf16_greedy_close_to_hf(arch, tmp_path):
 
 def test_gpu_batched_equals_alone_and_prefix_cache(tmp_path):
     hf_causal_lm("qwen2").save_pretrained(tmp_path)
-    llm = LLM(tmp_path, log=quiet, device="cuda", dtype="fp32", block_size=16, memory_fraction=0.2,
+    llm = LLM(tmp_path, log=None, device="cuda", dtype="fp32", block_size=16, memory_fraction=0.2,
               max_num_batched_tokens=32)  # fmt: skip
     params = SamplingParams(max_tokens=16, temperature=0.0)
     alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS]

@@ -57,13 +57,17 @@ def hf_model(arch: str, **overrides):
             "mixtral": (T.MixtralConfig, T.MixtralForCausalLM),
         }[arch]
         model = cls[1](cls[0](**kw))
-    # transformers' init leaves norms at 1 and biases at 0; random ones test that they are loaded
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                is_scale = name.endswith("weight") and ("norm" in name or ".ln_" in name)
-                p.copy_(1.0 + 0.1 * torch.randn_like(p) if is_scale else 0.1 * torch.randn_like(p))
-    return model.eval()
+    return randomize_vectors(model).eval()
+
+
+@torch.no_grad()
+def randomize_vectors(model):
+    """transformers' init leaves norms at 1 and biases at 0; random ones test that they are loaded."""
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            is_scale = name.endswith("weight") and ("norm" in name or ".ln_" in name)
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if is_scale else 0.1 * torch.randn_like(p))
+    return model
 
 
 def assert_logits_close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-4) -> None:

@@ -79,7 +79,7 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     cfg.num_blocks = need
     cfg.max_num_seqs = max(1, min(256, len(prompts) * args.n))
     eot = tok.special_tokens.get(ENDOFTEXT)
-    llm = LLM(model, tokenizer=tok, eos_token_ids=[] if eot is None else [eot], log=_quiet, **vars(cfg))
+    llm = LLM(model, tokenizer=tok, eos_token_ids=[] if eot is None else [eot], log=None, **vars(cfg))
     params = [
         SamplingParams(
             max_tokens=max(p.max_new_tokens, 1),
@@ -106,10 +106,6 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     samples = [prompt + o.text for prompt, out in zip(prompts, outs) for o in out.outputs]
     print("\n---\n".join(samples))
     return 0
-
-
-def _quiet(*args, **kwargs) -> None:
-    pass
 
 
 def _bench_infer(args: argparse.Namespace, extra: list[str]) -> int:

@@ -24,7 +24,7 @@ import torch
 from kiln.errors import KilnError
 from kiln.infer.block_manager import BlockManager
 from kiln.infer.config import EngineConfig
-from kiln.infer.loading import load_for_inference
+from kiln.infer.loading import eos_ids, load_for_inference
 from kiln.infer.runner import ModelRunner
 from kiln.infer.sampler import Sampler, SamplingTensors, plain_greedy, token_logprobs
 from kiln.infer.sampling_params import SamplingParams
@@ -85,7 +85,8 @@ class _Request:
 # ----------------------------------------------------------------------------------------------- engine
 class LLMEngine:
     """model: a kiln Transformer (weights on the engine's device, in its dtype); tokenizer: kiln's Tokenizer
-    (encode_ordinary, decode_bytes), or None for token-id requests (then outputs carry ids, no text)."""
+    (encode_ordinary, decode_bytes), or None for token-id requests (then outputs carry ids, no text);
+    log: where the start-up capacity line goes (None: nowhere)."""
 
     def __init__(
         self,
@@ -126,12 +127,13 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._seeds = random.Random(config.seed)
         n_tokens = self.runner.num_blocks * config.block_size
-        log(
-            f"kiln engine: {self.runner.num_blocks} KV blocks x {config.block_size} tokens = {n_tokens} tokens "
-            f"({self.runner.num_blocks * self.runner.bytes_per_block / 2**30:.2f} GiB, "
-            f"{self.runner.dtype}); max {n_tokens // self.max_model_len} sequences at the full "
-            f"{self.max_model_len}-token context, {config.max_num_seqs} per step; device {self.device}"
-        )
+        if log is not None:
+            log(
+                f"kiln engine: {self.runner.num_blocks} KV blocks x {config.block_size} tokens = {n_tokens} tokens "
+                f"({self.runner.num_blocks * self.runner.bytes_per_block / 2**30:.2f} GiB, "
+                f"{self.runner.dtype}); max {n_tokens // self.max_model_len} sequences at the full "
+                f"{self.max_model_len}-token context, {config.max_num_seqs} per step; device {self.device}"
+            )
 
     # ---- requests -----------------------------------------------------------------------------------------
     def add_request(
@@ -261,7 +263,7 @@ class LLMEngine:
         if stops and not (seq.is_finished and seq.finish_reason == "abort"):
             # only the new tail can hold a new match (the longest stop string back from the old end)
             begin = max(0, len(req.texts[j]) - max(map(len, stops)))
-            hits = [(text.find(s, begin), s) for s in stops if text.find(s, begin) >= 0]
+            hits = [(at, s) for s in stops if (at := text.find(s, begin)) >= 0]
             if hits:
                 at, s = min(hits)
                 text = text[:at]
@@ -341,20 +343,14 @@ class LLM:
         config = EngineConfig(**engine)
         device = config.resolve_device()
         dtype = config.resolve_dtype(device)
+        path = None
         if isinstance(model_or_path, Transformer):
             model = model_or_path.to(device=device, dtype=dtype)
-            eos = list(eos_token_ids or [])
         else:
-            model, found_tok, found_eos = load_for_inference(model_or_path, device, dtype)
+            path = model_or_path
+            model, found_tok = load_for_inference(path, device, dtype)
             tokenizer = tokenizer if tokenizer is not None else found_tok
-            eos = list(eos_token_ids) if eos_token_ids is not None else found_eos
-        if (
-            eos_token_ids is None
-            and not eos
-            and tokenizer is not None
-            and "<|endoftext|>" in getattr(tokenizer, "special_tokens", {})
-        ):
-            eos = [tokenizer.special_tokens["<|endoftext|>"]]
+        eos = list(eos_token_ids) if eos_token_ids is not None else eos_ids(path, tokenizer)
         self.engine = LLMEngine(model, tokenizer, config, eos, log=log)
 
     @property

@@ -13,11 +13,12 @@ from kiln.model.transformer import Transformer
 from kiln.tokenizer import Tokenizer
 
 
-def eos_ids(path: str | Path, tokenizer: Tokenizer | None) -> list[int]:
-    """End ids from generation_config.json / config.json (HF), else the tokenizer's <|endoftext|>."""
-    path = Path(path)
+def eos_ids(path: str | Path | None, tokenizer: Tokenizer | None) -> list[int]:
+    """End ids from generation_config.json / config.json (HF) in `path`, else the tokenizer's
+    <|endoftext|>, else none."""
+    path = Path(path) if path is not None else None
     for name in ("generation_config.json", "config.json"):
-        f = path / name if path.is_dir() else None
+        f = path / name if path is not None and path.is_dir() else None
         if f is not None and f.is_file():
             try:
                 eos = json.loads(f.read_text()).get("eos_token_id")
@@ -34,9 +35,9 @@ def eos_ids(path: str | Path, tokenizer: Tokenizer | None) -> list[int]:
 
 def load_for_inference(
     path: str | Path, device: torch.device, dtype: torch.dtype
-) -> tuple[Transformer, Tokenizer | None, list[int]]:
-    """(model on `device` in `dtype`, its tokenizer or None, its end ids) from an HF checkpoint directory,
-    a kiln model directory, or a `kiln run` directory / checkpoint."""
+) -> tuple[Transformer, Tokenizer | None]:
+    """(model on `device` in `dtype`, its tokenizer or None) from an HF checkpoint directory, a kiln model
+    directory, or a `kiln run` directory / checkpoint."""
     if not Path(path).exists():
         raise KilnError(
             f"{path} does not exist: give an HF checkpoint directory, a kiln model directory or a run"
@@ -44,4 +45,4 @@ def load_for_inference(
     model, _ = load_source(path, device=device, dtype=dtype)
     tok_dir = tokenizer_dir(path)
     tok = Tokenizer.load(tok_dir) if tok_dir is not None else None  # none: prompts as token ids only
-    return model, tok, eos_ids(path, tok)
+    return model, tok

@@ -75,11 +75,6 @@ class AttnMetadata:
                     "AttnMetadata: a dense mask or legacy cache cannot be used with a paged cache"
                 )
 
-    @property
-    def paged(self) -> bool:
-        """New keys and values go into a paged cache."""
-        return self.slot_mapping is not None
-
     @classmethod
     def dense(
         cls, B: int, T: int, attn_mask: torch.Tensor | None = None, legacy_cache: object | None = None
