@@ -5,7 +5,8 @@
        bandwidth measured at the start of the run (kiln.profile.ceilings);
     3. the memory probes (kiln.kernels.cuda.probes): strided reads, bank conflicts, latency, occupancy;
     4. the SGEMM ladder at 4096^3 and at 1000 x 1027 x 999 against cuBLAS fp32 (TF32 off), each step's
-       GFLOP/s, its ratio to cuBLAS and its speedup over the step before; the tensor-core kernels at
+       GFLOP/s, its ratio to cuBLAS and its speedup over the step before, and the last step autotuned
+       (the fastest of its tile configurations on that shape); the tensor-core kernels at
        4096^3 (and an odd M) against cuBLAS bf16 and torch._scaled_mm (FP8, where the GPU has it).
 
 Every GEMM output is checked against cuBLAS fp32 (bf16/FP8: against the fp32 product of the same
@@ -57,8 +58,8 @@ def bench_vector_add(bench, n: int = 1 << 28) -> list[dict]:
 def bench_sgemm(bench, shape: tuple[int, int, int]) -> list[dict]:
     import torch
 
-    from kiln.kernels.cuda.ladder import SGEMM_LADDER
-    from kiln.kernels.cuda.ops import sgemm
+    from kiln.kernels.cuda.ladder import SGEMM_LADDER, WARPTILE_CONFIGS
+    from kiln.kernels.cuda.ops import sgemm, sgemm_warptile
 
     m, n, k = shape
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -66,6 +67,9 @@ def bench_sgemm(bench, shape: tuple[int, int, int]) -> list[dict]:
     b = torch.randn(k, n, device="cuda", generator=g)
     ref = a @ b
     fns = {s.name: (lambda s=s: sgemm(a, b, s.name)) for s in SGEMM_LADDER}
+    # autotuning: the other tile configurations of the last step (config 0 is the step itself)
+    for i in range(1, len(WARPTILE_CONFIGS)):
+        fns[f"warptile_config_{i}"] = lambda i=i: sgemm_warptile(a, b, i)
     fns["cublas_fp32"] = lambda: a @ b
     times = bench.timer.interleaved(fns, rep_ms=30)
     cublas = times["cublas_fp32"]["ms"]
@@ -77,6 +81,15 @@ def bench_sgemm(bench, shape: tuple[int, int, int]) -> list[dict]:
                      "speedup_vs_prev": round(prev / ms, 2) if prev else None,
                      "max_rel_err": _rel_err(sgemm(a, b, s.name), ref)})  # fmt: skip
         prev = ms
+    configs = {0: times[SGEMM_LADDER[-1].name]["ms"]}
+    configs.update({i: times[f"warptile_config_{i}"]["ms"] for i in range(1, len(WARPTILE_CONFIGS))})
+    best = min(configs, key=configs.get)
+    ms = configs[best]
+    rows.append({"step": None, "name": "warptiled_autotuned", "M": m, "N": n, "K": k, "ms": round(ms, 4),
+                 "GFLOPs": _gflops(m, n, k, ms), "vs_cublas": round(cublas / ms, 3),
+                 "config": best, "tiles": WARPTILE_CONFIGS[best].name,
+                 "configs_ms": {str(i): round(t, 4) for i, t in configs.items()},
+                 "max_rel_err": _rel_err(sgemm_warptile(a, b, best), ref)})  # fmt: skip
     rows.append({"step": None, "name": "cublas_fp32", "M": m, "N": n, "K": k, "ms": round(cublas, 4),
                  "GFLOPs": _gflops(m, n, k, cublas), "vs_cublas": 1.0})  # fmt: skip
     return rows
@@ -136,7 +149,7 @@ def plot(out_dir: Path, result: dict) -> list[str]:
         written.append(str(path))
 
     for key, rows in result["sgemm"].items():
-        steps = [r for r in rows if r["step"] is not None]
+        steps = [r for r in rows if r["name"] != "cublas_fp32"]  # the ladder, then the autotuned last step
         cublas = next(r for r in rows if r["name"] == "cublas_fp32")["GFLOPs"]
         fig, ax = plt.subplots(figsize=(8, 4))
         ax.bar([r["name"] for r in steps], [r["GFLOPs"] for r in steps], color="tab:blue")

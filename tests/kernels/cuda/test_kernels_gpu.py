@@ -12,8 +12,8 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.kernels.cuda.build import load_extension
-from kiln.kernels.cuda.ladder import SGEMM_LADDER
-from kiln.kernels.cuda.ops import VECTOR_ADD_VARIANTS, mma_bf16, mma_fp8, sgemm, vector_add
+from kiln.kernels.cuda.ladder import SGEMM_LADDER, WARPTILE_CONFIGS
+from kiln.kernels.cuda.ops import VECTOR_ADD_VARIANTS, mma_bf16, mma_fp8, sgemm, sgemm_warptile, vector_add
 
 pytestmark = pytest.mark.gpu
 
@@ -35,6 +35,7 @@ def rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
 
 def test_extension_agrees_with_the_ladder_registry():
     assert load_extension().sgemm_steps() == len(SGEMM_LADDER)
+    assert load_extension().sgemm_warptile_configs() == len(WARPTILE_CONFIGS)
 
 
 @pytest.mark.parametrize("variant", VECTOR_ADD_VARIANTS)
@@ -70,6 +71,19 @@ def test_sgemm_ladder_matches_float64(step, shape):
     assert c.shape == (m, n) and c.dtype == torch.float32
     err = rel_err(c, a.double() @ b.double())
     assert err < 1e-3, f"{step} {shape}: max error / max |C| = {err:.2e}"
+
+
+@pytest.mark.parametrize("config", range(len(WARPTILE_CONFIGS)))
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 1), (1000, 1027, 999), (129, 200, 64)], ids=lambda s: "x".join(map(str, s))
+)
+def test_sgemm_warptile_configs_match_float64(config, shape):
+    m, n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(config)
+    a = torch.randn(m, k, device="cuda", generator=g)
+    b = torch.randn(k, n, device="cuda", generator=g)
+    err = rel_err(sgemm_warptile(a, b, config), a.double() @ b.double())
+    assert err < 1e-3, f"config {config} {shape}: {err:.2e}"
 
 
 @pytest.mark.parametrize("step", ["vectorized", "warptiled"])

@@ -38,6 +38,37 @@ SGEMM_LADDER: tuple[LadderStep, ...] = (
 )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class WarptileConfig:
+    """One tile configuration of the warp-tiled kernel (step 6 runs the first); the benchmark times them
+    all on each shape and reports the fastest ("autotuned")."""
+
+    bm: int
+    bn: int
+    bk: int
+    wm: int
+    wn: int
+    wniter: int
+    tm: int
+    tn: int
+    threads: int
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.bm}x{self.bn}x{self.bk} warp {self.wm}x{self.wn}/{self.wniter} thread {self.tm}x{self.tn}"
+        )
+
+
+# The order of KILN_WARPTILE_CONFIGS in csrc/sgemm.cu (a CPU test compares the two).
+WARPTILE_CONFIGS: tuple[WarptileConfig, ...] = (
+    WarptileConfig(128, 128, 16, 64, 64, 4, 8, 4, 128),
+    WarptileConfig(128, 128, 16, 64, 32, 2, 8, 4, 256),
+    WarptileConfig(64, 128, 16, 32, 64, 2, 8, 4, 128),
+    WarptileConfig(128, 128, 8, 64, 64, 4, 8, 4, 128),
+)
+
+
 def step_index(step: str | int) -> int:
     """The index of a ladder step given by name or index; KilnError naming the valid ones otherwise."""
     names = [s.name for s in SGEMM_LADDER]

@@ -3,6 +3,7 @@ tensor-core GEMMs, each beside the torch computation it is checked against.
 
     vector_add(a, b, variant)        out = a + b, fp32; variant "one_per_thread" | "grid_stride" | "float4"
     sgemm(a, b, step)                (M, K) @ (K, N) fp32, any shape; step: a name of ladder.SGEMM_LADDER
+    sgemm_warptile(a, b, config)     the last step at one of ladder.WARPTILE_CONFIGS (autotuning)
     mma_bf16(a, b)                   (M, K) @ (K, N) bf16 -> bf16 (fp32 accumulation); K, N % 8 == 0
     mma_fp8(a, bt, scale_a, scale_b) scale_a * scale_b * (M, K) @ (N, K)^T, e4m3 -> bf16; K % 16, N % 8 == 0
 
@@ -17,7 +18,7 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.kernels.cuda.build import load_extension
-from kiln.kernels.cuda.ladder import step_index
+from kiln.kernels.cuda.ladder import WARPTILE_CONFIGS, step_index
 
 VECTOR_ADD_VARIANTS = ("one_per_thread", "grid_stride", "float4")
 INT32_MAX = 2**31 - 1  # the kernels index rows and columns with int
@@ -84,6 +85,19 @@ def sgemm(a: torch.Tensor, b: torch.Tensor, step: str | int = "warptiled") -> to
     m, n, _ = _matmul_shapes(a, b)
     c = torch.empty(m, n, dtype=torch.float32, device=a.device)
     load_extension().sgemm(idx, a, b, c)
+    return c
+
+
+def sgemm_warptile(a: torch.Tensor, b: torch.Tensor, config: int) -> torch.Tensor:
+    """a (M, K) @ b (K, N) in fp32 by the warp-tiled kernel at tile configuration
+    ladder.WARPTILE_CONFIGS[config] (what the benchmark's autotuning searches)."""
+    if isinstance(config, bool) or not isinstance(config, int) or not 0 <= config < len(WARPTILE_CONFIGS):
+        raise KilnError(f"unknown warp-tile config {config!r}; choose 0..{len(WARPTILE_CONFIGS) - 1}")
+    _check(a, "a", torch.float32, 2)
+    _check(b, "b", torch.float32, 2)
+    m, n, _ = _matmul_shapes(a, b)
+    c = torch.empty(m, n, dtype=torch.float32, device=a.device)
+    load_extension().sgemm_warptile(config, a, b, c)
     return c
 
 

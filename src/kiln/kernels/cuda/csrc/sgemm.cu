@@ -17,6 +17,37 @@ dim3 tiles(int M, int N, int BM, int BN) {
 
 extern "C" int kiln_sgemm_steps(void) { return 7; }
 
+// The warp-tiled kernel's configurations, searched by the benchmark (step 6 launches config 0).
+// Columns: BM BN BK WM WN WNITER TM TN threads, in the order of ladder.WARPTILE_CONFIGS.
+#define KILN_WARPTILE_CONFIGS(X)                  \
+    X(0, 128, 128, 16, 64, 64, 4, 8, 4, 128)      \
+    X(1, 128, 128, 16, 64, 32, 2, 8, 4, 256)      \
+    X(2, 64, 128, 16, 32, 64, 2, 8, 4, 128)       \
+    X(3, 128, 128, 8, 64, 64, 4, 8, 4, 128)
+
+extern "C" int kiln_sgemm_warptile_configs(void) { return 4; }
+
+extern "C" const char* kiln_sgemm_warptile(int config, int M, int N, int K, const float* A, const float* B,
+                                           float* C, void* stream) {
+    if (M <= 0 || N <= 0 || K <= 0) return "kiln_sgemm_warptile: M, N and K must be >= 1";
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const bool vecA = K % 4 == 0 && aligned16(A);
+    const bool vecB = N % 4 == 0 && aligned16(B);
+    const bool vecC = N % 4 == 0 && aligned16(C);
+    switch (config) {
+#define X(i, BM, BN, BK, WM, WN, WNITER, TM, TN, NT)                                            \
+    case i:                                                                                      \
+        warptiled<BM, BN, BK, WM, WN, WNITER, TM, TN, NT>                                        \
+            <<<tiles(M, N, BM, BN), NT, 0, s>>>(M, N, K, A, B, C, vecA, vecB, vecC);             \
+        break;
+        KILN_WARPTILE_CONFIGS(X)
+#undef X
+        default:
+            return "kiln_sgemm_warptile: unknown config";
+    }
+    return kiln::launch_status();
+}
+
 extern "C" const char* kiln_sgemm(int step, int M, int N, int K, const float* A, const float* B, float* C,
                                   void* stream) {
     if (M <= 0 || N <= 0 || K <= 0) return "kiln_sgemm: M, N and K must be >= 1";
