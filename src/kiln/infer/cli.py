@@ -1,5 +1,6 @@
 """`kiln generate` (text from any model source, through the engine) and `kiln bench infer` (the engine's
-latency and throughput, kiln.infer.bench)."""
+latency and throughput, kiln.infer.bench). `kiln bench cuda` (the CUDA C++ ladder, kiln.profile.cuda_ladder)
+is registered beside it, under the same `bench` command."""
 
 from __future__ import annotations
 
@@ -108,6 +109,13 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _bench_cuda(args: argparse.Namespace, extra: list[str]) -> int:
+    from kiln.profile import cuda_ladder
+
+    cuda_ladder.run(args.out, cuda_ladder.__file__)
+    return 0
+
+
 def _bench_infer(args: argparse.Namespace, extra: list[str]) -> int:
     import torch
 
@@ -184,7 +192,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.set_defaults(func=_generate)
 
-    p = sub.add_parser("bench", help="measure kiln (the inference engine: `kiln bench infer`)")
+    p = sub.add_parser(
+        "bench",
+        help="measure kiln (the inference engine: `kiln bench infer`; the CUDA C++ ladder: `kiln bench cuda`)",
+    )
     areas = p.add_subparsers(dest="area", required=True)
     b = areas.add_parser(
         "infer",
@@ -202,3 +213,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     b.add_argument("--out", help="write the points as JSON here")
     b.set_defaults(func=_bench_infer)
+    c = areas.add_parser(
+        "cuda",
+        help="the CUDA C++ ladder: vector add, memory probes, SGEMM steps and tensor-core GEMMs vs cuBLAS",
+        description="Builds kiln.kernels.cuda (first use) and measures it; tables on stdout, JSON and PNGs.",
+    )
+    c.add_argument("--out", default="bench/results/cuda_ladder.json", help="result JSON (PNGs beside it)")
+    c.set_defaults(func=_bench_cuda)
