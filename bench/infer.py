@@ -129,8 +129,11 @@ def make_engine(model, dev, backend: str, max_seqs: int, blocks: int, plan: Plan
     return llm, round(time.perf_counter() - t, 1)
 
 
-def free() -> None:
-    """Return the memory of dropped objects to the driver (the caller deletes its references first)."""
+def free(compiled: bool = False) -> None:
+    """Return the memory of dropped objects to the driver (the caller deletes its references first);
+    compiled: also drop torch.compile's caches, whose guards and CUDA-graph pools keep compiled models alive."""
+    if compiled:
+        torch.compiler.reset()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -168,6 +171,10 @@ def attempt(what: str, fn: Callable[[], object], errors: dict, log) -> object | 
         errors[what] = f"{type(e).__name__}: {e}"[:400]
         log(f"{what}: {errors[what]}")
         return None
+
+
+def _itemsize(engines: dict[str, LLM]) -> int:
+    return next(iter(engines.values())).engine.runner.dtype.itemsize  # weights and KV cache (bf16: 2)
 
 
 def ratio(a, b) -> float | None:
@@ -215,7 +222,7 @@ def latency_part(name, cfg, engines, gf, hf, plan, ceil, args, skipped, log) -> 
             what = "latency/hf-static-compile"
             res["hf-static-compile"] = attempt(what, hf_static, skipped, log) or {"error": skipped.get(what)}
     # decode steps feed tokens 1 .. n-1: contexts P+1 .. P+n-1
-    cost = bench.decode_step_cost(cfg, 1, P + n / 2, itemsize=2)
+    cost = bench.decode_step_cost(cfg, 1, P + n / 2, itemsize=_itemsize(engines))
     roof = ceil["copy_Bps"] / cost["bytes"] if ceil["copy_Bps"] else None
     kiln = res.get("kiln", {}).get("tok_s")
     rows = []
@@ -261,7 +268,7 @@ def steady_part(name, cfg, engines, compile_batch, gf, hf, plan, ceil, args, ski
                                 skipped, log) or {"error": skipped.get(f"steady/hf/{B}")}  # fmt: skip
             free()
         ctx = res.get("kiln", {}).get("mean_context") or P + plan.warm_steps + plan.timed_steps / 2
-        cost = bench.decode_step_cost(cfg, B, ctx, itemsize=2)
+        cost = bench.decode_step_cost(cfg, B, ctx, itemsize=_itemsize(engines))
         bound = bench.step_bound(cost, ceil["copy_Bps"], ceil["matmul_flops"])
         bound_tok_s = B / bound["bound_s"] if bound["bound_s"] else None
         kiln = res.get("kiln", {}).get("tok_s")
@@ -290,15 +297,18 @@ def throughput_part(name, model, plan, dev, args, log) -> list[dict]:
     for backend, cname in (("graphs", "kiln"), ("eager", "kiln-eager")):
         llm, startup = make_engine(model, dev, backend, plan.requests, blocks, plan, log)
         bench.drive(llm.engine, warm, bench.NANO_VLLM["temperature"], seed=10_000)
+        start = None
         if dev.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated() / 2**30  # weights + KV cache + graph pool
         r = bench.throughput(llm.engine, reqs, bench.NANO_VLLM["temperature"])
         peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
         kv = llm.engine.runner.num_blocks * llm.engine.runner.bytes_per_block / 2**30
         rows.append({
             "part": "throughput", "model": name, "config": cname, "startup_s": startup, **r,
-            "peak_GiB": round(peak, 2) if peak else None, "weights_GiB": round(weights / 2**30, 2),
+            "peak_GiB": round(peak, 2) if peak else None, "allocated_at_start_GiB": round(start, 2) if start else None,
+            "weights_GiB": round(weights / 2**30, 2),
             "kv_cache_GiB": round(kv, 2), "kv_blocks": llm.engine.runner.num_blocks,
         })  # fmt: skip
         log(f"throughput {name} {cname}: {r['output_tok_s']} output tok/s, TTFT p50 {r['ttft_s']['p50']} s, "
@@ -447,7 +457,7 @@ def main() -> int:
                 plan.main, cfg, engines, args.compile_batch, gf, hf, plan, ceil, args, skipped, log
             )
         del engines, gf, hf, model
-        free()
+        free(compiled=True)
     if "throughput" in args.parts:
         skipped["throughput/peers"] = (
             "kiln-compile, gpt-fast and transformers are not run on the throughput workload: the compile engine "
