@@ -25,7 +25,8 @@ same run (kiln.profile.ceilings). Method and results: docs/perf/inference.md.
    fatal; a smoke run in float32 must agree exactly).
 
 Configs compared in a part run in interleaved rounds (--rounds, order reversed every round) and report the
-median round; transformers runs once per point (it is 10-50x slower: noise does not move a ratio). Every
+median round; transformers runs once per point (it is 10-50x slower: noise does not move a ratio), over
+128 new tokens in the latency part (its host-bound rate is flat over these contexts). Every
 engine step ends in the engine's one device-to-host copy (the sampled ids), so host timers see whole steps.
 """
 
@@ -70,6 +71,7 @@ class Plan:
     warm_steps: int = 16
     timed_steps: int = 64
     hf_steps: int = 32
+    hf_latency_new: int = 128  # transformers' batch-1 run: ~17 tok/s, and its rate is flat in context here
     requests: int = 256
     min_len: int = 100
     max_len: int = 1024
@@ -89,7 +91,7 @@ def make_plan(args, smoke: bool) -> Plan:
         # one throughput model (the qwen3 shape: q/k norm) and one round: seconds on a loaded 2-core machine
         args.rounds = 1
         return Plan(models=models, main="tiny-qwen2", latency_prompt=8, latency_new=4, steady_batches=(1, 3),
-                    steady_prompt=12, warm_steps=1, timed_steps=2, hf_steps=2, requests=4, min_len=4,
+                    steady_prompt=12, warm_steps=1, timed_steps=2, hf_steps=2, hf_latency_new=4, requests=4, min_len=4,
                     max_len=8, agree_steps=4, step_budget=64, throughput_models=("tiny-qwen3",))  # fmt: skip
     names = [n.strip() for n in args.throughput_models.split(",") if n.strip()]
     unknown = [n for n in names if n not in bench.SHAPES]
@@ -210,14 +212,14 @@ def latency_part(name, cfg, engines, gf, hf, plan, ceil, args, skipped, log) -> 
     res = interleave(fns, args.rounds, "tok_s")
     prompt = torch.tensor(bench.random_prompts(1, P, V, seed=0), device=dev)
     if hf is not None:
-        res["hf"] = attempt("latency/hf", lambda: hf_peer.decode_rate(hf, prompt, n - 1), skipped, log) or {
-            "error": skipped.get("latency/hf")
-        }
+        res["hf"] = attempt(
+            "latency/hf", lambda: hf_peer.decode_rate(hf, prompt, plan.hf_latency_new - 1), skipped, log
+        ) or {"error": skipped.get("latency/hf")}
         if args.hf_compile:
 
             def hf_static():
                 hf_peer.timed_generate(hf, prompt, 8, static=True)  # the compile, outside the timing
-                return hf_peer.decode_rate(hf, prompt, n - 1, static=True)
+                return hf_peer.decode_rate(hf, prompt, plan.hf_latency_new - 1, static=True)
 
             what = "latency/hf-static-compile"
             res["hf-static-compile"] = attempt(what, hf_static, skipped, log) or {"error": skipped.get(what)}
@@ -229,7 +231,8 @@ def latency_part(name, cfg, engines, gf, hf, plan, ceil, args, skipped, log) -> 
     for cname, r in res.items():
         tok_s = r.get("tok_s")
         rows.append({
-            "part": "latency", "model": name, "config": cname, "batch": 1, "prompt_len": P, "new_tokens": n,
+            "part": "latency", "model": name, "config": cname, "batch": 1, "prompt_len": P,
+            "new_tokens": plan.hf_latency_new if cname.startswith("hf") else n,
             "tok_s": tok_s, "ms_per_token": round(1e3 / tok_s, 3) if tok_s else None,
             "ttft_ms": round(r["ttft_s"] * 1e3, 2) if r.get("ttft_s") else None, "rounds_tok_s": r.get("rounds"),
             "step_GB": round(cost["bytes"] / 1e9, 4), "roofline_tok_s": round(roof, 1) if roof else None,
