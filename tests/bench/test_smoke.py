@@ -48,6 +48,8 @@ def test_bench_script_smoke(script, tmp_path):
         assert not [c for c in cases if c.get("error")], [c["error"] for c in cases if c.get("error")]
         agree = doc["agreement"]
         assert set(agree["equal_prefix"].values()) == {agree["steps"]}, agree
+        assert len(set(agree["tokens"]["kiln"])) > 1, agree  # not a model that repeats one token
+        assert max(agree["logits"]["max_abs_diff"].values()) < 1e-3, agree
 
 
 def test_every_bench_script_is_smoke_tested():
