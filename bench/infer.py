@@ -3,7 +3,7 @@ a gpt-fast-style compiled static-cache decoder and transformers' `generate`, on 
 and Qwen3-0.6B shapes, in one process on the H200, with the copy bandwidth and matmul rate measured in the
 same run (kiln.profile.ceilings). Method and results: docs/perf/inference.md.
 
-    python bench/infer.py                    # H200, ~6 min -> bench/results/infer.json
+    python bench/infer.py                    # H200, ~6-7 min (estimated) -> bench/results/infer.json
     python bench/infer.py --parts latency    # one part (latency, steady, throughput; comma-separated)
     python bench/infer.py --smoke            # CPU, tiny models, every part and peer end to end (CI)
 
@@ -429,6 +429,24 @@ def main() -> int:
     skipped: dict[str, str] = {}
     failed: dict[str, str] = {}  # a part that raised: its traceback; the run goes on and exits 1
     rows: list[dict] = []
+    startup: dict[str, float] = {}
+    agree = None
+
+    def save(done: bool) -> None:
+        # after every part too: a run cut short (a time cap, a dead machine) keeps what it measured
+        run.write(
+            complete=done,
+            models={n: c.to_dict() for n, c in plan.models.items()},
+            main_model=plan.main,
+            plan={k: v for k, v in vars(plan).items() if k != "models"},
+            weights="random init (kiln's init, seed 0); speed does not depend on the values",
+            startup_s=startup,
+            agreement=agree,
+            skipped=skipped,
+            nano_vllm_published=bench.NANO_VLLM_PUBLISHED,
+            failed=failed,
+            cases=rows,
+        )
 
     def part(label: str, fn: Callable[[], list[dict]]) -> None:
         try:
@@ -436,9 +454,8 @@ def main() -> int:
         except Exception:
             failed[label] = traceback.format_exc()[-3000:]
             log(f"{label} FAILED:\n{failed[label]}")
+        save(done=False)
 
-    startup: dict[str, float] = {}
-    agree = None
     cfg = plan.models[plan.main]
     if "latency" in args.parts or "steady" in args.parts:
         model = build_model(cfg, device=dev, dtype=dtype, seed=0).eval()
@@ -531,18 +548,7 @@ def main() -> int:
             )
             free()
     print_tables(rows)
-    run.write(
-        models={n: c.to_dict() for n, c in plan.models.items()},
-        main_model=plan.main,
-        plan={k: v for k, v in vars(plan).items() if k != "models"},
-        weights="random init (kiln's init, seed 0); speed does not depend on the values",
-        startup_s=startup,
-        agreement=agree,
-        skipped=skipped,
-        nano_vllm_published=bench.NANO_VLLM_PUBLISHED,
-        failed=failed,
-        cases=rows,
-    )
+    save(done=True)
     if failed:
         log(f"parts that failed (tracebacks in the JSON's 'failed'): {', '.join(failed)}")
     return 1 if failed else 0
