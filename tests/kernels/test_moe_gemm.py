@@ -51,6 +51,19 @@ def test_grouped_linear_strided_and_fp16():
     assert_close(got, grouped_linear_ref(x16.double(), w16.double(), offs))
 
 
+def test_grouped_mm_small_tiles_ragged_columns():
+    # 16-wide tiles: several column tiles with a ragged last one in N and in K (the default interpreter
+    # config covers these shapes with one)
+    g = torch.Generator().manual_seed(5)
+    counts = [3, 0, 21, 9]
+    x = torch.randn(sum(counts), 37, generator=g)
+    w = torch.randn(4, 35, 37, generator=g)
+    offs = _offsets(counts)
+    with use_backend("triton"):
+        got = grouped_mm(x, w.transpose(1, 2), offs, config=(16, 16, 16, 4, 1))
+    assert_close(got, grouped_linear_ref(x.double(), w.double(), offs))
+
+
 def test_grouped_mm_bigger_tiles_span_experts():
     # 32-row tiles over experts of 1..40 rows: tiles that end mid-expert, and a bound of cdiv(R, 32) + E
     g = torch.Generator().manual_seed(2)

@@ -173,22 +173,26 @@ def _combine_dw_kernel(
     Y_ptr,  # (R, d) expert outputs, rows at y_stride
     Dest_ptr,  # (N*k,) int32
     DW_ptr,  # (N*k,) out: <dout[n], y[dest[p]]>, 0 for a dropped pair
+    n_pairs,
     d,
     do_stride,
     y_stride,
     TOP_K: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # pairs per program
+    BLOCK: tl.constexpr,  # columns per step
 ):
-    p = tl.program_id(0).to(tl.int64)
-    r = tl.load(Dest_ptr + p).to(tl.int64)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_ok = p < n_pairs
+    r = tl.load(Dest_ptr + p, mask=p_ok, other=-1).to(tl.int64)
+    live = (r >= 0)[:, None]
+    acc = tl.zeros((BLOCK_P, BLOCK), dtype=tl.float32)
     for c0 in range(0, d, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
-        ok = (cols < d) & (r >= 0)
-        g = tl.load(DO_ptr + (p // TOP_K) * do_stride + cols, mask=ok, other=0.0).to(tl.float32)
-        v = tl.load(Y_ptr + tl.maximum(r, 0) * y_stride + cols, mask=ok, other=0.0).to(tl.float32)
-        acc += g * v
-    tl.store(DW_ptr + p, tl.sum(acc, 0).to(DW_ptr.dtype.element_ty))
+        ok = live & (cols < d)[None, :]
+        g = tl.load(DO_ptr + (p // TOP_K)[:, None] * do_stride + cols[None, :], mask=ok, other=0.0)
+        v = tl.load(Y_ptr + tl.maximum(r, 0)[:, None] * y_stride + cols[None, :], mask=ok, other=0.0)
+        acc += g.to(tl.float32) * v.to(tl.float32)
+    tl.store(DW_ptr + p, tl.sum(acc, 1).to(DW_ptr.dtype.element_ty), mask=p_ok)
 
 
 _gather = CachedLaunch(_gather_kernel)
@@ -243,8 +247,11 @@ def combine_dw(dout: torch.Tensor, y: torch.Tensor, dest: torch.Tensor, top_k: i
     dout, y = _rows("dout", dout), _rows("y", y)
     dw = torch.empty(dest.shape[0], dtype=dtype, device=y.device)
     if dw.numel():
-        _combine_dw[(dest.shape[0],)](dout, y, dest, dw, y.shape[1], dout.stride(0), y.stride(0),
-                                      TOP_K=top_k, BLOCK=_block(y.shape[1]), num_warps=4)  # fmt: skip
+        block = min(256, _block(y.shape[1]))
+        bp = 4096 // block  # a (pairs, columns) tile of 4096 products per step
+        _combine_dw[(cdiv(dest.shape[0], bp),)](dout, y, dest, dw, dest.shape[0], y.shape[1], dout.stride(0),
+                                                y.stride(0), TOP_K=top_k, BLOCK_P=bp, BLOCK=block,
+                                                num_warps=4)  # fmt: skip
     return dw.view(-1, top_k)
 
 
