@@ -13,7 +13,8 @@ token by Gumbel top-k: a few hot experts, many cold or empty).
 Cases:
 - "experts" (prefill, 1k / 4k / 16k tokens, forward and forward+backward): x (N, d), the routing (N, k)
   and its weights -> out (N, d): gather into expert order, gate/up GEMM, SwiGLU, down GEMM, weighted
-  combine. kiln: moe_permute + moe_gemm (+ kernels/swiglu); "loop": the model's eager Experts.forward
+  combine. kiln: moe_permute + moe_gemm (+ kernels/swiglu); "kiln_fused": the same with the SwiGLU fused
+  into the gate/up GEMM (grouped_swiglu; "fused_speedup" > 1 says it pays); "loop": the model's eager Experts.forward
   (one host sync, a matmul pair per expert); "padded_bmm": every expert padded to the largest count
   (a host sync for it), torch.bmm; "grouped_mm": the same gather with torch ops, torch._grouped_mm (CUDA
   sm90+; an error is recorded elsewhere), index_add combine; "dense": one expert's weights over all N*k
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels.dispatch import use_backend
-from kiln.kernels.moe_gemm import grouped_linear
+from kiln.kernels.moe_gemm import grouped_linear, grouped_swiglu
 from kiln.kernels.moe_permute import permute, routing_plan, unpermute
 from kiln.kernels.moe_router import route
 from kiln.kernels.swiglu import swiglu
@@ -83,6 +84,13 @@ def make_routing(N: int, E: int, k: int, kind: str, device, gen: torch.Generator
 def kiln_experts(x, idx, w, w1, w2):
     plan = routing_plan(idx, w1.shape[0])
     h = swiglu(grouped_linear(permute(x, plan), w1, plan.offsets), None)
+    return unpermute(grouped_linear(h, w2, plan.offsets), plan, w)
+
+
+def kiln_fused_experts(x, idx, w, w1, w2):
+    """kiln with the SwiGLU fused into the gate/up GEMM (kernels/moe_gemm.py grouped_swiglu)."""
+    plan = routing_plan(idx, w1.shape[0])
+    h = grouped_swiglu(permute(x, plan), w1, plan.offsets)
     return unpermute(grouped_linear(h, w2, plan.offsets), plan, w)
 
 
@@ -195,7 +203,7 @@ class Bench:
                 v["frac_copy"] = fraction(v["GBps"] / 1e3, ceil.get("copy_TBps"))
         entry["results"] = res
         best = {n: v.get("graph_ms") if isinstance(v.get("graph_ms"), float) else v.get("ms")
-                for n, v in res.items() if n not in ("kiln", "dense") and "ms" in v}  # fmt: skip
+                for n, v in res.items() if n not in ("kiln", "kiln_fused", "dense") and "ms" in v}  # fmt: skip
         kiln = res.get("kiln", {})
         k_ms = kiln.get("graph_ms") if isinstance(kiln.get("graph_ms"), float) else kiln.get("ms")
         if best and k_ms:
@@ -205,6 +213,10 @@ class Bench:
             ms = best.get(peer)
             if ms and k_ms:
                 entry[f"ratio_vs_{peer}"] = round(ms / k_ms, 3)
+        fused = res.get("kiln_fused", {})
+        f_ms = fused.get("graph_ms") if isinstance(fused.get("graph_ms"), float) else fused.get("ms")
+        if f_ms and k_ms:
+            entry["fused_speedup"] = round(k_ms / f_ms, 3)  # > 1: the fused SwiGLU pays
         self.cases.append(entry)
         cells = " ".join(
             f"{n}={v['ms']:.3f}ms" + (f"/{v['TFLOPs']}TF" if "TFLOPs" in v else "")
@@ -248,8 +260,8 @@ def experts_case(b: Bench, shape: str, N: int, routing: str, weights, mode_list=
     xr = b.randn(N * k, d)  # the dense peer's rows (same count as the routed pairs)
     counts = torch.bincount(idx.reshape(-1), minlength=E)
     flops = layer_flops(N * k, d, inter) + (layer_flops(N, d, sh // 2) if sh else 0.0)
-    impls = {"kiln": kiln_experts, "grouped_mm": grouped_mm_experts, "loop": loop_experts,
-             "padded_bmm": padded_experts}  # fmt: skip
+    impls = {"kiln": kiln_experts, "kiln_fused": kiln_fused_experts, "grouped_mm": grouped_mm_experts,
+             "loop": loop_experts, "padded_bmm": padded_experts}  # fmt: skip
     with torch.no_grad():
         err = (kiln_experts(x, idx, w, w1, w2).float() - loop_experts(x, idx, w, w1, w2).float()).abs().max()
     for mode in mode_list:
@@ -308,7 +320,8 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights):
     active = int(torch.unique(idx).numel())
     elem = torch.finfo(b.dtype).bits // 8
     nbytes = active * 3 * inter * d * elem + (3 * (sh // 2) * d * elem if sh else 0)
-    impls = {"kiln": kiln_experts, "grouped_mm": grouped_mm_experts, "loop": loop_experts}
+    impls = {"kiln": kiln_experts, "kiln_fused": kiln_fused_experts, "grouped_mm": grouped_mm_experts,
+             "loop": loop_experts}  # fmt: skip
     fns = {n: fwd(with_shared(f, shared), [x, idx, w, w1, w2]) for n, f in impls.items()}
     entry = dict(case="decode", shape=shape, tokens=B, routing=routing, mode="fwd", active_experts=active,
                  weight_bytes=nbytes)  # fmt: skip

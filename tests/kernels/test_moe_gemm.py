@@ -60,7 +60,7 @@ def test_grouped_mm_small_tiles_ragged_columns():
     w = torch.randn(4, 35, 37, generator=g)
     offs = _offsets(counts)
     with use_backend("triton"):
-        got = grouped_mm(x, w.transpose(1, 2), offs, config=(16, 16, 16, 4, 1))
+        got, _ = grouped_mm(x, w.transpose(1, 2), offs, config=(16, 16, 16, 4, 1))
     assert_close(got, grouped_linear_ref(x.double(), w.double(), offs))
 
 
@@ -72,7 +72,7 @@ def test_grouped_mm_bigger_tiles_span_experts():
     w = torch.randn(5, 32, 32, generator=g)
     offs = _offsets(counts)
     with use_backend("triton"):
-        got = grouped_mm(x, w.transpose(1, 2), offs, config=(32, 32, 32, 4, 1))
+        got, _ = grouped_mm(x, w.transpose(1, 2), offs, config=(32, 32, 32, 4, 1))
     assert_close(got, grouped_linear_ref(x.double(), w.double(), offs))
 
 
@@ -115,3 +115,54 @@ def test_grouped_linear_gpu_bf16(E, k, d, inter, n):
     offs = _offsets(counts, "cuda")
     # a K = d reduction in bf16 inputs with fp32 accumulation: the dw sums up to n*k rows per expert
     check_op(lambda x, w: _op(x, w, offs), lambda x, w: grouped_linear_ref(x, w, offs), [x, w], scale=2.0)
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 17, 1], [5]], ids=["E4", "E1"])
+def test_grouped_swiglu_matches_float64(counts):
+    from kiln.kernels.moe_gemm import grouped_swiglu, grouped_swiglu_ref
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(sum(counts), 20, generator=g)
+    w = torch.randn(len(counts), 2 * 24, 20, generator=g) / 20**0.5
+    offs = _offsets(counts)
+
+    def op(x, w):
+        with use_backend("triton"):
+            return grouped_swiglu(x, w, offs)
+
+    check_op(op, lambda x, w: grouped_swiglu_ref(x, w, offs), [x, w])
+    with torch.no_grad(), use_backend("triton"):  # inference: no products stored, the same values
+        assert torch.equal(grouped_swiglu(x, w, offs), op(x, w).detach())
+
+
+def test_grouped_swiglu_opcheck():
+    from kiln.kernels.moe_gemm import grouped_swiglu_op
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 16, generator=g, requires_grad=True)
+    w = torch.randn(3, 32, 16, generator=g, requires_grad=True)
+    with use_backend("triton"):
+        torch.library.opcheck(
+            grouped_swiglu_op, (x, w, _offsets([4, 0, 5]), True),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+        )  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_grouped_swiglu_gpu_bf16():
+    from kiln.kernels.moe_gemm import grouped_swiglu, grouped_swiglu_ref
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    E, d, inter, rows = 8, 1024, 1408, 3000
+    idx = torch.randint(0, E, (rows,), generator=g, device="cuda")
+    offs = _offsets(torch.bincount(idx, minlength=E).tolist(), "cuda")
+    x = torch.randn(rows, d, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(E, 2 * inter, d, generator=g, device="cuda") / d**0.5).bfloat16()
+
+    def op(x, w):
+        with use_backend("triton"):
+            return grouped_swiglu(x, w, offs)
+
+    # silu of a bf16-rounded product: the reference rounds the same products, but a product within an
+    # ulp of a rounding boundary may round the other way in float32 accumulation order
+    check_op(op, lambda x, w: grouped_swiglu_ref(x, w, offs), [x, w], scale=2.0)

@@ -24,8 +24,13 @@ matmul tutorial) so that programs running together share an expert's weight pane
 Dtypes: bfloat16 / float16 with float32 accumulation on the GPU; float32 (IEEE, or TF32 when
 torch.backends.cuda.matmul.allow_tf32 is on) too, which is what the interpreter tests use (its bf16 dot
 is wrong, PLATFORM.md). Operands are read through plain pointers with masks (any strides), not TMA.
-Not done: a persistent grid, TMA descriptors, split over rows for the dw of a hot expert, fused SwiGLU
-between the two GEMMs (the model runs kernels/swiglu.py between them).
+`grouped_swiglu(x, gate_up_proj, offsets)` fuses the activation into the gate/up GEMM: each program holds
+a gate tile and the matching up tile (columns n and I + n of w[e]) and writes silu(gate) * up (R, I), so
+the (R, 2I) products are neither written nor read back at inference; with autograd it also stores them
+for the backward (kernels/swiglu.py's backward, then the grouped dx and dw of the pair). bench/moe.py
+measures it against the two-kernel path; the model runs the two-kernel path until the H200 says the
+fused one pays.
+Not done: a persistent grid, TMA descriptors, split over rows for the dw of a hot expert.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import triton.language as tl
 from kiln.kernels._common import needs_grad
 from kiln.kernels.dispatch import interpreting, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
+from kiln.kernels.swiglu import swiglu_bwd, swiglu_ref
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -62,6 +68,12 @@ def _check_bounds(bounds: list[int], rows: int) -> None:
             f"grouped_linear: offsets must rise from 0 to the {rows} rows of x, got {bounds[:8]}"
             f"{'...' if len(bounds) > 8 else ''}"
         )
+
+
+def grouped_swiglu_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of grouped_linear_ref's (R, 2I) [gate | up] products (rounded to x's dtype first,
+    as the two-kernel path stores them)."""
+    return swiglu_ref(grouped_linear_ref(x, w, offsets))
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -104,8 +116,9 @@ def _grouped_mm_kernel(
     A_ptr,  # (R, K): element (r, k) at A_ptr + r * stride_ar + k * stride_ak
     B_ptr,  # (E, K, N): element (e, k, n) at B_ptr + e * stride_be + k * stride_bk + n * stride_bn
     C_ptr,  # (R, N) out, contiguous
+    Pre_ptr,  # (R, 2N) out, contiguous: [gate | up] before the activation, written when STORE_PRE
     Offs_ptr,  # (E + 1,) int32 row offsets of the experts
-    N,
+    N,  # output columns (with SWIGLU: I, and B holds 2I columns [gate | up])
     K,
     E,
     m_tiles,  # static bound on the row tiles: cdiv(R, BLOCK_M) + E
@@ -114,6 +127,8 @@ def _grouped_mm_kernel(
     stride_be,
     stride_bk,
     stride_bn,
+    SWIGLU: tl.constexpr,  # C = silu(A @ B[:, :N]) * (A @ B[:, N:]): two accumulators per tile
+    STORE_PRE: tl.constexpr,  # SWIGLU: also store both products (the backward's input)
     PRECISION: tl.constexpr,  # tl.dot input_precision for float32 inputs: "ieee" or "tf32"
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -137,16 +152,31 @@ def _grouped_mm_kernel(
         a_ptrs = A_ptr + rows[:, None] * stride_ar
         b_ptrs = B_ptr + e.to(tl.int64) * stride_be + cols[None, :].to(tl.int64) * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # SWIGLU only (else unused)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             a = tl.load(a_ptrs + ks[None, :].to(tl.int64) * stride_ak, mask=r_ok[:, None] & k_ok[None, :],
                         other=0.0)  # fmt: skip
-            b = tl.load(b_ptrs + ks[:, None].to(tl.int64) * stride_bk, mask=k_ok[:, None] & c_ok[None, :],
-                        other=0.0)  # fmt: skip
+            b_at = b_ptrs + ks[:, None].to(tl.int64) * stride_bk
+            b = tl.load(b_at, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if SWIGLU:  # the up half: the same columns N further on
+                bu = tl.load(b_at + N * stride_bn, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+                acc_up = tl.dot(a, bu, acc_up, input_precision=PRECISION)
+        ok = r_ok[:, None] & c_ok[None, :]
+        if SWIGLU:
+            if STORE_PRE:
+                pre = Pre_ptr + rows[:, None] * (2 * N) + cols[None, :]
+                tl.store(pre, acc.to(Pre_ptr.dtype.element_ty), mask=ok)
+                tl.store(pre + N, acc_up.to(Pre_ptr.dtype.element_ty), mask=ok)
+            # silu of the rounded gate times the rounded up: what kernels/swiglu.py computes from stored
+            # products, so the fused and the two-kernel paths agree to the last bit of the products
+            g = acc.to(C_ptr.dtype.element_ty).to(tl.float32)
+            u = acc_up.to(C_ptr.dtype.element_ty).to(tl.float32)
+            acc = g * tl.sigmoid(g) * u
         c_ptrs = C_ptr + rows[:, None] * N + cols[None, :]
-        tl.store(c_ptrs, acc.to(C_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
+        tl.store(c_ptrs, acc.to(C_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -198,42 +228,57 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
-def mm_config(R: int, E: int) -> tuple[int, int, int, int, int]:
+def mm_config(R: int, E: int, swiglu: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the forward / dx kernel. BLOCK_M follows the
-    mean rows per expert (decode: a few rows per expert, a 128-row tile would be mostly padding); under
-    the interpreter, 16-row tiles and 64-wide columns: few programs (each costs milliseconds there)."""
+    mean rows per expert (decode: a few rows per expert, a 128-row tile would be mostly padding; there
+    64-wide columns give more programs over few experts' weights); the fused SwiGLU holds two accumulators,
+    so half the columns. Under the interpreter, 16-row tiles and 64-wide columns: few programs (each costs
+    milliseconds there). Not tuned on the H200 yet (bench/moe.py measures these choices)."""
     if interpreting():
         return 16, 64, 64, 4, 1
     mean = R / max(E, 1)
     if mean <= 16:
-        return 16, 128, 128, 4, 4
+        return 16, 64, 128, 4, 4
     if mean <= 64:
-        return 64, 128, 64, 4, 4
-    return 128, 128, 64, 8, 3
+        return 64, 64 if swiglu else 128, 64, 4, 4
+    return 128, 64 if swiglu else 128, 64, 8, 3
 
 
 def grouped_mm(
-    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, config: tuple[int, ...] | None = None
-) -> torch.Tensor:
-    """Launcher: C (R, N) with C[rows of e] = a[rows of e] @ b[e]; a (R, K) and b (E, K, N), any strides
-    (the forward passes w.transpose(1, 2), the dx backward w itself). config: mm_config's tuple."""
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    config: tuple[int, ...] | None = None,
+    swiglu: bool = False,
+    store_pre: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launcher: (C, pre). C (R, N) with C[rows of e] = a[rows of e] @ b[e]; a (R, K) and b (E, K, N),
+    any strides (the forward passes w.transpose(1, 2), the dx backward w itself). swiglu: b holds 2I
+    columns [gate | up] and C (R, I) = silu(a @ gate) * (a @ up), with pre (R, 2I) the two products
+    when store_pre (else None). config: mm_config's tuple."""
     R, K = a.shape
     E, _, N = b.shape
+    if swiglu:
+        N //= 2
     c = torch.empty(R, N, dtype=a.dtype, device=a.device)
+    pre = torch.empty(R, 2 * N, dtype=a.dtype, device=a.device) if swiglu and store_pre else None
     if R == 0 or N == 0:
-        return c
+        return c, pre
     if K == 0:
-        return c.zero_()
+        if pre is not None:
+            pre.zero_()
+        return c.zero_(), pre
     offs = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
-    bm, bn, bk, warps, stages = config or mm_config(R, E)
+    bm, bn, bk, warps, stages = config or mm_config(R, E, swiglu)
     m_tiles = cdiv(R, bm) + E
     grid = (m_tiles * cdiv(N, bn),)
     _mm_launch[grid](
-        a, b, c, offs, N, K, E, m_tiles, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
-        PRECISION=_precision(a.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=max(16, pow2(E)),
-        GROUP_M=8, num_warps=warps, num_stages=stages,
+        a, b, c, c if pre is None else pre, offs, N, K, E, m_tiles, a.stride(0), a.stride(1), b.stride(0),
+        b.stride(1), b.stride(2), SWIGLU=swiglu, STORE_PRE=pre is not None, PRECISION=_precision(a.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=max(16, pow2(E)), GROUP_M=8, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
-    return c
+    return c, pre
 
 
 def grouped_dw(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, E: int) -> torch.Tensor:
@@ -258,12 +303,12 @@ def grouped_dw(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, E: int)
 
 def _fwd(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     _check(x, w, offsets)
-    return grouped_mm(x, w.transpose(1, 2), offsets)
+    return grouped_mm(x, w.transpose(1, 2), offsets)[0]
 
 
 def _bwd(dy, x, w, offsets, need_dx: bool, need_dw: bool):
     dy = dy if dy.dtype == x.dtype else dy.to(x.dtype)
-    dx = grouped_mm(dy, w, offsets) if need_dx else None  # (R, K) = dy (R, N) @ w[e] (N, K)
+    dx = grouped_mm(dy, w, offsets)[0] if need_dx else None  # (R, K) = dy (R, N) @ w[e] (N, K)
     dw = grouped_dw(dy, x, offsets, w.shape[0]) if need_dw else None
     return dx, dw
 
@@ -318,6 +363,93 @@ def _backward(ctx, dy):
 
 
 grouped_linear_op.register_autograd(_backward, setup_context=_setup)
+
+
+# ------------------------------------------------------------------ the gate/up GEMM with SwiGLU fused in
+def _check_swiglu(x, w, offsets) -> None:
+    _check(x, w, offsets)
+    if w.shape[1] % 2:
+        raise ValueError(f"grouped_swiglu: w must hold [gate | up] rows (2I), got {w.shape[1]} rows")
+
+
+def _swiglu_bwd(dh, pre, x, w, offsets, need_dx: bool, need_dw: bool):
+    """d[gate | up] from the stored products (kernels/swiglu.py), then the grouped dx and dw."""
+    I = pre.shape[1] // 2
+    dpre = torch.empty_like(pre)
+    swiglu_bwd(dh.to(pre.dtype), pre[:, :I], pre[:, I:], dpre[:, :I], dpre[:, I:])
+    return _bwd(dpre, x, w, offsets, need_dx, need_dw)
+
+
+class GroupedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, offsets):
+        _check_swiglu(x, w, offsets)
+        h, pre = grouped_mm(x, w.transpose(1, 2), offsets, swiglu=True, store_pre=True)
+        ctx.save_for_backward(pre, x, w, offsets)
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        pre, x, w, offsets = ctx.saved_tensors
+        dx, dw = _swiglu_bwd(dh, pre, x, w, offsets, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return dx, dw, None
+
+
+@torch.library.custom_op("kiln::grouped_swiglu", mutates_args=())
+def grouped_swiglu_op(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, store_pre: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h (R, I), the (R, 2I) [gate | up] products if store_pre else an empty tensor)."""
+    _check_swiglu(x, w, offsets)
+    h, pre = grouped_mm(x, w.transpose(1, 2), offsets, swiglu=True, store_pre=store_pre)
+    return h, pre if pre is not None else x.new_empty(0)
+
+
+@grouped_swiglu_op.register_fake
+def _(x, w, offsets, store_pre):
+    _check_swiglu(x, w, offsets)
+    I = w.shape[1] // 2
+    return x.new_empty(x.shape[0], I), x.new_empty((x.shape[0], 2 * I) if store_pre else 0)
+
+
+@torch.library.custom_op("kiln::grouped_swiglu_bwd", mutates_args=())
+def grouped_swiglu_bwd_op(
+    dh: torch.Tensor, pre: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx like x, dw (E, 2I, K) contiguous)."""
+    return _swiglu_bwd(dh, pre, x, w, offsets, True, True)
+
+
+@grouped_swiglu_bwd_op.register_fake
+def _(dh, pre, x, w, offsets):
+    return x.new_empty(x.shape), w.new_empty(w.shape)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    x, w, offsets, _ = inputs
+    ctx.save_for_backward(output[1], x, w, offsets)
+
+
+def _swiglu_backward(ctx, dh, _dpre):
+    pre, x, w, offsets = ctx.saved_tensors
+    dx, dw = grouped_swiglu_bwd_op(dh, pre, x, w, offsets)
+    return dx, dw, None, None
+
+
+grouped_swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+
+def grouped_swiglu(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate_e.T) * (x @ up_e.T) per expert in one launch: x (R, K), w (E, 2I, K) = [gate | up]
+    stacked as gate_up_proj, -> (R, I). With autograd the products are stored for the backward."""
+    if not use_triton(x, w):
+        return grouped_swiglu_ref(x, w, offsets)
+    if torch.compiler.is_compiling():
+        return grouped_swiglu_op(x, w, offsets, needs_grad(x, w))[0]
+    if needs_grad(x, w):
+        return GroupedSwiGLU.apply(x, w, offsets)
+    _check_swiglu(x, w, offsets)
+    return grouped_mm(x, w.transpose(1, 2), offsets, swiglu=True)[0]
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
