@@ -228,8 +228,9 @@ _bwd_launch = CachedLaunch(_router_bwd_kernel)
 
 
 def _rows_per_program(E: int) -> int:
-    """About 4096 scores per program (16 rows of 256 experts), at most 64 rows; 4 under the interpreter."""
-    return 4 if interpreting() else max(1, min(64, 4096 // pow2(E)))
+    """About 2048 scores per program (8 rows of 256 experts: the row arrays of the top-k rounds stay in
+    registers at 4 warps), at most 64 rows; 4 under the interpreter."""
+    return 4 if interpreting() else max(1, min(64, 2048 // pow2(E)))
 
 
 def router_fwd(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool):
@@ -251,7 +252,7 @@ def router_fwd(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool
         _fwd_launch[(programs,)](
             logits, w, idx, lse, part, counts, N, E, logits.stride(0), TOP_K=top_k,
             SIGMOID=scoring == "sigmoid", RENORM=renormalize, BLOCK_N=bn, BLOCK_E=be,
-            num_warps=4 if bn * be <= 4096 else 8,
+            num_warps=4 if bn * be <= 2048 else 8,
         )  # fmt: skip
     return w, idx, counts, lse, part
 
@@ -282,7 +283,7 @@ def router_bwd(logits, idx, w, counts, dw, daux, dz, scoring: str, renormalize: 
     _bwd_launch[(cdiv(N, bn),)](
         logits, w, idx, dw, counts, daux, dz, dl, N, E, logits.stride(0), TOP_K=idx.shape[1],
         SIGMOID=scoring == "sigmoid", RENORM=renormalize, BLOCK_N=bn, BLOCK_E=be,
-        num_warps=4 if bn * be <= 4096 else 8,
+        num_warps=4 if bn * be <= 2048 else 8,
     )  # fmt: skip
     return dl
 
