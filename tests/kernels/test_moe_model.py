@@ -44,6 +44,29 @@ def test_sparse_moe_kernels_match_eager_loop(E, k, n):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)  # float32, two orders of summation
 
 
+@pytest.mark.slow
+def test_sparse_moe_kernels_compile_without_graph_breaks():
+    # every MoE kernel is a custom op and the routing plan plain torch ops: one graph, fullgraph=True
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    moe = SparseMoE(d_model=16, hidden=16, n_experts=4, top_k=2, backend="kiln")
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(6, 16)
+    with use_backend("triton"):
+        want = _layer_grads(moe, x)
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(moe, backend=counter, fullgraph=True)
+        got = _layer_grads(compiled, x)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    for a, b in zip(got[2], want[2]):
+        torch.testing.assert_close(a, b)
+
+
 def test_config_rejects_unknown_moe_backend():
     from kiln.errors import KilnError
 
