@@ -27,6 +27,8 @@ Cases:
   the weights are only read: a reference point, not a ceiling).
 - "router" (16k tokens): kiln's router (top-k, weights, counts, aux and z losses, forward+backward)
   against the eager formula of kiln.model.moe.
+- "train": a Mixtral-style kiln model (d 1024, 4 layers, 8 experts top-2, FFN 2816, 8 x 2048 tokens,
+  bf16 autocast) forward + backward in tokens/s, KernelConfig.moe "kiln" against "eager".
 TFLOP/s count 2 * rows * (d * 2I + I * d) per forward (x3 forward+backward), plus the shared expert;
 ratios are peer time / kiln time (> 1: kiln faster). Times: kiln.profile.timing (do_bench medians over
 interleaved rounds, L2 flushed). A failing implementation records its error and the run goes on; past
@@ -360,6 +362,43 @@ def router_case(b: Bench, shape: str, N: int):
     b.record(entry, b.time({"kiln": fb(kiln), "eager": fb(eager)}))
 
 
+def train_case(b: Bench):
+    """End to end: a Mixtral-style kiln model's training step (forward + backward, bf16 autocast, no
+    optimizer) in tokens/s with KernelConfig.moe "kiln" against "eager"."""
+    from kiln.model import ModelConfig, build_model
+    from kiln.model.config import KernelConfig
+
+    if b.smoke:
+        cfg = ModelConfig(arch="mixtral", vocab_size=64, d_model=32, n_layers=1, n_heads=2, ffn_hidden=16,
+                          max_seq_len=16, n_experts=4, n_experts_per_tok=2)  # fmt: skip
+        B, T = 1, 8
+    else:
+        cfg = ModelConfig(arch="mixtral", vocab_size=32000, d_model=1024, n_layers=4, n_heads=16, n_kv_heads=4,
+                          ffn_hidden=2816, max_seq_len=2048, n_experts=8, n_experts_per_tok=2)  # fmt: skip
+        B, T = 8, 2048
+    model = build_model(cfg, device=b.dev, seed=0)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), device=b.dev, generator=b.gen)
+    amp = torch.autocast(b.dev.type, dtype=torch.bfloat16, enabled=not b.smoke)
+
+    def step(backend):
+        def run():
+            model.set_kernels(KernelConfig(moe=backend))
+            with amp:
+                loss = model.loss(ids, ids)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        return run
+
+    res = b.time({"kiln": step("kiln"), "eager": step("eager")})
+    for v in res.values():
+        if "ms" in v:
+            v["tokens_per_s"] = round(B * T / v["ms"] * 1e3)
+    entry = dict(case="train", shape=f"mixtral d{cfg.d_model} L{cfg.n_layers} E8 top-2", tokens=B * T,
+                 routing="learned", mode="fwd+bwd")  # fmt: skip
+    b.record(entry, res)
+
+
 def make_weights(b: Bench, shape: str):
     E, k, d, inter, sh = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
     w1 = b.randn(E, 2 * inter, d, scale=d**-0.5)
@@ -393,6 +432,7 @@ def main() -> int:
             run.log(f"{f.__name__}{a[:3]} failed: {type(e).__name__}: {e}")
 
     with use_backend("triton"):  # the smoke run takes the kernels through the interpreter
+        go(train_case)  # first: short, and the end-to-end answer
         for shape in shapes:
             weights = make_weights(b, shape)
             for N in prefill:
