@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from kiln.kernels.dispatch import use_backend
-from kiln.kernels.moe_gemm import grouped_linear, grouped_linear_op, grouped_linear_ref, grouped_mm
+from kiln.kernels.moe_gemm import (
+    grouped_linear,
+    grouped_linear_bwd_op,
+    grouped_linear_op,
+    grouped_linear_ref,
+    grouped_mm,
+)
 
 from ._tolerance import assert_close, check_op
 
@@ -95,11 +101,15 @@ def test_grouped_linear_opcheck():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(9, 16, generator=g, requires_grad=True)
     w = torch.randn(3, 16, 16, generator=g, requires_grad=True)
+    offs = _offsets([4, 0, 5])
     with use_backend("triton"):
         torch.library.opcheck(
-            grouped_linear_op, (x, w, _offsets([4, 0, 5])),
+            grouped_linear_op, (x, w, offs),
             test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
         )  # fmt: skip
+        dy = torch.randn(9, 16, generator=g)
+        torch.library.opcheck(grouped_linear_bwd_op, (dy, x.detach(), w.detach(), offs),
+                              test_utils=("test_schema", "test_faketensor"))  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -136,7 +146,7 @@ def test_grouped_swiglu_matches_float64(counts):
 
 
 def test_grouped_swiglu_opcheck():
-    from kiln.kernels.moe_gemm import grouped_swiglu_op
+    from kiln.kernels.moe_gemm import grouped_swiglu_bwd_op, grouped_swiglu_op
 
     g = torch.Generator().manual_seed(7)
     x = torch.randn(9, 16, generator=g, requires_grad=True)
@@ -146,6 +156,10 @@ def test_grouped_swiglu_opcheck():
             grouped_swiglu_op, (x, w, _offsets([4, 0, 5]), True),
             test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
         )  # fmt: skip
+        _, pre = grouped_swiglu_op(x.detach(), w.detach(), _offsets([4, 0, 5]), True)
+        dh = torch.randn(9, 16, generator=g)
+        torch.library.opcheck(grouped_swiglu_bwd_op, (dh, pre, x.detach(), w.detach(), _offsets([4, 0, 5])),
+                              test_utils=("test_schema", "test_faketensor"))  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ from kiln.kernels.moe_permute import (
     permute_ref,
     routing_plan,
     unpermute,
+    unpermute_bwd_op,
     unpermute_op,
     unpermute_ref,
 )
@@ -127,6 +128,9 @@ def test_permute_opcheck():
         torch.library.opcheck(permute_op, (x, plan.src, plan.dest, 2), test_utils=checks)
         torch.library.opcheck(unpermute_op, (y, plan.src, plan.dest, w, 2), test_utils=checks)
         torch.library.opcheck(unpermute_op, (y, plan.src, plan.dest, None, 2), test_utils=checks)
+        dout = torch.randn(5, 12, generator=g)
+        bwd_args = (dout, y.detach(), plan.src, plan.dest, w.detach(), 2)
+        torch.library.opcheck(unpermute_bwd_op, bwd_args, test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln.kernels.dispatch import use_backend
-from kiln.kernels.moe_router import route, router_op, router_ref
+from kiln.kernels.moe_router import route, router_bwd_op, router_op, router_ref
 
 from ._tolerance import assert_close
 
@@ -85,6 +85,10 @@ def test_router_opcheck():
     with use_backend("triton"):
         torch.library.opcheck(router_op, (logits, 2, "softmax", True), test_utils=checks)
         torch.library.opcheck(router_op, (logits, 3, "sigmoid", False), test_utils=checks)
+        w, idx, counts, _, _ = router_op(logits.detach(), 2, "softmax", True)
+        args = (logits.detach(), idx, w, counts, torch.randn(6, 2, generator=g), torch.tensor(0.5),
+                torch.tensor(2.0), "softmax", True)  # fmt: skip
+        torch.library.opcheck(router_bwd_op, args, test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.gpu
