@@ -27,7 +27,7 @@ is wrong, PLATFORM.md). Operands are read through plain pointers with masks (any
 `grouped_swiglu(x, gate_up_proj, offsets)` fuses the activation into the gate/up GEMM: each program holds
 a gate tile and the matching up tile (columns n and I + n of w[e]) and writes silu(gate) * up (R, I), so
 the (R, 2I) products are neither written nor read back at inference; with autograd it also stores them
-for the backward (kernels/swiglu.py's backward, then the grouped dx and dw of the pair). bench/moe.py
+for the backward (the SwiGLU backward of kernels/swiglu.py, then the grouped dx and dw of the pair). bench/moe.py
 measures it against the two-kernel path; the model runs the two-kernel path until the H200 says the
 fused one pays.
 Not done: a persistent grid, TMA descriptors, split over rows for the dw of a hot expert.
@@ -36,13 +36,13 @@ Not done: a persistent grid, TMA descriptors, split over rows for the dw of a ho
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kiln.kernels._common import needs_grad
 from kiln.kernels.dispatch import interpreting, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
-from kiln.kernels.swiglu import swiglu_bwd, swiglu_ref
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -72,8 +72,10 @@ def _check_bounds(bounds: list[int], rows: int) -> None:
 
 def grouped_swiglu_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of grouped_linear_ref's (R, 2I) [gate | up] products (rounded to x's dtype first,
-    as the two-kernel path stores them)."""
-    return swiglu_ref(grouped_linear_ref(x, w, offsets))
+    as the two-kernel path stores them), float32 math (float64 for float64), x's dtype."""
+    gate, up = grouped_linear_ref(x, w, offsets).chunk(2, dim=-1)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return (F.silu(gate.to(acc)) * up.to(acc)).to(x.dtype)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -220,8 +222,35 @@ def _grouped_dw_kernel(
     tl.store(out, acc.to(DW_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
+@triton.jit
+def _swiglu_grad_kernel(
+    DH_ptr,  # (R, I) gradient of h = silu(gate) * up, contiguous
+    Pre_ptr,  # (R, 2I) [gate | up], contiguous
+    DPre_ptr,  # (R, 2I) out: [dgate | dup]
+    I,
+    n_col_blocks,
+    BLOCK: tl.constexpr,
+):
+    """dup = dh * silu(g);  dgate = dh * u * sigmoid(g) * (1 + g * (1 - sigmoid(g))): kernels/swiglu.py's
+    backward on the fused GEMM's stored products (kept here: kernel modules share helpers only through
+    _common)."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // n_col_blocks
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    dh = tl.load(DH_ptr + row * I + cols, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(Pre_ptr + row * 2 * I + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(Pre_ptr + row * 2 * I + I + cols, mask=ok, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    tl.store(DPre_ptr + row * 2 * I + cols, (dh * u * (sig + silu * (1.0 - sig))).to(DPre_ptr.dtype.element_ty),
+             mask=ok)  # fmt: skip
+    tl.store(DPre_ptr + row * 2 * I + I + cols, (dh * silu).to(DPre_ptr.dtype.element_ty), mask=ok)
+
+
 _mm_launch = CachedLaunch(_grouped_mm_kernel)
 _dw_launch = CachedLaunch(_grouped_dw_kernel)
+_swiglu_grad_launch = CachedLaunch(_swiglu_grad_kernel)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -373,10 +402,14 @@ def _check_swiglu(x, w, offsets) -> None:
 
 
 def _swiglu_bwd(dh, pre, x, w, offsets, need_dx: bool, need_dw: bool):
-    """d[gate | up] from the stored products (kernels/swiglu.py), then the grouped dx and dw."""
-    I = pre.shape[1] // 2
+    """d[gate | up] from the stored products, then the grouped dx and dw."""
+    R, I = pre.shape[0], pre.shape[1] // 2
+    dh = dh.to(pre.dtype).contiguous()
     dpre = torch.empty_like(pre)
-    swiglu_bwd(dh.to(pre.dtype), pre[:, :I], pre[:, I:], dpre[:, :I], dpre[:, I:])
+    if dpre.numel():
+        block = min(1024, max(16, pow2(I)))
+        ncb = cdiv(I, block)
+        _swiglu_grad_launch[(R * ncb,)](dh, pre, dpre, I, ncb, BLOCK=block, num_warps=4)
     return _bwd(dpre, x, w, offsets, need_dx, need_dw)
 
 
