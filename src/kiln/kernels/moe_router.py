@@ -127,23 +127,30 @@ def _router_fwd_kernel(
         p = ex / s[:, None]
         q = p
     tl.store(Part_ptr + pid.to(tl.int64) * E + cols, tl.sum(tl.where(ok, q, 0.0), axis=0), mask=c_ok)
-    # top-k: k rounds of (max, lowest index holding it, mask it out)
+    # top-k: k rounds of (max, lowest index holding it, mask it out). With RENORM a first set of rounds
+    # sums the chosen scores, so that the stores below write final weights (no store-then-reload).
+    wsum = tl.full((BLOCK_N,), 1.0, tl.float32)
+    if RENORM:
+        v = l
+        wsum = tl.zeros((BLOCK_N,), tl.float32)
+        for _ in tl.static_range(TOP_K):
+            best = tl.max(v, axis=1)
+            e = tl.min(tl.where(v == best[:, None], cols[None, :], BLOCK_E), axis=1)
+            hit = cols[None, :] == e[:, None]
+            wsum += tl.sum(tl.where(hit, p, 0.0), axis=1)
+            v = tl.where(hit, -float("inf"), v)
+        wsum = tl.where(r_ok, wsum, 1.0)
     v = l
-    wsum = tl.zeros((BLOCK_N,), tl.float32)
     for j in tl.static_range(TOP_K):
         best = tl.max(v, axis=1)
-        e = tl.min(tl.where(v == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        # a NaN row matches nowhere: clamp so that the count lands in bounds (its weights are NaN anyway)
+        e = tl.minimum(tl.min(tl.where(v == best[:, None], cols[None, :], BLOCK_E), axis=1), E - 1)
         hit = cols[None, :] == e[:, None]
         wj = tl.sum(tl.where(hit, p, 0.0), axis=1)
-        wsum += wj
-        tl.store(W_ptr + rows64 * TOP_K + j, wj, mask=r_ok)
+        tl.store(W_ptr + rows64 * TOP_K + j, wj / wsum, mask=r_ok)
         tl.store(I_ptr + rows64 * TOP_K + j, e, mask=r_ok)
         tl.atomic_add(Cnt_ptr + e, tl.full((BLOCK_N,), 1, tl.int32), mask=r_ok, sem="relaxed")
         v = tl.where(hit, -float("inf"), v)
-    if RENORM:
-        for j in tl.static_range(TOP_K):
-            wj = tl.load(W_ptr + rows64 * TOP_K + j, mask=r_ok, other=0.0)
-            tl.store(W_ptr + rows64 * TOP_K + j, wj / tl.where(r_ok, wsum, 1.0), mask=r_ok)
 
 
 @triton.jit
