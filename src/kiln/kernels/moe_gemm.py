@@ -320,7 +320,7 @@ def grouped_dw(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, E: int)
     if R == 0:
         return dw.zero_()
     offs = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
-    bn, bk, br, warps, stages = (64, 64, 16, 4, 1) if interpreting() else (128, 128, 32, 8, 3)
+    bn, bk, br, warps, stages = (64, 64, 16, 4, 1) if interpreting() else (128, 128, 64, 8, 3)
     grid = (E * cdiv(N, bn) * cdiv(K, bk),)
     _dw_launch[grid](
         dy, x, dw, offs, N, K, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
