@@ -143,26 +143,32 @@ GPU_CFG = dict(arch="mixtral", vocab_size=4096, d_model=512, n_layers=2, n_heads
                max_seq_len=512, n_experts=8, n_experts_per_tok=2)  # fmt: skip
 
 
+def _cuda_step(model, ids, backend, amp):
+    model.set_kernels(KernelConfig(moe=backend))
+    model.zero_grad()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+        loss = model.loss(ids, ids)
+    loss.backward()
+    return loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters()}
+
+
 @pytest.mark.gpu
-def test_cuda_bf16_training_step_kernels_match_eager():
+def test_cuda_training_step_kernels_match_eager():
     model = build_model(ModelConfig(**GPU_CFG), device="cuda", seed=0)
     ids = torch.randint(0, 4096, (4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    runs = {}
-    for backend in ("eager", "kiln"):
-        model.set_kernels(KernelConfig(moe=backend))
-        model.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model.loss(ids, ids)
-        loss.backward()
-        runs[backend] = loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters()}
-    # bf16 matmuls on both sides, summed in different orders (the eager loop rounds each slot's weighted
-    # output to bf16 before adding, the kernel combines in float32): a relative 1e-2 on the loss and on
-    # each gradient's norm; a token whose top-2 is near-tied can flip experts between the two
-    (l_e, g_e), (l_k, g_k) = runs["eager"], runs["kiln"]
+    # float32: the same routing on both sides (no bf16 ties), IEEE products in the kernel and in cuBLAS
+    (l_e, g_e), (l_k, g_k) = (_cuda_step(model, ids, b, amp=False) for b in ("eager", "kiln"))
+    assert abs(l_k - l_e) <= 1e-5 * abs(l_e), (l_k, l_e)
+    for n, g in g_e.items():
+        torch.testing.assert_close(g_k[n], g, rtol=1e-3, atol=1e-3 * g.abs().max().item(), msg=n)
+    # bf16 autocast (the training dtype): bf16 router logits tie now and then, and the two sides may
+    # break a tie differently (the kernel: the lower expert; torch.topk: unspecified), moving that
+    # token's expert gradients; so the loss to 1e-2 and each gradient's direction (cosine > 0.98)
+    (l_e, g_e), (l_k, g_k) = (_cuda_step(model, ids, b, amp=True) for b in ("eager", "kiln"))
     assert abs(l_k - l_e) <= 1e-2 * abs(l_e), (l_k, l_e)
     for n, g in g_e.items():
-        rel = (g_k[n] - g).norm() / g.norm().clamp_min(1e-12)
-        assert rel < 5e-2, (n, rel.item())
+        cos = torch.nn.functional.cosine_similarity(g_k[n].flatten(), g.flatten(), dim=0).item()
+        assert cos > 0.98, (n, cos)
 
 
 @pytest.mark.gpu
