@@ -27,12 +27,15 @@ Cases:
   the weights are only read: a reference point, not a ceiling).
 - "router" (16k tokens): kiln's router (top-k, weights, counts, aux and z losses, forward+backward)
   against the eager formula of kiln.model.moe.
+- "tune": the gate/up grouped GEMM's forward and dw at several launch configs (4k tokens and decode
+  batch 8, balanced), the default marked: the data to set mm_config's choices from.
 - "train": a Mixtral-style kiln model (d 1024, 4 layers, 8 experts top-2, FFN 2816, 8 x 2048 tokens,
   bf16 autocast) forward + backward in tokens/s, KernelConfig.moe "kiln" against "eager".
 TFLOP/s count 2 * rows * (d * 2I + I * d) per forward (x3 forward+backward), plus the shared expert;
 ratios are peer time / kiln time (> 1: kiln faster). Times: kiln.profile.timing (do_bench medians over
 interleaved rounds, L2 flushed). A failing implementation records its error and the run goes on; past
-the time budget the slow peers (loop, padded_bmm) are skipped.
+120 s the slow peers (loop, padded_bmm) are skipped, past --budget (165 s) no new case starts (listed in
+"skipped_for_time"); the phases run the goal points of every shape first.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels.dispatch import use_backend
-from kiln.kernels.moe_gemm import grouped_linear, grouped_swiglu
+from kiln.kernels.moe_gemm import grouped_dw, grouped_linear, grouped_mm, grouped_swiglu, mm_config
 from kiln.kernels.moe_permute import permute, routing_plan, unpermute
 from kiln.kernels.moe_router import route
 from kiln.kernels.swiglu import swiglu
@@ -399,6 +402,44 @@ def train_case(b: Bench):
     b.record(entry, res)
 
 
+# launch configs to choose the defaults from: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for the forward,
+# (BLOCK_N, BLOCK_K, BLOCK_R, warps, stages) for dw
+TUNE_FWD = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+            (128, 64, 64, 4, 4), (64, 256, 64, 8, 3)]  # fmt: skip
+TUNE_DECODE = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 256, 4, 3), (16, 32, 128, 4, 4),
+               (32, 64, 128, 4, 4)]  # fmt: skip
+TUNE_DW = [(128, 128, 64, 8, 3), (128, 128, 32, 8, 3), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)]
+
+
+def tune_case(b: Bench, shape: str, N: int):
+    """The gate/up grouped GEMM (forward and dw) at each launch config: the data to pick mm_config's
+    defaults from (recorded under "tuning"; the chosen default is marked)."""
+    E, k, d, inter, _ = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
+    w1 = b.randn(E, 2 * inter, d, scale=d**-0.5)
+    idx, _ = make_routing(N, E, k, "balanced", b.dev, b.gen)
+    plan = routing_plan(idx, E)
+    xs = b.randn(N * k, d)
+    dy = b.randn(N * k, 2 * inter)
+    wt = w1.transpose(1, 2)
+    fwd_cfgs = [mm_config(N * k, E)] + (TUNE_DECODE if N * k / E <= 16 else TUNE_FWD)
+    dw_cfgs = TUNE_DW if N * k / E > 16 else []
+    if b.smoke:
+        fwd_cfgs, dw_cfgs = fwd_cfgs[:1], [(64, 64, 16, 4, 1)]
+    fns = {
+        f"fwd{c}": (lambda c=c: grouped_mm(xs, wt, plan.offsets, config=c)) for c in dict.fromkeys(fwd_cfgs)
+    }
+    fns |= {f"dw{c}": (lambda c=c: grouped_dw(dy, xs, plan.offsets, E, config=c)) for c in dw_cfgs}
+    res = b.time(fns)
+    flops = 2.0 * N * k * d * 2 * inter
+    for v in res.values():
+        if "ms" in v:
+            v["TFLOPs"] = round(flops / v["ms"] / 1e9, 1)
+    entry = dict(case="tune", shape=shape, tokens=N, routing="balanced", mode="gate_up",
+                 default_fwd=str(mm_config(N * k, E)), results=res)  # fmt: skip
+    b.cases.append(entry)
+    b.run.log(f"tune {shape} {N}: " + " ".join(f"{n}={v.get('TFLOPs', 'ERR')}" for n, v in res.items()))
+
+
 def make_weights(b: Bench, shape: str):
     E, k, d, inter, sh = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
     w1 = b.randn(E, 2 * inter, d, scale=d**-0.5)
@@ -408,7 +449,11 @@ def make_weights(b: Bench, shape: str):
 
 
 def main() -> int:
-    args = bench_parser("moe", __doc__).parse_args()
+    ap = bench_parser("moe", __doc__)
+    ap.add_argument("--budget", type=float, default=HARD_BUDGET_S,
+                    help=f"seconds after which no new case starts (default {HARD_BUDGET_S:.0f}; the slow "
+                    f"peers stop at {TIME_BUDGET_S:.0f}): pass a large value to run every case")  # fmt: skip
+    args = ap.parse_args()
     run = BenchRun("moe", __file__, args, rounds=3)
     b = Bench(run)
     shapes = SMOKE_SHAPES if b.smoke else SHAPES
@@ -420,7 +465,7 @@ def main() -> int:
     skipped = []
 
     def go(f, *a):
-        if b.over_budget(HARD_BUDGET_S):
+        if b.over_budget(args.budget):
             skipped.append(f"{f.__name__}{a[:3]}")
             return
         try:
@@ -431,24 +476,33 @@ def main() -> int:
             )
             run.log(f"{f.__name__}{a[:3]} failed: {type(e).__name__}: {e}")
 
+    # phases across the shapes, the issue's goal points first (>= 4k tokens, decode), so that a run cut
+    # by the budget has every shape at those points; every shape's weights stay resident (~5 GB in bf16)
     with use_backend("triton"):  # the smoke run takes the kernels through the interpreter
-        go(train_case)  # first: short, and the end-to-end answer
+        go(train_case)  # short, and the end-to-end answer
+        weights = {shape: make_weights(b, shape) for shape in shapes}
         for shape in shapes:
-            weights = make_weights(b, shape)
-            for N in prefill:
-                for routing in routings:
-                    go(experts_case, shape, N, routing, weights)
             for routing in routings:
-                go(gemm_case, shape, prefill[0], routing, weights)
+                go(experts_case, shape, prefill[0], routing, weights[shape])
+        for shape in shapes:
             for B in decode:
                 for routing in routings:
-                    go(decode_case, shape, B, routing, weights)
+                    go(decode_case, shape, B, routing, weights[shape])
+        for N in prefill[1:]:
+            for shape in shapes:
+                for routing in routings:
+                    go(experts_case, shape, N, routing, weights[shape])
+        for shape in shapes:
+            for routing in routings:
+                go(gemm_case, shape, prefill[0], routing, weights[shape])
             go(router_case, shape, prefill[0] * (4 if not b.smoke else 1))
-            del weights
-            if not b.smoke:
-                torch.cuda.empty_cache()
+        del weights
+        names = list(shapes)
+        tune = [(names[0], prefill[0])] + ([(names[1], decode[1])] if len(names) > 1 else [])
+        for shape, N in tune:  # Mixtral at 4k tokens, Qwen3 at decode batch 8
+            go(tune_case, shape, N)
     run.meta["skipped_for_time"] = skipped
-    run.write(cases=b.cases, time_budget_s=TIME_BUDGET_S)
+    run.write(cases=b.cases, time_budget_s=TIME_BUDGET_S, hard_budget_s=args.budget)
     return 0
 
 

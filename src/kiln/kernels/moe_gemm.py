@@ -310,8 +310,11 @@ def grouped_mm(
     return c, pre
 
 
-def grouped_dw(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, E: int) -> torch.Tensor:
-    """Launcher: dw (E, N, K) contiguous, dw[e] = dy[rows of e].T @ x[rows of e]; dy (R, N), x (R, K)."""
+def grouped_dw(
+    dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, E: int, config: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """Launcher: dw (E, N, K) contiguous, dw[e] = dy[rows of e].T @ x[rows of e]; dy (R, N), x (R, K).
+    config: (BLOCK_N, BLOCK_K, BLOCK_R, num_warps, num_stages)."""
     R, N = dy.shape
     K = x.shape[1]
     dw = torch.empty(E, N, K, dtype=x.dtype, device=x.device)
@@ -320,7 +323,7 @@ def grouped_dw(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, E: int)
     if R == 0:
         return dw.zero_()
     offs = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
-    bn, bk, br, warps, stages = (64, 64, 16, 4, 1) if interpreting() else (128, 128, 64, 8, 3)
+    bn, bk, br, warps, stages = config or ((64, 64, 16, 4, 1) if interpreting() else (128, 128, 64, 8, 3))
     grid = (E * cdiv(N, bn) * cdiv(K, bk),)
     _dw_launch[grid](
         dy, x, dw, offs, N, K, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
