@@ -63,6 +63,8 @@ def test_routing_plan_matches_loop(N, k, E, capacity, skew):
     assert plan.src.tolist() == src and plan.dest.tolist() == dest
     assert plan.offsets.tolist() == offsets and plan.counts.tolist() == counts
     assert plan.dropped.tolist() == dropped and plan.top_k == k
+    given = routing_plan(idx, E, capacity, counts=plan.counts)  # the router's counts: the same plan
+    assert all(torch.equal(a, b) for a, b in zip(given[:5], plan[:5]))
     assert sum(dropped) == sum(d < 0 for d in dest)  # drop accounting: every dropped pair counted once
 
 

@@ -57,9 +57,12 @@ def expert_capacity(n_tokens: int, top_k: int, n_experts: int, factor: float) ->
     return max(1, math.ceil(factor * n_tokens * top_k / n_experts))
 
 
-def routing_plan(expert_idx: torch.Tensor, n_experts: int, capacity: int | None = None) -> RoutingPlan:
+def routing_plan(
+    expert_idx: torch.Tensor, n_experts: int, capacity: int | None = None, counts: torch.Tensor | None = None
+) -> RoutingPlan:
     """The plan for expert_idx (N, k) (ints in [0, E), not checked on the device: a host sync); capacity
-    None is dropless, else C rows per expert."""
+    None is dropless, else C rows per expert. counts: the (E,) int32 pairs per expert when the caller has
+    them (the router's), saving their scatter-add."""
     if expert_idx.dim() != 2 or expert_idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"expert_idx must be an (N, k) integer tensor, got {tuple(expert_idx.shape)} "
                          f"{expert_idx.dtype}")  # fmt: skip
@@ -68,9 +71,14 @@ def routing_plan(expert_idx: torch.Tensor, n_experts: int, capacity: int | None 
     N, k = expert_idx.shape
     dev = expert_idx.device
     flat = expert_idx.reshape(-1).long()  # (N*k,) pairs in token order
-    counts = torch.zeros(n_experts, dtype=torch.int32, device=dev).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int32)
-    )
+    if counts is None:
+        counts = torch.zeros(n_experts, dtype=torch.int32, device=dev).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32)
+        )
+    elif counts.shape != (n_experts,) or counts.dtype != torch.int32:
+        raise ValueError(
+            f"counts must be an ({n_experts},) int32 tensor, got {tuple(counts.shape)} {counts.dtype}"
+        )
     order = torch.argsort(flat, stable=True)  # (N*k,) the pair of each sorted position
     pos = torch.arange(N * k, device=dev)
     if capacity is None:

@@ -61,15 +61,22 @@ class Experts(nn.Module):
             start += n
         return out
 
-    def grouped(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The same as forward through the kernels: x (N, d); expert_idx (N, k) int; weights (N, k)."""
+    def grouped(
+        self,
+        x: torch.Tensor,
+        expert_idx: torch.Tensor,
+        weights: torch.Tensor,
+        counts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The same as forward through the kernels: x (N, d); expert_idx (N, k) int; weights (N, k);
+        counts (E,) int32 pairs per expert if known (the router's)."""
         E = self.gate_up_proj.shape[0]
         w1, w2 = self.gate_up_proj, self.down_proj
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
             dt = torch.get_autocast_dtype(dev)
             x, w1, w2 = x.to(dt), w1.to(dt), w2.to(dt)
-        plan = routing_plan(expert_idx, E)  # dropless
+        plan = routing_plan(expert_idx, E, counts=counts)  # dropless
         xs = permute(x, plan)  # (N*k, d) expert-sorted
         h = swiglu(grouped_linear(xs, w1, plan.offsets), None)  # (N*k, 2I) -> (N*k, I)
         y = grouped_linear(h, w2, plan.offsets)  # (N*k, d)
@@ -92,7 +99,8 @@ class SparseMoE(nn.Module):
         logits = self.gate(flat)  # (N, E)
         if self.backend == "kiln" or (self.backend == "auto" and flat.is_cuda):
             r = route(logits, self.top_k)  # softmax top-k, renormalized; aux on the device
-            return self.experts.grouped(flat, r.expert_idx, r.weights).view(x.shape), r.aux_loss
+            out = self.experts.grouped(flat, r.expert_idx, r.weights, r.counts)
+            return out.view(x.shape), r.aux_loss
         probs = torch.softmax(logits.float(), dim=-1)
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
