@@ -87,9 +87,8 @@ class SparseMoE(nn.Module):
     """Router (`gate`, as HF names it) + experts. forward(x (..., d)) returns (out like x, aux loss scalar).
 
     `capturable`: whether a forward can be recorded in a CUDA graph (no host sync, no data-dependent
-    shapes); the eager dispatch reads the expert counts on the host, so it cannot."""
-
-    capturable = False
+    shapes): the kernels' dispatch can (grids sized from static bounds); the eager loop reads the expert
+    counts on the host, so it cannot."""
 
     def __init__(self, d_model: int, hidden: int, n_experts: int, top_k: int, backend: str = "auto"):
         super().__init__()
@@ -98,11 +97,18 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(d_model, n_experts, bias=False)
         self.experts = Experts(n_experts, d_model, hidden)
 
+    def _uses_kernels(self, on_cuda: bool) -> bool:
+        return self.backend == "kiln" or (self.backend == "auto" and on_cuda)
+
+    @property
+    def capturable(self) -> bool:
+        return self._uses_kernels(self.gate.weight.is_cuda)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         d = x.shape[-1]
         flat = x.reshape(-1, d)
         logits = self.gate(flat)  # (N, E)
-        if self.backend == "kiln" or (self.backend == "auto" and flat.is_cuda):
+        if self._uses_kernels(flat.is_cuda):
             r = route(logits, self.top_k)  # softmax top-k, renormalized; aux on the device
             out = self.experts.grouped(flat, r.expert_idx, r.weights, r.counts)
             return out.view(x.shape), r.aux_loss
