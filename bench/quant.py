@@ -195,12 +195,99 @@ def engine_section(run: BenchRun, prompt: int, new: int, rounds: int) -> dict:
     return out
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return round(float((a.float() - b.float()).norm() / b.float().norm()), 5)
+
+
+@torch.no_grad()
+def logit_section(run: BenchRun) -> list[dict]:
+    """Random-init Qwen2.5-1.5B shape: each scheme's logits against bf16's on 4 x 256 random tokens (relative
+    L2 error, and how often the argmax agrees)."""
+    dev = run.device
+    if run.smoke:
+        cfg = ModelConfig(arch="qwen2", vocab_size=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                          ffn_hidden=256, max_seq_len=64, qkv_bias=True, tie_embeddings=True)  # fmt: skip
+    else:
+        cfg = infer_bench.qwen2_1p5b_config(max_seq_len=512)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    ids = torch.randint(
+        0, cfg.vocab_size, (4, 32 if run.smoke else 256), generator=torch.Generator().manual_seed(0)
+    )
+    ids = ids.to(dev)
+    ref = build_model(cfg, device=dev, dtype=dtype, seed=0).eval()(ids).float()
+    rows = []
+    for s in ENGINE_SCHEMES[1:]:
+        model = build_model(cfg, device=dev, dtype=dtype, seed=0).eval()
+        quantize_model(model, QuantScheme.parse(s))
+        got = model(ids).float()
+        rows.append({"scheme": s, "logits_rel_err": _rel(got, ref),
+                     "top1_agree": round(float((got.argmax(-1) == ref.argmax(-1)).float().mean()), 4)})  # fmt: skip
+        run.log(f"logits {s}: {rows[-1]}")
+        del model, got
+    return rows
+
+
+@torch.no_grad()
+def perplexity_section(run: BenchRun, model_path: str, text_path: str, tokens: int) -> list[dict]:
+    """A model kiln trained (a run directory or any model source) on held-out text: perplexity and bits per
+    byte in bf16 and each scheme; GPTQ (int4-g128) calibrated on a separate first part of the text."""
+    import math
+    from pathlib import Path
+
+    from kiln.model.checkpoint import load_source, tokenizer_dir
+    from kiln.tokenizer import Tokenizer
+
+    dev = run.device
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tok_dir = tokenizer_dir(model_path)
+    if tok_dir is None:
+        raise SystemExit(f"--quality-model {model_path}: no tokenizer found with it")
+    tok = Tokenizer.load(tok_dir)
+    ids = tok.encode_ordinary(Path(text_path).read_text(encoding="utf-8"))
+    T = min(1024, load_source(model_path, "cpu", torch.float32)[0].config.max_seq_len)
+    calib_ids, held = ids[: 64 * T][: len(ids) // 2], ids[len(ids) // 2 :][:tokens]
+    n = len(held) // T
+    if n == 0 or len(calib_ids) < T:
+        raise SystemExit(f"--quality-text {text_path}: too short for {T}-token windows")
+    held_t = torch.tensor(held[: n * T], device=dev).view(n, T)
+    n_bytes = len(tok.decode(held[: n * T]).encode("utf-8"))
+    calib = list(torch.tensor(calib_ids[: len(calib_ids) // T * T], device=dev).view(-1, T).split(8))
+    rows = []
+    for s in ("bf16", "int8", "int4-g128", "int4-g128-gptq", "fp8"):
+        model = load_source(model_path, dev, torch.float32)[0].eval()
+        if s != "bf16":
+            gptq = s.endswith("-gptq")
+            sch = QuantScheme.parse(s.removesuffix("-gptq"), method="gptq" if gptq else "rtn")
+            quantize_model(model, sch, calib if gptq else None)
+        model = model.to(dtype)
+        nats = 0.0
+        for w in held_t.split(4):
+            logits = model(w).float()
+            nats += float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1),
+                                          reduction="sum"))  # fmt: skip
+        count = held_t.shape[0] * (T - 1)
+        rows.append({"scheme": s, "ppl": round(math.exp(nats / count), 4),
+                     "bits_per_byte": round(nats / math.log(2) / n_bytes * n * T / count, 5)})  # fmt: skip
+        run.log(f"perplexity {s}: {rows[-1]}")
+        del model
+    return rows
+
+
 def main() -> int:
     ap = bench_parser("quant", __doc__)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3, help="alternating engine rounds")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: decode,prefill,engine")
+    ap.add_argument(
+        "--skip", default="", help="comma-separated sections to skip: decode,prefill,logits,engine"
+    )
+    ap.add_argument(
+        "--quality-model", help="a model kiln trained (e.g. a gpu-preset run): perplexity per scheme"
+    )
+    ap.add_argument(
+        "--quality-text", help="held-out UTF-8 text for --quality-model (first half: GPTQ calibration)"
+    )
+    ap.add_argument("--quality-tokens", type=int, default=262144, help="held-out tokens to score")
     args = ap.parse_args()
     run = BenchRun("quant", __file__, args, rounds=3)
     skip = set(filter(None, args.skip.split(",")))
@@ -216,6 +303,14 @@ def main() -> int:
         print(format_table(table, cols))
     if "prefill" not in skip:
         result["prefill"] = prefill_section(run, dtype)
+    if "logits" not in skip:
+        result["logits"] = logit_section(run)
+    if args.quality_model:
+        if not args.quality_text:
+            raise SystemExit("--quality-model needs --quality-text (held-out text)")
+        result["perplexity"] = perplexity_section(
+            run, args.quality_model, args.quality_text, args.quality_tokens
+        )
     if "engine" not in skip:
         result["engine"] = engine_section(run, args.prompt, args.new, args.rounds)
     run.write(timing="decode/prefill: do_bench_cudagraph medians over interleaved rounds (GPU time); engine: "
