@@ -31,6 +31,7 @@ Not done: activation quantization (kernels/fp8_matmul.py does FP8 weight + activ
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -369,6 +370,68 @@ def check_quantized(
     return N, K
 
 
+class _Plan(NamedTuple):
+    """How wq_matmul_fwd runs one layout of arguments: which kernel, its grid and constexprs."""
+
+    N: int
+    decode: bool
+    grid: tuple[int, ...]
+    split: int  # decode K slices (> 1: a float32 partial-sum buffer and the second kernel)
+    k_split: int
+    meta: dict
+
+
+# Plans by argument layout: the checks and the config rule run once per layout, and a call with a layout
+# seen before only allocates and launches (a decode step calls this ~200 times: its host time is the step's
+# when not replayed from a CUDA graph). Cleared if it ever grows past _MAX_PLANS (ever-changing shapes).
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096
+
+
+def _plan(x, qweight, scales, zeros, bits, group_size, bias, config) -> _Plan:
+    """The checks (clear errors for a bad format or bad x) and choices for one layout of arguments."""
+    N, K = check_quantized(qweight, scales, zeros, bits, group_size)
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"x must be (M, {K}) for this weight, got {tuple(x.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if bias is not None and (bias.shape != (N,) or bias.device != x.device):
+        raise ValueError(
+            f"bias must have shape ({N},) on {x.device}, got {tuple(bias.shape)} on {bias.device}"
+        )
+    if qweight.device != x.device or scales.device != x.device:
+        raise ValueError(f"x is on {x.device} but the quantized weight on {qweight.device}")
+    M = x.shape[0]
+    # float32 activations stay float32 in tl.dot (16-bit ones multiply exactly anyway)
+    common = dict(
+        BITS=bits, GROUP=group_size if bits == 4 else 1, HAS_ZERO=zeros is not None, PRECISION="ieee"
+    )
+    decode = isinstance(config, DecodeConfig) or (config is None and M <= DECODE_MAX_M)
+    if decode:
+        if config is None:
+            config = wq_decode_config(M, N, K, bits, group_size, sm_count(x.device))
+        if M > DECODE_MAX_M or (config.kernel == "gemv" and M != 1):
+            raise ValueError(
+                f"decode config {config} cannot take {M} rows (gemv: 1, dot: up to {DECODE_MAX_M})"
+            )
+        if bits == 4 and config.kernel == "dot" and (group_size % config.block_k or config.block_k < 32):
+            raise ValueError(f"int4 dot decode needs BLOCK_K >= 32 dividing the group {group_size}: {config}")
+        split, k_split = 1, K
+        if config.split_k > 1:  # whole BLOCK_K steps per slice; a slice that would find no K is dropped
+            k_split = cdiv(cdiv(K, config.split_k), config.block_k) * config.block_k
+            split = cdiv(K, k_split)
+        meta = dict(common, HAS_BIAS=bias is not None and split == 1, DOT=config.kernel == "dot",
+                    BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, STAGES=config.stages,
+                    num_warps=config.warps)  # fmt: skip
+        return _Plan(N, True, (cdiv(N, config.block_n), split), split, k_split, meta)
+    bm, bn, bk, stages, warps = config if config is not None else wq_tile_config(M, N, bits, group_size)
+    if bits == 4 and (group_size % bk or bk < 32):
+        raise ValueError(f"int4 tiles need BLOCK_K >= 32 dividing the group {group_size}, got {bk}")
+    meta = dict(common, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages,
+                num_warps=warps)  # fmt: skip
+    return _Plan(N, False, (cdiv(M, bm) * cdiv(N, bn),), 1, K, meta)
+
+
 def wq_matmul_fwd(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -382,56 +445,36 @@ def wq_matmul_fwd(
 ) -> torch.Tensor:
     """Launcher: x (M, K) -> (M, N) in x's dtype. Decode kernels for M <= 16, the tile kernel above.
     config: a DecodeConfig (forces the decode kernels) or a tile tuple (forces the tile kernel)."""
-    N, K = check_quantized(qweight, scales, zeros, bits, group_size)
-    if x.dim() != 2 or x.shape[1] != K:
-        raise ValueError(f"x must be (M, {K}) for this weight, got {tuple(x.shape)}")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"bias must have shape ({N},), got {tuple(bias.shape)}")
-    M = x.shape[0]
+    key = (
+        x.shape, x.stride(), x.dtype, x.device, qweight.shape, qweight.stride(), qweight.dtype, qweight.device,
+        scales.shape, scales.stride(), scales.dtype, scales.device,
+        None if zeros is None else (zeros.shape, zeros.stride(), zeros.dtype),
+        None if bias is None else (bias.shape, bias.dtype, bias.device), bits, group_size, config,
+    )  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(x, qweight, scales, zeros, bits, group_size, bias, config)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    M, K = x.shape
+    N = plan.N
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0:
         return y
-    group = group_size if bits == 4 else K
-    precision = "ieee"  # float32 activations stay float32 in tl.dot (16-bit ones are exact products anyway)
     z = scales if zeros is None else zeros
     b = y if bias is None else bias
-    decode = isinstance(config, DecodeConfig) or (config is None and M <= DECODE_MAX_M)
-    if decode:
-        if config is None:
-            config = wq_decode_config(M, N, K, bits, group_size, sm_count(x.device))
-        if M > DECODE_MAX_M or (config.kernel == "gemv" and M != 1):
-            raise ValueError(
-                f"decode config {config} cannot take {M} rows (gemv: 1, dot: up to {DECODE_MAX_M})"
-            )
-        if bits == 4 and config.kernel == "dot" and (group_size % config.block_k or config.block_k < 32):
-            raise ValueError(f"int4 dot decode needs BLOCK_K >= 32 dividing the group {group_size}: {config}")
-        split, k_split, dst = 1, K, y
-        if config.split_k > 1:
-            k_split = cdiv(cdiv(K, config.split_k), config.block_k) * config.block_k
-            split = cdiv(K, k_split)
-            dst = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else y
-        _decode_launch[(cdiv(N, config.block_n), split)](
-            x, qweight, scales, z, dst, b, M, N, K, x.stride(0), x.stride(1), qweight.stride(0), scales.stride(0),
-            k_split, BITS=bits, GROUP=group if bits == 4 else 1, HAS_ZERO=zeros is not None,
-            HAS_BIAS=bias is not None and split == 1, DOT=config.kernel == "dot", PRECISION=precision,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, STAGES=config.stages,
-            num_warps=config.warps,
-        )  # fmt: skip
-        if split > 1:
-            _sum_launch[(cdiv(M * N, 1024),)](dst, y, b, M * N, N, HAS_BIAS=bias is not None, ACTIVATION="none",
-                                              SPLIT_K=split, BLOCK=1024, PDL=False)  # fmt: skip
+    if not plan.decode:
+        _tile_launch[plan.grid](x, qweight, scales, z, y, b, M, N, K, x.stride(0), x.stride(1), qweight.stride(0),
+                                scales.stride(0), **plan.meta)  # fmt: skip
         return y
-    bm, bn, bk, stages, warps = config if config is not None else wq_tile_config(M, N, bits, group_size)
-    if bits == 4 and (group_size % bk or bk < 32):
-        raise ValueError(f"int4 tiles need BLOCK_K >= 32 dividing the group {group_size}, got {bk}")
-    grid = (cdiv(M, bm) * cdiv(N, bn),)
-    _tile_launch[grid](
-        x, qweight, scales, z, y, b, M, N, K, x.stride(0), x.stride(1), qweight.stride(0), scales.stride(0),
-        BITS=bits, GROUP=group if bits == 4 else 1, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None,
-        PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, num_warps=warps,
-    )  # fmt: skip
+    split = plan.split
+    dst = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else y
+    _decode_launch[plan.grid](x, qweight, scales, z, dst, b, M, N, K, x.stride(0), x.stride(1), qweight.stride(0),
+                              scales.stride(0), plan.k_split, **plan.meta)  # fmt: skip
+    if split > 1:
+        _sum_launch[(cdiv(M * N, 1024),)](dst, y, b, M * N, N, HAS_BIAS=bias is not None, ACTIVATION="none",
+                                          SPLIT_K=split, BLOCK=1024, PDL=False)  # fmt: skip
     return y
 
 
