@@ -216,3 +216,25 @@ def test_text_stop_strings_and_streaming(tmp_path):
     assert streamed[-1] == text and all(
         b.startswith(a.rstrip("\ufffd")) for a, b in zip(streamed, streamed[1:])
     )
+
+
+def test_decode_buckets_equal_eager(tmp_path):
+    # the static-buffer decode step (padded to its bucket; a CUDA graph on GPU) against the eager step
+    hf_causal_lm("qwen2", seed=3).save_pretrained(tmp_path)
+    eager = make_llm(tmp_path, decode_backend="eager")
+    graphs = make_llm(tmp_path, max_graph_batch=4)  # buckets 1, 2, 4; a batch of 5 decodes eagerly
+    assert eager.engine.runner.graphs is None and graphs.engine.runner.graphs.buckets == [1, 2, 4]
+    for n in (1, 2, 3, 5):
+        assert tokens(graphs.generate(PROMPTS[:n], greedy(6))) == tokens(
+            eager.generate(PROMPTS[:n], greedy(6))
+        )
+    sampled = SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=3, logprobs=2)
+    want, got = eager.generate(PROMPTS[:3], sampled), graphs.generate(PROMPTS[:3], sampled)
+    assert tokens(got) == tokens(want)
+    for g, w in zip(got, want):
+        assert g.outputs[0].logprobs == pytest.approx(w.outputs[0].logprobs, abs=1e-5)
+
+
+def test_decode_backend_is_validated(tmp_path):
+    with pytest.raises(KilnError, match="decode_backend"):
+        make_llm(tmp_path, decode_backend="fast")

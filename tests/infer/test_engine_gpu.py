@@ -62,3 +62,30 @@ def test_gpu_batched_equals_alone_and_prefix_cache(tmp_path):
     # the same kernels at fp32 on different batch layouts: equal, except where a near-tie flips
     same = sum(a == b for a, b in zip(alone, batched))
     assert same >= len(PROMPTS) - 1, (alone, batched)
+
+
+def test_gpu_graph_replay_equals_eager_every_bucket(tmp_path):
+    # each bucket's replay against the same step run eagerly on the same static buffers: same kernels,
+    # same shapes, so the logits must be bitwise equal (rows B-1 and B of each bucket: one padded row)
+    hf_causal_lm("qwen2").save_pretrained(tmp_path)
+    llm = LLM(tmp_path, log=None, device="cuda", dtype="bf16", block_size=16, memory_fraction=0.2,
+              max_graph_batch=16, max_model_len=256)  # fmt: skip
+    runner = llm.engine.runner
+    graphs = runner.graphs
+    assert graphs.buckets == [1, 2, 4, 8, 16] and sorted(graphs.graphs) == graphs.buckets
+    for cache in runner.kv_caches:  # random keys and values in every page
+        for c in cache:
+            c.normal_()
+    g = torch.Generator().manual_seed(0)
+    for B in graphs.buckets:
+        for b in {max(B - 1, 1), B}:
+            positions = torch.randint(0, 255, (b,), generator=g).tolist()
+            tables = [
+                torch.randperm(runner.num_blocks, generator=g)[: p // 16 + 1].tolist() for p in positions
+            ]
+            toks = torch.randint(0, llm.engine.vocab_size, (b,), generator=g).tolist()
+            logits, ids = graphs.run(toks, positions, tables)
+            replayed = logits.clone(), ids.clone()
+            eager_logits, eager_ids = graphs.step_fn(graphs.bucket(b))
+            assert torch.equal(replayed[0], eager_logits[:b]) and torch.equal(replayed[1], eager_ids[:b])
+            assert torch.isfinite(eager_logits).all()  # the padding rows too

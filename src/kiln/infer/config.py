@@ -10,6 +10,7 @@ import torch
 from kiln.errors import KilnError
 from kiln.model.config import KernelConfig
 
+DECODE_BACKENDS = ("graphs", "compile", "eager")
 DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -29,6 +30,11 @@ class EngineConfig:
     enable_prefix_caching   reuse the KV pages of identical full-block prefixes across requests
     chunked_prefill         split prompts longer than the step budget across steps (else they wait)
     seed                    seeds the per-request seeds of requests that give none
+    decode_backend          how decode-only steps run on CUDA: "graphs" (one CUDA graph per batch bucket,
+                            kiln.infer.cuda_graph), "compile" (torch.compile'd step, then captured the same
+                            way), "eager" (no graphs: every kernel launched from Python). On CPU, "graphs"
+                            and "compile" run the same padded static-buffer step without a graph.
+    max_graph_batch         the largest decode bucket captured; larger decode steps run eagerly
     kernels                 the model's per-op kernel choice (kiln.model.config.KernelConfig)
     """
 
@@ -44,6 +50,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     chunked_prefill: bool = True
     seed: int = 0
+    decode_backend: str = "graphs"
+    max_graph_batch: int = 256
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
@@ -51,7 +59,17 @@ class EngineConfig:
             self.kernels = KernelConfig(**self.kernels)
         if self.dtype not in DTYPES:
             raise KilnError(f"engine dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes"):
+        if self.decode_backend not in DECODE_BACKENDS:
+            raise KilnError(
+                f"engine decode_backend {self.decode_backend!r} is not one of {', '.join(DECODE_BACKENDS)}"
+            )
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "cpu_kv_cache_bytes",
+            "max_graph_batch",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise KilnError(f"engine {name} must be a positive integer, got {v!r}")

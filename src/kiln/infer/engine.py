@@ -209,21 +209,22 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return self._collect(set())
-        inputs = self.runner.prepare(batch)
-        hidden = self.runner.forward(inputs)
+        step = self.runner.execute(batch)
         sampling = batch.sampling_seqs
         ids = logprobs = top = None
         if sampling:
-            logits = self.runner.logits(hidden[inputs.sample_rows(batch)])
             if plain_greedy(sampling):
-                ids = logits.argmax(dim=-1).tolist()  # the step's one device-to-host copy
+                greedy = step.greedy_ids if step.greedy_ids is not None else step.logits.argmax(dim=-1)
+                ids = greedy.tolist()  # the step's one device-to-host copy
             else:
-                out = self.sampler(logits, SamplingTensors.build(sampling, self.vocab_size, self.device))
+                params = SamplingTensors.build(sampling, self.vocab_size, self.device)
+                out = self.sampler(step.logits.float(), params)
                 ids = out.token_ids.tolist()  # the step's one device-to-host copy
                 if out.logprobs is not None:
                     logprobs = out.logprobs.tolist()
                     top = [list(zip(i, v)) for i, v in zip(out.top_ids.tolist(), out.top_logprobs.tolist())]
-        self._prompt_logprobs(batch, inputs, hidden)
+        if step.hidden is not None:
+            self._prompt_logprobs(batch, step.inputs, step.hidden)
         self.scheduler.postprocess(batch, ids or [], logprobs, top)
         touched = {id(self._by_seq[s.seq_id][0]) for s in sampling if s.seq_id in self._by_seq}
         for seq in sampling:

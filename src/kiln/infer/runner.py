@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kiln.infer.config import EngineConfig
+from kiln.infer.cuda_graph import DecodeGraphs
 from kiln.infer.scheduler import ScheduledBatch
 from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.transformer import Transformer
@@ -33,6 +34,18 @@ class StepInputs:
     def sample_rows(self, batch: ScheduledBatch) -> list[int]:
         """Rows of the flat batch whose hidden state is sampled: each sampling sequence's last new token."""
         return [self.cu_seqlens[i + 1] - 1 for i in batch.sampling_indices]
+
+
+@dataclass
+class StepOutput:
+    """What a step leaves for sampling. logits (rows, V): one row per sampling sequence (float32 from
+    the eager path, the model dtype from a graph); greedy_ids (rows,): their argmax when the step computed
+    it (graphs), else None. inputs and hidden: the eager path's flat batch (prompt logprobs read them)."""
+
+    logits: torch.Tensor | None
+    greedy_ids: torch.Tensor | None = None
+    inputs: StepInputs | None = None
+    hidden: torch.Tensor | None = None
 
 
 def _token_slice(seq, start: int, end: int) -> list[int]:
@@ -64,6 +77,17 @@ class ModelRunner:
             )
             for _ in range(cfg.n_layers)
         ]
+        self.graphs: DecodeGraphs | None = None
+        if config.decode_backend != "eager":
+            self.graphs = DecodeGraphs(
+                model,
+                self.kv_caches,
+                max_batch=min(config.max_graph_batch, config.max_num_seqs),
+                max_blocks_per_seq=-(-max_model_len // config.block_size),
+                block_size=config.block_size,
+                backend=config.decode_backend if device.type == "cuda" else "graphs",
+            )
+            self.graphs.capture()
 
     # ---- capacity ----------------------------------------------------------------------------------------
     def _blocks_that_fit(self) -> int:
@@ -97,6 +121,20 @@ class ModelRunner:
         self.model.compute_logits(h[:rows]).float()
 
     # ---- a step ------------------------------------------------------------------------------------------
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one scheduled step: a decode-only batch through the captured graphs when it fits a bucket,
+        anything else (prefill, mixed, or no graphs) eagerly."""
+        if self.graphs is not None and batch.is_decode_only and self.graphs.bucket(len(batch.seqs)):
+            seqs = batch.seqs
+            positions = batch.computed_before
+            tokens = [seq.last_token_id for seq in seqs]
+            logits, ids = self.graphs.run(tokens, positions, [seq.block_table for seq in seqs])
+            return StepOutput(logits=logits, greedy_ids=ids)
+        inputs = self.prepare(batch)
+        hidden = self.forward(inputs)
+        logits = self.logits(hidden[inputs.sample_rows(batch)]) if batch.sampling_indices else None
+        return StepOutput(logits=logits, inputs=inputs, hidden=hidden)
+
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Host lists -> one device copy each. Sequence i's new tokens are positions
         computed_before[i] .. + num_new_tokens[i] - 1; its keys are positions 0 .. that end."""

@@ -285,6 +285,8 @@ def decode_attention(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     if use_triton(q, k_cache, v_cache) and D in (16, 32, 64, 128, 256):
         q = q if q.stride(-1) == 1 else q.contiguous()
+        seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] at b (a column view would not be)
+        block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
         if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
             raise ValueError("decode_attention: the caches' last dim must be contiguous")
         if torch.compiler.is_compiling():
