@@ -80,6 +80,7 @@ def test_directory_round_trip(scheme, tmp_path):
     assert b16.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
+@pytest.mark.slow  # ~15 s: every kernel of the model through the interpreter
 def test_triton_path_equals_reference_path():
     """Every op of a quantized model through Triton's interpreter (the decode kernels at 1 and 5 rows, the
     tile kernel at 24) against the eager reference path."""

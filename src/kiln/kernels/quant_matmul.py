@@ -295,14 +295,15 @@ _sum_launch = CachedLaunch(_split_sum_kernel)
 # ------------------------------------------------------------------------------------------ configs
 @functools.lru_cache(maxsize=256)
 def wq_decode_config(M: int, N: int, K: int, bits: int, group: int, sms: int) -> DecodeConfig:
-    """The decode launch config: the tile rule of kernels/matmul_decode.py (its H200 sweep) with K steps
-    widened for int4 so that a row's load per step stays 128-256 bytes. Not swept for the quantized
-    kernels yet: bench/quant.py records the figures these give."""
+    """The decode launch config: the tile rule of kernels/matmul_decode.py (its H200 sweep for bf16 weights),
+    with one row's K steps widened so that a program's load per step stays near what the bf16 rule streams
+    (int8: the same bytes at twice the columns; int4: 512 and 2048 columns, as wide as the groups' sub-tiles
+    allow without a mostly-masked last step at K = 1536 and 8960). Not swept for the quantized kernels yet:
+    bench/quant.py records the figures these give."""
     if interpreting():  # small tiles: ragged tiles and several K steps in the CPU tests
         return DecodeConfig("gemv", 16, 64 if bits == 4 else 32) if M == 1 else DecodeConfig("dot", 16, 32)
     if M == 1:
-        bk = 256 if bits == 8 else 512
-        return DecodeConfig("gemv", 4, bk, 1, 2, 3) if K <= 4096 else DecodeConfig("gemv", 2, 4 * bk, 1, 4, 1)
+        return DecodeConfig("gemv", 4, 512, 1, 2, 3) if K <= 4096 else DecodeConfig("gemv", 2, 2048, 1, 4, 1)
     bk = 128 if bits == 8 else min(128, group)
     tiles = cdiv(N, 64)
     if tiles >= sms:
