@@ -76,3 +76,27 @@ def test_reordered_groups_are_refused(tmp_path):
     _gptq_dir(tmp_path, group=32, g_idx_perm=True)
     with pytest.raises(KilnError, match="reorders groups"):
         load_gptq(tmp_path, "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_kiln_quantize_writes_gptq_that_loads_back(asymmetric, tmp_path):
+    from kiln.cli import main
+    from kiln.model.checkpoint import save_model_dir
+
+    cfg = ModelConfig(arch="qwen2", vocab_size=256, d_model=128, n_layers=1, n_heads=4, n_kv_heads=2,
+                      ffn_hidden=256, max_seq_len=64, qkv_bias=True, tie_embeddings=True)  # fmt: skip
+    save_model_dir(build_model(cfg, seed=1), tmp_path / "src")
+    argv = ["quantize", "--model", str(tmp_path / "src"), "--scheme", "int4-g32", "--out", str(tmp_path / "g"),
+            "--format", "gptq", "--no-head", "--dtype", "float32"] + (["--asymmetric"] if asymmetric else [])  # fmt: skip
+    assert main(argv) == 0
+    qc = json.loads((tmp_path / "g" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "gptq" and qc["group_size"] == 32 and qc["sym"] is not asymmetric
+    want = build_model(cfg, seed=1).eval()
+    quantize_model(want, QuantScheme.parse("int4-g32", asymmetric=asymmetric, head=False))
+    got = load_gptq(tmp_path / "g", "cpu", torch.float32)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(got(ids), want(ids), rtol=1e-5, atol=1e-5)
+    head = [a for a in argv if a != "--no-head"]
+    head[head.index("--out") + 1] = str(tmp_path / "h")
+    assert main(head) == 2  # the GPTQ convention keeps the head in float

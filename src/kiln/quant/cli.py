@@ -19,6 +19,7 @@ from kiln.errors import KilnError
 from kiln.io.atomic import atomic_write_bytes
 from kiln.model.checkpoint import load_source, tokenizer_dir
 from kiln.quant.apply import quantize_model, save_quantized
+from kiln.quant.gptq_format import save_gptq
 from kiln.quant.scheme import SCHEME_NAMES, QuantScheme
 from kiln.tokenizer import Tokenizer
 
@@ -72,6 +73,8 @@ def _quantize(args: argparse.Namespace, extra: list[str]) -> int:
         raise KilnError("--method gptq calibrates on text: pass --calib FILE")
     if args.calib is not None and scheme.method != "gptq":
         raise KilnError("--calib is used by GPTQ only: add --method gptq, or drop --calib")
+    if args.format == "gptq" and (scheme.kind != "int4" or scheme.head):
+        raise KilnError("--format gptq holds int4 with the LM head in float: use --scheme int4-gN --no-head")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
     model, kind = load_source(args.model, device, torch.float32)
@@ -86,7 +89,10 @@ def _quantize(args: argparse.Namespace, extra: list[str]) -> int:
         calib = [b.to(device) for b in calibration_batches(Path(args.calib), Tokenizer.load(tok_dir),
                                                              args.calib_tokens, args.calib_seq_len)]  # fmt: skip
     names = quantize_model(model, scheme, calib, log=lambda s: print(s, file=sys.stderr))
-    save_quantized(model, scheme, out, DTYPES[args.dtype])
+    if args.format == "gptq":
+        save_gptq(model, scheme.group_size, not scheme.asymmetric, out, DTYPES[args.dtype])
+    else:
+        save_quantized(model, scheme, out, DTYPES[args.dtype])
     # the tokenizer and generation settings, from the tokenizer's directory or else beside the weights
     where = [d for d in (tok_dir, Path(args.model)) if d is not None and d.is_dir()]
     for f in COPIED:
@@ -123,6 +129,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--act-order", action="store_true", help="GPTQ: columns in decreasing Hessian diagonal")
     p.add_argument("--asymmetric", action="store_true", help="int4: a zero point per group")
     p.add_argument("--no-head", action="store_true", help="keep the LM head in float")
+    p.add_argument(
+        "--format",
+        choices=("kiln", "gptq"),
+        default="kiln",
+        help="kiln's quantized directory, or an HF GPTQ checkpoint (int4, float head) other tools read",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the float tensors")
     p.add_argument("--device", help="where to quantize (default: cuda when present)")
     p.add_argument("--force", action="store_true", help="write into a non-empty output directory")

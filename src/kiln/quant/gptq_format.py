@@ -16,6 +16,9 @@ Supported: llama / mistral / qwen2 / qwen3 (the architectures whose HF names are
 of 32, 64 or 128 contiguous along K (g_idx == k // G; act-order checkpoints whose g_idx permutes groups
 are refused: kiln's kernels read groups contiguously). Everything not quantized (embeddings, norms, an
 untied float head) loads as in an HF directory.
+
+`save_gptq` writes a kiln int4 model the same way (v1 zero points, `sym` true for symmetric int4, whose
+zero point 8 is then explicit), the LM head in float as the GPTQ convention has it.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save as safetensors_bytes
 
 from kiln.errors import KilnError
+from kiln.io.atomic import atomic_write_bytes, atomic_write_text
 from kiln.kernels.quant_matmul import GROUP_SIZES, pack_int4, unpack_int4
 from kiln.model.hf import read_hf_dir
-from kiln.model.hf_config import config_from_hf
+from kiln.model.hf_config import config_from_hf, config_to_hf
 from kiln.model.linear import MergedLinear
 from kiln.model.quant_linear import QuantLinear, replace_linears
 from kiln.model.transformer import Transformer
@@ -153,3 +158,48 @@ def load_gptq(
     except RuntimeError as e:
         raise KilnError(f"{path}: GPTQ tensors do not match the model: {str(e).splitlines()[0]}") from None
     return model
+
+
+def save_gptq(
+    model: Transformer, group: int, symmetric: bool, out: str | Path, dtype: torch.dtype = torch.float16
+) -> None:
+    """Write a kiln model quantized to int4 (head left in float) as an HF GPTQ directory: config.json with
+    its quantization_config and model.safetensors (float tensors in `dtype`), each file atomic."""
+    cfg = model.config
+    if cfg.arch not in ARCHS or cfg.rope_interleaved:
+        raise KilnError(
+            f"GPTQ export covers {', '.join(ARCHS)} with HF's RoPE layout; this model is {cfg.arch}"
+            f"{' with interleaved RoPE' if cfg.rope_interleaved else ''}: write kiln's format instead"
+        )
+    if model.quantized_head:
+        raise KilnError(
+            "the GPTQ convention keeps the LM head in float: quantize with --no-head for --format gptq"
+        )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state: dict[str, torch.Tensor] = {}
+    quantized = set()
+    for name, m in model.named_modules():
+        if not isinstance(m, QuantLinear):
+            continue
+        if m.kind != "int4" or m.group_size != group:
+            raise KilnError(f"{name} is {m.kind}: GPTQ checkpoints hold int4 in groups of {group}")
+        quantized.add(name)
+        parent = name.rsplit(".", 1)[0]
+        zeros = m.zeros if m.zeros is not None else torch.full_like(m.scales, 8, dtype=torch.uint8)
+        start = 0
+        for part, size in (m.parts or {name.rsplit(".", 1)[1]: m.out_features}).items():
+            rows = slice(start, start + size)
+            start += size
+            t = to_gptq_tensors(m.qweight[rows].cpu(), m.scales[rows].cpu(), zeros[rows].cpu(), group)
+            state.update({f"{parent}.{part}.{k}": v for k, v in t.items()})
+            if m.bias is not None:
+                state[f"{parent}.{part}.bias"] = m.bias[rows].detach().cpu().to(dtype)
+    for k, v in model.state_dict().items():
+        if k.rsplit(".", 1)[0] not in quantized:
+            state[k] = v.detach().cpu().to(dtype).contiguous() if v.is_floating_point() else v.cpu()
+    hf_cfg = config_to_hf(cfg, str(dtype).removeprefix("torch."))
+    hf_cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                                     "sym": symmetric, "checkpoint_format": "gptq"}  # fmt: skip
+    atomic_write_bytes(out / "model.safetensors", safetensors_bytes(state, metadata={"format": "pt"}))
+    atomic_write_text(out / "config.json", json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
