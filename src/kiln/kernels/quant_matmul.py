@@ -129,6 +129,7 @@ def _wq_decode_kernel(
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     offs_m = tl.arange(0, 16)
+    pair = tl.arange(0, 2)  # int4: the two columns of a byte
     if not DOT:
         if BITS == 8:
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -149,10 +150,13 @@ def _wq_decode_kernel(
             j = tl.arange(0, HALF)
             acc3 = tl.zeros((BLOCK_N, SUB, HALF), dtype=tl.float32)
             for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-                k_even = k0 + sub[:, None] * TILE_G + 2 * j[None, :]  # (SUB, HALF): x's even columns
-                k_ok = k_even < K
-                b = tl.load(q_rows[:, :, None] + (k_even // 2)[None, :, :],
-                            mask=n_ok[:, None, None] & k_ok[None, :, :], other=0)  # fmt: skip
+                pk = (
+                    k0 // 2 + sub[:, None] * HALF + j[None, :]
+                )  # (SUB, HALF): bytes, i.e. columns 2pk, 2pk + 1
+                k_ok = pk < K // 2  # (masks and addresses in bytes: contiguous, so the loads are vectors)
+                b = tl.load(
+                    q_rows[:, :, None] + pk[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :], other=0
+                )
                 g = (k0 + sub * TILE_G) // GROUP  # (SUB,) group of each sub-tile
                 g_ok = n_ok[:, None] & ((k0 + sub * TILE_G) < K)[None, :]
                 s = tl.load(s_rows[:, None] + g[None, :], mask=g_ok, other=0.0).to(
@@ -162,8 +166,10 @@ def _wq_decode_kernel(
                     z = tl.load(z_rows[:, None] + g[None, :], mask=g_ok, other=0).to(tl.float32)
                 else:
                     z = tl.full((BLOCK_N, SUB), 8.0, tl.float32)
-                xe = tl.load(X_ptr + k_even * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-                xo = tl.load(X_ptr + (k_even + 1) * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+                # x's column pairs (2j, 2j + 1) in one load of adjacent elements, split in registers
+                xx = tl.load(X_ptr + (2 * pk[:, :, None] + pair[None, None, :]) * stride_xk, mask=k_ok[:, :, None],
+                             other=0.0)  # fmt: skip
+                xe, xo = tl.split(xx.to(tl.float32))  # (SUB, HALF) each
                 lo = (b & 15).to(tl.float32) - z[:, :, None]
                 hi = (b >> 4).to(tl.float32) - z[:, :, None]
                 acc3 += (lo * xe[None, :, :] + hi * xo[None, :, :]) * s[:, :, None]
@@ -189,17 +195,18 @@ def _wq_decode_kernel(
             HALF_K: tl.constexpr = BLOCK_K // 2
             j = tl.arange(0, HALF_K)
             for k0 in range(k_lo, k_hi, BLOCK_K):
-                k_even = k0 + 2 * j  # (HALF_K,)
-                k_ok = k_even < K
-                b = tl.load(q_rows + (k_even // 2)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+                pk = k0 // 2 + j  # (HALF_K,) bytes: columns 2pk and 2pk + 1
+                k_ok = pk < K // 2
+                b = tl.load(q_rows + pk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
                 g = k0 // GROUP
                 s = tl.load(s_rows + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]  # (BLOCK_N, 1)
                 if HAS_ZERO:
                     z = tl.load(z_rows + g, mask=n_ok, other=0).to(tl.float32)[:, None]
                 else:
                     z = 8.0
-                xe = tl.load(x_cols + k_even[:, None] * stride_xk, mask=m_ok & k_ok[:, None], other=0.0)
-                xo = tl.load(x_cols + (k_even + 1)[:, None] * stride_xk, mask=m_ok & k_ok[:, None], other=0.0)
+                xx = tl.load(x_cols[:, :, None] + (2 * pk[:, None, None] + pair[None, None, :]) * stride_xk,
+                             mask=(m_ok & k_ok[:, None])[:, :, None], other=0.0)  # fmt: skip
+                xe, xo = tl.split(xx)  # (HALF_K, 16) each: x.T's even and odd rows
                 lo = (((b & 15).to(tl.float32) - z) * s).to(xe.dtype)  # dequantized in registers
                 hi = (((b >> 4).to(tl.float32) - z) * s).to(xe.dtype)
                 acc = tl.dot(lo, xe, acc, input_precision=PRECISION)
@@ -249,6 +256,7 @@ def _wq_tile_kernel(
     q_cols = Q_ptr + offs_n.to(tl.int64)[None, :] * stride_qn  # (1, BLOCK_N): W.T's columns
     s_cols = S_ptr + offs_n.to(tl.int64) * stride_sn
     z_cols = Z_ptr + offs_n.to(tl.int64) * stride_sn
+    pair = tl.arange(0, 2)  # int4: the two columns of a byte
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if BITS == 8:
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
@@ -264,19 +272,18 @@ def _wq_tile_kernel(
         HALF_K: tl.constexpr = BLOCK_K // 2
         j = tl.arange(0, HALF_K)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            k_even = k0 + 2 * j
-            k_ok = k_even < K
-            b = tl.load(
-                q_cols + (k_even // 2)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0
-            )  # (HALF_K, BN)
+            pk = k0 // 2 + j  # (HALF_K,) bytes: columns 2pk and 2pk + 1
+            k_ok = pk < K // 2
+            b = tl.load(q_cols + pk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)  # (HALF_K, BN)
             g = k0 // GROUP
             s = tl.load(s_cols + g, mask=n_ok, other=0.0).to(tl.float32)[None, :]  # (1, BLOCK_N)
             if HAS_ZERO:
                 z = tl.load(z_cols + g, mask=n_ok, other=0).to(tl.float32)[None, :]
             else:
                 z = 8.0
-            xe = tl.load(x_rows + k_even[None, :] * stride_xk, mask=m_ok & k_ok[None, :], other=0.0)
-            xo = tl.load(x_rows + (k_even + 1)[None, :] * stride_xk, mask=m_ok & k_ok[None, :], other=0.0)
+            xx = tl.load(x_rows[:, :, None] + (2 * pk[None, :, None] + pair[None, None, :]) * stride_xk,
+                         mask=(m_ok & k_ok[None, :])[:, :, None], other=0.0)  # fmt: skip
+            xe, xo = tl.split(xx)  # (BLOCK_M, HALF_K) each: x's even and odd columns
             lo = (((b & 15).to(tl.float32) - z) * s).to(xe.dtype)  # dequantized in registers
             hi = (((b >> 4).to(tl.float32) - z) * s).to(xe.dtype)
             acc = tl.dot(xe, lo, acc, input_precision=PRECISION)
