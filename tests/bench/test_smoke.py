@@ -40,11 +40,22 @@ def test_bench_script_smoke(script, tmp_path):
     assert doc["area"] == script and doc["smoke"] is True and doc["commit"] == "smoke-test"
     cases = doc.get("cases") or doc.get("prefill") or doc.get("host_us_per_call")
     assert cases, f"{script}: no cases in the result"
+    if script == "infer":  # every part and peer ran without error, and the float32 decoders agreed
+        ran = {(c["part"], c["config"]) for c in cases}
+        for part, config in [("latency", "kiln-compile"), ("latency", "gpt-fast"), ("latency", "hf"),
+                             ("steady", "kiln-eager"), ("steady", "hf"), ("throughput", "kiln-eager")]:  # fmt: skip
+            assert (part, config) in ran, f"infer: no {config} figure in the {part} part"
+        assert not [c for c in cases if c.get("error")], [c["error"] for c in cases if c.get("error")]
+        agree = doc["agreement"]
+        assert set(agree["equal_prefix"].values()) == {agree["steps"]}, agree
+        assert len(set(agree["tokens"]["kiln"])) > 1, agree  # not a model that repeats one token
+        assert max(agree["logits"]["max_abs_diff"].values()) < 1e-3, agree
 
 
 def test_every_bench_script_is_smoke_tested():
     # tokenizer and serve are smoke-tested by their own areas; compile has no CPU smoke (an inductor
     # compile of even the tiny preset takes ~40 s on 2 cores): it runs on the GPU only
-    owned_elsewhere = {"tokenizer", "compile", "serve"}
+    # cuda_ladder has no CPU path at all (CUDA C++ kernels): tests/kernels/cuda tests its error path
+    owned_elsewhere = {"tokenizer", "compile", "serve", "cuda_ladder"}
     scripts = {p.stem for p in BENCH.glob("*.py")} - owned_elsewhere
     assert scripts == set(SCRIPTS), f"bench scripts without a smoke test: {scripts - set(SCRIPTS)}"

@@ -69,7 +69,7 @@ def test_gpu_graph_replay_equals_eager_every_bucket(tmp_path):
     # same shapes, so the logits must be bitwise equal (rows B-1 and B of each bucket: one padded row)
     hf_causal_lm("qwen2").save_pretrained(tmp_path)
     llm = LLM(tmp_path, log=None, device="cuda", dtype="bf16", block_size=16, memory_fraction=0.2,
-              max_graph_batch=16, max_model_len=256)  # fmt: skip
+              max_graph_batch=16)  # fmt: skip
     runner = llm.engine.runner
     graphs = runner.graphs
     assert graphs.buckets == [1, 2, 4, 8, 16] and sorted(graphs.graphs) == graphs.buckets
@@ -79,7 +79,7 @@ def test_gpu_graph_replay_equals_eager_every_bucket(tmp_path):
     g = torch.Generator().manual_seed(0)
     for B in graphs.buckets:
         for b in {max(B - 1, 1), B}:
-            positions = torch.randint(0, 255, (b,), generator=g).tolist()
+            positions = torch.randint(0, llm.engine.max_model_len - 1, (b,), generator=g).tolist()
             tables = [
                 torch.randperm(runner.num_blocks, generator=g)[: p // 16 + 1].tolist() for p in positions
             ]

@@ -1,5 +1,6 @@
 """`kiln generate` (text from any model source, through the engine) and `kiln bench infer` (the engine's
-latency and throughput, kiln.infer.bench)."""
+latency and throughput, kiln.infer.bench). `kiln bench cuda` (the CUDA C++ ladder, kiln.profile.cuda_ladder)
+is registered beside it, under the same `bench` command."""
 
 from __future__ import annotations
 
@@ -108,6 +109,13 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _bench_cuda(args: argparse.Namespace, extra: list[str]) -> int:
+    from kiln.profile import cuda_ladder
+
+    cuda_ladder.run(args.out, cuda_ladder.__file__)
+    return 0
+
+
 def _bench_infer(args: argparse.Namespace, extra: list[str]) -> int:
     import torch
 
@@ -117,11 +125,29 @@ def _bench_infer(args: argparse.Namespace, extra: list[str]) -> int:
     from kiln.model.config import KernelConfig
     from kiln.model.transformer import build_model
 
+    points = {"batch_sizes": [1, 8, 64], "prompt_len": 128, "output_len": 128}
+    workload = {"min_len": 100, "max_len": 1024, "temperature": 0.6, "seed": 0}
+    wrong = [k for k in (points if args.requests else workload) if getattr(args, k) is not None]
+    if wrong:
+        flags = ", ".join("--" + k.replace("_", "-") for k in wrong)
+        raise KilnError(
+            f"{flags}: not used {'with' if args.requests else 'without'} --requests (the batch points take "
+            "--batch-sizes, --prompt-len, --output-len; --requests takes --min-len, --max-len, --temperature, --seed)"
+        )
+    for k, v in {**points, **workload}.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.requests and args.min_len > args.max_len:
+        raise KilnError(f"--min-len {args.min_len} is larger than --max-len {args.max_len}")
+    seqs = min(args.requests, 256) if args.requests else max(args.batch_sizes)
+    need = 2 * args.max_len if args.requests else args.prompt_len + args.output_len
     engine = dict(
         device=args.device,
         dtype=args.dtype,
-        max_num_seqs=max(args.batch_sizes),
-        max_num_batched_tokens=max(args.max_num_batched_tokens, max(args.batch_sizes)),
+        max_num_seqs=seqs,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, seqs),
+        decode_backend=args.decode_backend,
+        max_graph_batch=seqs,
         kernels=KernelConfig(linear=args.linear, attention="kiln"),
     )
     cfg = EngineConfig(**engine)
@@ -130,25 +156,45 @@ def _bench_infer(args: argparse.Namespace, extra: list[str]) -> int:
         what = args.model
     else:  # random weights of a reference shape: speed does not depend on the values
         device = cfg.resolve_device()
-        mcfg = bench.qwen2_1p5b_config(max_seq_len=args.prompt_len + args.output_len)
+        mcfg = bench.qwen2_1p5b_config(max_seq_len=need)
         model = build_model(mcfg, device=device, dtype=cfg.resolve_dtype(device), seed=0)
         llm = LLM(model, **engine)
         what = "random-init Qwen2.5-1.5B shape"
-    need = args.prompt_len + args.output_len
     if need > llm.engine.max_model_len:
+        flags = "2 x --max-len" if args.requests else "--prompt-len + --output-len"
         raise KilnError(
-            f"--prompt-len + --output-len = {need} exceeds the model's context of {llm.engine.max_model_len}"
+            f"{flags} = {need} exceeds the model's context of {llm.engine.max_model_len}: lower them"
         )
-    print(f"kiln bench infer: {what}, prompt {args.prompt_len}, output {args.output_len} tokens")
-    rows = bench.run(llm.engine, args.batch_sizes, args.prompt_len, args.output_len)
+    result: dict = {}
+    if args.requests:
+        print(f"kiln bench infer: {what}, {args.requests} requests, input and output lengths "
+              f"{args.min_len}-{args.max_len} (seed {args.seed}), temperature {args.temperature}, EOS ignored")  # fmt: skip
+        reqs = bench.workload(args.requests, args.min_len, args.max_len, llm.engine.vocab_size, args.seed)
+        warm = bench.workload(
+            min(16, args.requests), args.min_len, args.max_len, llm.engine.vocab_size, args.seed + 1
+        )
+        bench.drive(llm.engine, [(p, min(m, 8)) for p, m in warm], args.temperature)  # compile, autotune
+        r = bench.throughput(llm.engine, reqs, args.temperature, seed=args.seed)
+        ms = {k: {q: r[k][q] * 1e3 for q in ("p50", "p99")} for k in ("ttft_s", "itl_s", "tpot_s")}
+        print(f"{r['output_tokens']} output tokens in {r['time_s']:.2f} s: {r['output_tok_s']:.1f} output tok/s "
+              f"({r['total_tok_s']:.1f} with the prompts)")  # fmt: skip
+        for k, name in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("tpot_s", "TPOT")):
+            print(f"{name:5s} p50 {ms[k]['p50']:9.2f} ms   p99 {ms[k]['p99']:9.2f} ms")
+        result["throughput"] = r
+    else:
+        print(f"kiln bench infer: {what}, prompt {args.prompt_len}, output {args.output_len} tokens")
+        result["points"] = bench.run(llm.engine, args.batch_sizes, args.prompt_len, args.output_len)
     if args.out:
+        from kiln.io.atomic import atomic_write_text
+
         meta = {
             "model": what,
             "device": torch.cuda.get_device_name() if llm.engine.device.type == "cuda" else "cpu",
             "torch": torch.__version__,
+            "decode_backend": args.decode_backend,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        Path(args.out).write_text(json.dumps({**meta, "points": rows}, indent=2) + "\n")
+        atomic_write_text(Path(args.out), json.dumps({**meta, **result}, indent=2) + "\n")
     return 0
 
 
@@ -184,7 +230,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.set_defaults(func=_generate)
 
-    p = sub.add_parser("bench", help="measure kiln (the inference engine: `kiln bench infer`)")
+    p = sub.add_parser(
+        "bench",
+        help="measure kiln (the inference engine: `kiln bench infer`; the CUDA C++ ladder: `kiln bench cuda`)",
+    )
     areas = p.add_subparsers(dest="area", required=True)
     b = areas.add_parser(
         "infer",
@@ -193,12 +242,36 @@ def register(sub: argparse._SubParsersAction) -> None:
         "model of the Qwen2.5-1.5B shape (speed does not depend on the weights).",
     )
     b.add_argument("--model", help="HF directory, kiln model directory or run (default: a reference shape)")
-    b.add_argument("--batch-sizes", type=_ints, default=[1, 8, 64], help="comma-separated (default 1,8,64)")
-    b.add_argument("--prompt-len", type=_positive, default=128)
-    b.add_argument("--output-len", type=_positive, default=128)
+    b.add_argument("--batch-sizes", type=_ints, help="comma-separated (default 1,8,64)")
+    b.add_argument("--prompt-len", type=_positive, help="default 128")
+    b.add_argument("--output-len", type=_positive, help="default 128")
     b.add_argument("--max-num-batched-tokens", type=_positive, default=8192)
     b.add_argument("--linear", choices=("auto", "torch", "kiln"), default="auto", help="matmul backend")
+    b.add_argument(
+        "--decode-backend",
+        choices=("graphs", "compile", "eager"),
+        default="graphs",
+        help="decode steps as CUDA graphs (default), torch.compile'd then captured, or eager",
+    )
+    b.add_argument(
+        "--requests",
+        type=_positive,
+        help="instead of the batch points: nano-vllm's throughput benchmark, this many requests (it uses "
+        "256) of random ids, input and output lengths uniform in --min-len..--max-len, all submitted at once: "
+        "output tok/s, TTFT / ITL / TPOT p50 and p99",
+    )
+    b.add_argument("--min-len", type=_positive, help="with --requests (default 100)")
+    b.add_argument("--max-len", type=_positive, help="with --requests (default 1024)")
+    b.add_argument("--temperature", type=float, help="with --requests (default nano-vllm's 0.6)")
+    b.add_argument("--seed", type=int, help="with --requests: the workload's seed (default 0)")
     b.add_argument("--device", default="auto")
     b.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
-    b.add_argument("--out", help="write the points as JSON here")
+    b.add_argument("--out", help="write the points (or the throughput figures) as JSON here")
     b.set_defaults(func=_bench_infer)
+    c = areas.add_parser(
+        "cuda",
+        help="the CUDA C++ ladder: vector add, memory probes, SGEMM steps and tensor-core GEMMs vs cuBLAS",
+        description="Builds kiln.kernels.cuda (first use) and measures it; tables on stdout, JSON and PNGs.",
+    )
+    c.add_argument("--out", default="bench/results/cuda_ladder.json", help="result JSON (PNGs beside it)")
+    c.set_defaults(func=_bench_cuda)

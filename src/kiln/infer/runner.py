@@ -78,7 +78,9 @@ class ModelRunner:
             for _ in range(cfg.n_layers)
         ]
         self.graphs: DecodeGraphs | None = None
-        if config.decode_backend != "eager":
+        # a module that syncs with the host (the eager MoE dispatch) cannot be captured: decode eagerly
+        capturable = all(getattr(m, "capturable", True) for m in model.modules())
+        if config.decode_backend != "eager" and capturable:
             self.graphs = DecodeGraphs(
                 model,
                 self.kv_caches,

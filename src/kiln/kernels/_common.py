@@ -5,11 +5,15 @@ activations). Nothing here is an op of its own.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kiln.kernels.dispatch import sm_count
+from kiln.kernels.dispatch import interpreting, sm_count
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_ROW = 65536  # a longer row would not fit in one program's registers
@@ -18,6 +22,31 @@ MAX_ROW = 65536  # a longer row would not fit in one program's registers
 GROUP = tl.constexpr(16)
 COUNTERS = tl.constexpr(128)
 MAX_PROGRAMS = GROUP.value * (COUNTERS.value - 1)
+
+
+@functools.cache
+def _pdl_on(device_index: int) -> bool:
+    return os.environ.get("KILN_PDL", "1") != "0" and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl(t: torch.Tensor) -> bool:
+    """Whether a kernel launched on t's device uses programmatic dependent launch (Hopper's griddepcontrol):
+    the kernel may be scheduled while its predecessor in the stream still runs, and waits for it
+    (`pdl_prologue`) before reading anything. In a decode step of ~13 small kernels per layer this hides
+    each launch behind the previous kernel. sm_90+ only, never in the interpreter; KILN_PDL=0 turns it off
+    (read once per device, for A/B timing)."""
+    return t.is_cuda and not interpreting() and _pdl_on(t.device.index or 0)
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """First statement of a kernel launched with launch_pdl=PDL, in every program before any load or early
+    return: wait until the previous kernel in the stream has finished and its writes are visible (so a
+    kernel that reads its inputs two launches back is safe too: its predecessor waited the same way), then
+    let the next kernel be scheduled (it will wait for this one in its own prologue)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

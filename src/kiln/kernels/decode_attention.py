@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import pdl, pdl_prologue
 from kiln.kernels.attention import LOG2E, attention_ref
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import cdiv, pow2
@@ -94,8 +95,9 @@ def _decode_split_kernel(
     group, window, chunk, qk_scale,  # chunk: keys per split, a multiple of BLOCK_N
     SPLIT_KEY,  # autotuning key only (the split count, capped)
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, WINDOW: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -145,8 +147,9 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     O_PART, LSE_PART, SINKS, OUT,  # partials as above; sinks (Hq,) or a dummy; out (B, Hq, D)
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-    Hq, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, SINK: tl.constexpr,
+    Hq, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, SINK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -198,6 +201,7 @@ def decode_attention_triton(
         chunk = cdiv(cdiv(max(capacity, 1), num_splits), CHUNK_ALIGN) * CHUNK_ALIGN
         splits = cdiv(max(capacity, 1), chunk)
     group = Hq // Hk
+    use_pdl = pdl(q)
     o_part = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
     # fmt: off
@@ -208,14 +212,14 @@ def decode_attention_triton(
         *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1),
         group, window or 0, chunk, softmax_scale * LOG2E, pow2(splits),
         HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, pow2(group)), WINDOW=window is not None,
-        **config,
+        PDL=use_pdl, launch_pdl=use_pdl, **config,
     )
     out = torch.empty_like(q)
     _decode_reduce_kernel[(B, Hq)](
         o_part, lse_part, sinks if sinks is not None else q, out,
         *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        Hq, splits, HEAD_DIM=D, BLOCK_S=pow2(splits), SINK=sinks is not None,
-        num_warps=8 if splits * D >= 4096 else 4,
+        Hq, splits, HEAD_DIM=D, BLOCK_S=pow2(splits), SINK=sinks is not None, PDL=use_pdl,
+        num_warps=8 if splits * D >= 4096 else 4, launch_pdl=use_pdl,
     )
     # fmt: on
     return out

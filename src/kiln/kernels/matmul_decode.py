@@ -37,6 +37,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kiln.kernels._common import apply_activation
+from kiln.kernels._common import pdl as use_pdl
 from kiln.kernels.dispatch import interpreting, sm_count
 from kiln.kernels.launch import CachedLaunch, cdiv
 
@@ -78,19 +79,30 @@ def decode_config(M: int, N: int, K: int, sms: int, k_major: bool = True) -> Dec
       with few columns and a long K (down) 64-wide blocks with K split so that about two programs run
       per SM, the slices summed by the second kernel. One row of a W that is not K-contiguous (a
       row-major B) takes these too: the dot kernel's tiles load along whichever dim is contiguous.
+    All launch with programmatic dependent launch (kiln.kernels._common.pdl) except the gate_up tile at
+    2-16 rows, where it measured slower (0.99x against 1.15x cuBLAS): inside the engine's CUDA-graphed
+    decode step every kiln kernel before them now signals early, which is where PDL pays.
     """
     if interpreting():  # small tiles: the CPU tests cover ragged tiles and several K steps
         return DecodeConfig("gemv" if M == 1 and k_major else "dot", 16, 32)
     if M == 1 and k_major:
-        return DecodeConfig("gemv", 4, 256, 1, 2, 3) if K <= 4096 else DecodeConfig("gemv", 2, 1024, 1, 4, 1)
+        return (
+            DecodeConfig("gemv", 4, 256, 1, 2, 3, True)
+            if K <= 4096
+            else DecodeConfig("gemv", 2, 1024, 1, 4, 1, True)
+        )
     tiles = cdiv(N, 64)
     if tiles >= sms:
         return DecodeConfig("dot", 64, 128, 1, 4, 3)
     if K <= 4096:
         # one warp over 256-wide K steps at exactly 16 rows (1.04-1.05x cuBLAS); below 16 rows that tile
         # measured 6.3 us (0.69x) and four warps over 128-wide steps 4.2-4.4 us (1.00-1.50x)
-        return DecodeConfig("dot", 16, 256, 1, 1, 4) if M == 16 else DecodeConfig("dot", 16, 128, 1, 4, 3)
-    return DecodeConfig("dot", 64, 64, max(2, round(2 * sms / tiles)), 4, 4)
+        return (
+            DecodeConfig("dot", 16, 256, 1, 1, 4, True)
+            if M == 16
+            else DecodeConfig("dot", 16, 128, 1, 4, 3, True)
+        )
+    return DecodeConfig("dot", 64, 64, max(2, round(2 * sms / tiles)), 4, 4, True)
 
 
 @functools.cache
@@ -291,7 +303,7 @@ def decode_matmul(
     # Hopper: the main kernel lets its dependents launch early, and the split-K sum is launched as one
     # (programmatic dependent launch), so its launch overlaps the main kernel instead of following it.
     griddep = a.is_cuda and _griddep(a.device.index)
-    pdl = config.pdl and griddep
+    pdl = config.pdl and griddep and use_pdl(a)  # use_pdl: KILN_PDL=0 turns it off for A/B timing
     # Constexprs by keyword: CachedLaunch keys keywords by value but positional ints by Triton's value
     # classes (== 1, divisible by 16), which would let SPLIT_K = 2 and 4 share one binary.
     if config.kernel == "gemv":

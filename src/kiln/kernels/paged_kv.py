@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import pdl, pdl_prologue
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import pow2
 
@@ -45,7 +46,9 @@ def _paged_kv_write_kernel(
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch,
     Hk, D, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
 ):
+    pdl_prologue(PDL)  # before the padding rows' early return too (see pdl_prologue)
     i = tl.program_id(0)  # one new token: all its heads at once
     slot = tl.load(SLOTS + i).to(tl.int64)
     if slot < 0:  # padding
@@ -75,7 +78,7 @@ def paged_kv_write_triton(k_cache, v_cache, k, v, slots) -> None:
     _paged_kv_write_kernel[(N,)](
         k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], Hk, D,
-        PAGE_SIZE=k_cache.shape[1], BLOCK_H=pow2(Hk), BLOCK_D=pow2(D),
+        PAGE_SIZE=k_cache.shape[1], BLOCK_H=pow2(Hk), BLOCK_D=pow2(D), PDL=pdl(k), launch_pdl=pdl(k),
     )
     # fmt: on
 

@@ -44,6 +44,8 @@ from kiln.kernels._common import (
     check_rows,
     fwd_rows,
     needs_grad,
+    pdl,
+    pdl_prologue,
     row_warps,
     shaped,
     sum_partial_rows,
@@ -88,7 +90,9 @@ def _rmsnorm_fwd_kernel(
     FOR_BACKWARD: tl.constexpr,  # save rstd and zero the backward's counters (inference saves nothing)
     ROWS: tl.constexpr,  # rows per program, as one (ROWS, BLOCK) tile: the weight is read once for all
     BLOCK: tl.constexpr,  # next_power_of_2(D): the whole row in one block
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
 ):
+    pdl_prologue(PDL)
     # (ROWS, 1) rows in int64: row * stride can pass 2**31
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK)
@@ -197,7 +201,7 @@ def rmsnorm_fwd(
         x2.stride(0), 0 if r2 is None else r2.stride(0), D,
         n_rows, D, eps, offset,
         HAS_RESIDUAL=r2 is not None, FOR_BACKWARD=for_backward,
-        ROWS=rows, BLOCK=block, num_warps=num_warps or row_warps(block),
+        ROWS=rows, BLOCK=block, num_warps=num_warps or row_warps(block), PDL=pdl(x2), launch_pdl=pdl(x2),
     )  # fmt: skip
     return y, h, rstd
 

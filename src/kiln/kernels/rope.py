@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import FLOAT_DTYPES, needs_grad
+from kiln.kernels._common import FLOAT_DTYPES, needs_grad, pdl, pdl_prologue
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 
@@ -145,7 +145,9 @@ def _rope_kernel(
     BLOCK_QH: tl.constexpr,  # 1 when FLAT, else next_power_of_2(Hq)
     BLOCK_KH: tl.constexpr,
     BLOCK_D: tl.constexpr,  # next_power_of_2(D / 2)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
 ):  # fmt: skip
+    pdl_prologue(PDL)
     blk = tl.program_id(0)
     if blk < n_q_blocks:
         _rotate_block(
@@ -271,6 +273,7 @@ def rope_launch(
         HAS_POS=position_ids is not None, INTERLEAVED=interleaved, EVICT=evict, TABLE_EVICT=table_evict,
         FLAT=tokens is None,
         TOKS_Q=toks_q, TOKS_K=toks_k, BLOCK_QH=bqh, BLOCK_KH=bkh, BLOCK_D=pow2(D // 2), num_warps=num_warps,
+        PDL=pdl(q), launch_pdl=pdl(q),
     )  # fmt: skip
     return qo, ko
 

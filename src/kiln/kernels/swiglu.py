@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import FLOAT_DTYPES, needs_grad
+from kiln.kernels._common import FLOAT_DTYPES, needs_grad, pdl, pdl_prologue
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv
 
@@ -47,7 +47,9 @@ def _swiglu_fwd_kernel(
     n_cols,  # H
     n_col_blocks,  # cdiv(H, BLOCK)
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
 ):
+    pdl_prologue(PDL)
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_col_blocks
     cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
@@ -137,7 +139,7 @@ def swiglu_fwd(g: torch.Tensor, u: torch.Tensor, block: int = BLOCK, num_warps: 
     n_prog, n_col_blocks = _launch_grid(g2.shape[0], g2.shape[1], block)
     _fwd_launch[(n_prog,)](
         g2, u2, o2, g2.stride(0), u2.stride(0), o2.stride(0), g2.shape[1], n_col_blocks,
-        BLOCK=block, num_warps=num_warps,
+        BLOCK=block, num_warps=num_warps, PDL=pdl(g2), launch_pdl=pdl(g2),
     )  # fmt: skip
     return out
 

@@ -54,7 +54,12 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Router (`gate`, as HF names it) + experts. forward(x (..., d)) returns (out like x, aux loss scalar)."""
+    """Router (`gate`, as HF names it) + experts. forward(x (..., d)) returns (out like x, aux loss scalar).
+
+    `capturable`: whether a forward can be recorded in a CUDA graph (no host sync, no data-dependent
+    shapes); the eager dispatch reads the expert counts on the host, so it cannot."""
+
+    capturable = False
 
     def __init__(self, d_model: int, hidden: int, n_experts: int, top_k: int):
         super().__init__()

@@ -298,14 +298,15 @@ class Server:
         try:
             while not handle.done:
                 try:
-                    i, out = await handle.next()
+                    outs = await handle.next_batch()
                 except APIError as e:
                     yield _sse(e.body())
                     break
-                if out.finished:
-                    finals[i] = out
-                for chunk in builder.chunks(i, out, include_usage):
-                    yield _sse(chunk)
+                for i, out in outs:
+                    if out.finished:
+                        finals[i] = out
+                    for chunk in builder.chunks(i, out, include_usage):
+                        yield _sse(chunk)
             else:
                 if include_usage:
                     yield _sse(builder.usage_chunk(finals))

@@ -65,6 +65,22 @@ class RequestHandle:
             self.finished.add(i)
         return i, out
 
+    async def next_batch(self) -> list[tuple[int, RequestOutput]]:
+        """Wait for an output, then take every other one already queued, keeping the newest per prompt
+        (outputs are cumulative: the newest holds all the text and tokens of the older ones). A client
+        that falls behind the engine then gets several tokens per chunk instead of one chunk per token,
+        so the event loop's work per step stops growing with its backlog."""
+        newest = dict([await self.next()])
+        while not self.outputs.empty():
+            item = self.outputs.get_nowait()
+            if isinstance(item, BaseException):
+                raise item
+            i, out = item
+            if out.finished:
+                self.finished.add(i)
+            newest[i] = out
+        return list(newest.items())
+
 
 class EngineWorker:
     """Owns `engine` in a daemon thread. `start()` inside the server's event loop, `stop()` on shutdown."""

@@ -1,0 +1,87 @@
+// Launch configurations of the SGEMM ladder (kernels in sgemm_kernels.cuh).
+#include "api.h"
+#include "common.cuh"
+#include "sgemm_kernels.cuh"
+
+namespace {
+
+using namespace sgemm_ladder;
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+dim3 tiles(int M, int N, int BM, int BN) {
+    return dim3((unsigned)kiln::ceil_div(N, BN), (unsigned)kiln::ceil_div(M, BM));  // x: columns, y: rows
+}
+
+}  // namespace
+
+extern "C" int kiln_sgemm_steps(void) { return 7; }
+
+// The warp-tiled kernel's configurations, searched by the benchmark (step 6 launches config 0).
+// Columns: BM BN BK WM WN WNITER TM TN threads, in the order of ladder.WARPTILE_CONFIGS.
+#define KILN_WARPTILE_CONFIGS(X)                  \
+    X(0, 128, 128, 16, 64, 64, 4, 8, 4, 128)      \
+    X(1, 128, 128, 16, 64, 32, 2, 8, 4, 256)      \
+    X(2, 64, 128, 16, 32, 64, 2, 8, 4, 128)       \
+    X(3, 128, 128, 8, 64, 64, 4, 8, 4, 128)
+
+extern "C" int kiln_sgemm_warptile_configs(void) { return 4; }
+
+extern "C" const char* kiln_sgemm_warptile(int config, int M, int N, int K, const float* A, const float* B,
+                                           float* C, void* stream) {
+    if (M <= 0 || N <= 0 || K <= 0) return "kiln_sgemm_warptile: M, N and K must be >= 1";
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const bool vecA = K % 4 == 0 && aligned16(A);
+    const bool vecB = N % 4 == 0 && aligned16(B);
+    const bool vecC = N % 4 == 0 && aligned16(C);
+    switch (config) {
+#define X(i, BM, BN, BK, WM, WN, WNITER, TM, TN, NT)                                            \
+    case i:                                                                                      \
+        warptiled<BM, BN, BK, WM, WN, WNITER, TM, TN, NT>                                        \
+            <<<tiles(M, N, BM, BN), NT, 0, s>>>(M, N, K, A, B, C, vecA, vecB, vecC);             \
+        break;
+        KILN_WARPTILE_CONFIGS(X)
+#undef X
+        default:
+            return "kiln_sgemm_warptile: unknown config";
+    }
+    return kiln::launch_status();
+}
+
+extern "C" const char* kiln_sgemm(int step, int M, int N, int K, const float* A, const float* B, float* C,
+                                  void* stream) {
+    if (M <= 0 || N <= 0 || K <= 0) return "kiln_sgemm: M, N and K must be >= 1";
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const bool vecA = K % 4 == 0 && aligned16(A);
+    const bool vecB = N % 4 == 0 && aligned16(B);
+    const bool vecC = N % 4 == 0 && aligned16(C);
+    switch (step) {
+        case 0:
+            naive<<<dim3((unsigned)kiln::ceil_div(M, 32), (unsigned)kiln::ceil_div(N, 32)), dim3(32, 32), 0, s>>>(
+                M, N, K, A, B, C);
+            break;
+        case 1:
+            coalesced<32><<<tiles(M, N, 32, 32), 32 * 32, 0, s>>>(M, N, K, A, B, C);
+            break;
+        case 2:
+            smem_tiled<32><<<tiles(M, N, 32, 32), 32 * 32, 0, s>>>(M, N, K, A, B, C);
+            break;
+        case 3:
+            blocktile_1d<64, 64, 8, 8><<<tiles(M, N, 64, 64), 64 * 64 / 8, 0, s>>>(M, N, K, A, B, C);
+            break;
+        case 4:
+            blocktile_2d<128, 128, 8, 8, 8><<<tiles(M, N, 128, 128), 256, 0, s>>>(M, N, K, A, B, C);
+            break;
+        case 5:
+            vectorized<128, 128, 8, 8, 8><<<tiles(M, N, 128, 128), 256, 0, s>>>(M, N, K, A, B, C, vecA, vecB, vecC);
+            break;
+        case 6:
+            // BM BN BK WM WN WNITER TM TN threads: 4 warps of 64 x 64, each 1 x 4 sub-tiles of 64 x 16
+            warptiled<128, 128, 16, 64, 64, 4, 8, 4, 128>
+                <<<tiles(M, N, 128, 128), 128, 0, s>>>(M, N, K, A, B, C, vecA, vecB, vecC);
+            break;
+        default:
+            return "kiln_sgemm: unknown step (0..6)";
+    }
+    return kiln::launch_status();
+}

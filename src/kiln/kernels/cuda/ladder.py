@@ -1,0 +1,84 @@
+"""The SGEMM ladder: fp32 C = A @ B in seven kernels, each changing one thing about the step before it.
+
+The order here is the order of `kiln_sgemm`'s `step` argument in csrc/sgemm.cu (a GPU test checks the
+two agree); docs/cuda.md explains each step at length. Tile sizes are those of the kernel's launch:
+BM x BN is the block's tile of C, BK the slice of K staged per iteration, TM x TN a thread's results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.errors import KilnError
+
+
+@dataclass(frozen=True)
+class LadderStep:
+    name: str  # what `sgemm(a, b, step=...)` and the benchmark call it
+    threads: int  # per block
+    tile: str  # the launch's tile sizes
+    teaches: str  # the one change from the previous step, and why it pays
+
+
+SGEMM_LADDER: tuple[LadderStep, ...] = (
+    LadderStep("naive", 1024, "32x32 threads, 1 result each",
+               "one thread per C element; a warp spans 32 rows, so its A and C accesses are uncoalesced"),
+    LadderStep("coalesced", 1024, "32x32, 1 result each",
+               "a warp spans 32 columns of one row: B and C accesses become 128-byte transactions"),
+    LadderStep("smem_tiled", 1024, "BM=BN=BK=32",
+               "stage 32x32 tiles of A and B in shared memory: each global element loaded once per block"),
+    LadderStep("blocktile_1d", 512, "BM=BN=64 BK=8 TM=8",
+               "8 results per thread: one shared-memory B value feeds 8 FMAs"),
+    LadderStep("blocktile_2d", 256, "BM=BN=128 BK=8 TM=TN=8",
+               "an 8x8 register tile per thread: 64 FMAs per 16 shared loads (outer product)"),
+    LadderStep("vectorized", 256, "BM=BN=128 BK=8 TM=TN=8, float4",
+               "128-bit global and shared loads; A's tile stored transposed so its reads vectorize too"),
+    LadderStep("warptiled", 128, "BM=BN=128 BK=16 WM=WN=64 (1x4 sub-tiles) TM=8 TN=4",
+               "a warp-level tile: each warp's shared reads fall in few contiguous runs, registers reused"),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class WarptileConfig:
+    """One tile configuration of the warp-tiled kernel (step 6 runs the first); the benchmark times them
+    all on each shape and reports the fastest ("autotuned")."""
+
+    bm: int
+    bn: int
+    bk: int
+    wm: int
+    wn: int
+    wniter: int
+    tm: int
+    tn: int
+    threads: int
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.bm}x{self.bn}x{self.bk} warp {self.wm}x{self.wn}/{self.wniter} thread {self.tm}x{self.tn}"
+        )
+
+
+# The order of KILN_WARPTILE_CONFIGS in csrc/sgemm.cu (a CPU test compares the two).
+WARPTILE_CONFIGS: tuple[WarptileConfig, ...] = (
+    WarptileConfig(128, 128, 16, 64, 64, 4, 8, 4, 128),
+    WarptileConfig(128, 128, 16, 64, 32, 2, 8, 4, 256),
+    WarptileConfig(64, 128, 16, 32, 64, 2, 8, 4, 128),
+    WarptileConfig(128, 128, 8, 64, 64, 4, 8, 4, 128),
+)
+
+
+def step_index(step: str | int) -> int:
+    """The index of a ladder step given by name or index; KilnError naming the valid ones otherwise."""
+    names = [s.name for s in SGEMM_LADDER]
+    if isinstance(step, bool):  # bool is an int; True is not a step
+        raise KilnError(
+            f"unknown SGEMM step {step!r}; the steps are {', '.join(names)} (or 0..{len(names) - 1})"
+        )
+    if isinstance(step, int):
+        if 0 <= step < len(names):
+            return step
+    elif step in names:
+        return names.index(step)
+    raise KilnError(f"unknown SGEMM step {step!r}; the steps are {', '.join(names)} (or 0..{len(names) - 1})")

@@ -1,0 +1,229 @@
+"""The CUDA C++ ladder measured on one GPU, in one process: `kiln bench cuda` or `python bench/cuda_ladder.py`.
+
+    1. the build of the extension (timed: cold on a fresh machine, seconds when cached);
+    2. vector add, three variants, 2**28 floats: GB/s (12 bytes per element) against the device copy
+       bandwidth measured at the start of the run (kiln.profile.ceilings);
+    3. the memory probes (kiln.kernels.cuda.probes): strided reads, bank conflicts, latency, occupancy;
+    4. the SGEMM ladder at 4096^3 and at 1000 x 1027 x 999 against cuBLAS fp32 (TF32 off), each step's
+       GFLOP/s, its ratio to cuBLAS and its speedup over the step before, and the last step autotuned
+       (the fastest of its tile configurations on that shape); the tensor-core kernels at
+       4096^3 (and an odd M) against cuBLAS bf16 and torch._scaled_mm (FP8, where the GPU has it).
+
+Every GEMM output is checked against cuBLAS fp32 (bf16/FP8: against the fp32 product of the same
+rounded inputs) and its max relative error recorded. Times are medians over rounds of
+triton.testing.do_bench, the candidates of a shape interleaved in a fresh random order each round
+(kiln.profile.timing). Tables print as Markdown; the JSON goes to --out (default
+bench/results/cuda_ladder.json) and the PNGs beside it, in cuda_ladder/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+SGEMM_SHAPES = ((4096, 4096, 4096), (1000, 1027, 999))
+TC_SHAPES = ((4096, 4096, 4096), (1000, 1024, 1008))
+
+
+def _gflops(m: int, n: int, k: int, ms: float) -> float:
+    return round(2 * m * n * k / ms / 1e6, 1)
+
+
+def _rel_err(c, ref) -> float:
+    return float((c.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def bench_vector_add(bench, n: int = 1 << 28) -> list[dict]:
+    import torch
+
+    from kiln.kernels.cuda.ops import VECTOR_ADD_VARIANTS, vector_add
+    from kiln.profile.ceilings import fraction
+
+    a, b = torch.rand(n, device="cuda"), torch.rand(n, device="cuda")
+    ref = a + b
+    fns = {v: (lambda v=v: vector_add(a, b, v)) for v in VECTOR_ADD_VARIANTS}
+    fns["torch a + b"] = lambda: a + b
+    times = bench.timer.interleaved(fns, rep_ms=50)
+    copy = bench.ceilings.get("copy_TBps")
+    rows = []
+    for name, t in times.items():
+        tbps = 12 * n / t["ms"] / 1e9
+        exact = name == "torch a + b" or bool(torch.equal(vector_add(a, b, name), ref))
+        rows.append({"variant": name, "ms": round(t["ms"], 4), "TBps": round(tbps, 3),
+                     "frac_copy": fraction(tbps, copy), "exact": exact})  # fmt: skip
+    return rows
+
+
+def bench_sgemm(bench, shape: tuple[int, int, int]) -> list[dict]:
+    import torch
+
+    from kiln.kernels.cuda.ladder import SGEMM_LADDER, WARPTILE_CONFIGS
+    from kiln.kernels.cuda.ops import sgemm, sgemm_warptile
+
+    m, n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(m, k, device="cuda", generator=g)
+    b = torch.randn(k, n, device="cuda", generator=g)
+    ref = a @ b
+    fns = {s.name: (lambda s=s: sgemm(a, b, s.name)) for s in SGEMM_LADDER}
+    # autotuning: the other tile configurations of the last step (config 0 is the step itself)
+    for i in range(1, len(WARPTILE_CONFIGS)):
+        fns[f"warptile_config_{i}"] = lambda i=i: sgemm_warptile(a, b, i)
+    fns["cublas_fp32"] = lambda: a @ b
+    times = bench.timer.interleaved(fns, rep_ms=30)
+    cublas = times["cublas_fp32"]["ms"]
+    rows, prev = [], None
+    for i, s in enumerate(SGEMM_LADDER):
+        ms = times[s.name]["ms"]
+        rows.append({"step": i, "name": s.name, "M": m, "N": n, "K": k, "ms": round(ms, 4),
+                     "GFLOPs": _gflops(m, n, k, ms), "vs_cublas": round(cublas / ms, 3),
+                     "speedup_vs_prev": round(prev / ms, 2) if prev else None,
+                     "max_rel_err": _rel_err(sgemm(a, b, s.name), ref)})  # fmt: skip
+        prev = ms
+    configs = {0: times[SGEMM_LADDER[-1].name]["ms"]}
+    configs.update({i: times[f"warptile_config_{i}"]["ms"] for i in range(1, len(WARPTILE_CONFIGS))})
+    best = min(configs, key=configs.get)
+    ms = configs[best]
+    rows.append({"step": None, "name": "warptiled_autotuned", "M": m, "N": n, "K": k, "ms": round(ms, 4),
+                 "GFLOPs": _gflops(m, n, k, ms), "vs_cublas": round(cublas / ms, 3),
+                 "config": best, "tiles": WARPTILE_CONFIGS[best].name,
+                 "configs_ms": {str(i): round(t, 4) for i, t in configs.items()},
+                 "max_rel_err": _rel_err(sgemm_warptile(a, b, best), ref)})  # fmt: skip
+    rows.append({"step": None, "name": "cublas_fp32", "M": m, "N": n, "K": k, "ms": round(cublas, 4),
+                 "GFLOPs": _gflops(m, n, k, cublas), "vs_cublas": 1.0})  # fmt: skip
+    return rows
+
+
+def bench_tensor_cores(bench, shape: tuple[int, int, int]) -> list[dict]:
+    import torch
+
+    from kiln.kernels.cuda.ops import mma_bf16, mma_fp8
+
+    m, n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    b = torch.randn(k, n, device="cuda", generator=g).bfloat16()
+    ref = a.float() @ b.float()
+    fns = {"mma_bf16": lambda: mma_bf16(a, b), "cublas_bf16": lambda: a @ b}
+    fp8 = torch.cuda.get_device_capability() >= (8, 9)
+    if fp8:
+        a8 = (a.float() / 4).to(torch.float8_e4m3fn)
+        bt8 = (b.float().t().contiguous() / 4).to(torch.float8_e4m3fn)
+        sa = torch.tensor(4.0, device="cuda")  # per-tensor scales, 0-dim as _scaled_mm takes them
+        sb = torch.tensor(4.0, device="cuda")
+        ref8 = (a8.float() @ bt8.float().t()) * 16
+        fns["mma_fp8"] = lambda: mma_fp8(a8, bt8, sa, sb)
+        if m % 16 == 0:  # _scaled_mm's own shape rule
+            fns["scaled_mm_fp8"] = lambda: torch._scaled_mm(a8, bt8.t(), sa, sb, out_dtype=torch.bfloat16)
+    times = bench.timer.interleaved(fns, rep_ms=30)
+    peers = {"mma_bf16": "cublas_bf16", "mma_fp8": "scaled_mm_fp8"}
+    errs = {"mma_bf16": _rel_err(mma_bf16(a, b), ref), "cublas_bf16": _rel_err(a @ b, ref)}
+    if fp8:
+        errs["mma_fp8"] = _rel_err(mma_fp8(a8, bt8, sa, sb), ref8)
+    rows = []
+    for name, t in times.items():
+        peer = times.get(peers.get(name, ""), {}).get("ms")
+        rows.append({"name": name, "M": m, "N": n, "K": k, "ms": round(t["ms"], 4),
+                     "TFLOPs": round(_gflops(m, n, k, t["ms"]) / 1e3, 1),
+                     "vs_peer": round(peer / t["ms"], 3) if peer else None,
+                     "max_rel_err": errs.get(name)})  # fmt: skip
+    return rows
+
+
+def plot(out_dir: Path, result: dict) -> list[str]:
+    """The PNGs: the ladder (GFLOP/s per step against cuBLAS) and one per probe."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def save(fig, name):
+        path = out_dir / f"{name}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(str(path))
+
+    for key, rows in result["sgemm"].items():
+        steps = [r for r in rows if r["name"] != "cublas_fp32"]  # the ladder, then the autotuned last step
+        cublas = next(r for r in rows if r["name"] == "cublas_fp32")["GFLOPs"]
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.bar([r["name"] for r in steps], [r["GFLOPs"] for r in steps], color="tab:blue")
+        ax.axhline(cublas, color="tab:red", ls="--", label=f"cuBLAS fp32 {cublas:.0f}")
+        ax.set_ylabel("GFLOP/s")
+        ax.set_title(f"SGEMM ladder, {key}")
+        ax.legend()
+        ax.tick_params(axis="x", rotation=30)
+        save(fig, f"sgemm_{key}")
+    p = result["probes"]
+    series = [("strided_reads", "stride", "GBps", "global read GB/s (useful bytes)", False),
+              ("bank_conflicts", "stride", "slowdown", "shared-memory time vs stride 1", False),
+              ("latency", "bytes", "ns", "ns per dependent load", True),
+              ("occupancy", "regs", "GBps", "streaming read GB/s", False)]  # fmt: skip
+    for name, x, y, ylabel, logx in series:
+        rows = p[name]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([r[x] for r in rows], [r[y] for r in rows], marker="o")
+        if logx:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(x if name != "occupancy" else "registers per thread")
+        ax.set_ylabel(ylabel)
+        ax.set_title(name.replace("_", " "))
+        ax.grid(alpha=0.3)
+        save(fig, name)
+    return written
+
+
+def run(out: str | None, script_file: str) -> Path:
+    """The whole benchmark; returns the JSON's path. KilnError before any work without a CUDA toolchain."""
+    from kiln.kernels.cuda.build import load_extension
+    from kiln.profile.harness import BenchRun, format_table
+
+    t0 = time.perf_counter()
+    load_extension()  # the toolchain check and the build come first, timed on their own
+    build_s = round(time.perf_counter() - t0, 1)
+    from kiln.kernels.cuda import probes
+
+    bench = BenchRun("cuda_ladder", script_file, argparse.Namespace(smoke=False, out=out), rounds=3)
+    bench.log(f"extension ready in {build_s} s")
+    import torch
+
+    # cuBLAS fp32 is the ladder's peer only while TF32 is off (torch's default): recorded, not changed
+    result: dict = {"build_s": build_s, "cublas_fp32_allows_tf32": torch.backends.cuda.matmul.allow_tf32}
+    result["vector_add"] = bench_vector_add(bench)
+    print(
+        format_table(result["vector_add"], [(c, c) for c in ("variant", "ms", "TBps", "frac_copy", "exact")])
+    )
+    result["probes"] = {}
+    for name, fn in (("strided_reads", probes.strided_reads), ("bank_conflicts", probes.bank_conflicts),
+                     ("latency", probes.latency), ("occupancy", probes.occupancy)):  # fmt: skip
+        rows = fn()
+        result["probes"][name] = rows
+        bench.log(name)
+        print(format_table(rows, [(c, c) for c in rows[0]]))
+    result["sgemm"], result["tensor_cores"] = {}, {}
+    cols = ("step", "name", "ms", "GFLOPs", "vs_cublas", "speedup_vs_prev", "max_rel_err")
+    for shape in SGEMM_SHAPES:
+        key = "x".join(map(str, shape))
+        result["sgemm"][key] = bench_sgemm(bench, shape)
+        bench.log(f"sgemm {key}")
+        print(format_table(result["sgemm"][key], [(c, c) for c in cols]))
+    for shape in TC_SHAPES:
+        key = "x".join(map(str, shape))
+        result["tensor_cores"][key] = bench_tensor_cores(bench, shape)
+        bench.log(f"tensor cores {key}")
+        print(format_table(result["tensor_cores"][key], [(c, c) for c in result["tensor_cores"][key][0]]))
+    result["plots"] = plot(Path(bench.out).parent / "cuda_ladder", result)
+    return bench.write(**result)
+
+
+def main(argv: list[str] | None = None, script_file: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/cuda_ladder.py", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench/results/cuda_ladder.json", help="the result JSON (PNGs beside it)")
+    args = p.parse_args(argv)
+    run(args.out, script_file or __file__)
+    return 0

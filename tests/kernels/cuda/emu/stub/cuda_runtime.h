@@ -1,0 +1,1 @@
+// Host stand-in for <cuda_runtime.h>: the emulated kernels need nothing from it.

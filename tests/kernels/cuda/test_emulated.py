@@ -1,0 +1,51 @@
+"""The CUDA kernels' index arithmetic checked on the CPU: the SGEMM ladder and the tensor-core GEMMs
+compiled with g++ against a host emulation of the CUDA model (emu/: threads of a block as std::threads,
+__syncthreads a barrier, ldmatrix/mma/cp.async by their PTX ISA definitions), run on odd shapes and
+compared exactly with a host product of integer-valued inputs.
+
+This is what CI can check without a GPU: tiling, bounds checks, swizzled addresses, fragment
+bookkeeping and the stage ring. It cannot check timing, the memory model or the hardware's reading of
+the instructions: the GPU tests (test_kernels_gpu.py) remain the oracle.
+"""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kiln.kernels.cuda.build import CSRC
+
+EMU = Path(__file__).resolve().parent / "emu"
+GXX = shutil.which("g++")
+
+
+def build_and_run(tmp_path: Path, main_cpp: str) -> subprocess.CompletedProcess:
+    exe = tmp_path / "emu"
+    cmd = [GXX, "-std=c++20", "-O1", "-pthread", "-w", f"-I{tmp_path}", f"-I{EMU}", f"-I{EMU / 'stub'}",
+           f"-I{CSRC}", "-o", str(exe), str(EMU / main_cpp)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"g++ failed:\n{proc.stderr[-4000:]}"
+    return subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GXX is None, reason="needs g++")
+def test_sgemm_ladder_emulated(tmp_path):
+    proc = build_and_run(tmp_path, "sgemm_emu.cpp")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(": 0 wrong") == 2 * (5 + 2 * 5)  # steps 0-4; 5, 6 and 3 configs x vec
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GXX is None, reason="needs g++")
+def test_tensor_core_gemms_emulated(tmp_path):
+    # the kernels' dynamic shared memory becomes a static array (the emulation has no launch-time size)
+    src = (CSRC / "mma_kernels.cuh").read_text()
+    decl = "extern __shared__ __align__(128) unsigned char smem[];"
+    assert src.count(decl) == 2
+    static = "static unsigned char smem[mma_gemm::STAGES * 2 * mma_gemm::BM * mma_gemm::TILE_BYTES] __attribute__((aligned(128)));"
+    (tmp_path / "mma_kernels_emu.cuh").write_text(src.replace(decl, static))
+    proc = build_and_run(tmp_path, "mma_emu.cpp")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(": 0 wrong") == 2 * 2
