@@ -23,6 +23,7 @@ import gc
 import os
 import statistics
 import sys
+import traceback
 
 if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -54,11 +55,26 @@ SMOKE_ROWS = (1, 4)
 ENGINE_SCHEMES = ("bf16", "int8", "int4-g128", "fp8")
 
 
+def _try(failed: dict[str, str], label: str, fn):
+    """fn(), or None with its traceback recorded under `label` (the run goes on; main exits 1)."""
+    try:
+        return fn()
+    except Exception:
+        failed[label] = traceback.format_exc()[-3000:]
+        print(f"{label} FAILED:\n{failed[label]}", flush=True)
+        return None
+
+
+def _working(fns: dict, failed: dict[str, str], where: str) -> dict:
+    """The callables of `fns` that run (each called once: compile), the others recorded as failed."""
+    return {n: f for n, f in fns.items() if _try(failed, f"{where} {n}", f) is not None}
+
+
 def _bytes(res: dict) -> int:
     return sum(t.numel() * t.element_size() for t in res.values() if t is not None)
 
 
-def decode_section(run: BenchRun, dtype: torch.dtype) -> list[dict]:
+def decode_section(run: BenchRun, dtype: torch.dtype, failed: dict[str, str]) -> list[dict]:
     dev = run.device
     shapes, row_counts = (SMOKE_SHAPES, SMOKE_ROWS) if run.smoke else (SHAPES, ROWS)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -77,12 +93,17 @@ def decode_section(run: BenchRun, dtype: torch.dtype) -> list[dict]:
                 fns[f] = lambda x=x, q=q, bits=bits, group=group: wq_linear(
                     x, q["qweight"], q["scales"], q["zeros"], bits, group
                 )
-                want = wq_matmul_ref(x.float(), q["qweight"], q["scales"], q["zeros"], bits, group)
-                errs[f] = float((fns[f]().float() - want).abs().max() / want.abs().max())
             with use_backend("triton"):
+                fns = _working(fns, failed, f"decode {name} M={M}")
+                for f, (kind, group) in FORMATS.items():
+                    if f in fns:
+                        q = quant[f]
+                        want = wq_matmul_ref(x.float(), q["qweight"], q["scales"], q["zeros"], 4 if kind == "int4" else 8,
+                                             group)  # fmt: skip
+                        errs[f] = float((fns[f]().float() - want).abs().max() / want.abs().max())
                 t = run.timer.interleaved(fns, graph=True)
             row = {"shape": name, "M": M, "K": K, "N": N}
-            base = t["cublas_bf16"]["ms"]
+            base = t["cublas_bf16"]["ms"] if "cublas_bf16" in t else float("nan")
             for f, r in t.items():
                 nbytes = N * K * 2 if f.endswith("bf16") else _bytes(quant[f])
                 us = r["ms"] * 1e3
@@ -96,7 +117,7 @@ def decode_section(run: BenchRun, dtype: torch.dtype) -> list[dict]:
     return rows
 
 
-def prefill_section(run: BenchRun, dtype: torch.dtype) -> list[dict]:
+def prefill_section(run: BenchRun, dtype: torch.dtype, failed: dict[str, str]) -> list[dict]:
     dev = run.device
     shapes = SMOKE_SHAPES if run.smoke else SHAPES
     M = 40 if run.smoke else PREFILL_M
@@ -123,12 +144,13 @@ def prefill_section(run: BenchRun, dtype: torch.dtype) -> list[dict]:
                 a8, w8.t(), scale_a=a_s, scale_b=s, out_dtype=torch.bfloat16
             )
         with use_backend("triton"):
+            fns = _working(fns, failed, f"prefill {name}")
             t = run.timer.interleaved(fns, graph=not run.smoke)
         flop = 2 * M * N * K
         row = {"shape": name, "M": M, "K": K, "N": N}
         for f, r in t.items():
             row[f] = {"ms": round(r["ms"], 4), "TFLOPs": round(flop / r["ms"] / 1e9, 1),
-                      "vs_cublas_bf16": round(t["cublas_bf16"]["ms"] / r["ms"], 3)}  # fmt: skip
+                      "vs_cublas_bf16": round(t["cublas_bf16"]["ms"] / r["ms"], 3) if "cublas_bf16" in t else None}  # fmt: skip
         rows.append(row)
         run.log(f"prefill {name}: " + ", ".join(f"{f} {row[f]['TFLOPs']} TFLOP/s" for f in t))
     if not run.smoke:
@@ -141,7 +163,7 @@ def prefill_section(run: BenchRun, dtype: torch.dtype) -> list[dict]:
                "scaled_mm": lambda: torch._scaled_mm(a8, b8.t(), scale_a=a_s, scale_b=b_s.reshape(1, -1).contiguous(),
                                                      out_dtype=torch.bfloat16),
                "cublas_bf16": lambda: a @ b.t()}  # fmt: skip
-        t = run.timer.interleaved(fns, graph=True)
+        t = run.timer.interleaved(_working(fns, failed, "prefill 8192^3"), graph=True)
         row = {"shape": "8192^3", "M": n, "K": n, "N": n}
         for f, r in t.items():
             row[f] = {"ms": round(r["ms"], 4), "TFLOPs": round(2 * n**3 / r["ms"] / 1e9, 1)}
@@ -150,7 +172,7 @@ def prefill_section(run: BenchRun, dtype: torch.dtype) -> list[dict]:
     return rows
 
 
-def engine_section(run: BenchRun, prompt: int, new: int, rounds: int) -> dict:
+def engine_section(run: BenchRun, prompt: int, new: int, rounds: int, failed: dict[str, str]) -> dict:
     dev = run.device
     if run.smoke:
         cfg = ModelConfig(arch="qwen2", vocab_size=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -162,7 +184,8 @@ def engine_section(run: BenchRun, prompt: int, new: int, rounds: int) -> dict:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     blocks = max(batches) * (prompt + new + 32) // 16 + 64
     engines, weight_bytes = {}, {}
-    for s in schemes:
+
+    def build(s: str) -> LLM:
         model = build_model(cfg, device=dev, dtype=dtype, seed=0).eval()
         if s != "bf16":
             quantize_model(model, QuantScheme.parse(s))
@@ -170,28 +193,37 @@ def engine_section(run: BenchRun, prompt: int, new: int, rounds: int) -> dict:
             m.weight_bytes() if isinstance(m, QuantLinear) else sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
             for m in model.modules()
         )  # fmt: skip
-        engines[s] = LLM(
+        return LLM(
             model, device=str(dev), max_num_seqs=max(batches), block_size=16, num_blocks=blocks, log=None
         )
+
+    for s in schemes:
+        llm = _try(failed, f"engine {s}", lambda s=s: build(s))
+        if llm is not None:
+            engines[s] = llm
         gc.collect()
+    schemes = [s for s in schemes if s in engines]
     out = {"model": "tiny (smoke)" if run.smoke else "random-init Qwen2.5-1.5B shape", "prompt": prompt, "new": new,
            "weight_GB": {s: round(b / 1e9, 3) for s, b in weight_bytes.items()}, "batches": []}  # fmt: skip
     for B in batches:
-        for s in schemes:  # warm-up: compiles every kernel of this batch size
-            infer_bench.measure(engines[s].engine, B, prompt, min(new, 8), seed=-B)
-        tps: dict[str, list[float]] = {s: [] for s in schemes}
+        live = []  # warm-up: compiles every kernel of this batch size (and captures its graphs)
+        for s in schemes:
+            warm = _try(failed, f"engine {s} batch {B}",
+                        lambda s=s, B=B: infer_bench.measure(engines[s].engine, B, prompt, min(new, 8), seed=-B))  # fmt: skip
+            if warm is not None:
+                live.append(s)
+        tps: dict[str, list[float]] = {s: [] for s in live}
         for r in range(rounds):  # alternated: host noise hits every scheme alike
-            for s in schemes:
+            for s in live:
                 tps[s].append(
                     infer_bench.measure(engines[s].engine, B, prompt, new, seed=1000 * B + r)["decode_tok_s"]
                 )
         med = {s: statistics.median(v) for s, v in tps.items()}
-        row = {"batch": B, **{s: {"decode_tok_s": med[s], "rounds": v, "vs_bf16": round(med[s] / med["bf16"], 3)}
+        ref = med.get("bf16")
+        row = {"batch": B, **{s: {"decode_tok_s": med[s], "rounds": v, "vs_bf16": round(med[s] / ref, 3) if ref else None}
                               for s, v in tps.items()}}  # fmt: skip
         out["batches"].append(row)
-        run.log(
-            f"engine batch {B}: " + ", ".join(f"{s} {med[s]} tok/s ({row[s]['vs_bf16']}x)" for s in schemes)
-        )
+        run.log(f"engine batch {B}: " + ", ".join(f"{s} {med[s]} tok/s ({row[s]['vs_bf16']}x)" for s in live))
     return out
 
 
@@ -293,29 +325,42 @@ def main() -> int:
     skip = set(filter(None, args.skip.split(",")))
     # the interpreter's bf16 tl.dot is wrong (PLATFORM.md): the smoke run checks fp16
     dtype = torch.float16 if run.smoke else torch.bfloat16
-    result = {}
-    if "decode" not in skip:
-        result["decode"] = decode_section(run, dtype)
-        table = [{"shape": r["shape"], "M": r["M"], **{f: r[f]["vs_cublas"] for f in ("kiln_bf16", *FORMATS)},
-                  "int4_GBps": r["int4-g128"]["GBps"]} for r in result["decode"]]  # fmt: skip
+    result: dict = {}
+    failed: dict[str, str] = {}  # what raised: its traceback; the run goes on, writes its JSON, exits 1
+
+    def save(done: bool) -> None:  # after every section: a run cut short keeps what it measured
+        run.write(timing="decode/prefill: do_bench_cudagraph medians over interleaved rounds (GPU time); engine: "
+                  "host-timed steps, medians over alternated rounds", complete=done, failed=failed,
+                  cases=result.get("decode", []), **{k: v for k, v in result.items() if k != "cases"})  # fmt: skip
+
+    def section(name: str, fn) -> None:
+        if name not in skip:
+            out = _try(failed, name, fn)
+            if out is not None:
+                result[name] = out
+            save(done=False)
+
+    section("decode", lambda: decode_section(run, dtype, failed))
+    if result.get("decode"):
+        table = [{"shape": r["shape"], "M": r["M"], **{f: r.get(f, {}).get("vs_cublas") for f in ("kiln_bf16", *FORMATS)},
+                  "int4_GBps": r.get("int4-g128", {}).get("GBps")} for r in result["decode"]]  # fmt: skip
         cols = [("shape", "shape"), ("M", "rows"), ("kiln_bf16", "kiln bf16 x"), ("int8", "int8 x"),
                 ("int4-g128", "int4-g128 x"), ("int4-g32", "int4-g32 x"), ("int4_GBps", "int4-g128 GB/s")]  # fmt: skip
         print(format_table(table, cols))
-    if "prefill" not in skip:
-        result["prefill"] = prefill_section(run, dtype)
-    if "logits" not in skip:
-        result["logits"] = logit_section(run)
+    section("prefill", lambda: prefill_section(run, dtype, failed))
+    section("logits", lambda: logit_section(run))
     if args.quality_model:
         if not args.quality_text:
             raise SystemExit("--quality-model needs --quality-text (held-out text)")
-        result["perplexity"] = perplexity_section(
-            run, args.quality_model, args.quality_text, args.quality_tokens
+        section(
+            "perplexity",
+            lambda: perplexity_section(run, args.quality_model, args.quality_text, args.quality_tokens),
         )
-    if "engine" not in skip:
-        result["engine"] = engine_section(run, args.prompt, args.new, args.rounds)
-    run.write(timing="decode/prefill: do_bench_cudagraph medians over interleaved rounds (GPU time); engine: "
-              "host-timed steps, medians over alternated rounds", cases=result.get("decode", []), **result)  # fmt: skip
-    return 0
+    section("engine", lambda: engine_section(run, args.prompt, args.new, args.rounds, failed))
+    save(done=True)
+    if failed:
+        run.log(f"parts that failed (tracebacks in the JSON's 'failed'): {', '.join(failed)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
