@@ -50,6 +50,7 @@ ROPE_REQUIRED = {
 HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")
 LINEAR_BACKENDS = ("auto", "torch", "kiln")
 ATTENTION_BACKENDS = ("kiln", "sdpa")
+MOE_BACKENDS = ("auto", "eager", "kiln")
 
 
 @dataclass
@@ -60,10 +61,14 @@ class KernelConfig:
                "torch" (F.linear / cuBLAS) or "kiln" (kiln's Triton matmul everywhere); kiln.model.linear
     attention  "kiln" (kiln's FlashAttention and paged decode kernels) or "sdpa" (torch's
                scaled_dot_product_attention for dense batches without sinks or masks; kiln elsewhere)
+    moe        "auto" (kiln's MoE kernels on CUDA, the eager loop elsewhere), "eager" (the per-expert loop,
+               the reference: one host sync per layer) or "kiln" (router, permutation and grouped GEMM
+               kernels, no host sync, everywhere); kiln.model.moe
     """
 
     linear: str = "auto"
     attention: str = "kiln"
+    moe: str = "auto"
 
     def __post_init__(self) -> None:
         if self.linear not in LINEAR_BACKENDS:
@@ -72,6 +77,8 @@ class KernelConfig:
             raise KilnError(
                 f"kernels.attention {self.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
             )
+        if self.moe not in MOE_BACKENDS:
+            raise KilnError(f"kernels.moe {self.moe!r} is not one of {', '.join(MOE_BACKENDS)}")
 
 
 @dataclass

@@ -11,9 +11,15 @@ Load-balancing loss (Switch Transformer, as transformers computes it, per layer)
 which equals k at perfect balance. The model averages it over layers; `Transformer.loss` adds it times
 `router_aux_loss_coef` in training mode.
 
-Dispatch: the N*k (token, expert) pairs are sorted by expert, each expert runs one dense matmul over its
-contiguous slice, and the weighted outputs are scattered back with index_add. The slice sizes are read
-on the host (one sync per layer): this is the reference path, not the fast one.
+Two dispatches, chosen by `KernelConfig.moe` (backend "auto": kernels on CUDA, the loop elsewhere):
+- "eager", the reference: the N*k (token, expert) pairs are sorted by expert, each expert runs one dense
+  matmul over its contiguous slice, and the weighted outputs are scattered back with index_add. The slice
+  sizes are read on the host (one sync per layer).
+- "kiln": kernels/moe_router.py (top-k, weights, counts, aux loss in one pass), kernels/moe_permute.py
+  (expert-sorted rows and the weighted combine back), kernels/moe_gemm.py (one grouped GEMM launch per
+  projection over the stacked weights as they are) with kernels/swiglu.py between them. No host sync and
+  shapes fixed by N, k and E only, so a decode step can be captured in a CUDA graph. Under autocast the
+  rows and the expert weights are cast to the autocast dtype (autocast does not reach custom ops).
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kiln.kernels.moe_gemm import grouped_linear
+from kiln.kernels.moe_permute import permute, routing_plan, unpermute
+from kiln.kernels.moe_router import route
 from kiln.kernels.swiglu import swiglu
 
 
@@ -52,25 +61,57 @@ class Experts(nn.Module):
             start += n
         return out
 
+    def grouped(
+        self,
+        x: torch.Tensor,
+        expert_idx: torch.Tensor,
+        weights: torch.Tensor,
+        counts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The same as forward through the kernels: x (N, d); expert_idx (N, k) int; weights (N, k);
+        counts (E,) int32 pairs per expert if known (the router's)."""
+        E = self.gate_up_proj.shape[0]
+        w1, w2 = self.gate_up_proj, self.down_proj
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            dt = torch.get_autocast_dtype(dev)
+            x, w1, w2 = x.to(dt), w1.to(dt), w2.to(dt)
+        plan = routing_plan(expert_idx, E, counts=counts)  # dropless
+        xs = permute(x, plan)  # (N*k, d) expert-sorted
+        h = swiglu(grouped_linear(xs, w1, plan.offsets), None)  # (N*k, 2I) -> (N*k, I)
+        y = grouped_linear(h, w2, plan.offsets)  # (N*k, d)
+        return unpermute(y, plan, weights)  # (N, d): weighted sum over each token's k rows
+
 
 class SparseMoE(nn.Module):
     """Router (`gate`, as HF names it) + experts. forward(x (..., d)) returns (out like x, aux loss scalar).
 
     `capturable`: whether a forward can be recorded in a CUDA graph (no host sync, no data-dependent
-    shapes); the eager dispatch reads the expert counts on the host, so it cannot."""
+    shapes): the kernels' dispatch can (grids sized from static bounds); the eager loop reads the expert
+    counts on the host, so it cannot."""
 
-    capturable = False
-
-    def __init__(self, d_model: int, hidden: int, n_experts: int, top_k: int):
+    def __init__(self, d_model: int, hidden: int, n_experts: int, top_k: int, backend: str = "auto"):
         super().__init__()
         self.top_k = top_k
+        self.backend = backend  # KernelConfig.moe: "auto", "eager" or "kiln"
         self.gate = nn.Linear(d_model, n_experts, bias=False)
         self.experts = Experts(n_experts, d_model, hidden)
+
+    def _uses_kernels(self, on_cuda: bool) -> bool:
+        return self.backend == "kiln" or (self.backend == "auto" and on_cuda)
+
+    @property
+    def capturable(self) -> bool:
+        return self._uses_kernels(self.gate.weight.is_cuda)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         d = x.shape[-1]
         flat = x.reshape(-1, d)
         logits = self.gate(flat)  # (N, E)
+        if self._uses_kernels(flat.is_cuda):
+            r = route(logits, self.top_k)  # softmax top-k, renormalized; aux on the device
+            out = self.experts.grouped(flat, r.expert_idx, r.weights, r.counts)
+            return out.view(x.shape), r.aux_loss
         probs = torch.softmax(logits.float(), dim=-1)
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)

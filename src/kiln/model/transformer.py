@@ -34,7 +34,9 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, layer_idx, kernels)
         self.post_attention_layernorm = Norm(cfg.d_model, cfg.norm_eps, cfg.has_bias)
         if cfg.n_experts:
-            self.mlp = SparseMoE(cfg.d_model, cfg.ffn_hidden, cfg.n_experts, cfg.n_experts_per_tok)
+            self.mlp = SparseMoE(
+                cfg.d_model, cfg.ffn_hidden, cfg.n_experts, cfg.n_experts_per_tok, kernels.moe
+            )
         elif cfg.arch == "gpt2":
             self.mlp = GeluMLP(cfg.d_model, cfg.ffn_hidden, cfg.hidden_act, kernels)
         else:
@@ -124,6 +126,8 @@ class Transformer(nn.Module):
                 m.backend = kernels.linear
             elif isinstance(m, Attention):
                 m.attention_backend = kernels.attention
+            elif isinstance(m, SparseMoE):
+                m.backend = kernels.moe
 
     @property
     def rope(self) -> RotaryTables | None:

@@ -1,0 +1,499 @@
+"""Grouped GEMM for mixture-of-experts: every expert's matmul in one launch, rows grouped by expert.
+
+Shapes: x (R, K) holds the routed rows sorted by expert (kernels/moe_permute.py), expert e owning rows
+[offsets[e], offsets[e+1]) with offsets (E+1,) int32, monotone, offsets[0] = 0, offsets[E] = R (the
+permute's output; the launcher cannot check it without a host sync, the reference does). Weights are
+stacked per expert as the model stores them, w (E, N, K) (gate_up_proj (E, 2I, d), down_proj (E, d, I)):
+
+    grouped_linear(x, w, offsets)[r] = x[r] @ w[e].T          for offsets[e] <= r < offsets[e+1]
+
+Backward (the nn.Linear one, per expert):
+    dx[rows of e] = dy[rows of e] @ w[e]              the same forward kernel, B = w[e] read in place
+    dw[e]         = dy[rows of e].T @ x[rows of e]    a second kernel, one (BLOCK_N, BLOCK_K) tile of one
+                                                      expert's dw per program, looping over its rows;
+                                                      an expert with no rows gets an exact zero.
+
+The tile scheduler (no host sync, CUDA-graph safe): the grid is sized from static bounds only. Expert e
+needs cdiv(n_e, BLOCK_M) row tiles, and sum_e cdiv(n_e, BLOCK_M) <= cdiv(R, BLOCK_M) + E, so the launch
+has (cdiv(R, BLOCK_M) + E) x cdiv(N, BLOCK_N) programs whatever the routing. Each program loads the E + 1
+offsets (one vector load from L2), takes the inclusive cumsum of the per-expert tile counts and finds its
+(expert, row tile) by counting the experts whose tiles end at or before its own index; programs past the
+last tile return at once. The grid is walked in groups of GROUP_M row tiles per column of tiles (Triton's
+matmul tutorial) so that programs running together share an expert's weight panel in L2.
+
+Dtypes: bfloat16 / float16 with float32 accumulation on the GPU; float32 (IEEE, or TF32 when
+torch.backends.cuda.matmul.allow_tf32 is on) too, which is what the interpreter tests use (its bf16 dot
+is wrong, PLATFORM.md). Operands are read through plain pointers with masks (any strides), not TMA.
+`grouped_swiglu(x, gate_up_proj, offsets)` fuses the activation into the gate/up GEMM: each program holds
+a gate tile and the matching up tile (columns n and I + n of w[e]) and writes silu(gate) * up (R, I), so
+the (R, 2I) products are neither written nor read back at inference; with autograd it also stores them
+for the backward (the SwiGLU backward of kernels/swiglu.py, then the grouped dx and dw of the pair). bench/moe.py
+measures it against the two-kernel path; the model runs the two-kernel path until the H200 says the
+fused one pays.
+Not done: a persistent grid, TMA descriptors, split over rows for the dw of a hot expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kiln.kernels._common import needs_grad
+from kiln.kernels.dispatch import interpreting, use_triton
+from kiln.kernels.launch import CachedLaunch, cdiv, pow2
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def grouped_linear_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Eager reference: a loop over experts (reads the offsets on the host), float32 math (float64 for
+    float64), result in x's dtype. Rows outside [offsets[0], offsets[E]) are zero."""
+    _check(x, w, offsets)
+    bounds = offsets.tolist()
+    _check_bounds(bounds, x.shape[0])
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = x.new_zeros(x.shape[0], w.shape[1], dtype=wide)
+    for e in range(w.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            out[lo:hi] = x[lo:hi].to(wide) @ w[e].to(wide).T
+    return out.to(x.dtype)
+
+
+def _check_bounds(bounds: list[int], rows: int) -> None:
+    if bounds[0] != 0 or bounds[-1] != rows or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(
+            f"grouped_linear: offsets must rise from 0 to the {rows} rows of x, got {bounds[:8]}"
+            f"{'...' if len(bounds) > 8 else ''}"
+        )
+
+
+def grouped_swiglu_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of grouped_linear_ref's (R, 2I) [gate | up] products (rounded to x's dtype first,
+    as the two-kernel path stores them), float32 math (float64 for float64), x's dtype."""
+    gate, up = grouped_linear_ref(x, w, offsets).chunk(2, dim=-1)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return (F.silu(gate.to(acc)) * up.to(acc)).to(x.dtype)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(
+            f"grouped_linear expects x (R, K) and stacked weights w (E, N, K), got {tuple(x.shape)} and "
+            f"{tuple(w.shape)}"
+        )
+    if offsets.shape != (w.shape[0] + 1,) or offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"grouped_linear: offsets must be an int32 or int64 ({w.shape[0] + 1},) tensor (E + 1 row "
+            f"boundaries), got {tuple(offsets.shape)} {offsets.dtype}"
+        )
+    if x.dtype != w.dtype or (x.dtype not in DTYPES and x.dtype != torch.float64):
+        raise TypeError(f"grouped_linear takes x and w of one float dtype, got {x.dtype} and {w.dtype}")
+    if x.device != w.device or offsets.device != x.device:
+        raise ValueError(f"grouped_linear: x, w and offsets must share a device, got {x.device}, "
+                         f"{w.device}, {offsets.device}")  # fmt: skip
+
+
+@triton.jit
+def _expert_of_tile(Offs_ptr, t, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(expert, first row, end row) of row tile `t` of the grouped problem; expert == E past the last tile.
+    Offs_ptr: (E + 1,) int32 row offsets. Expert e's tiles are [T_e - c_e, T_e) with c_e = cdiv(n_e,
+    BLOCK_M) and T the inclusive cumsum of c: t belongs to the first expert whose T_e exceeds it."""
+    ei = tl.arange(0, BLOCK_E)
+    lo = tl.load(Offs_ptr + ei, mask=ei < E, other=0)
+    hi = tl.load(Offs_ptr + 1 + ei, mask=ei < E, other=0)
+    n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M  # (BLOCK_E,) 0 for the padding lanes
+    e = tl.sum((tl.cumsum(n_tiles, 0) <= t).to(tl.int32), 0)
+    first_tile = tl.sum(tl.where(ei < e, n_tiles, 0), 0)
+    e_safe = tl.minimum(e, E - 1)  # e == E: past the last tile (the caller skips it)
+    row0 = tl.load(Offs_ptr + e_safe) + (t - first_tile) * BLOCK_M
+    row_end = tl.load(Offs_ptr + e_safe + 1)
+    return e, row0, row_end
+
+
+@triton.jit
+def _grouped_mm_kernel(
+    A_ptr,  # (R, K): element (r, k) at A_ptr + r * stride_ar + k * stride_ak
+    B_ptr,  # (E, K, N): element (e, k, n) at B_ptr + e * stride_be + k * stride_bk + n * stride_bn
+    C_ptr,  # (R, N) out, contiguous
+    Pre_ptr,  # (R, 2N) out, contiguous: [gate | up] before the activation, written when STORE_PRE
+    Offs_ptr,  # (E + 1,) int32 row offsets of the experts
+    N,  # output columns (with SWIGLU: I, and B holds 2I columns [gate | up])
+    K,
+    E,
+    m_tiles,  # static bound on the row tiles: cdiv(R, BLOCK_M) + E
+    stride_ar,
+    stride_ak,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    SWIGLU: tl.constexpr,  # C = silu(A @ B[:, :N]) * (A @ B[:, N:]): two accumulators per tile
+    STORE_PRE: tl.constexpr,  # SWIGLU: also store both products (the backward's input)
+    PRECISION: tl.constexpr,  # tl.dot input_precision for float32 inputs: "ieee" or "tf32"
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # pow2 >= E: the width of the offsets' vector load
+    GROUP_M: tl.constexpr,  # row tiles visited together down a column of tiles (L2 reuse of B's panel)
+):
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
+    t = first_m + (pid % per_group) % group_rows
+    tn = (pid % per_group) // group_rows
+    e, row0, row_end = _expert_of_tile(Offs_ptr, t, E, BLOCK_M, BLOCK_E)
+    if e < E:
+        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        r_ok = rows < row_end
+        c_ok = cols < N
+        a_ptrs = A_ptr + rows[:, None] * stride_ar
+        b_ptrs = B_ptr + e.to(tl.int64) * stride_be + cols[None, :].to(tl.int64) * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # SWIGLU only (else unused)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(a_ptrs + ks[None, :].to(tl.int64) * stride_ak, mask=r_ok[:, None] & k_ok[None, :],
+                        other=0.0)  # fmt: skip
+            b_at = b_ptrs + ks[:, None].to(tl.int64) * stride_bk
+            b = tl.load(b_at, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if SWIGLU:  # the up half: the same columns N further on
+                bu = tl.load(b_at + N * stride_bn, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+                acc_up = tl.dot(a, bu, acc_up, input_precision=PRECISION)
+        ok = r_ok[:, None] & c_ok[None, :]
+        if SWIGLU:
+            if STORE_PRE:
+                pre = Pre_ptr + rows[:, None] * (2 * N) + cols[None, :]
+                tl.store(pre, acc.to(Pre_ptr.dtype.element_ty), mask=ok)
+                tl.store(pre + N, acc_up.to(Pre_ptr.dtype.element_ty), mask=ok)
+            # silu of the rounded gate times the rounded up: what kernels/swiglu.py computes from stored
+            # products, so the fused and the two-kernel paths agree to the last bit of the products
+            g = acc.to(C_ptr.dtype.element_ty).to(tl.float32)
+            u = acc_up.to(C_ptr.dtype.element_ty).to(tl.float32)
+            acc = g * tl.sigmoid(g) * u
+        c_ptrs = C_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(c_ptrs, acc.to(C_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _grouped_dw_kernel(
+    DY_ptr,  # (R, N) gradient of the output: element (r, n) at DY_ptr + r * stride_dyr + n * stride_dyn
+    X_ptr,  # (R, K) the forward's input: element (r, k) at X_ptr + r * stride_xr + k * stride_xk
+    DW_ptr,  # (E, N, K) out, contiguous: dw[e] = dy[rows of e].T @ x[rows of e]
+    Offs_ptr,  # (E + 1,) int32 row offsets
+    N,
+    K,
+    stride_dyr,
+    stride_dyn,
+    stride_xr,
+    stride_xk,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # rows of the expert reduced per step
+):
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    e = pid // (tiles_n * tiles_k)
+    tile = pid % (tiles_n * tiles_k)
+    ns = (tile // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = ns < N
+    k_ok = ks < K
+    start = tl.load(Offs_ptr + e)
+    end = tl.load(Offs_ptr + e + 1)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        rs = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+        r_ok = rs < end
+        dyt = tl.load(DY_ptr + rs[None, :] * stride_dyr + ns[:, None] * stride_dyn,
+                      mask=n_ok[:, None] & r_ok[None, :], other=0.0)  # fmt: skip
+        x = tl.load(X_ptr + rs[:, None] * stride_xr + ks[None, :] * stride_xk,
+                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        acc = tl.dot(dyt, x, acc, input_precision=PRECISION)
+    out = DW_ptr + e.to(tl.int64) * N * K + ns[:, None].to(tl.int64) * K + ks[None, :]
+    tl.store(out, acc.to(DW_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+
+
+@triton.jit
+def _swiglu_grad_kernel(
+    DH_ptr,  # (R, I) gradient of h = silu(gate) * up, contiguous
+    Pre_ptr,  # (R, 2I) [gate | up], contiguous
+    DPre_ptr,  # (R, 2I) out: [dgate | dup]
+    I,
+    n_col_blocks,
+    BLOCK: tl.constexpr,
+):
+    """dup = dh * silu(g);  dgate = dh * u * sigmoid(g) * (1 + g * (1 - sigmoid(g))): kernels/swiglu.py's
+    backward on the fused GEMM's stored products (kept here: kernel modules share helpers only through
+    _common)."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // n_col_blocks
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    dh = tl.load(DH_ptr + row * I + cols, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(Pre_ptr + row * 2 * I + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(Pre_ptr + row * 2 * I + I + cols, mask=ok, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    tl.store(DPre_ptr + row * 2 * I + cols, (dh * u * (sig + silu * (1.0 - sig))).to(DPre_ptr.dtype.element_ty),
+             mask=ok)  # fmt: skip
+    tl.store(DPre_ptr + row * 2 * I + I + cols, (dh * silu).to(DPre_ptr.dtype.element_ty), mask=ok)
+
+
+_mm_launch = CachedLaunch(_grouped_mm_kernel)
+_dw_launch = CachedLaunch(_grouped_dw_kernel)
+_swiglu_grad_launch = CachedLaunch(_swiglu_grad_kernel)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def mm_config(R: int, E: int, swiglu: bool = False) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the forward / dx kernel. BLOCK_M follows the
+    mean rows per expert (decode: a few rows per expert, a 128-row tile would be mostly padding; there
+    64-wide columns give more programs over few experts' weights); the fused SwiGLU holds two accumulators,
+    so half the columns. Under the interpreter, 16-row tiles and 64-wide columns: few programs (each costs
+    milliseconds there). Not tuned on the H200 yet (bench/moe.py measures these choices)."""
+    if interpreting():
+        return 16, 64, 64, 4, 1
+    mean = R / max(E, 1)
+    if mean <= 16:
+        return 16, 64, 128, 4, 4
+    if mean <= 64:
+        return 64, 64 if swiglu else 128, 64, 4, 4
+    return 128, 64 if swiglu else 128, 64, 8, 3
+
+
+def grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    config: tuple[int, ...] | None = None,
+    swiglu: bool = False,
+    store_pre: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launcher: (C, pre). C (R, N) with C[rows of e] = a[rows of e] @ b[e]; a (R, K) and b (E, K, N),
+    any strides (the forward passes w.transpose(1, 2), the dx backward w itself). swiglu: b holds 2I
+    columns [gate | up] and C (R, I) = silu(a @ gate) * (a @ up), with pre (R, 2I) the two products
+    when store_pre (else None). config: mm_config's tuple."""
+    R, K = a.shape
+    E, _, N = b.shape
+    if swiglu:
+        N //= 2
+    c = torch.empty(R, N, dtype=a.dtype, device=a.device)
+    pre = torch.empty(R, 2 * N, dtype=a.dtype, device=a.device) if swiglu and store_pre else None
+    if R == 0 or N == 0:
+        return c, pre
+    if K == 0:
+        if pre is not None:
+            pre.zero_()
+        return c.zero_(), pre
+    offs = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
+    bm, bn, bk, warps, stages = config or mm_config(R, E, swiglu)
+    m_tiles = cdiv(R, bm) + E
+    grid = (m_tiles * cdiv(N, bn),)
+    _mm_launch[grid](
+        a, b, c, c if pre is None else pre, offs, N, K, E, m_tiles, a.stride(0), a.stride(1), b.stride(0),
+        b.stride(1), b.stride(2), SWIGLU=swiglu, STORE_PRE=pre is not None, PRECISION=_precision(a.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=max(16, pow2(E)), GROUP_M=8, num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
+    return c, pre
+
+
+def grouped_dw(
+    dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, E: int, config: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """Launcher: dw (E, N, K) contiguous, dw[e] = dy[rows of e].T @ x[rows of e]; dy (R, N), x (R, K).
+    config: (BLOCK_N, BLOCK_K, BLOCK_R, num_warps, num_stages)."""
+    R, N = dy.shape
+    K = x.shape[1]
+    dw = torch.empty(E, N, K, dtype=x.dtype, device=x.device)
+    if N == 0 or K == 0 or E == 0:
+        return dw
+    if R == 0:
+        return dw.zero_()
+    offs = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
+    bn, bk, br, warps, stages = config or ((64, 64, 16, 4, 1) if interpreting() else (128, 128, 64, 8, 3))
+    grid = (E * cdiv(N, bn) * cdiv(K, bk),)
+    _dw_launch[grid](
+        dy, x, dw, offs, N, K, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+        PRECISION=_precision(x.dtype), BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=br, num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
+    return dw
+
+
+def _fwd(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    _check(x, w, offsets)
+    return grouped_mm(x, w.transpose(1, 2), offsets)[0]
+
+
+def _bwd(dy, x, w, offsets, need_dx: bool, need_dw: bool):
+    dy = dy if dy.dtype == x.dtype else dy.to(x.dtype)
+    dx = grouped_mm(dy, w, offsets)[0] if need_dx else None  # (R, K) = dy (R, N) @ w[e] (N, K)
+    dw = grouped_dw(dy, x, offsets, w.shape[0]) if need_dw else None
+    return dx, dw
+
+
+class GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, offsets):
+        ctx.save_for_backward(x, w, offsets)
+        return _fwd(x, w, offsets)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, offsets = ctx.saved_tensors
+        dx, dw = _bwd(dy, x, w, offsets, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return dx, dw, None
+
+
+# ------------------------------------------------------------------------------ torch.compile: custom ops
+@torch.library.custom_op("kiln::grouped_linear", mutates_args=())
+def grouped_linear_op(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """y (R, N): y[rows of e] = x[rows of e] @ w[e].T, w (E, N, K) stacked expert weights."""
+    return _fwd(x, w, offsets)
+
+
+@grouped_linear_op.register_fake
+def _(x, w, offsets):
+    _check(x, w, offsets)
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("kiln::grouped_linear_bwd", mutates_args=())
+def grouped_linear_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx like x, dw (E, N, K) contiguous)."""
+    return _bwd(dy, x, w, offsets, True, True)
+
+
+@grouped_linear_bwd_op.register_fake
+def _(dy, x, w, offsets):
+    return x.new_empty(x.shape), w.new_empty(w.shape)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, dy):
+    x, w, offsets = ctx.saved_tensors
+    dx, dw = grouped_linear_bwd_op(dy, x, w, offsets)
+    return dx, dw, None
+
+
+grouped_linear_op.register_autograd(_backward, setup_context=_setup)
+
+
+# ------------------------------------------------------------------ the gate/up GEMM with SwiGLU fused in
+def _check_swiglu(x, w, offsets) -> None:
+    _check(x, w, offsets)
+    if w.shape[1] % 2:
+        raise ValueError(f"grouped_swiglu: w must hold [gate | up] rows (2I), got {w.shape[1]} rows")
+
+
+def _swiglu_bwd(dh, pre, x, w, offsets, need_dx: bool, need_dw: bool):
+    """d[gate | up] from the stored products, then the grouped dx and dw."""
+    R, I = pre.shape[0], pre.shape[1] // 2
+    dh = dh.to(pre.dtype).contiguous()
+    dpre = torch.empty_like(pre)
+    if dpre.numel():
+        block = min(1024, max(16, pow2(I)))
+        ncb = cdiv(I, block)
+        _swiglu_grad_launch[(R * ncb,)](dh, pre, dpre, I, ncb, BLOCK=block, num_warps=4)
+    return _bwd(dpre, x, w, offsets, need_dx, need_dw)
+
+
+class GroupedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, offsets):
+        _check_swiglu(x, w, offsets)
+        h, pre = grouped_mm(x, w.transpose(1, 2), offsets, swiglu=True, store_pre=True)
+        ctx.save_for_backward(pre, x, w, offsets)
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        pre, x, w, offsets = ctx.saved_tensors
+        dx, dw = _swiglu_bwd(dh, pre, x, w, offsets, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return dx, dw, None
+
+
+@torch.library.custom_op("kiln::grouped_swiglu", mutates_args=())
+def grouped_swiglu_op(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, store_pre: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h (R, I), the (R, 2I) [gate | up] products if store_pre else an empty tensor)."""
+    _check_swiglu(x, w, offsets)
+    h, pre = grouped_mm(x, w.transpose(1, 2), offsets, swiglu=True, store_pre=store_pre)
+    return h, pre if pre is not None else x.new_empty(0)
+
+
+@grouped_swiglu_op.register_fake
+def _(x, w, offsets, store_pre):
+    _check_swiglu(x, w, offsets)
+    I = w.shape[1] // 2
+    return x.new_empty(x.shape[0], I), x.new_empty((x.shape[0], 2 * I) if store_pre else 0)
+
+
+@torch.library.custom_op("kiln::grouped_swiglu_bwd", mutates_args=())
+def grouped_swiglu_bwd_op(
+    dh: torch.Tensor, pre: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx like x, dw (E, 2I, K) contiguous)."""
+    return _swiglu_bwd(dh, pre, x, w, offsets, True, True)
+
+
+@grouped_swiglu_bwd_op.register_fake
+def _(dh, pre, x, w, offsets):
+    return x.new_empty(x.shape), w.new_empty(w.shape)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    x, w, offsets, _ = inputs
+    ctx.save_for_backward(output[1], x, w, offsets)
+
+
+def _swiglu_backward(ctx, dh, _dpre):
+    pre, x, w, offsets = ctx.saved_tensors
+    dx, dw = grouped_swiglu_bwd_op(dh, pre, x, w, offsets)
+    return dx, dw, None, None
+
+
+grouped_swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+
+def grouped_swiglu(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate_e.T) * (x @ up_e.T) per expert in one launch: x (R, K), w (E, 2I, K) = [gate | up]
+    stacked as gate_up_proj, -> (R, I). With autograd the products are stored for the backward."""
+    if not use_triton(x, w):
+        return grouped_swiglu_ref(x, w, offsets)
+    if torch.compiler.is_compiling():
+        return grouped_swiglu_op(x, w, offsets, needs_grad(x, w))[0]
+    if needs_grad(x, w):
+        return GroupedSwiGLU.apply(x, w, offsets)
+    _check_swiglu(x, w, offsets)
+    return grouped_mm(x, w.transpose(1, 2), offsets, swiglu=True)[0]
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per-expert nn.Linear over expert-sorted rows: x (R, K), w (E, N, K), offsets (E + 1,) -> (R, N)."""
+    if not use_triton(x, w):
+        return grouped_linear_ref(x, w, offsets)
+    if torch.compiler.is_compiling():
+        return grouped_linear_op(x, w, offsets)
+    if needs_grad(x, w):
+        return GroupedLinear.apply(x, w, offsets)
+    return _fwd(x, w, offsets)
