@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kiln.infer import cli as infer_cli
 
     infer_cli.register(sub)
+    from kiln.quant import cli as quant_cli
+
+    quant_cli.register(sub)
     from kiln.serve import cli as serve_cli
 
     serve_cli.register(sub)

@@ -15,7 +15,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 SRC = BENCH.parent / "src"
-SCRIPTS = ["norms", "gemm_ce", "attention", "matmul_decode", "host_overhead", "infer", "moe"]
+SCRIPTS = ["norms", "gemm_ce", "attention", "matmul_decode", "host_overhead", "infer", "moe", "quant"]
 
 
 def run_smoke(script: str, out: Path) -> subprocess.CompletedProcess:

@@ -10,6 +10,8 @@ import torch
 from kiln.errors import KilnError
 from kiln.model.checkpoint import load_source, tokenizer_dir
 from kiln.model.transformer import Transformer
+from kiln.quant.apply import is_quantized_dir, load_quantized
+from kiln.quant.gptq_format import gptq_config, load_gptq
 from kiln.tokenizer import Tokenizer
 
 
@@ -37,12 +39,17 @@ def load_for_inference(
     path: str | Path, device: torch.device, dtype: torch.dtype
 ) -> tuple[Transformer, Tokenizer | None]:
     """(model on `device` in `dtype`, its tokenizer or None) from an HF checkpoint directory, a kiln model
-    directory, or a `kiln run` directory / checkpoint."""
+    directory, a quantized model directory (`kiln quantize`) or GPTQ checkpoint, or a `kiln run` directory / checkpoint."""
     if not Path(path).exists():
         raise KilnError(
             f"{path} does not exist: give an HF checkpoint directory, a kiln model directory or a run"
         )
-    model, _ = load_source(path, device=device, dtype=dtype)
+    if is_quantized_dir(path):  # `kiln quantize` output: QuantLinears in place of the float linears
+        model = load_quantized(path, device, dtype)
+    elif gptq_config(path) is not None:  # a GPTQ checkpoint written by another tool
+        model = load_gptq(path, device, dtype)
+    else:
+        model, _ = load_source(path, device=device, dtype=dtype)
     tok_dir = tokenizer_dir(path)
     tok = Tokenizer.load(tok_dir) if tok_dir is not None else None  # none: prompts as token ids only
     return model, tok

@@ -134,12 +134,25 @@ class Transformer(nn.Module):
         return self.model.rope
 
     @property
+    def quantized_head(self) -> bool:
+        """Whether the head is a quantized module (kiln.model.quant_linear): no float weight to read."""
+        return self.lm_head is not None and not isinstance(self.lm_head, nn.Linear)
+
+    @property
     def head_weight(self) -> torch.Tensor:
-        """(V, d): the untied head, or the token embedding when tied."""
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        """(V, d): the untied head, or the token embedding when tied. With a quantized head, the token
+        embedding: it is in the activations' dtype and on the model's device, which is what callers read
+        of it (the head's own weight is not a float tensor); `loss` refuses a quantized head."""
+        return (
+            self.model.embed_tokens.weight
+            if self.lm_head is None or self.quantized_head
+            else self.lm_head.weight
+        )
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Hidden states (..., d) -> logits (..., V) (the engine calls it on the rows it samples)."""
+        if self.quantized_head:
+            return self.lm_head(h)
         return F.linear(h, self.head_weight)
 
     # ---- forward -------------------------------------------------------------------------------------------
@@ -209,6 +222,10 @@ class Transformer(nn.Module):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         if targets.shape != input_ids.shape:
             raise ValueError(f"targets {tuple(targets.shape)} must match input_ids {tuple(input_ids.shape)}")
+        if self.quantized_head:
+            raise ValueError(
+                "loss() trains through a float head; this model's head is quantized (inference only)"
+            )
         h, aux = self.hidden_states(input_ids, position_ids, attention_mask)
         w = self.head_weight
         dev = h.device.type

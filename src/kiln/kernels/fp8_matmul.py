@@ -1,0 +1,251 @@
+"""FP8 (e4m3) matmul with per-tensor or per-row scales, and the quantize kernel that makes its inputs.
+
+Quantize: x (M, K) float -> q = fp8(x / s) with s = amax / 448 (448: e4m3's largest finite value), either
+one s for the tensor (per-tensor) or one per row (per-row, "per token" for activations, "per output
+channel" for a weight W (N, K)). The value stood for is q * s.
+Matmul: C (M, N) = (q_a (M, K) @ q_b (N, K).T) * s_a[m] * s_b[n] (+ bias), products of e4m3 values summed
+in float32 by Hopper's FP8 tensor cores, both scales applied once to the float32 tile. B is an nn.Linear
+weight (N, K), K-contiguous: both tl.dot operands K-major, the layout FP8 wgmma takes (as
+torch._scaled_mm takes B column-major). The output is bfloat16 (or float16 / float32).
+
+`fp8_linear(x, w_q, w_scale, bias)` quantizes the activations per row on the fly and runs the matmul:
+FP8 weight + activation inference (the tile config is a fixed rule, no autotuner: safe in CUDA graphs).
+FP8 needs sm_89+; Triton's CPU interpreter does not run these kernels, so CPU tests check the quantize
+math through the reference and the kernels run in the GPU tests (against torch._scaled_mm).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.dispatch import use_triton
+from kiln.kernels.launch import CachedLaunch, cdiv, pow2
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12  # an all-zero row gets this scale (its q is 0 either way), never a division by zero
+
+
+# ------------------------------------------------------------------------------------------ reference
+def quantize_fp8_ref(x: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (q (M, K) float8_e4m3fn, float32 scales (M, 1) per row or (1, 1) per tensor)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True) if per_row else xf.abs().amax().reshape(1, 1)
+    scale = (amax / FP8_MAX).clamp_min(MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_matmul_ref(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """(a_q * a_scale) @ (b_q * b_scale).T (+ bias) in float32, in out_dtype. a_q (M, K), b_q (N, K);
+    scales (M, 1) / (1, 1) and (N, 1) / (1, 1)."""
+    c = (a_q.float() * a_scale.float()) @ (b_q.float() * b_scale.float()).T
+    if bias is not None:
+        c = c + bias.float()
+    return c.to(out_dtype)
+
+
+# ------------------------------------------------------------------------------------------ kernels
+@triton.jit
+def _quantize_kernel(
+    X_ptr,  # (M, K) float input, row stride stride_xm, unit stride along K
+    Q_ptr,  # (M, K) float8e4nv output, contiguous
+    S_ptr,  # float32 scales: (M,) written here when PER_ROW, else (1,) read (the tensor's scale)
+    K,
+    stride_xm,
+    PER_ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X_ptr + row * stride_xm
+    if PER_ROW:  # first pass: the row's amax, hence its scale
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
+        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+        tl.store(S_ptr + row, scale)
+    else:
+        scale = tl.load(S_ptr)
+    inv = 1.0 / scale
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
+        tl.store(Q_ptr + row * K + offs, q.to(tl.float8e4nv), mask=offs < K)
+
+
+@triton.jit
+def _fp8_tile_kernel(
+    A_ptr,  # (M, K) float8e4nv, row stride stride_am, K-contiguous
+    B_ptr,  # (N, K) float8e4nv, row stride stride_bn, K-contiguous
+    SA_ptr,  # scales of A (any float dtype, applied in float32): (M,) when ROW_A, else (1,)
+    SB_ptr,  # scales of B: (N,) when ROW_B, else (1,)
+    C_ptr,  # (M, N) contiguous output
+    Bias_ptr,  # (N,), read when HAS_BIAS
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    ROW_A: tl.constexpr,
+    ROW_B: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = min(tiles_m - first_m, GROUP_M)
+    off_m = (first_m + (pid % per_group) % group_rows) * BLOCK_M
+    off_n = ((pid % per_group) // group_rows) * BLOCK_N
+    a_blk = tl.make_block_ptr(A_ptr, (M, K), (stride_am, 1), (off_m, 0), (BLOCK_M, BLOCK_K), (1, 0))
+    b_blk = tl.make_block_ptr(B_ptr, (N, K), (stride_bn, 1), (off_n, 0), (BLOCK_N, BLOCK_K), (1, 0))
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
+        a = tl.load(a_blk, boundary_check=(0, 1), padding_option="zero")
+        b = tl.load(b_blk, boundary_check=(0, 1), padding_option="zero")
+        acc = tl.dot(a, b.T, acc)  # (BLOCK_M, BLOCK_N), both operands K-major
+        a_blk = tl.advance(a_blk, (0, BLOCK_K))
+        b_blk = tl.advance(b_blk, (0, BLOCK_K))
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    if ROW_A:
+        acc *= tl.load(SA_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+    else:
+        acc *= tl.load(SA_ptr).to(tl.float32)
+    if ROW_B:
+        acc *= tl.load(SB_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    else:
+        acc *= tl.load(SB_ptr).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(Bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c = C_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(c, acc.to(C_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+_quantize_launch = CachedLaunch(_quantize_kernel)
+_tile_launch = CachedLaunch(_fp8_tile_kernel)
+
+
+# ------------------------------------------------------------------------------------------ launchers
+def quantize_fp8(
+    x: torch.Tensor, per_row: bool = True, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float -> (q (M, K) float8_e4m3fn, float32 scales (M, 1) or (1, 1)), as quantize_fp8_ref.
+    per_row=False takes the tensor's amax on the device (no host sync), or a given (1, 1) `scale`
+    (a static activation scale)."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"quantize_fp8 takes a 2-D tensor with unit stride along K, got {tuple(x.shape)}")
+    if not use_triton(x):
+        if scale is None:
+            return quantize_fp8_ref(x, per_row)
+        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    M, K = x.shape
+    q = torch.empty((M, K), device=x.device, dtype=FP8)
+    if per_row:
+        s = torch.empty((M, 1), device=x.device, dtype=torch.float32)
+    elif scale is None:
+        s = (x.abs().amax().float() / FP8_MAX).clamp_min(MIN_SCALE).reshape(1, 1)
+    else:
+        s = scale.float().reshape(1, 1)
+    if M:
+        _quantize_launch[(M,)](
+            x, q, s, K, x.stride(0), PER_ROW=per_row, BLOCK=min(pow2(K), 1024), num_warps=4
+        )
+    return q, s
+
+
+def fp8_tile_config(M: int, N: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): a fixed rule, the tiles Triton's FP8 matmul tutorial
+    uses on Hopper (128x256x128 in 8 warps needs more shared memory per stage; 3 stages of 128x128x128
+    fit), 64-row tiles for short M."""
+    if M <= 64:
+        return 64, 128, 128, 4, 4
+    return 128, 128, 128, 3, 8
+
+
+def fp8_matmul(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    config: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """C (M, N) = (a_q @ b_q.T) * a_scale * b_scale (+ bias): a_q (M, K), b_q (N, K) float8_e4m3fn, scales
+    float32 (M, 1) or (1, 1), and (N, 1) or (1, 1)."""
+    if a_q.dtype != FP8 or b_q.dtype != FP8:
+        raise TypeError(f"fp8_matmul takes float8_e4m3fn operands, got {a_q.dtype} and {b_q.dtype}")
+    if a_q.dim() != 2 or b_q.dim() != 2 or a_q.shape[1] != b_q.shape[1]:
+        raise ValueError(
+            f"fp8_matmul expects A (M, K) and B (N, K), got {tuple(a_q.shape)}, {tuple(b_q.shape)}"
+        )
+    M, K = a_q.shape
+    N = b_q.shape[0]
+    if a_scale.numel() not in (1, M) or b_scale.numel() not in (1, N):
+        raise ValueError(
+            f"scales must have 1 or M={M} (A) and 1 or N={N} (B) elements, got {a_scale.numel()}, {b_scale.numel()}"
+        )
+    if not use_triton(a_q, b_q):
+        return fp8_matmul_ref(a_q, a_scale.reshape(-1, 1), b_q, b_scale.reshape(-1, 1), bias, out_dtype)
+    if a_q.stride(1) != 1 or b_q.stride(1) != 1:
+        raise ValueError("fp8_matmul needs both operands K-contiguous (B as an nn.Linear weight (N, K))")
+    c = torch.empty((M, N), device=a_q.device, dtype=out_dtype)
+    if M == 0 or N == 0:
+        return c
+    bm, bn, bk, stages, warps = config or fp8_tile_config(M, N)
+    _tile_launch[(cdiv(M, bm) * cdiv(N, bn),)](
+        a_q, b_q, a_scale, b_scale, c, c if bias is None else bias, M, N, K, a_q.stride(0),
+        b_q.stride(0), ROW_A=a_scale.numel() == M and M > 1, ROW_B=b_scale.numel() == N and N > 1,
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages,
+        num_warps=warps,
+    )  # fmt: skip
+    return c
+
+
+@torch.library.custom_op("kiln::fp8_linear", mutates_args=())
+def fp8_linear_op(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x (M, K) -> (M, N) through per-row FP8 activations; opaque to torch.compile, forward only."""
+    a_q, a_scale = quantize_fp8(x, per_row=True)
+    return fp8_matmul(a_q, a_scale, w_q, w_scale, bias, x.dtype)
+
+
+@fp8_linear_op.register_fake
+def _(x, w_q, w_scale, bias):
+    return x.new_empty((x.shape[0], w_q.shape[0]))
+
+
+def fp8_linear(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """nn.Linear with an FP8 weight (w_q (N, K) float8_e4m3fn, w_scale (N, 1) or (1, 1)) and activations
+    quantized per row on the fly: x (..., K) -> (..., N) in x's dtype."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if torch.compiler.is_compiling():
+        y = fp8_linear_op(x2, w_q, w_scale, bias)
+    else:
+        a_q, a_scale = quantize_fp8(x2, per_row=True)
+        y = fp8_matmul(a_q, a_scale, w_q, w_scale, bias, x.dtype)
+    return y.view(*lead, w_q.shape[0])

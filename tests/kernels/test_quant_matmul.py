@@ -1,0 +1,144 @@
+"""The weight-only quantized matmul (INT8 per channel, INT4 groups of 32/64/128, symmetric and with zero
+points) against dequantize-then-float64 matmul: both decode forms (FMA "gemv" for one row, "dot" for up to
+16 rows), split K, int4 tiles spanning several groups or part of one, the prefill tile kernel; odd N and
+M; the packing layout by a hand-worked case; clear errors for a bad format. bf16 and CUDA graphs on GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.kernels.dispatch import use_backend
+from kiln.kernels.matmul_decode import DecodeConfig
+from kiln.kernels.quant_matmul import (
+    dequantize_weight,
+    pack_int4,
+    unpack_int4,
+    wq_linear,
+    wq_matmul_fwd,
+    wq_matmul_ref,
+)
+
+from ._tolerance import assert_close
+
+FORMATS = [(8, 0, False), (4, 32, False), (4, 64, True), (4, 128, False), (4, 128, True)]
+
+
+def quantized(N, K, bits, group, asymmetric, seed, device="cpu"):
+    """Random quantized weights (any integers of the format, bf16-exact scales ~ 1 / sqrt(K) per weight)."""
+    g = torch.Generator().manual_seed(seed)
+    if bits == 8:
+        q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+        s = (torch.rand(N, 1, generator=g) / (64 * K**0.5)).to(torch.bfloat16)
+        return q.to(device), s.to(device), None
+    q = pack_int4(torch.randint(0, 16, (N, K), generator=g))
+    s = (torch.rand(N, K // group, generator=g) / (4 * K**0.5)).to(torch.bfloat16)
+    z = torch.randint(0, 16, (N, K // group), generator=g, dtype=torch.uint8) if asymmetric else None
+    return q.to(device), s.to(device), None if z is None else z.to(device)
+
+
+def _fmt_id(f):
+    bits, group, asym = f
+    return "int8" if bits == 8 else f"int4-g{group}{'-asym' if asym else ''}"
+
+
+def test_int4_packing_by_hand():
+    q = torch.tensor([[1, 2, 15, 0], [7, 8, 9, 10]])
+    packed = pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.tolist() == [[1 | 2 << 4, 15], [7 | 8 << 4, 9 | 10 << 4]]
+    assert torch.equal(unpack_int4(packed), q.to(torch.uint8))
+    # symmetric: (q - 8) * s; asymmetric: (q - z) * s, per group of 2 here
+    s = torch.tensor([[0.5, 2.0], [1.0, 1.0]])
+    want = torch.tensor([[-3.5, -3.0, 14.0, -16.0], [-1.0, 0.0, 1.0, 2.0]])
+    assert torch.equal(dequantize_weight(packed, s, None, 4, 2), want)
+    z = torch.tensor([[1, 0], [8, 9]], dtype=torch.uint8)
+    assert torch.equal(
+        dequantize_weight(packed, s, z, 4, 2), torch.tensor([[0.0, 0.5, 30.0, 0.0], [-1, 0, 0, 1.0]])
+    )
+
+
+DECODE_CONFIGS = [
+    DecodeConfig("gemv", 16, 64),  # int4: two 32-groups per K step, or half a 128-group
+    DecodeConfig("gemv", 8, 128, split_k=3),  # K in slices summed by the second kernel
+    DecodeConfig("dot", 16, 32),
+    DecodeConfig("dot", 8, 32, split_k=2),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=_fmt_id)
+@pytest.mark.parametrize("config", DECODE_CONFIGS, ids=str)
+def test_decode_matches_dequantized_float64(fmt, config, device):
+    bits, group, asym = fmt
+    M = 1 if config.kernel == "gemv" else 5
+    N, K = 37, 256 if bits == 4 else 200  # ragged column blocks; int8: K not a multiple of BLOCK_K
+    q, s, z = quantized(N, K, bits, group, asym, seed=N + bits, device=device)
+    g = torch.Generator().manual_seed(1)
+    # fp16: the interpreter's bf16 tl.dot is broken (PLATFORM.md); bf16 runs on the GPU below
+    x = torch.randn(M, K, generator=g).to(device, torch.float16)
+    bias = torch.randn(N, generator=g).to(device, torch.float16)
+    y = wq_matmul_fwd(x, q, s, z, bits, group, bias, config=config)
+    assert y.dtype == torch.float16 and y.shape == (M, N)
+    assert_close(y, wq_matmul_ref(x.double(), q, s, z, bits, group, bias.double()), name=f"{fmt} {config}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=_fmt_id)
+@pytest.mark.parametrize("M", [1, 16, 33])
+def test_default_route_and_prefill_tiles(fmt, M, device):
+    """The launcher's own choice: decode kernels up to 16 rows, the tile kernel beyond (33: ragged tiles)."""
+    bits, group, asym = fmt
+    N, K = 50, 256
+    q, s, z = quantized(N, K, bits, group, asym, seed=M, device=device)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(device, torch.float16)
+    with use_backend("triton"):
+        y = wq_linear(x, q, s, z, bits, group)
+    assert_close(y, wq_matmul_ref(x.double(), q, s, z, bits, group), name=str(fmt))
+
+
+def test_float32_activations_and_leading_dims(device):
+    q, s, z = quantized(24, 128, 4, 32, True, seed=5, device=device)
+    x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(2)).to(device)
+    with use_backend("triton"):
+        y = wq_linear(x, q, s, z, 4, 32)
+    assert y.shape == (2, 3, 24)
+    want = wq_matmul_ref(x.double().reshape(6, 128), q, s, z, 4, 32).reshape(2, 3, 24)
+    assert_close(y, want)
+
+
+def test_bad_formats_are_clear_errors():
+    q, s, _ = quantized(8, 64, 4, 32, False, seed=0)
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError, match="group size must be one of"):
+        wq_matmul_fwd(x, q, s, None, 4, 48)
+    with pytest.raises(ValueError, match="scales"):
+        wq_matmul_fwd(x, q, s[:, :1], None, 4, 32)
+    with pytest.raises(ValueError, match=r"x must be \(M, 64\)"):
+        wq_matmul_fwd(torch.randn(1, 63), q, s, None, 4, 32)
+    with pytest.raises(ValueError, match="int8 weights"):
+        wq_matmul_fwd(x, q.view(torch.int8), s, None, 8, 0)
+    with pytest.raises(ValueError, match="BLOCK_K >= 32 dividing the group"):
+        wq_matmul_fwd(torch.randn(3, 64), q, s, None, 4, 32, config=DecodeConfig("dot", 16, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS, ids=_fmt_id)
+@pytest.mark.parametrize("M", [1, 4, 16, 200])
+def test_bf16_on_gpu_and_in_a_cuda_graph(fmt, M):
+    """bf16 activations at a Qwen2.5-1.5B shape (down: K = 8960, split K at 2-16 rows), eager and replayed
+    from a CUDA graph (how the engine's decode step runs it)."""
+    bits, group, asym = fmt
+    N, K = 1536, 8960
+    q, s, z = quantized(N, K, bits, group, asym, seed=M, device="cuda")
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    want = wq_matmul_ref(x.double(), q, s, z, bits, group)
+    y = wq_linear(x, q, s, z, bits, group)
+    # bf16 output of a 8960-term sum whose inputs are bf16-rounded: the table's bf16 bound, twice (int4
+    # tiles are dequantized to bf16 before tl.dot: one more rounding per weight)
+    assert_close(y, want, scale=2.0)
+    out = torch.empty_like(y)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(wq_linear(x, q, s, z, bits, group))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, y)

@@ -1,0 +1,73 @@
+"""The quantized matmul kernels compiled for the H200 (sm_90) on the CPU machine: Triton cross-compiles
+without a GPU. Each kernel must build, its tensor-core forms must use wgmma, and its weight stream must be
+vector copies into shared memory (cp.async), not one-byte loads: a first version of the int4 kernels
+computed byte addresses as (2j) // 2, which Triton's contiguity analysis cannot see through, and loaded
+weights a byte at a time; the interpreter's results were right all the same. Pointers and the ints Triton
+would specialize are declared 16-divisible (stride 1 a constant), as the JIT sees them at a real launch.
+
+Runs in a subprocess: the test session imports triton under its interpreter (tests/conftest.py), which
+replaces the jit functions that a compile needs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+SCRIPT = r"""
+import json, re
+from collections import Counter
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kiln.kernels import fp8_matmul as f8, quant_matmul as qm
+
+def compile_(fn, ptrs, consts, divisible, **opts):
+    names = [p.name for p in fn.params]
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in [*ptrs, *divisible]}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+    loads = Counter(re.findall(r"(ld\.global\.b8|cp\.async\.c[ag]\.shared\.global)", ptx))
+    return {"wgmma": "wgmma" in ptx, "byte_loads": loads["ld.global.b8"],
+            "async": loads["cp.async.ca.shared.global"] + loads["cp.async.cg.shared.global"]}
+
+ptrs = dict(X_ptr="*bf16", Q_ptr="*u8", S_ptr="*bf16", Z_ptr="*u8", Y_ptr="*bf16", Bias_ptr="*bf16")
+ints = ["M", "N", "K", "stride_xm", "stride_qn", "stride_sn"]
+out = {}
+for name, dot, bn, bk, warps in [("gemv", False, 4, 512, 2), ("dot", True, 64, 128, 4)]:
+    c = dict(stride_xk=1, BITS=4, GROUP=128, HAS_ZERO=True, HAS_BIAS=False, DOT=dot, PRECISION="ieee",
+             BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, STAGES=3)
+    out[f"int4 {name}"] = compile_(qm._wq_decode_kernel, ptrs, c, [*ints, "k_split"], num_warps=warps, num_stages=3)
+for bits, q in ((4, "*u8"), (8, "*i8")):  # the small-M tiles (quicker to compile than 128x128)
+    c = dict(stride_xk=1, BITS=bits, GROUP=128 if bits == 4 else 1, HAS_ZERO=bits == 4, HAS_BIAS=False,
+             PRECISION="ieee", BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, STAGES=4)
+    out[f"int{bits} tile"] = compile_(qm._wq_tile_kernel, {**ptrs, "Q_ptr": q}, c, ints, num_warps=4, num_stages=4)
+c = dict(ROW_A=True, ROW_B=True, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, STAGES=4)
+fp8_ptrs = dict(A_ptr="*fp8e4nv", B_ptr="*fp8e4nv", SA_ptr="*fp32", SB_ptr="*bf16", C_ptr="*bf16", Bias_ptr="*bf16")
+out["fp8 tile"] = compile_(f8._fp8_tile_kernel, fp8_ptrs, c, ["M", "N", "K", "stride_am", "stride_bn"], num_warps=4,
+                           num_stages=4)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # ~15-20 s of compiling on 2 cores
+def test_kernels_compile_for_sm90_with_vector_weight_streams(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a fresh cache: compile for real, touch nothing shared
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, r in res.items():
+        assert r["async"] > 0, f"{name}: no cp.async in its PTX (the weight stream is not pipelined): {r}"
+        assert r["byte_loads"] <= 2, f"{name}: {r['byte_loads']} one-byte global loads per thread: {r}"
+        assert r["wgmma"] or name == "int4 gemv", f"{name}: no wgmma (tensor cores) in its PTX"
