@@ -34,7 +34,7 @@ def _sms() -> int:
 
 def strided_reads(strides=range(1, 33), n: int = 1 << 24) -> list[dict]:
     """Reads n floats, x[i * stride], for each stride: useful GB/s (n * 4 bytes over the time) and the
-    fraction of each 32-byte sector that is used, min(1, 8 / stride) (stride 1: every byte; >= 8: 1/8)."""
+    fraction of each 32-byte sector that is used, max(1 / stride, 1 / 8) (stride 1: every byte; >= 8: 1/8)."""
     ext = load_extension()
     strides = list(strides)
     x = torch.rand(n * max(strides), device="cuda")
@@ -44,7 +44,7 @@ def strided_reads(strides=range(1, 33), n: int = 1 << 24) -> list[dict]:
     for s in strides:
         ms = _ms(lambda s=s: ext.strided_read(x, out, n, s, grid))
         rows.append({"stride": s, "ms": round(ms, 4), "GBps": round(n * 4 / ms / 1e6, 1),
-                     "sector_use": round(min(1.0, 8 / s), 3)})  # fmt: skip
+                     "sector_use": round(max(1 / s, 1 / 8), 3)})  # fmt: skip
     return rows
 
 
