@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import unicodedata
 
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
-from kiln.tokenizer import DisallowedSpecialError, Tokenizer
+from kiln.tokenizer import DisallowedSpecialError, Tokenizer, bpe
 from kiln.tokenizer.bpe import Merger
 from kiln.tokenizer.patterns import ASCII_RUN, Splitter, ascii_form, resolve_pattern
 
@@ -186,21 +187,32 @@ def test_ascii_form_only_for_named_patterns():
     assert all(ascii_form(resolve_pattern(n)) is not None for n in PATTERN_NAMES)
 
 
-def test_vectorized_merges_equal_the_loop(trained, heldout_text, tmp_path):
+def test_vectorized_merges_equal_the_loop(trained, heldout_text, tmp_path, monkeypatch):
     # Merger.many (numpy, one merge step per chunk per round) against the one-chunk loop, on every
     # distinct chunk of the held-out text, with tiktoken's rule and with an explicit merge list (HF's
-    # rule, with and without the whole-chunk shortcut).
+    # rule, with and without the whole-chunk shortcut); with the loop finishing the last chunks and
+    # with every merge done in the vectorized rounds; and with byte ids that are not the bytes.
     tok = trained["o200k"]
     pieces = list(dict.fromkeys(c.encode() for c in regex.findall(tok.pattern, heldout_text)))
+    pieces += [b"\x00\x00", b"a" * 300, b"ab" * 100, b" \n" * 7]
     tok.save(tmp_path)
     hf = Tokenizer.load(tmp_path / "tokenizer.json")  # HF's rule: an explicit merge list
-    for merger in (
+    shuffled = list(range(256))
+    random.Random(0).shuffle(shuffled)
+    permuted = {b: shuffled[i] if i < 256 else i for b, i in tok.vocab.items()}
+    mergers = (
         Merger(tok.vocab),
         Merger(hf.vocab, hf.merges, whole_first=True),
         Merger(hf.vocab, hf.merges, whole_first=False),
-    ):
-        assert merger.many(pieces) == [merger(p) for p in pieces]
+        Merger(permuted),
+    )
+    for tail in (bpe.TAIL_CHUNKS, 0):
+        monkeypatch.setattr(bpe, "TAIL_CHUNKS", tail)
+        for merger in mergers:
+            assert merger.many(pieces) == [merger(p) for p in pieces]
+    assert not mergers[3]._tables().bytes_are_ids
     assert Merger(tok.vocab).many([]) == []
+    assert Merger(tok.vocab).many([b"", b"a"]) == [[], [tok.vocab[b"a"]]]
 
 
 # Characters on either side of a line start, for the cuts of mixed ASCII/non-ASCII text.

@@ -15,8 +15,7 @@ import os
 import unicodedata
 from array import array
 from collections.abc import Collection, Iterable, Sequence
-from itertools import chain, compress, islice, repeat
-from operator import is_
+from itertools import chain, filterfalse, islice
 from typing import Literal
 
 from kiln.errors import KilnError
@@ -25,7 +24,7 @@ from kiln.tokenizer.bpe import ID_MASK, Merger
 from kiln.tokenizer.patterns import ENDOFTEXT, Splitter, resolve_pattern, special_splitter, utf8
 
 CACHE_MAX = 1 << 18  # chunks per cache generation (two generations: ~100 MB at most)
-MANY_CHUNKS = 256  # new chunks in one text from which Merger.many (numpy, vectorized) beats the loop
+MANY_CHUNKS = 64  # new chunks in one text above which Merger.many (numpy, vectorized) beats the loop
 
 
 class DisallowedSpecialError(KilnError, ValueError):
@@ -154,37 +153,34 @@ class Tokenizer:
     # ---- encoding --------------------------------------------------------------------------------
 
     def _encode_chunks(self, text: str) -> list[int]:
-        # The split and the cache lookups run in C (map over the dict's lookups); only text with
-        # chunks not seen before goes on to _encode_new.
+        # The split and every pass over the chunks run in C (map/filterfalse over the dict's
+        # methods); only the distinct chunks not seen before are merged, all of them at once.
         if self.normalization is not None:
             text = unicodedata.normalize(self.normalization, text)
         chunks = self._split.findall(text)
+        cache = self._chunks
         try:  # every chunk cached (the common case): one pass in C, as fast as it gets
-            return list(chain.from_iterable(map(self._chunks.__getitem__, chunks)))
+            return list(chain.from_iterable(map(cache.__getitem__, chunks)))
         except KeyError:
             pass
-        parts = list(map(self._chunks.get, chunks))
-        return list(chain.from_iterable(self._encode_new(chunks, parts)))
+        fresh = self._encode_new(dict.fromkeys(filterfalse(cache.__contains__, chunks)))
+        if cache.store(fresh):
+            return list(chain.from_iterable(map(cache.__getitem__, chunks)))
+        # The store flushed the cache: the chunks cached before are in its previous generation.
+        get, previous = fresh.get, cache.previous
+        return list(chain.from_iterable([get(c) or previous[c] for c in chunks]))
 
-    def _encode_new(self, chunks: list[str], parts: list[list[int] | None]) -> list[list[int]]:
-        """`parts` (the cached ids of each chunk, None where not cached) completed by merging."""
+    def _encode_new(self, new: dict[str, None]) -> dict[str, list[int]]:
+        """The ids of the distinct chunks `new` (none in the cache), from the cache's previous
+        generation or by merging."""
         merger = self._merger
         if merger is None:
             merger = self._merger = Merger(self._vocab, self._merges, self.ignore_merges)
-        # The distinct new chunks, in order; compress/map keep the pass over all chunks in C.
-        new = dict.fromkeys(compress(chunks, map(is_, parts, repeat(None))))
         fresh = self._chunks.previous_generation(new)
-        todo = [c for c, ids in fresh.items() if ids is None]
-        if len(todo) >= MANY_CHUNKS:
-            done = merger.many([c.encode("utf-8") for c in todo])
-        else:
-            done = [merger(c.encode("utf-8")) for c in todo]
-        fresh.update(zip(todo, done))
-        self._chunks.store(fresh)
-        done_parts = list(map(self._chunks.get, chunks))
-        if None in done_parts:  # the store flushed the cache: the ids are in `parts` or `fresh`
-            done_parts = [fresh[c] if p is None else p for c, p in zip(chunks, parts)]
-        return done_parts
+        todo = [c for c, ids in fresh.items() if ids is None] if self._chunks.previous else list(fresh)
+        pieces = list(map(str.encode, todo))
+        fresh.update(zip(todo, merger.many(pieces) if len(todo) > MANY_CHUNKS else map(merger, pieces)))
+        return fresh  # type: ignore[return-value]
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Ids of `text`, with special tokens treated as ordinary text."""
@@ -388,13 +384,18 @@ class _ChunkCache(dict):
         get = self.previous.get
         return {c: get(c) for c in chunks}
 
-    def store(self, fresh: dict[str, list[int]]) -> None:
-        if len(self) + len(fresh) > self.max_items:
-            self.previous = dict(self)
-            self.clear()
-            if len(fresh) > self.max_items:  # one text with more new chunks than fit: keep its last
-                fresh = dict(islice(fresh.items(), len(fresh) - self.max_items, None))
+    def store(self, fresh: dict[str, list[int]]) -> bool:
+        """Add `fresh`; False when that flushed the cache (what it held is now the previous
+        generation, and of `fresh` only the last `max_items` are kept)."""
+        if len(self) + len(fresh) <= self.max_items:
+            self.update(fresh)
+            return True
+        self.previous = dict(self)
+        self.clear()
+        if len(fresh) > self.max_items:  # one text with more new chunks than fit: keep its last
+            fresh = dict(islice(fresh.items(), len(fresh) - self.max_items, None))
         self.update(fresh)
+        return False
 
     def forget(self) -> None:
         self.clear()
