@@ -16,7 +16,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from kiln.tokenizer import DisallowedSpecialError, Tokenizer, bpe
 from kiln.tokenizer.bpe import Merger
-from kiln.tokenizer.patterns import ASCII_RUN, Splitter, ascii_form, resolve_pattern
+from kiln.tokenizer.patterns import resolve_pattern
+from kiln.tokenizer.split import BMP_RUN, Splitter, _has_astral, bmp_form
+from kiln.tokenizer.unicode_pin import pinned_pattern
 
 from ._corpora import HARD, PATTERN_NAMES
 
@@ -164,27 +166,30 @@ def test_chunk_cache_flushes_keep_results_exact(trained, heldout_text, monkeypat
     tok.clear_cache()
 
 
-ascii_text = st.text(st.characters(max_codepoint=127), max_size=60) | st.text(
-    st.sampled_from(list(" \t\n\r\x0b\x0c\x1c\x1f'sStTdDlLvVeEmMrR09aZ_/.:+")), max_size=60
+bmp_text = st.text(st.characters(max_codepoint=0xFFFF), max_size=60) | st.text(
+    st.sampled_from(
+        list(" \t\n\r\x0b\x0c\x1c\x85\u00a0\u3000'sStTdDlLvVeEmMrR\u017f09\u0663aZ\u00e9_/.:+\u0301")
+    ),
+    max_size=60,
 )
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=ascii_text)
-def test_property_ascii_form_splits_like_the_original(twins, text):
-    # Pure-ASCII text goes through the stdlib `re` with an ASCII spelling of the pattern.
+@given(text=bmp_text)
+def test_property_bmp_form_splits_like_the_original(twins, text):
+    # Text without code points above U+FFFF goes through the stdlib `re` with the BMP form.
     for name in PATTERN_NAMES:
         pattern = resolve_pattern(name)
-        fast = re.compile(ascii_form(pattern))
-        assert fast.findall(text) == regex.findall(pattern, text), name
+        assert re.findall(bmp_form(pattern), text) == regex.findall(pinned_pattern(pattern), text), name
     for tok, enc in twins.values():
         assert tok.encode_ordinary(text) == enc.encode_ordinary(text)
 
 
-def test_ascii_form_only_for_named_patterns():
-    assert ascii_form(r"\w+|\s+") is None
-    assert ascii_form(r"[a-z]+|.") is None  # custom: always the `regex` module
-    assert all(ascii_form(resolve_pattern(n)) is not None for n in PATTERN_NAMES)
+def test_bmp_form_only_for_named_patterns():
+    assert bmp_form(r"\w+|\s+") is None
+    assert bmp_form(r"[a-z]+|.") is None  # custom: always the `regex` module
+    assert all(bmp_form(resolve_pattern(n)) is not None for n in PATTERN_NAMES)
+    assert Splitter(r"[a-z]+|.").findall("abc. é") == ["abc", ".", " ", "é"]
 
 
 def test_vectorized_merges_equal_the_loop(trained, heldout_text, tmp_path, monkeypatch):
@@ -216,23 +221,24 @@ def test_vectorized_merges_equal_the_loop(trained, heldout_text, tmp_path, monke
 
 
 # Characters on either side of a line start, for the cuts of mixed ASCII/non-ASCII text.
-_BEFORE = ["a", " ", "\t", ")", "\r", "\n", "é", "\u3000", "1", "'", "\x0c", "\x1c"]
-_AFTER = ["a", " ", "/", "\n", "\r", "1", "'", "é", "\u3000", ")", "\x85", "s", "\x1c", "\t"]
+_BEFORE = ["a", " ", "\t", ")", "\r", "\n", "é", "\u3000", "1", "'", "\x0c", "\x1c", "🙂", "𝔘"]
+_AFTER = ["a", " ", "/", "\n", "\r", "1", "'", "é", "\u3000", ")", "\x85", "s", "\x1c", "\t", "🙂", "𝔘"]
 
 
 @pytest.mark.parametrize("name", PATTERN_NAMES)
 def test_cut_mixed_text_splits_like_the_whole(name, heldout_text):
-    # A long text that mixes ASCII and non-ASCII is cut at line starts into stretches that each go to
-    # the faster exact engine. Put every pair of characters around a "\n" both just before a non-ASCII
-    # character (where a stretch starts) and at the start of a long ASCII run (where one ends).
+    # A long text with code points above U+FFFF here and there is cut at line starts into stretches
+    # that each go to the faster exact engine. Put every pair of characters around a "\n" both just
+    # before an astral character (where a stretch starts) and at the start of a long run without them
+    # (where one ends).
     split = Splitter(resolve_pattern(name))
     code = heldout_text[:3000].encode("ascii", "replace").decode()
     pieces = []
     for a in _BEFORE:
         for b in _AFTER:
-            pieces.append(f"{code}x{a}\n{b}é{a}\n{b}{code}")
+            pieces.append(f"{code}x{a}\n{b}🙂{a}\n{b}{code}")
     text = "".join(pieces)
-    assert not text.isascii() and len(text) > 4 * ASCII_RUN
+    assert _has_astral(text) and len(text) > 4 * BMP_RUN
     assert split.findall(text) == regex.findall(resolve_pattern(name), text)
     for piece in pieces[:20]:
         assert split.findall(piece) == regex.findall(resolve_pattern(name), piece)

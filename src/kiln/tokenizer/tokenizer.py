@@ -21,7 +21,8 @@ from typing import Literal
 from kiln.errors import KilnError
 from kiln.tokenizer import formats
 from kiln.tokenizer.bpe import ID_MASK, Merger
-from kiln.tokenizer.patterns import ENDOFTEXT, Splitter, resolve_pattern, special_splitter, utf8
+from kiln.tokenizer.patterns import ENDOFTEXT, resolve_pattern, special_splitter, utf8
+from kiln.tokenizer.split import Splitter
 
 CACHE_MAX = 1 << 18  # chunks per cache generation (two generations: ~100 MB at most)
 MANY_CHUNKS = 64  # new chunks in one text above which Merger.many (numpy, vectorized) beats the loop
