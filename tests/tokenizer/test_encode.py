@@ -196,7 +196,8 @@ def test_vectorized_merges_equal_the_loop(trained, heldout_text, tmp_path, monke
     # Merger.many (numpy, one merge step per chunk per round) against the one-chunk loop, on every
     # distinct chunk of the held-out text, with tiktoken's rule and with an explicit merge list (HF's
     # rule, with and without the whole-chunk shortcut); with the loop finishing the last chunks and
-    # with every merge done in the vectorized rounds; and with byte ids that are not the bytes.
+    # with every merge done in the vectorized rounds, in one batch or many; and with byte ids that are
+    # not the bytes.
     tok = trained["o200k"]
     pieces = list(dict.fromkeys(c.encode() for c in regex.findall(tok.pattern, heldout_text)))
     pieces += [b"\x00\x00", b"a" * 300, b"ab" * 100, b" \n" * 7]
@@ -211,8 +212,9 @@ def test_vectorized_merges_equal_the_loop(trained, heldout_text, tmp_path, monke
         Merger(hf.vocab, hf.merges, whole_first=False),
         Merger(permuted),
     )
-    for tail in (bpe.TAIL_CHUNKS, 0):
+    for tail, limit in ((bpe.TAIL_CHUNKS, bpe.POS_LIMIT), (0, bpe.POS_LIMIT), (0, 1000)):
         monkeypatch.setattr(bpe, "TAIL_CHUNKS", tail)
+        monkeypatch.setattr(bpe, "POS_LIMIT", limit)  # 1000: batches of under 1000 bytes
         for merger in mergers:
             assert merger.many(pieces) == [merger(p) for p in pieces]
     assert not mergers[3]._tables().bytes_are_ids

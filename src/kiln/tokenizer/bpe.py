@@ -113,31 +113,30 @@ class Merger:
         where it is. When few chunks are left merging (the long ones, for which a round costs more
         than it merges), they finish in the loop.
         """
-        if self.whole_first:
-            out = [None if t is None else [t] for t in map(self.vocab.get, pieces)]
-        else:
-            out = [None] * len(pieces)
+        get = self.vocab.get if self.whole_first else {}.get
+        # A whole token is one id; an empty chunk none; the rest (None) merge.
+        out: list[list[int] | None] = [
+            [t] if (t := get(p)) is not None else (None if p else []) for p in pieces
+        ]
         todo = [k for k, o in enumerate(out) if o is None]
-        short = [k for k in todo if len(pieces[k]) < 2]
-        for k in short:
-            out[k] = list(map(self.byte_ids.__getitem__, pieces[k]))
-        if short:
-            todo = [k for k in todo if len(pieces[k]) > 1]
-        # Batches whose byte count fits the key's position bits.
-        k = 0
-        while k < len(todo):
-            size, j = 0, k
-            while j < len(todo) and (j == k or size + len(pieces[todo[j]]) < POS_LIMIT):
-                size += len(pieces[todo[j]])
-                j += 1
-            batch = todo[k:j]
-            for w, ids in zip(batch, self._many([pieces[w] for w in batch])):
-                out[w] = ids
-            k = j
+        if not todo:
+            return out  # type: ignore[return-value]
+        batches = [todo]
+        if sum(map(len, pieces)) >= POS_LIMIT:  # more bytes than the key's position bits hold
+            batches, size = [[]], 0
+            for k in todo:
+                if size + len(pieces[k]) >= POS_LIMIT and batches[-1]:
+                    batches.append([])
+                    size = 0
+                batches[-1].append(k)
+                size += len(pieces[k])
+        for batch in batches:
+            for k, ids in zip(batch, self._many([pieces[k] for k in batch])):
+                out[k] = ids
         return out  # type: ignore[return-value]
 
     def _many(self, pieces: list[bytes]) -> list[list[int]]:
-        """many() for chunks of two or more bytes, none a whole token, fewer than POS_LIMIT bytes."""
+        """many() for non-empty chunks to merge (not whole tokens), fewer than POS_LIMIT bytes in all."""
         tables = self._tables()
         lookup = tables.lookup
         made_of = tables.made
