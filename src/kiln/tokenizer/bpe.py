@@ -176,9 +176,10 @@ class Merger:
             key[q] = DELETED
             nxt[p] = r
             prv[r] = p  # r = 0 writes the sentinel's prv, which nothing reads
-            key[p] = lookup(ids[p], ids[r]) | p
             left = prv[p]  # 0 (the sentinel) for a chunk's first part: its key is never read
-            key[left] = lookup(ids[left], ids[p]) | left
+            # The two new pairs of each merge, (p, r) and (left, p), in one lookup.
+            at = np.concatenate((p, left))
+            key[at] = lookup(ids[at], ids[np.concatenate((r, p))]) | at
         # Each chunk's surviving parts, in order; the few still merging finish in the loop.
         alive = key[1:] != DELETED
         flat = ids[1:][alive].tolist()
