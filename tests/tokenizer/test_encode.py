@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import unicodedata
 
@@ -13,9 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
-from kiln.tokenizer import DisallowedSpecialError, Tokenizer
+from kiln.tokenizer import DisallowedSpecialError, Tokenizer, bpe
 from kiln.tokenizer.bpe import Merger
-from kiln.tokenizer.patterns import ASCII_RUN, Splitter, ascii_form, resolve_pattern
+from kiln.tokenizer.patterns import resolve_pattern
+from kiln.tokenizer.split import BMP_RUN, Splitter, _has_astral, bmp_form
+from kiln.tokenizer.unicode_pin import pinned_pattern
 
 from ._corpora import HARD, PATTERN_NAMES
 
@@ -163,64 +166,81 @@ def test_chunk_cache_flushes_keep_results_exact(trained, heldout_text, monkeypat
     tok.clear_cache()
 
 
-ascii_text = st.text(st.characters(max_codepoint=127), max_size=60) | st.text(
-    st.sampled_from(list(" \t\n\r\x0b\x0c\x1c\x1f'sStTdDlLvVeEmMrR09aZ_/.:+")), max_size=60
+bmp_text = st.text(st.characters(max_codepoint=0xFFFF), max_size=60) | st.text(
+    st.sampled_from(
+        list(" \t\n\r\x0b\x0c\x1c\x85\u00a0\u3000'sStTdDlLvVeEmMrR\u017f09\u0663aZ\u00e9_/.:+\u0301")
+    ),
+    max_size=60,
 )
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=ascii_text)
-def test_property_ascii_form_splits_like_the_original(twins, text):
-    # Pure-ASCII text goes through the stdlib `re` with an ASCII spelling of the pattern.
+@given(text=bmp_text)
+def test_property_bmp_form_splits_like_the_original(twins, text):
+    # Text without code points above U+FFFF goes through the stdlib `re` with the BMP form.
     for name in PATTERN_NAMES:
         pattern = resolve_pattern(name)
-        fast = re.compile(ascii_form(pattern))
-        assert fast.findall(text) == regex.findall(pattern, text), name
+        assert re.findall(bmp_form(pattern), text) == regex.findall(pinned_pattern(pattern), text), name
     for tok, enc in twins.values():
         assert tok.encode_ordinary(text) == enc.encode_ordinary(text)
 
 
-def test_ascii_form_only_for_named_patterns():
-    assert ascii_form(r"\w+|\s+") is None
-    assert ascii_form(r"[a-z]+|.") is None  # custom: always the `regex` module
-    assert all(ascii_form(resolve_pattern(n)) is not None for n in PATTERN_NAMES)
+def test_bmp_form_only_for_named_patterns():
+    assert bmp_form(r"\w+|\s+") is None
+    assert bmp_form(r"[a-z]+|.") is None  # custom: always the `regex` module
+    assert all(bmp_form(resolve_pattern(n)) is not None for n in PATTERN_NAMES)
+    assert Splitter(r"[a-z]+|.").findall("abc. é") == ["abc", ".", " ", "é"]
 
 
-def test_vectorized_merges_equal_the_loop(trained, heldout_text, tmp_path):
+def test_vectorized_merges_equal_the_loop(trained, heldout_text, tmp_path, monkeypatch):
     # Merger.many (numpy, one merge step per chunk per round) against the one-chunk loop, on every
     # distinct chunk of the held-out text, with tiktoken's rule and with an explicit merge list (HF's
-    # rule, with and without the whole-chunk shortcut).
+    # rule, with and without the whole-chunk shortcut); with the loop finishing the last chunks and
+    # with every merge done in the vectorized rounds, in one batch or many; and with byte ids that are
+    # not the bytes.
     tok = trained["o200k"]
     pieces = list(dict.fromkeys(c.encode() for c in regex.findall(tok.pattern, heldout_text)))
+    pieces += [b"\x00\x00", b"a" * 300, b"ab" * 100, b" \n" * 7]
     tok.save(tmp_path)
     hf = Tokenizer.load(tmp_path / "tokenizer.json")  # HF's rule: an explicit merge list
-    for merger in (
+    shuffled = list(range(256))
+    random.Random(0).shuffle(shuffled)
+    permuted = {b: shuffled[i] if i < 256 else i for b, i in tok.vocab.items()}
+    mergers = (
         Merger(tok.vocab),
         Merger(hf.vocab, hf.merges, whole_first=True),
         Merger(hf.vocab, hf.merges, whole_first=False),
-    ):
-        assert merger.many(pieces) == [merger(p) for p in pieces]
+        Merger(permuted),
+    )
+    for tail, limit in ((bpe.TAIL_CHUNKS, bpe.POS_LIMIT), (0, bpe.POS_LIMIT), (0, 1000)):
+        monkeypatch.setattr(bpe, "TAIL_CHUNKS", tail)
+        monkeypatch.setattr(bpe, "POS_LIMIT", limit)  # 1000: batches of under 1000 bytes
+        for merger in mergers:
+            assert merger.many(pieces) == [merger(p) for p in pieces]
+    assert not mergers[3]._tables().bytes_are_ids
     assert Merger(tok.vocab).many([]) == []
+    assert Merger(tok.vocab).many([b"", b"a"]) == [[], [tok.vocab[b"a"]]]
 
 
 # Characters on either side of a line start, for the cuts of mixed ASCII/non-ASCII text.
-_BEFORE = ["a", " ", "\t", ")", "\r", "\n", "é", "\u3000", "1", "'", "\x0c", "\x1c"]
-_AFTER = ["a", " ", "/", "\n", "\r", "1", "'", "é", "\u3000", ")", "\x85", "s", "\x1c", "\t"]
+_BEFORE = ["a", " ", "\t", ")", "\r", "\n", "é", "\u3000", "1", "'", "\x0c", "\x1c", "🙂", "𝔘"]
+_AFTER = ["a", " ", "/", "\n", "\r", "1", "'", "é", "\u3000", ")", "\x85", "s", "\x1c", "\t", "🙂", "𝔘"]
 
 
 @pytest.mark.parametrize("name", PATTERN_NAMES)
 def test_cut_mixed_text_splits_like_the_whole(name, heldout_text):
-    # A long text that mixes ASCII and non-ASCII is cut at line starts into stretches that each go to
-    # the faster exact engine. Put every pair of characters around a "\n" both just before a non-ASCII
-    # character (where a stretch starts) and at the start of a long ASCII run (where one ends).
+    # A long text with code points above U+FFFF here and there is cut at line starts into stretches
+    # that each go to the faster exact engine. Put every pair of characters around a "\n" both just
+    # before an astral character (where a stretch starts) and at the start of a long run without them
+    # (where one ends).
     split = Splitter(resolve_pattern(name))
     code = heldout_text[:3000].encode("ascii", "replace").decode()
     pieces = []
     for a in _BEFORE:
         for b in _AFTER:
-            pieces.append(f"{code}x{a}\n{b}é{a}\n{b}{code}")
+            pieces.append(f"{code}x{a}\n{b}🙂{a}\n{b}{code}")
     text = "".join(pieces)
-    assert not text.isascii() and len(text) > 4 * ASCII_RUN
+    assert _has_astral(text) and len(text) > 4 * BMP_RUN
     assert split.findall(text) == regex.findall(resolve_pattern(name), text)
     for piece in pieces[:20]:
         assert split.findall(piece) == regex.findall(resolve_pattern(name), piece)

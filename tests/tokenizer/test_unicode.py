@@ -10,14 +10,17 @@ ends up inside one chunk, so equal ids mean equal splits around every c.
 
 from __future__ import annotations
 
+import re
 from itertools import repeat
 
 import pytest
+import regex
 import tiktoken
 
 from kiln.tokenizer import Tokenizer
-from kiln.tokenizer.patterns import PATTERNS, Splitter
-from kiln.tokenizer.unicode_pin import NEWER_THAN_TIKTOKEN
+from kiln.tokenizer.patterns import PATTERNS
+from kiln.tokenizer.split import Splitter, bmp_form
+from kiln.tokenizer.unicode_pin import NEWER_THAN_TIKTOKEN, pinned_pattern
 
 BYTES = {bytes([i]): i for i in range(256)}
 VOCAB = BYTES | {b"'s": 256}
@@ -79,3 +82,29 @@ def test_newer_code_points_encode_as_tiktoken_on_both_paths():
             assert ids == enc.encode_ordinary(text), (name, text)
             assert tok.encode_ordinary_batch([text], processes=1) == [ids]
             assert tok.encode_ordinary_batch([text], processes=1, engine="kiln") == [ids]
+
+
+def _contexts(c: str) -> str:
+    # c after and before letters, digits, spaces, a newline and an apostrophe, inside the case-folded
+    # contractions ('s, 'll, 've, 're) and next to itself: every class and fold the patterns use.
+    return f"{c}'s '{c} '{c}e 'v{c}x{c}1{c}{c} A{c}a\n{c} "
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "gpt4", "o200k", "qwen2"])
+def test_bmp_form_splits_every_bmp_code_point_as_regex(name):
+    """The stdlib-`re` form that splits text without code points above U+FFFF (kiln.tokenizer.split)
+    against the `regex` module with the pinned pattern (which the sweep above ties to tiktoken), on
+    every BMP code point, lone surrogates included, in contexts that exercise each class."""
+    fast = re.compile(bmp_form(PATTERNS[name]))
+    slow = regex.compile(pinned_pattern(PATTERNS[name]))
+    bad: list[str] = []
+    for lo in range(0, 0x10000, BATCH):
+        text = "".join(_contexts(chr(c)) for c in range(lo, lo + BATCH))
+        if fast.findall(text) != slow.findall(text):
+            bad += [
+                f"U+{c:04X}"
+                for c in range(lo, lo + BATCH)
+                if fast.findall(_contexts(chr(c))) != slow.findall(_contexts(chr(c)))
+            ]
+    assert not bad, f"{len(bad)} code points split differently with {name}: {bad[:50]}"

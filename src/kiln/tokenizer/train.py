@@ -34,7 +34,8 @@ from itertools import chain, islice
 from tqdm.auto import tqdm
 
 from kiln.errors import KilnError
-from kiln.tokenizer.patterns import Splitter, resolve_pattern, special_splitter, utf8
+from kiln.tokenizer.patterns import resolve_pattern, special_splitter, utf8
+from kiln.tokenizer.split import Splitter
 from kiln.tokenizer.tokenizer import Tokenizer
 
 BATCH_CHARS = 1 << 21  # ~2 MB of text per counting task
