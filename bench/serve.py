@@ -3,7 +3,7 @@ output lengths uniform in [min_len, max_len], EOS ignored) sent through HTTP by 
 request rate (Poisson arrivals) and at saturation (every request at once), against the same requests through
 the offline engine (LLM.generate) in the same run, on a random-init Qwen2.5-1.5B-shaped model.
 
-    python bench/serve.py --out bench/results/serve.json          # H200: 128 requests, lengths 100-1024
+    python bench/serve.py --out bench/results/serve.json          # H200: 256 requests, lengths 100-1024
     python bench/serve.py --n 256 --rate 16 --out ...             # nano-vllm's 256 requests
     python bench/serve.py --smoke                                 # CPU, a tiny model, in seconds
 
@@ -215,7 +215,9 @@ def thread_server(llm: LLM, capacity: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=128, help="requests (nano-vllm: 256)")
+    ap.add_argument(
+        "--n", type=int, default=256, help="requests (nano-vllm's 256; the decode-speed issue's workload)"
+    )
     ap.add_argument("--min-len", type=int, default=100)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--rate", type=float, default=8.0, help="requests per second of the fixed-rate run")
