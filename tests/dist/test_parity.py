@@ -18,14 +18,20 @@ SCHEMES = [
     Scheme("ddp", {"dp_replicate": 4}),
     Scheme("zero1", {"dp_replicate": 4, "zero": 1}),
     # activation checkpointing rides along (it changes memory, never the math)
-    Scheme("zero2_selective_ac", {"dp_replicate": 1, "dp_shard": 4, "zero": 2, "activation_checkpoint": "selective"}),
+    Scheme(
+        "zero2_selective_ac",
+        {"dp_replicate": 1, "dp_shard": 4, "zero": 2, "activation_checkpoint": "selective"},
+    ),
     Scheme("fsdp_full_ac", {"dp_replicate": 1, "dp_shard": 4, "activation_checkpoint": "full"}),
     Scheme("hsdp", {"dp_replicate": 2, "dp_shard": 2}),
     Scheme("tp", {"dp_replicate": 1, "tp": 4}),
     Scheme("tp_sp", {"dp_replicate": 1, "tp": 4, "sequence_parallel": True}),
     Scheme("dp_x_tp", {"dp_replicate": 1, "dp_shard": 2, "tp": 2}),
-    Scheme("dp_x_tp_sp_qwen3ish", {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "sequence_parallel": True},
-           QWEN3ISH),  # fmt: skip
+    Scheme(
+        "dp_x_tp_sp_qwen3ish",
+        {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "sequence_parallel": True},
+        QWEN3ISH,
+    ),  # fmt: skip
 ]
 WORLD = 4
 
