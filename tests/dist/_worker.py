@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from kiln.dist.checkpoint import load_sharded, save_sharded
 from kiln.dist.parallel_dims import ParallelConfig, ParallelDims
 from kiln.dist.parallelize import LossModule, parallelize
 from kiln.dist.strategy import Strategy
@@ -37,6 +38,7 @@ class Scheme:
     name: str
     parallel: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)
+    resume_as: Scheme | None = None  # stop half-way with a sharded checkpoint, resume as this scheme
 
 
 def model_config(scheme: Scheme) -> ModelConfig:
@@ -61,8 +63,9 @@ def _gather(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def train(scheme: Scheme, rank: int = 0, world: int = 1) -> dict:
-    """Train 10 steps; returns {"losses": [...], "params": {name: full tensor}}."""
+def train(scheme: Scheme, rank: int = 0, world: int = 1, steps=range(STEPS), load=None, save=None) -> dict:
+    """Train `steps` (default all 10); returns {"losses": [...], "params": {name: full tensor}}.
+    load / save: a sharded checkpoint directory to start from / to write at the end."""
     cfg = model_config(scheme)
     full = build_model(cfg, seed=7)  # the one-process initialization, on every rank
     if world == 1:
@@ -79,8 +82,11 @@ def train(scheme: Scheme, rank: int = 0, world: int = 1) -> dict:
     optimizer = strategy.build_optimizer(model, lambda m: build_optimizer(m, OPT))
     per_rank = GLOBAL_BATCH // strategy.dp_size
     lo = strategy.dp_rank * per_rank
+    if load is not None:
+        start = load_sharded(load, model, optimizer, {"step": 0})["step"]
+        assert start == steps[0], (start, steps)
     losses = []
-    for step in range(STEPS):
+    for step in steps:
         xs, ys = batches(step)
         total = torch.zeros(())
         for micro in range(ACCUM):
@@ -94,6 +100,8 @@ def train(scheme: Scheme, rank: int = 0, world: int = 1) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(total))
+    if save is not None:
+        save_sharded(save, model, optimizer, {"step": steps[-1] + 1})
     return {"losses": losses, "params": _gather(model)}
 
 
@@ -107,7 +115,14 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, schemes: list[Sc
     try:
         for scheme in schemes:
             t0 = time.perf_counter()
-            result = train(scheme, rank, world)
+            if scheme.resume_as is not None:  # half the steps, a sharded checkpoint, the rest on another mesh
+                ckpt = os.path.join(out_dir, f"{scheme.name}.dcp")
+                half = STEPS // 2
+                first = train(scheme, rank, world, range(half), save=ckpt)
+                result = train(scheme.resume_as, rank, world, range(half, STEPS), load=ckpt)
+                result["losses"] = first["losses"] + result["losses"]
+            else:
+                result = train(scheme, rank, world)
             result["seconds"] = time.perf_counter() - t0
             if rank == 0:
                 torch.save(result, os.path.join(out_dir, f"{scheme.name}.pt"))
