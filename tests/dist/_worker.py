@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from kiln.dist.collectives import recursive_doubling_all_reduce, ring_all_reduce
 from kiln.dist.checkpoint import load_sharded, save_sharded
 from kiln.dist.parallel_dims import ParallelConfig, ParallelDims
 from kiln.dist.parallelize import LossModule, parallelize
@@ -105,6 +106,28 @@ def train(scheme: Scheme, rank: int = 0, world: int = 1, steps=range(STEPS), loa
     return {"losses": losses, "params": _gather(model)}
 
 
+def check_collectives(rank: int, world: int) -> dict:
+    """kiln's ring and recursive-doubling all-reduce against dist.all_reduce, on the whole world and on
+    3 of its ranks (a world that is not a power of two), over sizes that do not divide evenly (and
+    one smaller than the group). Returns {(algorithm, group size, shape, dtype): max abs error}."""
+    errors = {}
+    three = dist.new_group([0, 1, 2])  # every rank takes part in creating it
+    for group, members in ((None, world), (three, 3)):
+        if rank >= members:
+            continue
+        for shape in [(1,), (2,), (5,), (1000,), (3, 7)]:
+            for dtype in (torch.float64, torch.int64):
+                g = torch.Generator().manual_seed(17 * rank + len(shape) + shape[0])
+                x = torch.randn(shape, generator=g, dtype=torch.float64) * 100
+                x = x.to(dtype)
+                want = x.clone()
+                dist.all_reduce(want, group=group)
+                for name, fn in (("ring", ring_all_reduce), ("recursive_doubling", recursive_doubling_all_reduce)):
+                    got = fn(x.clone(), group=group)
+                    errors[(name, members, shape, str(dtype))] = (got - want).abs().max().item()
+    return errors
+
+
 def worker(rank: int, world: int, init_file: str, out_dir: str, schemes: list[Scheme]) -> None:
     """One spawned rank: join the group, run each scheme in turn, rank 0 saves the results."""
     os.environ.setdefault("KILN_KERNELS", "reference")
@@ -113,6 +136,9 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, schemes: list[Sc
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
     try:
+        errors = check_collectives(rank, world)
+        if rank == 0:
+            torch.save(errors, os.path.join(out_dir, "collectives.pt"))
         for scheme in schemes:
             t0 = time.perf_counter()
             if scheme.resume_as is not None:  # half the steps, a sharded checkpoint, the rest on another mesh
