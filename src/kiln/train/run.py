@@ -29,6 +29,7 @@ from kiln.config import format_config, to_dict
 from kiln.data.corpus import load_documents
 from kiln.data.loader import TokenLoader
 from kiln.data.shards import load_meta, prepare_shards, read_shard, split_documents
+from kiln.dist.hang import collective_errors
 from kiln.errors import KilnError
 from kiln.io.atomic import atomic_write_text
 from kiln.io.checkpoint import POINTER, latest_pointer, list_checkpoints
@@ -178,8 +179,9 @@ def run(
                 flush=True,
             )
     try:
-        init_distributed(env, device)
-        return _run(cfg, env, device, run_dir, resume, progress, stop_at, overwrite, resume_from)
+        init_distributed(env, device, cfg.parallel.hang_timeout_s if env.distributed else None)
+        with collective_errors(env.rank, cfg.parallel.hang_timeout_s):
+            return _run(cfg, env, device, run_dir, resume, progress, stop_at, overwrite, resume_from)
     finally:
         if lock is not None:
             lock.release()
@@ -294,6 +296,11 @@ def _run(
             cfg.model, cfg.parallel, env.rank, env.world_size, device, tc.seed, param_dtype
         )
         _say(env, f"      parallel: {strategy.dims.describe()}")
+        from kiln.dist.memory import estimate, format_estimate
+
+        est = estimate(cfg.model, strategy.dims, tc.batch_size, tc.seq_len, cfg.parallel.activation_checkpoint,
+                       2 if param_dtype is not None else 4)  # fmt: skip
+        _say(env, f"      per-rank memory, estimated: {format_estimate(est)}")
         dp_rank, dp_size = strategy.dp_rank, strategy.dp_size
     else:
         model = build_model(cfg.model, device=device, dtype=torch.float32, seed=tc.seed)
