@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from kiln.dist.collectives import recursive_doubling_all_reduce, ring_all_reduce
 from kiln.dist.checkpoint import load_sharded, save_sharded
 from kiln.dist.parallel_dims import ParallelConfig, ParallelDims
-from kiln.dist.parallelize import LossModule, parallelize
+from kiln.dist.parallelize import LossModule, parallelize, parallelize_pipeline
 from kiln.dist.strategy import Strategy
 from kiln.model import ModelConfig, build_model
 from kiln.train.optim import OptimConfig, build_optimizer
@@ -57,18 +57,24 @@ def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return t[..., :-1], t[..., 1:]
 
 
-def _gather(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {
+def _gather(model: torch.nn.Module, pipelined: bool = False) -> dict[str, torch.Tensor]:
+    out = {
         k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
         for k, v in model.state_dict().items()
     }
+    if pipelined:  # each stage holds its own layers: merge every rank's part
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, out)
+        out = {k: v for part in parts for k, v in part.items()}
+    return out
 
 
 def train(scheme: Scheme, rank: int = 0, world: int = 1, steps=range(STEPS), load=None, save=None) -> dict:
     """Train `steps` (default all 10); returns {"losses": [...], "params": {name: full tensor}}.
     load / save: a sharded checkpoint directory to start from / to write at the end."""
     cfg = model_config(scheme)
-    full = build_model(cfg, seed=7)  # the one-process initialization, on every rank
+    full = build_model(cfg, seed=7)
+    pipe = None  # the one-process initialization, on every rank
     if world == 1:
         model, wrapped = full, LossModule(full)
         strategy = Strategy(wrapped)
@@ -78,7 +84,11 @@ def train(scheme: Scheme, rank: int = 0, world: int = 1, steps=range(STEPS), loa
         mesh = dims.build_mesh("cpu")
         with torch.device("meta"):
             model = type(full)(cfg)
-        wrapped = parallelize(model, dims, pcfg, mesh, torch.device("cpu"), full.state_dict())
+        if dims.pp > 1:
+            model, pipe = parallelize_pipeline(model, dims, pcfg, mesh, torch.device("cpu"), full.state_dict())
+            wrapped = model
+        else:
+            wrapped = parallelize(model, dims, pcfg, mesh, torch.device("cpu"), full.state_dict())
         strategy = Strategy(wrapped, dims, mesh, rank)
     optimizer = strategy.build_optimizer(model, lambda m: build_optimizer(m, OPT))
     per_rank = GLOBAL_BATCH // strategy.dp_size
@@ -90,20 +100,23 @@ def train(scheme: Scheme, rank: int = 0, world: int = 1, steps=range(STEPS), loa
     for step in steps:
         xs, ys = batches(step)
         total = torch.zeros(())
-        for micro in range(ACCUM):
+        if pipe is not None:  # the accumulation chunks become the pipeline's micro-batches, in order
+            x, y = xs[:, lo : lo + per_rank].reshape(-1, SEQ), ys[:, lo : lo + per_rank].reshape(-1, SEQ)
+            total = pipe.step(x, y)
+        for micro in range(ACCUM if pipe is None else 0):
             x, y = xs[micro, lo : lo + per_rank], ys[micro, lo : lo + per_rank]
             with strategy.sync(micro == ACCUM - 1), strategy.context():
                 loss = wrapped(x, y) / ACCUM
                 loss.backward()
             total += loss.detach()
         strategy.clip_grad_norm_(model.parameters(), CLIP)
-        strategy.reduce_loss(total)
+        strategy.reduce_loss(total)  # pipeline ranks hold the same loss: the world mean is the dp mean
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(total))
     if save is not None:
         save_sharded(save, model, optimizer, {"step": steps[-1] + 1})
-    return {"losses": losses, "params": _gather(model)}
+    return {"losses": losses, "params": _gather(model, pipe is not None)}
 
 
 def check_collectives(rank: int, world: int) -> dict:
@@ -111,8 +124,10 @@ def check_collectives(rank: int, world: int) -> dict:
     3 of its ranks (a world that is not a power of two), over sizes that do not divide evenly (and
     one smaller than the group). Returns {(algorithm, group size, shape, dtype): max abs error}."""
     errors = {}
-    three = dist.new_group([0, 1, 2])  # every rank takes part in creating it
-    for group, members in ((None, world), (three, 3)):
+    groups = [(None, world)]
+    if world > 3:  # every rank takes part in creating the group of 3
+        groups.append((dist.new_group([0, 1, 2]), 3))
+    for group, members in groups:
         if rank >= members:
             continue
         for shape in [(1,), (2,), (5,), (1000,), (3, 7)]:

@@ -33,6 +33,7 @@ def test_fill_and_coordinates():
         (dict(tp=3), 6, "model.n_heads (8) is not divisible by parallel.tp (3)"),
         (dict(tp=4), 4, "model.n_kv_heads (2) is not divisible by parallel.tp (4)"),
         (dict(pp=3), 3, "model.n_layers (4) is not divisible by parallel.pp (3)"),
+        (dict(pp=2, dp_replicate=1, tie_embeddings=None), 2, "pipeline parallel with a tied head"),
         (dict(dp_replicate=2, tp=2), 8, "= 4 processes, but the world size is 8"),
         (dict(tp=2), 5, "not divisible by tp x pp x the given dp size = 2"),
         (dict(zero=3), 4, "parallel.zero=3 shards parameters over parallel.dp_shard, which is 1"),
@@ -41,8 +42,12 @@ def test_fill_and_coordinates():
     ],
 )
 def test_mismatches_name_the_fix(cfg, world, message):
+    model = MODEL
+    if "tie_embeddings" in cfg:  # a model-side setting, not a parallel one
+        cfg = {k: v for k, v in cfg.items() if k != "tie_embeddings"}
+        model = ModelConfig(**{**MODEL.to_dict(), "tie_embeddings": True})
     with pytest.raises(KilnError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        ParallelDims.resolve(ParallelConfig(**cfg), world, MODEL)
+        ParallelDims.resolve(ParallelConfig(**cfg), world, model)
 
 
 def test_vocabulary_and_config_checks():

@@ -27,6 +27,16 @@ SCHEMES = [
     Scheme("tp", {"dp_replicate": 1, "tp": 4}),
     Scheme("tp_sp", {"dp_replicate": 1, "tp": 4, "sequence_parallel": True}),
     Scheme("dp_x_tp", {"dp_replicate": 1, "dp_shard": 2, "tp": 2}),
+    # 5 steps on dp_shard=4, a sharded (DCP) checkpoint, 5 more on dp_shard=2 x tp=2 from it
+    Scheme(
+        "dcp_resume_fsdp4_as_dp2_x_tp2",
+        {"dp_replicate": 1, "dp_shard": 4},
+        resume_as=Scheme("dp2_x_tp2", {"dp_replicate": 1, "dp_shard": 2, "tp": 2}),
+    ),
+    # pipelines: the accumulation chunks become micro-batches (4 layers so that 4 stages hold one each)
+    Scheme("pp_gpipe", {"dp_replicate": 1, "pp": 4, "pp_schedule": "gpipe", "microbatches": 4}, {"n_layers": 4}),
+    Scheme("pp_1f1b", {"dp_replicate": 1, "pp": 4, "pp_schedule": "1f1b", "microbatches": 8}, {"n_layers": 4}),
+    Scheme("dp_x_pp_1f1b", {"dp_replicate": 1, "dp_shard": 2, "pp": 2, "pp_schedule": "1f1b", "microbatches": 2}),
     Scheme(
         "dp_x_tp_sp_qwen3ish",
         {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "sequence_parallel": True},

@@ -230,7 +230,9 @@ class ParallelDims:
                 "takes the same number of blocks; choose a pp that divides it",
             )
             _require(
-                m.n_layers // self.pp >= 1, f"parallel.pp ({self.pp}) exceeds model.n_layers ({m.n_layers})"
+                not m.tie_embeddings,
+                "pipeline parallel with a tied head (model.tie_embeddings) is not supported: the embedding "
+                "and the head sit on different stages; untie them or use parallel.pp=1",
             )
 
     def build_mesh(self, device_type: str):

@@ -105,7 +105,7 @@ def parallelize(
     runs (forward(x, y) -> mean loss). `model` itself stays the module whose parameters are trained.
     param_dtype: FSDP2's compute dtype (bf16 mixed precision; gradients are reduced in float32)."""
     if dims.pp > 1:
-        raise KilnError("parallel.pp > 1 goes through kiln.dist.pipeline, not parallelize")
+        raise KilnError("parallel.pp > 1 goes through parallelize_pipeline")
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], dims.sequence_parallel)
         loss: nn.Module = VocabParallelLoss(model, mesh["tp"])
@@ -143,3 +143,31 @@ def parallelize(
             process_group=mesh["dp_replicate"].get_group(),
         )
     return loss
+
+
+def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, mesh, device: torch.device,
+                         full_state: dict[str, torch.Tensor], param_dtype: torch.dtype | None = None):  # fmt: skip
+    """This rank's pipeline stage of `model` (meta device), sharded over the data-parallel mesh when
+    dp_shard > 1 and initialized from `full_state`. Returns (stage module, kiln.dist.pipeline.Pipeline)."""
+    from kiln.dist.pipeline import Pipeline, split_stage
+
+    if dims.tp > 1:
+        raise KilnError("tensor parallel inside pipeline stages is not built: use parallel.tp=1 with parallel.pp")
+    index = mesh["pp"].get_local_rank()
+    stage = split_stage(model, index, dims.pp)
+    checkpoint_blocks(list(stage.model.layers.values()), cfg.activation_checkpoint)
+    if dims.fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        unmerge_projections(stage)
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        m = dp_mesh(mesh, dims)
+        for block in stage.model.layers.values():
+            fully_shard(block, mesh=m, mp_policy=mp, reshard_after_forward=dims.zero == 3)
+        fully_shard(stage, mesh=m, mp_policy=mp, reshard_after_forward=False)
+    elif dims.dp > 1:
+        raise KilnError("data parallel with pipeline stages goes through FSDP2 here: use parallel.dp_shard")
+    stage.to_empty(device=device)
+    own = stage.state_dict().keys()
+    load_full_state(stage, {k: v for k, v in full_state.items() if k in own})
+    return stage, Pipeline(stage, stage, index, dims, mesh["pp"].get_group(), device)

@@ -106,11 +106,12 @@ class Strategy:
         max_norm <= 0 only measures. Returns the norm before clipping."""
         params = [p for p in params if p.grad is not None]
         reduce_partial_grads(params)
-        if not self.distributed or not any(isinstance(p.grad, DTensor) for p in params):
+        pp_group = self.mesh["pp"].get_group() if self.dims is not None and self.dims.pp > 1 else None
+        if not self.distributed or (pp_group is None and not any(isinstance(p.grad, DTensor) for p in params)):
             if max_norm > 0:
                 return torch.nn.utils.clip_grad_norm_(params, max_norm)
             return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
-        norm = global_grad_norm(params)
+        norm = global_grad_norm(params, pp_group)
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for p in params:
@@ -137,9 +138,10 @@ class Strategy:
 
     def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
         """(model state, optimizer state), whole, on the CPU for sharded models: a collective every rank
-        calls. The result is the same as one process's state dicts would be (kiln's checkpoint format),
-        so such a checkpoint resumes on any mesh of the same world size, and loads in one process.
-        With ZeRO-1 the optimizer state is consolidated on rank 0 (None elsewhere)."""
+        calls. The model state is what one process's would be (HF names, whole tensors), so it loads in
+        one process; the optimizer state of a sharded model is keyed by parameter name
+        (`get_state_dict`), which `load_full_state` reads back on the same layout. With ZeRO-1 the
+        optimizer state is consolidated on rank 0 (None elsewhere)."""
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
