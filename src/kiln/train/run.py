@@ -21,6 +21,7 @@ import gc
 import json
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -180,7 +181,9 @@ def run(
             )
     try:
         init_distributed(env, device, cfg.parallel.hang_timeout_s if env.distributed else None)
-        with collective_errors(env.rank, cfg.parallel.hang_timeout_s):
+        # a failed collective becomes one error line naming the rank (only a distributed run has them)
+        guard = collective_errors(env.rank, cfg.parallel.hang_timeout_s) if env.distributed else nullcontext()
+        with guard:
             return _run(cfg, env, device, run_dir, resume, progress, stop_at, overwrite, resume_from)
     finally:
         if lock is not None:
