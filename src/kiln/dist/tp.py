@@ -190,16 +190,11 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
         attn.n_heads //= tp
         attn.n_kv_heads //= tp
         parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))
-    # With a tied head under sequence parallel the embedding's output is all-reduced (Replicate) and
-    # the first norm takes its token slice: reduce-scattering it straight to Shard(0) gave wrong
-    # gradients for the shared weight in this torch (a parity test caught it), while the all-reduced
-    # form matches one process.
-    tied = model.lm_head is None
     top: dict[str, ParallelStyle] = {
         # vocab-parallel embedding: weight Shard(0) by vocabulary rows; partial lookups reduced
         "model.embed_tokens": RowwiseParallel(
             input_layouts=Replicate(),
-            output_layouts=Shard(0) if sequence_parallel and not tied else Replicate(),
+            output_layouts=Shard(0) if sequence_parallel else Replicate(),
             use_local_output=not sequence_parallel,
         ),
     }
