@@ -68,7 +68,34 @@ class MergedLinear(Linear):
         """Let `owner` (the module holding this one as `attr`) take the parts' checkpoint names on
         load. The hook sits on the owner because load_state_dict hands a child only the keys under the
         child's own prefix, and the parts are named beside it, not under it."""
-        owner._register_load_state_dict_pre_hook(functools.partial(_merge_state, self, attr))
+        self._merge_hook = owner._register_load_state_dict_pre_hook(
+            functools.partial(_merge_state, self, attr)
+        )
+
+    def unmerge(self, owner: nn.Module, attr: str, shards: int = 1) -> list[Linear]:
+        """Replace this merged projection on `owner` by one Linear per part, registered on `owner` under
+        the parts' checkpoint names (so parameter names are the HF names with no state-dict hooks), and
+        `owner.<attr>` by a parameterless `SplitCall` that runs them and concatenates, so the owner's
+        forward is unchanged. `shards`: each part's output is later split this many ways (tensor
+        parallel), so `split` cuts the local outputs at size / shards. Used by kiln.dist, where a
+        column-wise split must split each part (q, k and v separately), not the merged rows."""
+        parts = []
+        for name, a, b in self.slices():
+            lin = Linear(self.in_features, b - a, self.bias is not None, self.backend)
+            if self.weight.device.type != "meta":
+                with torch.no_grad():
+                    lin.to(self.weight.device, self.weight.dtype)
+                    lin.weight.copy_(self.weight[a:b])
+                    if self.bias is not None:
+                        lin.bias.copy_(self.bias[a:b])
+            else:
+                lin.to(device="meta", dtype=self.weight.dtype)
+            setattr(owner, name, lin)
+            parts.append(lin)
+        self._merge_hook.remove()
+        delattr(owner, attr)
+        object.__setattr__(owner, attr, SplitCall(parts, [s // shards for s in self.parts.values()]))
+        return parts
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(y.split(list(self.parts.values()), dim=-1))
@@ -80,6 +107,21 @@ class MergedLinear(Linear):
             out.append((name, start, start + size))
             start += size
         return out
+
+
+class SplitCall:
+    """What stands where an unmerged MergedLinear stood: calls the parts, concatenates their outputs
+    (..., sum of local sizes), and `split` cuts them apart again. Not a module: the parts are
+    registered on the owner, once."""
+
+    def __init__(self, parts: list[Linear], local_sizes: list[int]):
+        self.parts, self.local_sizes = parts, local_sizes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(y.split(self.local_sizes, dim=-1))
 
 
 def _parent_prefix(prefix: str) -> str:

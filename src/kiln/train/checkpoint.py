@@ -65,9 +65,11 @@ def set_aside_later(ckpt_dir: Path, step: int) -> list[Path]:
     return moved
 
 
-def check_finite(model: torch.nn.Module, step: int) -> None:
-    """Refuse to checkpoint non-finite parameters (one host sync; checkpoints are rare)."""
-    finite = torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()
+def check_finite(model: torch.nn.Module | dict[str, torch.Tensor], step: int) -> None:
+    """Refuse to checkpoint non-finite parameters (one host sync; checkpoints are rare). `model` may be
+    a state dict (a sharded run's gathered state)."""
+    tensors = model.values() if isinstance(model, dict) else model.parameters()
+    finite = torch.stack([torch.isfinite(p).all() for p in tensors]).all()
     if not bool(finite):
         raise KilnError(
             f"the parameters are not finite at step {step}: no checkpoint was written (LATEST.json still "

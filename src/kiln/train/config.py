@@ -13,6 +13,7 @@ from typing import Any
 
 from kiln.config import from_dict, merge, parse_overrides, read_json_object, to_dict
 from kiln.configs import PRESETS, load_preset
+from kiln.dist.parallel_dims import ParallelConfig
 from kiln.errors import KilnError
 from kiln.model import ModelConfig
 
@@ -144,6 +145,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -249,6 +251,7 @@ __all__ = [
     "TokenizerConfig",
     "TrainConfig",
     "SampleConfig",
+    "ParallelConfig",
     "RunConfig",
     "resolve_config",
     "config_from_dict",

@@ -6,6 +6,7 @@ Only rank 0 logs and writes files.
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -59,10 +60,12 @@ def resolve_device(name: str, env: DistEnv | None = None) -> torch.device:
     return dev
 
 
-def init_distributed(env: DistEnv, device: torch.device) -> None:
-    """Join the torchrun process group (NCCL on CUDA, gloo on CPU); a no-op for one process."""
+def init_distributed(env: DistEnv, device: torch.device, timeout_s: float | None = None) -> None:
+    """Join the torchrun process group (NCCL on CUDA, gloo on CPU); a no-op for one process.
+    timeout_s: how long any collective may wait before it fails (kiln.dist.hang); None: torch's default."""
     if not env.distributed or torch.distributed.is_initialized():
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    torch.distributed.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+    torch.distributed.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", **kwargs)

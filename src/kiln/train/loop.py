@@ -1,7 +1,9 @@
 """The training loop: micro-batches, gradient accumulation, clipping, schedule, eval, checkpoints, logs.
 
-It takes its model and optimizer from builder functions, and a `parallelize(model, env)` step that
-later work (FSDP, tensor parallel, compile) replaces without touching the loop. It reads its rank
+It takes its model and optimizer from builder functions, and its parallel behaviour from a
+`kiln.dist.strategy.Strategy` (gradient sync under accumulation, the forward/backward context,
+clipping by the global norm across the mesh, loss reduction, the data-parallel rank the loader reads
+as); without one, `parallelize(model, env)` wraps the model (DDP under torchrun). It reads its rank
 from torchrun's variables; only rank 0 logs and writes files.
 """
 
@@ -19,6 +21,8 @@ from tqdm.auto import tqdm
 
 from kiln.config import to_dict
 from kiln.data.loader import TokenLoader
+from kiln.dist.parallel_dims import ParallelConfig, ParallelDims
+from kiln.dist.strategy import Strategy
 from kiln.errors import KilnError
 from kiln.train.checkpoint import check_finite, save_checkpoint
 from kiln.train.config import RunConfig
@@ -101,10 +105,16 @@ class Trainer:
         parallelize: Callable = default_parallelize,
         peak_flops: float | None = None,
         progress: bool = True,
+        strategy: Strategy | None = None,
     ):
         self.cfg, self.tc = cfg, cfg.train
-        self.model = model  # the plain module: checkpoints and eval use it
-        self.wrapped = parallelize(LossModule(model), env, device)  # what the forward/backward runs through
+        self.model = model  # the module whose parameters train: checkpoints and eval use it
+        if strategy is None:  # DDP over the whole world (or one process), as parallel's defaults say
+            wrapped = parallelize(LossModule(model), env, device)
+            dims = ParallelDims.resolve(ParallelConfig(), env.world_size)
+            strategy = Strategy(wrapped, dims, None, env.rank)
+        self.strategy = strategy
+        self.wrapped = strategy.wrapped  # what the forward/backward runs through
         self.optimizer = optimizer
         self.scheduler = WarmupCosine(
             optimizer, self.tc.lr, self.tc.warmup_steps, self.tc.steps, self.tc.min_lr_ratio
@@ -127,9 +137,11 @@ class Trainer:
 
     # ---- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """The whole training state; a collective under a sharded strategy (call it on every rank)."""
+        model_sd, optim_sd = self.strategy.full_state(self.model, self.optimizer)
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_sd,
+            "optimizer": optim_sd,
             "scheduler": self.scheduler.state_dict(),
             "loader": self.train_loader.state_dict(),
             "step": self.state.step,
@@ -143,8 +155,7 @@ class Trainer:
 
     def load_state_dict(self, ckpt: dict) -> None:
         try:
-            self.model.load_state_dict(ckpt["model"])
-            self.optimizer.load_state_dict(ckpt["optimizer"])
+            self.strategy.load_full_state(self.model, self.optimizer, ckpt["model"], ckpt["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise KilnError(
                 f"the checkpoint does not fit this model/optimizer: {str(e).splitlines()[0]}"
@@ -161,6 +172,14 @@ class Trainer:
         self.metrics.truncate_after(self.state.step)
 
     def save(self) -> None:
+        if self.strategy.sharded or self.strategy.zero1:  # gathering the state takes every rank
+            state = self.state_dict()
+            if self.env.is_main:
+                check_finite(state["model"], self.state.step)
+                save_checkpoint(
+                    self.run_dir / "checkpoints", self.state.step, state, self.tc.keep_checkpoints
+                )
+            return
         if self.env.is_main:
             check_finite(self.model, self.state.step)
             save_checkpoint(
@@ -186,22 +205,19 @@ class Trainer:
             x, y = self.train_loader.next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             last = micro == self.tc.grad_accum - 1
-            # DDP all-reduces gradients only on the last micro-batch; no_sync covers forward and backward
-            sync = contextlib.nullcontext() if last or not self.env.distributed else self.wrapped.no_sync()
-            with sync:
+            # gradients sync on the last micro-batch only (DDP's no_sync, FSDP2's requires_gradient_sync);
+            # the strategy's context covers forward and backward (loss_parallel under tensor parallel)
+            with self.strategy.sync(last), self.strategy.context():
                 with self._autocast():
                     loss = self.loss_fn(x, y) / self.tc.grad_accum
                 loss.backward()
             total += loss.detach()
-        if self.tc.grad_clip > 0:  # a non-finite norm makes the clipped grads NaN: skipped below
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip)
-        else:
-            grad_norm = torch.linalg.vector_norm(
-                torch.stack([p.grad.norm() for p in self.model.parameters() if p.grad is not None])
-            )
-        if self.env.distributed:  # before the check, so that every rank takes the same decision
-            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.AVG)
-        ok = torch.isfinite(grad_norm) & torch.isfinite(total)  # grad_norm: the same on every rank (DDP)
+        # the global norm over every shard on every rank; a non-finite norm makes the clipped grads NaN:
+        # skipped below. grad_clip 0 only measures
+        grad_norm = self.strategy.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip)
+        # before the check, so that every rank takes the same decision
+        self.strategy.reduce_loss(total)
+        ok = torch.isfinite(grad_norm) & torch.isfinite(total)  # grad_norm: the same on every rank
         if self.device_skip:
             self.optimizer.found_inf = (~ok).float()  # fused AdamW: 1.0 skips the whole update
             try:
@@ -213,7 +229,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.state.step += 1
-        self.state.tokens += self.tc.batch_size * self.tc.seq_len * self.tc.grad_accum * self.env.world_size
+        self.state.tokens += self.tc.batch_size * self.tc.seq_len * self.tc.grad_accum * self.strategy.dp_size
         return total, grad_norm.detach(), ok
 
     def validate(self) -> dict[str, float]:
@@ -221,6 +237,10 @@ class Trainer:
 
         def summed(x, y):
             with self._autocast():
+                if self.strategy.sharded:  # the parameters are shards: go through the parallel loss
+                    with torch.no_grad(), self.strategy.context():
+                        n = (y != -100).sum()
+                        return torch.where(n > 0, self.wrapped(x, y).float() * n, 0.0)
                 return self.model.loss(x, y, reduction="sum").float()
 
         return evaluate(summed, self.val_batches, self.byte_lengths, self.device)

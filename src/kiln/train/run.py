@@ -21,6 +21,7 @@ import gc
 import json
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from kiln.config import format_config, to_dict
 from kiln.data.corpus import load_documents
 from kiln.data.loader import TokenLoader
 from kiln.data.shards import load_meta, prepare_shards, read_shard, split_documents
+from kiln.dist.hang import collective_errors
 from kiln.errors import KilnError
 from kiln.io.atomic import atomic_write_text
 from kiln.io.checkpoint import POINTER, latest_pointer, list_checkpoints
@@ -40,7 +42,7 @@ from kiln.train.config import RunConfig, resume_changes
 from kiln.train.env import DistEnv, dist_env, init_distributed, resolve_device
 from kiln.train.evaluate import token_byte_lengths, unigram_bpb
 from kiln.train.generate import complete
-from kiln.train.loop import Trainer
+from kiln.train.loop import Trainer, autocast_dtype
 from kiln.train.optim import OptimConfig, build_optimizer
 
 
@@ -178,8 +180,11 @@ def run(
                 flush=True,
             )
     try:
-        init_distributed(env, device)
-        return _run(cfg, env, device, run_dir, resume, progress, stop_at, overwrite, resume_from)
+        init_distributed(env, device, cfg.parallel.hang_timeout_s if env.distributed else None)
+        # a failed collective becomes one error line naming the rank (only a distributed run has them)
+        guard = collective_errors(env.rank, cfg.parallel.hang_timeout_s) if env.distributed else nullcontext()
+        with guard:
+            return _run(cfg, env, device, run_dir, resume, progress, stop_at, overwrite, resume_from)
     finally:
         if lock is not None:
             lock.release()
@@ -282,13 +287,34 @@ def _run(
     data_dir = run_dir / "data"
     meta = load_meta(data_dir)
     tc = cfg.train
+    # the model and how it spreads over the processes (kiln.dist): the loader slices each global batch
+    # by data-parallel rank only (the ranks of one tensor-parallel group read the same rows)
+    torch.manual_seed(tc.seed)
+    strategy = None
+    if env.distributed:
+        from kiln.dist.strategy import build_parallel
+
+        param_dtype = torch.bfloat16 if autocast_dtype(tc.dtype, device) is not None else None
+        model, strategy = build_parallel(
+            cfg.model, cfg.parallel, env.rank, env.world_size, device, tc.seed, param_dtype
+        )
+        _say(env, f"      parallel: {strategy.dims.describe()}")
+        from kiln.dist.memory import estimate, format_estimate
+
+        est = estimate(cfg.model, strategy.dims, tc.batch_size, tc.seq_len, cfg.parallel.activation_checkpoint,
+                       2 if param_dtype is not None else 4)  # fmt: skip
+        _say(env, f"      per-rank memory, estimated: {format_estimate(est)}")
+        dp_rank, dp_size = strategy.dp_rank, strategy.dp_size
+    else:
+        model = build_model(cfg.model, device=device, dtype=torch.float32, seed=tc.seed)
+        dp_rank, dp_size = 0, 1
     train_loader = TokenLoader(
         _shard_paths(data_dir, meta, "train"),
         tc.batch_size,
         tc.seq_len,
         seed=tc.seed,
-        rank=env.rank,
-        world_size=env.world_size,
+        rank=dp_rank,
+        world_size=dp_size,
     )
     # the validation set is the first eval_batches global batches; each rank evaluates its slice
     val_loader = TokenLoader(
@@ -296,14 +322,14 @@ def _run(
         tc.batch_size,
         tc.seq_len,
         shuffle=False,
-        rank=env.rank,
-        world_size=env.world_size,
+        rank=dp_rank,
+        world_size=dp_size,
     )
     val_batches = [val_loader.next_batch() for _ in range(min(tc.eval_batches, val_loader.batches_per_epoch))]
     byte_lengths = token_byte_lengths(tok)
     # the unigram baseline on the same (global) validation windows
     whole_val = TokenLoader(
-        _shard_paths(data_dir, meta, "val"), tc.batch_size * env.world_size, tc.seq_len, shuffle=False
+        _shard_paths(data_dir, meta, "val"), tc.batch_size * dp_size, tc.seq_len, shuffle=False
     )
     baseline = unigram_bpb(
         (read_shard(p) for p in _shard_paths(data_dir, meta, "train")),
@@ -311,9 +337,11 @@ def _run(
         byte_lengths,
     )
 
-    torch.manual_seed(tc.seed)
-    model = build_model(cfg.model, device=device, dtype=torch.float32, seed=tc.seed)
-    optimizer = build_optimizer(model, OptimConfig(tc.lr, tc.weight_decay, tc.beta1, tc.beta2, tc.eps))
+    ocfg = OptimConfig(tc.lr, tc.weight_decay, tc.beta1, tc.beta2, tc.eps)
+    if strategy is not None:  # after sharding: the optimizer holds the shards (ZeRO-1 shards its state)
+        optimizer = strategy.build_optimizer(model, lambda m: build_optimizer(m, ocfg))
+    else:
+        optimizer = build_optimizer(model, ocfg)
     peak = None
     if device.type == "cuda":
         from kiln.profile.ceilings import matmul_flops
@@ -323,7 +351,7 @@ def _run(
     _say(
         env,
         f"[4/5] training a {cfg.model.arch} model of {n_params / 1e6:.2f}M parameters for {tc.steps} steps "
-        f"({tc.batch_size * tc.seq_len * tc.grad_accum * env.world_size:,} tokens/step); "
+        f"({tc.batch_size * tc.seq_len * tc.grad_accum * dp_size:,} tokens/step); "
         f"unigram baseline {baseline:.3f} bits/byte"
         + (f"; MFU vs measured bf16 matmul {peak / 1e12:.0f} TFLOP/s" if peak else ""),
     )
@@ -339,6 +367,7 @@ def _run(
         run_dir,
         peak_flops=peak,
         progress=progress,
+        strategy=strategy,
     )
     if resume:
         trainer.load_state_dict(ckpt)
@@ -354,7 +383,15 @@ def _run(
     timings["train_s"] = time.perf_counter() - t0
 
     samples = []
-    if env.is_main and cfg.sample.prompts and cfg.sample.max_new_tokens > 0:
+    want_samples = bool(cfg.sample.prompts) and cfg.sample.max_new_tokens > 0
+    if want_samples and strategy is not None and strategy.sharded:
+        # sample from whole weights: every rank joins the gather, rank 0 builds a one-process model
+        full, _ = strategy.full_state(model, None)
+        if env.is_main:
+            model = build_model(cfg.model, device=device, dtype=torch.float32, seed=tc.seed)
+            model.load_state_dict(full)
+        del full
+    if env.is_main and want_samples:
         _say(env, "[5/5] samples")
         sc = cfg.sample
         gen = torch.Generator(device=device).manual_seed(sc.seed)

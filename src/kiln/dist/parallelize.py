@@ -1,0 +1,173 @@
+"""parallelize(model, dims, cfg): a kiln Transformer made ready for its mesh, in TorchTitan's order.
+
+    tensor / sequence parallel  ->  activation checkpointing  ->  torch.compile per block  ->  FSDP2 / DDP
+
+The order matters: TP turns parameters into DTensors on the tp mesh, which FSDP2 then shards again
+over the data-parallel mesh (2D parameters); checkpointing and compile wrap each block's forward
+*inside* FSDP's per-block hooks, so a block's parameters are gathered once for its forward and once
+for its backward (its recomputation included).
+
+The model comes in built on the meta device (no memory, no init work) and leaves materialized on
+`device` and initialized from `full_state`, the one-process initialization (every rank builds the
+same full CPU state from the same seed; each rank keeps only its shards). That makes a sharded run
+start from exactly the weights a single process would, so losses can be compared step by step, and
+makes the init independent of the mesh (as TorchTitan's seed checkpoints do).
+
+Data parallel, by `dims.zero`:
+- 3 (FSDP2): fully_shard per block and on the root; parameters resharded after forward.
+- 2 (ZeRO-2): the same with reshard_after_forward=False: parameters stay gathered from forward to
+  backward (no second all-gather), gradients and optimizer state stay sharded.
+- 1 (ZeRO-1): DDP, with the optimizer state sharded by ZeroRedundancyOptimizer (kiln.dist.strategy).
+- 0: DDP (bucketed all-reduce overlapped with backward; no_sync under gradient accumulation).
+dp_replicate > 1 with dp_shard > 1 is HSDP: fully_shard over the 2D (replicate, shard) mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
+
+from kiln.dist.loss import VocabParallelLoss
+from kiln.dist.parallel_dims import ParallelConfig, ParallelDims
+from kiln.dist.tp import apply_tp, unmerge_projections
+from kiln.errors import KilnError
+
+
+class LossModule(nn.Module):
+    """forward(inputs, targets) -> mean loss: the unit DDP/FSDP wrap (they hook forward)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(x, y)
+
+
+def checkpoint_blocks(blocks: nn.ModuleList, mode: str) -> None:
+    """Recompute block activations in backward: "full" every block, "selective" every other block
+    (half the saved activations for about half the recompute). The block's forward is wrapped in
+    place (no wrapper module), so parameter names stay the HF names."""
+    if mode == "none":
+        return
+    for i, block in enumerate(blocks):
+        if mode == "selective" and i % 2:
+            continue
+        forward = block.forward
+
+        @functools.wraps(forward)
+        def recomputed(*args, _forward=forward, **kwargs):
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        block.forward = recomputed
+
+
+def dp_mesh(mesh, dims: ParallelDims):
+    """The mesh FSDP2 shards over: dp_shard, or (dp_replicate, dp_shard) for HSDP."""
+    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+
+
+@torch.no_grad()
+def load_full_state(model: nn.Module, full_state: dict[str, torch.Tensor]) -> None:
+    """Copy a full (one-process) state dict into a possibly sharded model: each DTensor takes its
+    local shard of the full tensor (every rank holds the full tensor, so no communication)."""
+    own = model.state_dict(keep_vars=True)
+    missing = sorted(own.keys() - full_state.keys())
+    unexpected = sorted(full_state.keys() - own.keys())
+    if missing or unexpected:
+        raise KilnError(
+            f"the full state does not fit the parallelized model: missing {missing[:4]}, "
+            f"unexpected {unexpected[:4]}"
+        )
+    for name, p in own.items():
+        src = full_state[name]
+        if isinstance(p, DTensor):
+            shard = distribute_tensor(src.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(shard.to_local())
+        else:
+            p.copy_(src)
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    cfg: ParallelConfig,
+    mesh,
+    device: torch.device,
+    full_state: dict[str, torch.Tensor],
+    param_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Shard `model` (a Transformer on the meta device) for `mesh`; returns the loss module the loop
+    runs (forward(x, y) -> mean loss). `model` itself stays the module whose parameters are trained.
+    param_dtype: FSDP2's compute dtype (bf16 mixed precision; gradients are reduced in float32)."""
+    if dims.pp > 1:
+        raise KilnError("parallel.pp > 1 goes through parallelize_pipeline")
+    if dims.tp > 1:
+        apply_tp(model, mesh["tp"], dims.sequence_parallel)
+        loss: nn.Module = VocabParallelLoss(model, mesh["tp"])
+    else:
+        if dims.fsdp:
+            unmerge_projections(model)  # FSDP's dim-0 shards must not cut across q/k/v (see kiln.dist.tp)
+        loss = LossModule(model)
+    checkpoint_blocks(model.model.layers, cfg.activation_checkpoint)
+    if cfg.compile_blocks:
+        for block in model.model.layers:
+            block.compile()
+    if dims.fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        reshard = dims.zero == 3
+        m = dp_mesh(mesh, dims)
+        for block in model.model.layers:
+            fully_shard(block, mesh=m, mp_policy=mp, reshard_after_forward=reshard)
+        # the root: embedding, final norm and head; gathered for the whole step anyway
+        fully_shard(loss, mesh=m, mp_policy=mp, reshard_after_forward=False)
+    loss.to_empty(device=device)
+    load_full_state(model, full_state)
+    if not dims.fsdp and dims.dp_replicate > 1:
+        if dims.tp > 1:
+            raise KilnError(
+                "data parallel by whole replicas (parallel.dp_replicate) with tensor parallel needs sharded "
+                "data parallel here: use parallel.dp_shard for the data-parallel size (FSDP2 x TP)"
+            )
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        loss = DDP(
+            loss,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=mesh["dp_replicate"].get_group(),
+        )
+    return loss
+
+
+def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, mesh, device: torch.device,
+                         full_state: dict[str, torch.Tensor], param_dtype: torch.dtype | None = None):  # fmt: skip
+    """This rank's pipeline stage of `model` (meta device), sharded over the data-parallel mesh when
+    dp_shard > 1 and initialized from `full_state`. Returns (stage module, kiln.dist.pipeline.Pipeline)."""
+    from kiln.dist.pipeline import Pipeline, split_stage
+
+    if dims.tp > 1:
+        raise KilnError("tensor parallel inside pipeline stages is not built: use parallel.tp=1 with parallel.pp")
+    index = mesh["pp"].get_local_rank()
+    stage = split_stage(model, index, dims.pp)
+    checkpoint_blocks(list(stage.model.layers.values()), cfg.activation_checkpoint)
+    if dims.fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        unmerge_projections(stage)
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        m = dp_mesh(mesh, dims)
+        for block in stage.model.layers.values():
+            fully_shard(block, mesh=m, mp_policy=mp, reshard_after_forward=dims.zero == 3)
+        fully_shard(stage, mesh=m, mp_policy=mp, reshard_after_forward=False)
+    elif dims.dp > 1:
+        raise KilnError("data parallel with pipeline stages goes through FSDP2 here: use parallel.dp_shard")
+    stage.to_empty(device=device)
+    own = stage.state_dict().keys()
+    load_full_state(stage, {k: v for k, v in full_state.items() if k in own})
+    return stage, Pipeline(stage, stage, index, dims, mesh["pp"].get_group(), device)

@@ -1,0 +1,65 @@
+"""ParallelConfig / ParallelDims: sizes resolved against the world, every mismatch one clear error."""
+
+import pytest
+
+from kiln.dist.parallel_dims import ParallelConfig, ParallelDims
+from kiln.errors import KilnError
+from kiln.model import ModelConfig
+
+MODEL = ModelConfig(
+    vocab_size=64, d_model=32, n_layers=4, n_heads=8, n_kv_heads=2, ffn_hidden=64, max_seq_len=16
+)
+
+
+def test_defaults_are_ddp_over_the_world():
+    d = ParallelDims.resolve(ParallelConfig(), 4, MODEL)
+    assert (d.dp_replicate, d.dp_shard, d.tp, d.pp, d.zero, d.dp) == (4, 1, 1, 1, 0, 4)
+    assert ParallelDims.resolve(ParallelConfig(), 1).describe().startswith("one process")
+
+
+def test_fill_and_coordinates():
+    d = ParallelDims.resolve(ParallelConfig(dp_replicate=1, dp_shard=-1, tp=2), 8, MODEL)
+    assert (d.dp_shard, d.zero, d.world_size) == (4, 3, 8)
+    # row-major over (pp, dp_replicate, dp_shard, tp): the tp pair (2k, 2k+1) reads one data slice
+    assert [d.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert d.coords(5) == {"pp": 0, "dp_replicate": 0, "dp_shard": 2, "tp": 1}
+    h = ParallelDims.resolve(ParallelConfig(dp_replicate=2, dp_shard=2), 4, MODEL)
+    assert [h.dp_rank(r) for r in range(4)] == [0, 1, 2, 3] and h.fsdp
+
+
+@pytest.mark.parametrize(
+    "cfg, world, message",
+    [
+        (dict(tp=3), 6, "model.n_heads (8) is not divisible by parallel.tp (3)"),
+        (dict(tp=4), 4, "model.n_kv_heads (2) is not divisible by parallel.tp (4)"),
+        (dict(pp=3), 3, "model.n_layers (4) is not divisible by parallel.pp (3)"),
+        (dict(pp=2, dp_replicate=1, tie_embeddings=None), 2, "pipeline parallel with a tied head"),
+        (dict(dp_replicate=2, tp=2), 8, "= 4 processes, but the world size is 8"),
+        (dict(tp=2), 5, "not divisible by tp x pp x the given dp size = 2"),
+        (dict(zero=3), 4, "parallel.zero=3 shards parameters over parallel.dp_shard, which is 1"),
+        (dict(dp_replicate=1, dp_shard=4, zero=1), 4, "parallel.zero=1 is DDP over whole replicas"),
+        (dict(dp_replicate=1, zero=1, tp=2), 2, "parallel.zero=1 shards the optimizer state"),
+    ],
+)
+def test_mismatches_name_the_fix(cfg, world, message):
+    model = MODEL
+    if "tie_embeddings" in cfg:  # a model-side setting, not a parallel one
+        cfg = {k: v for k, v in cfg.items() if k != "tie_embeddings"}
+        model = ModelConfig(**{**MODEL.to_dict(), "tie_embeddings": True})
+    with pytest.raises(KilnError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ParallelDims.resolve(ParallelConfig(**cfg), world, model)
+
+
+def test_vocabulary_and_config_checks():
+    odd_vocab = ModelConfig(vocab_size=63, d_model=32, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=64)
+    with pytest.raises(KilnError, match="pad the vocabulary"):
+        ParallelDims.resolve(ParallelConfig(dp_replicate=1, tp=2), 2, odd_vocab)
+    for bad, msg in [
+        (dict(dp_replicate=-1, dp_shard=-1), "cannot both be -1"),
+        (dict(pp_schedule="zb"), "parallel.pp_schedule must be one of"),
+        (dict(activation_checkpoint="some"), "parallel.activation_checkpoint must be one of"),
+        (dict(sequence_parallel=True), "needs parallel.tp > 1"),
+        (dict(zero=4), "parallel.zero must be"),
+    ]:
+        with pytest.raises(KilnError, match=msg):
+            ParallelConfig(**bad)
