@@ -50,6 +50,21 @@ def pdl_prologue(PDL: tl.constexpr):
 
 
 @triton.jit
+def grouped_tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row, column) offsets of output tile `tile` of an (M, N) matmul in grouped order: GROUP_M tile-rows
+    walked down a column of tiles before moving right, so programs running together share A's row panels
+    and B's column panels in L2."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = min(tiles_m - first_m, GROUP_M)
+    off_m = (first_m + (tile % per_group) % group_rows) * BLOCK_M
+    off_n = ((tile % per_group) // group_rows) * BLOCK_N
+    return off_m, off_n
+
+
+@triton.jit
 def zero_counters(at):
     """Program 0 zeroes the COUNTERS int32 counters at `at` (a float32 pointer into a norm's saved
     statistics). A masked store rather than a branch: the branch cost the LayerNorm forward 10 registers

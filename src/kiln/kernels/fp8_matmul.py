@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import grouped_tile
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 
@@ -106,13 +107,7 @@ def _fp8_tile_kernel(
     STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = min(tiles_m - first_m, GROUP_M)
-    off_m = (first_m + (pid % per_group) % group_rows) * BLOCK_M
-    off_n = ((pid % per_group) // group_rows) * BLOCK_N
+    off_m, off_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     a_blk = tl.make_block_ptr(A_ptr, (M, K), (stride_am, 1), (off_m, 0), (BLOCK_M, BLOCK_K), (1, 0))
     b_blk = tl.make_block_ptr(B_ptr, (N, K), (stride_bn, 1), (off_n, 0), (BLOCK_N, BLOCK_K), (1, 0))
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

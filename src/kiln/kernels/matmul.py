@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels import matmul_decode
-from kiln.kernels._common import apply_activation, needs_grad
+from kiln.kernels._common import apply_activation, grouped_tile, needs_grad
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv
 
@@ -199,14 +199,7 @@ def _tile(
     """Program `pid`'s share of C: a (BLOCK_M, BLOCK_N) tile, or with SPLIT_K a 1 / SPLIT_K slice of its
     K range, the last slice to finish applying the epilogue to the sum."""
     tile = pid // SPLIT_K
-    # Grouped order: walk GROUP_M tile-rows down a column of tiles before moving right.
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (tile // per_group) * GROUP_M
-    group_rows = min(tiles_m - first_m, GROUP_M)
-    off_m = (first_m + (tile % per_group) % group_rows) * BLOCK_M
-    off_n = ((tile % per_group) // group_rows) * BLOCK_N
+    off_m, off_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_tiles = tl.cdiv(K, BLOCK_K)
     k_first = 0
     k_last = k_tiles

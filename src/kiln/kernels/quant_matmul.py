@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import grouped_tile
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv
 from kiln.kernels.matmul_decode import DECODE_MAX_M, DecodeConfig, _split_sum_kernel, _store
@@ -241,13 +242,7 @@ def _wq_tile_kernel(
     STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = min(tiles_m - first_m, GROUP_M)
-    off_m = (first_m + (pid % per_group) % group_rows) * BLOCK_M
-    off_n = ((pid % per_group) // group_rows) * BLOCK_N
+    off_m, off_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     m_ok = (offs_m < M)[:, None]
