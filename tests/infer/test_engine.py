@@ -238,3 +238,24 @@ def test_decode_buckets_equal_eager(tmp_path):
 def test_decode_backend_is_validated(tmp_path):
     with pytest.raises(KilnError, match="decode_backend"):
         make_llm(tmp_path, decode_backend="fast")
+
+
+def test_step_finished_only_reports_each_request_once_when_it_ends(tmp_path):
+    hf_causal_lm("llama").save_pretrained(tmp_path)
+    llm = make_llm(tmp_path)
+    want = tokens(llm.generate(PROMPTS[:3], [greedy(3), greedy(5), greedy(4)]))
+    eng = llm.engine
+    ids = [eng.add_request(p, greedy(n)) for p, n in zip(PROMPTS[:3], (3, 5, 4))]
+    seen = []
+    while eng.has_unfinished():
+        for out in eng.step(finished_only=True):
+            assert out.finished
+            seen.append(out)
+    assert [o.request_id for o in seen] == [ids[0], ids[2], ids[1]]
+    assert [o.outputs[0].token_ids for o in sorted(seen, key=lambda o: ids.index(o.request_id))] == want
+    rid = eng.add_request(PROMPTS[4], greedy(8))
+    eng.step()
+    eng.abort(rid)
+    assert not eng.has_unfinished()
+    (out,) = eng.step(finished_only=True)  # an abort is reported by the next step, even an empty one
+    assert out.request_id == rid and out.outputs[0].finish_reason == "abort" and not eng.requests

@@ -33,7 +33,6 @@ which is what the CPU tests check against the unpadded eager path.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from kiln.model.attn_metadata import AttnMetadata
@@ -150,18 +149,17 @@ class DecodeGraphs:
                 f"DecodeGraphs.run: batch {B} is larger than the largest bucket {self.buckets[-1]}"
             )
         bs = self.block_size
-        pos = np.asarray(positions, dtype=np.int64)
-        self.np64[0, :B] = tokens
-        self.np64[1, :B] = pos
-        self.np_lens[:B] = pos + 1
         width = self.np_tables.shape[1]
+        if max(map(len, tables)) > width:
+            raise ValueError(f"DecodeGraphs.run: a block table exceeds the {width} pages captured")
+        # Python ints for the per-row arithmetic (numpy scalars cost more), one numpy write per row
+        self.np64[0, :B] = tokens
+        self.np64[1, :B] = positions
+        self.np64[2, :B] = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+        self.np_lens[:B] = self.np64[1, :B] + 1
+        self.np_tables[:B] = 0
         for i, table in enumerate(tables):
-            n = len(table)
-            if n > width:
-                raise ValueError(f"DecodeGraphs.run: a block table of {n} pages exceeds the {width} captured")
-            self.np_tables[i, :n] = table
-            self.np_tables[i, n:] = 0
-            self.np64[2, i] = table[pos[i] // bs] * bs + pos[i] % bs
+            self.np_tables[i, : len(table)] = table
         self._fill_padding(B, Bb)
         self.dev64.copy_(self.host64, non_blocking=True)  # (3, Bmax): a few KB, one copy
         self.dev_lens[:Bb].copy_(self.host_lens[:Bb], non_blocking=True)

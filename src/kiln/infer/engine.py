@@ -122,6 +122,7 @@ class LLMEngine:
         )
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
+        self._aborted: dict[str, _Request] = {}  # aborted since the last step's outputs
         self._by_seq: dict[int, tuple[_Request, int]] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -198,17 +199,20 @@ class LLMEngine:
             return
         for seq in req.seqs:
             self.scheduler.abort(seq.seq_id)
+        self._aborted[request_id] = req  # reported by the next step, which may sample none of its sequences
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ---- a step -------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one scheduled step; return the state of every request that made progress in it (the
-        finished ones for the last time: they are dropped from the engine)."""
+        finished ones for the last time: they are dropped from the engine). finished_only: return only
+        the requests that finished, for callers that read nothing else (offline generation): the running
+        ones' snapshots (a copy of every output token list, each step) are then not built."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return self._collect(set())
+            return self._collect({}, finished_only)
         step = self.runner.execute(batch)
         sampling = batch.sampling_seqs
         ids = logprobs = top = None
@@ -226,10 +230,13 @@ class LLMEngine:
         if step.hidden is not None:
             self._prompt_logprobs(batch, step.inputs, step.hidden)
         self.scheduler.postprocess(batch, ids or [], logprobs, top)
-        touched = {id(self._by_seq[s.seq_id][0]) for s in sampling if s.seq_id in self._by_seq}
+        touched: dict[str, _Request] = {}
         for seq in sampling:
-            self._detokenize(seq)
-        return self._collect(touched)
+            entry = self._by_seq.get(seq.seq_id)
+            if entry is not None:
+                touched[entry[0].request_id] = entry[0]
+                self._detokenize(seq)
+        return self._collect(touched, finished_only)
 
     def _prompt_logprobs(self, batch, inputs, hidden) -> None:
         """log P(prompt[p] | prompt[:p]) at the prompt positions this step computed, for requests that asked."""
@@ -280,13 +287,18 @@ class LLMEngine:
         except ValueError:  # not in the tokenizer's vocabulary
             return b""
 
-    def _collect(self, touched: set[int]) -> list[RequestOutput]:
+    def _collect(self, touched: dict[str, _Request], finished_only: bool) -> list[RequestOutput]:
+        """Outputs of the requests a step touched and of those aborted since the last step (only the
+        finished ones with finished_only); finished requests leave the engine. Requests that did not
+        move are not visited: with hundreds waiting, a step costs the ones it ran."""
+        touched.update(self._aborted)
+        self._aborted.clear()
         outs = []
-        for rid, req in list(self.requests.items()):
-            if id(req) not in touched and not req.finished:
-                continue
-            outs.append(self._output(req))
-            if req.finished:
+        for rid, req in touched.items():
+            done = req.finished
+            if done or not finished_only:
+                outs.append(self._output(req))
+            if done:
                 del self.requests[rid]
                 for seq in req.seqs:
                     self._by_seq.pop(seq.seq_id, None)
@@ -394,7 +406,7 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         while eng.has_unfinished():
-            for out in eng.step():
+            for out in eng.step(finished_only=True):
                 if out.finished:
                     done[out.request_id] = out
                     if bar is not None:
