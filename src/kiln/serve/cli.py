@@ -111,6 +111,7 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
+        decode_backend=args.decode_backend,
     )
     llm = LLM(args.model, **engine_opts)
     server = Server(llm.engine, config)
@@ -173,4 +174,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument(
+        "--decode-backend",
+        choices=("graphs", "compile", "eager"),
+        default="graphs",
+        help="decode steps on CUDA: CUDA graphs per batch bucket (default), torch.compile + graphs, or eager",
+    )
     p.set_defaults(func=_serve)
