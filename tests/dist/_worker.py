@@ -47,6 +47,7 @@ class Scheme:
     model: dict = field(default_factory=dict)
     resume_as: Scheme | None = None  # stop half-way with a sharded checkpoint, resume as this scheme
     delay: bool = False  # the last rank sleeps DELAY_S before each of its collectives
+    export: bool = False  # save a sharded checkpoint at the end, as <name>.dcp in the output directory
 
 
 DELAY_S = 0.003
@@ -238,7 +239,8 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, schemes: list[Sc
                 result = train(scheme.resume_as, rank, world, range(half, STEPS), load=ckpt)
                 result["losses"] = first["losses"] + result["losses"]
             else:
-                result = train(scheme, rank, world)
+                save = os.path.join(out_dir, f"{scheme.name}.dcp") if scheme.export else None
+                result = train(scheme, rank, world, save=save)
             result["seconds"] = time.perf_counter() - t0
             if rank == 0:
                 torch.save(result, os.path.join(out_dir, f"{scheme.name}.pt"))

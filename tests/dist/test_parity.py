@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from kiln.cli import main
+from kiln.model.hf import from_pretrained
 from tests.dist._worker import STEPS, Scheme, train, worker
 
 QWEN3ISH = {"qk_norm": True, "qkv_bias": True, "tie_embeddings": True}  # q/k norms, q/k/v biases, tied head
@@ -28,7 +30,8 @@ SCHEMES = [
     Scheme("hsdp", {"dp_replicate": 2, "dp_shard": 2}),
     Scheme("tp", {"dp_replicate": 1, "tp": 4}),
     Scheme("tp_sp", {"dp_replicate": 1, "tp": 4, "sequence_parallel": True}, delay=True),
-    Scheme("dp_x_tp", {"dp_replicate": 1, "dp_shard": 2, "tp": 2}),
+    # export=True: its final state saved sharded (DCP), then `kiln convert` to HF in one process
+    Scheme("dp_x_tp", {"dp_replicate": 1, "dp_shard": 2, "tp": 2}, export=True),
     # 5 steps on dp_shard=4, a sharded (DCP) checkpoint, 5 more on dp_shard=2 x tp=2 from it
     Scheme(
         "dcp_resume_fsdp4_as_dp2_x_tp2",
@@ -70,6 +73,7 @@ def results(tmp_path_factory):
         s.name: (torch.load(out / f"{s.name}.pt"), refs[tuple(sorted(s.model.items()))]) for s in SCHEMES
     }
     found["collectives"] = torch.load(out / "collectives.pt")
+    found["out"] = out
     return found
 
 
@@ -103,3 +107,19 @@ def test_ring_and_recursive_doubling_all_reduce_match_the_library(results):
     for key, err in errors.items():
         # integers exactly; float64 sums of 4 values of ~100 in another order: rounding only
         assert err <= (0 if "int64" in key[3] else 1e-12), (key, err)
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_exports_to_one_hf_directory(results, tmp_path):
+    """dp_shard=2 x tp=2 saved its final state as DCP shards (FSDP2's and TP's DTensors as they are);
+    `kiln convert` reads them in one process and writes HF safetensors that kiln loads back: the same
+    parameters as the run's own gathered ones (exactly) and the one-process run's (within 1e-5)."""
+    got, ref = results["dp_x_tp"]
+    hf = tmp_path / "hf"
+    assert main(["convert", str(results["out"] / "dp_x_tp.dcp"), str(hf)]) == 0
+    assert (hf / "config.json").is_file() and list(hf.glob("*.safetensors"))
+    params = from_pretrained(hf).state_dict()
+    assert params.keys() == got["params"].keys()
+    for k, v in params.items():
+        assert torch.equal(v, got["params"][k]), k
+        assert (v - ref["params"][k]).abs().max().item() <= 1e-5, k
