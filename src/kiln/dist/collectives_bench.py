@@ -31,7 +31,8 @@ from kiln.errors import KilnError
 
 
 def sizes_between(lo: int, hi: int, factor: int = 4) -> list[int]:
-    """Message sizes in bytes lo, lo * factor, ... up to hi (powers of two, multiples of 4 * p bytes)."""
+    """Message sizes in bytes lo, lo * factor, ... up to hi (`measure` rounds each down to whole floats
+    per rank)."""
     if lo < 4 or hi < lo:
         raise KilnError(f"message sizes need 4 <= min <= max bytes, got {lo} .. {hi}")
     out, n = [], lo
@@ -75,9 +76,8 @@ def measure(sizes: list[int], device: torch.device, rounds: int = 3, smoke: bool
     p, rank = dist.get_world_size(), dist.get_rank()
     rows = []
     for nbytes in sizes:
-        numel = nbytes // 4
-        if numel % p:
-            raise KilnError(f"message size {nbytes} bytes is not a multiple of 4 * {p} ranks")
+        numel = nbytes // 4 // p * p  # reduce-scatter / all-gather split n evenly: round down to p floats
+        nbytes = numel * 4
         for op in OPS:
             # the all-gather's output and the reduce-scatter's input are the n bytes; the other side n / p
             big = torch.full((numel,), float(rank + 1), device=device)
@@ -93,8 +93,8 @@ def measure(sizes: list[int], device: torch.device, rounds: int = 3, smoke: bool
                 for _ in range(iters):
                     _call(op, x, out)
                 _sync(device)
-                took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)  # gloo reduces this CPU scalar on any backend
+                took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)  # on the device: NCCL reduces no CPU tensor
                 blocks.append(float(took) / iters)
             rows.append(
                 {"op": op, "p": p, "bytes": nbytes, "iters": iters, "seconds": statistics.median(blocks)}
