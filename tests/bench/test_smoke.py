@@ -15,7 +15,17 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 SRC = BENCH.parent / "src"
-SCRIPTS = ["norms", "gemm_ce", "attention", "matmul_decode", "host_overhead", "infer", "moe", "quant"]
+SCRIPTS = [
+    "norms",
+    "gemm_ce",
+    "attention",
+    "matmul_decode",
+    "host_overhead",
+    "infer",
+    "moe",
+    "quant",
+    "collectives",
+]
 
 
 def run_smoke(script: str, out: Path) -> subprocess.CompletedProcess:
@@ -50,6 +60,11 @@ def test_bench_script_smoke(script, tmp_path):
         assert set(agree["equal_prefix"].values()) == {agree["steps"]}, agree
         assert len(set(agree["tokens"]["kiln"])) > 1, agree  # not a model that repeats one token
         assert max(agree["logits"]["max_abs_diff"].values()) < 1e-3, agree
+    if script == "collectives":  # every op at every size on 2 gloo ranks, each with a fit beside it
+        assert {c["op"] for c in cases} == {f["op"] for f in doc["fits"]} and len(doc["fits"]) == 5, doc[
+            "fits"
+        ]
+        assert all(c["p"] == 2 and c["seconds"] > 0 and c["model_us"] > 0 for c in cases), cases
 
 
 def test_every_bench_script_is_smoke_tested():

@@ -9,17 +9,23 @@ gathered final parameters for the test to compare with the one-process run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.pipelining.schedules as pp_schedules
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
-from kiln.dist.collectives import recursive_doubling_all_reduce, ring_all_reduce
 from kiln.dist.checkpoint import load_sharded, save_sharded
+from kiln.dist.collectives import recursive_doubling_all_reduce, ring_all_reduce
 from kiln.dist.parallel_dims import ParallelConfig, ParallelDims
 from kiln.dist.parallelize import LossModule, parallelize, parallelize_pipeline
 from kiln.dist.strategy import Strategy
@@ -40,6 +46,50 @@ class Scheme:
     parallel: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)
     resume_as: Scheme | None = None  # stop half-way with a sharded checkpoint, resume as this scheme
+    delay: bool = False  # the last rank sleeps DELAY_S before each of its collectives
+    export: bool = False  # save a sharded checkpoint at the end, as <name>.dcp in the output directory
+
+
+DELAY_S = 0.003
+# Where the schemes' collectives start from Python, by module: torch.distributed (the loop's clipping and
+# loss reduction, FSDP2's all-gathers and reduce-scatters, ZeRO-1's broadcasts), the functional
+# collectives (DTensor's TP/SP redistributions) and the pipeline schedules' point-to-point batches.
+# DDP's bucketed all-reduce starts in C++: a comm hook delays it instead (see train).
+DELAYED = {
+    dist: ("all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+           "reduce_scatter_tensor", "broadcast", "batch_isend_irecv", "all_gather_object"),
+    funcol: ("all_reduce", "all_gather_single", "all_gather_tensor", "reduce_scatter_single",
+             "reduce_scatter_tensor", "all_gather_tensor_autograd", "reduce_scatter_tensor_autograd"),
+    pp_schedules: ("_batch_p2p",),
+}  # fmt: skip
+
+
+@contextlib.contextmanager
+def delayed_collectives(seconds: float, calls: list[int]) -> Iterator[None]:
+    """Sleep `seconds` before every collective started through DELAYED (this process only); calls[0]
+    counts them, so the test knows the delays happened."""
+
+    def delayed(fn):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            time.sleep(seconds)
+            return fn(*args, **kwargs)
+
+        return call
+
+    saved = [
+        (mod, name, getattr(mod, name))
+        for mod, names in DELAYED.items()
+        for name in names
+        if hasattr(mod, name)
+    ]
+    try:
+        for mod, name, fn in saved:
+            setattr(mod, name, delayed(fn))
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
 
 
 def model_config(scheme: Scheme) -> ModelConfig:
@@ -71,7 +121,20 @@ def _gather(model: torch.nn.Module, pipelined: bool = False) -> dict[str, torch.
 
 def train(scheme: Scheme, rank: int = 0, world: int = 1, steps=range(STEPS), load=None, save=None) -> dict:
     """Train `steps` (default all 10); returns {"losses": [...], "params": {name: full tensor}}.
-    load / save: a sharded checkpoint directory to start from / to write at the end."""
+    load / save: a sharded checkpoint directory to start from / to write at the end. With scheme.delay the
+    last rank sleeps before each collective; "delayed_calls" counts them."""
+    calls = [0]
+    delayed = scheme.delay and world > 1 and rank == world - 1
+    with delayed_collectives(DELAY_S, calls) if delayed else contextlib.nullcontext():
+        result = _train(scheme, rank, world, steps, load, save, calls if delayed else None)
+    if world > 1:
+        total = torch.tensor([calls[0]])
+        dist.all_reduce(total)
+        result["delayed_calls"] = int(total)
+    return result
+
+
+def _train(scheme: Scheme, rank: int, world: int, steps, load, save, calls: list[int] | None) -> dict:
     cfg = model_config(scheme)
     full = build_model(cfg, seed=7)
     pipe = None  # the one-process initialization, on every rank
@@ -85,10 +148,20 @@ def train(scheme: Scheme, rank: int = 0, world: int = 1, steps=range(STEPS), loa
         with torch.device("meta"):
             model = type(full)(cfg)
         if dims.pp > 1:
-            model, pipe = parallelize_pipeline(model, dims, pcfg, mesh, torch.device("cpu"), full.state_dict())
+            model, pipe = parallelize_pipeline(
+                model, dims, pcfg, mesh, torch.device("cpu"), full.state_dict()
+            )
             wrapped = model
         else:
             wrapped = parallelize(model, dims, pcfg, mesh, torch.device("cpu"), full.state_dict())
+        if calls is not None and isinstance(wrapped, DistributedDataParallel):
+
+            def hook(group, bucket):  # DDP's own all-reduce of the bucket, after the delay
+                calls[0] += 1
+                time.sleep(DELAY_S)
+                return allreduce_hook(group, bucket)
+
+            wrapped.register_comm_hook(wrapped.process_group, hook)
         strategy = Strategy(wrapped, dims, mesh, rank)
     optimizer = strategy.build_optimizer(model, lambda m: build_optimizer(m, OPT))
     per_rank = GLOBAL_BATCH // strategy.dp_size
@@ -137,7 +210,10 @@ def check_collectives(rank: int, world: int) -> dict:
                 x = x.to(dtype)
                 want = x.clone()
                 dist.all_reduce(want, group=group)
-                for name, fn in (("ring", ring_all_reduce), ("recursive_doubling", recursive_doubling_all_reduce)):
+                for name, fn in (
+                    ("ring", ring_all_reduce),
+                    ("recursive_doubling", recursive_doubling_all_reduce),
+                ):
                     got = fn(x.clone(), group=group)
                     errors[(name, members, shape, str(dtype))] = (got - want).abs().max().item()
     return errors
@@ -163,7 +239,8 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, schemes: list[Sc
                 result = train(scheme.resume_as, rank, world, range(half, STEPS), load=ckpt)
                 result["losses"] = first["losses"] + result["losses"]
             else:
-                result = train(scheme, rank, world)
+                save = os.path.join(out_dir, f"{scheme.name}.dcp") if scheme.export else None
+                result = train(scheme, rank, world, save=save)
             result["seconds"] = time.perf_counter() - t0
             if rank == 0:
                 torch.save(result, os.path.join(out_dir, f"{scheme.name}.pt"))

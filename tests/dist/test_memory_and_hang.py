@@ -15,7 +15,9 @@ from kiln.dist.parallel_dims import ParallelConfig, ParallelDims
 from kiln.errors import KilnError
 from kiln.model import ModelConfig
 
-M = ModelConfig(vocab_size=1024, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=512, max_seq_len=64)
+M = ModelConfig(
+    vocab_size=1024, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=512, max_seq_len=64
+)
 
 
 def _est(world=4, ac="none", **kw):
@@ -32,7 +34,9 @@ def test_memory_estimate_follows_each_scheme():
     assert fsdp["gradients"] == pytest.approx(P) and fsdp["optimizer"] == pytest.approx(2 * P)
     assert fsdp["parameters"] < zero2["parameters"]  # ZeRO-2 keeps every block's gathered copy
     # in bf16 mixed precision those copies take 2 bytes: fp32 shards + bf16 copies < fp32 replicas
-    bf16 = estimate(M, ParallelDims.resolve(ParallelConfig(dp_replicate=1, dp_shard=4, zero=2), 4, M), 2, 64, "none", 2)
+    bf16 = estimate(
+        M, ParallelDims.resolve(ParallelConfig(dp_replicate=1, dp_shard=4, zero=2), 4, M), 2, 64, "none", 2
+    )
     assert bf16["parameters"] == pytest.approx(P + 2 * P) and bf16["parameters"] < ddp["parameters"]
     assert _est(dp_replicate=1, dp_shard=4, ac="full")["activations"] < fsdp["activations"]
     tp, sp = _est(dp_replicate=1, tp=4), _est(dp_replicate=1, tp=4, sequence_parallel=True)
@@ -56,10 +60,14 @@ def _dies(rank: int, init_file: str, out: str) -> None:
 @pytest.mark.slow
 def test_a_dead_rank_makes_the_other_fail_with_a_clear_error(tmp_path):
     out = tmp_path / "error.txt"
-    ctx = mp.start_processes(_dies, args=(str(tmp_path / "init"), str(out)), nprocs=2, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _dies, args=(str(tmp_path / "init"), str(out)), nprocs=2, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + 120
     while not ctx.join(timeout=5) and time.monotonic() < deadline:  # join returns as each process ends
         pass
     seconds, message = out.read_text().split("\n", 1)
     assert float(seconds) < 15  # within the timeout, not forever
-    assert message.startswith("rank 0: a collective failed or did not finish within parallel.hang_timeout_s=10s")
+    assert message.startswith(
+        "rank 0: a collective failed or did not finish within parallel.hang_timeout_s=10s"
+    )

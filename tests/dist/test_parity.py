@@ -10,23 +10,28 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from kiln.cli import main
+from kiln.model.hf import from_pretrained
 from tests.dist._worker import STEPS, Scheme, train, worker
 
 QWEN3ISH = {"qk_norm": True, "qkv_bias": True, "tie_embeddings": True}  # q/k norms, q/k/v biases, tied head
 
 SCHEMES = [
-    Scheme("ddp", {"dp_replicate": 4}),
-    Scheme("zero1", {"dp_replicate": 4, "zero": 1}),
+    # delay=True: the last rank sleeps before each of its collectives (DDP's buckets, FSDP2's gathers,
+    # TP/SP redistributions, pipeline sends): the same losses and parameters, to the bit of the tolerance
+    Scheme("ddp", {"dp_replicate": 4}, delay=True),
+    Scheme("zero1", {"dp_replicate": 4, "zero": 1}, delay=True),
     # activation checkpointing rides along (it changes memory, never the math)
     Scheme(
         "zero2_selective_ac",
         {"dp_replicate": 1, "dp_shard": 4, "zero": 2, "activation_checkpoint": "selective"},
     ),
-    Scheme("fsdp_full_ac", {"dp_replicate": 1, "dp_shard": 4, "activation_checkpoint": "full"}),
+    Scheme("fsdp_full_ac", {"dp_replicate": 1, "dp_shard": 4, "activation_checkpoint": "full"}, delay=True),
     Scheme("hsdp", {"dp_replicate": 2, "dp_shard": 2}),
     Scheme("tp", {"dp_replicate": 1, "tp": 4}),
-    Scheme("tp_sp", {"dp_replicate": 1, "tp": 4, "sequence_parallel": True}),
-    Scheme("dp_x_tp", {"dp_replicate": 1, "dp_shard": 2, "tp": 2}),
+    Scheme("tp_sp", {"dp_replicate": 1, "tp": 4, "sequence_parallel": True}, delay=True),
+    # export=True: its final state saved sharded (DCP), then `kiln convert` to HF in one process
+    Scheme("dp_x_tp", {"dp_replicate": 1, "dp_shard": 2, "tp": 2}, export=True),
     # 5 steps on dp_shard=4, a sharded (DCP) checkpoint, 5 more on dp_shard=2 x tp=2 from it
     Scheme(
         "dcp_resume_fsdp4_as_dp2_x_tp2",
@@ -34,9 +39,18 @@ SCHEMES = [
         resume_as=Scheme("dp2_x_tp2", {"dp_replicate": 1, "dp_shard": 2, "tp": 2}),
     ),
     # pipelines: the accumulation chunks become micro-batches (4 layers so that 4 stages hold one each)
-    Scheme("pp_gpipe", {"dp_replicate": 1, "pp": 4, "pp_schedule": "gpipe", "microbatches": 4}, {"n_layers": 4}),
-    Scheme("pp_1f1b", {"dp_replicate": 1, "pp": 4, "pp_schedule": "1f1b", "microbatches": 8}, {"n_layers": 4}),
-    Scheme("dp_x_pp_1f1b", {"dp_replicate": 1, "dp_shard": 2, "pp": 2, "pp_schedule": "1f1b", "microbatches": 2}),
+    Scheme(
+        "pp_gpipe", {"dp_replicate": 1, "pp": 4, "pp_schedule": "gpipe", "microbatches": 4}, {"n_layers": 4}
+    ),
+    Scheme(
+        "pp_1f1b",
+        {"dp_replicate": 1, "pp": 4, "pp_schedule": "1f1b", "microbatches": 8},
+        {"n_layers": 4},
+        delay=True,
+    ),
+    Scheme(
+        "dp_x_pp_1f1b", {"dp_replicate": 1, "dp_shard": 2, "pp": 2, "pp_schedule": "1f1b", "microbatches": 2}
+    ),
     Scheme(
         "dp_x_tp_sp_qwen3ish",
         {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "sequence_parallel": True},
@@ -55,8 +69,11 @@ def results(tmp_path_factory):
         key = tuple(sorted(s.model.items()))
         if key not in refs:
             refs[key] = train(Scheme("reference", {}, s.model))
-    found = {s.name: (torch.load(out / f"{s.name}.pt"), refs[tuple(sorted(s.model.items()))]) for s in SCHEMES}
+    found = {
+        s.name: (torch.load(out / f"{s.name}.pt"), refs[tuple(sorted(s.model.items()))]) for s in SCHEMES
+    }
     found["collectives"] = torch.load(out / "collectives.pt")
+    found["out"] = out
     return found
 
 
@@ -74,6 +91,15 @@ def test_losses_and_parameters_match_one_process(results, name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", [s.name for s in SCHEMES if s.delay])
+def test_injected_delays_happened(results, name):
+    """The schemes above that pass with delay=True did see the delays: the last rank slept before
+    collectives of every kind it runs (tests/dist/_worker.delayed_collectives), at least one per step."""
+    got, _ = results[name]
+    assert got["delayed_calls"] >= STEPS, (name, got["delayed_calls"])
+
+
+@pytest.mark.slow
 def test_ring_and_recursive_doubling_all_reduce_match_the_library(results):
     """Run in the same launch (kiln.dist.collectives): 4 ranks and 3 of them, uneven and tiny sizes."""
     errors = results["collectives"]
@@ -81,3 +107,19 @@ def test_ring_and_recursive_doubling_all_reduce_match_the_library(results):
     for key, err in errors.items():
         # integers exactly; float64 sums of 4 values of ~100 in another order: rounding only
         assert err <= (0 if "int64" in key[3] else 1e-12), (key, err)
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_exports_to_one_hf_directory(results, tmp_path):
+    """dp_shard=2 x tp=2 saved its final state as DCP shards (FSDP2's and TP's DTensors as they are);
+    `kiln convert` reads them in one process and writes HF safetensors that kiln loads back: the same
+    parameters as the run's own gathered ones (exactly) and the one-process run's (within 1e-5)."""
+    got, ref = results["dp_x_tp"]
+    hf = tmp_path / "hf"
+    assert main(["convert", str(results["out"] / "dp_x_tp.dcp"), str(hf)]) == 0
+    assert (hf / "config.json").is_file() and list(hf.glob("*.safetensors"))
+    params = from_pretrained(hf).state_dict()
+    assert params.keys() == got["params"].keys()
+    for k, v in params.items():
+        assert torch.equal(v, got["params"][k]), k
+        assert (v - ref["params"][k]).abs().max().item() <= 1e-5, k

@@ -12,12 +12,15 @@ dp_shard=2 x tp=2 read) is a resharding read, not a conversion step. Parameter n
 (kiln.dist.parallelize unmerges q/k/v and gate/up), so the keys match across meshes; optimizer state
 is keyed by those names too (`get_state_dict`).
 
-A DCP directory becomes one torch.save file with torch's own
-`python -m torch.distributed.checkpoint.format_utils dcp_to_torch_save DIR FILE`.
+The model's config goes beside the shards as `model.json` (when the model has one), so that
+`kiln convert DIR OUT` exports the directory to one HF-format safetensors directory in one process
+(kiln.model.checkpoint.load_sharded_model); torch's own
+`python -m torch.distributed.checkpoint.format_utils dcp_to_torch_save DIR FILE` also works.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -45,6 +48,9 @@ def save_sharded(path: str | Path, model: nn.Module, optimizer, extra: dict | No
     dcp.save({"model": model_sd, "optimizer": optim_sd, "extra": dict(extra or {})}, checkpoint_id=str(tmp))
     dist.barrier()  # every rank's shards are on disk
     if rank == 0:
+        config = getattr(model, "config", None)  # a pipeline stage keeps the whole model's config too
+        if config is not None:  # what `kiln convert` needs to rebuild the model in one process
+            (tmp / "model.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         os.replace(tmp, path)
     dist.barrier()
     return path

@@ -1,6 +1,7 @@
 """`kiln generate` (text from any model source, through the engine) and `kiln bench infer` (the engine's
 latency and throughput, kiln.infer.bench). `kiln bench cuda` (the CUDA C++ ladder, kiln.profile.cuda_ladder)
-is registered beside it, under the same `bench` command."""
+and `kiln bench collectives` (kiln.dist.collectives_bench) are registered beside it, under the same `bench`
+command."""
 
 from __future__ import annotations
 
@@ -113,6 +114,34 @@ def _bench_cuda(args: argparse.Namespace, extra: list[str]) -> int:
     from kiln.profile import cuda_ladder
 
     cuda_ladder.run(args.out, cuda_ladder.__file__)
+    return 0
+
+
+def _bench_collectives(args: argparse.Namespace, extra: list[str]) -> int:
+    import torch
+
+    from kiln.dist import collectives_bench as cb
+    from kiln.profile.report import format_table, write_json
+
+    backend = args.backend or cb.default_backend()
+    top = 1 << 30 if backend == "nccl" else 64 << 20
+    sizes = cb.sizes_between(args.min_bytes, args.max_bytes or top)
+    nprocs = args.nprocs or (torch.cuda.device_count() if backend == "nccl" else 2)
+    rows, fits = cb.summarize(cb.spawn(nprocs, sizes, backend))
+    print(
+        f"kiln bench collectives: {backend}, {nprocs} ranks (bench/collectives.py: the same with provenance)"
+    )
+    print(format_table(fits, [("op", "op"), ("alpha_us", "alpha us"), ("beta_GBps", "beta GB/s")]))
+    cols = [
+        ("op", "op"),
+        ("bytes", "bytes"),
+        ("us", "time us"),
+        ("model_us", "model us"),
+        ("busbw_GBps", "busbw GB/s"),
+    ]
+    print(format_table(rows, cols))
+    if args.out:
+        write_json(args.out, {"backend": backend, "p": nprocs, "fits": fits, "cases": rows})
     return 0
 
 
@@ -232,7 +261,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "bench",
-        help="measure kiln (the inference engine: `kiln bench infer`; the CUDA C++ ladder: `kiln bench cuda`)",
+        help="measure kiln (the inference engine: `kiln bench infer`; the CUDA C++ ladder: `kiln bench cuda`; "
+        "collectives: `kiln bench collectives`)",
     )
     areas = p.add_subparsers(dest="area", required=True)
     b = areas.add_parser(
@@ -275,3 +305,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     c.add_argument("--out", default="bench/results/cuda_ladder.json", help="result JSON (PNGs beside it)")
     c.set_defaults(func=_bench_cuda)
+    d = areas.add_parser(
+        "collectives",
+        help="all_reduce / reduce_scatter / all_gather and kiln's ring and recursive-doubling all-reduce: "
+        "busbw and the fitted alpha-beta model",
+        description="Spawns --nprocs ranks (gloo on CPU, NCCL with a GPU each; kiln.dist.collectives_bench).",
+    )
+    d.add_argument("--nprocs", type=_positive, help="ranks (default 2 with gloo, every GPU with NCCL)")
+    d.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with 2+ GPUs, else gloo")
+    d.add_argument("--min-bytes", type=_positive, default=1 << 10, help="smallest message in bytes (1024)")
+    d.add_argument("--max-bytes", type=_positive, help="largest (default 64 MiB gloo, 1 GiB nccl)")
+    d.add_argument("--out", help="write the fits and cases as JSON here")
+    d.set_defaults(func=_bench_collectives)

@@ -6,12 +6,16 @@ A kiln model directory holds `model.json` (ModelConfig.to_dict()) and `model.saf
 - a kiln model directory, or a model.json;
 - a training run directory, its checkpoints/ directory or a step_*.pt file (`kiln run` output), or the
   run's config.json / a run config file (its "model" section);
-- the name of a run preset (`kiln model summary gpu`).
+- the name of a run preset (`kiln model summary gpu`);
+- a sharded checkpoint of `torch.distributed.checkpoint` written by kiln.dist.checkpoint.save_sharded (its
+  `.metadata`, every rank's shards and the model.json written beside them): read in one process, each
+  tensor assembled from its shards whatever mesh wrote it (`kiln convert DIR OUT` exports it to HF).
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ from kiln.model.transformer import Transformer
 from kiln.tokenizer import Tokenizer
 
 MODEL_JSON, MODEL_WEIGHTS = "model.json", "model.safetensors"
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded checkpoint
 
 
 def save_model_dir(model: Transformer, path: str | Path, dtype: torch.dtype | None = None) -> None:
@@ -47,6 +52,44 @@ def load_model_dir(
     path = Path(path)
     cfg = ModelConfig.from_dict(_read_json(path / MODEL_JSON))
     return _with_state(cfg, load_file(str(path / MODEL_WEIGHTS)), device, dtype, str(path))
+
+
+def _is_sharded(path: Path) -> bool:
+    return path.is_dir() and (path / DCP_METADATA).is_file()
+
+
+def _sharded_config(path: Path) -> ModelConfig:
+    if not (path / MODEL_JSON).is_file():
+        raise KilnError(
+            f"{path} is a sharded (DCP) checkpoint without {MODEL_JSON}: kiln cannot tell which model it holds; "
+            f"write it with kiln.dist.checkpoint.save_sharded, or copy the run's model config there as {MODEL_JSON}"
+        )
+    return ModelConfig.from_dict(_read_json(path / MODEL_JSON))
+
+
+def load_sharded_model(
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> Transformer:
+    """The model of a sharded DCP checkpoint, in one process (no process group): DCP reads every
+    tensor's shards into the full fp32 tensor (`no_dist`); the optimizer state is not read."""
+    import torch.distributed.checkpoint as dcp  # only here: the distributed package is heavy to import
+
+    path = Path(path)
+    cfg = _sharded_config(path)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")  # storage for DCP to read into; no random init of a model it overwrites
+    state = {"model": model.state_dict()}  # keys "model.<name>", as save_sharded stored them
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is disabled...": one process is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - the latter is a BaseException
+        msg = str(e).strip().splitlines()
+        raise KilnError(
+            f"{path}: the sharded checkpoint does not hold the model of its {MODEL_JSON}: {msg[-1] if msg else e}"
+        ) from None
+    return _with_state(cfg, state["model"], device, dtype, str(path))
 
 
 def _with_state(cfg: ModelConfig, state: dict, device, dtype, where: str) -> Transformer:
@@ -102,6 +145,8 @@ def describe_source(src: str | Path) -> tuple[ModelConfig, str]:
         raise KilnError(f"{src} does not exist (and is not a preset: {', '.join(PRESETS)})")
     if path.is_file() and path.suffix == ".json":
         return _config_from_json(_read_json(path), str(path))
+    if _is_sharded(path):
+        return _sharded_config(path), "sharded"
     if path.is_dir() and (path / MODEL_JSON).is_file():
         return ModelConfig.from_dict(_read_json(path / MODEL_JSON)), "kiln"
     ckpt = _training_checkpoint(path)
@@ -121,6 +166,8 @@ def load_source(
 ) -> tuple[Transformer, str]:
     """(model with weights, kind) from an HF directory, a kiln model directory or a training checkpoint."""
     path = Path(src)
+    if _is_sharded(path):
+        return load_sharded_model(path, device, dtype), "sharded"
     if path.is_dir() and (path / MODEL_JSON).is_file():
         return load_model_dir(path, device, dtype), "kiln"
     ckpt = _training_checkpoint(path) if path.exists() else None

@@ -161,12 +161,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
         help="convert a model between Hugging Face and kiln formats",
-        description="HF checkpoint dir -> kiln model dir, or kiln model dir / training checkpoint -> HF dir "
+        description="HF checkpoint dir -> kiln model dir, or kiln model dir / training checkpoint / sharded DCP "
+        "checkpoint (kiln.dist.checkpoint.save_sharded) -> HF dir "
         "(config.json + safetensors, sharded with an index above --shard-size). The source's tokenizer (a "
         "run's tokenizer/, or the one beside the weights) is written beside the converted weights: HF's "
         "tokenizer.json + tokenizer_config.json, plus kiln's own files in a kiln model dir.",
     )
-    p.add_argument("src", help="HF checkpoint dir, kiln model dir, or training run / checkpoint")
+    p.add_argument(
+        "src", help="HF checkpoint dir, kiln model dir, training run / checkpoint, or sharded DCP dir"
+    )
     p.add_argument("out", help="output directory")
     p.add_argument("--to", choices=("hf", "kiln"), help="output format (default: the other one)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="cast the weights (default: float32)")
