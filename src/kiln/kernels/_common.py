@@ -25,8 +25,15 @@ MAX_PROGRAMS = GROUP.value * (COUNTERS.value - 1)
 
 
 @functools.cache
+def griddep(device_index: int) -> bool:
+    """Whether kernels on this GPU can signal their dependents early and wait for their predecessor
+    (griddepcontrol: sm_90+)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+@functools.cache
 def _pdl_on(device_index: int) -> bool:
-    return os.environ.get("KILN_PDL", "1") != "0" and torch.cuda.get_device_capability(device_index)[0] >= 9
+    return os.environ.get("KILN_PDL", "1") != "0" and griddep(device_index)
 
 
 def pdl(t: torch.Tensor) -> bool:

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kiln.kernels._common import apply_activation
+from kiln.kernels._common import apply_activation, griddep
 from kiln.kernels._common import pdl as use_pdl
 from kiln.kernels.dispatch import interpreting, sm_count
 from kiln.kernels.launch import CachedLaunch, cdiv
@@ -103,12 +103,6 @@ def decode_config(M: int, N: int, K: int, sms: int, k_major: bool = True) -> Dec
             else DecodeConfig("dot", 16, 128, 1, 4, 3, True)
         )
     return DecodeConfig("dot", 64, 64, max(2, round(2 * sms / tiles)), 4, 4, True)
-
-
-@functools.cache
-def _griddep(device_index: int) -> bool:
-    """Whether kernels on this GPU can signal their dependents early (griddepcontrol: sm_90+)."""
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 @triton.jit
@@ -302,24 +296,24 @@ def decode_matmul(
     act = activation if split == 1 else "none"
     # Hopper: the main kernel lets its dependents launch early, and the split-K sum is launched as one
     # (programmatic dependent launch), so its launch overlaps the main kernel instead of following it.
-    griddep = a.is_cuda and _griddep(a.device.index)
-    pdl = config.pdl and griddep and use_pdl(a)  # use_pdl: KILN_PDL=0 turns it off for A/B timing
+    can_signal = a.is_cuda and griddep(a.device.index)
+    pdl = config.pdl and can_signal and use_pdl(a)  # use_pdl: KILN_PDL=0 turns it off for A/B timing
     # Constexprs by keyword: CachedLaunch keys keywords by value but positional ints by Triton's value
     # classes (== 1, divisible by 16), which would let SPLIT_K = 2 and 4 share one binary.
     if config.kernel == "gemv":
         _gemv_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, BLOCK_M=1 << (M - 1).bit_length(),
                            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, STAGES=config.stages,
-                           PDL=pdl, GRIDDEP=griddep, num_warps=config.warps, launch_pdl=pdl)  # fmt: skip
+                           PDL=pdl, GRIDDEP=can_signal, num_warps=config.warps, launch_pdl=pdl)  # fmt: skip
     elif config.kernel == "dot":
         precision = "tf32" if a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
         _dot_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, PRECISION=precision, BLOCK_M=16,
-                          BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, PDL=pdl, GRIDDEP=griddep,
+                          BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, PDL=pdl, GRIDDEP=can_signal,
                           num_warps=config.warps, num_stages=config.stages, launch_pdl=pdl)  # fmt: skip
     else:
         raise ValueError(f"unknown decode kernel {config.kernel!r}: 'gemv' or 'dot'")
     if split > 1:
         block = 1024
         _sum_launch[(cdiv(M * N, block),)](dst, c, c if bias is None else bias, M * N, N, HAS_BIAS=bias is not None,
-                                            ACTIVATION=activation, SPLIT_K=split, BLOCK=block, PDL=griddep,
-                                            launch_pdl=griddep)  # fmt: skip
+                                            ACTIVATION=activation, SPLIT_K=split, BLOCK=block, PDL=can_signal,
+                                            launch_pdl=can_signal)  # fmt: skip
     return c

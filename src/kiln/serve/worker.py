@@ -56,14 +56,17 @@ class RequestHandle:
                 self.worker._commands.put(("abort", self))
             self.worker._release(self)
 
-    async def next(self) -> tuple[int, RequestOutput]:
-        item = await self.outputs.get()
+    def _take(self, item) -> tuple[int, RequestOutput]:
+        """One queued item: an error from the engine thread is raised; an output's finish is recorded."""
         if isinstance(item, BaseException):
             raise item
         i, out = item
         if out.finished:
             self.finished.add(i)
         return i, out
+
+    async def next(self) -> tuple[int, RequestOutput]:
+        return self._take(await self.outputs.get())
 
     async def next_batch(self) -> list[tuple[int, RequestOutput]]:
         """Wait for an output, then take every other one already queued, keeping the newest per prompt
@@ -72,12 +75,7 @@ class RequestHandle:
         so the event loop's work per step stops growing with its backlog."""
         newest = dict([await self.next()])
         while not self.outputs.empty():
-            item = self.outputs.get_nowait()
-            if isinstance(item, BaseException):
-                raise item
-            i, out = item
-            if out.finished:
-                self.finished.add(i)
+            i, out = self._take(self.outputs.get_nowait())
             newest[i] = out
         return list(newest.items())
 
