@@ -1,0 +1,74 @@
+"""`kiln profile decode` on the CPU: a tiny Qwen2-shaped model through the engine's eager reference path,
+every layer's modules named, the rows summing to the step, and the files written."""
+
+import json
+
+import pytest
+
+from kiln.model.config import ModelConfig
+from kiln.model.transformer import build_model
+from kiln.profile import decode
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig(arch="qwen2", vocab_size=96, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=48,
+                      max_seq_len=64, tie_embeddings=True, qkv_bias=True)  # fmt: skip
+    return build_model(cfg)
+
+
+@pytest.fixture(scope="module")
+def result(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("decode")
+    return decode.run(tiny, "tiny", batch=2, context=12, graphs=False, out=out, steps=3), out
+
+
+def test_every_layer_is_named_and_the_rows_sum_to_the_step(result, tiny):
+    res, out = result
+    rows = res["rows"]
+    for i in range(tiny.config.n_layers):
+        ops = {r["op"] for r in rows if r["layer"] == f"layer.{i}"}
+        assert {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "norm", "self_attn", "mlp"} <= ops
+        assert sum(r["op"] == "norm" for r in rows if r["layer"] == f"layer.{i}") == 2
+    assert any(r["layer"] == "embed" for r in rows) and any(r["layer"] == "final" for r in rows)
+    total = sum(r["us"] for r in rows) + sum(o["us"] for o in res["other"])
+    assert total == pytest.approx(res["wall_us"], rel=1e-6, abs=0.01)
+    assert res["attributed_pct"] >= 95 and abs(res["remainder_us"]) < 0.01
+    assert len(res["step_walls_us"]) == 3
+    assert "The step takes" in res["summary"]
+    for key in ("csv", "ops_png"):
+        assert (out / res[key].split("/")[-1]).exists()
+    doc = json.loads((out / "decode_tiny_b2_c12_graphsoff.json").read_text())
+    assert doc["wall_us"] == res["wall_us"] and len(doc["rows"]) == len(rows)
+
+
+def test_rows_carry_the_catalogs_counts(result, tiny):
+    res, _ = result
+    cfg = tiny.config
+    qkv = next(r for r in res["rows"] if r["scope"] == "model.layers.1.self_attn.qkv_proj")
+    n = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+    # fp32 on the CPU: M 2, N n, K 32 with a bias: 2 * 2 * n * 32 flops, (64 + 32 n + 2 n + n) * 4 bytes
+    assert qkv["flops"] == 2 * 2 * n * 32 and qkv["bytes"] == 4 * (2 * 32 + n * 32 + 2 * n + n)
+    attn = next(r for r in res["rows"] if r["scope"] == "model.layers.1.self_attn")
+    # the module's own time holds rope, the cache write and attention over 12 keys: 4 * 2 * 4 * 12 * 8
+    # flops for attention, 3 * 2 * (4 + 2) * 8 for rope
+    assert attn["flops"] == 4 * 2 * 4 * 12 * 8 + 3 * 2 * 6 * 8
+    norm0 = next(r for r in res["rows"] if r["scope"] == "model.layers.0.input_layernorm")
+    norm1 = next(r for r in res["rows"] if r["scope"] == "model.layers.1.input_layernorm")
+    assert norm0["bytes"] == 4 * (2 * 2 * 32 + 32) and norm1["bytes"] == 4 * (4 * 2 * 32 + 32)
+    ops = {g["op"]: g for g in res["ops"]}
+    assert ops["qkv_proj"]["kernels"] == cfg.n_layers
+    assert sum(g["share_pct"] for g in res["ops"]) == pytest.approx(100, abs=0.1)
+
+
+def test_weight_and_kv_bytes(tiny):
+    w, kv = decode.weight_and_kv_bytes(tiny, batch=2, context=10)
+    assert w == sum(p.numel() * 4 for p in tiny.parameters())
+    assert kv == 2 * 3 * 2 * 10 * 2 * 8 * 4  # K and V, layers, batch, context, kv heads, head_dim, fp32
+
+
+def test_shape_config_is_qwen25_15b():
+    cfg = decode.shape_config("qwen2.5-1.5b", 2048)
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size) == (
+        1536, 28, 12, 2, 128, 8960, 151936)  # fmt: skip
+    assert cfg.tie_embeddings and cfg.qkv_bias
