@@ -149,3 +149,41 @@ def test_scope_layer_op_rules():
     assert A.scope_layer_op("model.layers.3.self_attn", "_paged_kv_write_kernel") == ("layer.3", "kv_write")
     assert A.scope_layer_op(None, "void at::native::reduce_kernel<ArgMaxOps>") == ("head", "argmax")
     assert A.scope_layer_op(None, "sm90_xmma_gemm_bf16bf16_bf16f32") == ("head", "lm_head")
+
+
+def test_decode_attribute_step_picks_the_median_step_and_names_graph_kernels():
+    from kiln.profile.decode import attribute_step
+
+    ev = eager_trace()  # its host range becomes the reference run of the captured function
+    for e in ev:
+        if e["name"] == A.STEP:
+            e["name"] = A.REFERENCE
+    names = ["_gemv_kernel", "_split_sum_kernel", "_rope_kernel", "_decode_split_kernel",
+             "_decode_reduce_kernel", "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NNT"]  # fmt: skip
+    for s, (start, gap, dur) in enumerate([(1000, 1, 60), (2000, 3, 80), (3000, 2, 70)]):
+        ev += [rng(A.STEP, start, dur), launch(100 + s, start + 2, "cudaMemcpyAsync", "cuda_runtime"),
+               kernel("Memcpy HtoD (Pinned -> Device)", 100 + s, start + 5, 1, cat="gpu_memcpy"),
+               launch(200 + s, start + 8, "cudaGraphLaunch", "cuda_runtime")]  # fmt: skip
+        ev += [kernel(n, 200 + s, start + 10 + (5 + gap) * i, 5) for i, n in enumerate(names)]
+    res = attribute_step(ev, cuda=True, graphs=True)
+    assert res["step_walls_us"] == [60.0, 80.0, 70.0] and res["picked"] == 2  # the median wall
+    assert res["alignment"]["identical"] and res["alignment"]["matched"] == 6
+    rows = res["rows"]
+    assert [r["op"] for r in rows] == ["memcpy HtoD", "qkv_proj", "qkv_proj", "rope", "attention", "attention",
+                                       "lm_head"]  # fmt: skip
+    assert sum(r["us"] for r in rows) + sum(o["us"] for o in res["other"]) == pytest.approx(res["wall_us"])
+
+
+def test_overlapping_kernels_are_counted_once():
+    # b starts 2 us before a ends (programmatic dependent launch) and c lies entirely inside b
+    ev = [kernel("a", 1, 10, 10), kernel("b", 2, 18, 10), kernel("c", 3, 20, 3), kernel("d", 4, 30, 5)]
+    acts = A.gpu_activities(ev, 0, 40)
+    rows, other = A.gpu_rows(acts, 0, 40)
+    assert [r["us"] for r in rows] == [10, 8, 0, 5] and [r["dur_us"] for r in rows] == [10, 10, 3, 5]
+    o = {r["op"]: r["us"] for r in other}
+    assert o == {
+        "host before first GPU work": 10,
+        "idle gaps between GPU work": 2,
+        "host after last GPU work": 5,
+    }
+    assert sum(r["us"] for r in rows) + sum(o.values()) == 40

@@ -72,3 +72,25 @@ def test_shape_config_is_qwen25_15b():
     assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size) == (
         1536, 28, 12, 2, 128, 8960, 151936)  # fmt: skip
     assert cfg.tie_embeddings and cfg.qkv_bias
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cuda_step_names_every_layers_kernels(graphs, tmp_path):
+    import torch
+
+    cfg = ModelConfig(arch="qwen2", vocab_size=256, d_model=128, n_layers=3, n_heads=4, n_kv_heads=2,
+                      ffn_hidden=256, max_seq_len=256, tie_embeddings=True, qkv_bias=True)  # fmt: skip
+    model = build_model(cfg, device="cuda", dtype=torch.bfloat16)
+    res = decode.run(model, "tiny", batch=4, context=64, graphs=graphs, out=tmp_path, steps=3)
+    if graphs:
+        assert res["alignment"]["identical"], res["alignment"]
+    for i in range(cfg.n_layers):
+        ops = {r["op"] for r in res["rows"] if r["layer"] == f"layer.{i}"}
+        assert {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "norm", "rope", "kv_write", "attention",
+                "swiglu"} <= ops, ops  # fmt: skip
+    assert any(r["op"] == "lm_head" for r in res["rows"])
+    assert res["attributed_pct"] >= 95, res["summary"]
+    total = sum(r["us"] for r in res["rows"]) + sum(o["us"] for o in res["other"])
+    assert total == pytest.approx(res["wall_us"], rel=0.02)
+    assert res["floor_us"] and 0 < res["floor_us"] < res["wall_us"]

@@ -17,8 +17,10 @@ The rows are the activities, then three rows that are not kernels:
     idle gaps between GPU work   the sum of gaps between consecutive activities (in an eager step the
                                  GPU waits for the host's launches: this is launch overhead)
     host after last GPU work     last activity's end -> step end (sync, sampling, bookkeeping)
-These rows and the activities partition the step when activities do not overlap (one stream); overlap
-would be counted twice and shows as a negative remainder.
+Each activity's time ("us") is the part of it after every earlier activity has ended (its full
+duration is "dur_us"): with programmatic dependent launch (kiln's kernels on sm_90) a kernel starts
+while its predecessor finishes and waits for it, and that overlap is counted once, for the predecessor.
+So the activities and the three rows partition the step exactly.
 
 CPU (`cpu_rows`): each module range's exclusive time (its duration less its child module ranges'), and
 the step's time outside every module range; they sum to the step's duration exactly.
@@ -212,13 +214,20 @@ def align(step: list[Activity], reference: list[Activity]) -> dict:
 def gpu_rows(acts: list[Activity], t0: float, t1: float) -> tuple[list[dict], list[dict]]:
     """(activity rows, the three host/idle rows) of one step window [t0, t1] (us)."""
     rows = []
+    busy_until = t0
+    gaps = 0.0
     for i, a in enumerate(acts):
         layer, op = scope_layer_op(a.scope, a.name, a.cat)
         if a.cat == "kernel" and not a.named:
             layer, op = "?", f"unattributed ({classify(a.name)})"
+        # a kernel launched early (programmatic dependent launch) overlaps its predecessor, waiting for
+        # it: the step's time is counted once, each kernel taking the time after the previous ones end
+        excl = max(0.0, a.end - max(a.ts, busy_until))
+        if i:
+            gaps += max(0.0, a.ts - busy_until)
+        busy_until = max(busy_until, a.end)
         rows.append({"idx": i, "kernel": a.name, "cat": a.cat, "scope": a.scope, "layer": layer, "op": op,
-                     "start_us": round(a.ts - t0, 3), "us": round(a.dur, 3)})  # fmt: skip
-    gaps = sum(max(0.0, b.ts - a.end) for a, b in zip(acts, acts[1:]))
+                     "start_us": round(a.ts - t0, 3), "us": round(excl, 3), "dur_us": round(a.dur, 3)})  # fmt: skip
     first = acts[0].ts if acts else t1
     last = max((a.end for a in acts), default=t0)
     other = [

@@ -55,9 +55,13 @@ def _decode_arguments(p: argparse.ArgumentParser) -> None:
         "--model", help="a model directory, HF checkpoint or run (as `kiln generate --checkpoint`)"
     )
     src.add_argument("--shape", choices=SHAPES, help="a known shape with random weights")
-    p.add_argument("--batch", type=int, default=1, help="sequences decoding in the step (default 1)")
+    p.add_argument(
+        "--batch", default="1", help="sequences decoding in the step; a comma list runs each (default 1)"
+    )
     p.add_argument("--context", type=int, default=512, help="keys per sequence at the step (default 512)")
-    p.add_argument("--graphs", choices=("on", "off"), default="on", help="CUDA graphs for the decode step")
+    p.add_argument(
+        "--graphs", default="on", help="CUDA graphs for the decode step: on, off, or on,off for both"
+    )
     p.add_argument("--steps", type=int, default=5, help="steps profiled; the median one is reported")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
     p.add_argument("--out", default="profile/decode", help="directory for the JSON, CSV, PNGs and trace")

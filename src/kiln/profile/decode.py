@@ -28,6 +28,8 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -56,7 +58,7 @@ def max_len(batch: int, context: int, steps: int) -> int:
     """Positions a sequence may reach: the context, the warm-up and profiled steps, and one token per
     prefill step (sequences that finish their prefill first decode while the others prefill)."""
     prefill_steps = math.ceil(batch * context / STEP_TOKENS) + 1
-    return context + steps + 2 * PROMPT_MARGIN + prefill_steps
+    return context + 2 * steps + 2 * PROMPT_MARGIN + prefill_steps  # steps timed, then profiled
 
 
 def build_engine(model, batch: int, context: int, graphs: bool, steps: int):
@@ -161,6 +163,12 @@ def profile_steps(engine, model, steps: int, trace_path: Path) -> tuple[list[dic
     graphs = engine.runner.graphs if cuda else None
     batch = sum(1 for r in engine.requests.values() for s in r.seqs if not s.is_finished)
     bucket = graphs.bucket(batch) if graphs is not None else None
+    # the same number of steps without the profiler first: its own host cost per op is in the profiled ones
+    walls = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()  # ends with the sampled ids' copy to the host: a sync
+        walls.append((time.perf_counter() - t) * 1e6)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof, module_scopes(model):
         if bucket is not None:
@@ -175,7 +183,12 @@ def profile_steps(engine, model, steps: int, trace_path: Path) -> tuple[list[dic
             torch.cuda.synchronize()
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace_path))
-    return attr.load_trace(trace_path), {"bucket": bucket, "graphs": graphs is not None}
+    info = {
+        "bucket": bucket,
+        "graphs": graphs is not None,
+        "unprofiled_step_us": round(statistics.median(walls), 2),
+    }
+    return attr.load_trace(trace_path), info
 
 
 def attribute_step(events: list[dict], cuda: bool, graphs: bool) -> dict:
@@ -298,7 +311,9 @@ def summary_text(res: dict) -> str:
     else:
         parts.append(f"Module ranges take {kern:.1f} us of it (CPU reference path: no roofline).")
     parts.append(
-        f"Attributed: {res['attributed_pct']:.1f}% of the step (remainder {res['remainder_us']:.1f} us)."
+        f"Attributed: {res['attributed_pct']:.1f}% of the step (remainder {res['remainder_us']:.1f} us). "
+        f"Without the profiler the same step takes {res['unprofiled_step_us']:.1f} us (median of "
+        f"{res['steps_profiled']} steps, host clock)."
     )
     return " ".join(parts)
 
@@ -333,7 +348,7 @@ def plot_ops(res: dict, path: Path) -> Path:
 
 
 def write_csv(rows: list[dict], path: Path) -> Path:
-    keys = ["idx", "layer", "op", "scope", "kernel", "cat", "start_us", "us", "share_pct", "flops", "bytes",
+    keys = ["idx", "layer", "op", "scope", "kernel", "cat", "start_us", "us", "dur_us", "share_pct", "flops", "bytes",
             "GBps", "roof", "bound_us", "pct_of_bound"]  # fmt: skip
     tmp = path.with_suffix(".csv.tmp")
     with open(tmp, "w", newline="") as f:
@@ -365,11 +380,13 @@ def run(
     engine = build_engine(model, batch, context, graphs, steps)
     fill(engine, batch, context, steps)
     events, info = profile_steps(engine, model, steps, out / f"trace_{tag}.json")
+    block_size = engine.config.block_size
+    del engine  # its KV cache and graphs go before the next configuration is built
     res = attribute_step(events, cuda, info["graphs"])
     wall = res["wall_us"]
     ctx = context  # keys at the first profiled step (prompt + decoded tokens); later ones have a few more
     rows_batch = info["bucket"] or batch
-    count = accounting(model, rows_batch, ctx, engine.config.block_size)
+    count = accounting(model, rows_batch, ctx, block_size)
     rows, other = res["rows"], res["other"]
     fill_counts(rows, count, values)
     for r in rows:
@@ -391,7 +408,8 @@ def run(
         "weight_bytes": w_bytes, "kv_bytes": kv_bytes, "step_bytes": step_bytes,
         "memory_TBps": bw / 1e12 if bw else None, "floor_us": round(step_bytes / bw * 1e6, 2) if bw else None,
         "ceilings": values, "ceilings_source": ceil_src,
-        "step_walls_us": res["step_walls_us"], "alignment": res.get("alignment"),
+        "step_walls_us": res["step_walls_us"], "unprofiled_step_us": info["unprofiled_step_us"],
+        "alignment": res.get("alignment"),
         "title": f"{name} decode step, batch {batch}, context {ctx}, graphs {'on' if graphs else 'off'} "
                  f"({provenance()['gpu']})",
         "other": other,
@@ -420,7 +438,23 @@ def run(
 
 
 # ------------------------------------------------------------------------------------------------- CLI
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        raise KilnError(f"{flag} takes integers separated by commas, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise KilnError(f"{flag} takes positive integers, got {text!r}")
+    return vals
+
+
 def main(args: argparse.Namespace) -> int:
+    """Every (batch, graphs) combination of the comma lists, on one model built once; each writes its
+    own files, and decode_summary.md gathers the per-op tables and paragraphs."""
+    import gc
+
+    from kiln.profile.report import format_table
+
     device = torch.device(
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
@@ -428,8 +462,18 @@ def main(args: argparse.Namespace) -> int:
         raise KilnError("--device cuda: CUDA is not available on this machine: use --device cpu")
     if args.steps < 1:
         raise KilnError(f"--steps must be >= 1, got {args.steps}")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    n_pos = max_len(args.batch, args.context, args.steps)
+    if args.context < 2:
+        raise KilnError(f"--context must be >= 2, got {args.context}")
+    batches = _int_list(args.batch, "--batch")
+    modes = [m.strip() for m in str(args.graphs).split(",") if m.strip()]
+    if not modes or any(m not in ("on", "off") for m in modes):
+        raise KilnError(f"--graphs takes on, off or on,off, got {args.graphs!r}")
+    cuda = device.type == "cuda"
+    if not cuda and "on" in modes:
+        print("kiln profile decode: no CUDA graphs on a CPU: the eager reference path is profiled")
+        modes = ["off"]
+    dtype = torch.bfloat16 if cuda else torch.float32
+    n_pos = max(max_len(b, args.context, args.steps) for b in batches)
     if args.shape:
         from kiln.model.transformer import build_model
 
@@ -445,8 +489,23 @@ def main(args: argparse.Namespace) -> int:
                 f"--context {args.context} needs {n_pos} positions; the model has {model.config.max_seq_len}: "
                 "lower --context"
             )
-    if args.graphs == "on" and device.type != "cuda":
-        print("kiln profile decode: no CUDA graphs on a CPU: the eager reference path is profiled")
-    run(model, name, args.batch, args.context, args.graphs == "on" and device.type == "cuda", Path(args.out),
-        args.steps, args.refresh)  # fmt: skip
+    out = Path(args.out)
+    lines = []
+    for b in batches:
+        for mode in modes:
+            res = run(model, name, b, args.context, mode == "on", out, args.steps, args.refresh)
+            lines += [f"## {res['title']}", "", format_table(res["ops"], OP_COLS), "", res["summary"], ""]
+            _write_text(out / "decode_summary.md", "\n".join(lines))  # after each: a timeout keeps the rest
+            del res
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    print(f"wrote {out / 'decode_summary.md'}")
     return 0
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

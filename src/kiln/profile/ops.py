@@ -606,8 +606,6 @@ def catalog(smoke: bool = False) -> list[Op]:
             LinearCrossEntropy("linear_cross_entropy", rows=16, vocab=64, d=32, dtype="fp32"),
             Linear("matmul_prefill", m=32, n=32, k=32, dtype=dt),
             Linear("matmul_decode", m=1, n=64, k=32, dtype=dt),
-            Attention("attention_fwd", batch=1, seq=32, heads=2, kv_heads=2, head_dim=16, dtype=dt),
-            AttentionBwd("attention_bwd", batch=1, seq=32, heads=2, kv_heads=2, head_dim=16, dtype=dt),
             DecodeAttention(
                 "decode_attention", batch=2, context=40, heads=4, kv_heads=2, head_dim=16, dtype=dt
             ),
@@ -617,6 +615,8 @@ def catalog(smoke: bool = False) -> list[Op]:
             QuantLinear("quant_matmul_int4", m=1, n=32, k=64, bits=4, group=32, dtype=dt),
             FP8Linear("fp8_matmul", m=16, n=32, k=64),
             GroupedLinear("moe_grouped_gemm", rows=32, n=32, k=32, experts=4, dtype=dt),
+            Attention("attention_fwd", batch=1, seq=32, heads=2, kv_heads=2, head_dim=16, dtype=dt),
+            AttentionBwd("attention_bwd", batch=1, seq=32, heads=2, kv_heads=2, head_dim=16, dtype=dt),
         ]
     qwen = dict(heads=12, kv_heads=2, head_dim=128)
     return [
@@ -629,8 +629,6 @@ def catalog(smoke: bool = False) -> list[Op]:
         LinearCrossEntropy("linear_cross_entropy", rows=8192, vocab=151936, d=1536),
         Linear("matmul_prefill", m=4096, n=4096, k=4096),
         Linear("matmul_decode", m=1, n=17920, k=1536),
-        Attention("attention_fwd", batch=4, seq=4096, heads=16, kv_heads=16, head_dim=128),
-        AttentionBwd("attention_bwd", batch=4, seq=4096, heads=16, kv_heads=16, head_dim=128),
         DecodeAttention("decode_attention", batch=64, context=1024, **qwen),
         PagedKVWrite("paged_kv_write", tokens=64, kv_heads=2, head_dim=128),
         Sampling("sampling", rows=64, vocab=151936),
@@ -638,4 +636,7 @@ def catalog(smoke: bool = False) -> list[Op]:
         QuantLinear("quant_matmul_int4", m=1, n=17920, k=1536, bits=4, group=128),
         FP8Linear("fp8_matmul", m=4096, n=4096, k=4096),
         GroupedLinear("moe_grouped_gemm", rows=4096 * 8, n=768 * 2, k=2048, experts=128),
+        # last: their autotuners compile and time many configs on the first call
+        Attention("attention_fwd", batch=4, seq=4096, heads=16, kv_heads=16, head_dim=128),
+        AttentionBwd("attention_bwd", batch=4, seq=4096, heads=16, kv_heads=16, head_dim=128),
     ]

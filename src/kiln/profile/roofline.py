@@ -146,6 +146,13 @@ def run(names: list[str] | None, out: Path, smoke: bool, refresh: bool = False) 
         ceil_doc = load_or_measure_ceilings(device, refresh, log=print)
         values = ceil_doc["values"]
     timer = Timer(smoke=smoke, rep_ms=50)
+    out.mkdir(parents=True, exist_ok=True)
+    head = {
+        **provenance(),
+        "smoke": smoke,
+        "ceilings": values,
+        "ceilings_source": ceil_doc and ceil_doc["cache_path"],
+    }
     rows, skipped = [], {}
     from kiln.kernels.dispatch import use_backend
 
@@ -153,6 +160,7 @@ def run(names: list[str] | None, out: Path, smoke: bool, refresh: bool = False) 
         if op.roof == "fp8" and (smoke or torch.cuda.get_device_capability(device) < (8, 9)):
             skipped[op.name] = "FP8 needs a GPU of capability >= 8.9"
             continue
+        fn = None
         with use_backend("triton" if smoke else "auto"):
             try:
                 fn = op.build(device)
@@ -160,21 +168,23 @@ def run(names: list[str] | None, out: Path, smoke: bool, refresh: bool = False) 
             except Exception as e:  # recorded with the op, the others still run
                 skipped[op.name] = f"{type(e).__name__}: {e}"[:300]
                 continue
+            finally:
+                del fn  # the op's inputs (up to GBs) go before the next op's
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         rows.append(op_row(op, None if smoke else ms, values))
         print(f"  {op.name}: {rows[-1].get('ms')} ms", flush=True)
+        write_json(out / "roofline.json", {**head, "rows": rows, "skipped": skipped, "partial": True})
     print(format_table(rows, COLUMNS))
     for name, why in skipped.items():
         print(f"  skipped {name}: {why}")
-    out.mkdir(parents=True, exist_ok=True)
     png = plot_roofline(
         [{"label": r["op"], "AI": r["AI"], "TFLOPs": r.get("TFLOPs")} for r in rows],
         values,
         out / "roofline.png",
         f"kiln kernels on the roofline ({provenance()['gpu']})",
     )
-    doc = {**provenance(), "smoke": smoke, "ceilings": values,
-           "ceilings_source": ceil_doc and ceil_doc["cache_path"], "rows": rows, "skipped": skipped,
-           "png": str(png)}  # fmt: skip
+    doc = {**head, "rows": rows, "skipped": skipped, "png": str(png)}
     path = write_json(out / "roofline.json", doc)
     print(f"wrote {path} and {png}")
     return doc
