@@ -94,3 +94,35 @@ def test_cuda_step_names_every_layers_kernels(graphs, tmp_path):
     total = sum(r["us"] for r in res["rows"]) + sum(o["us"] for o in res["other"])
     assert total == pytest.approx(res["wall_us"], rel=0.02)
     assert res["floor_us"] and 0 < res["floor_us"] < res["wall_us"]
+
+
+def test_fill_counts_gives_each_op_instance_its_counts_once(tiny):
+    def row(i, scope, op, us, layer="layer.1"):
+        return {
+            "idx": i,
+            "kernel": f"k{i}",
+            "cat": "kernel",
+            "scope": scope,
+            "layer": layer,
+            "op": op,
+            "us": us,
+        }
+
+    rows = [
+        row(0, "model.layers.1.input_layernorm", "norm", 2.0),
+        row(1, "model.layers.1.self_attn.qkv_proj", "qkv_proj", 5.0),
+        row(2, "model.layers.1.self_attn.qkv_proj", "qkv_proj", 1.0),  # the split-K sum
+        row(3, "model.layers.1.self_attn", "attention", 4.0),
+        row(4, "model.layers.1.self_attn", "attention", 1.0),  # the reduce kernel
+        row(5, "model.layers.1.post_attention_layernorm", "norm", 3.0),
+        row(6, None, "lm_head", 9.0, layer="head"),
+    ]
+    values = {"dram_read_TBps": 1.0, "matmul_bf16_TFLOPs": 100.0, "matmul_fp32_TFLOPs": 10.0}
+    decode.fill_counts(rows, decode.accounting(tiny, batch=2, context=12), values)
+    counted = [r["idx"] for r in rows if "bytes" in r]
+    assert counted == [0, 1, 3, 5, 6]  # both norms, each op's longest kernel, the head
+    norm = 4 * (4 * 2 * 32 + 32)  # fp32, with the residual: x, r, y, sum (2 x 32 each) and the weight
+    assert rows[0]["bytes"] == rows[5]["bytes"] == norm
+    assert rows[0]["bound_us"] == pytest.approx(norm / 1e12 * 1e6, abs=1e-3)  # memory bound at 1 TB/s
+    assert rows[0]["pct_of_bound"] == pytest.approx(100 * rows[0]["bound_us"] / 2.0, abs=0.1)
+    assert rows[6]["flops"] == 2 * 2 * 96 * 32  # the head: batch 2, vocab 96, d 32

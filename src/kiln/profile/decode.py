@@ -238,8 +238,9 @@ def fill_counts(rows: list[dict], count, values: dict) -> None:
     for r in rows:
         if r["layer"] in ("?", "io"):
             continue
-        key = (r["layer"], r["op"], r["scope"] if r["cat"] == "cpu" else None)
-        groups.setdefault(key, []).append(r)
+        # one op instance: its module range and op (a layer's two norms are two instances; a split-K
+        # GEMV's two kernels, or decode attention's split and reduce kernels, are one)
+        groups.setdefault((r["layer"], r["op"], r["scope"]), []).append(r)
     for (layer, op, _), rs in groups.items():
         main = max(rs, key=lambda r: r["us"])
         c = count(layer, op, main["scope"])
