@@ -34,6 +34,6 @@ part ceilings 45 $PY -m kiln.cli profile ceilings --out "$OUT/ceilings.json"
 # the four decode configurations in one process: the model is built and the kernels compiled once
 part decode 200 $PY -m kiln.cli profile decode --shape qwen2.5-1.5b --batch 1,64 --graphs on,off \
   --context 1024 --out "$OUT/decode"
-part roofline 120 $PY -m kiln.cli profile roofline --out "$OUT/roofline"
-part gpu_tests 40 $PY -m pytest -q -p no:cacheprovider -m gpu tests/profile
+part roofline 110 $PY -m kiln.cli profile roofline --out "$OUT/roofline"
+part gpu_tests 50 $PY -m pytest -q -p no:cacheprovider -m gpu tests/profile
 echo "total $SECONDS s" | tee -a "$OUT/status.txt"

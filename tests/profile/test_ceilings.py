@@ -80,9 +80,9 @@ def test_roofline_smoke_writes_rows_and_plot(tmp_path):
 
 
 @pytest.mark.gpu
-def test_measured_ceilings_are_sane(tmp_path):
+def test_measured_ceilings_are_sane():
     dev = torch.device("cuda")
-    doc = C.load_or_measure_ceilings(dev, directory=tmp_path)
+    doc = C.load_or_measure_ceilings(dev)  # this session's measurement when cached (the suite's first part)
     v = doc["values"]
     assert doc["measure_s"] < 60, doc["measure_s"]
     spec = C.spec_bandwidth(dev)
