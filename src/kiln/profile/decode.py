@@ -348,6 +348,41 @@ def plot_ops(res: dict, path: Path) -> Path:
     return path
 
 
+def plot_configs(results: list[dict], path: Path) -> Path:
+    """One bar per configuration, stacked by op as a share of its step (the step's time in the label),
+    one colour per op across the bars: how the composition moves with batch and graphs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(g["op"] for r in results for g in r["ops"]))
+    fig, ax = plt.subplots(figsize=(12, max(3.0, 1.5 + 0.6 * len(results))))
+    labels = [
+        f"b{r['batch']} graphs {'on' if r['graphs'] else 'off'}: {r['wall_us']:.0f} us" for r in results
+    ]
+    for i, op in enumerate(ops):
+        shares = [next((g["share_pct"] for g in r["ops"] if g["op"] == op), 0.0) for r in results]
+        lefts = [
+            sum(next((g["share_pct"] for g in r["ops"] if g["op"] == o), 0.0) for o in ops[:i])
+            for r in results
+        ]
+        host = any(g["op"] == op and not g.get("kernels") for r in results for g in r["ops"])
+        ax.barh(labels, shares, left=lefts, color=plt.get_cmap("tab20")(i % 20), hatch="//" if host else None,
+                edgecolor="white", label=op)  # fmt: skip
+    ax.set_xlabel("% of the step")
+    ax.set_xlim(0, 100)
+    ax.invert_yaxis()
+    ax.set_title(
+        f"{results[0]['model']} decode step by op, context {results[0]['context']} ({results[0]['device']})"
+    )
+    ax.legend(ncol=2 if len(ops) > 12 else 1, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def write_csv(rows: list[dict], path: Path) -> Path:
     keys = ["idx", "layer", "op", "scope", "kernel", "cat", "start_us", "us", "dur_us", "share_pct", "flops", "bytes",
             "GBps", "roof", "bound_us", "pct_of_bound"]  # fmt: skip
@@ -491,17 +526,21 @@ def main(args: argparse.Namespace) -> int:
                 "lower --context"
             )
     out = Path(args.out)
-    lines = []
+    lines, results = [], []
     for b in batches:
         for mode in modes:
             res = run(model, name, b, args.context, mode == "on", out, args.steps, args.refresh)
             lines += [f"## {res['title']}", "", format_table(res["ops"], OP_COLS), "", res["summary"], ""]
             _write_text(out / "decode_summary.md", "\n".join(lines))  # after each: a timeout keeps the rest
+            results.append(
+                {k: res[k] for k in ("model", "batch", "graphs", "wall_us", "context", "device", "ops")}
+            )
             del res
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
-    print(f"wrote {out / 'decode_summary.md'}")
+    png = plot_configs(results, out / "decode_configs.png")
+    print(f"wrote {out / 'decode_summary.md'} and {png}")
     return 0
 
 

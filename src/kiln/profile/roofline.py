@@ -89,7 +89,14 @@ def plot_roofline(points: list[dict], values: dict, path: Path, title: str) -> P
                        label=p.get("group") if first else None)  # fmt: skip
             continue
         ax.scatter(p["AI"], p["TFLOPs"], s=30, zorder=3, color=f"C{i % 10}")
-        ax.annotate(p["label"], (p["AI"], p["TFLOPs"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        # staggered offsets: ops at the same intensity (the big matmuls) do not print over each other
+        ax.annotate(
+            p["label"],
+            (p["AI"], p["TFLOPs"]),
+            fontsize=7,
+            xytext=(3, 3 - 10 * (i % 3)),
+            textcoords="offset points",
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
