@@ -126,3 +126,21 @@ def test_fill_counts_gives_each_op_instance_its_counts_once(tiny):
     assert rows[0]["bound_us"] == pytest.approx(norm / 1e12 * 1e6, abs=1e-3)  # memory bound at 1 TB/s
     assert rows[0]["pct_of_bound"] == pytest.approx(100 * rows[0]["bound_us"] / 2.0, abs=0.1)
     assert rows[6]["flops"] == 2 * 2 * 96 * 32  # the head: batch 2, vocab 96, d 32
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch", "0"], "--batch takes positive integers"),
+        (["--batch", "1,x"], "--batch takes integers"),
+        (["--graphs", "maybe"], "--graphs takes on, off or on,off"),
+        (["--context", "1"], "--context must be >= 2"),
+        (["--steps", "0"], "--steps must be >= 1"),
+    ],
+)
+def test_cli_rejects_bad_arguments_before_building_anything(args, message, capsys):
+    from kiln.cli import main
+
+    assert main(["profile", "decode", "--shape", "qwen2.5-1.5b", "--device", "cpu", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kiln: error:") and message in err
