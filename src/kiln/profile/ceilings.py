@@ -22,7 +22,8 @@ and every bench/<area>.py read) measures, each with its method stored beside the
 - graph_kernel_us    GPU time per kernel when 500 empty kernels replay from one CUDA graph.
 - h2d_pinned_GBps    copy of 256 MiB from pinned host memory to the device.
 - spec_dram_TBps     not measured: 2 (double data rate) x memory clock x bus width from the device
-                     properties, where torch exposes them (None otherwise).
+                     properties, where torch exposes them (None otherwise); spec_smem_TBps: 128 bytes per
+                     cycle per SM x SMs x SM clock. The datasheet figures the measured ones sit under.
 
 Times are medians over repeats between CUDA events, after a warm-up. The whole measurement takes well
 under 30 s on an H200. A probe that fails stores None and its error, and the rest still run.
@@ -192,6 +193,14 @@ def h2d_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
     return nbytes / (_median_ms(lambda: dst.copy_(src, non_blocking=True), iters=5) / 1e3)
 
 
+def spec_smem_bandwidth(device: torch.device) -> float | None:
+    """Bytes/s of shared memory by the datasheet rule: 128 bytes per cycle per SM x SMs x SM clock (the
+    rule torch.cuda._device_limits uses), None when the clock is not exposed."""
+    props = torch.cuda.get_device_properties(device)
+    clock_khz = getattr(props, "clock_rate", None)
+    return 128 * props.multi_processor_count * clock_khz * 1e3 if clock_khz else None
+
+
 def spec_bandwidth(device: torch.device) -> float | None:
     """Bytes/s of the DRAM datasheet figure from the device properties (2 x memory clock x bus width),
     None when this torch build does not expose them."""
@@ -222,6 +231,7 @@ METHODS = {
     "graph_kernel_us": "GPU time per kernel, 500 empty Triton kernels replayed from one CUDA graph",
     "h2d_pinned_GBps": "256 MiB pinned host -> device copy_",
     "spec_dram_TBps": "not measured: 2 x memory clock x bus width (device properties), where exposed",
+    "spec_smem_TBps": "not measured: 128 bytes per cycle per SM x SMs x SM clock (device properties)",
 }
 
 
@@ -275,6 +285,8 @@ def measure_all(device: torch.device, log: Callable[[str], None] | None = None) 
     probe(("h2d_pinned_GBps",), lambda: (h2d_bandwidth(device) / 1e9,))
     spec = spec_bandwidth(device)
     values["spec_dram_TBps"] = None if spec is None else round(spec / 1e12, 4)
+    smem_spec = spec_smem_bandwidth(device)
+    values["spec_smem_TBps"] = None if smem_spec is None else round(smem_spec / 1e12, 4)
     return {
         "schema": SCHEMA,
         **provenance(),
