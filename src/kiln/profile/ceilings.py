@@ -123,7 +123,9 @@ def smem_bandwidth(device: torch.device, iters: int = 256, n: int = 64) -> dict:
     out = torch.empty(programs * n * n, device=device, dtype=torch.float32)
     compiled = _smem_kernel[(programs,)](out, ITERS=iters, N=n, num_warps=4)
     ptx = compiled.asm.get("ptx", "") if hasattr(compiled, "asm") else ""
-    st, ld = len(re.findall(r"\bst\.shared", ptx)), len(re.findall(r"\bld\.shared", ptx))
+    # stores and loads through shared memory (plain, or the matrix forms a conversion may use)
+    st = len(re.findall(r"\bst\.shared|\bstmatrix", ptx))
+    ld = len(re.findall(r"\bld\.shared|\bldmatrix", ptx))
     ms = _median_ms(lambda: _smem_kernel[(programs,)](out, ITERS=iters, N=n, num_warps=4), iters=10)
     tbps = programs * iters * 2 * n * n * 4 / (ms / 1e3) / 1e12 if st and ld else None
     return {"TBps": tbps, "st_shared": st, "ld_shared": ld}
