@@ -38,6 +38,11 @@ def test_every_layer_is_named_and_the_rows_sum_to_the_step(result, tiny):
     assert "The step takes" in res["summary"]
     for key in ("csv", "ops_png"):
         assert (out / res[key].split("/")[-1]).exists()
+    import gzip
+
+    trace = json.loads(gzip.decompress((out / "trace_tiny_b2_c12_graphsoff.json.gz").read_bytes()))
+    assert any(e.get("name") == "kiln/model.layers.2.mlp.down_proj" for e in trace["traceEvents"])
+    assert not list(out.glob(".*tmp*"))  # the uncompressed export is gone
     doc = json.loads((out / "decode_tiny_b2_c12_graphsoff.json").read_text())
     assert doc["wall_us"] == res["wall_us"] and len(doc["rows"]) == len(rows)
 

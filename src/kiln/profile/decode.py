@@ -8,7 +8,7 @@
 2. Run `--steps` engine steps under torch.profiler (CPU + CUDA activity), each inside a record_function
    range, with every module's forward named (kiln.profile.naming). With graphs on, first one eager run
    of the captured step function for the same bucket (DecodeGraphs._step) names the kernels the replay
-   runs (kiln.profile.attribution.align). The Chrome trace is saved beside the results.
+   runs (kiln.profile.attribution.align). The Chrome trace is saved beside the results (gzipped).
 3. The step of median wall time is attributed (kiln.profile.attribution): one row per kernel (layer, op,
    time, FLOPs and bytes from the op catalog's counting for that op at this batch and context (the op's
    longest kernel carries its counts, e.g. a split-K GEMV's sum kernel carries none), achieved bandwidth,
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import math
 import statistics
 import time
@@ -182,13 +183,19 @@ def profile_steps(engine, model, steps: int, trace_path: Path) -> tuple[list[dic
         if cuda:
             torch.cuda.synchronize()
     trace_path.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(trace_path))
+    raw = trace_path.with_name(f".{trace_path.name}.tmp.json")
+    prof.export_chrome_trace(str(raw))
+    events = attr.load_trace(raw)
+    # kept gzipped (Perfetto and chrome://tracing open .json.gz): the trace of an eager step is MBs
+    with gzip.open(trace_path, "wb") as f:
+        f.write(raw.read_bytes())
+    raw.unlink()
     info = {
         "bucket": bucket,
         "graphs": graphs is not None,
         "unprofiled_step_us": round(statistics.median(walls), 2),
     }
-    return attr.load_trace(trace_path), info
+    return events, info
 
 
 def attribute_step(events: list[dict], cuda: bool, graphs: bool) -> dict:
@@ -415,7 +422,7 @@ def run(
     tag = f"{name}_b{batch}_c{context}_graphs{'on' if graphs else 'off'}"
     engine = build_engine(model, batch, context, graphs, steps)
     fill(engine, batch, context, steps)
-    events, info = profile_steps(engine, model, steps, out / f"trace_{tag}.json")
+    events, info = profile_steps(engine, model, steps, out / f"trace_{tag}.json.gz")
     block_size = engine.config.block_size
     del engine  # its KV cache and graphs go before the next configuration is built
     res = attribute_step(events, cuda, info["graphs"])
