@@ -463,7 +463,8 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     print(format_table(result["ops"], OP_COLS))
     top = sorted(rows, key=lambda r: -r["us"])[:15]
-    print(format_table(top, ROW_COLS))
+    # cuBLAS kernel names run to 200 characters: the terminal gets their start, the CSV/JSON all of it
+    print(format_table([{**r, "kernel": r["kernel"][:60]} for r in top], ROW_COLS))
     print(result["summary"])
     result["csv"] = str(write_csv(rows, out / f"decode_{tag}.csv"))
     result["ops_png"] = str(plot_ops(result, out / f"decode_{tag}_ops.png"))
