@@ -15,7 +15,7 @@ round visiting the implementations of a case in a fresh random order (kiln.profi
 favoured by where it falls in the run. Bandwidth is the op's useful bytes (each input
 read once, each output written once; weights and tables are ignored) over that time, the same byte
 count for every implementation, so TB/s ratios are time ratios; "frac_copy" divides by the device copy
-bandwidth measured at the start of the run (kiln.profile.ceilings; 4.27 TB/s on the H200). Forward runs under no_grad;
+bandwidth of the device's ceilings (kiln.profile.ceilings, measured once per device and cached). Forward runs under no_grad;
 forward+backward is one forward with grad plus torch.autograd.grad of every input with a fixed
 upstream gradient (no .grad accumulation). A failing case records its error and the run goes on; the
 run skips torch.compile peers once it passes its time budget. kiln's outputs are checked against the

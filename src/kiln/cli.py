@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kiln.serve import cli as serve_cli
 
     serve_cli.register(sub)
+    from kiln.profile import cli as profile_cli
+
+    profile_cli.register(sub)
     return parser
 
 
