@@ -18,6 +18,7 @@ from kiln.kernels.layernorm import layernorm
 from kiln.kernels.paged_kv import paged_kv_write
 from kiln.kernels.rmsnorm import rmsnorm
 from kiln.kernels.rope import apply_rope
+from kiln.kernels.rope_kv_write import rope_kv_write
 from kiln.kernels.swiglu import swiglu
 from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.config import KernelConfig, ModelConfig
@@ -108,10 +109,17 @@ class Attention(nn.Module):
 
     def _flat(self, q, k, v, rope, meta: AttnMetadata, kv_cache):
         """Packed sequences (AttnMetadata's prefill and decode paths): q (N, Hq, D) -> (N, Hq, D)."""
+        attn = dict(window=self.window, sinks=self.sinks)
+        if kv_cache is not None and meta.decode and rope is not None:
+            # decode: one kernel rotates q and k and writes k and v into their cache slots (rope[2] is
+            # (1, N): each token's table row)
+            k_cache, v_cache = kv_cache
+            q = rope_kv_write(q, k, v, rope[0], rope[1], rope[2].reshape(-1), k_cache, v_cache,
+                              meta.slot_mapping, interleaved=self.rope_interleaved)  # fmt: skip
+            return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, **attn)
         if rope is not None:  # the kernel takes (B, T, H, D): the flat batch is one row of N
             q, k = apply_rope(q[None], k[None], *rope, interleaved=self.rope_interleaved)
             q, k = q[0], k[0]
-        attn = dict(window=self.window, sinks=self.sinks)
         if kv_cache is not None:
             k_cache, v_cache = kv_cache
             paged_kv_write(k_cache, v_cache, k, v, meta.slot_mapping)
