@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.kernels.dispatch import use_backend
-from kiln.kernels.rope_kv_write import rope_kv_write, rope_kv_write_ref
+from kiln.kernels.rope import rope_kv_write, rope_kv_write_ref
 
 from ._tolerance import assert_close
 

@@ -17,9 +17,8 @@ from kiln.kernels.decode_attention import decode_attention
 from kiln.kernels.layernorm import layernorm
 from kiln.kernels.paged_kv import paged_kv_write
 from kiln.kernels.rmsnorm import rmsnorm
-from kiln.kernels.rope import apply_rope
-from kiln.kernels.rope_kv_write import rope_kv_write
-from kiln.kernels.swiglu import swiglu
+from kiln.kernels.rope import apply_rope, rope_kv_write
+from kiln.kernels.swiglu import swiglu, swiglu_linear
 from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.config import KernelConfig, ModelConfig
 from kiln.model.linear import Linear, MergedLinear
@@ -184,7 +183,11 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(hidden, d_model, False, kernels.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_up_proj(x), None))  # [gate | up] in one tensor
+        h = self.gate_up_proj(x)  # (N, 2F): [gate | up] in one tensor
+        if h.dim() == 2 and self.down_proj.takes_decode_kernel(h):
+            # decode rows: the SwiGLU runs in the down projection's prologue (one kernel, no (N, F) round trip)
+            return swiglu_linear(h, self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(swiglu(h, None))
 
 
 class GeluMLP(nn.Module):
