@@ -115,11 +115,14 @@ def decode_config(M: int, N: int, K: int, sms: int, k_major: bool = True) -> Dec
 def _load_x(ptrs, mask, up_offset, SWIGLU: tl.constexpr):
     """A tile of x at `ptrs`; with SWIGLU, x = silu(gate) * up where gate is at ptrs and up at ptrs +
     up_offset, computed in float32 and rounded to the input dtype (the separate swiglu kernel's output)."""
+    # one return after a constexpr if/else: the compiler visits every return that follows a static branch
     if SWIGLU:
         g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(ptrs + up_offset, mask=mask, other=0.0).to(tl.float32)
-        return (g * tl.sigmoid(g) * u).to(ptrs.dtype.element_ty)
-    return tl.load(ptrs, mask=mask, other=0.0)
+        x = (g * tl.sigmoid(g) * u).to(ptrs.dtype.element_ty)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
 
 
 @triton.jit

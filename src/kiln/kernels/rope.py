@@ -394,19 +394,24 @@ def _rotate_heads(X, c, s, offs_h, n_heads, half, INTERLEAVED: tl.constexpr, BLO
     by c, s (1, BLOCK_D) float32: returns (first, second, mask), where for half-rotated pairs first and
     second are the (BLOCK_H, BLOCK_D) halves of the output row, and for interleaved pairs first is the
     whole (BLOCK_H, 2 BLOCK_D) row (second unused)."""
+    # one return after a constexpr if/else (the two layouts return tiles of different shapes, and the
+    # compiler visits every return that follows a static branch)
     h_ok = offs_h[:, None] < n_heads
     if INTERLEAVED:
         j = tl.arange(0, 2 * BLOCK_D)[None, :]
         mask = h_ok & (j < 2 * half)
         x = tl.load(X + j, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_H, 2 BLOCK_D), whole rows
         a, b = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_D, 2)))
-        y = tl.reshape(tl.join(a * c - b * s, a * s + b * c), (BLOCK_H, 2 * BLOCK_D))
-        return y, y, mask
-    i = tl.arange(0, BLOCK_D)[None, :]
-    mask = h_ok & (i < half)
-    a = tl.load(X + i, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_H, BLOCK_D): x[i]
-    b = tl.load(X + i + half, mask=mask, other=0.0).to(tl.float32)  # x[i + D/2]
-    return a * c - b * s, a * s + b * c, mask
+        first = tl.reshape(tl.join(a * c - b * s, a * s + b * c), (BLOCK_H, 2 * BLOCK_D))
+        second = first
+    else:
+        i = tl.arange(0, BLOCK_D)[None, :]
+        mask = h_ok & (i < half)
+        a = tl.load(X + i, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_H, BLOCK_D): x[i]
+        b = tl.load(X + i + half, mask=mask, other=0.0).to(tl.float32)  # x[i + D/2]
+        first = a * c - b * s
+        second = a * s + b * c
+    return first, second, mask
 
 
 @triton.jit
