@@ -15,7 +15,7 @@ from kiln.model.config import KernelConfig
 
 BASE = dict(vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_hidden=40, max_seq_len=128)
 CFGS = {
-    "qwen2-bias": dict(arch="qwen2", qkv_bias=True),
+    "qwen2-bias": dict(arch="qwen2", qkv_bias=True, head_dim=16),  # decode attention takes D in 16..256
     "qwen3-interleaved-window-sinks": dict(
         arch="qwen3", qk_norm=True, head_dim=16, rope_interleaved=True, sliding_window=7, attn_sinks=True
     ),
@@ -96,7 +96,31 @@ def test_the_mlp_keeps_separate_kernels_for_more_than_16_rows_and_training(monke
     with torch.no_grad():
         mlp(torch.randn(17, cfg.d_model))
     mlp(torch.randn(3, cfg.d_model))  # gradients on: the fused kernel has no backward
+    hook = mlp.down_proj.register_forward_pre_hook(lambda m, a: None)  # as a tensor-parallel plan wraps it
+    with torch.no_grad():
+        mlp(torch.randn(3, cfg.d_model))
+    hook.remove()
     assert not fused
     with torch.no_grad():
         mlp(torch.randn(16, cfg.d_model))
     assert fused == [1]
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_equals_eager():
+    # decode_backend="compile" traces the step whole: the fused ops enter as opaque custom ops (fullgraph),
+    # the K/V write declared as mutating the caches (one layer: Dynamo's tracing is most of the time)
+    cfg = ModelConfig(**{**BASE, "n_layers": 1}, **CFGS["qwen2-bias"])
+    model = build_model(cfg, seed=1, kernels=KernelConfig(linear="kiln"))
+    tokens, pos, meta, caches = _step_inputs(cfg, [0, 5, 40, 9], page=8, seed=2)
+    compiled_caches = [(k.clone(), v.clone()) for k, v in caches]
+    torch._dynamo.reset()
+    step = torch.compile(
+        lambda t, p: model.model(t, p, meta, compiled_caches)[0], backend="aot_eager", fullgraph=True
+    )
+    with torch.no_grad(), use_backend("triton"):
+        want, _ = model.model(tokens, pos, meta, caches)
+        got = step(tokens, pos)
+    assert torch.equal(got, want)
+    for (k, v), (ck, cv) in zip(caches, compiled_caches):
+        assert torch.equal(k, ck) and torch.equal(v, cv)

@@ -472,7 +472,8 @@ _rope_kv_launch = CachedLaunch(_rope_kv_write_kernel)
 
 
 def rope_kv_write_triton(q, k, v, cos, sin, rows, k_cache, v_cache, slots, interleaved) -> torch.Tensor:
-    """The kernel on checked inputs (contiguous last dims); returns the rotated q (N, Hq, D)."""
+    """The kernel on checked inputs; returns the rotated q (N, Hq, D)."""
+    q, k, v, cos, sin = (_last_contiguous(t) for t in (q, k, v, cos, sin))
     N, Hq, D = q.shape
     Hk = k.shape[1]
     q_out = torch.empty((N, Hq, D), dtype=q.dtype, device=q.device)
@@ -577,7 +578,6 @@ def rope_kv_write(
     _check_rope_kv(q, k, v, cos, sin, rows, k_cache, v_cache, slots)
     if not use_triton(q, k, v, cos, sin, k_cache, v_cache):
         return rope_kv_write_ref(q, k, v, cos, sin, rows, k_cache, v_cache, slots, interleaved)
-    q, k, v, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cos, sin))
     if torch.compiler.is_compiling():
         return rope_kv_write_op(q, k, v, cos, sin, rows, k_cache, v_cache, slots, interleaved)
     return rope_kv_write_triton(q, k, v, cos, sin, rows, k_cache, v_cache, slots, interleaved)

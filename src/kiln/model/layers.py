@@ -184,8 +184,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up_proj(x)  # (N, 2F): [gate | up] in one tensor
-        if h.dim() == 2 and self.down_proj.takes_decode_kernel(h):
-            # decode rows: the SwiGLU runs in the down projection's prologue (one kernel, no (N, F) round trip)
+        if h.dim() == 2 and isinstance(self.down_proj, Linear) and self.down_proj.takes_decode_kernel(h):
+            # decode rows: the SwiGLU runs in the down projection's prologue (one kernel, no (N, F) round
+            # trip); a quantized or tensor-parallel down projection keeps its own forward
             return swiglu_linear(h, self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(swiglu(h, None))
 
