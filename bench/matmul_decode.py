@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from kiln.kernels.dispatch import sm_count, use_backend
 from kiln.kernels.matmul import linear
-from kiln.kernels.matmul_decode import decode_config
+from kiln.kernels.matmul_decode import DecodeConfig, decode_config, decode_matmul
 from kiln.kernels.swiglu import swiglu, swiglu_linear
 from kiln.profile.ceilings import fraction
 from kiln.profile.harness import BenchRun, bench_parser, format_table
@@ -82,6 +82,16 @@ def main() -> int:
     return 0
 
 
+# At one row the rule gives the down projection 2 columns per program (768 programs), each recomputing the
+# SwiGLU over all 8960 K values: these spread the same weight stream over as many programs with more columns
+# and split K, so each program recomputes a quarter or half as much (the split-K sum adds a PDL launch).
+FUSED_ONE_ROW_ALTERNATIVES = (
+    DecodeConfig("gemv", 8, 1024, 4, 4, 1, True),
+    DecodeConfig("gemv", 4, 1024, 2, 4, 1, True),
+    DecodeConfig("gemv", 4, 512, 2, 2, 3, True),
+)
+
+
 def swiglu_down_cases(run, down, row_counts, dtype, g) -> list[dict]:
     """swiglu(gate_up) @ W_down^T: fused (kiln) vs kiln's swiglu then kiln's decode matmul ("separate") vs
     swiglu then cuBLAS; checked against float32."""
@@ -93,14 +103,15 @@ def swiglu_down_cases(run, down, row_counts, dtype, g) -> list[dict]:
         gate_up = torch.randn(M, 2 * F_, device=dev, generator=g).to(dtype)
         want = F.linear(swiglu(gate_up.float()), w.float())
         err = float((swiglu_linear(gate_up, w).float() - want).abs().max())
-        t = run.timer.interleaved(
-            {
-                "fused": lambda a=gate_up: swiglu_linear(a, w),
-                "separate": lambda a=gate_up: linear(swiglu(a), w),
-                "cublas": lambda a=gate_up: F.linear(swiglu(a), w),
-            },
-            graph=True,
-        )
+        fns = {
+            "fused": lambda a=gate_up: swiglu_linear(a, w),
+            "separate": lambda a=gate_up: linear(swiglu(a), w),
+            "cublas": lambda a=gate_up: F.linear(swiglu(a), w),
+        }
+        if M == 1 and not run.smoke:  # fewer column blocks recompute the SwiGLU (the rule's: 2 columns each)
+            for cfg in FUSED_ONE_ROW_ALTERNATIVES:
+                fns[str(cfg)] = lambda a=gate_up, c=cfg: decode_matmul(a, w.t(), config=c, prologue="swiglu")
+        t = run.timer.interleaved(fns, graph=True)
         us = {k: v["ms"] * 1e3 for k, v in t.items()}
         tbps = N * F_ * w.element_size() / us["fused"] / 1e6
         row = {
@@ -110,6 +121,7 @@ def swiglu_down_cases(run, down, row_counts, dtype, g) -> list[dict]:
             "cublas_us": round(us["cublas"], 2), "ratio": round(us["cublas"] / us["fused"], 3),
             "fused_over_separate": round(us["separate"] / us["fused"], 3), "max_abs_diff_vs_fp32": err,
             "tbps": round(tbps, 3), "frac_copy": fraction(tbps, run.ceilings["copy_TBps"]),
+            "alternatives_us": {k: round(v, 2) for k, v in us.items() if k not in ("fused", "separate", "cublas")},
         }  # fmt: skip
         out.append(row)
         run.log(
