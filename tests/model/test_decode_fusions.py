@@ -22,7 +22,7 @@ CFGS = {
 }
 
 
-def _step_inputs(cfg: ModelConfig, lens: list[int], page: int, seed: int):
+def _step_inputs(cfg: ModelConfig, lens: list[int], page: int, seed: int, device):
     """A decode step of len(lens) sequences with lens[i] cached keys each (random caches, scattered pages),
     plus one padding row (slot -1, context 1), as the CUDA-graph bucket pads it."""
     g = torch.Generator().manual_seed(seed)
@@ -47,18 +47,27 @@ def _step_inputs(cfg: ModelConfig, lens: list[int], page: int, seed: int):
         decode=True,
     )
     tokens = torch.randint(0, cfg.vocab_size, (B + 1,), generator=g)
-    return tokens, pos, meta, caches
+    move = lambda t: t.to(device)  # noqa: E731
+    meta = AttnMetadata(
+        **{
+            f: move(getattr(meta, f))
+            for f in ("cu_seqlens_q", "slot_mapping", "block_tables", "context_lens")
+        },
+        max_seqlen_q=1,
+        decode=True,
+    )
+    return move(tokens), move(pos), meta, [(move(k), move(v)) for k, v in caches]
 
 
 @pytest.mark.parametrize("name", list(CFGS))
-def test_decode_step_on_fused_kernels_equals_reference(name, monkeypatch):
+def test_decode_step_on_fused_kernels_equals_reference(name, monkeypatch, device):
     cfg = ModelConfig(**BASE, **CFGS[name])
-    model = build_model(cfg, seed=1, kernels=KernelConfig(linear="kiln"))
+    model = build_model(cfg, device, seed=1, kernels=KernelConfig(linear="kiln"))
     with torch.no_grad():
         for layer in model.model.layers:
             if layer.self_attn.sinks is not None:
                 layer.self_attn.sinks.normal_(0, 1.0)
-    tokens, pos, meta, caches = _step_inputs(cfg, [0, 5, 40, 9], page=8, seed=2)
+    tokens, pos, meta, caches = _step_inputs(cfg, [0, 5, 40, 9], page=8, seed=2, device=device)
     want_caches = [(k.clone(), v.clone()) for k, v in caches]
     with torch.no_grad(), use_backend("reference"):
         want, _ = model.model(tokens, pos, meta, want_caches)
@@ -89,7 +98,7 @@ def test_decode_step_on_fused_kernels_equals_reference(name, monkeypatch):
 
 
 def test_the_mlp_keeps_separate_kernels_for_more_than_16_rows_and_training(monkeypatch):
-    cfg = ModelConfig(**BASE, arch="llama")
+    cfg = ModelConfig(**BASE, arch="llama")  # on the CPU, reference ops: only the choice is tested
     mlp = build_model(cfg, seed=0, kernels=KernelConfig(linear="kiln")).model.layers[0].mlp
     fused = []
     monkeypatch.setattr(layers, "swiglu_linear", lambda *a: fused.append(1))
@@ -107,12 +116,12 @@ def test_the_mlp_keeps_separate_kernels_for_more_than_16_rows_and_training(monke
 
 
 @pytest.mark.slow
-def test_compiled_decode_step_equals_eager():
+def test_compiled_decode_step_equals_eager(device):
     # decode_backend="compile" traces the step whole: the fused ops enter as opaque custom ops (fullgraph),
     # the K/V write declared as mutating the caches (one layer: Dynamo's tracing is most of the time)
     cfg = ModelConfig(**{**BASE, "n_layers": 1}, **CFGS["qwen2-bias"])
-    model = build_model(cfg, seed=1, kernels=KernelConfig(linear="kiln"))
-    tokens, pos, meta, caches = _step_inputs(cfg, [0, 5, 40, 9], page=8, seed=2)
+    model = build_model(cfg, device, seed=1, kernels=KernelConfig(linear="kiln"))
+    tokens, pos, meta, caches = _step_inputs(cfg, [0, 5, 40, 9], page=8, seed=2, device=device)
     compiled_caches = [(k.clone(), v.clone()) for k, v in caches]
     torch._dynamo.reset()
     step = torch.compile(
