@@ -20,8 +20,8 @@ CUDA-graph friendly): enough (b, kv head, split) programs to fill the GPU a few 
 split per CHUNK_ALIGN keys of the block table's capacity. The CHUNK each split covers is derived on the
 device from the live context, per sequence: chunk_b = align(cdiv(live_b, splits), BLOCK_N), live_b =
 seq_lens[b] (or the window). Every split of every sequence gets an equal share of its live keys, and
-splits past the end of a short sequence return at once without a store (the reduction skips them: it
-reads a split's partial only where the split holds keys). Until 2026-12-02 the chunk came from the
+splits past the end of a short sequence return at once, storing only an empty log-sum-exp (-inf): the
+reduction reads a split's partial output only where the split held keys. Until 2026-12-02 the chunk came from the
 capacity too (chunk = capacity / splits): with a block table sized for 4k tokens and a few hundred live
 keys, the first one or two splits did all the work while the others sat empty (H200: 7.6 us a layer at
 batch 1, 16.4 us at batch 64, docs/perf/inference.md).
