@@ -15,10 +15,10 @@ from kiln.kernels.linear_cross_entropy import linear_cross_entropy_bwd_op, linea
 from kiln.kernels.matmul import matmul_op
 from kiln.kernels.paged_kv import paged_kv_write_op
 from kiln.kernels.rmsnorm import rmsnorm_bwd_op, rmsnorm_fwd_op
-from kiln.kernels.rope import rope_op
+from kiln.kernels.rope import rope_kv_write_op, rope_op
 from kiln.kernels.sampling import sample_op
 from kiln.kernels.softmax import softmax_bwd_op, softmax_fwd_op
-from kiln.kernels.swiglu import swiglu_bwd_op, swiglu_fwd_op
+from kiln.kernels.swiglu import swiglu_bwd_op, swiglu_fwd_op, swiglu_linear_op
 from kiln.kernels.vector_add import vector_add_op
 
 # opcheck's utilities: the schema, fake-tensor and autograd-registration checks (its aot_dispatch checks
@@ -161,6 +161,22 @@ def test_inference_ops():
     noise = torch.empty(2, 50).exponential_(generator=g)
     _opcheck(sample_op, (logits, None, 0.0, None, None))
     _opcheck(sample_op, (logits, noise, 0.8, 5, 0.9))
+    # the fused decode ops: RoPE + paged K/V write (mutates the caches), SwiGLU in the down projection
+    qkv = torch.randn(3, 4 * 16, generator=g)
+    cos, sin = torch.randn(5, 8, generator=g), torch.randn(5, 8, generator=g)
+    rope_args = (
+        qkv[:, :32].view(3, 2, 16),
+        qkv[:, 32:48].view(3, 1, 16),
+        qkv[:, 48:].view(3, 1, 16),
+        cos,
+        sin,
+    )
+    _opcheck(
+        rope_kv_write_op,
+        (*rope_args, torch.tensor([4, 0, 2]), k_cache, v_cache, torch.tensor([5, -1, 30]), False),
+    )
+    gate_up, w_down = torch.randn(3, 24, generator=g), torch.randn(10, 12, generator=g)
+    _opcheck(swiglu_linear_op, (gate_up, w_down, torch.randn(10, generator=g)))
 
 
 def test_compiled_standalone_ops_equal_eager():

@@ -164,3 +164,46 @@ def test_decode_sweep_configs(config, device):
     q, kc, vc, table, seq_lens = _paged([400, 1, 60, 333], 8, 2, 16, 16, torch.float32, device, seed=9)
     got = decode_attention_triton(q, kc, vc, table, seq_lens, 0.25, None, None, None, config)
     assert_close(got, _ref64(q, kc, vc, table, seq_lens, softmax_scale=0.25))
+
+
+def _wide(lens, Hq, Hk, D, page, width, dtype, device, seed):
+    """_paged with a block table `width` pages wide (the capacity a graph captures), most of it unused."""
+    q, kc, vc, table, seq_lens = _paged(lens, Hq, Hk, D, page, dtype, device, seed=seed, spare=0)
+    pad = torch.zeros(len(lens), width - table.shape[1], dtype=torch.int32, device=device)
+    return q, kc, vc, torch.cat([table, pad], dim=1), seq_lens
+
+
+@pytest.mark.parametrize(
+    "num_splits,window,sinks",
+    [(None, None, False), (1, None, True), (1, 40, True), (7, None, True), (7, 40, False), (24, None, False)],
+)
+def test_decode_live_chunks_on_a_wide_table(num_splits, window, sinks, device):
+    # A table 64 pages wide (1024 keys of capacity) holding 0-300 live keys: each sequence's splits share
+    # its live keys (chunk from seq_lens on the device), more splits than tiles leave some empty, one
+    # split writes the output itself (no reduction), and a sequence with no keys gives 0 (or 0 with sinks).
+    q, kc, vc, table, seq_lens = _wide([300, 1, 0, 17, 129], 6, 2, 16, 16, 64, torch.float32, device, 10)
+    s = torch.randn(6, generator=torch.Generator().manual_seed(11)).to(device) if sinks else None
+    with use_backend("triton"):
+        got = decode_attention(q, kc, vc, table, seq_lens, window=window, sinks=s, num_splits=num_splits)
+    assert_close(got, _ref64(q, kc, vc, table, seq_lens, window=window, sinks=s))
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
+def test_decode_split_count_follows_the_gpu_and_capacity():
+    from kiln.kernels.decode_attention import num_splits_for
+
+    assert num_splits_for(1, 2, 4096, 132) == 32  # 4096 / 128 keys caps the 264 the SMs would take
+    assert num_splits_for(64, 2, 65536, 132) == 5  # cdiv(4 x 132, 128 programs)
+    assert num_splits_for(512, 2, 65536, 132) == 1  # B x Hk fills the GPU: one kernel, no reduction
+    assert num_splits_for(1, 8, 100, 132) == 1  # one chunk of capacity
+    assert num_splits_for(1, 1, 1 << 20, 132) == 128  # MAX_SPLITS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,L,width", [(64, 300, 256), (1, 450, 256), (300, 200, 64)])
+def test_gpu_bf16_decode_live_chunks(B, L, width):
+    # Qwen2.5-1.5B heads (12 / 2 x 128), short live contexts in a wide table; (300, ...) takes one split.
+    lens = [1 + (L * (i + 1)) // B for i in range(B)]
+    q, kc, vc, table, seq_lens = _wide(lens, 12, 2, 128, 16, width, torch.bfloat16, "cuda", 12)
+    got = decode_attention(q, kc, vc, table, seq_lens)
+    assert_close(got, _ref64(q, kc, vc, table, seq_lens))

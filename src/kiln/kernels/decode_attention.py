@@ -14,9 +14,19 @@ per row, so a tile spans any number of pages. Each program writes a partial outp
 own sum, and the log2-sum-exp of its chunk:
     o_s = sum_j 2^(s_j - lse_s) v_j,   lse_s = log2 sum_j 2^(s_j)      (s in log2 units)
 Kernel 2 combines them: o = sum_s 2^(lse_s - m) o_s / (sum_s 2^(lse_s - m) + 2^(sink - m)).
-The split count is chosen so that B * Hk * splits fills the GPU a few times over (batch 1 with a
-64k context still uses every SM), computed from the block table's capacity, not from seq_lens, so
-the launch needs no device-to-host sync (CUDA-graph friendly).
+
+The split COUNT is fixed on the host (so the grid is fixed and the launch needs no device-to-host sync:
+CUDA-graph friendly): enough (b, kv head, split) programs to fill the GPU a few times over, at most one
+split per CHUNK_ALIGN keys of the block table's capacity. The CHUNK each split covers is derived on the
+device from the live context, per sequence: chunk_b = align(cdiv(live_b, splits), BLOCK_N), live_b =
+seq_lens[b] (or the window). Every split of every sequence gets an equal share of its live keys, and
+splits past the end of a short sequence return at once, storing only an empty log-sum-exp (-inf): the
+reduction reads a split's partial output only where the split held keys. Until 2026-12-02 the chunk came from the
+capacity too (chunk = capacity / splits): with a block table sized for 4k tokens and a few hundred live
+keys, the first one or two splits did all the work while the others sat empty (H200: 7.6 us a layer at
+batch 1, 16.4 us at batch 64, docs/perf/inference.md).
+Where one split suffices (B x Hk programs fill the GPU, or the capacity is a single chunk), the split
+kernel writes the final output itself (sinks included) and the reduction is not launched.
 
 Measured on the H200 and not kept (bench/sweep_attention.py, batch 1 x 64k): split counts of 1-8
 programs per SM (4 is best; fewer cannot keep enough loads in flight per SM), page indices loaded a
@@ -39,7 +49,7 @@ from kiln.kernels.attention import LOG2E, attention_ref
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import cdiv, pow2
 
-CHUNK_ALIGN = 128  # split chunks are multiples of this, so every autotuned BLOCK_N divides them
+CHUNK_ALIGN = 128  # at most one split per this many keys of the block table's capacity
 MAX_SPLITS = 128  # the reduction holds (splits, D) partials of one head in registers
 # (b, kv head, split) programs per SM that the split count aims at. H200 sweep at batch 1 x 64k: 1 per
 # SM 43% of the copy bandwidth, 2: 66%, 3: 73%, 4: 77%, 6: 66%, 8: 74% (tiles of 64 keys, 3 stages).
@@ -89,13 +99,15 @@ def _bench(fn, quantiles):
 @triton.jit
 def _decode_split_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS,  # q (B, Hq, D); caches (pages, PAGE_SIZE, Hk, D); see paged_kv
-    O_PART, LSE_PART,  # o_part (B, Hq, splits, D), lse_part (B, Hq, splits) fp32, log2 units
+    O_PART, LSE_PART,  # o_part (B, Hq, splits, D), lse_part (B, Hq, splits) fp32, log2 units (not SINGLE)
+    SINKS, OUT,  # SINGLE only: sinks (Hq,) or a dummy, out (B, Hq, D) in q's dtype
     stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_bt,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-    group, window, chunk, qk_scale,  # chunk: keys per split, a multiple of BLOCK_N
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    group, window, splits, qk_scale,  # splits: the grid's third dim, fixed on the host
     SPLIT_KEY,  # autotuning key only (the split count, capped)
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, WINDOW: tl.constexpr,
-    PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE: tl.constexpr,  # one split: normalize (with the sinks) and write the final output here
+    SINK: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
@@ -105,6 +117,9 @@ def _decode_split_kernel(
     first = 0
     if WINDOW:
         first = tl.maximum(n - window, 0)
+    # this sequence's chunk, from its live keys (not the table's capacity): whole BLOCK_N tiles, so only
+    # the last tile of the last non-empty split is ragged
+    chunk = tl.cdiv(tl.cdiv(n - first, splits), BLOCK_N) * BLOCK_N
     lo = first + split * chunk
     hi = tl.minimum(lo + chunk, n)
 
@@ -114,6 +129,11 @@ def _decode_split_kernel(
     h = hk * group + offs_h
     h_ok = offs_h < group
     b64 = b.to(tl.int64)
+    if not SINGLE:
+        if hi <= lo:  # past the live keys: the reduction reads this split's lse only, as "empty"
+            tl.store(LSE_PART + b64 * stride_lb + h * stride_lh + split, tl.full([BLOCK_H], float("-inf"),
+                     tl.float32), mask=h_ok)
+            return
     q = tl.load(Q + b64 * stride_qb + h[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None], other=0.0)
     table = BLOCK_TABLE + b64 * stride_bt
     m_i = tl.zeros([BLOCK_H], tl.float32) - 1.0e30  # finite, so an empty split gives l = 0, not NaN
@@ -135,12 +155,24 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    has = l_i > 0.0
-    acc = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    o_ptrs = O_PART + b64 * stride_ob + h[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-    tl.store(o_ptrs, acc, mask=h_ok[:, None])
-    tl.store(LSE_PART + b64 * stride_lb + h * stride_lh + split, lse, mask=h_ok)
+    if SINGLE:  # o = acc 2^(m_i - m) / (l_i 2^(m_i - m) + 2^(sink - m)), m = max(m_i, sink)
+        denom = l_i
+        if SINK:
+            sink = tl.load(SINKS + h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            m = tl.maximum(m_i, sink)
+            scale = tl.math.exp2(m_i - m)
+            acc = acc * scale[:, None]
+            denom = l_i * scale + tl.math.exp2(sink - m)
+        out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]  # no keys and no sink: 0
+        tl.store(OUT + b64 * stride_outb + h[:, None] * stride_outh + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=h_ok[:, None])
+    else:
+        has = l_i > 0.0
+        acc = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        o_ptrs = O_PART + b64 * stride_ob + h[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+        tl.store(o_ptrs, acc, mask=h_ok[:, None])
+        tl.store(LSE_PART + b64 * stride_lb + h * stride_lh + split, lse, mask=h_ok)
 
 
 @triton.jit
@@ -156,13 +188,14 @@ def _decode_reduce_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     s_ok = offs_s < num_splits
     lse = tl.load(LSE_PART + b * stride_lb + h * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
+    live = s_ok & (lse > float("-inf"))  # empty splits stored no partial output: not read
     o = tl.load(O_PART + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
-                mask=s_ok[:, None], other=0.0)  # (BLOCK_S, D)
+                mask=live[:, None], other=0.0)  # (BLOCK_S, D)
     m = tl.maximum(tl.max(lse, 0), -1.0e30)
     if SINK:
         sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
         m = tl.maximum(m, sink)
-    w = tl.math.exp2(lse - m)  # empty splits (lse = -inf) weigh 0
+    w = tl.where(live, tl.math.exp2(lse - m), 0.0)  # empty splits weigh 0
     denom = tl.sum(w, 0)
     if SINK:
         denom += tl.math.exp2(sink - m)
@@ -174,12 +207,13 @@ def _decode_reduce_kernel(
 # ------------------------------------------------------------------------------------------ launcher
 def num_splits_for(
     batch: int, kv_heads: int, capacity: int, sm_count: int, per_sm: int = PER_SM, align: int = CHUNK_ALIGN
-) -> tuple[int, int]:
-    """(splits, chunk): about `per_sm` (b, kv head, split) programs per SM; chunks are multiples of
-    `align` keys. (8 per SM measured slower on the H200: 3.12 against 3.27 TB/s at batch 1 x 64k.)"""
+) -> int:
+    """The split count: about `per_sm` (b, kv head, split) programs per SM, at most one split per `align`
+    keys of the capacity (a block table's pages x page size, or the window). Host values only: fixed for
+    a captured graph. Each program sizes its own chunk from its sequence's live keys (module doc).
+    (8 per SM measured slower on the H200: 3.12 against 3.27 TB/s at batch 1 x 64k.)"""
     want = min(MAX_SPLITS, max(1, cdiv(per_sm * sm_count, batch * kv_heads)))
-    chunk = max(align, cdiv(cdiv(max(capacity, 1), want), align) * align)
-    return cdiv(max(capacity, 1), chunk), chunk
+    return max(1, min(want, cdiv(max(capacity, 1), align)))
 
 
 def decode_attention_triton(
@@ -194,29 +228,35 @@ def decode_attention_triton(
         capacity = min(capacity, window)
     config = dict(config or {})
     per_sm, align = config.pop("per_sm", PER_SM), config.pop("align", CHUNK_ALIGN)
-    splits, chunk = num_splits_for(B, Hk, capacity, sm_count(q.device), per_sm, align)
+    splits = num_splits_for(B, Hk, capacity, sm_count(q.device), per_sm, align)
     if num_splits is not None:  # an explicit count (tests use it to exercise the reduction)
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"decode_attention: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-        chunk = cdiv(cdiv(max(capacity, 1), num_splits), CHUNK_ALIGN) * CHUNK_ALIGN
-        splits = cdiv(max(capacity, 1), chunk)
+        splits = num_splits
+    single = splits == 1
     group = Hq // Hk
     use_pdl = pdl(q)
-    o_part = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    if single:  # no partials: the split kernel writes `out` (the partial arguments are dummies)
+        o_part, lse_part = out[:, :, None], out[:, :, 0]
+    else:
+        o_part = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
+    sink_arg = sinks if sinks is not None else q
     # fmt: off
     split_kernel = _decode_split_kernel.fn if config else _decode_split_kernel  # an explicit config: no autotuning
     split_kernel[(B, Hk, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part,
+        q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, sink_arg, out,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
-        *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1),
-        group, window or 0, chunk, softmax_scale * LOG2E, pow2(splits),
+        *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
+        group, window or 0, splits, softmax_scale * LOG2E, pow2(splits),
         HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, pow2(group)), WINDOW=window is not None,
-        PDL=use_pdl, launch_pdl=use_pdl, **config,
+        SINGLE=single, SINK=sinks is not None, PDL=use_pdl, launch_pdl=use_pdl, **config,
     )
-    out = torch.empty_like(q)
+    if single:
+        return out
     _decode_reduce_kernel[(B, Hq)](
-        o_part, lse_part, sinks if sinks is not None else q, out,
+        o_part, lse_part, sink_arg, out,
         *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         Hq, splits, HEAD_DIM=D, BLOCK_S=pow2(splits), SINK=sinks is not None, PDL=use_pdl,
         num_warps=8 if splits * D >= 4096 else 4, launch_pdl=use_pdl,

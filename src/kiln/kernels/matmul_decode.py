@@ -20,6 +20,12 @@ With SPLIT_K > 1 each of SPLIT_K programs per column block sums one slice of K i
 (SPLIT_K, M, N) buffer (no atomics, no zeroed workspace), and a second kernel adds the slices in a fixed
 order (deterministic), adds the bias and applies the activation.
 
+Prologue "swiglu" (the gated MLP's down projection): A is the gate_up projection's output (M, 2K)
+holding [gate | up], and each program forms its x tile as silu(gate) * up while it loads it, rounded to
+A's dtype as the separate kiln.kernels.swiglu kernel would round it (so the fused and unfused products
+agree). Every column block recomputes its K range of x: at one row that is N / BLOCK_N recomputations of
+a few KB held in L2, for one launch and one (M, K) round trip less (kiln.kernels.swiglu.swiglu_linear).
+
 Which kernel and tiles: `decode_config`, a fixed rule from a sweep on the H200 (bench/sweep_matmul_decode.py,
 docs/kernels/matmul_decode.md); no autotuner, so a call costs one config lookup and one or two launches.
 Dtypes: float16, bfloat16 (float32 accumulation) and float32. Forward only: `kiln.kernels.matmul`
@@ -106,6 +112,20 @@ def decode_config(M: int, N: int, K: int, sms: int, k_major: bool = True) -> Dec
 
 
 @triton.jit
+def _load_x(ptrs, mask, up_offset, SWIGLU: tl.constexpr):
+    """A tile of x at `ptrs`; with SWIGLU, x = silu(gate) * up where gate is at ptrs and up at ptrs +
+    up_offset, computed in float32 and rounded to the input dtype (the separate swiglu kernel's output)."""
+    # one return after a constexpr if/else: the compiler visits every return that follows a static branch
+    if SWIGLU:
+        g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(ptrs + up_offset, mask=mask, other=0.0).to(tl.float32)
+        x = (g * tl.sigmoid(g) * u).to(ptrs.dtype.element_ty)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
 def _gemv_kernel(
     X_ptr,  # (M, K): x[m, k] at X_ptr + m * stride_xm + k * stride_xk
     W_ptr,  # (N, K): w[n, k] at W_ptr + n * stride_wn + k * stride_wk (B = W.T)
@@ -121,6 +141,7 @@ def _gemv_kernel(
     k_split,  # K range of one split: a multiple of BLOCK_K (K when SPLIT_K == 1)
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    SWIGLU: tl.constexpr,  # x = silu(X[:, :K]) * X[:, K:2K] (the prologue, module doc)
     BLOCK_M: tl.constexpr,  # next power of two >= M (rows of x held per program)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -150,7 +171,7 @@ def _gemv_kernel(
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok & (offs_k < K)[None, :], other=0.0)
-            x = tl.load(X_ptr + offs_k * stride_xk, mask=offs_k < K, other=0.0)
+            x = _load_x(X_ptr + offs_k * stride_xk, offs_k < K, K * stride_xk, SWIGLU)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)[None, :]  # (1, BLOCK_N)
     else:
@@ -158,8 +179,8 @@ def _gemv_kernel(
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok & (offs_k < K)[None, :], other=0.0)
-            x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=(offs_m < M)[:, None] & (offs_k < K)[None, :],
-                        other=0.0)  # fmt: skip
+            x = _load_x(x_rows + offs_k[None, :] * stride_xk, (offs_m < M)[:, None] & (offs_k < K)[None, :],
+                        K * stride_xk, SWIGLU)  # fmt: skip
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # (BLOCK_M, BLOCK_N, BLOCK_K)
         y = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
     _store(y, offs_m[:, None], offs_n[None, :], pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS, ACTIVATION, SPLIT_K)
@@ -181,6 +202,7 @@ def _dot_kernel(
     k_split,  # K range of one split: a multiple of BLOCK_K (K when SPLIT_K == 1)
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    SWIGLU: tl.constexpr,  # x = silu(X[:, :K]) * X[:, K:2K] (the prologue, module doc)
     PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" or "tf32" (float32 inputs only)
     BLOCK_M: tl.constexpr,  # 16: the narrowest tl.dot side
     BLOCK_N: tl.constexpr,
@@ -207,7 +229,9 @@ def _dot_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok & (offs_k < K)[None, :], other=0.0)
-        xt = tl.load(x_cols + offs_k[:, None] * stride_xk, mask=m_ok & (offs_k < K)[:, None], other=0.0)
+        xt = _load_x(
+            x_cols + offs_k[:, None] * stride_xk, m_ok & (offs_k < K)[:, None], K * stride_xk, SWIGLU
+        )
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
     # Written as it lies, (n, m) -> C[m, n]: no transpose through shared memory.
     _store(acc, offs_m[None, :], offs_n[:, None], pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS, ACTIVATION, SPLIT_K)
@@ -269,16 +293,27 @@ def decode_matmul(
     *,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    prologue: str = "none",
 ) -> torch.Tensor:
     """Launcher: act(a @ b + bias) into `out` (a contiguous (M, N) tensor) or a new tensor.
 
     Inputs are taken as checked by `kiln.kernels.matmul` (2-D, one dtype and device, M <= DECODE_MAX_M,
     M, N, K > 0); only what this path adds is checked here. config: skip the rule (tests, the sweep).
+    prologue "swiglu": `a` is (M, 2K) [gate | up] and the product is act(swiglu(a) @ b + bias) (module doc).
     """
     M, K = a.shape
     N = b.shape[1]
     if M > DECODE_MAX_M:
         raise ValueError(f"decode_matmul takes at most {DECODE_MAX_M} rows, got {M}")
+    if prologue not in ("none", "swiglu"):
+        raise ValueError(f"decode_matmul: unknown prologue {prologue!r}: 'none' or 'swiglu'")
+    swiglu = prologue == "swiglu"
+    if swiglu:
+        if K != 2 * b.shape[0]:
+            raise ValueError(
+                f"decode_matmul: the swiglu prologue takes a (M, 2K) = (M, {2 * b.shape[0]}), got {K}"
+            )
+        K = b.shape[0]
     if config is None:
         config = decode_config(M, N, K, sm_count(a.device), b.stride(0) == 1)
     c = torch.empty((M, N), device=a.device, dtype=a.dtype) if out is None else out
@@ -291,7 +326,7 @@ def decode_matmul(
         dst = torch.empty((split, M, N), device=a.device, dtype=torch.float32) if split > 1 else c
     grid = (cdiv(N, config.block_n), split)
     (sxm, sxk), (sbk, sbn) = a.stride(), b.stride()  # B (K, N) = W.T: W's row stride is sbn
-    args = (a, b, dst, c if bias is None else bias, M, N, K, sxm, sxk, sbn, sbk, k_split)
+    args = (a, b, dst, c if bias is None else bias, M, N, K, sxm, sxk, sbn, sbk, k_split)  # K: of b
     has_bias = bias is not None and split == 1
     act = activation if split == 1 else "none"
     # Hopper: the main kernel lets its dependents launch early, and the split-K sum is launched as one
@@ -301,12 +336,12 @@ def decode_matmul(
     # Constexprs by keyword: CachedLaunch keys keywords by value but positional ints by Triton's value
     # classes (== 1, divisible by 16), which would let SPLIT_K = 2 and 4 share one binary.
     if config.kernel == "gemv":
-        _gemv_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, BLOCK_M=1 << (M - 1).bit_length(),
+        _gemv_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, SWIGLU=swiglu, BLOCK_M=1 << (M - 1).bit_length(),
                            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, STAGES=config.stages,
                            PDL=pdl, GRIDDEP=can_signal, num_warps=config.warps, launch_pdl=pdl)  # fmt: skip
     elif config.kernel == "dot":
         precision = "tf32" if a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
-        _dot_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, PRECISION=precision, BLOCK_M=16,
+        _dot_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, SWIGLU=swiglu, PRECISION=precision, BLOCK_M=16,
                           BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, PDL=pdl, GRIDDEP=can_signal,
                           num_warps=config.warps, num_stages=config.stages, launch_pdl=pdl)  # fmt: skip
     else:

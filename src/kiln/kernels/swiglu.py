@@ -13,6 +13,9 @@ just two column views of one tensor (gate = cols [0, H), up = cols [H, 2H)) and 
 written into one (..., 2H) tensor the same way: no chunk copies, no concatenation. Rows split into
 BLOCK-wide column tiles on a 1D grid (rows can pass the 65535 limit of grid axis 1). When every
 operand is contiguous the whole tensor is one long row, so no tile is wasted on a ragged row end.
+
+Decode-sized batches take `swiglu_linear` (the end of this file): the SwiGLU computed in the prologue of
+the down projection's decode matmul, with swiglu then matmul as its reference.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import triton.language as tl
 from kiln.kernels._common import FLOAT_DTYPES, needs_grad, pdl, pdl_prologue
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv
+from kiln.kernels.matmul import matmul_ref
+from kiln.kernels.matmul_decode import DECODE_MAX_M, decode_matmul
 
 BLOCK = 1024  # elements per program: 8 per thread at 4 warps, 16-byte loads in bf16
 
@@ -247,3 +252,74 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
         return SwiGLUFunction.apply(gate, up)
     g, u = _split(gate, up)
     return swiglu_fwd(g, u).view(*gate.shape[:-1], g.shape[-1])
+
+
+# ================================================================================================
+# Decode: `swiglu_linear`
+#
+# The gated MLP's second half for decode-sized batches: y = swiglu(gate_up) @ W^T + bias in one kernel.
+#
+# Shapes: gate_up (M, 2F) holding [gate | up] along the last dim (the merged gate/up projection's output),
+# M <= kiln.kernels.matmul_decode.DECODE_MAX_M rows; weight (N, F) as in nn.Linear (the down projection);
+# bias (N,) or None -> (M, N) in gate_up's dtype.
+#
+# Math: x = silu(gate) * up in float32, rounded to the input dtype (what kiln.kernels.swiglu returns), then
+# x @ W^T + bias with float32 accumulation: the reference is those two ops (`swiglu_linear_ref`). The kernel
+# is kiln.kernels.matmul_decode's gemv / dot weight stream with the swiglu as its prologue: each program
+# forms its tile of x from gate_up as it loads it, so the (M, F) activation never goes through memory and
+# the step loses a launch per layer (the separate SwiGLU kernel took 1.3-1.8 us a layer on the H200 at
+# batch 1, docs/perf/inference.md). Inference only (no gradient); larger batches take the separate kernels.
+
+
+def swiglu_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """The two ops the kernel fuses: kiln's swiglu reference, then its matmul reference."""
+    return matmul_ref(swiglu_ref(gate_up), weight.t(), bias)
+
+
+# ------------------------------------------------------------------------------ torch.compile: custom op
+# Under torch.compile the public op calls this (Dynamo cannot trace the launch): opaque to the compiler,
+# a fake function for the output's shape. Inference only: no gradient.
+@torch.library.custom_op("kiln::swiglu_linear", mutates_args=())
+def swiglu_linear_op(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return decode_matmul(gate_up, weight.t(), bias, prologue="swiglu")
+
+
+@swiglu_linear_op.register_fake
+def _(gate_up, weight, bias):
+    return gate_up.new_empty((gate_up.shape[0], weight.shape[0]))
+
+
+def swiglu_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """swiglu(gate_up) @ weight.T + bias for gate_up (M, 2F), weight (N, F); see the comment above swiglu_linear_ref."""
+    if gate_up.dim() != 2 or weight.dim() != 2 or gate_up.shape[1] != 2 * weight.shape[1]:
+        raise ValueError(
+            f"swiglu_linear: gate_up must be (M, 2F) and weight (N, F), got {tuple(gate_up.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
+    M, N = gate_up.shape[0], weight.shape[0]
+    if gate_up.dtype not in (torch.float16, torch.bfloat16, torch.float32) or weight.dtype != gate_up.dtype:
+        raise TypeError(
+            f"swiglu_linear: gate_up and weight must share a float dtype, got {gate_up.dtype}, {weight.dtype}"
+        )
+    if bias is not None and (bias.shape != (N,) or bias.dtype != gate_up.dtype):
+        raise ValueError(
+            f"swiglu_linear: bias must be ({N},) {gate_up.dtype}, got {tuple(bias.shape)} {bias.dtype}"
+        )
+    for t in (weight, bias):
+        if t is not None and t.device != gate_up.device:
+            raise ValueError(
+                f"swiglu_linear: all tensors must be on one device, got {gate_up.device} and {t.device}"
+            )
+    if not use_triton(gate_up, weight, bias):
+        return swiglu_linear_ref(gate_up, weight, bias)
+    if not 0 < M <= DECODE_MAX_M or N == 0:
+        raise ValueError(
+            f"swiglu_linear: the fused kernel takes 1 to {DECODE_MAX_M} rows and a non-empty weight, got "
+            f"{M} rows and {tuple(weight.shape)}: use swiglu then linear for larger batches"
+        )
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    if torch.compiler.is_compiling():
+        return swiglu_linear_op(gate_up, weight, bias)
+    return decode_matmul(gate_up, weight.t(), bias, prologue="swiglu")

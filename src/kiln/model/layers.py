@@ -17,8 +17,8 @@ from kiln.kernels.decode_attention import decode_attention
 from kiln.kernels.layernorm import layernorm
 from kiln.kernels.paged_kv import paged_kv_write
 from kiln.kernels.rmsnorm import rmsnorm
-from kiln.kernels.rope import apply_rope
-from kiln.kernels.swiglu import swiglu
+from kiln.kernels.rope import apply_rope, rope_kv_write
+from kiln.kernels.swiglu import swiglu, swiglu_linear
 from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.config import KernelConfig, ModelConfig
 from kiln.model.linear import Linear, MergedLinear
@@ -108,10 +108,17 @@ class Attention(nn.Module):
 
     def _flat(self, q, k, v, rope, meta: AttnMetadata, kv_cache):
         """Packed sequences (AttnMetadata's prefill and decode paths): q (N, Hq, D) -> (N, Hq, D)."""
+        attn = dict(window=self.window, sinks=self.sinks)
+        if kv_cache is not None and meta.decode and rope is not None:
+            # decode: one kernel rotates q and k and writes k and v into their cache slots (rope[2] is
+            # (1, N): each token's table row)
+            k_cache, v_cache = kv_cache
+            q = rope_kv_write(q, k, v, rope[0], rope[1], rope[2].reshape(-1), k_cache, v_cache,
+                              meta.slot_mapping, interleaved=self.rope_interleaved)  # fmt: skip
+            return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, **attn)
         if rope is not None:  # the kernel takes (B, T, H, D): the flat batch is one row of N
             q, k = apply_rope(q[None], k[None], *rope, interleaved=self.rope_interleaved)
             q, k = q[0], k[0]
-        attn = dict(window=self.window, sinks=self.sinks)
         if kv_cache is not None:
             k_cache, v_cache = kv_cache
             paged_kv_write(k_cache, v_cache, k, v, meta.slot_mapping)
@@ -176,7 +183,12 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(hidden, d_model, False, kernels.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_up_proj(x), None))  # [gate | up] in one tensor
+        h = self.gate_up_proj(x)  # (N, 2F): [gate | up] in one tensor
+        if h.dim() == 2 and isinstance(self.down_proj, Linear) and self.down_proj.takes_decode_kernel(h):
+            # decode rows: the SwiGLU runs in the down projection's prologue (one kernel, no (N, F) round
+            # trip); a quantized or tensor-parallel down projection keeps its own forward
+            return swiglu_linear(h, self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(swiglu(h, None))
 
 
 class GeluMLP(nn.Module):

@@ -1,0 +1,135 @@
+"""The model's decode step on the fused decode kernels (RoPE + paged K/V write in one kernel, SwiGLU in the
+down projection's prologue, decode attention sized by the live context) equals the same step on the
+eager reference ops, and the fused kernels are the ones that run (the separate ops are not called)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kiln.model.layers as layers
+from kiln.kernels.dispatch import use_backend
+from kiln.model import ModelConfig, build_model
+from kiln.model.attn_metadata import AttnMetadata
+from kiln.model.config import KernelConfig
+
+BASE = dict(vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_hidden=40, max_seq_len=128)
+CFGS = {
+    "qwen2-bias": dict(arch="qwen2", qkv_bias=True, head_dim=16),  # decode attention takes D in 16..256
+    "qwen3-interleaved-window-sinks": dict(
+        arch="qwen3", qk_norm=True, head_dim=16, rope_interleaved=True, sliding_window=7, attn_sinks=True
+    ),
+}
+
+
+def _step_inputs(cfg: ModelConfig, lens: list[int], page: int, seed: int, device):
+    """A decode step of len(lens) sequences with lens[i] cached keys each (random caches, scattered pages),
+    plus one padding row (slot -1, context 1), as the CUDA-graph bucket pads it."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    width = max(-(-(n + 1) // page) for n in lens) + 2  # wider than any sequence needs (a captured table)
+    pool = (B + 1) * width
+    tables = torch.randperm(pool, generator=g).view(B + 1, width).to(torch.int32)
+    tables[B] = 0
+    caches = [
+        tuple(torch.randn(pool, page, cfg.n_kv_heads, cfg.head_dim, generator=g) for _ in range(2))
+        for _ in range(cfg.n_layers)
+    ]
+    pos = torch.tensor(lens + [0])
+    slots = tables[torch.arange(B + 1), pos // page].long() * page + pos % page
+    slots[B] = -1
+    meta = AttnMetadata(
+        cu_seqlens_q=torch.arange(B + 2, dtype=torch.int32),
+        max_seqlen_q=1,
+        slot_mapping=slots,
+        block_tables=tables,
+        context_lens=(pos + 1).to(torch.int32),
+        decode=True,
+    )
+    tokens = torch.randint(0, cfg.vocab_size, (B + 1,), generator=g)
+    move = lambda t: t.to(device)  # noqa: E731
+    meta = AttnMetadata(
+        **{
+            f: move(getattr(meta, f))
+            for f in ("cu_seqlens_q", "slot_mapping", "block_tables", "context_lens")
+        },
+        max_seqlen_q=1,
+        decode=True,
+    )
+    return move(tokens), move(pos), meta, [(move(k), move(v)) for k, v in caches]
+
+
+@pytest.mark.parametrize("name", list(CFGS))
+def test_decode_step_on_fused_kernels_equals_reference(name, monkeypatch, device):
+    cfg = ModelConfig(**BASE, **CFGS[name])
+    model = build_model(cfg, device, seed=1, kernels=KernelConfig(linear="kiln"))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if layer.self_attn.sinks is not None:
+                layer.self_attn.sinks.normal_(0, 1.0)
+    tokens, pos, meta, caches = _step_inputs(cfg, [0, 5, 40, 9], page=8, seed=2, device=device)
+    want_caches = [(k.clone(), v.clone()) for k, v in caches]
+    with torch.no_grad(), use_backend("reference"):
+        want, _ = model.model(tokens, pos, meta, want_caches)
+
+    calls = {"rope_kv_write": 0, "swiglu_linear": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+
+        return wrapper
+
+    def unexpected(*args, **kw):
+        raise AssertionError("a separate op ran in the fused decode path")
+
+    for op in calls:
+        monkeypatch.setattr(layers, op, counted(op, getattr(layers, op)))
+    for op in ("apply_rope", "paged_kv_write", "swiglu"):
+        monkeypatch.setattr(layers, op, unexpected)
+    with torch.no_grad(), use_backend("triton"):
+        got, _ = model.model(tokens, pos, meta, caches)
+    assert calls == {"rope_kv_write": cfg.n_layers, "swiglu_linear": cfg.n_layers}
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for (k, v), (wk, wv) in zip(caches, want_caches):  # v from the kiln matmul vs matmul_ref: fp32 rounding
+        torch.testing.assert_close(k, wk, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, wv, rtol=1e-5, atol=1e-5)
+
+
+def test_the_mlp_keeps_separate_kernels_for_more_than_16_rows_and_training(monkeypatch):
+    cfg = ModelConfig(**BASE, arch="llama")  # on the CPU, reference ops: only the choice is tested
+    mlp = build_model(cfg, seed=0, kernels=KernelConfig(linear="kiln")).model.layers[0].mlp
+    fused = []
+    monkeypatch.setattr(layers, "swiglu_linear", lambda *a: fused.append(1))
+    with torch.no_grad():
+        mlp(torch.randn(17, cfg.d_model))
+    mlp(torch.randn(3, cfg.d_model))  # gradients on: the fused kernel has no backward
+    hook = mlp.down_proj.register_forward_pre_hook(lambda m, a: None)  # as a tensor-parallel plan wraps it
+    with torch.no_grad():
+        mlp(torch.randn(3, cfg.d_model))
+    hook.remove()
+    assert not fused
+    with torch.no_grad():
+        mlp(torch.randn(16, cfg.d_model))
+    assert fused == [1]
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_equals_eager(device):
+    # decode_backend="compile" traces the step whole: the fused ops enter as opaque custom ops (fullgraph),
+    # the K/V write declared as mutating the caches (one layer: Dynamo's tracing is most of the time)
+    cfg = ModelConfig(**{**BASE, "n_layers": 1}, **CFGS["qwen2-bias"])
+    model = build_model(cfg, device, seed=1, kernels=KernelConfig(linear="kiln"))
+    tokens, pos, meta, caches = _step_inputs(cfg, [0, 5, 40, 9], page=8, seed=2, device=device)
+    compiled_caches = [(k.clone(), v.clone()) for k, v in caches]
+    torch._dynamo.reset()
+    step = torch.compile(
+        lambda t, p: model.model(t, p, meta, compiled_caches)[0], backend="aot_eager", fullgraph=True
+    )
+    with torch.no_grad(), use_backend("triton"):
+        want, _ = model.model(tokens, pos, meta, caches)
+        got = step(tokens, pos)
+    assert torch.equal(got, want)
+    for (k, v), (ck, cv) in zip(caches, compiled_caches):
+        assert torch.equal(k, ck) and torch.equal(v, cv)
