@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import os
 import random
 import statistics
@@ -338,9 +337,18 @@ def sweep_candidates(fmt: str, M: int, N: int, K: int, sms: int, smoke: bool) ->
     (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps). The same list on every process (the warm-up workers)."""
     kind, group, _ = SWEEP_FORMATS[fmt]
     out: list[tuple[str, object]] = [("rule", None)]
-    if kind == "fp8":
+    if kind == "fp8":  # fp8_matmul's tile kernel with narrower tiles, and its decode kernel with a K split
         if not smoke:
-            out += [(f"tile {c}", c) for c in ((64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (64, 64, 256, 3, 4))]
+            out.append(("tile (64, 64, 128, 4, 4)", (64, 64, 128, 4, 4)))
+            for bn, bk, w, st in [
+                (64, 128, 4, 3),
+                (64, 256, 4, 3),
+                (32, 128, 4, 4),
+                (16, 256, 4, 4),
+                (128, 128, 8, 3),
+            ]:
+                sk = _split(N, K, bn, bk, sms)
+                out.append((f"dot {bn}x{bk} w{w} s{st} sk{sk}", DecodeConfig("dot", bn, bk, sk, w, st)))
         return out
     if smoke:  # interpreter-sized tiles: every form once, with a K split
         if M == 1:
@@ -543,8 +551,9 @@ def sweep_section(run: BenchRun, budget_s: float, jobs: int, failed: dict[str, s
                     "cublas_bf16": _GraphTimer([lambda x=x, w=w_: F.linear(x, w) for w_ in ws]),
                     "kiln_bf16": _GraphTimer([lambda x=x, w=w_: linear(x, w) for w_ in ws]),
                 }
+            configs = dict(sweep_candidates(fmt, M, N, K, sms, smoke))
             with use_backend("triton"):
-                for lab, cfg in sweep_candidates(fmt, M, N, K, sms, smoke):
+                for lab, cfg in configs.items():
                     try:
                         got = _sweep_call(fmt, x, q0, cfg)
                         errs[lab] = float((got.float() - want).abs().max()) / scale
@@ -574,7 +583,7 @@ def sweep_section(run: BenchRun, budget_s: float, jobs: int, failed: dict[str, s
             cands = []
             for lab, us in times.items():
                 gbps = nbytes / us / 1e3 if us == us else None
-                cands.append({"candidate": lab, "us": round(us, 3) if us == us else None,
+                cands.append({"candidate": lab, "config": repr(configs[lab]), "us": round(us, 3) if us == us else None,
                               "GBps": round(gbps, 1) if gbps else None,
                               "frac_copy": fraction(gbps / 1e3, copy) if gbps and copy else None,
                               "vs_cublas_bf16": round(ref_us / us, 3) if ref_us else None,
@@ -599,8 +608,9 @@ def sweep_section(run: BenchRun, budget_s: float, jobs: int, failed: dict[str, s
 
 
 def sweep_table(cases: list[dict]) -> dict[str, str]:
-    """The winners as quant_matmul.DECODE_TABLE entries: "fmt M N K" -> the DecodeConfig's repr (fp8:
-    the tile tuple), only where the winner is not the rule (a tie within 2% keeps the rule)."""
+    """The winners where they beat the rule by more than 2% (a tie keeps the rule): for the int formats
+    quant_matmul.DECODE_TABLE entries, '("fmt", M, N, K)' -> the DecodeConfig's repr, ready to paste;
+    for fp8, "fp8 (M, N, K)" -> a tile tuple or DecodeConfig, fp8_matmul.FP8_DECODE_TABLE's entries."""
     table = {}
     for c in cases:
         best, rule = c.get("best"), c.get("rule")
@@ -608,7 +618,9 @@ def sweep_table(cases: list[dict]) -> dict[str, str]:
             continue
         if rule and rule["us"] and rule["us"] <= best["us"] * 1.02:
             continue
-        table[f"{c['format']} {c['M']} {c['N']} {c['K']}"] = best["candidate"]
+        fp8 = c["format"] == "fp8"
+        key = repr((c["M"], c["N"], c["K"]) if fp8 else (c["format"], c["M"], c["N"], c["K"]))
+        table[("fp8 " if fp8 else "") + key] = best["config"]
     return table
 
 
@@ -644,8 +656,16 @@ def main() -> int:
         run.write(timing="GPU time per call in CUDA graphs, each call on its own weight copy (L2-cold), candidates "
                   "interleaved over rounds, medians", complete=sweep is not None and not sweep["not_run"],
                   failed=failed, sweep=sweep)  # fmt: skip
-        if sweep:
-            print(json.dumps(sweep["table"], indent=1))
+        if sweep:  # the entries to paste into quant_matmul.DECODE_TABLE and fp8_matmul.FP8_DECODE_TABLE
+            table = sweep["table"]
+            print(
+                "DECODE_TABLE entries:\n"
+                + "\n".join(f"    {k}: {v}," for k, v in table.items() if k[0] == "(")
+            )
+            print(
+                "FP8_DECODE_TABLE entries:\n"
+                + "\n".join(f"    {k[4:]}: {v}," for k, v in table.items() if k[0] != "(")
+            )
         return 1 if failed else 0
     skip = set(filter(None, args.skip.split(",")))
     # the interpreter's bf16 tl.dot is wrong (PLATFORM.md): the smoke run checks fp16
