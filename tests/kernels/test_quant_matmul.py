@@ -175,3 +175,10 @@ def test_bf16_on_gpu_and_in_a_cuda_graph(fmt, M):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, y)
+    # the word forms (kernels/quant_decode.py) in bf16, whatever the rule picks: bf16 tl.dot and the bf16
+    # magic (0x4300 | q) run on the GPU only
+    forms = [DecodeConfig("fma", 8, 256, 2, 2, 3)] if M == 1 else []
+    if bits == 4 and M <= 16:
+        forms.append(DecodeConfig("mma", 64, min(128, group), 4, 4, 3))
+    for config in forms:
+        assert_close(wq_matmul_fwd(x, q, s, z, bits, group, config=config), want, scale=2.0, name=str(config))
