@@ -353,9 +353,7 @@ def sweep_candidates(fmt: str, M: int, N: int, K: int, sms: int, smoke: bool) ->
     if smoke:  # interpreter-sized tiles: every form once, with a K split
         if M == 1:
             return out + [("fma", DecodeConfig("fma", 8, 64)), ("fma sk", DecodeConfig("fma", 8, 64, 2))]
-        if kind == "int4":
-            return out + [("mma", DecodeConfig("mma", 16, 32)), ("mma sk", DecodeConfig("mma", 16, 32, 2))]
-        return out + [("dot sk", DecodeConfig("dot", 16, 32, 2))]
+        return out + [("mma", DecodeConfig("mma", 16, 32)), ("mma sk", DecodeConfig("mma", 16, 32, 2))]
     if M == 1:
         # (BLOCK_N, BLOCK_K, warps, stages); the K split from the shape
         tiles = [(4, 256, 2, 3), (8, 256, 2, 3), (8, 256, 4, 4), (16, 256, 4, 3), (8, 512, 4, 3),
@@ -365,20 +363,37 @@ def sweep_candidates(fmt: str, M: int, N: int, K: int, sms: int, smoke: bool) ->
             out.append((f"fma {bn}x{bk} w{w} s{st} sk{sk}", DecodeConfig("fma", bn, bk, sk, w, st)))
         sk = _split(N, K, 4, 256, sms)
         out.append((f"gemv 4x256 w2 s3 sk{sk}", DecodeConfig("gemv", 4, 256, sk, 2, 3)))
-        return out
-    if kind == "int4":
-        tiles = [(64, 128, 4, 3), (64, 64, 4, 4), (32, 128, 4, 3), (16, 128, 4, 3), (16, 64, 4, 4),
-                 (128, 128, 8, 3)]  # fmt: skip
-        for bn, bk, w, st in tiles:
-            bk = min(bk, group)
-            sk = _split(N, K, bn, bk, sms)
-            out.append((f"mma {bn}x{bk} w{w} s{st} sk{sk}", DecodeConfig("mma", bn, bk, sk, w, st)))
-            if sk > 1 and bn == 64 and bk == 128:
-                out.append((f"mma {bn}x{bk} w{w} s{st} sk1", DecodeConfig("mma", bn, bk, 1, w, st)))
-        return out
-    for bn, bk, w, st in [(64, 128, 4, 3), (32, 128, 4, 3), (16, 128, 4, 3), (16, 256, 1, 4), (64, 64, 4, 4)]:
+        # tensor cores at one row too: fewer instructions per int4 weight than the FMAs
+        mma = [(64, 128, 4, 3), (32, 128, 4, 3)] + (
+            [(16, 128, 4, 3), (128, 128, 8, 3)] if kind == "int4" else []
+        )
+    elif kind == "int4":
+        mma = [
+            (64, 128, 4, 3),
+            (64, 64, 4, 4),
+            (32, 128, 4, 3),
+            (16, 128, 4, 3),
+            (16, 64, 4, 4),
+            (128, 128, 8, 3),
+        ]
+    else:  # int8: mma (bytes as two nibbles), then the old dot tiles
+        mma = [(64, 128, 4, 3), (64, 256, 4, 3), (32, 128, 4, 3), (16, 128, 4, 3), (128, 128, 8, 3)]
+    for bn, bk, w, st in mma:
+        bk = min(bk, group) if kind == "int4" else bk  # int4: one group (or part of one) per K step
         sk = _split(N, K, bn, bk, sms)
-        out.append((f"dot {bn}x{bk} w{w} s{st} sk{sk}", DecodeConfig("dot", bn, bk, sk, w, st)))
+        out.append((f"mma {bn}x{bk} w{w} s{st} sk{sk}", DecodeConfig("mma", bn, bk, sk, w, st)))
+        if M > 1 and sk > 1 and bn == 64 and bk == 128:
+            out.append((f"mma {bn}x{bk} w{w} s{st} sk1", DecodeConfig("mma", bn, bk, 1, w, st)))
+    if M > 1 and kind == "int8":
+        for bn, bk, w, st in [
+            (64, 128, 4, 3),
+            (32, 128, 4, 3),
+            (16, 128, 4, 3),
+            (16, 256, 1, 4),
+            (64, 64, 4, 4),
+        ]:
+            sk = _split(N, K, bn, bk, sms)
+            out.append((f"dot {bn}x{bk} w{w} s{st} sk{sk}", DecodeConfig("dot", bn, bk, sk, w, st)))
     return out
 
 

@@ -65,7 +65,7 @@ DECODE_CONFIGS = [  # (config, rows)
     # kernels/quant_decode.py: int32 words, dequantized by bit operations
     (DecodeConfig("fma", 16, 64), 1),  # int4: 8 words per row per step, a 32-group every 4 words
     (DecodeConfig("fma", 8, 128, split_k=3), 1),
-    (DecodeConfig("mma", 16, 32), 5),  # int4 only: one group (or part of one) per K step
+    (DecodeConfig("mma", 16, 32), 5),  # int4: one group (or part of one) per K step
     (DecodeConfig("mma", 16, 32, split_k=2), 1),
 ]
 
@@ -74,8 +74,6 @@ DECODE_CONFIGS = [  # (config, rows)
 @pytest.mark.parametrize("config,M", DECODE_CONFIGS, ids=lambda c: str(c))
 def test_decode_matches_dequantized_float64(fmt, config, M, device):
     bits, group, asym = fmt
-    if config.kernel == "mma" and bits == 8:
-        pytest.skip("the mma form is for int4 weights")
     N, K = 37, 256 if bits == 4 else 200  # ragged column blocks; int8: K not a multiple of BLOCK_K
     q, s, z = quantized(N, K, bits, group, asym, seed=N + bits, device=device)
     g = torch.Generator().manual_seed(1)
@@ -119,8 +117,9 @@ def test_word_forms_refuse_what_they_cannot_read():
     q, s, _ = quantized(8, 64, 4, 32, False, seed=0)
     with pytest.raises(ValueError, match="at most 1"):
         wq_matmul_fwd(torch.randn(2, 64), q, s, None, 4, 32, config=DecodeConfig("fma", 8, 64))
-    with pytest.raises(ValueError, match="for int4 weights"):
-        wq_matmul_fwd(torch.randn(2, 64), q8[:, :64], s8, None, 8, 0, config=DecodeConfig("mma", 16, 32))
+    q8, s8, _ = quantized(8, 64, 8, 0, False, seed=0)
+    with pytest.raises(ValueError, match="power of two >= 32"):  # tl.dot's K side
+        wq_matmul_fwd(torch.randn(2, 64), q8, s8, None, 8, 0, config=DecodeConfig("mma", 16, 16))
     with pytest.raises(ValueError, match="power of two"):
         wq_matmul_fwd(torch.randn(1, 64), q, s, None, 4, 32, config=DecodeConfig("fma", 8, 48))
     with pytest.raises(ValueError, match="decode kernel must be one of"):
@@ -178,7 +177,7 @@ def test_bf16_on_gpu_and_in_a_cuda_graph(fmt, M):
     # the word forms (kernels/quant_decode.py) in bf16, whatever the rule picks: bf16 tl.dot and the bf16
     # magic (0x4300 | q) run on the GPU only
     forms = [DecodeConfig("fma", 8, 256, 2, 2, 3)] if M == 1 else []
-    if bits == 4 and M <= 16:
-        forms.append(DecodeConfig("mma", 64, min(128, group), 4, 4, 3))
+    if M <= 16:
+        forms.append(DecodeConfig("mma", 64, min(128, group or 128), 4, 4, 3))
     for config in forms:
         assert_close(wq_matmul_fwd(x, q, s, z, bits, group, config=config), want, scale=2.0, name=str(config))

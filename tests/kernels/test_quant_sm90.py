@@ -78,13 +78,16 @@ ints = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sn", "k_split"]
 tiles = dict(stride_xk=1, HAS_ZERO=True, HAS_BIAS=False, SPLIT_K=1, STAGES=3)
 out = {"int4 fma": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, BLOCK_N=8, BLOCK_K=256), ints,
                             num_warps=2, num_stages=3),
-       "int4 mma": compile_(qd._wq_mma_kernel, ptrs, dict(tiles, GROUP=128, MAGIC=0x4300, SH=0, PRECISION="ieee",
-                                                          BLOCK_N=64, BLOCK_K=128), ints, num_warps=4, num_stages=3)}
+       "int4 mma": compile_(qd._wq_mma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, MAGIC=0x4300, SH=0,
+                            PRECISION="ieee", BLOCK_N=64, BLOCK_K=128), ints, num_warps=4, num_stages=3),
+       "int8 mma": compile_(qd._wq_mma_kernel, ptrs, dict(tiles, BITS=8, GROUP=1, MAGIC=0x4300, SH=0,
+                            PRECISION="ieee", BLOCK_N=64, BLOCK_K=128, HAS_ZERO=False), ints, num_warps=4,
+                            num_stages=3)}
 print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # ~8-10 s of compiling on 2 cores
+@pytest.mark.slow  # ~10-15 s of compiling on 2 cores
 def test_word_kernels_convert_nothing(tmp_path):
     """kernels/quant_decode.py's point: weights become floats by bit operations, so the PTX of its int4
     kernels holds no integer-to-float conversion (the first kernels' I2F ran at an eighth of the FP32 rate),
@@ -100,7 +103,7 @@ def test_word_kernels_convert_nothing(tmp_path):
     for name, r in res.items():
         assert r["int_to_float"] == 0, f"{name}: integer-to-float conversions in its PTX: {r}"
         assert r["async"] > 0, f"{name}: no cp.async in its PTX: {r}"
-    assert res["int4 mma"]["wgmma"], res
+    assert res["int4 mma"]["wgmma"] and res["int8 mma"]["wgmma"], res
 
 
 @pytest.mark.slow  # ~15-20 s of compiling on 2 cores

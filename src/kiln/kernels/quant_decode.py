@@ -19,16 +19,18 @@ last place is 1 is that float plus u, exactly:
 and one float subtraction removes the offset and the zero point at once: (2**23 + q) - (2**23 + z) = q - z.
 
 Two forms, both over a grid (cdiv(N, BLOCK_N), SPLIT_K) with matmul_decode's deterministic split-K sum:
-- "fma" (M <= 4): float32 FMAs, no tensor cores. A (BLOCK_N, BLOCK_W) tile of words is unpacked to
-  (BLOCK_N, BLOCK_W, P) values (P = 8 nibbles or 4 bytes per word, shifted out in registers), multiplied
-  by x as (BLOCK_M, BLOCK_W, P) and summed over P: a per-word partial (BLOCK_M, BLOCK_N, BLOCK_W) that
+- "fma" (M = 1): float32 FMAs, no tensor cores. A (BLOCK_N, BLOCK_W) tile of words is unpacked into its
+  P values (P = 8 nibbles or 4 bytes per word, shifted out in the thread that loaded it), multiplied
+  by x's matching columns and summed over P in the thread: a per-word partial (BLOCK_N, BLOCK_W) that
   takes its word's scale once (one multiply per 8 int4 weights instead of one per weight), accumulated
   across K and summed over words at the end. Per int4 weight: shift, and-or, subtract, FMA.
-- "mma" (M <= 16, int4): W is the tensor-core M side as in matmul_decode's "dot" form, dequantized in
-  x's dtype by the magic: v = bits(MAGIC | q << SH) = 128 + q, w = v - (128 + z) = q - z, exact in
-  bf16/fp16/float32 (integers below 256); acc_g (BLOCK_N, 16) = w @ x.T per K step inside one group,
-  then acc += acc_g * s (the scale applied to the float32 partial, once per row and group, never rounded
-  into the weight). BLOCK_K divides the group.
+- "mma" (M <= 16): W is the tensor-core M side as in matmul_decode's "dot" form, dequantized in x's
+  dtype by the magic. int4: v = bits(MAGIC | q << SH) = 128 + q, w = v - (128 + z) = q - z, exact in
+  bf16/fp16/float32 (small integers); acc_g (BLOCK_N, 16) = w @ x.T per K step inside one group, then
+  acc += acc_g * s (the scale applied to the float32 partial, once per row and group, never rounded into
+  the weight); BLOCK_K divides the group. int8: q + 128 has 8 bits, one more than bf16 holds at 128's
+  place, so it goes as two nibbles, q = ((128 + hi) - 136) * 16 + ((128 + lo) - 128), exact at each step;
+  the per-channel scale applied once at the end.
 Float32 accumulation throughout; the output in x's dtype.
 """
 
@@ -151,9 +153,20 @@ def _wq_fma_kernel(
 
 
 @triton.jit
+def _int8_byte(w, i: tl.constexpr, MAGIC: tl.constexpr, SH: tl.constexpr, OUT: tl.constexpr):
+    """Byte i of every word of w as q exactly in OUT's dtype. u = q + 128 in [0, 256) has 8 bits, one more
+    than bf16 holds at 128's place, so it goes in two nibbles: (128 + hi) - 136 = hi - 8 and (128 + lo)
+    - 128 = lo, then (hi - 8) * 16 + lo = u - 128 = q, an integer in [-128, 127]: exact at each step."""
+    u = ((w >> (8 * i)) & 255) ^ 128
+    hi = _magic_128(u >> 4, MAGIC, SH, OUT) - _magic_128(tl.full(u.shape, 8, tl.int32), MAGIC, SH, OUT)
+    lo = _magic_128(u & 15, MAGIC, SH, OUT) - _magic_128(tl.zeros(u.shape, tl.int32), MAGIC, SH, OUT)
+    return hi * 16.0 + lo
+
+
+@triton.jit
 def _wq_mma_kernel(
     X_ptr,  # (M, K) activations, M <= 16: x[m, k] at X_ptr + m * stride_xm + k * stride_xk
-    W_ptr,  # int32 words (N, K / 8) of int4 weights (module docstring), row stride stride_wn
+    W_ptr,  # int32 words (N, K / P) of int4 (P = 8) or int8 (P = 4) weights (module docstring), row stride stride_wn
     S_ptr,  # (N, K / GROUP) scales, row stride stride_sn
     Z_ptr,  # uint8 (N, K / GROUP) zero points, read when HAS_ZERO
     Y_ptr,  # (M, N) contiguous output; with SPLIT_K > 1 a float32 (SPLIT_K, M, N) partial-sum buffer
@@ -166,18 +179,20 @@ def _wq_mma_kernel(
     stride_wn,
     stride_sn,
     k_split,  # K range of one split: a multiple of BLOCK_K (K when SPLIT_K == 1)
-    GROUP: tl.constexpr,
+    BITS: tl.constexpr,  # 4 or 8
+    GROUP: tl.constexpr,  # int4 group size (int8: unused)
     HAS_ZERO: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MAGIC: tl.constexpr,  # bits of 128.0 in x's dtype (module docstring)
     SH: tl.constexpr,  # shift putting an integer at the units place of that float
     PRECISION: tl.constexpr,  # tl.dot input_precision ("ieee" for float32 activations)
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # divides GROUP: one group per K step
+    BLOCK_K: tl.constexpr,  # int4: divides GROUP, one group per K step
     SPLIT_K: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    BLOCK_W: tl.constexpr = BLOCK_K // 8
+    P: tl.constexpr = 32 // BITS  # values per word
+    BLOCK_W: tl.constexpr = BLOCK_K // P
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -190,39 +205,63 @@ def _wq_mma_kernel(
     m_ok = (offs_m < M)[None, :]
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
-    KW = K // 8
+    KW = K // P
     xdt: tl.constexpr = X_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-        wcol = k0 // 8 + tl.arange(0, BLOCK_W)
+        wcol = k0 // P + tl.arange(0, BLOCK_W)
         w = tl.load(w_rows + wcol[None, :], mask=n_ok[:, None] & (wcol < KW)[None, :], other=0)  # (BN, BW)
-        g = k0 // GROUP
-        s = tl.load(s_rows + g, mask=n_ok, other=0.0).to(tl.float32)  # (BLOCK_N,)
-        if HAS_ZERO:
-            z = tl.load(z_rows + g, mask=n_ok, other=0).to(tl.int32)
-        else:
-            z = tl.full((BLOCK_N,), 8, tl.int32)
-        c = _magic_128(z, MAGIC, SH, xdt)[:, None]  # (BLOCK_N, 1): 128 + z
-        # nibble i of each word as q - z = (128 + q) - (128 + z), exact, in x's dtype: (BLOCK_N, BLOCK_W)
-        n0 = _magic_128(w & 15, MAGIC, SH, xdt) - c
-        n1 = _magic_128((w >> 4) & 15, MAGIC, SH, xdt) - c
-        n2 = _magic_128((w >> 8) & 15, MAGIC, SH, xdt) - c
-        n3 = _magic_128((w >> 12) & 15, MAGIC, SH, xdt) - c
-        n4 = _magic_128((w >> 16) & 15, MAGIC, SH, xdt) - c
-        n5 = _magic_128((w >> 20) & 15, MAGIC, SH, xdt) - c
-        n6 = _magic_128((w >> 24) & 15, MAGIC, SH, xdt) - c
-        n7 = _magic_128((w >> 28) & 15, MAGIC, SH, xdt) - c
-        # joined in registers to (BLOCK_N, BLOCK_W, 2, 2, 2): [n, j, a, b, c] = nibble 4a + 2b + c of word j,
-        # i.e. column 8j + 4a + 2b + c: the reshape is the natural column order
-        even = tl.join(tl.join(n0, n4), tl.join(n2, n6))
-        odd = tl.join(tl.join(n1, n5), tl.join(n3, n7))
-        wq = tl.join(even, odd).reshape(BLOCK_N, BLOCK_K)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_cols + offs_k[:, None] * stride_xk, mask=m_ok & (offs_k < K)[:, None], other=0.0)
-        part = tl.dot(wq, xt, input_precision=PRECISION)  # (BLOCK_N, 16) over one group's columns
-        acc += part * s[:, None]
+        if BITS == 8:
+            # bytes as exact integers in x's dtype, joined to (BLOCK_N, BLOCK_W, 2, 2): [n, j, a, b] = byte
+            # 2a + b of word j, column 4j + 2a + b; the per-channel scale waits for the end
+            b0 = _int8_byte(w, 0, MAGIC, SH, xdt)
+            b1 = _int8_byte(w, 1, MAGIC, SH, xdt)
+            b2 = _int8_byte(w, 2, MAGIC, SH, xdt)
+            b3 = _int8_byte(w, 3, MAGIC, SH, xdt)
+            wq = tl.join(tl.join(b0, b2), tl.join(b1, b3)).reshape(BLOCK_N, BLOCK_K)
+            acc = tl.dot(wq, xt, acc, input_precision=PRECISION)
+        else:
+            acc += _int4_group_dot(
+                w, xt, s_rows, z_rows, n_ok, k0, GROUP, HAS_ZERO, MAGIC, SH, PRECISION, xdt
+            )
+    if BITS == 8:
+        acc *= tl.load(s_rows, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     # written as it lies, (n, m) -> C[m, n]
     _store(acc, offs_m[None, :], offs_n[:, None], pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS, "none", SPLIT_K)
+
+
+@triton.jit
+def _int4_group_dot(w, xt, s_rows, z_rows, n_ok, k0, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                    MAGIC: tl.constexpr, SH: tl.constexpr, PRECISION: tl.constexpr, xdt: tl.constexpr):  # fmt: skip
+    """One K step of int4 words w (BLOCK_N, BLOCK_W) inside one group: (q - z) @ xt (BLOCK_K, 16) in
+    float32, times the group's scale per row."""
+    BLOCK_N: tl.constexpr = w.shape[0]
+    BLOCK_K: tl.constexpr = w.shape[1] * 8
+    g = k0 // GROUP
+    s = tl.load(s_rows + g, mask=n_ok, other=0.0).to(tl.float32)  # (BLOCK_N,)
+    if HAS_ZERO:
+        z = tl.load(z_rows + g, mask=n_ok, other=0).to(tl.int32)
+    else:
+        z = tl.full((BLOCK_N,), 8, tl.int32)
+    c = _magic_128(z, MAGIC, SH, xdt)[:, None]  # (BLOCK_N, 1): 128 + z
+    # nibble i of each word as q - z = (128 + q) - (128 + z), exact, in x's dtype: (BLOCK_N, BLOCK_W)
+    n0 = _magic_128(w & 15, MAGIC, SH, xdt) - c
+    n1 = _magic_128((w >> 4) & 15, MAGIC, SH, xdt) - c
+    n2 = _magic_128((w >> 8) & 15, MAGIC, SH, xdt) - c
+    n3 = _magic_128((w >> 12) & 15, MAGIC, SH, xdt) - c
+    n4 = _magic_128((w >> 16) & 15, MAGIC, SH, xdt) - c
+    n5 = _magic_128((w >> 20) & 15, MAGIC, SH, xdt) - c
+    n6 = _magic_128((w >> 24) & 15, MAGIC, SH, xdt) - c
+    n7 = _magic_128((w >> 28) & 15, MAGIC, SH, xdt) - c
+    # joined in registers to (BLOCK_N, BLOCK_W, 2, 2, 2): [n, j, a, b, c] = nibble 4a + 2b + c of word j,
+    # i.e. column 8j + 4a + 2b + c: the reshape is the natural column order
+    even = tl.join(tl.join(n0, n4), tl.join(n2, n6))
+    odd = tl.join(tl.join(n1, n5), tl.join(n3, n7))
+    wq = tl.join(even, odd).reshape(BLOCK_N, BLOCK_K)
+    part = tl.dot(wq, xt, input_precision=PRECISION)  # (BLOCK_N, 16) over one group's columns
+    return part * s[:, None]
 
 
 def word_view(qweight: torch.Tensor) -> torch.Tensor | None:

@@ -19,6 +19,8 @@ Kernels, over float16, bfloat16 (on GPU) and float32 activations, float32 accumu
   "gemv" for one row, FMAs over a (BLOCK_N, BLOCK_K) tile of W dequantized in float32 (int4: the tile as
   (BLOCK_N, sub-tiles, packed bytes) so a tile may span several groups, one scale per sub-tile);
   "dot" for 2 to 16 rows, W the tensor-core M side: acc (BLOCK_N, 16) += deq(W) (BLOCK_N, BLOCK_K) @ x.T.
+  "fma" (one row) and "mma" (1-16 rows): kernels/quant_decode.py's forms, which read W as int32 words
+  and dequantize by bit operations instead of conversion instructions (see there).
 - prefill ("tile"): C tiles (BLOCK_M, BLOCK_N) in grouped order, W dequantized in registers into x's dtype
   before tl.dot (int4: (q - z) * s, one group per K step, so BLOCK_K <= G; int8: the integers, exact in
   16-bit floats, with the per-channel scale applied once to the float32 tile at the end).
@@ -319,8 +321,8 @@ def wq_decode_config(
     the tile rule of kernels/matmul_decode.py (its H200 sweep for bf16 weights),
     with one row's K steps widened so that a program's load per step stays near what the bf16 rule streams
     (int8: the same bytes at twice the columns; int4: 512 and 2048 columns, as wide as the groups' sub-tiles
-    allow without a mostly-masked last step at K = 1536 and 8960). Not swept for the quantized kernels yet:
-    bench/quant.py records the figures these give."""
+    allow without a mostly-masked last step at K = 1536 and 8960). That fallback was not swept for the
+    quantized kernels; `bench/quant.py --case decode-sweep` measures it against every form."""
     if interpreting():  # small tiles: ragged tiles and several K steps in the CPU tests
         return DecodeConfig("gemv", 16, 64 if bits == 4 else 32) if M == 1 else DecodeConfig("dot", 16, 32)
     swept = DECODE_TABLE.get(
@@ -448,8 +450,6 @@ def _plan(x, qweight, scales, zeros, bits, group_size, bias, config) -> _Plan:
             raise ValueError(
                 f"int4 {form} decode needs BLOCK_K >= 32 dividing the group {group_size}: {config}"
             )
-        if form == "mma" and bits != 4:
-            raise ValueError(f"the mma decode form is for int4 weights (int8: gemv, fma or dot): {config}")
         if form in ("fma", "mma"):
             per_word = 32 // bits
             if word_view(qweight) is None:
@@ -457,8 +457,9 @@ def _plan(x, qweight, scales, zeros, bits, group_size, bias, config) -> _Plan:
                     f"the {form} decode form reads qweight as int32 words: its rows must be whole, 4-byte "
                     f"aligned words (K a multiple of {4 * per_word}); use the gemv/dot forms for this weight"
                 )
-            if config.block_k < 2 * per_word or config.block_k & (config.block_k - 1):
-                raise ValueError(f"{form} decode needs BLOCK_K a power of two >= {2 * per_word}: {config}")
+            least = 2 * per_word if form == "fma" else 32  # whole words; tl.dot's K side
+            if config.block_k < least or config.block_k & (config.block_k - 1):
+                raise ValueError(f"{form} decode needs BLOCK_K a power of two >= {least}: {config}")
         split, k_split = 1, K
         if config.split_k > 1:  # whole BLOCK_K steps per slice; a slice that would find no K is dropped
             k_split = cdiv(cdiv(K, config.split_k), config.block_k) * config.block_k
@@ -471,8 +472,8 @@ def _plan(x, qweight, scales, zeros, bits, group_size, bias, config) -> _Plan:
                         **tiles)  # fmt: skip
         elif form == "mma":
             magic, sh = MAGIC[x.dtype]
-            meta = dict(GROUP=group_size, HAS_ZERO=zeros is not None, HAS_BIAS=has_bias, MAGIC=magic, SH=sh,
-                        PRECISION="ieee", **tiles)  # fmt: skip
+            meta = dict(BITS=bits, GROUP=common["GROUP"], HAS_ZERO=zeros is not None, HAS_BIAS=has_bias,
+                        MAGIC=magic, SH=sh, PRECISION="ieee", **tiles)  # fmt: skip
         else:
             meta = dict(common, HAS_BIAS=has_bias, DOT=form == "dot", **tiles)
         return _Plan(N, True, form, (cdiv(N, config.block_n), split), split, k_split, meta)
