@@ -439,20 +439,25 @@ def _warm_worker(task: tuple[str, int, int, int, object]) -> bool:
         return False
 
 
-def _precompile(tasks: list, jobs: int, run: BenchRun) -> dict:
+def _precompile(tasks: list, jobs: int, deadline_s: float, run: BenchRun) -> dict:
     """Compile every candidate in `jobs` spawned processes at once (Triton compiles one kernel at a time
-    per process; ~100 variants would take most of the budget serially). Best effort: on any failure the
-    timing loop compiles what is missing itself."""
+    per process; ~300 variants would take the whole budget serially), for at most `deadline_s` seconds.
+    Best effort: what is not compiled by then (or on any failure) the timing loop compiles itself."""
     import concurrent.futures as cf
     import multiprocessing as mp
 
     t0 = run.elapsed()
+    info: dict = {"jobs": jobs, "kernels": len(tasks)}
+    pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
     try:
-        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-            n = sum(pool.map(_warm_worker, tasks))
-        info = {"jobs": jobs, "kernels": len(tasks), "ran": n, "s": round(run.elapsed() - t0, 1)}
+        futures = [pool.submit(_warm_worker, t) for t in tasks]
+        done, pending = cf.wait(futures, timeout=deadline_s)
+        info.update(ran=sum(1 for f in done if f.exception() is None and f.result()), unfinished=len(pending))
     except Exception:
-        info = {"jobs": jobs, "error": traceback.format_exc()[-2000:], "s": round(run.elapsed() - t0, 1)}
+        info["error"] = traceback.format_exc()[-2000:]
+    finally:  # workers still compiling finish their one kernel in the background; queued ones are dropped
+        pool.shutdown(wait=False, cancel_futures=True)
+    info["s"] = round(run.elapsed() - t0, 1)
     run.log(f"sweep: precompile {info}")
     return info
 
@@ -504,12 +509,15 @@ class _GraphTimer:
         return self.t0.elapsed_time(self.t1) * 1e3 / self.n
 
 
-def sweep_section(run: BenchRun, budget_s: float, jobs: int, failed: dict[str, str], rounds: int = 5) -> dict:
+def sweep_section(
+    run: BenchRun, budget_s: float, jobs: int, failed: dict[str, str], save, rounds: int = 5
+) -> dict:
     """Every candidate decode config of each format on each Qwen2.5-1.5B projection at 1, 4 and 16 rows,
     against cuBLAS bf16 (F.linear) and kiln's bf16 decode matmul in the same run: GPU time per call in
     CUDA graphs, each call reading its own weight copy (the working set past L2, as in a decode step),
     candidates interleaved in a fresh order over `rounds` rounds, medians. Stops starting new cases when
-    `budget_s` seconds of the run have passed (cases ordered 1 row, 16 rows, 4 rows)."""
+    `budget_s` seconds of the run have passed (cases ordered 1 row, 16 rows, 4 rows); `save(out)` after
+    every case, so a run cut short keeps what it measured."""
     dev = run.device
     smoke = run.smoke
     shapes, row_counts = (SMOKE_SHAPES, (1, 4)) if smoke else (SHAPES, (1, 16, 4))
@@ -533,7 +541,7 @@ def sweep_section(run: BenchRun, budget_s: float, jobs: int, failed: dict[str, s
                 if key not in seen:
                     seen.add(key)
                     tasks.append((fmt, M, K, N, cfg))
-        out["precompile"] = _precompile(tasks, jobs, run)
+        out["precompile"] = _precompile(tasks, jobs, budget_s / 2, run)
     g = torch.Generator(device=dev).manual_seed(0)
     weights = {
         name: (torch.randn(N, K, device=dev, generator=g) / K**0.5).to(dtype)
@@ -618,6 +626,8 @@ def sweep_section(run: BenchRun, budget_s: float, jobs: int, failed: dict[str, s
             del qs
         except Exception:
             failed[label] = traceback.format_exc()[-3000:]
+        out["table"] = sweep_table(out["cases"])
+        save(out)
     out["table"] = sweep_table(out["cases"])
     return out
 
@@ -667,10 +677,13 @@ def main() -> int:
     run = BenchRun("quant", __file__, args, rounds=3)
     if args.case == "decode-sweep":
         failed: dict[str, str] = {}
-        sweep = _try(failed, "decode-sweep", lambda: sweep_section(run, args.budget, args.jobs, failed))
-        run.write(timing="GPU time per call in CUDA graphs, each call on its own weight copy (L2-cold), candidates "
-                  "interleaved over rounds, medians", complete=sweep is not None and not sweep["not_run"],
-                  failed=failed, sweep=sweep)  # fmt: skip
+        timing = ("GPU time per call in CUDA graphs, each call on its own weight copy (L2-cold), candidates "
+                  "interleaved over rounds, medians")  # fmt: skip
+        sweep = _try(failed, "decode-sweep", lambda: sweep_section(
+            run, args.budget, args.jobs, failed, lambda part: run.write(timing=timing, complete=False, failed=failed, sweep=part)))  # fmt: skip
+        run.write(
+            timing=timing, complete=sweep is not None and not sweep["not_run"], failed=failed, sweep=sweep
+        )
         if sweep:  # the entries to paste into quant_matmul.DECODE_TABLE and fp8_matmul.FP8_DECODE_TABLE
             table = sweep["table"]
             print(
