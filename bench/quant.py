@@ -19,8 +19,10 @@ Sections (each result checked against its reference in the same run):
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
+import random
 import statistics
 import sys
 import traceback
@@ -33,15 +35,23 @@ import torch.nn.functional as F
 
 from kiln.infer import bench as infer_bench
 from kiln.infer.engine import LLM
-from kiln.kernels.dispatch import use_backend
-from kiln.kernels.fp8_matmul import fp8_linear, fp8_matmul, quantize_fp8
+from kiln.kernels.dispatch import sm_count, use_backend
+from kiln.kernels.fp8_matmul import (
+    FP8,
+    fp8_linear,
+    fp8_matmul,
+    fp8_matmul_ref,
+    quantize_fp8,
+    quantize_fp8_ref,
+)
 from kiln.kernels.matmul import linear
-from kiln.kernels.quant_matmul import wq_linear, wq_matmul_ref
+from kiln.kernels.matmul_decode import DecodeConfig
+from kiln.kernels.quant_matmul import wq_linear, wq_matmul_fwd, wq_matmul_ref
 from kiln.model.config import ModelConfig
 from kiln.model.quant_linear import QuantLinear
 from kiln.model.transformer import build_model
 from kiln.profile.ceilings import fraction
-from kiln.profile.harness import BenchRun, bench_parser, format_table
+from kiln.profile.harness import BenchRun, bench_parser, default_out, format_table
 from kiln.quant import QuantScheme, quantize_model
 from kiln.quant.rtn import quantize_weight
 
@@ -305,6 +315,340 @@ def perplexity_section(run: BenchRun, model_path: str, text_path: str, tokens: i
     return rows
 
 
+# ------------------------------------------------------------------------------------ the decode sweep
+SWEEP_FORMATS = {"int4-g128": ("int4", 128, False), "int8": ("int8", 0, False),
+                 "int4-g128-asym": ("int4", 128, True), "fp8": ("fp8", 0, False)}  # fmt: skip
+SWEEP_L2_BYTES = 160e6  # weights cycled through per timed pass: > 3x the H200's 50 MB L2, as a decode step is
+
+
+def _split(N: int, K: int, bn: int, bk: int, sms: int) -> int:
+    """A K split (1, 2, 4 or 8) giving about two programs per SM when N / bn column blocks do not, with
+    every slice at least two K steps."""
+    blocks = -(-N // bn)
+    sk = 1
+    while sk < 8 and blocks * sk < 2 * sms and K // (2 * sk * bk) >= 2:
+        sk *= 2
+    return sk
+
+
+def sweep_candidates(fmt: str, M: int, N: int, K: int, sms: int, smoke: bool) -> list[tuple[str, object]]:
+    """(label, config) per candidate: "rule" (the launcher's own choice, config None) first, then decode
+    configs of every form that can take (fmt, M). fp8 configs are fp8_matmul tile tuples
+    (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps). The same list on every process (the warm-up workers)."""
+    kind, group, _ = SWEEP_FORMATS[fmt]
+    out: list[tuple[str, object]] = [("rule", None)]
+    if kind == "fp8":  # fp8_matmul's tile kernel with narrower tiles, and its decode kernel with a K split
+        if not smoke:
+            out.append(("tile (64, 64, 128, 4, 4)", (64, 64, 128, 4, 4)))
+            for bn, bk, w, st in [
+                (64, 128, 4, 3),
+                (64, 256, 4, 3),
+                (32, 128, 4, 4),
+                (16, 256, 4, 4),
+                (128, 128, 8, 3),
+            ]:
+                sk = _split(N, K, bn, bk, sms)
+                out.append((f"dot {bn}x{bk} w{w} s{st} sk{sk}", DecodeConfig("dot", bn, bk, sk, w, st)))
+        return out
+    if smoke:  # interpreter-sized tiles: every form once, with a K split
+        if M == 1:
+            return out + [("fma", DecodeConfig("fma", 8, 64)), ("fma sk", DecodeConfig("fma", 8, 64, 2))]
+        return out + [("mma", DecodeConfig("mma", 16, 32)), ("mma sk", DecodeConfig("mma", 16, 32, 2))]
+    if M == 1:
+        # (BLOCK_N, BLOCK_K, warps, stages); the K split from the shape
+        tiles = [(4, 256, 2, 3), (8, 256, 2, 3), (8, 256, 4, 4), (16, 256, 4, 3), (8, 512, 4, 3),
+                 (16, 128, 4, 4), (32, 128, 4, 3)]  # fmt: skip
+        for bn, bk, w, st in tiles:
+            sk = _split(N, K, bn, bk, sms)
+            out.append((f"fma {bn}x{bk} w{w} s{st} sk{sk}", DecodeConfig("fma", bn, bk, sk, w, st)))
+        sk = _split(N, K, 4, 256, sms)
+        out.append((f"gemv 4x256 w2 s3 sk{sk}", DecodeConfig("gemv", 4, 256, sk, 2, 3)))
+        # tensor cores at one row too: fewer instructions per int4 weight than the FMAs
+        mma = [(64, 128, 4, 3), (32, 128, 4, 3)] + (
+            [(16, 128, 4, 3), (128, 128, 8, 3)] if kind == "int4" else []
+        )
+    elif kind == "int4":
+        mma = [
+            (64, 128, 4, 3),
+            (64, 64, 4, 4),
+            (32, 128, 4, 3),
+            (16, 128, 4, 3),
+            (16, 64, 4, 4),
+            (128, 128, 8, 3),
+        ]
+    else:  # int8: mma (bytes as two nibbles), then the old dot tiles
+        mma = [(64, 128, 4, 3), (64, 256, 4, 3), (32, 128, 4, 3), (16, 128, 4, 3), (128, 128, 8, 3)]
+    for bn, bk, w, st in mma:
+        bk = min(bk, group) if kind == "int4" else bk  # int4: one group (or part of one) per K step
+        sk = _split(N, K, bn, bk, sms)
+        out.append((f"mma {bn}x{bk} w{w} s{st} sk{sk}", DecodeConfig("mma", bn, bk, sk, w, st)))
+        if M > 1 and sk > 1 and bn == 64 and bk == 128:
+            out.append((f"mma {bn}x{bk} w{w} s{st} sk1", DecodeConfig("mma", bn, bk, 1, w, st)))
+    if M > 1 and kind == "int8":
+        for bn, bk, w, st in [
+            (64, 128, 4, 3),
+            (32, 128, 4, 3),
+            (16, 128, 4, 3),
+            (16, 256, 1, 4),
+            (64, 64, 4, 4),
+        ]:
+            sk = _split(N, K, bn, bk, sms)
+            out.append((f"dot {bn}x{bk} w{w} s{st} sk{sk}", DecodeConfig("dot", bn, bk, sk, w, st)))
+    return out
+
+
+def _sweep_weights(fmt: str, w: torch.Tensor) -> dict:
+    kind, group, asym = SWEEP_FORMATS[fmt]
+    return quantize_weight(w, kind, group, asymmetric=asym)
+
+
+def _sweep_call(fmt: str, x: torch.Tensor, q: dict, config) -> torch.Tensor:
+    kind, group, _ = SWEEP_FORMATS[fmt]
+    if kind == "fp8":
+        a8, a_s = quantize_fp8(x, per_row=True)  # as fp8_linear (the engine's path), with a chosen tile
+        return fp8_matmul(a8, a_s, q["qweight"].view(FP8), q["scales"], None, x.dtype, config=config)
+    bits = 4 if kind == "int4" else 8
+    return wq_matmul_fwd(x, q["qweight"], q["scales"], q["zeros"], bits, group, config=config)
+
+
+def _sweep_ref(fmt: str, x: torch.Tensor, q: dict) -> torch.Tensor:
+    kind, group, _ = SWEEP_FORMATS[fmt]
+    if kind == "fp8":  # what the kernel computes: x quantized per row, then the float32 product
+        a8, a_s = quantize_fp8_ref(x, per_row=True)
+        return fp8_matmul_ref(a8, a_s, q["qweight"].view(FP8), q["scales"], None, torch.float32)
+    return wq_matmul_ref(x.float(), q["qweight"], q["scales"], q["zeros"], 4 if kind == "int4" else 8, group)
+
+
+@functools.lru_cache(maxsize=2)
+def _warm_tensors(fmt: str, M: int, K: int, N: int) -> tuple[torch.Tensor, dict]:
+    """x and the quantized weight of one (format, shape, M), on the GPU (a warm-up worker's)."""
+    w = torch.randn(N, K, device="cuda").div_(K**0.5).to(torch.bfloat16)
+    return torch.randn(M, K, device="cuda", dtype=torch.bfloat16), _sweep_weights(fmt, w)
+
+
+def _warm_worker(task: tuple[str, int, int, int, object]) -> bool:
+    """In a spawned process: run one candidate (format, M, K, N, config) once on random tensors of the
+    real shape, so that Triton compiles it into the on-disk cache that the timing process then reads."""
+    fmt, M, K, N, cfg = task
+    x, q = _warm_tensors(fmt, M, K, N)
+    try:
+        _sweep_call(fmt, x, q, cfg)
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # the timing process records the failure with its traceback
+        return False
+
+
+def _precompile(tasks: list, jobs: int, deadline_s: float, run: BenchRun) -> dict:
+    """Compile every candidate in `jobs` spawned processes at once (Triton compiles one kernel at a time
+    per process; ~300 variants would take the whole budget serially), for at most `deadline_s` seconds.
+    Best effort: what is not compiled by then (or on any failure) the timing loop compiles itself."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    t0 = run.elapsed()
+    info: dict = {"jobs": jobs, "kernels": len(tasks)}
+    pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
+    try:
+        futures = [pool.submit(_warm_worker, t) for t in tasks]
+        done, pending = cf.wait(futures, timeout=deadline_s)
+        info.update(ran=sum(1 for f in done if f.exception() is None and f.result()), unfinished=len(pending))
+    except Exception:
+        info["error"] = traceback.format_exc()[-2000:]
+    finally:  # workers still compiling finish their one kernel in the background; queued ones are dropped
+        pool.shutdown(wait=False, cancel_futures=True)
+    info["s"] = round(run.elapsed() - t0, 1)
+    run.log(f"sweep: precompile {info}")
+    return info
+
+
+def _rotating(make, nbytes: int, smoke: bool) -> list:
+    """Enough copies of a weight (make() -> one copy) that cycling through them misses the L2 cache."""
+    n = 1 if smoke else max(1, min(64, int(-(-SWEEP_L2_BYTES // nbytes))))
+    return [make() for _ in range(n)]
+
+
+class _GraphTimer:
+    """One candidate's calls, each on its own weight copy, captured in a CUDA graph repeated to about
+    `target_ms` of GPU time; `us()` replays it once between CUDA events: microseconds per call."""
+
+    def __init__(self, calls: list, target_ms: float = 1.0):
+        for c in calls:
+            c()
+        torch.cuda.synchronize()
+        t0 = torch.cuda.Event(enable_timing=True)
+        t1 = torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for c in calls:
+            c()
+        t1.record()
+        torch.cuda.synchronize()
+        per = max(t0.elapsed_time(t1) / len(calls), 1e-3)  # eager ms per call: launch-bound, an upper bound
+        self.reps = max(1, min(200, int(target_ms / per / len(calls)) + 1))
+        self.n = self.reps * len(calls)
+        self.graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for c in calls:  # warm-up on the capture stream, as torch.cuda.graphs recommends
+                c()
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(self.graph):
+            for _ in range(self.reps):
+                for c in calls:
+                    c()
+        self.graph.replay()
+        torch.cuda.synchronize()
+        self.t0, self.t1 = t0, t1
+
+    def us(self) -> float:
+        self.t0.record()
+        self.graph.replay()
+        self.t1.record()
+        self.t1.synchronize()
+        return self.t0.elapsed_time(self.t1) * 1e3 / self.n
+
+
+def sweep_section(
+    run: BenchRun, budget_s: float, jobs: int, failed: dict[str, str], save, rounds: int = 5
+) -> dict:
+    """Every candidate decode config of each format on each Qwen2.5-1.5B projection at 1, 4 and 16 rows,
+    against cuBLAS bf16 (F.linear) and kiln's bf16 decode matmul in the same run: GPU time per call in
+    CUDA graphs, each call reading its own weight copy (the working set past L2, as in a decode step),
+    candidates interleaved in a fresh order over `rounds` rounds, medians. Stops starting new cases when
+    `budget_s` seconds of the run have passed (cases ordered 1 row, 16 rows, 4 rows); `save(out)` after
+    every case, so a run cut short keeps what it measured."""
+    dev = run.device
+    smoke = run.smoke
+    shapes, row_counts = (SMOKE_SHAPES, (1, 4)) if smoke else (SHAPES, (1, 16, 4))
+    fmts = [f for f in SWEEP_FORMATS if not (smoke and f == "fp8")]
+    sms = sm_count(dev)
+    dtype = torch.float16 if smoke else torch.bfloat16
+    copy = run.ceilings.get("copy_TBps")
+    cases = [(M, name, fmt) for M in row_counts for name in shapes for fmt in fmts]
+    out: dict = {"budget_s": budget_s, "rounds": rounds, "l2_rotation_bytes": SWEEP_L2_BYTES, "sms": sms,
+                 "cases": [], "not_run": []}  # fmt: skip
+    if not smoke and jobs > 1:
+        # One task per distinct kernel: Triton specializes ints by == 1 and % 16, which M = 1, 4 and 16
+        # tell apart and the five shapes do not (N, K and the row strides are multiples of 16 in all, the
+        # int4 scale rows 12 and 70 in both), so a config runs once per format and row count; the rule's
+        # choice depends on the shape, so it runs per shape.
+        tasks, seen = [], set()
+        for M, name, fmt in cases:
+            K, N = shapes[name]
+            for _, cfg in sweep_candidates(fmt, M, N, K, sms, smoke):
+                key = (fmt, M, name if cfg is None else cfg)
+                if key not in seen:
+                    seen.add(key)
+                    tasks.append((fmt, M, K, N, cfg))
+        out["precompile"] = _precompile(tasks, jobs, budget_s / 2, run)
+    g = torch.Generator(device=dev).manual_seed(0)
+    weights = {
+        name: (torch.randn(N, K, device=dev, generator=g) / K**0.5).to(dtype)
+        for name, (K, N) in shapes.items()
+    }
+    base: dict[tuple[str, int], dict] = {}  # (shape, M) -> bf16 peers' timers
+    xs: dict[tuple[str, int], torch.Tensor] = {}
+    for M, name, fmt in cases:
+        if run.elapsed() > budget_s:
+            out["not_run"].append(f"{fmt} {name} M={M}")
+            continue
+        K, N = shapes[name]
+        w = weights[name]
+        if (name, M) not in xs:  # one x per (shape, rows): every format sees the same activations
+            xs[(name, M)] = torch.randn(M, K, device=dev, generator=g).to(dtype)
+        x = xs[(name, M)]
+        label = f"sweep {fmt} {name} M={M}"
+        try:
+            q0 = _sweep_weights(fmt, w)
+            nbytes = _bytes(q0)
+            qs = _rotating(
+                lambda q0=q0: {k: None if t is None else t.clone() for k, t in q0.items()}, nbytes, smoke
+            )
+            want = _sweep_ref(fmt, x, q0)
+            scale = float(want.abs().max())
+            timers, errs = {}, {}
+            if (name, M) not in base and not smoke:
+                ws = _rotating(w.clone, N * K * 2, smoke)
+                base[(name, M)] = {
+                    "cublas_bf16": _GraphTimer([lambda x=x, w=w_: F.linear(x, w) for w_ in ws]),
+                    "kiln_bf16": _GraphTimer([lambda x=x, w=w_: linear(x, w) for w_ in ws]),
+                }
+            configs = dict(sweep_candidates(fmt, M, N, K, sms, smoke))
+            with use_backend("triton"):
+                for lab, cfg in configs.items():
+                    try:
+                        got = _sweep_call(fmt, x, q0, cfg)
+                        errs[lab] = float((got.float() - want).abs().max()) / scale
+                        if not errs[lab] < 0.05:  # a wrong kernel is a failure, never a winner
+                            raise AssertionError(f"max error {errs[lab]:.4g} of the output's max")
+                        if not smoke:
+                            timers[lab] = _GraphTimer(
+                                [lambda f=fmt, x=x, q=q, c=cfg: _sweep_call(f, x, q, c) for q in qs]
+                            )
+                    except Exception:
+                        failed[f"{label} {lab}"] = traceback.format_exc()[-3000:]
+            if smoke:
+                times = {lab: float("nan") for lab in errs if f"{label} {lab}" not in failed}
+            else:
+                everyone = {**base[(name, M)], **timers}
+                samples: dict[str, list[float]] = {k: [] for k in everyone}
+                order = list(everyone)
+                rng = random.Random(M * 7919 + len(out["cases"]))
+                for _ in range(rounds):
+                    rng.shuffle(order)
+                    for k in order:
+                        samples[k].append(everyone[k].us())
+                times = {k: statistics.median(v) for k, v in samples.items() if k in timers}
+                peers = {k: statistics.median(samples[k]) for k in base[(name, M)]}
+                del timers, everyone
+            ref_us = None if smoke else peers["cublas_bf16"]
+            cands = []
+            for lab, us in times.items():
+                gbps = nbytes / us / 1e3 if us == us else None
+                cands.append({"candidate": lab, "config": repr(configs[lab]), "us": round(us, 3) if us == us else None,
+                              "GBps": round(gbps, 1) if gbps else None,
+                              "frac_copy": fraction(gbps / 1e3, copy) if gbps and copy else None,
+                              "vs_cublas_bf16": round(ref_us / us, 3) if ref_us else None,
+                              "max_rel_err": round(errs[lab], 5)})  # fmt: skip
+            cands.sort(key=lambda c: c["us"] if c["us"] is not None else float("inf"))
+            row = {"format": fmt, "shape": name, "M": M, "N": N, "K": K, "weight_bytes": nbytes,
+                   "candidates": cands, "best": cands[0] if cands else None}  # fmt: skip
+            if not smoke:
+                row["cublas_bf16_us"] = round(peers["cublas_bf16"], 3)
+                row["kiln_bf16_us"] = round(peers["kiln_bf16"], 3)
+                row["rule"] = next((c for c in cands if c["candidate"] == "rule"), None)
+            out["cases"].append(row)
+            best = row["best"]
+            run.log(f"{label}: best {best['candidate'] if best else None} {best['us'] if best else None} us"
+                    + (f" ({best['vs_cublas_bf16']}x cuBLAS bf16 {row['cublas_bf16_us']} us; rule "
+                       f"{row['rule']['us'] if row['rule'] else None} us)" if best and not smoke else ""))  # fmt: skip
+            del qs
+        except Exception:
+            failed[label] = traceback.format_exc()[-3000:]
+        out["table"] = sweep_table(out["cases"])
+        save(out)
+    out["table"] = sweep_table(out["cases"])
+    return out
+
+
+def sweep_table(cases: list[dict]) -> dict[str, str]:
+    """The winners where they beat the rule by more than 2% (a tie keeps the rule): for the int formats
+    quant_matmul.DECODE_TABLE entries, '("fmt", M, N, K)' -> the DecodeConfig's repr, ready to paste;
+    for fp8, "fp8 (M, N, K)" -> a tile tuple or DecodeConfig, fp8_matmul.FP8_DECODE_TABLE's entries."""
+    table = {}
+    for c in cases:
+        best, rule = c.get("best"), c.get("rule")
+        if not best or best["candidate"] == "rule" or best["us"] is None:
+            continue
+        if rule and rule["us"] and rule["us"] <= best["us"] * 1.02:
+            continue
+        fp8 = c["format"] == "fp8"
+        key = repr((c["M"], c["N"], c["K"]) if fp8 else (c["format"], c["M"], c["N"], c["K"]))
+        table[("fp8 " if fp8 else "") + key] = best["config"]
+    return table
+
+
 def main() -> int:
     ap = bench_parser("quant", __doc__)
     ap.add_argument("--prompt", type=int, default=128)
@@ -320,8 +664,37 @@ def main() -> int:
         "--quality-text", help="held-out UTF-8 text for --quality-model (first half: GPTQ calibration)"
     )
     ap.add_argument("--quality-tokens", type=int, default=262144, help="held-out tokens to score")
+    ap.add_argument("--case", choices=("all", "decode-sweep"), default="all",
+                    help="decode-sweep: only the decode config sweep, to bench/results/quant_sweep.json")  # fmt: skip
+    ap.add_argument(
+        "--budget", type=float, default=120.0, help="decode-sweep: seconds before it stops starting cases"
+    )
+    ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1),
+                    help="decode-sweep: processes compiling the candidates ahead of the timing (1: none)")  # fmt: skip
     args = ap.parse_args()
+    if args.case == "decode-sweep" and not args.out and not args.smoke:
+        args.out = str(default_out("quant_sweep", __file__, False))
     run = BenchRun("quant", __file__, args, rounds=3)
+    if args.case == "decode-sweep":
+        failed: dict[str, str] = {}
+        timing = ("GPU time per call in CUDA graphs, each call on its own weight copy (L2-cold), candidates "
+                  "interleaved over rounds, medians")  # fmt: skip
+        sweep = _try(failed, "decode-sweep", lambda: sweep_section(
+            run, args.budget, args.jobs, failed, lambda part: run.write(timing=timing, complete=False, failed=failed, sweep=part)))  # fmt: skip
+        run.write(
+            timing=timing, complete=sweep is not None and not sweep["not_run"], failed=failed, sweep=sweep
+        )
+        if sweep:  # the entries to paste into quant_matmul.DECODE_TABLE and fp8_matmul.FP8_DECODE_TABLE
+            table = sweep["table"]
+            print(
+                "DECODE_TABLE entries:\n"
+                + "\n".join(f"    {k}: {v}," for k, v in table.items() if k[0] == "(")
+            )
+            print(
+                "FP8_DECODE_TABLE entries:\n"
+                + "\n".join(f"    {k[4:]}: {v}," for k, v in table.items() if k[0] != "(")
+            )
+        return 1 if failed else 0
     skip = set(filter(None, args.skip.split(",")))
     # the interpreter's bf16 tl.dot is wrong (PLATFORM.md): the smoke run checks fp16
     dtype = torch.float16 if run.smoke else torch.bfloat16

@@ -18,6 +18,7 @@ from kiln.kernels.fp8_matmul import (
     quantize_fp8,
     quantize_fp8_ref,
 )
+from kiln.kernels.matmul_decode import DecodeConfig
 
 from ._tolerance import assert_close
 
@@ -58,6 +59,25 @@ def test_matmul_kernel_through_the_interpreter(per_row, M, N, K, device):
     assert_close(c, want)
 
 
+@pytest.mark.parametrize("per_row", [True, False])
+@pytest.mark.parametrize(
+    "M,config", [(1, DecodeConfig("dot", 16, 32)), (5, DecodeConfig("dot", 16, 32, split_k=3))]
+)
+def test_decode_kernel_through_the_interpreter(per_row, M, config, device):
+    """The decode form (weight as the tensor-core M side, K split across programs and summed in order):
+    ragged N and K, bias."""
+    N, K = 37, 100
+    g = torch.Generator().manual_seed(M + 7)
+    a_q, a_s = quantize_fp8_ref(torch.randn(M, K, generator=g), per_row)
+    b_q, b_s = quantize_fp8_ref(torch.randn(N, K, generator=g), per_row=True)
+    bias = torch.randn(N, generator=g).to(torch.bfloat16)
+    a_q, a_s, b_q, b_s, bias = (t.to(device) for t in (a_q, a_s, b_q, b_s, bias))
+    with use_backend("triton"):
+        c = fp8_matmul(a_q, a_s, b_q, b_s, bias, torch.float32, config=config)
+    want = (a_q.double() * a_s.double()) @ (b_q.double() * b_s.double()).T + bias.double()
+    assert_close(c, want)
+
+
 def test_linear_reference_and_errors():
     x = torch.randn(3, 5, 64)
     w_q, w_s = quantize_fp8_ref(torch.randn(16, 64), per_row=True)
@@ -70,6 +90,8 @@ def test_linear_reference_and_errors():
         fp8_matmul(a_q.float(), a_s, w_q, w_s)
     with pytest.raises(ValueError, match="scales must have"):
         fp8_matmul(a_q, a_s[:2], w_q, w_s)
+    with use_backend("triton"), pytest.raises(ValueError, match="FP8 decode kernel"):
+        fp8_matmul(a_q, a_s, w_q, w_s, config=DecodeConfig("gemv", 16, 32))
 
 
 @pytest.mark.gpu
@@ -98,3 +120,6 @@ def test_matmul_matches_scaled_mm(per_row, M, N, K):
     )
     # both sum the same fp8 products in float32, in different orders: bf16 output rounding apart
     assert_close(c, want.double(), torch.bfloat16)
+    if M <= 16:  # the decode form, K split in 4
+        c = fp8_matmul(a_q, a_s, b_q, b_s, config=DecodeConfig("dot", 64, 128, 4, 4, 3))
+        assert_close(c, want.double(), torch.bfloat16)

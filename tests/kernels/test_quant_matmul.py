@@ -57,19 +57,23 @@ def test_int4_packing_by_hand():
     )
 
 
-DECODE_CONFIGS = [
-    DecodeConfig("gemv", 16, 64),  # int4: two 32-groups per K step, or half a 128-group
-    DecodeConfig("gemv", 8, 128, split_k=3),  # K in slices summed by the second kernel
-    DecodeConfig("dot", 16, 32),
-    DecodeConfig("dot", 8, 32, split_k=2),
+DECODE_CONFIGS = [  # (config, rows)
+    (DecodeConfig("gemv", 16, 64), 1),  # int4: two 32-groups per K step, or half a 128-group
+    (DecodeConfig("gemv", 8, 128, split_k=3), 1),  # K in slices summed by the second kernel
+    (DecodeConfig("dot", 16, 32), 5),
+    (DecodeConfig("dot", 8, 32, split_k=2), 5),
+    # kernels/quant_decode.py: int32 words, dequantized by bit operations
+    (DecodeConfig("fma", 16, 64), 1),  # int4: 8 words per row per step, a 32-group every 4 words
+    (DecodeConfig("fma", 8, 128, split_k=3), 1),
+    (DecodeConfig("mma", 16, 32), 5),  # int4: one group (or part of one) per K step
+    (DecodeConfig("mma", 16, 32, split_k=2), 1),
 ]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=_fmt_id)
-@pytest.mark.parametrize("config", DECODE_CONFIGS, ids=str)
-def test_decode_matches_dequantized_float64(fmt, config, device):
+@pytest.mark.parametrize("config,M", DECODE_CONFIGS, ids=lambda c: str(c))
+def test_decode_matches_dequantized_float64(fmt, config, M, device):
     bits, group, asym = fmt
-    M = 1 if config.kernel == "gemv" else 5
     N, K = 37, 256 if bits == 4 else 200  # ragged column blocks; int8: K not a multiple of BLOCK_K
     q, s, z = quantized(N, K, bits, group, asym, seed=N + bits, device=device)
     g = torch.Generator().manual_seed(1)
@@ -92,6 +96,34 @@ def test_default_route_and_prefill_tiles(fmt, M, device):
     with use_backend("triton"):
         y = wq_linear(x, q, s, z, bits, group)
     assert_close(y, wq_matmul_ref(x.double(), q, s, z, bits, group), name=str(fmt))
+
+
+@pytest.mark.parametrize(
+    "config,M", [(DecodeConfig("fma", 8, 64), 1), (DecodeConfig("mma", 16, 32, 2), 3)], ids=str
+)
+def test_bit_dequantization_in_float32(config, M, device):
+    """The fma/mma forms' float32 path (2**23 + q, and 128 + q at the units place of a float32), asymmetric,
+    against float64: exact weights, so only the float32 sums' rounding remains."""
+    q, s, z = quantized(40, 256, 4, 64, True, seed=7, device=device)
+    x = torch.randn(M, 256, generator=torch.Generator().manual_seed(3)).to(device)
+    y = wq_matmul_fwd(x, q, s, z, 4, 64, config=config)
+    assert_close(y, wq_matmul_ref(x.double(), q, s, z, 4, 64), name=str(config))
+
+
+def test_word_forms_refuse_what_they_cannot_read():
+    q8, s8, _ = quantized(8, 66, 8, 0, False, seed=0)  # 66 bytes a row: not whole int32 words
+    with pytest.raises(ValueError, match="int32 words"):
+        wq_matmul_fwd(torch.randn(1, 66), q8, s8, None, 8, 0, config=DecodeConfig("fma", 8, 64))
+    q, s, _ = quantized(8, 64, 4, 32, False, seed=0)
+    with pytest.raises(ValueError, match="at most 1"):
+        wq_matmul_fwd(torch.randn(2, 64), q, s, None, 4, 32, config=DecodeConfig("fma", 8, 64))
+    q8, s8, _ = quantized(8, 64, 8, 0, False, seed=0)
+    with pytest.raises(ValueError, match="power of two >= 32"):  # tl.dot's K side
+        wq_matmul_fwd(torch.randn(2, 64), q8, s8, None, 8, 0, config=DecodeConfig("mma", 16, 16))
+    with pytest.raises(ValueError, match="power of two"):
+        wq_matmul_fwd(torch.randn(1, 64), q, s, None, 4, 32, config=DecodeConfig("fma", 8, 48))
+    with pytest.raises(ValueError, match="decode kernel must be one of"):
+        wq_matmul_fwd(torch.randn(1, 64), q, s, None, 4, 32, config=DecodeConfig("warp", 8, 64))
 
 
 def test_float32_activations_and_leading_dims(device):
@@ -142,3 +174,10 @@ def test_bf16_on_gpu_and_in_a_cuda_graph(fmt, M):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, y)
+    # the word forms (kernels/quant_decode.py) in bf16, whatever the rule picks: bf16 tl.dot and the bf16
+    # magic (0x4300 | q) run on the GPU only
+    forms = [DecodeConfig("fma", 8, 256, 2, 2, 3)] if M == 1 else []
+    if M <= 16:
+        forms.append(DecodeConfig("mma", 64, min(128, group or 128), 4, 4, 3))
+    for config in forms:
+        assert_close(wq_matmul_fwd(x, q, s, z, bits, group, config=config), want, scale=2.0, name=str(config))

@@ -8,6 +8,12 @@ in float32 by Hopper's FP8 tensor cores, both scales applied once to the float32
 weight (N, K), K-contiguous: both tl.dot operands K-major, the layout FP8 wgmma takes (as
 torch._scaled_mm takes B column-major). The output is bfloat16 (or float16 / float32).
 
+Decode (M <= 16, `config=DecodeConfig("dot", BLOCK_N, BLOCK_K, split_k, warps, stages)`, or by
+FP8_DECODE_TABLE's entry for the shape): the weight is the tensor-core M side, acc (BLOCK_N, 16) = B tile @
+A tile.T, over cdiv(N, BLOCK_N) x split_k programs, the K slices summed in a fixed order by
+matmul_decode's second kernel. The tile kernel's 64 x 128 tiles give N = 1536 only 12 programs on 132
+SMs at decode, each walking all of K.
+
 `fp8_linear(x, w_q, w_scale, bias)` quantizes the activations per row on the fly and runs the matmul:
 FP8 weight + activation inference (the tile config is a fixed rule, no autotuner: safe in CUDA graphs).
 FP8 needs sm_89+; Triton's CPU interpreter does not run these kernels, so CPU tests check the quantize
@@ -23,6 +29,7 @@ import triton.language as tl
 from kiln.kernels._common import grouped_tile
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
+from kiln.kernels.matmul_decode import DECODE_MAX_M, DecodeConfig, _split_sum_kernel, _store
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -135,8 +142,63 @@ def _fp8_tile_kernel(
     tl.store(c, acc.to(C_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _fp8_decode_kernel(
+    A_ptr,  # (M, K) float8e4nv activations, M <= 16, row stride stride_am, K-contiguous
+    B_ptr,  # (N, K) float8e4nv weight, row stride stride_bn, K-contiguous
+    SA_ptr,  # scales of A: (M,) when ROW_A, else (1,)
+    SB_ptr,  # scales of B: (N,) when ROW_B, else (1,)
+    C_ptr,  # (M, N) contiguous output; with SPLIT_K > 1 a float32 (SPLIT_K, M, N) partial-sum buffer
+    Bias_ptr,  # (N,), read when HAS_BIAS (and SPLIT_K == 1)
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    k_split,  # K range of one split: a multiple of BLOCK_K (K when SPLIT_K == 1)
+    ROW_A: tl.constexpr,
+    ROW_B: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """Decode (M <= 16): the weight is the tensor-core M side, acc (BLOCK_N, 16) = B tile @ A tile.T
+    (both K-major, as FP8 wgmma takes them), over a grid (cdiv(N, BLOCK_N), SPLIT_K) that K splits fill."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, 16)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    b_rows = B_ptr + offs_n.to(tl.int64)[:, None] * stride_bn  # (BLOCK_N, 1)
+    a_rows = A_ptr + offs_m[:, None] * stride_am  # (16, 1)
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        b = tl.load(b_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(b, a.T, acc)  # (BLOCK_N, 16)
+    if ROW_A:
+        acc *= tl.load(SA_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[None, :]
+    else:
+        acc *= tl.load(SA_ptr).to(tl.float32)
+    if ROW_B:
+        acc *= tl.load(SB_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    else:
+        acc *= tl.load(SB_ptr).to(tl.float32)
+    # scales applied to each K slice's partial (the sum is linear); written as it lies, (n, m) -> C[m, n]
+    _store(acc, offs_m[None, :], offs_n[:, None], pid_k, C_ptr, Bias_ptr, M, N, HAS_BIAS, "none", SPLIT_K)
+
+
 _quantize_launch = CachedLaunch(_quantize_kernel)
 _tile_launch = CachedLaunch(_fp8_tile_kernel)
+_decode_launch = CachedLaunch(_fp8_decode_kernel)
+_sum_launch = CachedLaunch(_split_sum_kernel)
 
 
 # ------------------------------------------------------------------------------------------ launchers
@@ -167,6 +229,12 @@ def quantize_fp8(
     return q, s
 
 
+# Measured winners of `bench/quant.py --case decode-sweep` on the H200 at 1, 4 (2-4) and 16 (5-16) rows, by
+# (rows, N, K): a tile tuple or a DecodeConfig for the decode kernel. The sweep prints these entries where a
+# candidate beat fp8_tile_config by more than 2%; other shapes take fp8_tile_config.
+FP8_DECODE_TABLE: dict[tuple[int, int, int], tuple[int, int, int, int, int] | DecodeConfig] = {}
+
+
 def fp8_tile_config(M: int, N: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): a fixed rule, the tiles Triton's FP8 matmul tutorial
     uses on Hopper (128x256x128 in 8 warps needs more shared memory per stage; 3 stages of 128x128x128
@@ -184,10 +252,12 @@ def fp8_matmul(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     *,
-    config: tuple[int, int, int, int, int] | None = None,
+    config: tuple[int, int, int, int, int] | DecodeConfig | None = None,
 ) -> torch.Tensor:
     """C (M, N) = (a_q @ b_q.T) * a_scale * b_scale (+ bias): a_q (M, K), b_q (N, K) float8_e4m3fn, scales
-    float32 (M, 1) or (1, 1), and (N, 1) or (1, 1)."""
+    float32 (M, 1) or (1, 1), and (N, 1) or (1, 1). config: a tile tuple (BLOCK_M, BLOCK_N, BLOCK_K,
+    stages, warps), or a DecodeConfig("dot", BLOCK_N, BLOCK_K, split_k, warps, stages) for the decode
+    kernel (M <= 16: the weight as the tensor-core M side, K split across programs)."""
     if a_q.dtype != FP8 or b_q.dtype != FP8:
         raise TypeError(f"fp8_matmul takes float8_e4m3fn operands, got {a_q.dtype} and {b_q.dtype}")
     if a_q.dim() != 2 or b_q.dim() != 2 or a_q.shape[1] != b_q.shape[1]:
@@ -207,6 +277,10 @@ def fp8_matmul(
     c = torch.empty((M, N), device=a_q.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return c
+    if config is None and M <= DECODE_MAX_M and FP8_DECODE_TABLE:
+        config = FP8_DECODE_TABLE.get((1 if M == 1 else 4 if M <= 4 else 16, N, K))
+    if isinstance(config, DecodeConfig):
+        return _fp8_decode(a_q, a_scale, b_q, b_scale, bias, c, config)
     bm, bn, bk, stages, warps = config or fp8_tile_config(M, N)
     _tile_launch[(cdiv(M, bm) * cdiv(N, bn),)](
         a_q, b_q, a_scale, b_scale, c, c if bias is None else bias, M, N, K, a_q.stride(0),
@@ -214,6 +288,33 @@ def fp8_matmul(
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages,
         num_warps=warps,
     )  # fmt: skip
+    return c
+
+
+def _fp8_decode(a_q, a_scale, b_q, b_scale, bias, c, config: DecodeConfig) -> torch.Tensor:
+    """fp8_matmul through _fp8_decode_kernel into c (M, N): checks and launches."""
+    M, K = a_q.shape
+    N = b_q.shape[0]
+    if config.kernel != "dot" or M > DECODE_MAX_M or config.block_k < 32 or config.block_n < 16:
+        raise ValueError(
+            f"the FP8 decode kernel takes DecodeConfig('dot', BLOCK_N >= 16, BLOCK_K >= 32, ...) and at most "
+            f"{DECODE_MAX_M} rows, got {config} for {M} rows"
+        )
+    split, k_split = 1, K
+    if config.split_k > 1:  # whole BLOCK_K steps per slice; a slice that would find no K is dropped
+        k_split = cdiv(cdiv(K, config.split_k), config.block_k) * config.block_k
+        split = cdiv(K, k_split)
+    dst = torch.empty((split, M, N), device=c.device, dtype=torch.float32) if split > 1 else c
+    b = c if bias is None else bias
+    _decode_launch[(cdiv(N, config.block_n), split)](
+        a_q, b_q, a_scale, b_scale, dst, b, M, N, K, a_q.stride(0), b_q.stride(0), k_split,
+        ROW_A=a_scale.numel() == M and M > 1, ROW_B=b_scale.numel() == N and N > 1,
+        HAS_BIAS=bias is not None and split == 1, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLIT_K=split, STAGES=config.stages, num_warps=config.warps,
+    )  # fmt: skip
+    if split > 1:
+        _sum_launch[(cdiv(M * N, 1024),)](dst, c, b, M * N, N, HAS_BIAS=bias is not None, ACTIVATION="none",
+                                          SPLIT_K=split, BLOCK=1024, PDL=False)  # fmt: skip
     return c
 
 

@@ -19,6 +19,8 @@ Kernels, over float16, bfloat16 (on GPU) and float32 activations, float32 accumu
   "gemv" for one row, FMAs over a (BLOCK_N, BLOCK_K) tile of W dequantized in float32 (int4: the tile as
   (BLOCK_N, sub-tiles, packed bytes) so a tile may span several groups, one scale per sub-tile);
   "dot" for 2 to 16 rows, W the tensor-core M side: acc (BLOCK_N, 16) += deq(W) (BLOCK_N, BLOCK_K) @ x.T.
+  "fma" (one row) and "mma" (1-16 rows): kernels/quant_decode.py's forms, which read W as int32 words
+  and dequantize by bit operations instead of conversion instructions (see there).
 - prefill ("tile"): C tiles (BLOCK_M, BLOCK_N) in grouped order, W dequantized in registers into x's dtype
   before tl.dot (int4: (q - z) * s, one group per K step, so BLOCK_K <= G; int8: the integers, exact in
   16-bit floats, with the per-channel scale applied once to the float32 tile at the end).
@@ -41,8 +43,10 @@ from kiln.kernels._common import grouped_tile
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv
 from kiln.kernels.matmul_decode import DECODE_MAX_M, DecodeConfig, _split_sum_kernel, _store
+from kiln.kernels.quant_decode import MAGIC, _wq_fma_kernel, _wq_mma_kernel, word_view
 
 BITS = (4, 8)
+DECODE_FORMS = ("gemv", "dot", "fma", "mma")
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -290,20 +294,42 @@ def _wq_tile_kernel(
 
 
 _decode_launch = CachedLaunch(_wq_decode_kernel)
+_fma_launch = CachedLaunch(_wq_fma_kernel)
+_mma_launch = CachedLaunch(_wq_mma_kernel)
 _tile_launch = CachedLaunch(_wq_tile_kernel)
 _sum_launch = CachedLaunch(_split_sum_kernel)
 
 
 # ------------------------------------------------------------------------------------------ configs
+# Measured winners of `bench/quant.py --case decode-sweep` on the H200, by (format, rows, N, K), format one
+# of "int8", "int4-g<G>", "int4-g<G>-asym"; rows 1, 4 (for 2-4 rows) or 16 (for 5-16). The sweep prints
+# these entries ("table" in bench/results/quant_sweep.json) where a candidate beat the rule below by more
+# than 2%; a shape not listed takes the rule.
+DECODE_TABLE: dict[tuple[str, int, int, int], DecodeConfig] = {}
+
+
+def decode_format(bits: int, group: int, asymmetric: bool) -> str:
+    """The format's name in DECODE_TABLE and the sweep: "int8", "int4-g128", "int4-g32-asym", ..."""
+    return "int8" if bits == 8 else f"int4-g{group}{'-asym' if asymmetric else ''}"
+
+
 @functools.lru_cache(maxsize=256)
-def wq_decode_config(M: int, N: int, K: int, bits: int, group: int, sms: int) -> DecodeConfig:
-    """The decode launch config: the tile rule of kernels/matmul_decode.py (its H200 sweep for bf16 weights),
+def wq_decode_config(
+    M: int, N: int, K: int, bits: int, group: int, sms: int, asymmetric: bool = False
+) -> DecodeConfig:
+    """The decode launch config: DECODE_TABLE's entry for the shape when it has one, else
+    the tile rule of kernels/matmul_decode.py (its H200 sweep for bf16 weights),
     with one row's K steps widened so that a program's load per step stays near what the bf16 rule streams
     (int8: the same bytes at twice the columns; int4: 512 and 2048 columns, as wide as the groups' sub-tiles
-    allow without a mostly-masked last step at K = 1536 and 8960). Not swept for the quantized kernels yet:
-    bench/quant.py records the figures these give."""
+    allow without a mostly-masked last step at K = 1536 and 8960). That fallback was not swept for the
+    quantized kernels; `bench/quant.py --case decode-sweep` measures it against every form."""
     if interpreting():  # small tiles: ragged tiles and several K steps in the CPU tests
         return DecodeConfig("gemv", 16, 64 if bits == 4 else 32) if M == 1 else DecodeConfig("dot", 16, 32)
+    swept = DECODE_TABLE.get(
+        (decode_format(bits, group, asymmetric), 1 if M == 1 else 4 if M <= 4 else 16, N, K)
+    )
+    if swept is not None:
+        return swept
     if M == 1:
         return DecodeConfig("gemv", 4, 512, 1, 2, 3) if K <= 4096 else DecodeConfig("gemv", 2, 2048, 1, 4, 1)
     bk = 128 if bits == 8 else min(128, group)
@@ -378,6 +404,7 @@ class _Plan(NamedTuple):
 
     N: int
     decode: bool
+    form: str  # decode: "gemv"/"dot" (_wq_decode_kernel), "fma" or "mma" (kernels/quant_decode.py)
     grid: tuple[int, ...]
     split: int  # decode K slices (> 1: a float32 partial-sum buffer and the second kernel)
     k_split: int
@@ -412,27 +439,50 @@ def _plan(x, qweight, scales, zeros, bits, group_size, bias, config) -> _Plan:
     decode = isinstance(config, DecodeConfig) or (config is None and M <= DECODE_MAX_M)
     if decode:
         if config is None:
-            config = wq_decode_config(M, N, K, bits, group_size, sm_count(x.device))
-        if M > DECODE_MAX_M or (config.kernel == "gemv" and M != 1):
+            config = wq_decode_config(M, N, K, bits, group_size, sm_count(x.device), zeros is not None)
+        form = config.kernel
+        if form not in DECODE_FORMS:
+            raise ValueError(f"decode kernel must be one of {DECODE_FORMS}, got {form!r}")
+        rows = {"gemv": 1, "fma": 1}.get(form, DECODE_MAX_M)
+        if M > rows:
+            raise ValueError(f"decode config {config} cannot take {M} rows ({form}: at most {rows})")
+        if bits == 4 and form in ("dot", "mma") and (group_size % config.block_k or config.block_k < 32):
             raise ValueError(
-                f"decode config {config} cannot take {M} rows (gemv: 1, dot: up to {DECODE_MAX_M})"
+                f"int4 {form} decode needs BLOCK_K >= 32 dividing the group {group_size}: {config}"
             )
-        if bits == 4 and config.kernel == "dot" and (group_size % config.block_k or config.block_k < 32):
-            raise ValueError(f"int4 dot decode needs BLOCK_K >= 32 dividing the group {group_size}: {config}")
+        if form in ("fma", "mma"):
+            per_word = 32 // bits
+            if word_view(qweight) is None:
+                raise ValueError(
+                    f"the {form} decode form reads qweight as int32 words: its rows must be whole, 4-byte "
+                    f"aligned words (K a multiple of {4 * per_word}); use the gemv/dot forms for this weight"
+                )
+            least = 2 * per_word if form == "fma" else 32  # whole words; tl.dot's K side
+            if config.block_k < least or config.block_k & (config.block_k - 1):
+                raise ValueError(f"{form} decode needs BLOCK_K a power of two >= {least}: {config}")
         split, k_split = 1, K
         if config.split_k > 1:  # whole BLOCK_K steps per slice; a slice that would find no K is dropped
             k_split = cdiv(cdiv(K, config.split_k), config.block_k) * config.block_k
             split = cdiv(K, k_split)
-        meta = dict(common, HAS_BIAS=bias is not None and split == 1, DOT=config.kernel == "dot",
-                    BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, STAGES=config.stages,
-                    num_warps=config.warps)  # fmt: skip
-        return _Plan(N, True, (cdiv(N, config.block_n), split), split, k_split, meta)
+        has_bias = bias is not None and split == 1
+        tiles = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, STAGES=config.stages,
+                     num_warps=config.warps)  # fmt: skip
+        if form == "fma":
+            meta = dict(BITS=bits, GROUP=common["GROUP"], HAS_ZERO=zeros is not None, HAS_BIAS=has_bias,
+                        **tiles)  # fmt: skip
+        elif form == "mma":
+            magic, sh = MAGIC[x.dtype]
+            meta = dict(BITS=bits, GROUP=common["GROUP"], HAS_ZERO=zeros is not None, HAS_BIAS=has_bias,
+                        MAGIC=magic, SH=sh, PRECISION="ieee", **tiles)  # fmt: skip
+        else:
+            meta = dict(common, HAS_BIAS=has_bias, DOT=form == "dot", **tiles)
+        return _Plan(N, True, form, (cdiv(N, config.block_n), split), split, k_split, meta)
     bm, bn, bk, stages, warps = config if config is not None else wq_tile_config(M, N, bits, group_size)
     if bits == 4 and (group_size % bk or bk < 32):
         raise ValueError(f"int4 tiles need BLOCK_K >= 32 dividing the group {group_size}, got {bk}")
     meta = dict(common, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages,
                 num_warps=warps)  # fmt: skip
-    return _Plan(N, False, (cdiv(M, bm) * cdiv(N, bn),), 1, K, meta)
+    return _Plan(N, False, "tile", (cdiv(M, bm) * cdiv(N, bn),), 1, K, meta)
 
 
 def wq_matmul_fwd(
@@ -473,8 +523,14 @@ def wq_matmul_fwd(
         return y
     split = plan.split
     dst = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else y
-    _decode_launch[plan.grid](x, qweight, scales, z, dst, b, M, N, K, x.stride(0), x.stride(1), qweight.stride(0),
-                              scales.stride(0), plan.k_split, **plan.meta)  # fmt: skip
+    if plan.form in ("fma", "mma"):
+        words = qweight.view(torch.int32)  # (N, K / 8) or (N, K / 4): checked by _plan (word_view)
+        launch = _fma_launch if plan.form == "fma" else _mma_launch
+        launch[plan.grid](x, words, scales, z, dst, b, M, N, K, x.stride(0), x.stride(1), words.stride(0),
+                          scales.stride(0), plan.k_split, **plan.meta)  # fmt: skip
+    else:
+        _decode_launch[plan.grid](x, qweight, scales, z, dst, b, M, N, K, x.stride(0), x.stride(1),
+                                  qweight.stride(0), scales.stride(0), plan.k_split, **plan.meta)  # fmt: skip
     if split > 1:
         _sum_launch[(cdiv(M * N, 1024),)](dst, y, b, M * N, N, HAS_BIAS=bias is not None, ACTIVATION="none",
                                           SPLIT_K=split, BLOCK=1024, PDL=False)  # fmt: skip

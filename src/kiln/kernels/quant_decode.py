@@ -1,0 +1,272 @@
+"""Weight-only INT4/INT8 decode matmuls (1-16 rows) that dequantize without conversion instructions.
+
+y (M, N) = x (M, K) @ dequant(W).T, W in kernels/quant_matmul.py's formats, read here as int32 words:
+    int4: qweight uint8 (N, K / 2) viewed as int32 (N, K / 8): word j holds columns 8j .. 8j + 7, column
+          8j + i in bits 4i .. 4i + 3 (pack_int4's nibble order, little-endian bytes);
+    int8: qweight int8 (N, K) viewed as int32 (N, K / 4): word j holds columns 4j .. 4j + 3, byte i each.
+(The views are free on the host: quant_matmul's launcher makes them; a weight whose rows are not 4-byte
+aligned cannot take these forms.)
+
+Why: the first decode kernels turned each weight into float32 with a conversion instruction (I2F, and F2F
+to bf16 before tl.dot). Hopper issues conversions at 16 per SM per clock, an eighth of its FP32 rate:
+the 151936 x 1536 head has 233M weights, at least 56 us of conversions on 132 SMs at 1.98 GHz, while
+its int4 bytes stream in about 30 us. Here a weight becomes a float by bit operations (the trick of
+FasterTransformer and Marlin): a small integer u OR-ed into the mantissa of a float whose unit in the
+last place is 1 is that float plus u, exactly:
+    float32: bits 0x4B000000 | u          = 2**23 + u        (u < 2**23)
+    "magic" in x's dtype: MAGIC | u << SH = 128 + u          (u < 128; bf16 0x4300, fp16 0x5800 << 0 with
+                                                             u << 3, float32 0x43000000 with u << 16)
+and one float subtraction removes the offset and the zero point at once: (2**23 + q) - (2**23 + z) = q - z.
+
+Two forms, both over a grid (cdiv(N, BLOCK_N), SPLIT_K) with matmul_decode's deterministic split-K sum:
+- "fma" (M = 1): float32 FMAs, no tensor cores. A (BLOCK_N, BLOCK_W) tile of words is unpacked into its
+  P values (P = 8 nibbles or 4 bytes per word, shifted out in the thread that loaded it), multiplied
+  by x's matching columns and summed over P in the thread: a per-word partial (BLOCK_N, BLOCK_W) that
+  takes its word's scale once (one multiply per 8 int4 weights instead of one per weight), accumulated
+  across K and summed over words at the end. Per int4 weight: shift, and-or, subtract, FMA.
+- "mma" (M <= 16): W is the tensor-core M side as in matmul_decode's "dot" form, dequantized in x's
+  dtype by the magic. int4: v = bits(MAGIC | q << SH) = 128 + q, w = v - (128 + z) = q - z, exact in
+  bf16/fp16/float32 (small integers); acc_g (BLOCK_N, 16) = w @ x.T per K step inside one group, then
+  acc += acc_g * s (the scale applied to the float32 partial, once per row and group, never rounded into
+  the weight); BLOCK_K divides the group. int8: q + 128 has 8 bits, one more than bf16 holds at 128's
+  place, so it goes as two nibbles, q = ((128 + hi) - 136) * 16 + ((128 + lo) - 128), exact at each step;
+  the per-channel scale applied once at the end.
+Float32 accumulation throughout; the output in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.matmul_decode import _store
+
+# Bits of 128.0 in each activation dtype and the shift that puts an integer u < 128 at its units place.
+MAGIC = {torch.bfloat16: (0x4300, 0), torch.float16: (0x5800, 3), torch.float32: (0x43000000, 16)}
+
+
+@triton.jit
+def _magic_128(u, MAGIC: tl.constexpr, SH: tl.constexpr, OUT: tl.constexpr):
+    """Integers u in [0, 128) (int32) -> 128 + u exactly, in OUT's float dtype, by bits alone."""
+    v = (u << SH) | MAGIC
+    if OUT.primitive_bitwidth == 16:
+        v = v.to(tl.int16)
+    return v.to(OUT, bitcast=True)
+
+
+@triton.jit
+def _int4_times_x(w, i: tl.constexpr, off, x):
+    """Nibble i of every word of w (BLOCK_N, BLOCK_W) as float32 q - z (2**23 + q - off, exact), times
+    x (BLOCK_W,): the float32 x at each word's column 8j + i."""
+    q = (((w >> (4 * i)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - off
+    return q * x[None, :]
+
+
+@triton.jit
+def _int8_times_x(w, i: tl.constexpr, x):
+    """Byte i of every word of w as float32 q (its sign bit flipped: q + 128, then 2**23 + 128 removed)."""
+    q = ((((w >> (8 * i)) & 255) ^ 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    return q * x[None, :]
+
+
+@triton.jit
+def _wq_fma_kernel(
+    X_ptr,  # (1, K) activations: x[k] at X_ptr + k * stride_xk
+    W_ptr,  # int32 words (N, K / P): int4 P = 8, int8 P = 4 (module docstring), row stride stride_wn
+    S_ptr,  # (N, K / GROUP) scales (int8: (N, 1)), row stride stride_sn
+    Z_ptr,  # uint8 (N, K / GROUP) zero points, read when HAS_ZERO
+    Y_ptr,  # (1, N) contiguous output; with SPLIT_K > 1 a float32 (SPLIT_K, 1, N) partial-sum buffer
+    Bias_ptr,  # (N,), read when HAS_BIAS (and SPLIT_K == 1)
+    M,  # 1
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_sn,
+    k_split,  # K range of one split: a multiple of BLOCK_K (K when SPLIT_K == 1)
+    BITS: tl.constexpr,  # 4 or 8
+    GROUP: tl.constexpr,  # int4 group size (int8: unused)
+    HAS_ZERO: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # columns per K step: BLOCK_W = BLOCK_K / P words
+    SPLIT_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    P: tl.constexpr = 32 // BITS  # values per word
+    BLOCK_W: tl.constexpr = BLOCK_K // P
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_rows = W_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+    s_rows = S_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
+    z_rows = Z_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    KW = K // P  # words per row
+    # Every tensor is (BLOCK_N, BLOCK_W) words or (BLOCK_W,) x values: a word's P values are taken apart
+    # by shifts in the thread that loaded it, and x's column 8j + i (4j + i) reaches that thread as the
+    # i-th piece of x split in registers (tl.split of its contiguous (BLOCK_W, P) load): no dimension of
+    # size P that the compiler could spread across threads.
+    acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        wcol = k0 // P + tl.arange(0, BLOCK_W)  # (BLOCK_W,) word columns of this step
+        w_ok = n_ok[:, None] & (wcol < KW)[None, :]
+        w = tl.load(w_rows + wcol[None, :], mask=w_ok, other=0)  # (BLOCK_N, BLOCK_W) int32
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xx = tl.load(X_ptr + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)
+        if BITS == 4:
+            # (BLOCK_W, 2, 2, 2): column 8j + 4a + 2b + c at [j, a, b, c]; each split takes the last axis
+            e, o = tl.split(xx.reshape(BLOCK_W, 2, 2, 2))  # c = 0, 1
+            e0, e1 = tl.split(e)  # b = 0, 1
+            o0, o1 = tl.split(o)
+            x0, x4 = tl.split(e0)
+            x2, x6 = tl.split(e1)
+            x1, x5 = tl.split(o0)
+            x3, x7 = tl.split(o1)
+            g = wcol // (GROUP // 8)  # (BLOCK_W,) group of each word (a word never spans two groups)
+            ws = tl.load(s_rows + g[None, :], mask=w_ok, other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_W)
+            if HAS_ZERO:
+                z = tl.load(z_rows + g[None, :], mask=w_ok, other=0).to(tl.int32)
+                off = (z | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + z
+            else:
+                off = tl.full((BLOCK_N, BLOCK_W), 8388616.0, tl.float32)  # 2**23 + 8
+            t = _int4_times_x(w, 0, off, x0) + _int4_times_x(w, 1, off, x1)
+            t += _int4_times_x(w, 2, off, x2) + _int4_times_x(w, 3, off, x3)
+            t += _int4_times_x(w, 4, off, x4) + _int4_times_x(w, 5, off, x5)
+            t += _int4_times_x(w, 6, off, x6) + _int4_times_x(w, 7, off, x7)
+            acc += t * ws  # one multiply per word: its group's scale
+        else:
+            e, o = tl.split(xx.reshape(BLOCK_W, 2, 2))  # column 4j + 2a + b at [j, a, b]
+            x0, x2 = tl.split(e)
+            x1, x3 = tl.split(o)
+            acc += _int8_times_x(w, 0, x0) + _int8_times_x(w, 1, x1) + _int8_times_x(w, 2, x2)
+            acc += _int8_times_x(w, 3, x3)  # the per-channel scale is applied once, at the end
+    y = tl.sum(acc, axis=1)  # (BLOCK_N,)
+    if BITS == 8:
+        y = y * tl.load(S_ptr + offs_n.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
+    row0 = tl.zeros((1, 1), dtype=tl.int32)  # the one row
+    _store(y[None, :], row0, offs_n[None, :], pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS, "none", SPLIT_K)
+
+
+@triton.jit
+def _int8_byte(w, i: tl.constexpr, MAGIC: tl.constexpr, SH: tl.constexpr, OUT: tl.constexpr):
+    """Byte i of every word of w as q exactly in OUT's dtype. u = q + 128 in [0, 256) has 8 bits, one more
+    than bf16 holds at 128's place, so it goes in two nibbles: (128 + hi) - 136 = hi - 8 and (128 + lo)
+    - 128 = lo, then (hi - 8) * 16 + lo = u - 128 = q, an integer in [-128, 127]: exact at each step."""
+    u = ((w >> (8 * i)) & 255) ^ 128
+    hi = _magic_128(u >> 4, MAGIC, SH, OUT) - _magic_128(tl.full(u.shape, 8, tl.int32), MAGIC, SH, OUT)
+    lo = _magic_128(u & 15, MAGIC, SH, OUT) - _magic_128(tl.zeros(u.shape, tl.int32), MAGIC, SH, OUT)
+    return hi * 16.0 + lo
+
+
+@triton.jit
+def _wq_mma_kernel(
+    X_ptr,  # (M, K) activations, M <= 16: x[m, k] at X_ptr + m * stride_xm + k * stride_xk
+    W_ptr,  # int32 words (N, K / P) of int4 (P = 8) or int8 (P = 4) weights (module docstring), row stride stride_wn
+    S_ptr,  # (N, K / GROUP) scales, row stride stride_sn
+    Z_ptr,  # uint8 (N, K / GROUP) zero points, read when HAS_ZERO
+    Y_ptr,  # (M, N) contiguous output; with SPLIT_K > 1 a float32 (SPLIT_K, M, N) partial-sum buffer
+    Bias_ptr,  # (N,), read when HAS_BIAS (and SPLIT_K == 1)
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_sn,
+    k_split,  # K range of one split: a multiple of BLOCK_K (K when SPLIT_K == 1)
+    BITS: tl.constexpr,  # 4 or 8
+    GROUP: tl.constexpr,  # int4 group size (int8: unused)
+    HAS_ZERO: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MAGIC: tl.constexpr,  # bits of 128.0 in x's dtype (module docstring)
+    SH: tl.constexpr,  # shift putting an integer at the units place of that float
+    PRECISION: tl.constexpr,  # tl.dot input_precision ("ieee" for float32 activations)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # int4: divides GROUP, one group per K step
+    SPLIT_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    P: tl.constexpr = 32 // BITS  # values per word
+    BLOCK_W: tl.constexpr = BLOCK_K // P
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, 16)
+    n_ok = offs_n < N
+    w_rows = W_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+    s_rows = S_ptr + offs_n.to(tl.int64) * stride_sn  # (BLOCK_N,)
+    z_rows = Z_ptr + offs_n.to(tl.int64) * stride_sn
+    x_cols = X_ptr + offs_m[None, :] * stride_xm  # (1, 16): x.T's columns
+    m_ok = (offs_m < M)[None, :]
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    KW = K // P
+    xdt: tl.constexpr = X_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        wcol = k0 // P + tl.arange(0, BLOCK_W)
+        w = tl.load(w_rows + wcol[None, :], mask=n_ok[:, None] & (wcol < KW)[None, :], other=0)  # (BN, BW)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_cols + offs_k[:, None] * stride_xk, mask=m_ok & (offs_k < K)[:, None], other=0.0)
+        if BITS == 8:
+            # bytes as exact integers in x's dtype, joined to (BLOCK_N, BLOCK_W, 2, 2): [n, j, a, b] = byte
+            # 2a + b of word j, column 4j + 2a + b; the per-channel scale waits for the end
+            b0 = _int8_byte(w, 0, MAGIC, SH, xdt)
+            b1 = _int8_byte(w, 1, MAGIC, SH, xdt)
+            b2 = _int8_byte(w, 2, MAGIC, SH, xdt)
+            b3 = _int8_byte(w, 3, MAGIC, SH, xdt)
+            wq = tl.join(tl.join(b0, b2), tl.join(b1, b3)).reshape(BLOCK_N, BLOCK_K)
+            acc = tl.dot(wq, xt, acc, input_precision=PRECISION)
+        else:
+            acc += _int4_group_dot(
+                w, xt, s_rows, z_rows, n_ok, k0, GROUP, HAS_ZERO, MAGIC, SH, PRECISION, xdt
+            )
+    if BITS == 8:
+        acc *= tl.load(s_rows, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    # written as it lies, (n, m) -> C[m, n]
+    _store(acc, offs_m[None, :], offs_n[:, None], pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS, "none", SPLIT_K)
+
+
+@triton.jit
+def _int4_group_dot(w, xt, s_rows, z_rows, n_ok, k0, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                    MAGIC: tl.constexpr, SH: tl.constexpr, PRECISION: tl.constexpr, xdt: tl.constexpr):  # fmt: skip
+    """One K step of int4 words w (BLOCK_N, BLOCK_W) inside one group: (q - z) @ xt (BLOCK_K, 16) in
+    float32, times the group's scale per row."""
+    BLOCK_N: tl.constexpr = w.shape[0]
+    BLOCK_K: tl.constexpr = w.shape[1] * 8
+    g = k0 // GROUP
+    s = tl.load(s_rows + g, mask=n_ok, other=0.0).to(tl.float32)  # (BLOCK_N,)
+    if HAS_ZERO:
+        z = tl.load(z_rows + g, mask=n_ok, other=0).to(tl.int32)
+    else:
+        z = tl.full((BLOCK_N,), 8, tl.int32)
+    c = _magic_128(z, MAGIC, SH, xdt)[:, None]  # (BLOCK_N, 1): 128 + z
+    # nibble i of each word as q - z = (128 + q) - (128 + z), exact, in x's dtype: (BLOCK_N, BLOCK_W)
+    n0 = _magic_128(w & 15, MAGIC, SH, xdt) - c
+    n1 = _magic_128((w >> 4) & 15, MAGIC, SH, xdt) - c
+    n2 = _magic_128((w >> 8) & 15, MAGIC, SH, xdt) - c
+    n3 = _magic_128((w >> 12) & 15, MAGIC, SH, xdt) - c
+    n4 = _magic_128((w >> 16) & 15, MAGIC, SH, xdt) - c
+    n5 = _magic_128((w >> 20) & 15, MAGIC, SH, xdt) - c
+    n6 = _magic_128((w >> 24) & 15, MAGIC, SH, xdt) - c
+    n7 = _magic_128((w >> 28) & 15, MAGIC, SH, xdt) - c
+    # joined in registers to (BLOCK_N, BLOCK_W, 2, 2, 2): [n, j, a, b, c] = nibble 4a + 2b + c of word j,
+    # i.e. column 8j + 4a + 2b + c: the reshape is the natural column order
+    even = tl.join(tl.join(n0, n4), tl.join(n2, n6))
+    odd = tl.join(tl.join(n1, n5), tl.join(n3, n7))
+    wq = tl.join(even, odd).reshape(BLOCK_N, BLOCK_K)
+    part = tl.dot(wq, xt, input_precision=PRECISION)  # (BLOCK_N, 16) over one group's columns
+    return part * s[:, None]
+
+
+def word_view(qweight: torch.Tensor) -> torch.Tensor | None:
+    """qweight (N, B) uint8/int8 seen as int32 words (N, B / 4), or None where its rows are not whole,
+    4-byte aligned words (the fma/mma forms then cannot take it)."""
+    if qweight.shape[1] % 4 or qweight.stride(1) != 1 or qweight.stride(0) % 4 or qweight.data_ptr() % 4:
+        return None
+    return qweight.view(torch.int32)
