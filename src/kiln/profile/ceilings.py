@@ -7,11 +7,10 @@ and every bench/<area>.py read) measures, each with its method stored beside the
 - dram_read_TBps     a Triton kernel that sums 2 GiB of float32 (one partial sum per program): bytes read.
 - l2_read_TBps       the same kernel over a buffer of a quarter of the L2 (device property), 64 passes,
                      loads with .cg (L2, not L1); the first call loads it, the timed calls find it in L2.
-- smem_TBps          a Triton kernel that transposes a 64 x 64 float32 tile in registers 256 times per
-                     program; Triton converts the layout back through shared memory each time (a store and
-                     a load of the tile, 2 x 16 KiB): the figure counts those bytes, and is reported only
-                     when the compiled PTX has st.shared and ld.shared (their counts are stored). It is the
-                     shared-memory rate of a layout conversion, a lower bound on the hardware's.
+- smem_TBps          a CUDA C kernel compiled by NVRTC (torch.cuda._compile_kernel): 4 blocks of 256 threads
+                     per SM, each thread 4096 x 8 conflict-free 16-byte reads of a 32 KiB shared buffer;
+                     bytes read. (Triton has no explicit shared memory; a Triton layout-conversion probe
+                     hung Triton 3.6's sm_90 compiler.)
 - matmul_<dtype>_TFLOPs  8192^3 matmul, 2 * n^3 FLOPs: fp32 with TF32 off (the SIMT rate), tf32, bf16,
                      fp16 through torch.matmul (cuBLAS), fp8 (e4m3, per-tensor scales, bf16 out) through
                      torch._scaled_mm where the device has FP8 (capability >= 8.9).
@@ -114,21 +113,20 @@ def read_bandwidth(device: torch.device, nbytes: int, passes: int = 1, l2: bool 
     return passes * x.numel() * 4 / (ms / 1e3)
 
 
-def smem_bandwidth(device: torch.device, iters: int = 256, n: int = 64) -> dict:
-    """{"TBps", "st_shared", "ld_shared"}: shared-memory bytes per second of the transpose probe, counting
-    a store and a load of the tile per iteration; TBps None when the PTX has no shared-memory traffic."""
-    from kiln.profile.probe_kernels import _smem_kernel
+def smem_bandwidth(device: torch.device, iters: int = 4096, blocks_per_sm: int = 4) -> float:
+    """Shared-memory read bytes per second of the NVRTC probe (kiln.profile.probe_kernels.SMEM_READ_SOURCE):
+    blocks_per_sm x SMs blocks of 256 threads, each thread `iters` x 8 conflict-free 16-byte loads."""
+    from kiln.profile.probe_kernels import SMEM_READ_SOURCE, SMEM_READ_THREADS, SMEM_READS_PER_ITER
 
-    programs = 8 * torch.cuda.get_device_properties(device).multi_processor_count
-    out = torch.empty(programs * n * n, device=device, dtype=torch.float32)
-    compiled = _smem_kernel[(programs,)](out, ITERS=iters, N=n, num_warps=4)
-    ptx = compiled.asm.get("ptx", "") if hasattr(compiled, "asm") else ""
-    # stores and loads through shared memory (plain, or the matrix forms a conversion may use)
-    st = len(re.findall(r"\bst\.shared|\bstmatrix", ptx))
-    ld = len(re.findall(r"\bld\.shared|\bldmatrix", ptx))
-    ms = _median_ms(lambda: _smem_kernel[(programs,)](out, ITERS=iters, N=n, num_warps=4), iters=10)
-    tbps = programs * iters * 2 * n * n * 4 / (ms / 1e3) / 1e12 if st and ld else None
-    return {"TBps": tbps, "st_shared": st, "ld_shared": ld}
+    kernel = torch.cuda._compile_kernel(SMEM_READ_SOURCE, "kiln_smem_read")
+    blocks = blocks_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    out = torch.empty(blocks * SMEM_READ_THREADS, device=device, dtype=torch.float32)
+
+    def run():
+        kernel(grid=(blocks, 1, 1), block=(SMEM_READ_THREADS, 1, 1), args=[out, iters])
+
+    ms = _median_ms(run, iters=10)
+    return blocks * SMEM_READ_THREADS * iters * SMEM_READS_PER_ITER * 16 / (ms / 1e3)
 
 
 def dtype_matmul_tflops(device: torch.device, name: str, n: int = MATMUL_N) -> float | None:
@@ -219,8 +217,8 @@ METHODS = {
     "dram_read_TBps": "Triton sum of 2 GiB float32, one partial per program; bytes read / median time",
     "l2_read_TBps": "Triton sum over a quarter of the L2 (device property), 64 passes, .cg loads (no L1); "
     "bytes read / median time, the buffer loaded into L2 by the warm-up",
-    "smem_TBps": "Triton: 64x64 float32 tile transposed 256x per program, the layout conversion through "
-    "shared memory (store + load of the tile per iteration, checked in the PTX); a lower bound",
+    "smem_TBps": "CUDA C via NVRTC: 4 blocks x 256 threads per SM, 4096 x 8 conflict-free 16-byte "
+    "shared-memory reads per thread; bytes read / median time",
     "matmul_fp32_TFLOPs": f"torch.matmul {MATMUL_N}^3 fp32, TF32 off (SIMT); 2 n^3 / median time",
     "matmul_tf32_TFLOPs": f"torch.matmul {MATMUL_N}^3 fp32 with TF32 allowed",
     "matmul_bf16_TFLOPs": f"torch.matmul {MATMUL_N}^3 bf16 (cuBLAS)",
@@ -262,18 +260,13 @@ def measure_all(device: torch.device, log: Callable[[str], None] | None = None) 
         if log:
             log(f"  {', '.join(keys)}: {time.perf_counter() - t:.1f} s")
 
-    def smem():
-        r = smem_bandwidth(device)
-        notes["smem_ptx"] = {"st_shared": r["st_shared"], "ld_shared": r["ld_shared"]}
-        return (r["TBps"],)
-
     l2_bytes = max(1 << 20, props.L2_cache_size // 4) if getattr(props, "L2_cache_size", 0) else 8 << 20
     notes["l2_cache_bytes"] = getattr(props, "L2_cache_size", None)
     notes["l2_probe_bytes"] = l2_bytes
     probe(("dram_copy_TBps",), lambda: (copy_bandwidth(device) / 1e12,))
     probe(("dram_read_TBps",), lambda: (read_bandwidth(device, 2**31) / 1e12,))
     probe(("l2_read_TBps",), lambda: (read_bandwidth(device, l2_bytes, passes=64, l2=True) / 1e12,))
-    probe(("smem_TBps",), smem)
+    probe(("smem_TBps",), lambda: (smem_bandwidth(device) / 1e12,))
     for name in MATMUL_DTYPES:
         probe((f"matmul_{name}_TFLOPs",), lambda name=name: (dtype_matmul_tflops(device, name),))
 

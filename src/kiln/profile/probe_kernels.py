@@ -33,21 +33,32 @@ def _read_kernel(
     tl.store(Out + pid, tl.sum(acc, axis=0))
 
 
-@triton.jit
-def _smem_kernel(
-    Out,  # float32 (programs, N, N): each program's final tile (keeps the loop live)
-    ITERS: tl.constexpr,  # transposes per program
-    N: tl.constexpr,  # tile side; the tile is N * N float32 held in registers across the warps
-):
-    # x is carried through the loop in one register layout; tl.trans(x) has the transposed layout, so
-    # every iteration converts it back, which Triton does through shared memory (a store and a load of
-    # the whole tile). ceilings.py checks the compiled PTX for st.shared / ld.shared.
-    pid = tl.program_id(0)
-    r = tl.arange(0, N)
-    x = (r[:, None] * N + r[None, :]).to(tl.float32) + pid
-    for _ in range(ITERS):
-        x = tl.trans(x) * 0.5 + 1.0
-    tl.store(Out + pid.to(tl.int64) * N * N + r[:, None] * N + r[None, :], x)
+# Shared-memory reads, in CUDA C (compiled at run time by NVRTC through torch.cuda._compile_kernel: no
+# toolchain, well under a second). Triton has no explicit shared memory, and a Triton probe that forced
+# layout conversions through it (a tile transposed in a loop) hung Triton 3.6's compiler for sm_90.
+# Each thread reads 16-byte words: consecutive lanes read consecutive words (no bank conflict; a
+# quarter-warp's 128 contiguous bytes per shared-memory cycle), 8 independent loads in flight per
+# iteration, their sum stored so nothing is optimized away. Bytes counted: 16 per load.
+SMEM_READ_SOURCE = r"""
+extern "C" __global__ void kiln_smem_read(float* out, int iters) {
+    __shared__ float4 buf[2048];  // 32 KiB
+    for (int i = threadIdx.x; i < 2048; i += blockDim.x) buf[i] = make_float4(i, i + 1, i + 2, i + 3);
+    __syncthreads();
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    int base = threadIdx.x;
+    for (int it = 0; it < iters; ++it) {
+        #pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            float4 v = buf[(base + u * 256) & 2047];
+            acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+        }
+        base = (base + 32) & 2047;
+    }
+    out[blockIdx.x * blockDim.x + threadIdx.x] = acc.x + acc.y + acc.z + acc.w;
+}
+"""
+SMEM_READ_THREADS = 256
+SMEM_READS_PER_ITER = 8
 
 
 @triton.jit
