@@ -5,6 +5,7 @@ stop string cuts back, n completions finishing at different steps), in lists no 
 from __future__ import annotations
 
 import pickle
+from dataclasses import replace
 
 from kiln.infer import SamplingParams
 from kiln.infer.engine import CompletionOutput, RequestOutput
@@ -55,14 +56,47 @@ def test_deltas_rebuild_the_cumulative_outputs():
 
 
 def test_deltas_of_a_real_engine_run(model_dir):
-    """Every step of an engine run with stop strings, n = 2 and logprobs, through the encoder and decoder."""
-    eng = engine_for(model_dir).engine
-    params = SamplingParams(max_tokens=20, temperature=1.0, seed=5, n=2, logprobs=2, stop=["e", "("])
-    eng.add_request("def contextmanager(func):", params, request_id="0-0")
-    enc, dec, n = DeltaEncoder(), DeltaDecoder(), 0
-    while eng.has_unfinished():
-        for out in eng.step():
-            delta = pickle.loads(pickle.dumps(enc.encode(0, 0, out)))
-            assert dec.output(*dec.apply(delta), delta[2], delta[5], copy=True) == out
-            n += 1
-    assert n > 1 and len(dec) == 0
+    """Two engines on the same weights and seeds, stop strings, n = 2, logprobs, prompt logprobs, more
+    requests than a step holds: one steps as the thread transport does (cumulative outputs, encoded), the
+    other as the engine process does (finished_only, running requests read live). Both decode, step by
+    step, to exactly the first engine's outputs."""
+    ref, live = engine_for(model_dir, max_num_seqs=3).engine, engine_for(model_dir, max_num_seqs=3).engine
+    prompts = ["def contextmanager(func):", "class Foo:", "import os", "with open(", "x = [1, 2"]
+    for eng in (ref, live):
+        for k, p in enumerate(prompts):
+            params = SamplingParams(
+                max_tokens=6 + 3 * k, temperature=1.0, seed=k, n=1 + k % 2, logprobs=2, stop=["e", "("]
+            )
+            if k == 4:
+                params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=1, prompt_logprobs=1)
+            eng.add_request(p, params, request_id=f"{k}-0")
+    enc_ref, dec_ref, enc_live, dec_live, steps = (
+        DeltaEncoder(),
+        DeltaDecoder(),
+        DeltaEncoder(),
+        DeltaDecoder(),
+        0,
+    )
+    while ref.has_unfinished():
+        want = {out.request_id: out for out in ref.step()}
+        for out in want.values():
+            delta = pickle.loads(pickle.dumps(enc_ref.encode(int(out.request_id[0]), 0, out)))
+            assert dec_ref.output(*dec_ref.apply(delta), delta[2], delta[5], copy=True) == out
+        got, deltas = {}, []
+        running = {rid: req for rid, req in live.requests.items()}
+        for out in live.step(finished_only=True):
+            deltas.append(enc_live.encode(int(out.request_id[0]), 0, out))
+            running.pop(out.request_id)
+        for rid, req in running.items():
+            d = enc_live.encode_live(int(rid[0]), 0, req)
+            if d is not None:
+                deltas.append(d)
+        for delta in pickle.loads(pickle.dumps(deltas)):
+            out = dec_live.output(*dec_live.apply(delta), delta[2], delta[5], copy=True)
+            got[out.request_id] = out
+        # two engines' timings differ: compare which timings came, and everything else exactly
+        assert {k: replace(o, metrics=set(o.metrics)) for k, o in got.items()} == {
+            k: replace(o, metrics=set(o.metrics)) for k, o in want.items()
+        }, steps
+        steps += 1
+    assert steps > 5 and not live.has_unfinished() and len(dec_ref) == len(dec_live) == 0

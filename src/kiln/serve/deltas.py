@@ -30,48 +30,85 @@ class _SentCompletion:
 
 
 class DeltaEncoder:
-    """Engine-process side: remembers what was sent per request; a finished request is forgotten."""
+    """Engine-process side: remembers what was sent per request; a finished request is forgotten.
+
+    `encode` takes a RequestOutput (the engine's `step()`; a finished request's last state). `encode_live`
+    reads a running request's state in the engine itself (LLMEngine.requests: the fields the engine's
+    `_output` copies), so the engine process can step with `finished_only=True` and skip the engine's
+    per-step copy of every token list: its per-step cost is then the new tokens', not the lengths'."""
 
     def __init__(self):
         # request id -> (per completion what was sent, prompt logprobs sent)
         self._sent: dict[str, tuple[list[_SentCompletion], list[int]]] = {}
 
     def encode(self, key: int, i: int, out: RequestOutput) -> tuple:
-        state = self._sent.get(out.request_id)
+        comps = [
+            (c.index, c.token_ids, c.logprobs, c.top_logprobs, c.text, c.finish_reason, c.stop_reason)
+            for c in out.outputs
+        ]
+        prompt = (out.prompt, out.prompt_token_ids)
+        delta = self._encode(key, i, out.request_id, out.finished, prompt, out.prompt_logprobs, comps)
+        return delta[:5] + (out.metrics,) + delta[6:] if out.finished else delta
+
+    def encode_live(self, key: int, i: int, req) -> tuple | None:
+        """The delta of an unfinished engine request (kiln.infer.engine._Request), None if nothing moved."""
+        first = req.request_id not in self._sent
+        seqs = req.seqs
+        if first and not any(s.output_token_ids or s.finish_reason for s in seqs):
+            return None  # waiting, or its prompt still in prefill: nothing to send yet
+        want = req.params.logprobs is not None
+        comps = [
+            (
+                j,
+                seq.output_token_ids,
+                seq.output_logprobs if want else None,
+                seq.output_top_logprobs if want else None,
+                req.texts[j],
+                seq.finish_reason,
+                seq.stop_reason,
+            )
+            for j, seq in enumerate(seqs)
+        ]
+        plp = seqs[0].prompt_logprobs if req.params.prompt_logprobs is not None else None
+        delta = self._encode(key, i, req.request_id, False, (req.prompt, req.prompt_ids), plp, comps)
+        return delta if (delta[6] or delta[4]) else None
+
+    def _encode(self, key, i, rid: str, finished: bool, prompt, plp_all, comps_all) -> tuple:
+        """comps_all: per completion (index, token ids, logprobs, top logprobs, text, finish, stop reason),
+        the cumulative state (the slices taken here are new lists: nothing the engine appends to later)."""
+        state = self._sent.get(rid)
         first = state is None
         if first:
-            state = ([_SentCompletion() for _ in out.outputs], [0])
-            if not out.finished:
-                self._sent[out.request_id] = state
-        elif out.finished:
-            del self._sent[out.request_id]
+            state = ([_SentCompletion() for _ in comps_all], [0])
+            if not finished:
+                self._sent[rid] = state
+        elif finished:
+            del self._sent[rid]
         sent, plp_sent = state
         plp = None
-        if out.prompt_logprobs is not None:
-            plp = out.prompt_logprobs[plp_sent[0] :]
-            plp_sent[0] = len(out.prompt_logprobs)
+        if plp_all is not None:
+            plp = plp_all[plp_sent[0] :]
+            plp_sent[0] = len(plp_all)
         comps = []
-        for c, s in zip(out.outputs, sent):
-            n = len(c.token_ids)
-            if not first and n == s.tokens and c.text is s.text and c.finish_reason == s.finish:
+        for (j, ids, lps, tops, text, finish, stop), s in zip(comps_all, sent):
+            n = len(ids)
+            if not first and n == s.tokens and text is s.text and finish == s.finish:
                 continue  # nothing new (a sibling completion moved, or this one finished before)
-            keep, append = _text_delta(s.text, c.text)
+            keep, append = _text_delta(s.text, text)
             comps.append(
                 (
-                    c.index,
-                    c.token_ids[s.tokens :],
-                    None if c.logprobs is None else c.logprobs[s.tokens :],
-                    None if c.top_logprobs is None else c.top_logprobs[s.tokens :],
+                    j,
+                    ids[s.tokens :],
+                    None if lps is None else lps[s.tokens :],
+                    None if tops is None else [list(t) for t in tops[s.tokens :]],
                     keep,
                     append,
-                    c.finish_reason,
-                    c.stop_reason,
+                    finish,
+                    stop,
                 )
             )
-            s.tokens, s.text, s.finish = n, c.text, c.finish_reason
-        prompt = (out.prompt, out.prompt_token_ids) if first else None
-        metrics = out.metrics if out.finished else None
-        return (key, i, out.finished, prompt, plp, metrics, comps)
+            s.tokens, s.text, s.finish = n, text, finish
+        return (key, i, finished, prompt if first else None, plp, None, comps)
 
 
 def _text_delta(old: str, new: str) -> tuple[int, str]:

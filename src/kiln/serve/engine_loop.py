@@ -10,6 +10,9 @@ Commands (tuples, picklable: the process transport sends them through a pipe), f
 Events, to the sink (worker.EngineWorker on the HTTP side, or the child's delta sender):
     accepted(key, prompt_tokens) | rejected(key, message)     one per "add"
     step(items, gauges)     items: [(key, prompt index, RequestOutput)] of one step (cumulative outputs);
+                            with live=True, the finished requests' RequestOutputs, then every unfinished
+                            request's own engine state (key, prompt index, LLMEngine.requests[id]), which
+                            the sink reads before the next step (the engine then builds no per-step copies);
                             gauges: (running, waiting, KV blocks used), after every pass of the loop
     crashed(message)        the engine raised: the loop ends
 The request id of prompt i of handle `key` is f"{key}-{i}".
@@ -28,8 +31,8 @@ class EngineLoop:
     """run(get): drain the commands `get(block)` returns (queue.Empty when none) before each step, step
     while work exists, block on `get` when idle; report to `sink` (module docstring)."""
 
-    def __init__(self, engine: LLMEngine, sink):
-        self.engine, self.sink = engine, sink
+    def __init__(self, engine: LLMEngine, sink, live: bool = False):
+        self.engine, self.sink, self.live = engine, sink, live
         self._owner: dict[str, tuple[int, int]] = {}  # engine request id -> (handle key, prompt index)
         self._rids: dict[int, list[str]] = {}  # handle key -> its live request ids
 
@@ -88,7 +91,8 @@ class EngineLoop:
 
     def _step(self) -> None:
         items = []
-        for out in self.engine.step():
+        eng = self.engine
+        for out in eng.step(finished_only=True) if self.live else eng.step():
             owner = self._owner.get(out.request_id)
             if owner is None:  # the abort of a rejected add's prompts: nobody waits for them
                 continue
@@ -99,6 +103,9 @@ class EngineLoop:
                 rids.remove(out.request_id)
                 if not rids:
                     del self._rids[owner[0]]
+        if self.live:  # the requests still running (or waiting): the sink reads what moved
+            reqs = eng.requests
+            items.extend((key, i, reqs[rid]) for rid, (key, i) in self._owner.items())
         self.sink.step(items, self._gauges())
 
     def _gauges(self) -> tuple[int, int, int]:

@@ -33,6 +33,7 @@ import threading
 
 from kiln.errors import KilnError
 from kiln.infer.config import EngineConfig
+from kiln.infer.engine import RequestOutput
 from kiln.serve.deltas import DeltaDecoder, DeltaEncoder
 from kiln.serve.engine_loop import EngineLoop
 from kiln.serve.worker import EngineWorker
@@ -239,10 +240,19 @@ class _ChildSink:
         self.sender.put(("rejected", key, message))
 
     def step(self, items: list, gauges: tuple) -> None:
-        if not items and gauges == self._gauges:
+        deltas = []
+        for key, i, x in items:  # finished: a RequestOutput; running: the engine's request (live=True)
+            d = (
+                self.encoder.encode(key, i, x)
+                if isinstance(x, RequestOutput)
+                else self.encoder.encode_live(key, i, x)
+            )
+            if d is not None:
+                deltas.append(d)
+        if not deltas and gauges == self._gauges:
             return
         self._gauges = gauges
-        self.sender.put(("step", [self.encoder.encode(key, i, out) for key, i, out in items], gauges))
+        self.sender.put(("step", deltas, gauges))
 
     def crashed(self, message: str) -> None:
         self.sender.put(("crashed", message))
@@ -250,7 +260,10 @@ class _ChildSink:
 
 def _engine_main(model: str, engine: dict, engine_log: bool, commands, conn) -> None:
     """The engine process: load, report ready, run the loop until "stop" (or the parent is gone)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent decides
+    # Ctrl-C (or a service manager's SIGTERM) reaches the whole process group: the server process decides
+    # when the engine stops (its graceful shutdown), and a parent that is gone stops it (`get` below)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sender = _Sender(conn)
     parent = os.getppid()
     try:
@@ -275,6 +288,8 @@ def _engine_main(model: str, engine: dict, engine_log: bool, commands, conn) -> 
     )
 
     def get(block: bool) -> tuple:
+        if sender.broken:  # the server process is gone: stop now, even with requests running
+            return ("stop",)
         if not block:
             return commands.get(block=False)
         while True:
@@ -284,6 +299,6 @@ def _engine_main(model: str, engine: dict, engine_log: bool, commands, conn) -> 
                 if os.getppid() != parent or sender.broken:
                     return ("stop",)
 
-    EngineLoop(eng, _ChildSink(sender)).run(get)
+    EngineLoop(eng, _ChildSink(sender), live=True).run(get)
     sender.put(("stopped",))
     sender.close()
