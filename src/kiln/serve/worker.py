@@ -21,6 +21,7 @@ the outputs reach this process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import threading
@@ -196,7 +197,10 @@ class EngineWorker:
         self.error = message
         self.log(f"kiln serve: the engine stopped: {message}")
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail_all, APIError(500, f"the engine failed: {message}"))
+            with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is waiting
+                self._loop.call_soon_threadsafe(
+                    self._fail_all, APIError(500, f"the engine failed: {message}")
+                )
 
     # ---- event-loop callbacks --------------------------------------------------------------------------
     def _settle(self, key: int, error: BaseException | None) -> None:
