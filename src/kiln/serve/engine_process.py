@@ -269,7 +269,8 @@ def _engine_main(model: str, engine: dict, engine_log: bool, commands, conn) -> 
     try:
         from kiln.infer.engine import LLM
 
-        llm = LLM(model, log=print if engine_log else None, **engine)
+        log = (lambda *a: print(*a, flush=True)) if engine_log else None  # stdout may be a file: flush
+        llm = LLM(model, log=log, **engine)
     except BaseException as e:  # noqa: BLE001 - reported to the parent: `kiln: error: ...`, exit 2
         msg = str(e) if isinstance(e, KilnError) else f"loading the model failed: {type(e).__name__}: {e}"
         sender.put(("failed", msg))
