@@ -9,10 +9,12 @@ the offline engine (LLM.generate) in the same run, on a random-init Qwen2.5-1.5B
 
 Per request the client records the time to its first streamed token (TTFT) and the gaps between streamed
 tokens (ITL: one chunk per engine step); output tok/s = output tokens / (first send -> last response end).
-overhead = 1 - (HTTP tok/s at saturation) / (offline tok/s): the price of the server (JSON, SSE, the event
-loop sharing the GIL with the engine thread) at full load. The server runs as a `kiln serve` subprocess (the
-client's Python does not share its GIL) after the offline run has given its GPU memory back; --server
-thread runs it in this process instead (the smoke test's choice: no second interpreter start).
+overhead = 1 - (HTTP tok/s at saturation) / (offline tok/s): the price of the server at full load. The server
+runs as a `kiln serve` subprocess (the client's Python does not share its GIL) after the offline run has
+given its GPU memory back; `kiln serve` runs its engine in a process of its own (kiln.serve.engine_process),
+so this measures that transport. --server thread runs the server in this process with the engine in a
+thread instead (the smoke test's choice: no second interpreter start; the engine then shares the GIL with
+the event loop's JSON and SSE work and with this client).
 """
 
 from __future__ import annotations

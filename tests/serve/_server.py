@@ -58,11 +58,12 @@ def engine_for(path: Path, **engine):
 
 
 class RunningServer:
-    """`with RunningServer(engine, config) as s:` serves on s.url until the block ends."""
+    """`with RunningServer(llm, config) as s:` serves on s.url until the block ends, the engine in a thread;
+    `RunningServer(None, config, server=...)` serves a Server built otherwise (process_server)."""
 
-    def __init__(self, llm: LLM, config: ServeConfig, shutdown_timeout: float = 5.0):
+    def __init__(self, llm: LLM | None, config: ServeConfig, shutdown_timeout: float = 5.0, server=None):
         self.llm = llm
-        self.server = Server(llm.engine, config, log=quiet)
+        self.server = server if server is not None else Server(llm.engine, config, log=quiet)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -84,6 +85,7 @@ class RunningServer:
     def __exit__(self, *exc) -> None:
         self.uv.should_exit = True
         self.thread.join(30)
+        self.server.worker.stop()  # the lifespan did; again in case uvicorn ended before it ran
 
     @property
     def engine(self):
@@ -97,6 +99,25 @@ class RunningServer:
                 return True
             time.sleep(0.02)
         return False
+
+
+def process_server(path: Path, name: str = "tiny", **engine) -> RunningServer:
+    """A server whose engine runs in a child process (as `kiln serve` runs it), on the engine options of
+    engine_for; not yet started (`with process_server(...) as s:`)."""
+    from kiln.serve.cli import load_tokenizer
+    from kiln.serve.engine_process import ProcessWorker
+
+    engine = {"device": "cpu", "block_size": 4, "num_blocks": 128, "max_num_batched_tokens": 64, **engine}
+    template, special = chat_template_for(str(path), None)
+    config = ServeConfig(model_name=name, chat_template=template, special_tokens=special)
+    worker = ProcessWorker(str(path), engine, config.max_waiting, log=quiet, engine_log=False)
+    try:
+        worker.wait_ready()
+        server = Server.over(worker, load_tokenizer(str(path)), config, log=quiet)
+        return RunningServer(None, config, server=server)
+    except BaseException:
+        worker.stop(timeout=5)
+        raise
 
 
 def served(path: Path, name: str = "tiny", **kw) -> tuple[LLM, ServeConfig]:

@@ -1,5 +1,6 @@
 """The HTTP app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health and
-/metrics, on FastAPI, over an EngineWorker that owns the engine in its own thread.
+/metrics, on FastAPI, over an EngineWorker: the engine in a thread of this process (`Server(engine, config)`)
+or in a child process of its own (`Server.over(ProcessWorker(...), tokenizer, config)`, as `kiln serve` runs).
 
 Handlers never block the event loop: they hand prompts to the worker and await its outputs on an asyncio
 queue. Errors are OpenAI's JSON shape (protocol.APIError). A stream is server-sent events ending in
@@ -26,10 +27,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.errors import KilnError
 from kiln.infer.engine import LLMEngine, RequestOutput
-from kiln.serve.metrics import ServerMetrics
 from kiln.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_message
 from kiln.serve.responses import ResponseBuilder, TokenText
-from kiln.serve.worker import EngineWorker, RequestHandle
+from kiln.serve.worker import EngineWorker, RequestHandle, ThreadWorker
 from kiln.tokenizer.chat import render_chat
 
 
@@ -93,13 +93,24 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 class Server:
-    """The app's state: the engine worker, the metrics, the config. `app` is the FastAPI application."""
+    """The app's state: the engine worker, its metrics, the tokenizer, the config. `app` is the FastAPI
+    application. `Server(engine, config)` runs `engine` in a thread of this process; `Server.over(worker,
+    tokenizer, config)` serves through a worker already started (engine_process.ProcessWorker)."""
 
     def __init__(self, engine: LLMEngine, config: ServeConfig, log=print):
-        self.engine, self.config, self.log = engine, config, log
-        self.metrics = ServerMetrics(engine.block_manager.num_blocks)
-        self.worker = EngineWorker(engine, self.metrics, config.max_waiting, log=log)
-        self.tokens = TokenText(engine.tokenizer)
+        self._setup(ThreadWorker(engine, config.max_waiting, log=log), engine.tokenizer, config, log)
+
+    @classmethod
+    def over(cls, worker: EngineWorker, tokenizer, config: ServeConfig, log=print) -> Server:
+        """A server on `worker` (its tokenizer, loaded in this process, renders chat and logprob tokens)."""
+        server = cls.__new__(cls)
+        server._setup(worker, tokenizer, config, log)
+        return server
+
+    def _setup(self, worker: EngineWorker, tokenizer, config: ServeConfig, log) -> None:
+        self.worker, self.tokenizer, self.config, self.log = worker, tokenizer, config, log
+        self.metrics = worker.metrics
+        self.tokens = TokenText(tokenizer)
         self._ids = 0
         self._deadline: threading.Timer | None = None
         self.app = self._build()
@@ -161,7 +172,7 @@ class Server:
                 "object": "model",
                 "created": 0,
                 "owned_by": "kiln",
-                "max_model_len": self.engine.max_model_len,
+                "max_model_len": self.worker.max_model_len,
             }
             return {"object": "list", "data": [card]}
 
@@ -225,7 +236,7 @@ class Server:
         )
         echo = None
         if body.echo:
-            tok = self.engine.tokenizer
+            tok = self.tokenizer
             echo = [p if isinstance(p, str) else (tok.decode(p) if tok is not None else "") for p in prompts]
         builder = ResponseBuilder(
             self._next_id("cmpl"), self.config.model_name, False, self.tokens, body.n, params.stop, k, echo
@@ -233,7 +244,7 @@ class Server:
         return await self._run(request, body, prompts, params, builder)
 
     async def _chat(self, request: Request, body: ChatCompletionRequest):
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         if self.config.chat_template is None:
             raise APIError(
                 400,
@@ -258,7 +269,7 @@ class Server:
         k = body.logprobs_k()
         want = body.requested_max_tokens()
         # no max_tokens: the rest of the context (at least 1, so an over-long prompt is a clear 400)
-        max_tokens = want if want is not None else max(1, self.engine.max_model_len - len(ids))
+        max_tokens = want if want is not None else max(1, self.worker.max_model_len - len(ids))
         params = body.sampling_params(max_tokens, logprobs=k)
         builder = ResponseBuilder(
             self._next_id("chatcmpl"), self.config.model_name, True, self.tokens, body.n, params.stop, k

@@ -1,4 +1,5 @@
-"""`kiln serve`: the OpenAI-compatible HTTP server (kiln.serve.app) on uvicorn.
+"""`kiln serve`: the OpenAI-compatible HTTP server (kiln.serve.app) on uvicorn, the engine in a child
+process of its own (kiln.serve.engine_process).
 
 SIGINT / SIGTERM shut down gracefully: the listening socket closes and new requests get 503, running
 requests get up to --shutdown-timeout seconds to finish, the rest are aborted, and the process exits 0.
@@ -83,14 +84,28 @@ def make_uvicorn_server(app, host: str, port: int, shutdown_timeout: float, on_s
     return _Server(config)
 
 
+def load_tokenizer(model_path: str):
+    """The tokenizer beside the model's weights, or None (prompts as token ids only): the one LLM's loader
+    (kiln.infer.loading.load_for_inference) finds, loaded here because the engine runs in another process."""
+    from kiln.model.checkpoint import tokenizer_dir
+    from kiln.tokenizer import Tokenizer
+
+    found = tokenizer_dir(model_path)
+    return Tokenizer.load(found) if found is not None else None
+
+
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
-    from kiln.infer.engine import LLM
     from kiln.serve.app import ServeConfig, Server
+    from kiln.serve.engine_process import ProcessWorker
 
     if not 1 <= args.port < 65536:
         raise KilnError(f"--port must be in [1, 65535], got {args.port}")
     if not args.shutdown_timeout >= 0:
         raise KilnError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if not Path(args.model).exists():  # before an engine process starts only to say so
+        raise KilnError(
+            f"{args.model} does not exist: give an HF checkpoint directory, a kiln model directory or a run"
+        )
     template, special = chat_template_for(args.model, args.chat_template)
     config = ServeConfig(
         model_name=args.served_model_name or Path(args.model).resolve().name,
@@ -113,8 +128,15 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
         seed=args.seed,
         decode_backend=args.decode_backend,
     )
-    llm = LLM(args.model, **engine_opts)
-    server = Server(llm.engine, config)
+    # the engine loads the model in its own process while this one loads the tokenizer
+    worker = ProcessWorker(args.model, engine_opts, config.max_waiting)
+    try:
+        tokenizer = load_tokenizer(args.model)
+        worker.wait_ready()
+    except BaseException:
+        worker.stop(timeout=5)
+        raise
+    server = Server.over(worker, tokenizer, config)
 
     # uvicorn's own deadline is a backstop: by then the aborted requests have ended their responses
     uv = make_uvicorn_server(
@@ -130,7 +152,10 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
         f"{'API key required' if args.api_key else 'no API key'})",
         flush=True,
     )
-    uv.run()
+    try:
+        uv.run()
+    finally:  # the lifespan stops the worker; this covers a uvicorn that failed before its lifespan ran
+        worker.stop(timeout=5)
     if server.worker.error is not None:
         raise KilnError(f"the engine stopped: {server.worker.error}")
     print("kiln serve: stopped", flush=True)

@@ -1,19 +1,27 @@
-"""The engine's own thread: the one place that touches the (not thread-safe) LLMEngine.
+"""The HTTP side of the engine: admission, one RequestHandle per HTTP request, and the delivery of the
+engine's outputs to the handlers. The engine itself runs in engine_loop.EngineLoop, carried by one of two
+transports that share everything here:
 
-    HTTP handlers (event loop)                      engine thread
-    submit(prompts, params) --("add", handle)-->    add_request for each prompt (all or none)
-                            <--accepted / error--   (through loop.call_soon_threadsafe)
-    handle.abort()          --("abort", handle)-->  engine.abort: the sequences' KV blocks are freed at once
-                            <--(i, RequestOutput)-- step() while work exists; blocks on the queue when idle
+    ThreadWorker                      the loop in a thread of this process (tests, `Server(engine, config)`)
+    engine_process.ProcessWorker      the loop in a child process of its own (`kiln serve`): the engine
+                                      does not share a GIL with the event loop's JSON and SSE work
+
+    HTTP handlers (event loop)                     the transport (thread, or the process's reader thread)
+    submit(prompts, params) --("add", key, ...)--> EngineLoop: add_request for each prompt (all or none)
+                            <--accepted / rejected (-> 400), call_soon_threadsafe--
+    handle.abort()          --("abort", key)-->    engine.abort: the sequences' KV blocks are freed at once
+                            <--step(items, gauges): one wake-up of the event loop per delivery--
 
 Admission is bounded in the event loop, where it is counted: the server holds at most `max_num_seqs`
 running + `max_waiting` waiting sequences (n counts n times); past that a request is refused with 503
-(Retry-After) instead of queueing without limit.
+(Retry-After) instead of queueing without limit. Latency metrics (TTFT, ITL, e2e) are observed here, when
+the outputs reach this process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import threading
@@ -22,6 +30,7 @@ import time
 from kiln.errors import KilnError
 from kiln.infer.engine import LLMEngine, RequestOutput
 from kiln.infer.sampling_params import SamplingParams
+from kiln.serve.engine_loop import EngineLoop
 from kiln.serve.metrics import ServerMetrics
 from kiln.serve.protocol import APIError
 
@@ -34,15 +43,16 @@ class RequestHandle:
         self.worker, self.prompts, self.params, self.loop = worker, prompts, params, loop
         self.stream = stream  # False: only the final outputs are sent (a whole response needs no steps)
         self.id = next(worker._handle_ids)
-        self.request_ids: list[str] = []
         self.outputs: asyncio.Queue = asyncio.Queue()
         self.accepted: asyncio.Future = loop.create_future()
         self.arrival = time.monotonic()
         self.finished: set[int] = set()
         self.closed = False
         self.n_seqs = len(prompts) * params.n
-        # engine-thread state for the latency metrics: per (prompt, choice) tokens seen and last token time
+        # delivery-side state: per (prompt, choice) tokens seen and last token time (latency metrics); the
+        # prompts the engine has finished (the handle leaves the worker's registry after the last)
         self._seen: dict[tuple[int, int], tuple[int, float]] = {}
+        self._engine_finished = 0
 
     @property
     def done(self) -> bool:
@@ -53,11 +63,11 @@ class RequestHandle:
         if not self.closed:
             self.closed = True
             if not self.done:
-                self.worker._commands.put(("abort", self))
+                self.worker.send(("abort", self.id))
             self.worker._release(self)
 
     def _take(self, item) -> tuple[int, RequestOutput]:
-        """One queued item: an error from the engine thread is raised; an output's finish is recorded."""
+        """One queued item: an error from the engine side is raised; an output's finish is recorded."""
         if isinstance(item, BaseException):
             raise item
         i, out = item
@@ -81,31 +91,33 @@ class RequestHandle:
 
 
 class EngineWorker:
-    """Owns `engine` in a daemon thread. `start()` inside the server's event loop, `stop()` on shutdown."""
+    """The HTTP side shared by both transports. A transport gives the engine facts (`_engine_facts`, before
+    serving), implements `send(command)`, `healthy`, `_start()` and `stop()`, and calls the sink methods
+    (`accepted`, `rejected`, `step`, `crashed`) from its delivery thread."""
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_waiting: int, log=print):
-        if not isinstance(max_waiting, int) or max_waiting < 0:
+    def __init__(self, max_waiting: int, log=print):
+        if not isinstance(max_waiting, int) or isinstance(max_waiting, bool) or max_waiting < 0:
             raise KilnError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
-        self.engine, self.metrics, self.log = engine, metrics, log
-        self.capacity = engine.scheduler.config.max_num_seqs + max_waiting
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.max_waiting, self.log = max_waiting, log
         self._handle_ids = itertools.count()
-        self._thread: threading.Thread | None = None
+        # handle key -> handle, for the delivery thread (reads only); added and dropped in the event loop
+        self._handles: dict[int, RequestHandle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.in_flight = 0  # sequences admitted and not yet released (event-loop side only)
         self.accepting = False
-        self.error: BaseException | None = None  # the engine thread's crash, if any
+        self.error: str | None = None  # the engine's crash, if any
+
+    def _engine_facts(self, max_model_len: int, num_blocks: int, max_num_seqs: int) -> None:
+        self.max_model_len, self.num_blocks = max_model_len, num_blocks
+        self.metrics = ServerMetrics(num_blocks)
+        self.capacity = max_num_seqs + self.max_waiting
 
     # ---- event-loop side ------------------------------------------------------------------------------
     def start(self) -> None:
+        """Inside the server's event loop (the app's lifespan)."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
-        self._thread.start()
+        self._start()
         self.accepting = True
-
-    @property
-    def healthy(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
 
     async def submit(self, prompts: list, params: SamplingParams, stream: bool = True) -> RequestHandle:
         """Queue the prompts as engine requests; raises APIError 400 (bad input), 503 (full, stopping)."""
@@ -127,7 +139,9 @@ class EngineWorker:
                 code="overloaded",
             )
         self.in_flight += handle.n_seqs
-        self._commands.put(("add", handle))
+        # registered before the command leaves: a crash reported from now on fails this handle too
+        self._handles[handle.id] = handle
+        self.send(("add", handle.id, prompts, params))
         try:
             await handle.accepted
         except KilnError as e:
@@ -146,108 +160,78 @@ class EngineWorker:
 
     def abort_all(self) -> None:
         """Abort every request in the engine (shutdown's deadline): their handlers end them with "abort"."""
-        self._commands.put(("abort_all", None))
+        self.send(("abort_all",))
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Abort what is left, end the thread. In-flight HTTP handlers see their requests finish (abort)."""
-        self.accepting = False
-        if self._thread is not None and self._thread.is_alive():
-            self._commands.put(("stop", None))
-            self._thread.join(timeout)
+    # ---- the sink: called from the transport's delivery thread ------------------------------------------
+    def accepted(self, key: int, prompt_tokens: int) -> None:
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self._settle(key, None)
 
-    # ---- engine thread ----------------------------------------------------------------------------------
-    def _run(self) -> None:
-        handles: dict[str, tuple[RequestHandle, int]] = {}  # engine request id -> (handle, prompt index)
-        eng = self.engine
-        try:
-            while True:
-                # idle: block until a command arrives; busy: take what is queued and step
-                block = not eng.has_unfinished()
-                while True:
-                    try:
-                        kind, handle = self._commands.get(block=block)
-                    except queue.Empty:
-                        break
-                    block = False
-                    if kind == "stop":
-                        for h, _ in list(handles.values()):
-                            for rid in h.request_ids:
-                                eng.abort(rid)
-                        while eng.has_unfinished() or eng.requests:  # the aborted, one last time
-                            self._dispatch(eng.step(), handles)
-                        self._update_gauges()
-                        return
-                    if kind == "add":
-                        self._add(handle, handles)
-                    elif kind == "abort_all":
-                        for rid in list(handles):
-                            eng.abort(rid)
-                    elif kind == "abort":
-                        for rid in handle.request_ids:
-                            eng.abort(rid)
-                # a step also hands back requests that an abort finished (and drops them from the engine)
-                if eng.has_unfinished() or eng.requests:
-                    self._dispatch(eng.step(), handles)
-                self._update_gauges()
-        except BaseException as e:  # a crash: every waiting handler gets a 500, /health turns 503
-            self.error = e
-            self.log(f"kiln serve: the engine thread stopped: {type(e).__name__}: {e}")
-            failure = APIError(500, f"the engine failed: {type(e).__name__}: {e}")
-            for h, _ in handles.values():
-                self._send(h, failure)
-            while True:  # answer anything still queued
-                try:
-                    kind, h = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if kind == "add":
-                    self._settle(h, failure)
+    def rejected(self, key: int, message: str) -> None:
+        self._settle(key, KilnError(message))
 
-    def _add(self, handle: RequestHandle, handles: dict) -> None:
-        eng = self.engine
-        try:
-            for i, p in enumerate(handle.prompts):
-                handle.request_ids.append(eng.add_request(p, handle.params, request_id=f"{handle.id}-{i}"))
-        except KilnError as e:  # all or none: take back the prompts already added
-            for rid in handle.request_ids:
-                eng.abort(rid)
-            handle.request_ids = []
-            self._settle(handle, e)
-            return
-        for i, rid in enumerate(handle.request_ids):
-            handles[rid] = (handle, i)
-            self.metrics.prompt_tokens.inc(len(eng.requests[rid].prompt_ids))
-        self._settle(handle, None)
+    def step(self, items: list[tuple[int, int, RequestOutput]], gauges: tuple[int, int, int]) -> None:
+        """Deliver one step's outputs (or several steps' newest ones) in one wake-up of the event loop."""
+        m = self.metrics
+        m.running.set(gauges[0])
+        m.waiting.set(gauges[1])
+        m.kv_blocks_used.set(gauges[2])
+        now = time.monotonic()
+        batch = []
+        for key, i, out in items:
+            handle = self._handles.get(key)
+            if handle is None:  # answered already (a crash)
+                continue
+            self._observe(handle, i, out, now)
+            done = False
+            if out.finished:
+                handle._engine_finished += 1
+                done = handle._engine_finished == len(handle.prompts)
+            if done or (not handle.closed and (handle.stream or out.finished)):
+                batch.append((handle, i, out, done))
+        if batch:  # one wake-up of the event loop per delivery, not one per request
+            self._loop.call_soon_threadsafe(self._deliver, batch)
 
-    def _settle(self, handle: RequestHandle, error: BaseException | None) -> None:
+    def crashed(self, message: str) -> None:
+        """The engine failed: every waiting handler gets a 500, /health turns 503."""
+        self.error = message
+        self.log(f"kiln serve: the engine stopped: {message}")
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is waiting
+                self._loop.call_soon_threadsafe(
+                    self._fail_all, APIError(500, f"the engine failed: {message}")
+                )
+
+    # ---- event-loop callbacks --------------------------------------------------------------------------
+    def _settle(self, key: int, error: BaseException | None) -> None:
         def settle():
-            if not handle.accepted.done():
-                if error is None:
-                    handle.accepted.set_result(None)
-                else:
-                    handle.accepted.set_exception(error)
+            handle = self._handles.get(key)
+            if handle is None or handle.accepted.done():
+                return
+            if error is None:
+                handle.accepted.set_result(None)
+            else:
+                del self._handles[key]
+                handle.accepted.set_exception(error)
 
         self._loop.call_soon_threadsafe(settle)
 
-    def _send(self, handle: RequestHandle, item) -> None:
-        self._loop.call_soon_threadsafe(handle.outputs.put_nowait, item)
-
-    def _dispatch(self, outs: list[RequestOutput], handles: dict) -> None:
-        now = time.monotonic()
-        batch = []
-        for out in outs:
-            entry = handles.get(out.request_id)
-            if entry is None:  # aborted while its add was in flight
-                continue
-            handle, i = entry
-            self._observe(handle, i, out, now)
-            if out.finished:
-                del handles[out.request_id]
+    def _deliver(self, batch: list) -> None:
+        for handle, i, out, done in batch:
+            if done:
+                self._handles.pop(handle.id, None)
             if not handle.closed and (handle.stream or out.finished):
-                batch.append((handle.outputs, (i, out)))
-        if batch:  # one wake-up of the event loop per step, not one per request
-            self._loop.call_soon_threadsafe(_deliver, batch)
+                handle.outputs.put_nowait((i, out))
 
+    def _fail_all(self, failure: APIError) -> None:
+        handles, self._handles = self._handles, {}
+        for handle in handles.values():
+            if not handle.accepted.done():
+                handle.accepted.set_exception(failure)
+            else:
+                handle.outputs.put_nowait(failure)
+
+    # ---- metrics (delivery thread) ------------------------------------------------------------------------
     def _observe(self, handle: RequestHandle, i: int, out: RequestOutput, now: float) -> None:
         m = self.metrics
         for c in out.outputs:
@@ -258,7 +242,7 @@ class EngineWorker:
                 m.generation_tokens.inc(new)
                 if seen == 0:
                     m.ttft.observe(now - handle.arrival)
-                else:  # one step may add several tokens (never today; spread the gap if it does)
+                else:  # several tokens in one delivery (a coalesced backlog): spread the gap over them
                     for _ in range(new):
                         m.itl.observe((now - last) / new)
                 handle._seen[key] = (len(c.token_ids), now)
@@ -267,14 +251,37 @@ class EngineWorker:
             for c in out.outputs:
                 m.finished.labels(finish_reason=c.finish_reason or "unknown").inc()
 
-    def _update_gauges(self) -> None:
-        eng, m = self.engine, self.metrics
-        m.running.set(len(eng.scheduler.running))
-        m.waiting.set(len(eng.scheduler.waiting))
-        bm = eng.block_manager
-        m.kv_blocks_used.set(bm.num_blocks - bm.num_free_blocks)
 
+class ThreadWorker(EngineWorker):
+    """The engine loop in a daemon thread of this process, on `engine` (which the caller built)."""
 
-def _deliver(batch: list) -> None:
-    for q, item in batch:
-        q.put_nowait(item)
+    def __init__(self, engine: LLMEngine, max_waiting: int, log=print):
+        super().__init__(max_waiting, log)
+        self._engine_facts(
+            engine.max_model_len, engine.block_manager.num_blocks, engine.scheduler.config.max_num_seqs
+        )
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def _start(self) -> None:
+        loop = EngineLoop(self.engine, self)
+        self._thread = threading.Thread(target=loop.run, args=(self._get,), name="kiln-engine", daemon=True)
+        self._thread.start()
+
+    def _get(self, block: bool) -> tuple:
+        return self._commands.get(block=block)
+
+    def send(self, command: tuple) -> None:
+        self._commands.put(command)
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is left, end the thread. In-flight HTTP handlers see their requests finish (abort)."""
+        self.accepting = False
+        if self._thread is not None and self._thread.is_alive():
+            self.send(("stop",))
+            self._thread.join(timeout)
