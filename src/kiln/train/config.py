@@ -16,6 +16,7 @@ from kiln.configs import PRESETS, load_preset
 from kiln.dist.parallel_dims import ParallelConfig
 from kiln.errors import KilnError
 from kiln.model import ModelConfig
+from kiln.model.config import KernelConfig
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -146,6 +147,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # the per-op kernel choice (kiln.model.config.KernelConfig); attention "auto" is measured at start
+    # (kiln.train.kernels), linear "fp8" / "fp8_rowwise" trains the block linears in FP8
+    kernels: KernelConfig = field(default_factory=lambda: KernelConfig(attention="auto"))
 
     def __post_init__(self) -> None:
         _require(
@@ -209,6 +213,7 @@ RESUMABLE = (
     "train.keep_checkpoints",
     "train.max_bad_steps",
     "sample.*",
+    "kernels.*",
 )
 
 
@@ -252,6 +257,7 @@ __all__ = [
     "TrainConfig",
     "SampleConfig",
     "ParallelConfig",
+    "KernelConfig",
     "RunConfig",
     "resolve_config",
     "config_from_dict",
