@@ -118,7 +118,7 @@ class HFLoss(torch.nn.Module):
         self.model = model
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.model(input_ids=x).logits  # (B, T, V)
+        logits = self.model(input_ids=x, use_cache=False).logits  # (B, T, V); no KV cache in training
         return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]).float(), y.view(-1))
 
 
@@ -187,12 +187,8 @@ class Contender:
             linear = {"kiln-compiled-fp8": "fp8", "kiln-compiled-fp8-rowwise": "fp8_rowwise"}.get(
                 name, "auto"
             )
-            key = (
-                cfg.d_model,
-                cfg.n_layers,
-                B,
-                T,
-            )  # one attention measurement per shape, shared by its cases
+            # one attention measurement per shape, shared by its cases
+            key = (cfg.d_model, cfg.n_layers, B, T)
             if key not in attention_cache:
                 attention_cache[key] = resolve_kernels(
                     KernelConfig(attention="auto"), cfg, B, T, device, torch.bfloat16

@@ -4,6 +4,7 @@ and no host reads of device values between log steps (the loss and grad norm sta
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kiln.dist.parallel_dims import ParallelConfig
@@ -38,7 +39,7 @@ class Batches:
         self.i = s["i"]
 
 
-def make_trainer(tmp_path, steps=10, log_interval=5, ac="none", kernels=None):
+def make_trainer(tmp_path, steps=10, log_interval=5, ac="none", kernels=None, device="cpu"):
     cfg = RunConfig(
         out_dir=str(tmp_path),
         model=ModelConfig(**MODEL),
@@ -48,12 +49,12 @@ def make_trainer(tmp_path, steps=10, log_interval=5, ac="none", kernels=None):
         parallel=ParallelConfig(activation_checkpoint=ac),
         kernels=kernels or KernelConfig(attention="auto"),
     )  # fmt: skip
-    model = build_model(cfg.model, seed=0)
+    model = build_model(cfg.model, device=device, seed=0)
     # fused AdamW takes the skip flag on the device: the loop's sync-free path (the one CUDA runs)
     opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-3, fused=True)
     loader = Batches(2, 16, 300)
     val = [loader.data[0][:, :-1], loader.data[0][:, 1:]]
-    t = Trainer(cfg, model, opt, loader, [tuple(val)], torch.ones(300), torch.device("cpu"), DistEnv(),
+    t = Trainer(cfg, model, opt, loader, [tuple(val)], torch.ones(300), torch.device(device), DistEnv(),
                 tmp_path, progress=False)  # fmt: skip
     return t, model
 
@@ -134,3 +135,23 @@ def test_no_host_reads_between_log_steps(tmp_path, monkeypatch):
     assert [r["step"] for r in train] == [4, 8, 12]
     for r, chunk in zip(train, (step_losses[0:4], step_losses[4:8], step_losses[8:12]), strict=True):
         assert abs(r["loss"] - float(torch.stack(chunk).sum()) / 4) < 1e-6
+
+
+@pytest.mark.gpu
+def test_train_step_has_no_cuda_sync(tmp_path):
+    """On CUDA, every train step after the first runs with torch's sync debug mode set to "error": any
+    implicit device-to-host sync inside the step (an item(), a data-dependent shape, a blocking copy) fails."""
+    t, _ = make_trainer(tmp_path, steps=6, log_interval=3, device="cuda")
+    train_step = t.train_step
+
+    def strict_step():
+        if t.state.step == 0:  # the first step compiles / autotunes kernels
+            return train_step()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return train_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    t.train_step = strict_step
+    assert t.fit()["step"] == 6

@@ -96,7 +96,7 @@ class FP8Linear(torch.autograd.Function):
         xq, xs = quantize(x, E4M3, 1 if rowwise else None)  # (M, K), (M, 1) or ()
         wq, ws = quantize(weight, E4M3, 1 if rowwise else None)  # (N, K), (N, 1) or ()
         # b = W^T (K, N): the transposed view of a row-major (N, K) is column-major as _scaled_mm wants
-        y = _mm(xq, xs, wq.t(), ws.t() if rowwise else ws, out_dtype, fast=True, gpu=gpu)
+        y = _mm(xq, xs, wq.t(), ws.view(1, -1) if rowwise else ws, out_dtype, fast=True, gpu=gpu)
         if rowwise:  # the backward GEMMs reduce over other dims: they re-quantize the masters
             ctx.save_for_backward(x, weight)
         else:  # tensorwise: the FP8 copies serve again, half the bytes kept for backward
