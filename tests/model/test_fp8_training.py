@@ -63,6 +63,34 @@ def test_emulated_equals_quantize_dequantize_matmul(M, K, N, recipe):
     assert torch.equal(wr.grad, _bf16(want_dw))
 
 
+def _cpu_scaled_mm_or_skip(*args, **kw):
+    try:
+        return torch._scaled_mm(*args, **kw)
+    except (RuntimeError, NotImplementedError) as e:  # torch builds without a CPU _scaled_mm
+        pytest.skip(f"torch._scaled_mm does not run on this CPU build: {str(e)[:80]}")
+
+
+@pytest.mark.parametrize("case", ["tensorwise e4m3", "rowwise e4m3", "tensorwise e5m2 x e4m3"])
+def test_emulation_equals_torch_scaled_mm_on_cpu(case):
+    """torch's own FP8 GEMM (its CPU kernel) as the outside reference for the emulated path's conventions:
+    scales multiply (q * s is the value), b is (K, N) column-major, row scales (M, 1) and (1, N)."""
+    from kiln.kernels.fp8_train import _col_major, _mm
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(32, 64, generator=g), torch.randn(48, 64, generator=g)  # a (M, K), b (N, K)
+    if case == "rowwise e4m3":
+        aq, sa = quantize(a, E4M3, 1)
+        bq, sb = quantize(b, E4M3, 1)
+        sb = sb.view(1, -1)
+    else:
+        aq, sa = quantize(a, E5M2 if "e5m2" in case else E4M3, None)
+        bq, sb = quantize(b, E4M3, None)
+    want = _cpu_scaled_mm_or_skip(aq, _col_major(bq.t().contiguous()), scale_a=sa, scale_b=sb,
+                                  out_dtype=torch.bfloat16)  # fmt: skip
+    got = _mm(aq, sa, bq.t(), sb, torch.bfloat16, fast=False, gpu=False)
+    assert torch.equal(got, want)
+
+
 # Relative Frobenius error against float64. Rounding to a format with m mantissa bits errs uniformly within
 # half a step, a relative std of about 2**-m / sqrt(12) per element: 0.036 for e4m3 (m=3), 0.072 for e5m2
 # (m=2). A GEMM of two quantized operands adds both in quadrature (~0.05 for e4m3 x e4m3, ~0.08 with e5m2);

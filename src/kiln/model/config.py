@@ -63,8 +63,8 @@ class KernelConfig:
                scaling, master weights untouched; kiln.kernels.fp8_train); kiln.model.linear
     attention  "kiln" (kiln's FlashAttention and paged decode kernels) or "sdpa" (torch's
                scaled_dot_product_attention for dense batches without sinks or masks; kiln elsewhere);
-               "auto" is resolved before training by kiln.train.kernels (a measurement on CUDA) and
-               runs as "kiln" until then
+               "auto" is resolved when training starts (the training loop measures both on CUDA)
+               and runs as "kiln" until then
     moe        "auto" (kiln's MoE kernels on CUDA, the eager loop elsewhere), "eager" (the per-expert loop,
                the reference: one host sync per layer) or "kiln" (router, permutation and grouped GEMM
                kernels, no host sync, everywhere); kiln.model.moe

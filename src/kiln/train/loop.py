@@ -149,14 +149,21 @@ class Trainer:
         torchrun) and the memory estimate; both reported on rank 0."""
         cfg, tc = self.cfg, self.tc
         kernels = cfg.kernels
-        if kernels.linear in ("fp8", "fp8_rowwise") and not one_process:
-            dims = self.strategy.dims
-            if dims is not None and (dims.tp > 1 or dims.pp > 1 or self.strategy.sharded):
-                raise KilnError(
-                    f"kernels.linear={kernels.linear} is built for one process and DDP: tensor, pipeline and "
-                    "sharded data parallel runs need kernels.linear=auto"
-                )
-        kernels, why = resolve_kernels(kernels, cfg.model, tc.batch_size, tc.seq_len, self.device, self.amp)
+        dims = self.strategy.dims
+        split = not one_process and dims is not None and (dims.tp > 1 or dims.pp > 1)
+        sharded = not one_process and self.strategy.sharded
+        if kernels.linear in ("fp8", "fp8_rowwise") and (split or sharded):
+            raise KilnError(
+                f"kernels.linear={kernels.linear} is built for one process and DDP: tensor, pipeline and "
+                "sharded data parallel runs need kernels.linear=auto"
+            )
+        if split and kernels.attention == "auto":  # heads split or blocks staged: not measured there
+            kernels = dataclasses.replace(kernels, attention="kiln")
+            why = "auto under tensor / pipeline parallel: kiln (not measured there)"
+        else:
+            kernels, why = resolve_kernels(
+                kernels, cfg.model, tc.batch_size, tc.seq_len, self.device, self.amp
+            )
         if not one_process and torch.distributed.is_initialized() and self.device.type == "cuda":
             # every rank must take the same path: SDPA only where every rank measured it faster
             vote = torch.tensor([kernels.attention == "sdpa"], dtype=torch.int32, device=self.device)
