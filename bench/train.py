@@ -364,7 +364,7 @@ def throughput(run: BenchRun, args) -> None:
         except Exception as e:  # noqa: BLE001 - one failing contender must not cost the others their run
             res = {"shape": shape, "contender": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
             run.log(f"{shape} {name}: FAILED {res['error']}\n{traceback.format_exc()[-2000:]}")
-            _free(run.device)
+        _free(run.device)  # out here: the exception (and the frames holding the failed case's model) is gone
         longest = max(longest, time.perf_counter() - t_case)
         cases.append(res)
         add_ratios(cases)
