@@ -10,7 +10,15 @@ import torch
 from kiln.dist.parallel_dims import ParallelConfig
 from kiln.model import ModelConfig, build_model
 from kiln.model.config import KernelConfig
-from kiln.train.config import RunConfig, TokenizerConfig, TrainConfig, config_from_dict, to_dict
+from kiln.train.config import (
+    RunConfig,
+    TokenizerConfig,
+    TrainConfig,
+    TrainKernelConfig,
+    config_from_dict,
+    resolve_config,
+    to_dict,
+)
 from kiln.train.env import DistEnv
 from kiln.train.kernels import resolve_kernels
 from kiln.train.loop import Trainer
@@ -47,7 +55,7 @@ def make_trainer(tmp_path, steps=10, log_interval=5, ac="none", kernels=None, de
         train=TrainConfig(steps=steps, batch_size=2, seq_len=16, log_interval=log_interval, eval_interval=1000,
                           ckpt_interval=1000, warmup_steps=2, lr=1e-3),
         parallel=ParallelConfig(activation_checkpoint=ac),
-        kernels=kernels or KernelConfig(attention="auto"),
+        kernels=kernels or TrainKernelConfig(),
     )  # fmt: skip
     model = build_model(cfg.model, device=device, seed=0)
     # fused AdamW takes the skip flag on the device: the loop's sync-free path (the one CUDA runs)
@@ -61,6 +69,9 @@ def make_trainer(tmp_path, steps=10, log_interval=5, ac="none", kernels=None, de
 
 def test_default_kernels_auto_resolve_to_kiln_on_cpu(tmp_path, capsys):
     assert RunConfig.__dataclass_fields__["kernels"].default_factory().attention == "auto"
+    # a partial override keeps training's default for the rest of the section
+    cfg = resolve_config("tiny", None, ["--kernels.linear=fp8"])
+    assert (cfg.kernels.linear, cfg.kernels.attention) == ("fp8", "auto")
     kernels, why = resolve_kernels(KernelConfig(attention="auto"), ModelConfig(**MODEL), 2, 16,
                                    torch.device("cpu"), None)  # fmt: skip
     assert kernels.attention == "kiln" and "auto on cpu" in why
@@ -77,7 +88,7 @@ def test_default_kernels_auto_resolve_to_kiln_on_cpu(tmp_path, capsys):
 
 
 def test_fp8_kernels_reach_the_block_linears(tmp_path):
-    _, model = make_trainer(tmp_path, kernels=KernelConfig(linear="fp8", attention="kiln"))
+    _, model = make_trainer(tmp_path, kernels=TrainKernelConfig(linear="fp8", attention="kiln"))
     backends = {
         m.backend for n, m in model.named_modules() if n.startswith("model.layers") and hasattr(m, "backend")
     }

@@ -138,6 +138,15 @@ class SampleConfig:
 
 
 @dataclass
+class TrainKernelConfig(KernelConfig):
+    """The per-op kernel choice of a run (kiln.model.config.KernelConfig) with training's default: attention
+    "auto", measured when training starts (kiln.train.kernels). A class of its own so that a partial
+    `--kernels.linear=fp8` keeps that default. linear "fp8" / "fp8_rowwise" trains the block linears in FP8."""
+
+    attention: str = "auto"
+
+
+@dataclass
 class RunConfig:
     out_dir: str = "runs/default"
     device: str = "auto"
@@ -147,9 +156,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    # the per-op kernel choice (kiln.model.config.KernelConfig); attention "auto" is measured at start
-    # (kiln.train.kernels), linear "fp8" / "fp8_rowwise" trains the block linears in FP8
-    kernels: KernelConfig = field(default_factory=lambda: KernelConfig(attention="auto"))
+    kernels: TrainKernelConfig = field(default_factory=TrainKernelConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -258,6 +265,7 @@ __all__ = [
     "SampleConfig",
     "ParallelConfig",
     "KernelConfig",
+    "TrainKernelConfig",
     "RunConfig",
     "resolve_config",
     "config_from_dict",
