@@ -48,8 +48,8 @@ ROPE_REQUIRED = {
     "llama3": {"factor", "low_freq_factor", "high_freq_factor"},
 }
 HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")
-LINEAR_BACKENDS = ("auto", "torch", "kiln")
-ATTENTION_BACKENDS = ("kiln", "sdpa")
+LINEAR_BACKENDS = ("auto", "torch", "kiln", "fp8", "fp8_rowwise")
+ATTENTION_BACKENDS = ("kiln", "sdpa", "auto")
 MOE_BACKENDS = ("auto", "eager", "kiln")
 
 
@@ -58,9 +58,13 @@ class KernelConfig:
     """Which kernel runs each op of the model; it does not change the model (not saved with weights).
 
     linear     "auto" (kiln's decode-row kernels for <= 16 rows at inference on CUDA, cuBLAS elsewhere),
-               "torch" (F.linear / cuBLAS) or "kiln" (kiln's Triton matmul everywhere); kiln.model.linear
+               "torch" (F.linear / cuBLAS), "kiln" (kiln's Triton matmul everywhere), or for training
+               "fp8" / "fp8_rowwise" (every GEMM of the layer in FP8 with tensorwise / rowwise current
+               scaling, master weights untouched; kiln.kernels.fp8_train); kiln.model.linear
     attention  "kiln" (kiln's FlashAttention and paged decode kernels) or "sdpa" (torch's
-               scaled_dot_product_attention for dense batches without sinks or masks; kiln elsewhere)
+               scaled_dot_product_attention for dense batches without sinks or masks; kiln elsewhere);
+               "auto" is resolved when training starts (the training loop measures both on CUDA)
+               and runs as "kiln" until then
     moe        "auto" (kiln's MoE kernels on CUDA, the eager loop elsewhere), "eager" (the per-expert loop,
                the reference: one host sync per layer) or "kiln" (router, permutation and grouped GEMM
                kernels, no host sync, everywhere); kiln.model.moe

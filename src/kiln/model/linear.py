@@ -5,7 +5,9 @@ by `KernelConfig.linear` (kiln.model.config):
 - "torch": F.linear (cuBLAS on CUDA);
 - "kiln": kiln.kernels.matmul.linear (kiln's Triton tile kernel, and its decode kernels for <= 16 rows);
 - "auto" (default): kiln's decode kernels where they won on the H200 (CUDA, <= 16 rows, inference:
-  1.1-2.5x cuBLAS at the Qwen2.5-1.5B decode shapes, docs/kernels/matmul_decode.md), F.linear elsewhere.
+  1.1-2.5x cuBLAS at the Qwen2.5-1.5B decode shapes, docs/kernels/matmul_decode.md), F.linear elsewhere;
+- "fp8" / "fp8_rowwise": FP8 training, the forward and both gradient GEMMs in FP8 with tensorwise /
+  rowwise scales from the current step (kiln.kernels.fp8_train), the weight kept in its own dtype.
 The choice reads only shapes and flags, so it is fixed for a captured decode step.
 
 `MergedLinear` stores several projections of the same input as one weight (sum of out sizes, in), so a
@@ -24,9 +26,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kiln.kernels.fp8_train import fp8_train_linear
 from kiln.kernels.matmul import linear as kiln_linear
 
 DECODE_ROWS = 16  # kiln.kernels.matmul_decode handles up to this many rows
+FP8_RECIPES = {"fp8": "tensorwise", "fp8_rowwise": "rowwise"}  # KernelConfig.linear -> fp8_train recipe
 
 
 class Linear(nn.Module):
@@ -40,6 +44,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend in FP8_RECIPES:
+            return fp8_train_linear(x, self.weight, self.bias, FP8_RECIPES[self.backend])
         if self.backend == "kiln" or (self.backend == "auto" and self._decode_rows(x)):
             return kiln_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -16,6 +16,7 @@ from kiln.configs import PRESETS, load_preset
 from kiln.dist.parallel_dims import ParallelConfig
 from kiln.errors import KilnError
 from kiln.model import ModelConfig
+from kiln.model.config import KernelConfig
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -137,6 +138,15 @@ class SampleConfig:
 
 
 @dataclass
+class TrainKernelConfig(KernelConfig):
+    """The per-op kernel choice of a run (kiln.model.config.KernelConfig) with training's default: attention
+    "auto", measured when training starts (kiln.train.kernels). A class of its own so that a partial
+    `--kernels.linear=fp8` keeps that default. linear "fp8" / "fp8_rowwise" trains the block linears in FP8."""
+
+    attention: str = "auto"
+
+
+@dataclass
 class RunConfig:
     out_dir: str = "runs/default"
     device: str = "auto"
@@ -146,6 +156,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kernels: TrainKernelConfig = field(default_factory=TrainKernelConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -209,6 +220,7 @@ RESUMABLE = (
     "train.keep_checkpoints",
     "train.max_bad_steps",
     "sample.*",
+    "kernels.*",
 )
 
 
@@ -252,6 +264,8 @@ __all__ = [
     "TrainConfig",
     "SampleConfig",
     "ParallelConfig",
+    "KernelConfig",
+    "TrainKernelConfig",
     "RunConfig",
     "resolve_config",
     "config_from_dict",

@@ -10,6 +10,7 @@ from torchrun's variables; only rank 0 logs and writes files.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from kiln.train.checkpoint import check_finite, save_checkpoint
 from kiln.train.config import RunConfig
 from kiln.train.env import DistEnv
 from kiln.train.evaluate import evaluate
+from kiln.train.kernels import resolve_kernels
 from kiln.train.metrics import MetricsLog, format_step, memory_gib, plot_losses
 from kiln.train.optim import WarmupCosine
 
@@ -114,6 +116,7 @@ class Trainer:
             dims = ParallelDims.resolve(ParallelConfig(), env.world_size)
             strategy = Strategy(wrapped, dims, None, env.rank)
         self.strategy = strategy
+        one_process = not env.distributed
         self.wrapped = strategy.wrapped  # what the forward/backward runs through
         self.optimizer = optimizer
         self.scheduler = WarmupCosine(
@@ -127,6 +130,11 @@ class Trainer:
         self.progress = progress and env.is_main
         self.state = TrainState()
         self.metrics = MetricsLog(run_dir / "metrics.jsonl" if env.is_main else None)
+        self._prepare_model(model, one_process)
+        if self.tc.compile and getattr(model, "rope", None) is not None:
+            # fill RoPE's per-device frequency memo first: traced empty, its guard fails on the second call
+            # and the whole model compiles twice
+            model.rope(torch.zeros((1, 1), dtype=torch.long, device=device))
         self.loss_fn = torch.compile(self.wrapped) if self.tc.compile else self.wrapped
         # fused AdamW takes the GradScaler's `found_inf` flag and skips its update on the device, so a bad
         # step costs no host sync; other optimizers need the flag on the host (free on the CPU, which has
@@ -134,6 +142,51 @@ class Trainer:
         self.device_skip = bool(optimizer.defaults.get("fused")) and getattr(
             optimizer, "_step_supports_amp_scaling", False
         )
+
+    def _prepare_model(self, model: torch.nn.Module, one_process: bool) -> None:
+        """The run's kernel choice (cfg.kernels, "auto" resolved for this shape) set on the model, and in one
+        process the activation checkpointing of parallel.activation_checkpoint (kiln.dist applies it under
+        torchrun) and the memory estimate; both reported on rank 0."""
+        cfg, tc = self.cfg, self.tc
+        kernels = cfg.kernels
+        dims = self.strategy.dims
+        split = not one_process and dims is not None and (dims.tp > 1 or dims.pp > 1)
+        sharded = not one_process and self.strategy.sharded
+        if kernels.linear in ("fp8", "fp8_rowwise") and (split or sharded):
+            raise KilnError(
+                f"kernels.linear={kernels.linear} is built for one process and DDP: tensor, pipeline and "
+                "sharded data parallel runs need kernels.linear=auto"
+            )
+        if split and kernels.attention == "auto":  # heads split or blocks staged: not measured there
+            kernels = dataclasses.replace(kernels, attention="kiln")
+            why = "auto under tensor / pipeline parallel: kiln (not measured there)"
+        else:
+            kernels, why = resolve_kernels(
+                kernels, cfg.model, tc.batch_size, tc.seq_len, self.device, self.amp
+            )
+        if not one_process and torch.distributed.is_initialized() and self.device.type == "cuda":
+            # every rank must take the same path: SDPA only where every rank measured it faster
+            vote = torch.tensor([kernels.attention == "sdpa"], dtype=torch.int32, device=self.device)
+            torch.distributed.all_reduce(vote, op=torch.distributed.ReduceOp.MIN)
+            if kernels.attention == "sdpa" and not int(vote):
+                kernels = dataclasses.replace(kernels, attention="kiln")
+                why += "; kiln, as another rank measured kiln faster"
+        if hasattr(model, "set_kernels"):
+            model.set_kernels(kernels)
+        self.kernels = kernels
+        lines = [f"      kernels: linear {kernels.linear}, {why}"]
+        if one_process:
+            from kiln.dist.memory import estimate, format_estimate
+            from kiln.dist.parallelize import checkpoint_blocks
+
+            ac = cfg.parallel.activation_checkpoint
+            if ac != "none":
+                checkpoint_blocks(model.model.layers, ac)
+            dims = ParallelDims.resolve(ParallelConfig(), 1)
+            est = estimate(cfg.model, dims, tc.batch_size, tc.seq_len, ac, 2 if self.amp is not None else 4)
+            lines.append(f"      activation checkpointing: {ac}; memory, estimated: {format_estimate(est)}")
+        if self.env.is_main:
+            print("\n".join(lines), flush=True)
 
     # ---- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -203,6 +256,8 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for micro in range(self.tc.grad_accum):
             x, y = self.train_loader.next_batch()
+            if self.device.type == "cuda":  # from pageable memory a copy can wait on the stream: pin first
+                x, y = x.pin_memory(), y.pin_memory()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             last = micro == self.tc.grad_accum - 1
             # gradients sync on the last micro-batch only (DDP's no_sync, FSDP2's requires_gradient_sync);
