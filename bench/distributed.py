@@ -99,6 +99,7 @@ class Case:
     parallel: dict = field(default_factory=dict)
     ac: str = "none"
     compile: bool = False
+    unmerge: bool = False  # one process: q/k/v and gate/up as separate Linears, as FSDP2 and TP run them
     ref: str | None = None  # the case whose losses and (x world) tokens/s this one is compared to
 
 
@@ -185,6 +186,8 @@ def _build(case: Case, s: Settings, rank: int, world: int, device):
         model = build_model(mcfg, device="cpu", seed=SEED).to(device)
         # kiln run applies parallel.activation_checkpoint through parallelize (several processes); on one
         # process the bench applies the same function to the same blocks
+        if case.unmerge:
+            unmerge_projections(model)
         checkpoint_blocks(model.model.layers, case.ac)
         if case.kind == "plain":
             return model, None, None  # the Trainer wraps it as kiln run does (LossModule, no wrapper)
@@ -402,12 +405,17 @@ def worker(rank: int, world: int, backend: str, tmp: str, cases: list[Case], s: 
     dist.destroy_process_group()
 
 
-def run_world(cases: list[Case], world: int, backend: str, s: Settings, deadline: float, log) -> dict:
-    """Run `cases` on `world` spawned ranks; {case name: result}. A failed case is recorded with its
-    error and the rest go on in a new world; cases not started before the deadline are skipped."""
+def _key(case: Case) -> str:
+    return case.name if case.model == "-" else f"{case.model}/{case.name}"
+
+
+def run_world(cases: list[Case], world: int, backend: str, s: Settings, deadline: float, log,
+              results: dict, progress) -> None:  # fmt: skip
+    """Run `cases` on `world` spawned ranks into `results` {case key: result}, calling progress() after
+    each. A failed case is recorded with its error and the rest go on in a new world; cases not started
+    before the deadline are left out (skipped)."""
     import torch.multiprocessing as mp
 
-    results: dict[str, dict] = {}
     todo = list(cases)
     while todo:
         if time.time() >= deadline:
@@ -424,11 +432,12 @@ def run_world(cases: list[Case], world: int, backend: str, s: Settings, deadline
                 except Exception as e:  # a rank exited with an error: join ended the others
                     failure = f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0]
                     break
-                n = sum(1 for k in range(len(todo)) if os.path.exists(os.path.join(tmp, f"{k}.json")))
-                if n > seen:
-                    for k in range(seen, n):
-                        log(f"  done {todo[k].model}/{todo[k].name}")
-                    seen, last = n, time.time()
+                while seen < len(todo) and os.path.exists(os.path.join(tmp, f"{seen}.json")):
+                    with open(os.path.join(tmp, f"{seen}.json")) as f:
+                        results[_key(todo[seen])] = json.load(f)
+                    log(f"  done {_key(todo[seen])}")
+                    progress()  # the result file is rewritten after every case: a killed run keeps them
+                    seen, last = seen + 1, time.time()
                 if time.time() - last > s.case_timeout_s:
                     failure = f"timeout: no case finished within {s.case_timeout_s:.0f} s (--case-timeout)"
                     for p in ctx.processes:
@@ -442,15 +451,15 @@ def run_world(cases: list[Case], world: int, backend: str, s: Settings, deadline
                 path = os.path.join(tmp, f"{k}.json")
                 if not os.path.exists(path):
                     break
-                results[case.name if case.model == "-" else f"{case.model}/{case.name}"] = json.load(
-                    open(path)
-                )
+                with open(path) as f:
+                    results[_key(case)] = json.load(f)
                 done = k + 1
             errs = []
             for r in range(world):
                 path = os.path.join(tmp, f"err.{r}")
                 if os.path.exists(path):
-                    errs.append({"rank": r, **json.load(open(path))})
+                    with open(path) as f:
+                        errs.append({"rank": r, **json.load(f)})
             if done == len(todo) or not (failure or errs):
                 break  # all done, or the rest not started before the deadline (skipped)
             case = todo[done]
@@ -458,28 +467,36 @@ def run_world(cases: list[Case], world: int, backend: str, s: Settings, deadline
             err = {"status": "error", "error": first["error"] if first else failure,
                    "traceback": first["traceback"] if first else None,
                    "ranks_with_error": [e["rank"] for e in errs]}  # fmt: skip
-            results[f"{case.model}/{case.name}"] = err
-            log(f"  error {case.model}/{case.name}: {err['error'][:300]}")
+            results[_key(case)] = err
+            log(f"  error {_key(case)}: {err['error'][:300]}")
+            progress()
             todo = todo[done + 1 :]
-    return results
 
 
 # ---- the suites --------------------------------------------------------------------------------------------
-def ws1_cases(models: list[str]) -> list[Case]:
+def ws1_cases(models: list[str], smoke: bool = False) -> list[Case]:
     """Issue 20 on one GPU: the overhead of the wrappers, compile and checkpointing, on the gpu preset
     shape (or the first model given), then plain training of each further model."""
     first, *rest = models
     b = MODELS[first][1]
     out = [
         Case("plain", first, 1, "plain", b),
+        # the bf16 noise floor of the loss comparison: the same global batch in two halves (another
+        # summation order, the same math)
+        Case("plain_split", first, 1, "plain", b // 2, accum=2, ref="plain"),
         Case("ddp_ws1", first, 1, "ddp1", b, ref="plain"),
         Case("fsdp2_ws1", first, 1, "fsdp1", b, ref="plain"),
-        Case("compile", first, 1, "plain", b, compile=True, ref="plain"),
+        # FSDP2 runs q/k/v and gate/up unmerged (kiln.dist.tp): this separates that cost from FSDP2's own
+        Case("plain_unmerged", first, 1, "plain", b, unmerge=True, ref="plain"),
         Case("ac_selective", first, 1, "plain", b, ac="selective", ref="plain"),
         Case("ac_full", first, 1, "plain", b, ac="full", ref="plain"),
         Case("plain_again", first, 1, "plain", b, ref="plain"),
     ]
-    return out + [Case("plain", m, 1, "plain", MODELS[m][1]) for m in rest]
+    out += [Case("plain", m, 1, "plain", MODELS[m][1]) for m in rest]
+    if smoke:  # an inductor compile takes minutes on the CPU (multi_cases says so in not_run)
+        return out
+    # last: the one case that can take minutes (an inductor compile), so that it delays nothing
+    return out + [Case("compile", first, 1, "plain", b, compile=True, ref="plain")]
 
 
 def multi_cases(model: str, n: int, smoke: bool = False) -> tuple[list[Case], list[Case], dict[str, str]]:
@@ -492,13 +509,16 @@ def multi_cases(model: str, n: int, smoke: bool = False) -> tuple[list[Case], li
 
     spec, b, _ = MODELS[model]
     mcfg = ModelConfig(**spec)
-    one = [Case("plain_1gpu", model, 1, "plain", b, accum=n)]
+    # the reference, and the bf16 noise floor of the loss comparison: the same global batch in micro-batches
+    # of half the size (another summation order, the same math)
+    one = [Case("plain_1gpu", model, 1, "plain", b, accum=n),
+           Case("plain_1gpu_split", model, 1, "plain", b // 2, accum=2 * n, ref="plain_1gpu")]  # fmt: skip
     why_not = {}
     if smoke:
         one += [Case("ddp_ws1", model, 1, "ddp1", b, n, ref="plain_1gpu"),
                 Case("fsdp2_ws1", model, 1, "fsdp1", b, n, ref="plain_1gpu"),
                 Case("ac_full", model, 1, "plain", b, n, ac="full", ref="plain_1gpu")]  # fmt: skip
-        why_not["compile"] = "not run with --smoke (an inductor compile takes ~40 s on the CPU)"
+        why_not["compile"] = "not run with --smoke (an inductor compile takes minutes on the CPU)"
     g = n * b  # global batch, sequences
     schemes = [
         ("ddp", "mesh", {"dp_replicate": n}, b, 1),
@@ -535,14 +555,18 @@ def multi_cases(model: str, n: int, smoke: bool = False) -> tuple[list[Case], li
     return one, cases, why_not
 
 
-def summarize(results: dict, cases: list[Case], ceilings: dict, spec_tflops: float) -> list[dict]:
-    """One row per case: its figures, MFU, loss difference and scaling against its reference."""
+def summarize(
+    results: dict, cases: list[Case], ceilings: dict, spec_tflops: float, final: bool
+) -> list[dict]:
+    """One row per case: its figures, MFU, loss difference and scaling against its reference. A case
+    without a result was skipped (final) or has not run yet."""
     measured = (ceilings or {}).get("bf16_matmul_TFLOPs")
+    missing = {"status": "skipped", "why": "--budget reached"} if final else {"status": "not run yet"}
     rows = []
     for c in cases:
-        key = f"{c.model}/{c.name}"
+        key = _key(c)
         r = {"case": c.name, "model": c.model, "gpus": c.world, "ac": c.ac, "compile": c.compile,
-             "parallel": c.parallel, **results.get(key, {"status": "skipped", "why": "--budget reached"})}  # fmt: skip
+             "parallel": c.parallel, **results.get(key, missing)}  # fmt: skip
         r.setdefault("status", "ok")
         if r["status"] == "ok" and r.get("tokens_per_s") and measured:  # MFU on GPUs only
             per_gpu_flops = r["tokens_per_s_per_gpu"] * r["flops_per_token"]
@@ -591,11 +615,13 @@ def main() -> int:
     p.add_argument(
         "--case-timeout",
         type=float,
-        default=300.0,
-        help="seconds one case may take before its world is ended",
+        help="seconds one case may take before its world is ended (ws1 180, multi 300)",
     )
     p.add_argument("--spec-tflops", type=float, default=989.5, help="dense bf16 spec for MFU (H100/H200 SXM)")
     p.add_argument("--no-collectives", action="store_true", help="multi suite: skip the collectives sweep")
+    p.add_argument(
+        "--only", help="comma-separated parts of case names to run (e.g. fsdp,tp); the references always run"
+    )
     args = p.parse_args()  # fmt: skip
     return run(args)
 
@@ -630,7 +656,7 @@ def run(args) -> int:
         dtype=args.dtype or ("fp32" if smoke else "bf16"),
         lr=args.lr,
         lr_warmup=2 if smoke else 10,
-        case_timeout_s=args.case_timeout,
+        case_timeout_s=args.case_timeout or (180.0 if suite == "ws1" else 300.0),
     )
     if s.steps <= s.warmup:
         raise SystemExit(f"--steps ({s.steps}) must exceed --warmup ({s.warmup})")
@@ -644,35 +670,55 @@ def run(args) -> int:
     meta = {"area": "distributed", "smoke": smoke, **provenance(), "suite": suite, "backend": backend,
             "settings": asdict(s), "budget_s": budget, "spec_bf16_TFLOPs": args.spec_tflops}  # fmt: skip
     ceil = Case("ceilings", "-", 1, "ceilings")
+    coll = Case("collectives", "-", n, "collectives")
     results: dict[str, dict] = {}
     not_run: dict[str, str] = {}
+    name = "distributed-ws1" if suite == "ws1" else f"distributed-{n}gpu"
+    out = args.out or default_out(name, __file__, smoke)
     if suite == "ws1":
-        cases = ws1_cases(models)
-        results.update(run_world([ceil, *cases], 1, backend, s, deadline, log))
+        plan = [(1, [ceil, *ws1_cases(models, smoke)])]
+        if smoke:
+            not_run[f"{models[0]}/compile"] = (
+                "not run with --smoke (an inductor compile takes minutes on the CPU)"
+            )
     else:
-        cases = []
         # NCCL busbw 1 KB .. 1 GB first, in the first n-process world (1 KB .. 64 KB on gloo with --smoke)
-        coll = [] if args.no_collectives else [Case("collectives", "-", n, "collectives")]
+        plan = []
         for i, m in enumerate(models):
             one, many, why = multi_cases(m, n, smoke)
-            cases += one + many
             not_run.update({f"{m}/{k}": v for k, v in why.items()})
-            results.update(run_world([ceil, *one] if i == 0 else one, 1, backend, s, deadline, log))
-            results.update(run_world([*coll, *many] if i == 0 else many, n, backend, s, deadline, log))
-        meta["collectives"] = results.pop("collectives", None) or results.pop("-/collectives", None)
-    ceilings = results.pop("ceilings", None) or {"note": "not measured (budget)"}
-    rows = summarize(results, cases, ceilings, args.spec_tflops)
+            plan.append((1, [ceil, *one] if i == 0 else one))
+            plan.append((n, [coll, *many] if i == 0 and not args.no_collectives else many))
+    if args.only:  # the cases asked for, their references, the ceilings and the collectives
+        parts = [w.strip() for w in args.only.split(",") if w.strip()]
+        refs = {c.ref for _, group in plan for c in group}
+
+        def wanted(c: Case) -> bool:
+            return c.model == "-" or c.name in refs or any(w in c.name for w in parts)
+
+        plan = [(world, [c for c in group if wanted(c)]) for world, group in plan]
+    cases = [c for _, group in plan for c in group if c.model != "-"]
+
+    def write(final: bool) -> list[dict]:
+        """The result file, rewritten after every case (atomic): a run killed half-way keeps what it did."""
+        ceilings = results.get("ceilings") or {"note": "not measured"}
+        rows = summarize(results, cases, ceilings, args.spec_tflops, final)
+        doc = {**meta, "complete": final, "ceilings": ceilings, "gpus": 1 if suite == "ws1" else n,
+               "collectives": results.get("collectives") or results.get("-/collectives"), "cases": rows,
+               "not_run": not_run, "wall_s": round(time.time() - t_start, 1)}  # fmt: skip
+        write_json(out, doc)
+        return rows
+
+    for world, group in plan:
+        run_world(group, world, backend, s, deadline, log, results, lambda: write(False))
+    rows = write(True)
     print(format_table(rows, COLUMNS))
     for k, v in not_run.items():
         print(f"not run: {k}: {v}")
     for r in rows:
         if r["status"] != "ok":
             print(f"{r['status']}: {r['model']}/{r['case']}: {r.get('error') or r.get('why')}")
-    name = "distributed-ws1" if suite == "ws1" else f"distributed-{n}gpu"
-    out = args.out or default_out(name, __file__, smoke)
-    doc = {**meta, "ceilings": ceilings, "gpus": 1 if suite == "ws1" else n, "cases": rows, "not_run": not_run,
-           "wall_s": round(time.time() - t_start, 1)}  # fmt: skip
-    print(f"wrote {write_json(out, doc)}")
+    print(f"wrote {out}")
     return 0
 
 
