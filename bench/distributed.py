@@ -425,27 +425,31 @@ def run_world(cases: list[Case], world: int, backend: str, s: Settings, deadline
             ctx = mp.start_processes(worker, args=(world, backend, tmp, todo, s, deadline), nprocs=world,
                                      join=False, start_method="spawn")  # fmt: skip
             failure, seen, last = None, 0, time.time()
-            while True:
-                try:
-                    if ctx.join(timeout=1.0):
+            try:
+                while True:
+                    try:
+                        if ctx.join(timeout=1.0):
+                            break
+                    except Exception as e:  # a rank exited with an error: join ended the others
+                        failure = f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0]
                         break
-                except Exception as e:  # a rank exited with an error: join ended the others
-                    failure = f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0]
-                    break
-                while seen < len(todo) and os.path.exists(os.path.join(tmp, f"{seen}.json")):
-                    with open(os.path.join(tmp, f"{seen}.json")) as f:
-                        results[_key(todo[seen])] = json.load(f)
-                    log(f"  done {_key(todo[seen])}")
-                    progress()  # the result file is rewritten after every case: a killed run keeps them
-                    seen, last = seen + 1, time.time()
-                if time.time() - last > s.case_timeout_s:
-                    failure = f"timeout: no case finished within {s.case_timeout_s:.0f} s (--case-timeout)"
-                    for p in ctx.processes:
-                        if p.is_alive():
-                            p.kill()
-                    for p in ctx.processes:
-                        p.join()
-                    break
+                    while seen < len(todo) and os.path.exists(os.path.join(tmp, f"{seen}.json")):
+                        with open(os.path.join(tmp, f"{seen}.json")) as f:
+                            results[_key(todo[seen])] = json.load(f)
+                        log(f"  done {_key(todo[seen])}")
+                        progress()  # the result file is rewritten after every case: a killed run keeps them
+                        seen, last = seen + 1, time.time()
+                    if time.time() - last > s.case_timeout_s:
+                        failure = (
+                            f"timeout: no case finished within {s.case_timeout_s:.0f} s (--case-timeout)"
+                        )
+                        break
+            finally:  # a timeout, or this process stopped (SIGTERM, Ctrl-C): no rank outlives it
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                for p in ctx.processes:
+                    p.join()
             done = 0
             for k, case in enumerate(todo):
                 path = os.path.join(tmp, f"{k}.json")
@@ -627,6 +631,10 @@ def main() -> int:
 
 
 def run(args) -> int:
+    import signal
+
+    # `timeout` sends SIGTERM: leave through SystemExit, so that run_world ends the ranks it started
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     from kiln.profile.provenance import provenance
     from kiln.profile.report import write_json
