@@ -25,6 +25,7 @@ SCRIPTS = [
     "moe",
     "quant",
     "collectives",
+    "distributed",
 ]
 
 
@@ -65,6 +66,20 @@ def test_bench_script_smoke(script, tmp_path):
             "fits"
         ]
         assert all(c["p"] == 2 and c["seconds"] > 0 and c["model_us"] > 0 for c in cases), cases
+    if script == "distributed":  # every scheme trained on 2 gloo ranks, as one process does (fp32)
+        status = {c["case"]: c["status"] for c in cases}
+        assert status.pop("pp2_interleaved") in ("ok", "not available"), cases
+        assert set(status.values()) == {"ok"}, {c["case"]: c.get("error") for c in cases}
+        assert {"plain_1gpu", "plain_1gpu_split", "ddp_ws1", "fsdp2_ws1", "ac_full", "ddp", "zero1", "zero2",
+                "fsdp2", "tp2", "tp2_sp", "pp2_1f1b"} <= set(status), status  # fmt: skip
+        for c in cases:
+            if c["case"] != "plain_1gpu" and c["status"] == "ok":
+                # summation order only (the parity tests' 1e-5 is per step over 10 steps; these are 6)
+                assert c["loss_max_abs_diff"] < 1e-5, (c["case"], c["loss_max_abs_diff"])
+                assert c["tokens_per_s"] > 0 and len(c["losses"]) == doc["settings"]["steps"], c
+        assert cases[0]["losses"][-1] < cases[0]["losses"][0], cases[0]["losses"]  # the loss moves
+        coll = doc["collectives"]
+        assert coll["p"] == 2 and len(coll["fits"]) == 5 and coll["cases"], coll
 
 
 def test_every_bench_script_is_smoke_tested():
