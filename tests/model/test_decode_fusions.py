@@ -72,7 +72,7 @@ def test_decode_step_on_fused_kernels_equals_reference(name, monkeypatch, device
     with torch.no_grad(), use_backend("reference"):
         want, _ = model.model(tokens, pos, meta, want_caches)
 
-    calls = {"rope_kv_write": 0, "swiglu_linear": 0}
+    calls = {"rope_kv_write": 0}
 
     def counted(name, fn):
         def wrapper(*args, **kw):
@@ -86,33 +86,15 @@ def test_decode_step_on_fused_kernels_equals_reference(name, monkeypatch, device
 
     for op in calls:
         monkeypatch.setattr(layers, op, counted(op, getattr(layers, op)))
-    for op in ("apply_rope", "paged_kv_write", "swiglu"):
+    for op in ("apply_rope", "paged_kv_write"):
         monkeypatch.setattr(layers, op, unexpected)
     with torch.no_grad(), use_backend("triton"):
         got, _ = model.model(tokens, pos, meta, caches)
-    assert calls == {"rope_kv_write": cfg.n_layers, "swiglu_linear": cfg.n_layers}
+    assert calls == {"rope_kv_write": cfg.n_layers}
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for (k, v), (wk, wv) in zip(caches, want_caches):  # v from the kiln matmul vs matmul_ref: fp32 rounding
         torch.testing.assert_close(k, wk, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(v, wv, rtol=1e-5, atol=1e-5)
-
-
-def test_the_mlp_keeps_separate_kernels_for_more_than_16_rows_and_training(monkeypatch):
-    cfg = ModelConfig(**BASE, arch="llama")  # on the CPU, reference ops: only the choice is tested
-    mlp = build_model(cfg, seed=0, kernels=KernelConfig(linear="kiln")).model.layers[0].mlp
-    fused = []
-    monkeypatch.setattr(layers, "swiglu_linear", lambda *a: fused.append(1))
-    with torch.no_grad():
-        mlp(torch.randn(17, cfg.d_model))
-    mlp(torch.randn(3, cfg.d_model))  # gradients on: the fused kernel has no backward
-    hook = mlp.down_proj.register_forward_pre_hook(lambda m, a: None)  # as a tensor-parallel plan wraps it
-    with torch.no_grad():
-        mlp(torch.randn(3, cfg.d_model))
-    hook.remove()
-    assert not fused
-    with torch.no_grad():
-        mlp(torch.randn(16, cfg.d_model))
-    assert fused == [1]
 
 
 @pytest.mark.slow

@@ -50,19 +50,6 @@ class Linear(nn.Module):
             return kiln_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def takes_decode_kernel(self, x: torch.Tensor) -> bool:
-        """Whether forward(x) runs on kiln's decode-row kernels (kiln.kernels.matmul_decode): <= 16 rows at
-        inference, on the "kiln" backend or on CUDA with "auto"; and nothing wraps this module's forward
-        (a tensor-parallel plan's hooks). A caller may then fuse its own step into that kernel's prologue
-        (the gated MLP's SwiGLU) and skip forward without changing which kernel family runs."""
-        rows = x.numel() // max(x.shape[-1], 1)
-        training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        kiln = self.backend == "kiln" or (self.backend == "auto" and x.is_cuda)
-        hooked = bool(self._forward_hooks or self._forward_pre_hooks)
-        return (
-            kiln and 0 < rows <= DECODE_ROWS and not training and x.dtype == self.weight.dtype and not hooked
-        )
-
     def _decode_rows(self, x: torch.Tensor) -> bool:
         rows = x.numel() // max(x.shape[-1], 1)
         training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
