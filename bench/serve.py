@@ -80,7 +80,10 @@ def offline(llm: LLM, reqs) -> dict:
     outs = llm.generate([p for p, _ in reqs], params)
     wall = time.perf_counter() - t
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"output_tokens": n_out, "time_s": round(wall, 3), "output_tok_s": round(n_out / wall, 1)}
+    # the engine's own arrival-to-first-token of the same workload: what HTTP's TTFT is compared with
+    ttft = [o.metrics["ttft_s"] for o in outs if "ttft_s" in o.metrics]
+    return {"output_tokens": n_out, "time_s": round(wall, 3), "output_tok_s": round(n_out / wall, 1),
+            "ttft_s": percentiles(ttft)}  # fmt: skip
 
 
 # ---- the HTTP client -------------------------------------------------------------------------------------
@@ -140,6 +143,7 @@ async def load(url: str, model: str, reqs, rate: float | None, seed: int = 0) ->
             *(later(d, i, p, m) for i, (d, (p, m)) in enumerate(zip(delays, reqs)))
         )
         wall = time.perf_counter() - t0
+        server = await server_latency(http)
     ok = [r for r in results if r["status"] == 200]
     n_out = sum(r["tokens"] for r in ok)
     return {
@@ -152,7 +156,24 @@ async def load(url: str, model: str, reqs, rate: float | None, seed: int = 0) ->
         "ttft_s": percentiles([r["ttft"] for r in ok if r["ttft"] is not None]),
         "itl_s": percentiles([x for r in ok for x in r["itl"]]),
         "e2e_s": percentiles([r["end"] - r["start"] for r in ok]),
+        # the server's own view (its /metrics histograms, cumulative since it started: warm-ups included)
+        "server_mean_s": server,
     }
+
+
+async def server_latency(http: httpx.AsyncClient) -> dict:
+    """Mean TTFT, inter-token and end-to-end latency from the server's /metrics (sum / count)."""
+    text = (await http.get("/metrics")).text
+    vals = {}
+    for line in text.splitlines():
+        name, _, v = line.partition(" ")
+        vals[name] = float(v) if v and not name.startswith("#") else None
+    out = {}
+    for key, metric in (("ttft", "kiln_time_to_first_token_seconds"), ("itl", "kiln_inter_token_latency_seconds"),
+                        ("e2e", "kiln_e2e_request_latency_seconds")):  # fmt: skip
+        total, count = vals.get(metric + "_sum"), vals.get(metric + "_count")
+        out[key] = round(total / count, 5) if total is not None and count else None
+    return out
 
 
 # ---- the server --------------------------------------------------------------------------------------
