@@ -1,8 +1,9 @@
 """`kiln run` under torchrun with tensor + sequence parallel: the loop's strategy path end to end.
 
-Two processes (tp=2, sequence parallel, gloo) stop at step 2 with a checkpoint gathered from the
-shards, resume to step 4, and must log the losses of one uninterrupted process on the same batches;
-validation (through the vocab-parallel loss) and samples (from the gathered weights) run too.
+Two processes (tp=2, sequence parallel; pp=2, 1F1B; gloo) stop at step 2 with a checkpoint gathered
+from the shards or stages, resume to step 4, and must log the losses of one uninterrupted process on
+the same batches; validation (through the vocab-parallel loss, through the pipeline) and samples (from
+the gathered weights) run too.
 """
 
 import json
@@ -12,6 +13,8 @@ import sys
 import pytest
 
 from kiln.cli import main
+from kiln.io.checkpoint import load_checkpoint
+from kiln.model.hf import from_pretrained
 
 COMMON = [
     "run",
@@ -29,6 +32,10 @@ COMMON = [
     "--train.batch_size=4",
 ]
 TP = ["--parallel.dp_replicate=1", "--parallel.tp=2", "--parallel.sequence_parallel=true"]
+PP = ["--parallel.dp_replicate=1", "--parallel.pp=2"]
+
+
+LAUNCH = [sys.executable, "-m", "torch.distributed.run", "--standalone", "-m", "kiln.cli"]
 
 
 def _records(run_dir, kind, key):
@@ -36,30 +43,76 @@ def _records(run_dir, kind, key):
     return [r[key] for r in recs if r["kind"] == kind]
 
 
-@pytest.mark.slow
-def test_tensor_parallel_run_stops_resumes_and_matches_one_process(tmp_path):
-    single, tp = tmp_path / "single", tmp_path / "tp"
-    assert main([*COMMON, "--out", str(single)]) == 0
-    launch = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "kiln.cli",
-    ]
-    # the tensor-parallel ranks read the same rows: the global batch is 4 sequences, as in one process
-    for extra in (["--stop-at", "2"], ["--resume"]):
-        r = subprocess.run(
-            [*launch, *COMMON, *TP, "--out", str(tp), *extra], capture_output=True, text=True, timeout=300
-        )
-        assert r.returncode == 0, r.stderr[-3000:]
-    assert "tensor parallel + sequence parallel" in r.stdout
-    a, b = _records(single, "train", "loss"), _records(tp, "train", "loss")
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """One uninterrupted process: the reference every launch below must match."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    assert main([*COMMON, "--out", str(out)]) == 0
+    return out
+
+
+def _launch(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
+    launch = [*LAUNCH[:4], f"--nproc_per_node={nproc}", *LAUNCH[4:]]
+    r = subprocess.run([*launch, *COMMON, *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _same_losses(single, run_dir):
+    a, b = _records(single, "train", "loss"), _records(run_dir, "train", "loss")
     assert len(a) == len(b) == 4
     assert b == pytest.approx(a, abs=1e-5, rel=0)
-    assert _records(tp, "val", "val_loss") == pytest.approx(
+    assert _records(run_dir, "val", "val_loss") == pytest.approx(
         _records(single, "val", "val_loss"), abs=1e-5, rel=0
     )
+
+
+@pytest.mark.slow
+def test_tensor_parallel_run_stops_resumes_and_matches_one_process(single, tmp_path):
+    tp = tmp_path / "tp"
+    # the tensor-parallel ranks read the same rows: the global batch is 4 sequences, as in one process
+    for extra in (["--stop-at", "2"], ["--resume"]):
+        r = _launch(2, [*TP, "--out", str(tp), *extra])
+    assert "tensor parallel + sequence parallel" in r.stdout
+    _same_losses(single, tp)
     assert "--- prompt" in r.stdout  # rank 0 sampled from the gathered weights
+
+
+@pytest.mark.slow
+def test_pipeline_run_stops_resumes_and_matches_one_process(single, tmp_path):
+    """pp=2, 1F1B: the step's 2 x 4 rows cut into 2 micro-batches; the loss from the last stage, the
+    norm over both stages, validation forward through both, a checkpoint merged from the stages on
+    rank 0 (stop at 2), the resume splitting it again, samples from the merged weights."""
+    pp = tmp_path / "pp"
+    args = [*PP, "--train.checkpoint_format=full", "--out", str(pp)]
+    first = _launch(2, [*args, "--stop-at", "2"])
+    assert "pipeline 1f1b, 2 micro-batches, bubble 33.3% of a step" in first.stdout
+    assert not list((pp / "checkpoints").glob("*.dcp"))  # the full format: one merged .pt
+    r = _launch(2, [*args, "--resume"])
+    _same_losses(single, pp)
+    assert "--- prompt" in r.stdout
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_on_another_mesh_and_exports(single, tmp_path):
+    """pp=2 writes dcp checkpoints (auto for a pipelined run): each stage's shards in step_2.dcp, the
+    rest of the state in step_2.pt, which LATEST.json names. The run resumes as tp=2 + sequence
+    parallel (another mesh, the same data-parallel size): DCP reshards by name, the losses and
+    validation are those of one uninterrupted process; then `kiln convert` of the run directory
+    exports the final shards to HF safetensors equal to the one process's final weights."""
+    run = tmp_path / "run"
+    _launch(2, [*PP, "--out", str(run), "--stop-at", "2"])
+    ckpts = run / "checkpoints"
+    assert json.loads((ckpts / "LATEST.json").read_text())["file"] == "step_0000002.pt"
+    assert (ckpts / "step_0000002.dcp" / ".metadata").is_file()
+    r = _launch(2, [*TP, "--parallel.pp=1", "--out", str(run), "--resume"])  # the run's config has pp=2
+    assert "resume: parallel.pp changed from 2 to 1" in r.stdout
+    assert (ckpts / "step_0000004.dcp" / ".metadata").is_file()
+    _same_losses(single, run)
+    hf = tmp_path / "hf"
+    assert main(["convert", str(run), str(hf)]) == 0
+    got = from_pretrained(hf).state_dict()
+    want = load_checkpoint(single / "checkpoints")["model"]  # the one process's step 4
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert (got[k] - v).abs().max().item() <= 1e-5, k
