@@ -62,6 +62,13 @@ SCHEMES = [
         {"dp_replicate": 1, "dp_shard": 2, "pp": 2, "pp_schedule": "interleaved_1f1b", "microbatches": 2},
         {"n_layers": 4},
     ),
+    # a sharded checkpoint of pipeline stages (each stage's ranks write their own shards) resumed without
+    # a pipeline: 5 steps on dp_shard=2 x pp=2, 5 more on dp_shard=2 x tp=2
+    Scheme(
+        "dcp_resume_dp2_x_pp2_as_dp2_x_tp2",
+        {"dp_replicate": 1, "dp_shard": 2, "pp": 2, "pp_schedule": "1f1b", "microbatches": 2},
+        resume_as=Scheme("dp2_x_tp2", {"dp_replicate": 1, "dp_shard": 2, "tp": 2}),
+    ),
     # tp x pp: a 2D mesh, tensor parallel inside each stage, the vocab-parallel loss on the last
     Scheme("tp_x_pp_1f1b", {"dp_replicate": 1, "tp": 2, "pp": 2, "pp_schedule": "1f1b", "microbatches": 2}),
     Scheme(

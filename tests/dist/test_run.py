@@ -1,4 +1,5 @@
-"""`kiln run` under torchrun with tensor + sequence parallel: the loop's strategy path end to end.
+"""`kiln run` under torchrun with tensor + sequence parallel and pipeline parallel: the loop's strategy
+path end to end, both checkpoint formats, a resume on another mesh and the export of its shards.
 
 Two processes (tp=2, sequence parallel; pp=2, 1F1B; gloo) stop at step 2 with a checkpoint gathered
 from the shards or stages, resume to step 4, and must log the losses of one uninterrupted process on
