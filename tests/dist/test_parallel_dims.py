@@ -75,5 +75,7 @@ def test_pipeline_stages_and_bubble():
     assert (d.stages_per_rank, d.microbatches) == (2, 2)  # the defaults: 2 stages per rank, pp micro-batches
     # (p - 1) / (v m + p - 1) = 1 / 5
     assert "(2 stages per rank), 2 micro-batches, bubble 20.0% of a step" in d.describe()
-    g = ParallelDims.resolve(ParallelConfig(dp_replicate=1, pp=4, pp_schedule="gpipe", microbatches=8), 4, MODEL)
+    g = ParallelDims.resolve(
+        ParallelConfig(dp_replicate=1, pp=4, pp_schedule="gpipe", microbatches=8), 4, MODEL
+    )
     assert g.stages_per_rank == 1 and "bubble 27.3%" in g.describe()  # 3 / 11
