@@ -32,7 +32,11 @@ def test_fill_and_coordinates():
     [
         (dict(tp=3), 6, "model.n_heads (8) is not divisible by parallel.tp (3)"),
         (dict(tp=4), 4, "model.n_kv_heads (2) is not divisible by parallel.tp (4)"),
-        (dict(pp=3), 3, "model.n_layers (4) is not divisible by parallel.pp (3)"),
+        (dict(pp=3), 3, "model.n_layers (4) is not divisible by the 3 pipeline stages"),
+        (dict(pp=2, pp_schedule="interleaved_1f1b", stages_per_rank=4), 2, "not divisible by the 8 pipeline"),
+        (dict(pp=2, pp_schedule="interleaved_1f1b", microbatches=3), 2, "multiple of parallel.pp (2)"),
+        (dict(pp=2, tp=2, dp_replicate=1, sequence_parallel=True), 4, "sequence_parallel inside pipeline"),
+        (dict(pp=2), 4, "whole replicas (parallel.dp_replicate=2) with pipeline stages"),
         (dict(pp=2, dp_replicate=1, tie_embeddings=None), 2, "pipeline parallel with a tied head"),
         (dict(dp_replicate=2, tp=2), 8, "= 4 processes, but the world size is 8"),
         (dict(tp=2), 5, "not divisible by tp x pp x the given dp size = 2"),
@@ -60,6 +64,18 @@ def test_vocabulary_and_config_checks():
         (dict(activation_checkpoint="some"), "parallel.activation_checkpoint must be one of"),
         (dict(sequence_parallel=True), "needs parallel.tp > 1"),
         (dict(zero=4), "parallel.zero must be"),
+        (dict(pp=2, stages_per_rank=2), "needs parallel.pp_schedule=interleaved_1f1b"),
     ]:
         with pytest.raises(KilnError, match=msg):
             ParallelConfig(**bad)
+
+
+def test_pipeline_stages_and_bubble():
+    d = ParallelDims.resolve(ParallelConfig(dp_replicate=1, pp=2, pp_schedule="interleaved_1f1b"), 2, MODEL)
+    assert (d.stages_per_rank, d.microbatches) == (2, 2)  # the defaults: 2 stages per rank, pp micro-batches
+    # (p - 1) / (v m + p - 1) = 1 / 5
+    assert "(2 stages per rank), 2 micro-batches, bubble 20.0% of a step" in d.describe()
+    g = ParallelDims.resolve(
+        ParallelConfig(dp_replicate=1, pp=4, pp_schedule="gpipe", microbatches=8), 4, MODEL
+    )
+    assert g.stages_per_rank == 1 and "bubble 27.3%" in g.describe()  # 3 / 11

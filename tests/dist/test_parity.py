@@ -51,6 +51,26 @@ SCHEMES = [
     Scheme(
         "dp_x_pp_1f1b", {"dp_replicate": 1, "dp_shard": 2, "pp": 2, "pp_schedule": "1f1b", "microbatches": 2}
     ),
+    # interleaved 1F1B: 2 stages per rank (rank r holds stages r and r + pp), alone and under FSDP2
+    Scheme(
+        "pp_interleaved_1f1b",
+        {"dp_replicate": 1, "pp": 4, "pp_schedule": "interleaved_1f1b", "microbatches": 8},
+        {"n_layers": 8},
+    ),
+    Scheme(
+        "dp_x_pp_interleaved_1f1b",
+        {"dp_replicate": 1, "dp_shard": 2, "pp": 2, "pp_schedule": "interleaved_1f1b", "microbatches": 2},
+        {"n_layers": 4},
+    ),
+    # a sharded checkpoint of pipeline stages (each stage's ranks write their own shards) resumed without
+    # a pipeline: 5 steps on dp_shard=2 x pp=2, 5 more on dp_shard=2 x tp=2
+    Scheme(
+        "dcp_resume_dp2_x_pp2_as_dp2_x_tp2",
+        {"dp_replicate": 1, "dp_shard": 2, "pp": 2, "pp_schedule": "1f1b", "microbatches": 2},
+        resume_as=Scheme("dp2_x_tp2", {"dp_replicate": 1, "dp_shard": 2, "tp": 2}),
+    ),
+    # tp x pp: a 2D mesh, tensor parallel inside each stage, the vocab-parallel loss on the last
+    Scheme("tp_x_pp_1f1b", {"dp_replicate": 1, "tp": 2, "pp": 2, "pp_schedule": "1f1b", "microbatches": 2}),
     Scheme(
         "dp_x_tp_sp_qwen3ish",
         {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "sequence_parallel": True},

@@ -10,7 +10,9 @@ single-file checkpoints are).
 global shape and every shard's offsets, so loading into other placements (dp_shard=4 written,
 dp_shard=2 x tp=2 read) is a resharding read, not a conversion step. Parameter names are the HF names
 (kiln.dist.parallelize unmerges q/k/v and gate/up), so the keys match across meshes; optimizer state
-is keyed by those names too (`get_state_dict`).
+is keyed by those names too (`get_state_dict`), flattened (`state.<name>.exp_avg`,
+`param_groups.<name>.lr`): pipeline stages hold different parameters, and a per-group list of names
+would differ from stage to stage under one key.
 
 The model's config goes beside the shards as `model.json` (when the model has one), so that
 `kiln convert DIR OUT` exports the directory to one HF-format safetensors directory in one process
@@ -28,14 +30,19 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from kiln.errors import KilnError
 
 
-def save_sharded(path: str | Path, model: nn.Module, optimizer, extra: dict | None = None) -> Path:
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def save_sharded(path: str | Path, model: nn.Module, optimizer, extra: dict | None = None,
+                 files: dict[str, bytes] | None = None) -> Path:  # fmt: skip
     """Write a sharded checkpoint at `path` (a directory) atomically; every rank calls it.
-    `extra`: small replicated values (step, loader position) saved beside the tensors."""
+    `extra`: small replicated values (step, loader position) saved beside the tensors. `files`: name ->
+    bytes that rank 0 writes into the directory before it is renamed into place."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     rank = dist.get_rank()
@@ -44,13 +51,15 @@ def save_sharded(path: str | Path, model: nn.Module, optimizer, extra: dict | No
         if path.exists():
             raise KilnError(f"{path} exists: a checkpoint is never overwritten; remove it or pick another name")
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     dcp.save({"model": model_sd, "optimizer": optim_sd, "extra": dict(extra or {})}, checkpoint_id=str(tmp))
     dist.barrier()  # every rank's shards are on disk
     if rank == 0:
         config = getattr(model, "config", None)  # a pipeline stage keeps the whole model's config too
         if config is not None:  # what `kiln convert` needs to rebuild the model in one process
             (tmp / "model.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        for name, data in (files or {}).items():
+            (tmp / name).write_bytes(data)
         os.replace(tmp, path)
     dist.barrier()
     return path
@@ -62,8 +71,10 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer, extra: dict | No
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise KilnError(f"{path} is not a sharded kiln checkpoint (no DCP .metadata in it)")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     state = {"model": model_sd, "optimizer": optim_sd, "extra": dict(extra or {})}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=OPTIONS
+    )
     return state["extra"]

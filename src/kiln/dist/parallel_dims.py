@@ -40,6 +40,7 @@ class ParallelConfig:
     pp: int = 1
     pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved_1f1b
     microbatches: int = 0  # pipeline micro-batches per step; 0: pp (the fewest that fill the pipeline)
+    stages_per_rank: int = 0  # pipeline stages on each rank; 0: 2 for interleaved_1f1b, else 1
     zero: int | None = None  # None: 3 when dp_shard > 1, else 0 (plain DDP); 1: DDP + sharded optimizer
     sequence_parallel: bool = False  # with tp: norms and the residual stream split by tokens
     activation_checkpoint: str = "none"  # none, selective (every other block), full (every block)
@@ -61,6 +62,12 @@ class ParallelConfig:
             f"parallel.pp_schedule must be one of {', '.join(SCHEDULES)}, got {self.pp_schedule!r}",
         )
         _require(self.microbatches >= 0, f"parallel.microbatches must be >= 0, got {self.microbatches}")
+        _require(self.stages_per_rank >= 0, f"parallel.stages_per_rank must be >= 0, got {self.stages_per_rank}")
+        _require(
+            self.stages_per_rank <= 1 or self.pp_schedule == "interleaved_1f1b",
+            f"parallel.stages_per_rank={self.stages_per_rank} needs parallel.pp_schedule=interleaved_1f1b "
+            f"(gpipe and 1f1b run one stage per rank)",
+        )
         _require(
             self.zero in (None, 0, 1, 2, 3), f"parallel.zero must be 0, 1, 2, 3 or null, got {self.zero}"
         )
@@ -88,6 +95,7 @@ class ParallelDims:
     sequence_parallel: bool
     pp_schedule: str
     microbatches: int
+    stages_per_rank: int = 1  # pipeline stages per pp rank (interleaved 1F1B: >= 2)
 
     @property
     def world_size(self) -> int:
@@ -129,7 +137,16 @@ class ParallelDims:
         if self.tp > 1:
             extra.append("tensor parallel" + (" + sequence parallel" if self.sequence_parallel else ""))
         if self.pp > 1:
-            extra.append(f"pipeline {self.pp_schedule}, {self.microbatches} micro-batches")
+            from kiln.dist.pipeline import bubble_fraction
+
+            v = self.stages_per_rank
+            bubble = bubble_fraction(self.pp, self.microbatches, v)
+            extra.append(
+                f"pipeline {self.pp_schedule}"
+                + (f" ({v} stages per rank)" if v > 1 else "")
+                + f", {self.microbatches} micro-batches, bubble {bubble:.1%} of a step"
+                + " = (pp - 1) / (" + ("stages_per_rank x " if v > 1 else "") + "micro-batches + pp - 1)"
+            )
         return " x ".join(parts) + ": " + ", ".join(extra)
 
     @staticmethod
@@ -173,13 +190,26 @@ class ParallelDims:
                 "launch more processes or drop parallel.zero",
             )
         micro = cfg.microbatches or cfg.pp
-        if cfg.pp_schedule == "interleaved_1f1b" and cfg.pp > 1:
+        interleaved = cfg.pp_schedule == "interleaved_1f1b"
+        v = (cfg.stages_per_rank or (2 if interleaved else 1)) if cfg.pp > 1 else 1
+        if interleaved and cfg.pp > 1:
             _require(
                 micro % cfg.pp == 0,
                 f"parallel.microbatches ({micro}) must be a multiple of parallel.pp ({cfg.pp}) for "
                 "interleaved_1f1b",
             )
-        dims = ParallelDims(rep, shard, cfg.tp, cfg.pp, zero, cfg.sequence_parallel, cfg.pp_schedule, micro)
+        if cfg.pp > 1:
+            _require(
+                not cfg.sequence_parallel,
+                "parallel.sequence_parallel inside pipeline stages is not built (the stages pass whole "
+                "(b, T, d) activations): use parallel.tp without sequence_parallel with parallel.pp",
+            )
+            _require(
+                rep == 1 or shard > 1,
+                f"data parallel by whole replicas (parallel.dp_replicate={rep}) with pipeline stages is not "
+                "built: use parallel.dp_shard for the data-parallel size (FSDP2 over each stage)",
+            )
+        dims = ParallelDims(rep, shard, cfg.tp, cfg.pp, zero, cfg.sequence_parallel, cfg.pp_schedule, micro, v)
         if model is not None:
             dims.check_model(model)
         return dims
@@ -224,10 +254,17 @@ class ParallelDims:
                 "parallel.tp=1",
             )
         if self.pp > 1:
+            n = self.pp * self.stages_per_rank
             _require(
-                m.n_layers % self.pp == 0,
-                f"model.n_layers ({m.n_layers}) is not divisible by parallel.pp ({self.pp}): each stage "
-                "takes the same number of blocks; choose a pp that divides it",
+                m.n_layers % n == 0,
+                f"model.n_layers ({m.n_layers}) is not divisible by the {n} pipeline stages (parallel.pp="
+                f"{self.pp} x {self.stages_per_rank} stages per rank): each stage takes the same number of "
+                "blocks; choose a pp (or parallel.stages_per_rank) that divides it",
+            )
+            _require(
+                not m.n_experts,
+                "pipeline parallel of MoE models is not supported (the stages do not carry the router's "
+                "auxiliary loss): use parallel.pp=1 and data parallel (parallel.dp_shard)",
             )
             _require(
                 not m.tie_embeddings,

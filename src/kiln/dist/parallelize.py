@@ -147,27 +147,34 @@ def parallelize(
 
 def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, mesh, device: torch.device,
                          full_state: dict[str, torch.Tensor], param_dtype: torch.dtype | None = None):  # fmt: skip
-    """This rank's pipeline stage of `model` (meta device), sharded over the data-parallel mesh when
-    dp_shard > 1 and initialized from `full_state`. Returns (stage module, kiln.dist.pipeline.Pipeline)."""
-    from kiln.dist.pipeline import Pipeline, split_stage
+    """This rank's pipeline stages of `model` (meta device): tensor parallel inside each stage when
+    tp > 1 (applied to the whole model first, then split by layers), sharded over the data-parallel
+    mesh when dp_shard > 1, initialized from `full_state`. Returns (kiln.dist.pipeline.RankPart: the
+    module whose parameters this rank trains, kiln.dist.pipeline.Pipeline)."""
+    from kiln.dist.pipeline import Pipeline, split_stages
 
-    if dims.tp > 1:
-        raise KilnError("tensor parallel inside pipeline stages is not built: use parallel.tp=1 with parallel.pp")
-    index = mesh["pp"].get_local_rank()
-    stage = split_stage(model, index, dims.pp)
-    checkpoint_blocks(list(stage.model.layers.values()), cfg.activation_checkpoint)
+    tp_mesh = mesh["tp"] if dims.tp > 1 else None
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh, sequence_parallel=False)  # ParallelDims refuses SP with pp
+    else:
+        # HF-named leaves on every scheme: the optimizer state and the checkpoints are keyed alike
+        # whether or not FSDP2 shards the stage (see kiln.dist.tp)
+        unmerge_projections(model)
+    part = split_stages(model, mesh["pp"].get_local_rank(), dims.pp, dims.stages_per_rank, tp_mesh)
+    for stage in part.stages:
+        checkpoint_blocks(list(stage.model.layers.values()), cfg.activation_checkpoint)
     if dims.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        unmerge_projections(stage)
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         m = dp_mesh(mesh, dims)
-        for block in stage.model.layers.values():
+        for block in part.model.layers.values():
             fully_shard(block, mesh=m, mp_policy=mp, reshard_after_forward=dims.zero == 3)
-        fully_shard(stage, mesh=m, mp_policy=mp, reshard_after_forward=False)
-    elif dims.dp > 1:
-        raise KilnError("data parallel with pipeline stages goes through FSDP2 here: use parallel.dp_shard")
-    stage.to_empty(device=device)
-    own = stage.state_dict().keys()
-    load_full_state(stage, {k: v for k, v in full_state.items() if k in own})
-    return stage, Pipeline(stage, stage, index, dims, mesh["pp"].get_group(), device)
+        # each stage is what its PipelineStage calls, so each is an FSDP root over what its blocks do
+        # not hold (the embedding on the first, the norm and head on the last)
+        for stage in part.stages:
+            fully_shard(stage, mesh=m, mp_policy=mp, reshard_after_forward=False)
+    part.to_empty(device=device)
+    own = part.state_dict().keys()
+    load_full_state(part, {k: v for k, v in full_state.items() if k in own})
+    return part, Pipeline(part, dims, mesh["pp"].get_group(), device)

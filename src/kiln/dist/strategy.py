@@ -9,7 +9,9 @@ The loop (kiln.train.loop) is written once; a `Strategy` answers its questions f
   same clip coefficient torch.nn.utils.clip_grad_norm_ applies;
 - `reduce_loss`: the step's loss averaged over the data-parallel ranks (tp ranks hold the same value);
 - `dp_rank` / `dp_size`: how the loader slices each global batch (data-parallel ranks only: the ranks
-  of one tp group read the same micro-batch).
+  of one tp group read the same micro-batch);
+- `pipeline`: under pp > 1, the kiln.dist.pipeline.Pipeline that runs a step's forward and backward
+  (the loop hands it the step's rows instead of running micro-batches itself).
 """
 
 from __future__ import annotations
@@ -73,12 +75,15 @@ def global_grad_norm(params, pp_group=None) -> torch.Tensor:
 
 
 class Strategy:
-    """One process, or DDP / ZeRO / FSDP2 / TP over a DeviceMesh (`dims`, `mesh`; None: one process).
+    """One process, or DDP / ZeRO / FSDP2 / TP / PP over a DeviceMesh (`dims`, `mesh`; None: one process).
 
-    `wrapped` is the loss module the loop runs (from kiln.dist.parallelize)."""
+    `wrapped` is the loss module the loop runs (from kiln.dist.parallelize); under pipeline parallel,
+    this rank's stages (a kiln.dist.pipeline.RankPart) and `pipeline` their schedule."""
 
-    def __init__(self, wrapped: nn.Module, dims: ParallelDims | None = None, mesh=None, rank: int = 0):
-        self.wrapped, self.dims, self.mesh = wrapped, dims, mesh
+    def __init__(self, wrapped: nn.Module, dims: ParallelDims | None = None, mesh=None, rank: int = 0,
+                 pipeline=None):  # fmt: skip
+        self.wrapped, self.dims, self.mesh, self.pipeline = wrapped, dims, mesh, pipeline
+        self.rank = rank
         self.distributed = dims is not None and dims.world_size > 1
         self.dp_rank = dims.dp_rank(rank) if dims is not None else 0
         self.dp_size = dims.dp if dims is not None else 1
@@ -136,12 +141,20 @@ class Strategy:
         """Whether parameters are DTensors (FSDP2 or TP): whole tensors exist only after a gather."""
         return any(isinstance(p, DTensor) for p in self.wrapped.parameters())
 
+    @property
+    def gathers(self) -> bool:
+        """Whether the whole model exists only after a collective (sharded, or split into stages)."""
+        return self.pipeline is not None or self.sharded
+
     def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
         """(model state, optimizer state), whole, on the CPU for sharded models: a collective every rank
         calls. The model state is what one process's would be (HF names, whole tensors), so it loads in
         one process; the optimizer state of a sharded model is keyed by parameter name
         (`get_state_dict`), which `load_full_state` reads back on the same layout. With ZeRO-1 the
-        optimizer state is consolidated on rank 0 (None elsewhere)."""
+        optimizer state is consolidated on rank 0 (None elsewhere). Under pipeline parallel the stages'
+        states are merged on rank 0 (None, None elsewhere)."""
+        if self.pipeline is not None:
+            return self._pipeline_full_state(model, optimizer)
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -158,6 +171,16 @@ class Strategy:
 
     def load_full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict):
         """The inverse of `full_state`: every rank passes the whole state and keeps its shards."""
+        if self.pipeline is not None:
+            from kiln.dist.parallelize import load_full_state
+
+            own = model.state_dict().keys()
+            missing = sorted(own - model_sd.keys())
+            if missing:
+                raise KeyError(f"the checkpoint has no {missing[0]} (and {len(missing) - 1} more)")
+            load_full_state(model, {k: v for k, v in model_sd.items() if k in own})
+            optimizer.load_state_dict(_optim_state_by_index(model, optimizer, optim_sd))
+            return
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -171,6 +194,29 @@ class Strategy:
             return
         model.load_state_dict(model_sd)
         optimizer.load_state_dict(optim_sd)
+
+    def _pipeline_full_state(self, model: nn.Module, optimizer) -> tuple[dict | None, dict | None]:
+        """Each stage's whole state (DTensors gathered over dp and tp), sent by one rank per stage (the
+        first of its dp and tp groups: rank 0's pipeline group) to rank 0, which merges them: the
+        parameter names are the HF names, disjoint across stages."""
+        model_sd = {k: _whole(v) for k, v in model.state_dict().items()}
+        optim_sd = _optim_state_by_name(model, optimizer) if optimizer is not None else None
+        c = self.dims.coords(self.rank)
+        if c["dp_replicate"] or c["dp_shard"] or c["tp"]:
+            return None, None
+        parts = [None] * self.dims.pp if self.rank == 0 else None
+        dist.gather_object((model_sd, optim_sd), parts, dst=0, group=self.mesh["pp"].get_group())
+        if self.rank != 0:
+            return None, None
+        merged_model = {k: v for m, _ in parts for k, v in m.items()}
+        if optimizer is None:
+            return merged_model, None
+        merged = {"state": {}, "param_groups": [dict(g, params=[]) for g in parts[0][1]["param_groups"]]}
+        for _, o in parts:
+            merged["state"].update(o["state"])
+            for g, part_group in zip(merged["param_groups"], o["param_groups"]):
+                g["params"] += part_group["params"]
+        return merged_model, merged
 
     # ---- optimizer ---------------------------------------------------------------------------------------
     def build_optimizer(self, model: nn.Module, build) -> torch.optim.Optimizer:
@@ -198,27 +244,69 @@ class Strategy:
         return zero
 
 
+def _whole(v):
+    """A state value as a whole CPU tensor (DTensors gathered: a collective over their mesh)."""
+    if isinstance(v, DTensor):
+        v = v.full_tensor()
+    return v.detach().cpu() if isinstance(v, torch.Tensor) else v
+
+
+def _ordered_names(model: nn.Module, optimizer) -> list[str]:
+    """The parameter names in the optimizer's order (its state_dict's integer keys index this list)."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def _optim_state_by_name(model: nn.Module, optimizer) -> dict:
+    """optimizer.state_dict() keyed by parameter name, with whole tensors (get_state_dict's layout)."""
+    names = _ordered_names(model, optimizer)
+    sd = optimizer.state_dict()
+    state = {names[i]: {k: _whole(v) for k, v in st.items()} for i, st in sd["state"].items()}
+    groups = [dict(g, params=[names[i] for i in g["params"]]) for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _optim_state_by_index(model: nn.Module, optimizer, by_name: dict) -> dict:
+    """The inverse for this rank's parameters: whole tensors of a merged state back to this rank's
+    shards (each rank slices its own: no communication) and to the optimizer's integer keys."""
+    from torch.distributed.tensor import distribute_tensor
+
+    names = _ordered_names(model, optimizer)
+    params = dict(model.named_parameters())
+    state = {}
+    for i, name in enumerate(names):
+        if name not in by_name["state"]:
+            continue
+        p = params[name]
+        st = {}
+        for k, v in by_name["state"][name].items():
+            if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.shape == p.shape:
+                v = distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+            st[k] = v
+        state[i] = st
+    own = optimizer.state_dict()["param_groups"]
+    groups = [dict(saved, params=g["params"]) for saved, g in zip(by_name["param_groups"], own)]
+    return {"state": state, "param_groups": groups}
+
+
 def build_parallel(model_cfg, cfg, rank: int, world_size: int, device: torch.device, seed: int,
                    param_dtype: torch.dtype | None = None):  # fmt: skip
     """A kiln run's model and strategy under torchrun: the dims checked against the world and the
     model, one DeviceMesh, the model built on the meta device and parallelized, then initialized from
     the one-process init of `seed` (kiln.dist.parallelize). Returns (model, strategy)."""
     from kiln.dist.parallel_dims import ParallelDims
-    from kiln.dist.parallelize import parallelize
-    from kiln.errors import KilnError
+    from kiln.dist.parallelize import parallelize, parallelize_pipeline
     from kiln.model import build_model
     from kiln.model.transformer import Transformer
 
     dims = ParallelDims.resolve(cfg, world_size, model_cfg)
-    if dims.pp > 1:
-        raise KilnError(
-            "parallel.pp > 1: pipeline parallel training is not part of kiln yet; use parallel.dp_shard "
-            "and parallel.tp to spread the model"
-        )
     mesh = dims.build_mesh(device.type)
     full = build_model(model_cfg, device="cpu", seed=seed).state_dict()
     with torch.device("meta"):
         model = Transformer(model_cfg)
+    if dims.pp > 1:  # this rank's stages: the module that trains is the stages' part of the model
+        part, pipe = parallelize_pipeline(model, dims, cfg, mesh, device, full, param_dtype)
+        return part, Strategy(part, dims, mesh, rank, pipeline=pipe)
     wrapped = parallelize(model, dims, cfg, mesh, device, full, param_dtype)
     del full
     return model, Strategy(wrapped, dims, mesh, rank)

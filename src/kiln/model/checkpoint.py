@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from kiln.configs import PRESETS, load_preset
 from kiln.errors import KilnError
-from kiln.io.checkpoint import POINTER, load_checkpoint
+from kiln.io.checkpoint import POINTER, load_checkpoint, resolve_checkpoint
 from kiln.model.config import ModelConfig
 from kiln.model.hf import from_pretrained
 from kiln.model.hf_config import config_from_hf
@@ -173,6 +173,10 @@ def load_source(
     ckpt = _training_checkpoint(path) if path.exists() else None
     if ckpt is not None:
         state = load_checkpoint(ckpt)
+        if state.get("sharded"):  # kiln run's dcp format: the .pt names the shards' directory beside it
+            return load_sharded_model(
+                resolve_checkpoint(ckpt).parent / state["sharded"], device, dtype
+            ), "sharded"
         cfg, _ = _config_from_json(state["config"], str(ckpt))
         return _with_state(cfg, state["model"], device, dtype, str(ckpt)), "training"
     if path.is_dir() and (path / "config.json").is_file():

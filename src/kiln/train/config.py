@@ -75,6 +75,7 @@ class TrainConfig:
     eval_batches: int = 16
     ckpt_interval: int = 100
     keep_checkpoints: int = 2
+    checkpoint_format: str = "auto"  # full / dcp (sharded, per rank) / auto: dcp for FSDP2, TP and PP runs
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; or fp32 / bf16
     compile: bool = False
     seed: int = 1337
@@ -107,6 +108,10 @@ class TrainConfig:
         )
         for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
             _require(math.isfinite(getattr(self, name)), f"train.{name} must be a finite number")
+        _require(
+            self.checkpoint_format in ("auto", "full", "dcp"),
+            f"train.checkpoint_format must be auto, full or dcp, got {self.checkpoint_format!r}",
+        )
         _require(
             self.dtype in ("auto", "fp32", "bf16"),
             f"train.dtype must be auto, fp32 or bf16, got {self.dtype!r}",
@@ -218,6 +223,7 @@ RESUMABLE = (
     "train.eval_interval",
     "train.ckpt_interval",
     "train.keep_checkpoints",
+    "train.checkpoint_format",  # the checkpoint read says its own format
     "train.max_bad_steps",
     "sample.*",
     "kernels.*",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +26,14 @@ from kiln.data.loader import TokenLoader
 from kiln.dist.parallel_dims import ParallelConfig, ParallelDims
 from kiln.dist.strategy import Strategy
 from kiln.errors import KilnError
-from kiln.train.checkpoint import check_finite, save_checkpoint
+from kiln.train.checkpoint import (
+    check_finite,
+    check_finite_sharded,
+    prune_sharded,
+    resolve_format,
+    save_checkpoint,
+    sharded_name,
+)
 from kiln.train.config import RunConfig
 from kiln.train.env import DistEnv
 from kiln.train.evaluate import evaluate
@@ -118,6 +126,15 @@ class Trainer:
         self.strategy = strategy
         one_process = not env.distributed
         self.wrapped = strategy.wrapped  # what the forward/backward runs through
+        self.ckpt_format = resolve_format(self.tc.checkpoint_format, strategy.gathers)
+        pipe = strategy.pipeline
+        rows = self.tc.batch_size * self.tc.grad_accum
+        if pipe is not None and rows % pipe.dims.microbatches:
+            raise KilnError(
+                f"train.batch_size x train.grad_accum = {rows} rows per data-parallel rank do not split into "
+                f"parallel.microbatches={pipe.dims.microbatches} equal pipeline micro-batches: make the rows "
+                "a multiple of the micro-batches"
+            )
         self.optimizer = optimizer
         self.scheduler = WarmupCosine(
             optimizer, self.tc.lr, self.tc.warmup_steps, self.tc.steps, self.tc.min_lr_ratio
@@ -192,9 +209,11 @@ class Trainer:
     def state_dict(self) -> dict:
         """The whole training state; a collective under a sharded strategy (call it on every rank)."""
         model_sd, optim_sd = self.strategy.full_state(self.model, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd, **self.progress_state()}
+
+    def progress_state(self) -> dict:
+        """Everything but the model and optimizer: step, schedule, data position, RNG, config."""
         return {
-            "model": model_sd,
-            "optimizer": optim_sd,
             "scheduler": self.scheduler.state_dict(),
             "loader": self.train_loader.state_dict(),
             "step": self.state.step,
@@ -202,13 +221,20 @@ class Trainer:
             "skipped": self.state.skipped,
             "start_loss": self.state.start_loss,
             "world_size": self.env.world_size,
+            "dp_size": self.strategy.dp_size,
             "rng": rng_state(self.device),
             "config": to_dict(self.cfg),
         }
 
     def load_state_dict(self, ckpt: dict) -> None:
+        """`ckpt`: a full checkpoint, or a dcp one's state with "sharded" the path of its shards."""
         try:
-            self.strategy.load_full_state(self.model, self.optimizer, ckpt["model"], ckpt["optimizer"])
+            if ckpt.get("sharded"):  # every rank reads its own shards, resharded onto this mesh
+                from kiln.dist.checkpoint import load_sharded
+
+                load_sharded(ckpt["sharded"], self.model, self.optimizer)
+            else:
+                self.strategy.load_full_state(self.model, self.optimizer, ckpt["model"], ckpt["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise KilnError(
                 f"the checkpoint does not fit this model/optimizer: {str(e).splitlines()[0]}"
@@ -225,7 +251,10 @@ class Trainer:
         self.metrics.truncate_after(self.state.step)
 
     def save(self) -> None:
-        if self.strategy.sharded or self.strategy.zero1:  # gathering the state takes every rank
+        if self.ckpt_format == "dcp":
+            self._save_sharded()
+            return
+        if self.strategy.gathers or self.strategy.zero1:  # gathering the state takes every rank
             state = self.state_dict()
             if self.env.is_main:
                 check_finite(state["model"], self.state.step)
@@ -238,6 +267,24 @@ class Trainer:
             save_checkpoint(
                 self.run_dir / "checkpoints", self.state.step, self.state_dict(), self.tc.keep_checkpoints
             )
+
+    def _save_sharded(self) -> None:
+        """Every rank writes its shards to step_N.dcp (atomic); then rank 0 commits step_N.pt (the rest
+        of the state, naming the directory) and LATEST.json, and prunes as the full format does."""
+        from kiln.dist.checkpoint import save_sharded
+
+        step, ckpt_dir = self.state.step, self.run_dir / "checkpoints"
+        check_finite_sharded(self.model, step)
+        shards = ckpt_dir / sharded_name(step)
+        if self.env.is_main:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            if shards.exists() and not shards.with_suffix(".pt").exists():
+                shutil.rmtree(shards)  # written by an attempt that died before committing it: never loaded
+        save_sharded(shards, self.model, self.optimizer)
+        if self.env.is_main:
+            state = {"model": None, "optimizer": None, "sharded": shards.name, **self.progress_state()}
+            save_checkpoint(ckpt_dir, step, state, self.tc.keep_checkpoints)
+            prune_sharded(ckpt_dir)
 
     # ---- steps ---------------------------------------------------------------------------------------------
     def _autocast(self):
@@ -254,7 +301,16 @@ class Trainer:
         """
         self.model.train()
         total = torch.zeros((), device=self.device)
-        for micro in range(self.tc.grad_accum):
+        pipe = self.strategy.pipeline
+        if pipe is not None:
+            # the step's grad_accum micro-batches, concatenated (rows, T): the schedule cuts them into its
+            # own micro-batches and runs forward and backward over them; the mean loss comes back on
+            # every pipeline rank
+            xs, ys = zip(*(self.train_loader.next_batch() for _ in range(self.tc.grad_accum)))
+            x, y = torch.cat(xs).to(self.device), torch.cat(ys).to(self.device)
+            with self._autocast():  # the pipeline enters loss_parallel itself under tp
+                total = pipe.step(x, y)
+        for micro in range(self.tc.grad_accum if pipe is None else 0):
             x, y = self.train_loader.next_batch()
             if self.device.type == "cuda":  # from pageable memory a copy can wait on the stream: pin first
                 x, y = x.pin_memory(), y.pin_memory()
@@ -292,6 +348,8 @@ class Trainer:
 
         def summed(x, y):
             with self._autocast():
+                if self.strategy.pipeline is not None:  # forward stage after stage; the sum on every rank
+                    return self.strategy.pipeline.eval_loss_sum(x, y)
                 if self.strategy.sharded:  # the parameters are shards: go through the parallel loss
                     with torch.no_grad(), self.strategy.context():
                         n = (y != -100).sum()

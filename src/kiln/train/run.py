@@ -193,6 +193,9 @@ def run(
 def _check_resume(cfg: RunConfig, env: DistEnv, ckpt: dict, file: Path, stop_at: int | None) -> str | None:
     """Refuse a resume that would change what the checkpoint means; a message when nothing is left to do."""
     _, refused = resume_changes(ckpt["config"], cfg)
+    sharded = bool(ckpt.get("sharded"))
+    if sharded:  # dcp shards reshard onto any mesh: the parallel layout may change, the data may not
+        refused = [c for c in refused if not c[0].startswith("parallel.")]
     if refused:
         changes = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in refused)
         raise KilnError(
@@ -201,7 +204,17 @@ def _check_resume(cfg: RunConfig, env: DistEnv, ckpt: dict, file: Path, stop_at:
             "to use them"
         )
     world = ckpt.get("world_size")
-    if world is not None and int(world) != env.world_size:
+    if sharded:
+        from kiln.dist.parallel_dims import ParallelDims
+
+        dp = ParallelDims.resolve(cfg.parallel, env.world_size).dp
+        if int(ckpt["dp_size"]) != dp:
+            raise KilnError(
+                f"{file.name} was written with {ckpt['dp_size']} data-parallel rank(s) and this resume has {dp}: "
+                "the global batch and each rank's data would change; change the mesh keeping the "
+                "data-parallel size (parallel.dp_replicate x parallel.dp_shard), or start a new run"
+            )
+    elif world is not None and int(world) != env.world_size:
         raise KilnError(
             f"{file.name} was written by {world} process(es) and this resume has {env.world_size}: the global "
             f"batch and each rank's data would change; resume with {world} process(es) (torchrun "
@@ -237,6 +250,19 @@ def _run(
     ckpt = ckpt_file = None
     if resume:  # every rank reads the same files and takes the same decisions
         ckpt, ckpt_file = choose_resume_checkpoint(ckpt_dir, resume_from, device, lambda m: _say(env, m))
+        if ckpt.get("sharded"):  # a dcp checkpoint: its shards are the directory beside the .pt
+            shards = ckpt_file.parent / ckpt["sharded"]
+            if not (shards / ".metadata").is_file():
+                raise KilnError(
+                    f"{ckpt_file.name} names the sharded checkpoint {shards}, which is missing or incomplete: "
+                    "restore it, or --resume-from an earlier step"
+                )
+            if not env.distributed:
+                raise KilnError(
+                    f"{ckpt_file.name} is a sharded (dcp) checkpoint: resume it under torchrun (any mesh with "
+                    f"the same data-parallel size), or export it with `kiln convert {shards} OUT`"
+                )
+            ckpt["sharded"] = str(shards)
         done = _check_resume(cfg, env, ckpt, ckpt_file, stop_at)
         if done is not None:
             _say(env, done)
@@ -267,7 +293,9 @@ def _run(
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         if resume:
-            for key, old, new in resume_changes(ckpt["config"], cfg)[0]:
+            allowed, refused = resume_changes(ckpt["config"], cfg)
+            moved = [c for c in refused if ckpt.get("sharded") and c[0].startswith("parallel.")]
+            for key, old, new in allowed + moved:
                 print(f"resume: {key} changed from {old!r} to {new!r}", flush=True)
         atomic_write_text(run_dir / "config.json", format_config(cfg) + "\n")
         print(f"kiln run -> {run_dir} on {device} ({env.world_size} process(es))")
@@ -384,7 +412,7 @@ def _run(
 
     samples = []
     want_samples = bool(cfg.sample.prompts) and cfg.sample.max_new_tokens > 0
-    if want_samples and strategy is not None and strategy.sharded:
+    if want_samples and strategy is not None and strategy.gathers:
         # sample from whole weights: every rank joins the gather, rank 0 builds a one-process model
         full, _ = strategy.full_state(model, None)
         if env.is_main:
