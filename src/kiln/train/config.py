@@ -67,6 +67,17 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    # adamw, or muon: Muon for the blocks' matrices (muon_* below), AdamW (lr, betas, eps, weight_decay)
+    # for embeddings, head, norms and biases (kiln.train.muon)
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95  # Nesterov momentum
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    muon_weight_decay: float = 0.0
+    schedule: str = "cosine"  # cosine, or wsd: hold lr, then decay linearly over the last cooldown_frac
+    cooldown_frac: float = 0.2
+    target_val_bpb: float | None = None  # stop at the first evaluation at or below this validation bpb
+    max_time_s: float | None = None  # stop at the first evaluation after this many seconds of training
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     max_bad_steps: int = 5  # stop after this many consecutive steps with a non-finite loss or gradient
     log_interval: int = 10
@@ -95,6 +106,30 @@ class TrainConfig:
         _require(self.lr > 0, f"train.lr must be positive, got {self.lr}")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]")
         _require(self.grad_clip >= 0, "train.grad_clip must be >= 0")
+        _require(
+            self.optimizer in ("adamw", "muon"),
+            f"train.optimizer must be adamw or muon, got {self.optimizer!r}",
+        )
+        _require(self.muon_lr > 0, f"train.muon_lr must be positive, got {self.muon_lr}")
+        _require(
+            0 <= self.muon_momentum < 1, f"train.muon_momentum must be in [0, 1), got {self.muon_momentum}"
+        )
+        _require(self.muon_ns_steps >= 1, f"train.muon_ns_steps must be >= 1, got {self.muon_ns_steps}")
+        _require(self.muon_weight_decay >= 0, "train.muon_weight_decay must be >= 0")
+        _require(
+            self.schedule in ("cosine", "wsd"), f"train.schedule must be cosine or wsd, got {self.schedule!r}"
+        )
+        _require(
+            0 <= self.cooldown_frac <= 1, f"train.cooldown_frac must be in [0, 1], got {self.cooldown_frac}"
+        )
+        _require(
+            self.target_val_bpb is None or self.target_val_bpb > 0,
+            f"train.target_val_bpb must be positive or null, got {self.target_val_bpb}",
+        )
+        _require(
+            self.max_time_s is None or self.max_time_s > 0,
+            f"train.max_time_s must be positive or null, got {self.max_time_s}",
+        )
         # AdamW's own checks (torch raises ValueError) would fire only after the data is prepared
         _require(0 <= self.beta1 < 1, f"train.beta1 must be in [0, 1), got {self.beta1}")
         _require(0 <= self.beta2 < 1, f"train.beta2 must be in [0, 1), got {self.beta2}")
@@ -104,7 +139,7 @@ class TrainConfig:
             self.keep_checkpoints >= 0,
             f"train.keep_checkpoints must be >= 0 (0 keeps every checkpoint), got {self.keep_checkpoints}",
         )
-        for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
+        for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "muon_lr"):
             _require(math.isfinite(getattr(self, name)), f"train.{name} must be a finite number")
         _require(
             self.dtype in ("auto", "fp32", "bf16"),
@@ -208,6 +243,8 @@ RESUMABLE = (
     "train.ckpt_interval",
     "train.keep_checkpoints",
     "train.max_bad_steps",
+    "train.target_val_bpb",
+    "train.max_time_s",
     "sample.*",
 )
 

@@ -337,7 +337,24 @@ def _run(
         byte_lengths,
     )
 
-    ocfg = OptimConfig(tc.lr, tc.weight_decay, tc.beta1, tc.beta2, tc.eps)
+    ocfg = OptimConfig(
+        tc.lr,
+        tc.weight_decay,
+        tc.beta1,
+        tc.beta2,
+        tc.eps,
+        tc.optimizer,
+        tc.muon_lr,
+        tc.muon_momentum,
+        tc.muon_ns_steps,
+        tc.muon_weight_decay,
+    )
+    if tc.optimizer == "muon" and strategy is not None and (strategy.sharded or strategy.zero1):
+        # Newton-Schulz needs each whole matrix: a shard's polar factor is not a slice of the whole one's
+        raise KilnError(
+            "train.optimizer=muon needs whole matrices on every rank: run it on one process or with plain "
+            "data parallelism (no FSDP, tensor parallelism or ZeRO-1), or use train.optimizer=adamw"
+        )
     if strategy is not None:  # after sharding: the optimizer holds the shards (ZeRO-1 shards its state)
         optimizer = strategy.build_optimizer(model, lambda m: build_optimizer(m, ocfg))
     else:
@@ -410,6 +427,11 @@ def _run(
         "val_loss": last.get("val_loss"),
         "val_bpb": last.get("val_bpb"),
         "unigram_val_bpb": baseline,
+        # train.target_val_bpb / max_time_s: why the run stopped early ("target", "time", or None), and the
+        # training seconds (compile included, evaluation and checkpoints not) at its last evaluation
+        "target_val_bpb": tc.target_val_bpb,
+        "stop": last.get("stop"),
+        "train_time_s": last.get("train_time_s"),
         "device": str(device),
         "timings": timings,
         "samples": samples,
