@@ -29,8 +29,15 @@ class DataConfig:
     max_bytes: int | None = None  # read at most this much text (None: all)
     val_fraction: float = 0.05  # share of documents held out for validation
     seed: int = 0  # seeds the train/validation split
+    # a list (even empty): the Python-sources corpus instead (kiln.data.pysources): the stdlib, pydoc_data
+    # and these installed packages' .py files, held out by a hash of each file's name (seed unused)
+    packages: list[str] | None = None
 
     def __post_init__(self) -> None:
+        _require(
+            self.packages is None or self.path is None,
+            "data.packages builds the Python-sources corpus and data.path names another one: set only one",
+        )
         _require(
             0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}"
         )
