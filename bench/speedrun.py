@@ -100,18 +100,14 @@ def kiln_run(cfg: RunConfig, cap: float, log) -> dict:
         summary = run(cfg, progress=False, overwrite=True)
     except Exception as e:  # recorded, so the baseline still runs and the JSON says what failed
         log(f"kiln run failed: {type(e).__name__}: {e}")
-        return {"error": f"{type(e).__name__}: {e}", "wall_s": round(time.perf_counter() - t0, 1)}
-    recs = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
-    curve = [
-        {
-            "step": r["step"],
-            "tokens": r["tokens"],
-            "train_time_s": round(r["train_time_s"], 3),
-            "val_bpb": r["val_bpb"],
+        metrics = Path(cfg.out_dir) / "metrics.jsonl"
+        curve = _curve(metrics)[0] if metrics.exists() else []
+        return {
+            "error": f"{type(e).__name__}: {e}",
+            "curve": curve,
+            "wall_s": round(time.perf_counter() - t0, 1),
         }
-        for r in recs
-        if r["kind"] == "val"
-    ]
+    curve, recs = _curve(Path(cfg.out_dir) / "metrics.jsonl")
     tps = [r["tokens_per_s"] for r in recs if r["kind"] == "train" and r["step"] > cfg.train.log_interval]
     return {
         "params": summary["params"],
@@ -127,6 +123,22 @@ def kiln_run(cfg: RunConfig, cap: float, log) -> dict:
         "wall_s": round(time.perf_counter() - t0, 1),
         "curve": curve,
     }
+
+
+def _curve(metrics: Path) -> tuple[list[dict], list[dict]]:
+    """The validation points (step, tokens, training seconds, bpb) of a run's metrics.jsonl, and all records."""
+    recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    curve = [
+        {
+            "step": r["step"],
+            "tokens": r["tokens"],
+            "train_time_s": round(r["train_time_s"], 3),
+            "val_bpb": r["val_bpb"],
+        }
+        for r in recs
+        if r["kind"] == "val"
+    ]
+    return curve, recs
 
 
 class _HFLoss(torch.nn.Module):
@@ -292,7 +304,7 @@ def plot(path: Path, runs: dict, target: float | None, title: str) -> Path | Non
 def main() -> None:
     p = bench_parser("speedrun", __doc__)
     p.add_argument("--work", default=None, help="run directory (tokenizer and shards cached there)")
-    p.add_argument("--budget", type=float, default=570.0, help="seconds for the whole command")
+    p.add_argument("--budget", type=float, default=560.0, help="seconds for the whole command")
     p.add_argument("--kiln-cap", type=float, default=200.0, help="kiln's training-time cap, s")
     p.add_argument("--baseline-cap", type=float, default=300.0, help="the baseline's training-time cap, s")
     p.add_argument("--baseline-lr", type=float, default=1.5e-3, help="the baseline's AdamW peak lr")

@@ -103,7 +103,7 @@ def _tiny_llama(**kw):
 
 def test_muon_takes_the_block_matrices_and_adamw_the_rest():
     model = _tiny_llama(arch="qwen2", qkv_bias=True)
-    opt = build_optimizer(model, OptimConfig(1e-3, 0.1, 0.9, 0.95, 1e-8, name="muon"))
+    opt = build_optimizer(model, OptimConfig(1e-3, 0.1, 0.9, 0.95, 1e-8, name="muon", embed_lr=0.05))
     assert isinstance(opt, MuonAdamW)
     names = {id(p): n for n, p in model.named_parameters()}
     muon = {names[id(p)] for g in opt.muon.param_groups for p in g["params"]}
@@ -116,9 +116,12 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest():
     }
     assert "model.embed_tokens.weight" in adamw and "lm_head.weight" in adamw
     assert hidden_matrices(model)["model.layers.0.self_attn.qkv_proj.weight"] == [16, 8, 8]
-    decay, no_decay = opt.adamw.param_groups
-    assert decay["weight_decay"] == 0.1 and all(p.dim() == 1 for p in no_decay["params"])
-    assert opt.param_groups[0] is decay  # the logged lr is AdamW's
+    head, embed, no_decay = opt.adamw.param_groups
+    assert [names[id(p)] for p in head["params"]] == ["lm_head.weight"]
+    assert [names[id(p)] for p in embed["params"]] == ["model.embed_tokens.weight"]
+    assert head["lr"] == 1e-3 and embed["lr"] == 0.05 and head["weight_decay"] == embed["weight_decay"] == 0.1
+    assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
+    assert opt.param_groups[0] is head  # the logged lr is train.lr's
 
 
 def test_schedule_scales_each_peak_by_one_factor():

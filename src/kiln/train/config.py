@@ -81,6 +81,7 @@ class TrainConfig:
     muon_momentum: float = 0.95  # Nesterov momentum
     muon_ns_steps: int = 5  # Newton-Schulz iterations
     muon_weight_decay: float = 0.0
+    embed_lr: float | None = None  # muon only: AdamW's peak lr for the embeddings (None: lr)
     schedule: str = "cosine"  # cosine, or wsd: hold lr, then decay linearly over the last cooldown_frac
     cooldown_frac: float = 0.2
     target_val_bpb: float | None = None  # stop at the first evaluation at or below this validation bpb
@@ -123,6 +124,14 @@ class TrainConfig:
         )
         _require(self.muon_ns_steps >= 1, f"train.muon_ns_steps must be >= 1, got {self.muon_ns_steps}")
         _require(self.muon_weight_decay >= 0, "train.muon_weight_decay must be >= 0")
+        _require(
+            self.embed_lr is None or (self.embed_lr > 0 and math.isfinite(self.embed_lr)),
+            f"train.embed_lr must be positive or null, got {self.embed_lr}",
+        )
+        _require(
+            self.embed_lr is None or self.optimizer == "muon",
+            "train.embed_lr applies to train.optimizer=muon only (AdamW alone takes train.lr for every group)",
+        )
         _require(
             self.schedule in ("cosine", "wsd"), f"train.schedule must be cosine or wsd, got {self.schedule!r}"
         )

@@ -24,7 +24,8 @@ biases, sink logits, MoE routers and expert stacks go to AdamW: Muon is for matr
 space into another, and an embedding's rows are looked up, not multiplied.
 
 Hyper-parameters (TrainConfig): muon_lr 0.02, muon_momentum 0.95 with Nesterov, muon_ns_steps 5,
-muon_weight_decay 0 (Keller Jordan's defaults); the AdamW part keeps train.lr/beta1/beta2/eps/weight_decay.
+muon_weight_decay 0 (Keller Jordan's defaults); the AdamW part keeps train.lr/beta1/beta2/eps/weight_decay,
+with train.embed_lr (default train.lr) for the embeddings: nanochat gives its embedding 50x the head's lr.
 The schedule scales both learning rates by the same factor (kiln.train.optim.WarmupCosine).
 
 Same-shape matrices are stacked and orthogonalized in one batched call (one NS per shape, not per
@@ -181,7 +182,8 @@ def hidden_matrices(model: nn.Module) -> dict[str, list[int] | None]:
 
 class MuonAdamW:
     """One optimizer object for the training loop: Muon over the hidden matrices, torch's AdamW over the
-    rest (decayed: embeddings and head; undecayed: norms and biases, as Transformer.param_groups says).
+    rest: the head (decayed), the embeddings (decayed, at `embed_lr`, default `lr`) and the norms and biases
+    (undecayed: Transformer.no_weight_decay_param_names).
 
     It offers what the loop, the scheduler and checkpoints use of an optimizer: param_groups (AdamW's
     first, so the logged lr is train.lr's schedule), step, zero_grad, state_dict / load_state_dict,
@@ -201,6 +203,7 @@ class MuonAdamW:
         muon_momentum: float,
         muon_ns_steps: int,
         muon_weight_decay: float,
+        embed_lr: float | None = None,
         ns_dtype: torch.dtype | None = None,
     ):
         hidden = hidden_matrices(model)
@@ -212,12 +215,22 @@ class MuonAdamW:
         muon_params = [named[n] for n in hidden]
         skip = model.no_weight_decay_param_names()
         rest = [(n, p) for n, p in named.items() if n not in hidden]
+        embeds = {n for n, _ in rest if n.split(".")[-2] in ("embed_tokens", "embed_positions")}
         fused = all(p.is_cuda for p in named.values())
+        groups = [  # the head (decayed) first: param_groups[0]'s lr is the one the loop logs
+            {
+                "params": [p for n, p in rest if n not in skip and n not in embeds],
+                "weight_decay": weight_decay,
+            },
+            {
+                "params": [p for n, p in rest if n in embeds],
+                "weight_decay": weight_decay,
+                "lr": embed_lr or lr,
+            },
+            {"params": [p for n, p in rest if n in skip and n not in embeds], "weight_decay": 0.0},
+        ]
         self.adamw = torch.optim.AdamW(
-            [
-                {"params": [p for n, p in rest if n not in skip], "weight_decay": weight_decay},
-                {"params": [p for n, p in rest if n in skip], "weight_decay": 0.0},
-            ],
+            [g for g in groups if g["params"]],
             lr=lr,
             betas=betas,
             eps=eps,

@@ -30,6 +30,7 @@ class OptimConfig:
     muon_momentum: float = 0.95
     muon_ns_steps: int = 5
     muon_weight_decay: float = 0.0
+    embed_lr: float | None = None  # muon only: AdamW's lr for the embeddings (None: lr)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig):
@@ -49,6 +50,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig):
             muon_momentum=cfg.muon_momentum,
             muon_ns_steps=cfg.muon_ns_steps,
             muon_weight_decay=cfg.muon_weight_decay,
+            embed_lr=cfg.embed_lr,
         )
     if cfg.name != "adamw":
         raise ValueError(f"optimizer {cfg.name!r} is not one of {', '.join(OPTIMIZERS)}")

@@ -376,6 +376,7 @@ def _run(
         tc.muon_momentum,
         tc.muon_ns_steps,
         tc.muon_weight_decay,
+        tc.embed_lr,
     )
     if tc.optimizer == "muon" and strategy is not None and (strategy.sharded or strategy.zero1):
         # Newton-Schulz needs each whole matrix: a shard's polar factor is not a slice of the whole one's
