@@ -130,7 +130,8 @@ class TrainConfig:
         )
         _require(
             self.embed_lr is None or self.optimizer == "muon",
-            "train.embed_lr applies to train.optimizer=muon only (AdamW alone takes train.lr for every group)",
+            "train.embed_lr applies to train.optimizer=muon only (AdamW alone takes train.lr for every group): "
+            "pass --train.embed_lr=null with train.optimizer=adamw",
         )
         _require(
             self.schedule in ("cosine", "wsd"), f"train.schedule must be cosine or wsd, got {self.schedule!r}"
