@@ -1,6 +1,10 @@
 """The speed run's pieces on the CPU: the Python-sources corpus, its fixed split, and stopping at a target."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +98,33 @@ def test_a_run_stops_at_its_target_and_at_its_time_limit(tmp_path):  # two tiny 
     )
     summary = run(cfg, progress=False, overwrite=True)
     assert summary["stop"] == "time" and summary["steps"] == 4  # the first evaluation
+
+
+@pytest.mark.slow  # 15 s measured with one thread: data, two tiny runs, JSON and PNG
+def test_bench_speedrun_smoke(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "KILN_COMMIT": "smoke-test", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), env.get("PYTHONPATH")]))
+    out = tmp_path / "speedrun.json"
+    cmd = [
+        sys.executable,
+        str(root / "bench" / "speedrun.py"),
+        "--smoke",
+        "--out",
+        str(out),
+        "--work",
+        str(tmp_path / "w"),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["area"] == "speedrun" and doc["smoke"] is True and doc["commit"] == "smoke-test"
+    assert (tmp_path / "speedrun.png").stat().st_size > 0
+    for name in ("kiln", "baseline"):
+        run_ = doc["runs"][name]
+        assert "error" not in run_ and run_["reached"], run_
+        assert run_["curve"][-1]["val_bpb"] <= doc["target_val_bpb"] < run_["curve"][0]["val_bpb"]
+    assert doc["ratio"] == pytest.approx(
+        doc["runs"]["baseline"]["train_time_s"] / doc["runs"]["kiln"]["train_time_s"], abs=1e-3
+    )
+    assert doc["corpus"]["packages"] == ["jinja2"] and doc["tokens_per_step"] == 128
