@@ -86,10 +86,11 @@ def _sync(device: torch.device) -> None:
 
 
 def _free(device: torch.device) -> None:
+    """Drop the finished run's compiled graphs (they hold its model), then its memory."""
+    torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    torch._dynamo.reset()
 
 
 def kiln_run(cfg: RunConfig, cap: float, log) -> dict:
