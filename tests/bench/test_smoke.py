@@ -87,6 +87,7 @@ def test_every_bench_script_is_smoke_tested():
     # compile of even the tiny preset takes ~40 s on 2 cores): it runs on the GPU only
     # cuda_ladder has no CPU path at all (CUDA C++ kernels): tests/kernels/cuda tests its error path
     # train: tests/train/test_bench_train.py (its compiled contenders are too slow to compile here)
-    owned_elsewhere = {"tokenizer", "compile", "serve", "cuda_ladder", "train"}
+    # speedrun: tests/train/test_speedrun.py runs its smoke and checks its two runs
+    owned_elsewhere = {"tokenizer", "compile", "serve", "cuda_ladder", "train", "speedrun"}
     scripts = {p.stem for p in BENCH.glob("*.py")} - owned_elsewhere
     assert scripts == set(SCRIPTS), f"bench scripts without a smoke test: {scripts - set(SCRIPTS)}"

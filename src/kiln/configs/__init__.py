@@ -12,7 +12,7 @@ from typing import Any
 
 from kiln.errors import KilnError
 
-PRESETS = ("cpu", "gpu", "tiny")
+PRESETS = ("cpu", "gpu", "tiny", "speedrun")
 
 
 def load_preset(name: str) -> dict[str, Any]:

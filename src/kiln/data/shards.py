@@ -88,14 +88,28 @@ def prepare_shards(
     shard_tokens: int = 100_000_000,
     batch_docs: int = 256,
     progress: bool = True,
+    is_val: Sequence[bool] | None = None,
+    corpus: dict | None = None,
 ) -> dict:
-    """Tokenize `docs` into train/val shards under `out_dir`; returns (and writes) meta.json's dict."""
+    """Tokenize `docs` into train/val shards under `out_dir`; returns (and writes) meta.json's dict.
+
+    is_val: the split, one flag per document (default: `split_documents(len(docs), val_fraction, seed)`);
+    corpus: a description of the corpus (e.g. its fingerprint) kept in meta.json under "corpus".
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    is_val = split_documents(len(docs), val_fraction, seed)
+    if is_val is None:
+        is_val = split_documents(len(docs), val_fraction, seed)
+    elif len(is_val) != len(docs) or all(is_val) or not any(is_val):
+        raise KilnError(
+            f"the split holds {sum(is_val)} validation documents of {len(docs)} ({len(is_val)} flags): each "
+            "side needs at least one document; use more data or change data.val_fraction"
+        )
     dtype = token_dtype(tokenizer.n_vocab)
     eot = tokenizer.eot_id
     meta: dict = {"vocab_size": tokenizer.n_vocab, "dtype": dtype.name, "eot_id": eot, "splits": {}}
+    if corpus is not None:
+        meta["corpus"] = corpus
     for split in ("train", "val"):
         idx = [i for i, v in enumerate(is_val) if v == (split == "val")]
         n_bytes = sum(len(docs[i].encode("utf-8")) for i in idx)

@@ -30,8 +30,15 @@ class DataConfig:
     max_bytes: int | None = None  # read at most this much text (None: all)
     val_fraction: float = 0.05  # share of documents held out for validation
     seed: int = 0  # seeds the train/validation split
+    # a list (even empty): the Python-sources corpus instead (kiln.data.pysources): the stdlib, pydoc_data
+    # and these installed packages' .py files, held out by a hash of each file's name (seed unused)
+    packages: list[str] | None = None
 
     def __post_init__(self) -> None:
+        _require(
+            self.packages is None or self.path is None,
+            "data.packages builds the Python-sources corpus and data.path names another one: set only one",
+        )
         _require(
             0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}"
         )
@@ -68,6 +75,18 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    # adamw, or muon: Muon for the blocks' matrices (muon_* below), AdamW (lr, betas, eps, weight_decay)
+    # for embeddings, head, norms and biases (kiln.train.muon)
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95  # Nesterov momentum
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    muon_weight_decay: float = 0.0
+    embed_lr: float | None = None  # muon only: AdamW's peak lr for the embeddings (None: lr)
+    schedule: str = "cosine"  # cosine, or wsd: hold lr, then decay linearly over the last cooldown_frac
+    cooldown_frac: float = 0.2
+    target_val_bpb: float | None = None  # stop at the first evaluation at or below this validation bpb
+    max_time_s: float | None = None  # stop at the first evaluation after this many seconds of training
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     max_bad_steps: int = 5  # stop after this many consecutive steps with a non-finite loss or gradient
     log_interval: int = 10
@@ -97,6 +116,39 @@ class TrainConfig:
         _require(self.lr > 0, f"train.lr must be positive, got {self.lr}")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]")
         _require(self.grad_clip >= 0, "train.grad_clip must be >= 0")
+        _require(
+            self.optimizer in ("adamw", "muon"),
+            f"train.optimizer must be adamw or muon, got {self.optimizer!r}",
+        )
+        _require(self.muon_lr > 0, f"train.muon_lr must be positive, got {self.muon_lr}")
+        _require(
+            0 <= self.muon_momentum < 1, f"train.muon_momentum must be in [0, 1), got {self.muon_momentum}"
+        )
+        _require(self.muon_ns_steps >= 1, f"train.muon_ns_steps must be >= 1, got {self.muon_ns_steps}")
+        _require(self.muon_weight_decay >= 0, "train.muon_weight_decay must be >= 0")
+        _require(
+            self.embed_lr is None or (self.embed_lr > 0 and math.isfinite(self.embed_lr)),
+            f"train.embed_lr must be positive or null, got {self.embed_lr}",
+        )
+        _require(
+            self.embed_lr is None or self.optimizer == "muon",
+            "train.embed_lr applies to train.optimizer=muon only (AdamW alone takes train.lr for every group): "
+            "pass --train.embed_lr=null with train.optimizer=adamw",
+        )
+        _require(
+            self.schedule in ("cosine", "wsd"), f"train.schedule must be cosine or wsd, got {self.schedule!r}"
+        )
+        _require(
+            0 <= self.cooldown_frac <= 1, f"train.cooldown_frac must be in [0, 1], got {self.cooldown_frac}"
+        )
+        _require(
+            self.target_val_bpb is None or self.target_val_bpb > 0,
+            f"train.target_val_bpb must be positive or null, got {self.target_val_bpb}",
+        )
+        _require(
+            self.max_time_s is None or self.max_time_s > 0,
+            f"train.max_time_s must be positive or null, got {self.max_time_s}",
+        )
         # AdamW's own checks (torch raises ValueError) would fire only after the data is prepared
         _require(0 <= self.beta1 < 1, f"train.beta1 must be in [0, 1), got {self.beta1}")
         _require(0 <= self.beta2 < 1, f"train.beta2 must be in [0, 1), got {self.beta2}")
@@ -106,7 +158,7 @@ class TrainConfig:
             self.keep_checkpoints >= 0,
             f"train.keep_checkpoints must be >= 0 (0 keeps every checkpoint), got {self.keep_checkpoints}",
         )
-        for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
+        for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "muon_lr"):
             _require(math.isfinite(getattr(self, name)), f"train.{name} must be a finite number")
         _require(
             self.checkpoint_format in ("auto", "full", "dcp"),
@@ -225,6 +277,8 @@ RESUMABLE = (
     "train.keep_checkpoints",
     "train.checkpoint_format",  # the checkpoint read says its own format
     "train.max_bad_steps",
+    "train.target_val_bpb",
+    "train.max_time_s",
     "sample.*",
     "kernels.*",
 )

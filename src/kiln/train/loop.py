@@ -137,7 +137,13 @@ class Trainer:
             )
         self.optimizer = optimizer
         self.scheduler = WarmupCosine(
-            optimizer, self.tc.lr, self.tc.warmup_steps, self.tc.steps, self.tc.min_lr_ratio
+            optimizer,
+            self.tc.lr,
+            self.tc.warmup_steps,
+            self.tc.steps,
+            self.tc.min_lr_ratio,
+            self.tc.schedule,
+            self.tc.cooldown_frac,
         )
         self.train_loader, self.val_batches, self.byte_lengths = train_loader, val_batches, byte_lengths
         self.device, self.env, self.run_dir = device, env, run_dir
@@ -393,7 +399,10 @@ class Trainer:
         max_run = torch.zeros((), dtype=torch.long, device=dev)  # the longest such run since it was read
         seen_bad = 0  # skipped steps already reported
         gnorm = torch.zeros((), device=dev)
-        while self.state.step < end:
+        # training time (compile included, evaluation and checkpoints not) for train.target_val_bpb and
+        # train.max_time_s: the clock of a speed run, counted within this process
+        t_fit, paused, stop = time.perf_counter(), 0.0, None
+        while self.state.step < end and stop is None:
             t_step = time.perf_counter()
             loss, gnorm, ok = self.train_step()
             if self.state.start_loss is None and bool(ok):  # one sync, on the run's first step only
@@ -472,15 +481,41 @@ class Trainer:
             else:
                 busy += time.perf_counter() - t_step
             if eval_now:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                t_eval = time.perf_counter()
+                train_time = t_eval - t_fit - paused
                 val = self.validate()
-                rec = {"kind": "val", "step": step, **val}
+                rec = {
+                    "kind": "val",
+                    "step": step,
+                    **val,
+                    "train_time_s": train_time,
+                    "tokens": self.state.tokens,
+                }
+                if tc.target_val_bpb is not None and val["val_bpb"] <= tc.target_val_bpb:
+                    stop = rec["stop"] = "target"
+                elif tc.max_time_s is not None and train_time >= tc.max_time_s:
+                    stop = rec["stop"] = "time"
                 self.metrics.write(rec)
                 self._log(
                     bar,
                     f"step {step:>6d}/{tc.steps} | val loss {val['val_loss']:.4f} | val bpb {val['val_bpb']:.4f}",
                 )
                 last.update(rec)
+                if stop is not None:
+                    why = (
+                        f"reached train.target_val_bpb={tc.target_val_bpb}"
+                        if stop == "target"
+                        else f"train.max_time_s={tc.max_time_s} spent"
+                    )
+                    self._log(
+                        bar, f"step {step:>6d}/{tc.steps} | stop: {why} after {train_time:.1f}s of training"
+                    )
+                paused += time.perf_counter() - t_eval
+            ckpt_now = ckpt_now or stop is not None
             if ckpt_now:
+                t_ckpt = time.perf_counter()
                 self.save()
                 if self.env.is_main:
                     plot_losses(
@@ -488,5 +523,6 @@ class Trainer:
                         self.run_dir / "loss.png",
                         f"kiln run: {self.run_dir.name}",
                     )
+                paused += time.perf_counter() - t_ckpt
         bar.close()
         return last

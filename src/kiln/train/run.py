@@ -29,6 +29,7 @@ import torch
 from kiln.config import format_config, to_dict
 from kiln.data.corpus import load_documents
 from kiln.data.loader import TokenLoader
+from kiln.data.pysources import held_out, load_python_corpus
 from kiln.data.shards import load_meta, prepare_shards, read_shard, split_documents
 from kiln.dist.hang import collective_errors
 from kiln.errors import KilnError
@@ -80,14 +81,32 @@ def prepare_tokenizer_and_data(
     # never pair a new tokenizer with the old stages.json
     stages_path.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    src = cfg.data.path or "the bundled corpus (Python stdlib sources + pydoc_data)"
-    _say(env, f"[1/5] reading {src}")
-    docs = load_documents(cfg.data.path, cfg.data.max_bytes)
+    corpus = None
+    if cfg.data.packages is not None:
+        _say(
+            env,
+            f"[1/5] reading Python sources: the stdlib, pydoc_data, {', '.join(cfg.data.packages) or '-'}",
+        )
+        names, docs, corpus = load_python_corpus(cfg.data.packages, cfg.data.max_bytes)
+        is_val = [held_out(n, cfg.data.val_fraction) for n in names]
+        if all(is_val) or not any(is_val):
+            raise KilnError(
+                f"data.val_fraction={cfg.data.val_fraction} holds out {sum(is_val)} of {len(docs)} files: each "
+                "split needs one at least; raise data.max_bytes, or change data.val_fraction"
+            )
+        _say(
+            env,
+            f"      corpus list sha256 {corpus['list_sha256'][:16]}, text sha256 {corpus['text_sha256'][:16]}",
+        )
+    else:
+        src = cfg.data.path or "the bundled corpus (Python stdlib sources + pydoc_data)"
+        _say(env, f"[1/5] reading {src}")
+        docs = load_documents(cfg.data.path, cfg.data.max_bytes)
+        is_val = split_documents(len(docs), cfg.data.val_fraction, cfg.data.seed)
     n_bytes = sum(len(d.encode("utf-8")) for d in docs)
     _say(env, f"      {len(docs)} documents, {n_bytes / 1e6:.1f} MB ({time.perf_counter() - t0:.1f}s)")
 
     t0 = time.perf_counter()
-    is_val = split_documents(len(docs), cfg.data.val_fraction, cfg.data.seed)
     train_docs = [d for d, v in zip(docs, is_val) if not v]
     budget = cfg.tokenizer.train_bytes
     sample, seen = [], 0
@@ -115,7 +134,16 @@ def prepare_tokenizer_and_data(
         env,
         f"[3/5] tokenizing into shards ({cfg.data.val_fraction:.0%} of documents held out for validation)",
     )
-    meta = prepare_shards(docs, tok, data_dir, cfg.data.val_fraction, cfg.data.seed, progress=progress)
+    meta = prepare_shards(
+        docs,
+        tok,
+        data_dir,
+        cfg.data.val_fraction,
+        cfg.data.seed,
+        progress=progress,
+        is_val=is_val,
+        corpus=corpus,
+    )
     tr, va = meta["splits"]["train"], meta["splits"]["val"]
     _say(
         env,
@@ -365,7 +393,25 @@ def _run(
         byte_lengths,
     )
 
-    ocfg = OptimConfig(tc.lr, tc.weight_decay, tc.beta1, tc.beta2, tc.eps)
+    ocfg = OptimConfig(
+        tc.lr,
+        tc.weight_decay,
+        tc.beta1,
+        tc.beta2,
+        tc.eps,
+        tc.optimizer,
+        tc.muon_lr,
+        tc.muon_momentum,
+        tc.muon_ns_steps,
+        tc.muon_weight_decay,
+        tc.embed_lr,
+    )
+    if tc.optimizer == "muon" and strategy is not None and (strategy.sharded or strategy.zero1):
+        # Newton-Schulz needs each whole matrix: a shard's polar factor is not a slice of the whole one's
+        raise KilnError(
+            "train.optimizer=muon needs whole matrices on every rank: run it on one process or with plain "
+            "data parallelism (no FSDP, tensor parallelism or ZeRO-1), or use train.optimizer=adamw"
+        )
     if strategy is not None:  # after sharding: the optimizer holds the shards (ZeRO-1 shards its state)
         optimizer = strategy.build_optimizer(model, lambda m: build_optimizer(m, ocfg))
     else:
@@ -438,6 +484,12 @@ def _run(
         "val_loss": last.get("val_loss"),
         "val_bpb": last.get("val_bpb"),
         "unigram_val_bpb": baseline,
+        "corpus": meta.get("corpus"),  # the Python-sources corpus's fingerprint (data.packages), else None
+        # train.target_val_bpb / max_time_s: why the run stopped early ("target", "time", or None), and the
+        # training seconds (compile included, evaluation and checkpoints not) at its last evaluation
+        "target_val_bpb": tc.target_val_bpb,
+        "stop": last.get("stop"),
+        "train_time_s": last.get("train_time_s"),
         "device": str(device),
         "timings": timings,
         "samples": samples,
