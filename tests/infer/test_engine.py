@@ -84,6 +84,20 @@ def test_logprobs_equal_hf_log_softmax(checkpoint):
         assert math.isclose(out.prompt_logprobs[p - 1], ref[p - 1, prompt[p]].item(), abs_tol=1e-4)
 
 
+def test_prompt_logprobs_of_a_cached_prompt(tmp_path):
+    # the prompt's blocks are in the prefix cache from the first request; the second asks for prompt
+    # logprobs, which the cache cannot give: it is computed whole, with the logprobs of a fresh engine
+    hf = hf_causal_lm("llama", seed=2)
+    hf.save_pretrained(tmp_path)
+    prompt = PROMPTS[2]
+    llm = make_llm(tmp_path)
+    llm.generate(prompt, greedy(2))
+    got = llm.generate(prompt, greedy(2, prompt_logprobs=1))[0].prompt_logprobs
+    want = make_llm(tmp_path).generate(prompt, greedy(2, prompt_logprobs=1))[0].prompt_logprobs
+    assert len(got) == len(prompt) - 1
+    assert got == pytest.approx(want, abs=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_chunked_prefill_prefix_cache_and_preemption_keep_tokens(arch, tmp_path):
     hf = hf_causal_lm(arch, seed=1)

@@ -95,8 +95,10 @@ class BlockManager:
         return hashes
 
     def _match(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of seq's full blocks, leaving its last token uncached."""
-        if not self.enable_prefix_caching:
+        """Block ids of the longest cached prefix of seq's full blocks, leaving its last token uncached.
+        None for a request that asks for prompt logprobs: they come from the logits at every prompt
+        position, which a cached prefix skips (vLLM does the same)."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
