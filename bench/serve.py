@@ -138,12 +138,17 @@ async def load(url: str, model: str, reqs, rate: float | None, seed: int = 0) ->
             delays.append(t)
             if rate is not None:
                 t += rng.expovariate(rate)
+        before = await server_latency(http)
         t0 = time.perf_counter()
         results = await asyncio.gather(
             *(later(d, i, p, m) for i, (d, (p, m)) in enumerate(zip(delays, reqs)))
         )
         wall = time.perf_counter() - t0
-        server = await server_latency(http)
+        after = await server_latency(http)
+    server = {}  # this phase's means: the differences of the histograms' sums and counts
+    for key in after:
+        (s0, c0), (s1, c1) = before[key], after[key]
+        server[key] = round((s1 - s0) / (c1 - c0), 5) if c1 > c0 else None
     ok = [r for r in results if r["status"] == 200]
     n_out = sum(r["tokens"] for r in ok)
     return {
@@ -156,13 +161,13 @@ async def load(url: str, model: str, reqs, rate: float | None, seed: int = 0) ->
         "ttft_s": percentiles([r["ttft"] for r in ok if r["ttft"] is not None]),
         "itl_s": percentiles([x for r in ok for x in r["itl"]]),
         "e2e_s": percentiles([r["end"] - r["start"] for r in ok]),
-        # the server's own view (its /metrics histograms, cumulative since it started: warm-ups included)
+        # the server's own view of this phase (its /metrics histograms)
         "server_mean_s": server,
     }
 
 
 async def server_latency(http: httpx.AsyncClient) -> dict:
-    """Mean TTFT, inter-token and end-to-end latency from the server's /metrics (sum / count)."""
+    """(sum, count) of the server's TTFT, inter-token and end-to-end latency histograms (/metrics)."""
     text = (await http.get("/metrics")).text
     vals = {}
     for line in text.splitlines():
@@ -172,7 +177,7 @@ async def server_latency(http: httpx.AsyncClient) -> dict:
     for key, metric in (("ttft", "kiln_time_to_first_token_seconds"), ("itl", "kiln_inter_token_latency_seconds"),
                         ("e2e", "kiln_e2e_request_latency_seconds")):  # fmt: skip
         total, count = vals.get(metric + "_sum"), vals.get(metric + "_count")
-        out[key] = round(total / count, 5) if total is not None and count else None
+        out[key] = (total or 0.0, count or 0.0)
     return out
 
 
