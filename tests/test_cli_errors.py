@@ -277,7 +277,7 @@ def test_run_help_lists_config_sections_and_presets(capsys):
     ):
         assert line in out
     assert "sample:    prompts" in out and "keep_checkpoints" in out and "out_dir, device" in out
-    assert "presets: cpu, gpu, tiny" in out and "configs/{cpu,gpu,tiny}.json" in out
+    assert "presets: cpu, gpu, tiny, speedrun" in out and "configs/{cpu,gpu,tiny,speedrun}.json" in out
     assert "split into documents at blank lines" in out  # --data says what a text file becomes
 
 
