@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `kiln profile` on the H200, everything in one session (at most 405 s of parts; each part has its own cap):
+# `kiln profile` on the H200, everything in one command (at most 405 s of parts; each part has its own cap):
 #   the ceilings, the Qwen2.5-1.5B-shape decode step at batch 1 and 64 with CUDA graphs on and off, the
 #   roofline of every kernel, and the profile GPU tests. Results land under OUT_DIR (tar it):
 #   ceilings.json, decode/ (JSON, CSV, PNGs and the Chrome trace of each step), roofline/ (JSON, PNG),

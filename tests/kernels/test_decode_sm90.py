@@ -4,7 +4,7 @@ reduction, RoPE + paged K/V write in both pair layouts, and the decode matmuls w
 the down projection's configs. The interpreter runs Python's semantics, so code that only the compiler
 rejects (a static branch followed by a second `return` of another shape was one) shows up only here.
 
-Runs in a subprocess: the test session imports triton under its interpreter (tests/conftest.py), which
+Runs in a subprocess: the pytest process imports triton under its interpreter (tests/conftest.py), which
 replaces the jit functions that a compile needs (as tests/kernels/test_quant_sm90.py)."""
 
 from __future__ import annotations

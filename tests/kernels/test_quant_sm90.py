@@ -5,7 +5,7 @@ computed byte addresses as (2j) // 2, which Triton's contiguity analysis cannot 
 weights a byte at a time; the interpreter's results were right all the same. Pointers and the ints Triton
 would specialize are declared 16-divisible (stride 1 a constant), as the JIT sees them at a real launch.
 
-Runs in a subprocess: the test session imports triton under its interpreter (tests/conftest.py), which
+Runs in a subprocess: the pytest process imports triton under its interpreter (tests/conftest.py), which
 replaces the jit functions that a compile needs."""
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ under 30 s on an H200. A probe that fails stores None and its error, and the res
 The result is cached per device and torch version under $XDG_CACHE_HOME/kiln/ceilings (default
 ~/.cache/kiln/ceilings), written atomically; `--refresh` measures again. The older helpers
 (`copy_bandwidth`, `matmul_flops`, `measure_ceilings`) stay for the benchmarks: measure_ceilings now reads
-the cached ceilings, so a GPU session measures once and every bench/<area>.py reports against the same
+the cached ceilings, so a machine measures once and every bench/<area>.py reports against the same
 figures. On the H200 the copy measured 4.27 TB/s and the bf16 matmul 632-777 TFLOP/s across machines
 (PLATFORM.md), which is why no figure is a constant here.
 """

@@ -20,6 +20,7 @@ max(flops / peak[roof], bytes / bandwidth) (kiln.profile.roofline).
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ def _randn(shape, device, dtype, scale: float = 1.0) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Op:
+class Op(ABC):
     """One kernel call at one shape. Subclasses give the shape fields, flops(), bytes() and build()."""
 
     name: str
@@ -46,11 +47,13 @@ class Op:
     dtype = "bf16"
     roof = "fp32"
 
+    @abstractmethod
     def flops(self) -> int:
-        raise NotImplementedError(f"{type(self).__name__} does not count its FLOPs")
+        """FLOPs of one call, counted from the shape (the subclass's docstring says what counts)."""
 
+    @abstractmethod
     def bytes(self) -> int:
-        raise NotImplementedError(f"{type(self).__name__} does not count its bytes")
+        """Bytes one call moves to and from DRAM: each input read once, each output written once."""
 
     def intensity(self) -> float:
         """FLOPs per byte."""
@@ -61,8 +64,10 @@ class Op:
         return " ".join(f"{k}={v}" for k, v in fields.items())
 
     def build(self, device: torch.device) -> Callable[[], object]:
-        """Make the inputs on `device` and return a zero-argument call of kiln's kernel on them."""
-        raise NotImplementedError(f"{type(self).__name__} has no kernel call")
+        """Make the inputs on `device` and return a zero-argument call of kiln's kernel on them. The ops
+        that only count a decode step's kernels (argmax, casts, ...: not kiln kernels, not on the
+        roofline) have none."""
+        raise TypeError(f"{type(self).__name__} only counts FLOPs and bytes: it has no kernel to time")
 
     def _dt(self) -> torch.dtype:
         return TORCH_DTYPE[self.dtype]
