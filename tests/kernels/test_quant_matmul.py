@@ -181,3 +181,28 @@ def test_bf16_on_gpu_and_in_a_cuda_graph(fmt, M):
         forms.append(DecodeConfig("mma", 64, min(128, group or 128), 4, 4, 3))
     for config in forms:
         assert_close(wq_matmul_fwd(x, q, s, z, bits, group, config=config), want, scale=2.0, name=str(config))
+
+
+def test_swept_decode_tables_pass_the_launch_checks():
+    """Every entry the H200 sweep wrote into DECODE_TABLE / FP8_DECODE_TABLE is a config the launchers accept
+    for its own shape and row count (the checks run without a launch: the weights are never read)."""
+    from kiln.kernels.fp8_matmul import FP8_DECODE_TABLE
+    from kiln.kernels.quant_matmul import DECODE_TABLE, _plan
+
+    assert DECODE_TABLE and FP8_DECODE_TABLE
+    for (fmt, rows, N, K), config in DECODE_TABLE.items():
+        bits = 8 if fmt == "int8" else 4
+        group = 0 if bits == 8 else int(fmt.split("-g")[1].split("-")[0])
+        q = (
+            torch.empty((N, K), dtype=torch.int8)
+            if bits == 8
+            else torch.empty((N, K // 2), dtype=torch.uint8)
+        )
+        s = torch.empty((N, 1 if bits == 8 else K // group), dtype=torch.bfloat16)
+        z = torch.empty_like(s, dtype=torch.uint8) if fmt.endswith("-asym") else None
+        x = torch.empty((rows, K), dtype=torch.bfloat16)
+        plan = _plan(x, q, s, z, bits, group, None, config)
+        assert plan.decode and plan.form == config.kernel, (fmt, rows, N, K)
+    for (rows, N, K), config in FP8_DECODE_TABLE.items():  # the FP8 decode kernel's own launch rule
+        assert rows in (1, 4, 16) and config.kernel == "dot", (rows, N, K, config)
+        assert config.block_k >= 32 and config.block_n >= 16, (rows, N, K, config)

@@ -232,7 +232,24 @@ def quantize_fp8(
 # Measured winners of `bench/quant.py --case decode-sweep` on the H200 at 1, 4 (2-4) and 16 (5-16) rows, by
 # (rows, N, K): a tile tuple or a DecodeConfig for the decode kernel. The sweep prints these entries where a
 # candidate beat fp8_tile_config by more than 2%; other shapes take fp8_tile_config.
-FP8_DECODE_TABLE: dict[tuple[int, int, int], tuple[int, int, int, int, int] | DecodeConfig] = {}
+# Swept at 3963b92 (bench/results/quant_sweep.json).
+FP8_DECODE_TABLE: dict[tuple[int, int, int], tuple[int, int, int, int, int] | DecodeConfig] = {
+    (1, 1536, 1536): DecodeConfig("dot", 64, 256, 2, 4, 3),
+    (1, 1536, 8960): DecodeConfig("dot", 64, 256, 8, 4, 3),
+    (1, 2048, 1536): DecodeConfig("dot", 64, 256, 2, 4, 3),
+    (1, 17920, 1536): DecodeConfig("dot", 64, 256, 1, 4, 3),
+    (1, 151936, 1536): DecodeConfig("dot", 64, 256, 1, 4, 3),
+    (4, 1536, 1536): DecodeConfig("dot", 64, 256, 2, 4, 3),
+    (4, 1536, 8960): DecodeConfig("dot", 64, 256, 8, 4, 3),
+    (4, 2048, 1536): DecodeConfig("dot", 64, 256, 2, 4, 3),
+    (4, 17920, 1536): DecodeConfig("dot", 64, 256, 1, 4, 3),
+    (4, 151936, 1536): DecodeConfig("dot", 64, 128, 1, 4, 3),
+    (16, 1536, 1536): DecodeConfig("dot", 64, 128, 4, 4, 3),
+    (16, 1536, 8960): DecodeConfig("dot", 64, 256, 8, 4, 3),
+    (16, 2048, 1536): DecodeConfig("dot", 64, 256, 2, 4, 3),
+    (16, 17920, 1536): DecodeConfig("dot", 64, 256, 1, 4, 3),
+    (16, 151936, 1536): DecodeConfig("dot", 64, 128, 1, 4, 3),
+}
 
 
 def fp8_tile_config(M: int, N: int) -> tuple[int, int, int, int, int]:
