@@ -22,7 +22,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from kiln.dist.loss import loss_context
 from kiln.dist.parallel_dims import ParallelDims
@@ -36,6 +36,23 @@ def reduce_partial_grads(params) -> None:
         g = p.grad
         if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
             p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+
+
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """sum of x^2 over every element of `tensors`, in float32: one multi-tensor norm kernel per chunk of
+    tensors (torch._foreach_norm), not three launches per tensor (a ~150-parameter model's step paid
+    ~450 launches of host time for its norm)."""
+    norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in tensors], 2.0)
+    return torch.stack(norms).pow(2).sum()
+
+
+def scale_grads_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """grads *= coef in place, one multi-tensor kernel per (device, dtype) group."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[(g.device, g.dtype)].append(g)
+    for (device, dtype), gs in groups.items():
+        torch._foreach_mul_(gs, coef.to(device, dtype))
 
 
 def global_grad_norm(params, pp_group=None) -> torch.Tensor:
@@ -58,9 +75,9 @@ def global_grad_norm(params, pp_group=None) -> torch.Tensor:
     dev = next(iter(plain or [t for ts in by_layout.values() for t in ts]), torch.zeros(())).device
     total = torch.zeros((), device=dev, dtype=torch.float32)
     if plain:
-        total = total + sum(g.float().pow(2).sum() for g in plain)
+        total = total + _sum_of_squares(plain)
     for (mesh, placements), locals_ in by_layout.items():
-        sq = sum(t.float().pow(2).sum() for t in locals_).reshape(1)
+        sq = _sum_of_squares(locals_).reshape(1)
         for mesh_dim, placement in enumerate(placements):
             # sharded: Shard, or FSDP2's _StridedShard over a TP-sharded dim (not a Shard subclass, and
             # its is_shard() is False in torch 2.13); partial grads were reduced before
@@ -119,9 +136,7 @@ class Strategy:
         norm = global_grad_norm(params, pp_group)
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for p in params:
-                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                g.mul_(coef.to(g.device, g.dtype))
+            scale_grads_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params], coef)
         return norm
 
     def reduce_loss(self, total: torch.Tensor) -> torch.Tensor:
