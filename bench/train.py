@@ -33,8 +33,8 @@ its error, and the run goes on.
 --case fp8-curve trains kiln's 124M shape (vocab 256: bytes of the bundled Python-stdlib corpus, no
 tokenizer to train) for --steps steps three or four times on the same batches: bf16, bf16 from another
 init seed (the noise a curve comparison must be read against), FP8 tensorwise, FP8 rowwise when the
-budget allows. Eager mode: the curves do not depend on compile. It records each curve (the mean loss
-per 10 steps), the validation loss at the end, and the mean |difference| to the bf16 curve.
+budget allows; eagerly, or through torch.compile with --compile (the path the throughput cases
+time). It records each curve (the mean loss per 10 steps), the validation loss at the end, and the mean |difference| to the bf16 curve.
 --smoke compiles with backend="aot_eager" (Dynamo and AOTAutograd as on the GPU, no inductor codegen,
 which takes minutes on 2 CPU cores).
 """
@@ -395,8 +395,12 @@ def corpus_bytes(n: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(parts)[:n]), dtype=torch.uint8)
 
 
-def curve_run(label: str, cfg: ModelConfig, linear: str, seed: int, data, val, starts, val_starts, T, dev):
+def curve_run(label: str, cfg: ModelConfig, linear: str, seed: int, data, val, starts, val_starts, T, dev,
+              compiled: bool = False):  # fmt: skip
     model = build_model(cfg, device=dev, seed=seed, kernels=KernelConfig(linear=linear)).train()
+    # compiled: the loss module through torch.compile, as --train.compile (and the throughput cases) run it
+    backend = "inductor" if dev.type == "cuda" else "aot_eager"  # --smoke: no inductor codegen on the CPU
+    loss_fn = torch.compile(KilnLoss(model), backend=backend) if compiled else model.loss
     opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-3, betas=(0.9, 0.95),
                             fused=dev.type == "cuda" or None)  # fmt: skip
     steps = starts.shape[0]
@@ -411,7 +415,7 @@ def curve_run(label: str, cfg: ModelConfig, linear: str, seed: int, data, val, s
         w = data[starts[i][:, None] + ar].long()  # (B, T + 1) windows
         opt.zero_grad(set_to_none=True)
         with autocast(dev, amp):
-            loss = model.loss(w[:, :-1], w[:, 1:])
+            loss = loss_fn(w[:, :-1], w[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -451,7 +455,8 @@ def fp8_curve(run: BenchRun, args) -> None:
             run.log(f"fp8-curve {label}: skipped (budget)")
             continue
         t = time.perf_counter()
-        losses, val_loss = curve_run(label, cfg, linear, seed, data, val, starts, val_starts, T, dev)
+        losses, val_loss = curve_run(label, cfg, linear, seed, data, val, starts, val_starts, T, dev,
+                                     compiled=args.compile)  # fmt: skip
         last_s = time.perf_counter() - t
         curves[label] = losses
         w = 10  # the curve as the mean of every 10 steps
@@ -470,7 +475,7 @@ def fp8_curve(run: BenchRun, args) -> None:
         out.append(rec)
         run.log(f"fp8-curve {label}: final train {rec['final_train_loss']}, val {rec['val_loss']}, "
                 f"{rec.get('mean_abs_diff_vs_bf16')} mean |diff| vs bf16, {last_s:.1f} s")  # fmt: skip
-        run.write(case="fp8-curve", shape=dataclasses.asdict(cfg), batch=B, steps=steps, lr=1e-3,
+        run.write(case="fp8-curve", shape=dataclasses.asdict(cfg), batch=B, steps=steps, lr=1e-3, compiled=args.compile,
                   data="bytes of the bundled corpus (Python stdlib + pydoc_data), last 5% held out",
                   runs=out)  # fmt: skip
 
@@ -490,6 +495,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="also profile one step of kiln-compiled and hf-compiled at --profile-shape")  # fmt: skip
     p.add_argument("--profile-shape", default=PROFILE_SHAPE, choices=tuple(SHAPES))
+    p.add_argument("--compile", action="store_true", help="fp8-curve: train through torch.compile "
+                   "(as the throughput cases do) instead of eagerly")  # fmt: skip
     args = p.parse_args()
     if args.case == "fp8-curve":
         args.budget = 200.0 if args.budget is None else args.budget
