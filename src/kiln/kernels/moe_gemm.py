@@ -35,13 +35,15 @@ Not done: a persistent grid, TMA descriptors, split over rows for the dw of a ho
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kiln.kernels._common import needs_grad
-from kiln.kernels.dispatch import interpreting, use_triton
+from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -182,6 +184,65 @@ def _grouped_mm_kernel(
 
 
 @triton.jit
+def _grouped_mm_tma_kernel(
+    A_ptr,  # (R, K): a[r, k] at A_ptr + r * stride_ar + k (unit column stride, 16-byte aligned rows)
+    B_ptr,  # B_KMAJOR: w (E, N, K) contiguous, C = A @ w[e].T (the forward); else (E, K, N) contiguous,
+    #         C = A @ w[e] (the dx backward, w the forward's (E, N_fwd, K_fwd), so K = N_fwd here)
+    C_ptr,  # (R, N) out, contiguous
+    Offs_ptr,  # (E + 1,) int32 row offsets of the experts
+    R,
+    N,
+    K,
+    E,
+    m_tiles,  # static bound on the row tiles: cdiv(R, BLOCK_M) + E
+    stride_ar,
+    num_programs,  # the grid's size (the SM count): each program loops over every num_programs-th tile
+    B_KMAJOR: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot input_precision for float32 inputs: "ieee" or "tf32"
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """The persistent Hopper form of _grouped_mm_kernel: operand tiles through TMA descriptors into the
+    wgmma pipeline, one program per SM walking the static bound of (row tile, column tile) pairs. A tile
+    whose rows run past its expert's end reads the next expert's rows (TMA cannot clip per expert): they
+    only make rows that are not stored. B's descriptor spans all experts, (E*N, K) or (E*K, N): columns
+    past N (forward) likewise land in unstored columns, while reduction steps past K are zero-filled
+    (K is the descriptor's last dim) in the forward, and the launcher asks K % BLOCK_K == 0 for the dx
+    form, whose reduction runs down the rows of w[e]."""
+    a_desc = tl.make_tensor_descriptor(A_ptr, [R, K], [stride_ar, 1], [BLOCK_M, BLOCK_K])
+    if B_KMAJOR:
+        b_desc = tl.make_tensor_descriptor(B_ptr, [E * N, K], [K, 1], [BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(B_ptr, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N])
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    k_steps = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), m_tiles * tiles_n, num_programs):
+        first_m = (tile // per_group) * GROUP_M
+        group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
+        t = first_m + (tile % per_group) % group_rows
+        tn = (tile % per_group) // group_rows
+        e, row0, row_end = _expert_of_tile(Offs_ptr, t, E, BLOCK_M, BLOCK_E)
+        if e < E:
+            col0 = tn * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(0, k_steps):
+                a = a_desc.load([row0, kk * BLOCK_K])  # (BLOCK_M, BLOCK_K)
+                if B_KMAJOR:
+                    b = b_desc.load([e * N + col0, kk * BLOCK_K]).T  # (BLOCK_K, BLOCK_N), transposed in smem
+                else:
+                    b = b_desc.load([e * K + kk * BLOCK_K, col0])
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+            cols = col0 + tl.arange(0, BLOCK_N)
+            tl.store(C_ptr + rows[:, None] * N + cols[None, :], acc.to(C_ptr.dtype.element_ty),
+                     mask=(rows < row_end)[:, None] & (cols < N)[None, :])  # fmt: skip
+
+
+@triton.jit
 def _grouped_dw_kernel(
     DY_ptr,  # (R, N) gradient of the output: element (r, n) at DY_ptr + r * stride_dyr + n * stride_dyn
     X_ptr,  # (R, K) the forward's input: element (r, k) at X_ptr + r * stride_xr + k * stride_xk
@@ -249,6 +310,7 @@ def _swiglu_grad_kernel(
 
 
 _mm_launch = CachedLaunch(_grouped_mm_kernel)
+_mm_tma_launch = CachedLaunch(_grouped_mm_tma_kernel)
 _dw_launch = CachedLaunch(_grouped_dw_kernel)
 _swiglu_grad_launch = CachedLaunch(_swiglu_grad_kernel)
 
@@ -257,12 +319,21 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
-def mm_config(R: int, E: int, swiglu: bool = False) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the forward / dx kernel. BLOCK_M follows the
-    mean rows per expert (decode: a few rows per expert, a 128-row tile would be mostly padding; there
-    64-wide columns give more programs over few experts' weights); the fused SwiGLU holds two accumulators,
-    so half the columns. Under the interpreter, 16-row tiles and 64-wide columns: few programs (each costs
-    milliseconds there). Not tuned on the H200 yet (bench/moe.py measures these choices)."""
+# The persistent TMA kernel's tiles for large experts: 128x256 (the non-persistent pointer kernel measured
+# 582 TFLOP/s at 128x256 against 544 at 128x128 on Mixtral's gate/up at 4k tokens, bench/results/moe.json
+# "tune"), 3 stages (144 KB of shared memory), as kernels/matmul.py's persistent 128x256 config.
+TMA_BIG = (128, 256, 64, 8, 3, "tma")
+
+
+def mm_config(R: int, E: int, swiglu: bool = False, N: int = 0, K: int = 0) -> tuple[int | str, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the forward / dx kernel, with a sixth element
+    "tma" for the persistent TMA kernel. BLOCK_M follows the mean rows per expert (decode: a few rows per
+    expert, a 128-row tile would be mostly padding; there 64-wide columns give more programs over few
+    experts' weights); the fused SwiGLU holds two accumulators, so half the columns. Large experts (N or
+    K of 4096 or more, 256+ rows each: Mixtral-8x7B's prefill) take the persistent TMA kernel's 128x256
+    tiles (the launcher falls back to the pointer kernel at those tiles where the operands or the GPU do
+    not allow descriptors). Under the
+    interpreter, 16-row tiles and 64-wide columns: few programs (each costs milliseconds there)."""
     if interpreting():
         return 16, 64, 64, 4, 1
     mean = R / max(E, 1)
@@ -270,7 +341,40 @@ def mm_config(R: int, E: int, swiglu: bool = False) -> tuple[int, int, int, int,
         return 16, 64, 128, 4, 4
     if mean <= 64:
         return 64, 64 if swiglu else 128, 64, 4, 4
+    if not swiglu and mean >= 256 and max(N, K) >= 4096:
+        return TMA_BIG
     return 128, 64 if swiglu else 128, 64, 8, 3
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _tma_operands(a: torch.Tensor, b: torch.Tensor, block_k: int) -> bool | None:
+    """B_KMAJOR (True / False) if a (R, K) and b (E, K, N) can be read through the TMA kernel's
+    descriptors, else None: a with unit column stride and 16-byte aligned rows; b a contiguous w (E, N, K)
+    seen transposed (the forward) or a contiguous (E, K, N) (dx, whose reduction down w[e]'s rows needs
+    K % block_k == 0); 16-byte aligned bases; 16-bit or float32 elements; sm_90+ (or the interpreter)."""
+    if a.is_cuda:
+        if _capability(a.device.index if a.device.index is not None else torch.cuda.current_device())[0] < 9:
+            return None
+    elif not interpreting():
+        return None
+    es = a.element_size()
+    E, K, N = b.shape
+    if a.stride(1) != 1 or (a.stride(0) * es) % 16 or a.data_ptr() % 16 or b.data_ptr() % 16:
+        return None
+    if b.stride() == (N * K, 1, K) and (K * es) % 16 == 0:
+        return True
+    if b.stride() == (K * N, N, 1) and (N * es) % 16 == 0 and K % block_k == 0:
+        return False
+    return None
+
+
+def _tma_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    # scratch for the descriptors the TMA kernel builds on the device (128 bytes per descriptor per program)
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def grouped_mm(
@@ -284,7 +388,8 @@ def grouped_mm(
     """Launcher: (C, pre). C (R, N) with C[rows of e] = a[rows of e] @ b[e]; a (R, K) and b (E, K, N),
     any strides (the forward passes w.transpose(1, 2), the dx backward w itself). swiglu: b holds 2I
     columns [gate | up] and C (R, I) = silu(a @ gate) * (a @ up), with pre (R, 2I) the two products
-    when store_pre (else None). config: mm_config's tuple."""
+    when store_pre (else None). config: mm_config's tuple (default: mm_config's choice for this shape,
+    the TMA kernel where its operands allow it)."""
     R, K = a.shape
     E, _, N = b.shape
     if swiglu:
@@ -298,8 +403,30 @@ def grouped_mm(
             pre.zero_()
         return c.zero_(), pre
     offs = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
-    bm, bn, bk, warps, stages = config or mm_config(R, E, swiglu)
+    if config is None:
+        config = mm_config(R, E, swiglu, N, K)
+        if config == TMA_BIG and _tma_operands(a, b, TMA_BIG[2]) is None:
+            config = TMA_BIG[:5]  # the same tiles through pointers
+    bm, bn, bk, warps, stages = config[:5]
     m_tiles = cdiv(R, bm) + E
+    if len(config) > 5 and config[5] == "tma":
+        kmajor = _tma_operands(a, b, bk)
+        if swiglu or kmajor is None:
+            raise ValueError(
+                "grouped_mm: the TMA config needs the plain GEMM (no swiglu), a with unit column stride and "
+                "16-byte aligned rows, b a contiguous w (E, N, K) seen transposed or a contiguous (E, K, N) "
+                "with K a multiple of BLOCK_K, on an sm_90+ GPU: pass a 5-element config instead"
+            )
+        if a.is_cuda:
+            triton.set_allocator(_tma_alloc)  # a context variable in triton, read at launch
+        tiles = m_tiles * cdiv(N, bn)
+        programs = min(tiles, sm_count(a.device))
+        _mm_tma_launch[(programs,)](
+            a, b, c, offs, R, N, K, E, m_tiles, a.stride(0), programs, B_KMAJOR=kmajor,
+            PRECISION=_precision(a.dtype), BLOCK_M=bm,
+            BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=max(16, pow2(E)), GROUP_M=8, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        return c, pre
     grid = (m_tiles * cdiv(N, bn),)
     _mm_launch[grid](
         a, b, c, c if pre is None else pre, offs, N, K, E, m_tiles, a.stride(0), a.stride(1), b.stride(0),
