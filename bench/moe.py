@@ -52,7 +52,16 @@ import torch.nn.functional as F
 
 from kiln.kernels.dispatch import use_backend
 from kiln.kernels.moe_decode import DecodeTiles, decode_tiles, moe_decode_fwd, use_decode
-from kiln.kernels.moe_gemm import TMA_BIG, grouped_dw, grouped_linear, grouped_mm, grouped_swiglu, mm_config
+from kiln.kernels.moe_gemm import (
+    DW_TMA,
+    TMA_BIG,
+    dw_config,
+    grouped_dw,
+    grouped_linear,
+    grouped_mm,
+    grouped_swiglu,
+    mm_config,
+)
 from kiln.kernels.moe_permute import permute, routing_plan, unpermute
 from kiln.kernels.moe_router import route
 from kiln.kernels.swiglu import swiglu
@@ -477,6 +486,8 @@ def tune_case(b: Bench, shape: str, N: int):
 SWEEP_GEMM = [TMA_BIG, (128, 256, 64, 8, 4, "tma"), (128, 128, 64, 8, 4, "tma"), (128, 128, 64, 4, 4, "tma"),
               (64, 256, 64, 8, 4, "tma"), TMA_BIG[:5], (128, 128, 64, 8, 3)]  # fmt: skip
 SMOKE_SWEEP_GEMM = [(16, 16, 16, 4, 1, "tma"), (16, 64, 64, 4, 1)]
+SWEEP_DW = [DW_TMA, (128, 128, 64, 8, 4, "tma"), (128, 256, 64, 8, 4, "tma"), (256, 128, 64, 8, 3, "tma"),
+            DW_TMA[:5], (128, 128, 64, 8, 3)]  # (BLOCK_N, BLOCK_K, BLOCK_R, warps, stages[, "tma"])  # fmt: skip
 SWEEP_DECODE_UP = [DecodeTiles(4, 256, 2, 3), DecodeTiles(8, 256, 4, 3), DecodeTiles(4, 512, 4, 2),
                    DecodeTiles(2, 512, 2, 3), DecodeTiles(16, 128, 4, 3), DecodeTiles(2, 1024, 4, 1)]  # fmt: skip
 SWEEP_DECODE_DOWN = [DecodeTiles(4, 256, 2, 3), DecodeTiles(2, 1024, 4, 1), DecodeTiles(8, 256, 4, 3),
@@ -517,6 +528,26 @@ def gemm_sweep_case(b: Bench, shape: str, N: int, weights):
         b.run.log(
             f"sweep {shape} {name}: " + " ".join(f"{n}={v.get('TFLOPs', 'ERR')}" for n, v in res.items())
         )
+    # the gate/up weight gradient: kiln's dw kernels against torch._grouped_mm's 2-D x 2-D form (offsets
+    # along the reduction), as its own backward computes it
+    cfgs = SMOKE_SWEEP_GEMM if b.smoke else SWEEP_DW
+    fns = {f"kiln{c}": (lambda c=c: grouped_dw(dy, xs, offs, E, config=c)) for c in cfgs}
+    fns["kiln_default"] = lambda: grouped_dw(dy, xs, offs, E)
+    fns["grouped_mm"] = lambda: torch._grouped_mm(dy.t(), xs, offs=ends)
+    res = b.time(fns)
+    flops = 2.0 * R * d * 2 * inter
+    for v in res.values():
+        if "ms" in v:
+            v["TFLOPs"] = round(flops / v["ms"] / 1e9, 1)
+    peer = res["grouped_mm"].get("ms")
+    entry = dict(case="sweep_gemm", shape=shape, tokens=N, routing="balanced", mode="gate_up_dw", M=R,
+                 N=2 * inter, K=d, default=str(dw_config(R, E, 2 * inter, d)), results=res)  # fmt: skip
+    if peer:
+        entry["ratio_vs_grouped_mm"] = {n: round(peer / v["ms"], 3) for n, v in res.items() if "ms" in v}
+    b.cases.append(entry)
+    b.run.log(
+        f"sweep {shape} gate_up_dw: " + " ".join(f"{n}={v.get('TFLOPs', 'ERR')}" for n, v in res.items())
+    )
 
 
 def decode_sweep_case(b: Bench, shape: str, B: int, weights):

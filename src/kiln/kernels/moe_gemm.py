@@ -284,6 +284,47 @@ def _grouped_dw_kernel(
 
 
 @triton.jit
+def _grouped_dw_tma_kernel(
+    DY_ptr,  # (R, N) contiguous, rows 16-byte aligned
+    X_ptr,  # (R, K) contiguous, rows 16-byte aligned
+    DW_ptr,  # (E, N, K) out, contiguous
+    Offs_ptr,  # (E + 1,) int32 row offsets
+    N,
+    K,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """_grouped_dw_kernel through TMA: each program builds descriptors over its expert's rows alone (base
+    at row offsets[e], n_e rows), so the reduction's last step past the expert's end is zero-filled by
+    the copy engine rather than masked; dy's tile is transposed in shared memory for wgmma."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    e = pid // (tiles_n * tiles_k)
+    tile = pid % (tiles_n * tiles_k)
+    n0 = (tile // tiles_k) * BLOCK_N
+    k0 = (tile % tiles_k) * BLOCK_K
+    start = tl.load(Offs_ptr + e)
+    rows = tl.load(Offs_ptr + e + 1) - start
+    # an empty expert still gets valid (1-row) descriptors; its loop runs zero times: an exact zero
+    dy_desc = tl.make_tensor_descriptor(DY_ptr + start.to(tl.int64) * N, [tl.maximum(rows, 1), N], [N, 1],
+                                        [BLOCK_R, BLOCK_N])  # fmt: skip
+    x_desc = tl.make_tensor_descriptor(X_ptr + start.to(tl.int64) * K, [tl.maximum(rows, 1), K], [K, 1],
+                                       [BLOCK_R, BLOCK_K])  # fmt: skip
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for r0 in range(0, rows, BLOCK_R):
+        dyt = dy_desc.load([r0, n0]).T  # (BLOCK_N, BLOCK_R)
+        x = x_desc.load([r0, k0])  # (BLOCK_R, BLOCK_K)
+        acc = tl.dot(dyt, x, acc, input_precision=PRECISION)
+    ns = n0 + tl.arange(0, BLOCK_N)
+    ks = k0 + tl.arange(0, BLOCK_K)
+    out = DW_ptr + e.to(tl.int64) * N * K + ns[:, None].to(tl.int64) * K + ks[None, :]
+    tl.store(out, acc.to(DW_ptr.dtype.element_ty), mask=(ns < N)[:, None] & (ks < K)[None, :])
+
+
+@triton.jit
 def _swiglu_grad_kernel(
     DH_ptr,  # (R, I) gradient of h = silu(gate) * up, contiguous
     Pre_ptr,  # (R, 2I) [gate | up], contiguous
@@ -312,6 +353,7 @@ def _swiglu_grad_kernel(
 _mm_launch = CachedLaunch(_grouped_mm_kernel)
 _mm_tma_launch = CachedLaunch(_grouped_mm_tma_kernel)
 _dw_launch = CachedLaunch(_grouped_dw_kernel)
+_dw_tma_launch = CachedLaunch(_grouped_dw_tma_kernel)
 _swiglu_grad_launch = CachedLaunch(_swiglu_grad_kernel)
 
 
@@ -437,11 +479,51 @@ def grouped_mm(
     return c, pre
 
 
+# dw's tiles through TMA for large experts (the rule of mm_config's TMA_BIG): (BLOCK_N, BLOCK_K, BLOCK_R,
+# num_warps, num_stages, "tma"); the pointer kernel's 128x128x64 measured 452 TFLOP/s on Mixtral's gate/up
+# at 4k tokens, 128x256 450 (bench/results/moe.json "tune")
+DW_TMA = (128, 256, 64, 8, 3, "tma")
+
+
+def dw_config(R: int, E: int, N: int, K: int) -> tuple[int | str, ...]:
+    """grouped_dw's default: the TMA kernel for large experts (mean rows >= 256, N or K >= 4096), else the
+    pointer kernel's 128x128 tiles over 64-row steps; small tiles under the interpreter."""
+    if interpreting():
+        return 64, 64, 16, 4, 1
+    if R / max(E, 1) >= 256 and max(N, K) >= 4096:
+        return DW_TMA
+    return 128, 128, 64, 8, 3
+
+
+def _dw_tma_ok(dy: torch.Tensor, x: torch.Tensor) -> bool:
+    """Descriptors over each expert's rows need contiguous dy and x with 16-byte rows and bases (so that
+    every expert's first row is aligned too), on an sm_90+ GPU or the interpreter."""
+    if dy.is_cuda:
+        if (
+            _capability(dy.device.index if dy.device.index is not None else torch.cuda.current_device())[0]
+            < 9
+        ):
+            return False
+    elif not interpreting():
+        return False
+    es = x.element_size()
+    return (
+        dy.is_contiguous() and x.is_contiguous() and (dy.shape[1] * es) % 16 == 0 and (x.shape[1] * es) % 16 == 0
+        and dy.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0
+    )  # fmt: skip
+
+
 def grouped_dw(
-    dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, E: int, config: tuple[int, ...] | None = None
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    E: int,
+    config: tuple[int | str, ...] | None = None,
 ) -> torch.Tensor:
     """Launcher: dw (E, N, K) contiguous, dw[e] = dy[rows of e].T @ x[rows of e]; dy (R, N), x (R, K).
-    config: (BLOCK_N, BLOCK_K, BLOCK_R, num_warps, num_stages)."""
+    config: (BLOCK_N, BLOCK_K, BLOCK_R, num_warps, num_stages), a sixth element "tma" for the TMA kernel
+    (default: dw_config's, the TMA kernel falling back to the same tiles through pointers where the
+    operands or the GPU do not allow descriptors)."""
     R, N = dy.shape
     K = x.shape[1]
     dw = torch.empty(E, N, K, dtype=x.dtype, device=x.device)
@@ -450,8 +532,25 @@ def grouped_dw(
     if R == 0:
         return dw.zero_()
     offs = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
-    bn, bk, br, warps, stages = config or ((64, 64, 16, 4, 1) if interpreting() else (128, 128, 64, 8, 3))
+    if config is None:
+        config = dw_config(R, E, N, K)
+        if len(config) > 5 and not _dw_tma_ok(dy, x):
+            config = config[:5]
+    bn, bk, br, warps, stages = config[:5]
     grid = (E * cdiv(N, bn) * cdiv(K, bk),)
+    if len(config) > 5 and config[5] == "tma":
+        if not _dw_tma_ok(dy, x):
+            raise ValueError(
+                "grouped_dw: the TMA config needs contiguous dy and x with 16-byte aligned rows on an sm_90+ "
+                "GPU: pass a 5-element config instead"
+            )
+        if dy.is_cuda:
+            triton.set_allocator(_tma_alloc)
+        _dw_tma_launch[grid](
+            dy, x, dw, offs, N, K, PRECISION=_precision(x.dtype), BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=br,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        return dw
     _dw_launch[grid](
         dy, x, dw, offs, N, K, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
         PRECISION=_precision(x.dtype), BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=br, num_warps=warps,
