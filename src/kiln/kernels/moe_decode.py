@@ -181,7 +181,7 @@ def _down_kernel(
     stride_wn,
     stride_wi,
     TOPK: tl.constexpr,
-    TOPK_P2: tl.constexpr,  # pow2 >= TOPK: the width of the slots' vector loads
+    TOPK_P2: tl.constexpr,  # pow2 >= max(TOPK, 2): the width of the slots' vector loads
     BLOCK_N: tl.constexpr,  # output columns (rows of w2[e]) per program
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
@@ -244,7 +244,7 @@ def moe_decode_fwd(
         BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, num_warps=up.warps,
     )  # fmt: skip
     _down_launch[(T, cdiv(d, down.block_n))](
-        h, idx, wts, w2, out, I, d, w2.stride(0), w2.stride(1), w2.stride(2), TOPK=k, TOPK_P2=pow2(k),
+        h, idx, wts, w2, out, I, d, w2.stride(0), w2.stride(1), w2.stride(2), TOPK=k, TOPK_P2=max(2, pow2(k)),
         BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, num_warps=down.warps,
     )  # fmt: skip
     return out
