@@ -23,14 +23,16 @@ matmul tutorial) so that programs running together share an expert's weight pane
 
 Dtypes: bfloat16 / float16 with float32 accumulation on the GPU; float32 (IEEE, or TF32 when
 torch.backends.cuda.matmul.allow_tf32 is on) too, which is what the interpreter tests use (its bf16 dot
-is wrong, PLATFORM.md). Operands are read through plain pointers with masks (any strides), not TMA.
+is wrong, PLATFORM.md). Operands are read through plain pointers with masks (any strides); for large
+experts in 16-bit dtypes on sm_90+ (`mm_config`, `dw_config`) through TMA descriptors instead: a persistent
+forward / dx kernel and a dw kernel whose descriptors cover one expert's rows (docs/perf/moe.md).
 `grouped_swiglu(x, gate_up_proj, offsets)` fuses the activation into the gate/up GEMM: each program holds
 a gate tile and the matching up tile (columns n and I + n of w[e]) and writes silu(gate) * up (R, I), so
 the (R, 2I) products are neither written nor read back at inference; with autograd it also stores them
 for the backward (the SwiGLU backward of kernels/swiglu.py, then the grouped dx and dw of the pair). bench/moe.py
 measures it against the two-kernel path; the model runs the two-kernel path until the H200 says the
 fused one pays.
-Not done: a persistent grid, TMA descriptors, split over rows for the dw of a hot expert.
+Not done: TMA for the fused SwiGLU and for small experts, split over rows for the dw of a hot expert.
 """
 
 from __future__ import annotations
@@ -373,8 +375,8 @@ def mm_config(R: int, E: int, swiglu: bool = False, N: int = 0, K: int = 0) -> t
     expert, a 128-row tile would be mostly padding; there 64-wide columns give more programs over few
     experts' weights); the fused SwiGLU holds two accumulators, so half the columns. Large experts (N or
     K of 4096 or more, 256+ rows each: Mixtral-8x7B's prefill) take the persistent TMA kernel's 128x256
-    tiles (the launcher falls back to the pointer kernel at those tiles where the operands or the GPU do
-    not allow descriptors). Under the
+    tiles (the launcher falls back to the pointer kernel at those tiles for float32, and where the
+    operands or the GPU do not allow descriptors). Under the
     interpreter, 16-row tiles and 64-wide columns: few programs (each costs milliseconds there)."""
     if interpreting():
         return 16, 64, 64, 4, 1
@@ -447,8 +449,8 @@ def grouped_mm(
     offs = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
     if config is None:
         config = mm_config(R, E, swiglu, N, K)
-        if config == TMA_BIG and _tma_operands(a, b, TMA_BIG[2]) is None:
-            config = TMA_BIG[:5]  # the same tiles through pointers
+        if config == TMA_BIG and (a.element_size() != 2 or _tma_operands(a, b, TMA_BIG[2]) is None):
+            config = TMA_BIG[:5]  # the same tiles through pointers (and float32 never through TMA by default)
     bm, bn, bk, warps, stages = config[:5]
     m_tiles = cdiv(R, bm) + E
     if len(config) > 5 and config[5] == "tma":
@@ -534,8 +536,8 @@ def grouped_dw(
     offs = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
     if config is None:
         config = dw_config(R, E, N, K)
-        if len(config) > 5 and not _dw_tma_ok(dy, x):
-            config = config[:5]
+        if len(config) > 5 and (x.element_size() != 2 or not _dw_tma_ok(dy, x)):
+            config = config[:5]  # the same tiles through pointers (float32 never through TMA by default)
     bn, bk, br, warps, stages = config[:5]
     grid = (E * cdiv(N, bn) * cdiv(K, bk),)
     if len(config) > 5 and config[5] == "tma":
