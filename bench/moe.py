@@ -687,8 +687,8 @@ def quick(args) -> int:
     with use_backend("triton"):
         weights = {shape: make_weights(b, shape) for shape in shapes}
         for shape in shapes:
-            for B in decode:
-                for routing in routings:
+            for B in decode:  # Zipf from batch 8: below it every token's k experts are distinct either way
+                for routing in routings if B >= 8 or b.smoke else routings[:1]:
                     go(decode_case, shape, B, routing, weights[shape], True)
         for shape in prefill_shapes:
             for routing in routings:
