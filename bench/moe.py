@@ -349,7 +349,8 @@ def gemm_case(b: Bench, shape: str, N: int, routing: str, weights):
 def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool = False):
     """kiln (the model's dispatch: the decode kernels when B*k <= E), kiln_grouped (the grouped path),
     torch._grouped_mm, and "copy": a device copy moving the same number of bytes (half read, half
-    written) at this size, the bandwidth reachable by a kernel this short. Quick: no loop, no fused."""
+    written) at this size, the bandwidth reachable by a kernel this short. Quick: no loop, no fused, and
+    kiln_decode (the decode kernels at any batch)."""
     E, k, d, inter, sh = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
     w1, w2, shared = weights
     x = b.randn(B, d)
@@ -358,7 +359,9 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     elem = torch.finfo(b.dtype).bits // 8
     nbytes = active * 3 * inter * d * elem + (3 * (sh // 2) * d * elem if sh else 0)
     impls = {"kiln": kiln_experts, "kiln_grouped": kiln_grouped_experts, "grouped_mm": grouped_mm_experts}
-    if not quick:
+    if quick:  # the decode kernels at every batch, past use_decode's N*k <= E too: where the crossover lies
+        impls["kiln_decode"] = lambda x, idx, w, w1, w2: moe_decode_fwd(x, idx, w, w1, w2)
+    else:
         impls |= {"kiln_fused": kiln_fused_experts, "loop": loop_experts}
     fns = {n: fwd(with_shared(f, shared), [x, idx, w, w1, w2]) for n, f in impls.items()}
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=b.dev)
