@@ -51,7 +51,17 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels.dispatch import use_backend
-from kiln.kernels.moe_gemm import grouped_dw, grouped_linear, grouped_mm, grouped_swiglu, mm_config
+from kiln.kernels.moe_decode import DecodeTiles, decode_tiles, moe_decode_fwd, use_decode
+from kiln.kernels.moe_gemm import (
+    DW_TMA,
+    TMA_BIG,
+    dw_config,
+    grouped_dw,
+    grouped_linear,
+    grouped_mm,
+    grouped_swiglu,
+    mm_config,
+)
 from kiln.kernels.moe_permute import permute, routing_plan, unpermute
 from kiln.kernels.moe_router import route
 from kiln.kernels.swiglu import swiglu
@@ -87,6 +97,14 @@ def make_routing(N: int, E: int, k: int, kind: str, device, gen: torch.Generator
 
 # ------------------------------------------------------------------------------------- implementations
 def kiln_experts(x, idx, w, w1, w2):
+    """The model's dispatch (Experts.grouped): the decode kernels at inference when pairs <= experts."""
+    if use_decode(idx.shape[0], idx.shape[1], w1.shape[0]) and not torch.is_grad_enabled():
+        return moe_decode_fwd(x, idx, w, w1, w2)
+    return kiln_grouped_experts(x, idx, w, w1, w2)
+
+
+def kiln_grouped_experts(x, idx, w, w1, w2):
+    """The grouped path at any batch: routing plan, permute, grouped GEMM, SwiGLU, grouped GEMM, combine."""
     plan = routing_plan(idx, w1.shape[0])
     h = swiglu(grouped_linear(permute(x, plan), w1, plan.offsets), None)
     return unpermute(grouped_linear(h, w2, plan.offsets), plan, w)
@@ -208,7 +226,8 @@ class Bench:
                 v["frac_copy"] = fraction(v["GBps"] / 1e3, ceil.get("copy_TBps"))
         entry["results"] = res
         best = {n: v.get("graph_ms") if isinstance(v.get("graph_ms"), float) else v.get("ms")
-                for n, v in res.items() if n not in ("kiln", "kiln_fused", "dense") and "ms" in v}  # fmt: skip
+                for n, v in res.items() if not n.startswith("kiln") and n not in ("dense", "copy")
+                and "ms" in v}  # fmt: skip
         kiln = res.get("kiln", {})
         k_ms = kiln.get("graph_ms") if isinstance(kiln.get("graph_ms"), float) else kiln.get("ms")
         if best and k_ms:
@@ -218,6 +237,12 @@ class Bench:
             ms = best.get(peer)
             if ms and k_ms:
                 entry[f"ratio_vs_{peer}"] = round(ms / k_ms, 3)
+        grouped = res.get("kiln_grouped", {})
+        g_ms = grouped.get("graph_ms") if isinstance(grouped.get("graph_ms"), float) else grouped.get("ms")
+        if g_ms and k_ms and grouped is not kiln:
+            entry["speedup_vs_kiln_grouped"] = round(
+                g_ms / k_ms, 3
+            )  # the decode kernels against the old path
         fused = res.get("kiln_fused", {})
         f_ms = fused.get("graph_ms") if isinstance(fused.get("graph_ms"), float) else fused.get("ms")
         if f_ms and k_ms:
@@ -257,7 +282,9 @@ def layer_flops(rows: int, d: int, inter: int) -> float:
     return 2.0 * rows * (d * 2 * inter + inter * d)
 
 
-def experts_case(b: Bench, shape: str, N: int, routing: str, weights, mode_list=("fwd", "fwd+bwd")):
+def experts_case(
+    b: Bench, shape: str, N: int, routing: str, weights, mode_list=("fwd", "fwd+bwd"), quick: bool = False
+):
     E, k, d, inter, sh = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
     w1, w2, shared = weights
     x = b.randn(N, d)
@@ -267,6 +294,8 @@ def experts_case(b: Bench, shape: str, N: int, routing: str, weights, mode_list=
     flops = layer_flops(N * k, d, inter) + (layer_flops(N, d, sh // 2) if sh else 0.0)
     impls = {"kiln": kiln_experts, "kiln_fused": kiln_fused_experts, "grouped_mm": grouped_mm_experts,
              "loop": loop_experts, "padded_bmm": padded_experts}  # fmt: skip
+    if quick:  # what changed and its peer: kiln (the TMA kernel on large experts) against torch._grouped_mm
+        impls = {"kiln": kiln_experts, "grouped_mm": grouped_mm_experts}
     with torch.no_grad():
         err = (kiln_experts(x, idx, w, w1, w2).float() - loop_experts(x, idx, w, w1, w2).float()).abs().max()
     for mode in mode_list:
@@ -317,7 +346,11 @@ def gemm_case(b: Bench, shape: str, N: int, routing: str, weights):
         b.record(entry, b.time(fns), flops=flops * (3 if mode != "fwd" else 1))
 
 
-def decode_case(b: Bench, shape: str, B: int, routing: str, weights):
+def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool = False):
+    """kiln (the model's dispatch: the decode kernels when B*k <= E), kiln_grouped (the grouped path),
+    torch._grouped_mm, and "copy": a device copy moving the same number of bytes (half read, half
+    written) at this size, the bandwidth reachable by a kernel this short. Quick: no loop, no fused, and
+    kiln_decode (the decode kernels at any batch)."""
     E, k, d, inter, sh = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
     w1, w2, shared = weights
     x = b.randn(B, d)
@@ -325,11 +358,22 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights):
     active = int(torch.unique(idx).numel())
     elem = torch.finfo(b.dtype).bits // 8
     nbytes = active * 3 * inter * d * elem + (3 * (sh // 2) * d * elem if sh else 0)
-    impls = {"kiln": kiln_experts, "kiln_fused": kiln_fused_experts, "grouped_mm": grouped_mm_experts,
-             "loop": loop_experts}  # fmt: skip
+    impls = {"kiln": kiln_experts, "kiln_grouped": kiln_grouped_experts, "grouped_mm": grouped_mm_experts}
+    if quick:  # the decode kernels at every batch, past use_decode's N*k <= E too: where the crossover lies
+        impls["kiln_decode"] = lambda x, idx, w, w1, w2: moe_decode_fwd(x, idx, w, w1, w2)
+    else:
+        impls |= {"kiln_fused": kiln_fused_experts, "loop": loop_experts}
     fns = {n: fwd(with_shared(f, shared), [x, idx, w, w1, w2]) for n, f in impls.items()}
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=b.dev)
+    dst = torch.empty_like(src)
+    fns["copy"] = lambda: dst.copy_(src)
+    with torch.no_grad():
+        err = (
+            kiln_experts(x, idx, w, w1, w2).float() - kiln_grouped_experts(x, idx, w, w1, w2).float()
+        ).abs()
     entry = dict(case="decode", shape=shape, tokens=B, routing=routing, mode="fwd", active_experts=active,
-                 weight_bytes=nbytes)  # fmt: skip
+                 weight_bytes=nbytes, path="decode" if use_decode(B, k, E) else "grouped",
+                 max_abs_diff_vs_grouped=float(err.max()))  # fmt: skip
     b.record(entry, b.time(fns, graph=True), nbytes=nbytes)
 
 
@@ -440,6 +484,106 @@ def tune_case(b: Bench, shape: str, N: int):
     b.run.log(f"tune {shape} {N}: " + " ".join(f"{n}={v.get('TFLOPs', 'ERR')}" for n, v in res.items()))
 
 
+# --case quick: the persistent TMA kernel (and the pointer kernel at the same and the old tiles) on Mixtral's
+# three GEMMs at 4k tokens; the decode kernels' tiles at batch 1
+SWEEP_GEMM = [
+    TMA_BIG,
+    (128, 256, 64, 8, 4, "tma"),
+    (128, 128, 64, 8, 4, "tma"),
+    TMA_BIG[:5],
+    (128, 128, 64, 8, 3),
+]
+SMOKE_SWEEP_GEMM = [(16, 16, 16, 4, 1, "tma"), (16, 64, 64, 4, 1)]
+SWEEP_DW = [DW_TMA, (128, 128, 64, 8, 4, "tma"), (256, 128, 64, 8, 3, "tma"), (128, 128, 64, 8, 3)]
+SWEEP_DECODE_UP = [DecodeTiles(8, 256, 4, 3), DecodeTiles(4, 512, 4, 2), DecodeTiles(2, 512, 2, 3),
+                   DecodeTiles(16, 128, 4, 3), DecodeTiles(2, 1024, 4, 1)]  # fmt: skip
+SWEEP_DECODE_DOWN = [DecodeTiles(4, 256, 2, 3), DecodeTiles(2, 1024, 4, 1), DecodeTiles(8, 256, 4, 3),
+                     DecodeTiles(2, 256, 1, 3), DecodeTiles(1, 1024, 2, 2)]  # fmt: skip
+
+
+def gemm_sweep_case(b: Bench, shape: str, N: int, weights):
+    """The gate/up forward, its dx and the down forward over expert-sorted rows (balanced) at each
+    SWEEP_GEMM config and mm_config's default, against torch._grouped_mm on the same rows."""
+    E, k, d, inter, _ = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
+    w1, w2, _ = weights
+    idx, _ = make_routing(N, E, k, "balanced", b.dev, b.gen)
+    offs = routing_plan(idx, E).offsets
+    ends = offs[1:].contiguous()
+    R = N * k
+    xs, dy, h = b.randn(R, d), b.randn(R, 2 * inter), b.randn(R, inter)
+    problems = {  # name: (A, B as (E, K, N), flops)
+        "gate_up": (xs, w1.transpose(1, 2), 2.0 * R * d * 2 * inter),
+        "gate_up_dx": (dy, w1, 2.0 * R * d * 2 * inter),
+        "down": (h, w2.transpose(1, 2), 2.0 * R * inter * d),
+    }
+    for name, (a, bm, flops) in problems.items():
+        cfgs = SMOKE_SWEEP_GEMM if b.smoke else SWEEP_GEMM
+        fns = {f"kiln{c}": (lambda c=c, a=a, bm=bm: grouped_mm(a, bm, offs, config=c)) for c in cfgs}
+        fns["kiln_default"] = lambda a=a, bm=bm: grouped_mm(a, bm, offs)
+        fns["grouped_mm"] = lambda a=a, bm=bm: torch._grouped_mm(a, bm, offs=ends)
+        res = b.time(fns)
+        for v in res.values():
+            if "ms" in v:
+                v["TFLOPs"] = round(flops / v["ms"] / 1e9, 1)
+        peer = res["grouped_mm"].get("ms")
+        entry = dict(case="sweep_gemm", shape=shape, tokens=N, routing="balanced", mode=name, M=R,
+                     N=bm.shape[2], K=bm.shape[1], default=str(mm_config(R, E, False, bm.shape[2], bm.shape[1])),
+                     results=res)  # fmt: skip
+        if peer:
+            entry["ratio_vs_grouped_mm"] = {n: round(peer / v["ms"], 3) for n, v in res.items() if "ms" in v}
+        b.cases.append(entry)
+        b.run.log(
+            f"sweep {shape} {name}: " + " ".join(f"{n}={v.get('TFLOPs', 'ERR')}" for n, v in res.items())
+        )
+    # the gate/up weight gradient: kiln's dw kernels against torch._grouped_mm's 2-D x 2-D form (offsets
+    # along the reduction), as its own backward computes it
+    cfgs = SMOKE_SWEEP_GEMM if b.smoke else SWEEP_DW
+    fns = {f"kiln{c}": (lambda c=c: grouped_dw(dy, xs, offs, E, config=c)) for c in cfgs}
+    fns["kiln_default"] = lambda: grouped_dw(dy, xs, offs, E)
+    fns["grouped_mm"] = lambda: torch._grouped_mm(dy.t(), xs, offs=ends)
+    res = b.time(fns)
+    flops = 2.0 * R * d * 2 * inter
+    for v in res.values():
+        if "ms" in v:
+            v["TFLOPs"] = round(flops / v["ms"] / 1e9, 1)
+    peer = res["grouped_mm"].get("ms")
+    entry = dict(case="sweep_gemm", shape=shape, tokens=N, routing="balanced", mode="gate_up_dw", M=R,
+                 N=2 * inter, K=d, default=str(dw_config(R, E, 2 * inter, d)), results=res)  # fmt: skip
+    if peer:
+        entry["ratio_vs_grouped_mm"] = {n: round(peer / v["ms"], 3) for n, v in res.items() if "ms" in v}
+    b.cases.append(entry)
+    b.run.log(
+        f"sweep {shape} gate_up_dw: " + " ".join(f"{n}={v.get('TFLOPs', 'ERR')}" for n, v in res.items())
+    )
+
+
+def decode_sweep_case(b: Bench, shape: str, B: int, weights):
+    """The decode kernels' tiles (kernels/moe_decode.py): each SWEEP_DECODE_UP tile with the default down
+    tile and each SWEEP_DECODE_DOWN tile with the default up tile; GB/s over the active experts' weights,
+    CUDA-graph replay."""
+    E, k, d, inter, _ = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
+    w1, w2, _ = weights
+    x = b.randn(B, d)
+    idx, w = make_routing(B, E, k, "balanced", b.dev, b.gen)
+    nbytes = int(torch.unique(idx).numel()) * 3 * inter * d * (torch.finfo(b.dtype).bits // 8)
+    up0, down0 = decode_tiles(d), decode_tiles(inter)
+    ups = SWEEP_DECODE_UP[:1] if b.smoke else SWEEP_DECODE_UP
+    downs = SWEEP_DECODE_DOWN[:1] if b.smoke else SWEEP_DECODE_DOWN
+    cfgs = {"default": (up0, down0)} | {f"up{tuple(t)}": (t, down0) for t in ups} | {
+        f"down{tuple(t)}": (up0, t) for t in downs}  # fmt: skip
+    fns = {n: (lambda c=c: moe_decode_fwd(x, idx, w, w1, w2, config=c)) for n, c in cfgs.items()}
+    res = b.time(fns, graph=True)
+    for v in res.values():
+        ms = v.get("graph_ms") if isinstance(v.get("graph_ms"), float) else v.get("ms")
+        if ms:
+            v["GBps"] = round(nbytes / ms / 1e6, 1)
+            v["frac_copy"] = fraction(v["GBps"] / 1e3, b.run.ceilings.get("copy_TBps"))
+    entry = dict(case="sweep_decode", shape=shape, tokens=B, routing="balanced", mode="fwd",
+                 default=f"up {tuple(up0)} down {tuple(down0)}", weight_bytes=nbytes, results=res)  # fmt: skip
+    b.cases.append(entry)
+    b.run.log(f"sweep decode {shape} {B}: " + " ".join(f"{n}={v.get('GBps', 'ERR')}" for n, v in res.items()))
+
+
 def make_weights(b: Bench, shape: str):
     E, k, d, inter, sh = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
     w1 = b.randn(E, 2 * inter, d, scale=d**-0.5)
@@ -453,7 +597,13 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=HARD_BUDGET_S,
                     help=f"seconds after which no new case starts (default {HARD_BUDGET_S:.0f}; the slow "
                     f"peers stop at {TIME_BUDGET_S:.0f}): pass a large value to run every case")  # fmt: skip
+    ap.add_argument("--case", choices=("full", "quick"), default="full",
+                    help="quick: only what issue 19's second round changed (decode batch 1-64 with the decode "
+                    "kernels, Mixtral / Qwen3 prefill at 4k and 16k tokens, the TMA GEMM and decode tile "
+                    "sweeps; about 150 s) -> bench/results/moe_quick.json")  # fmt: skip
     args = ap.parse_args()
+    if args.case == "quick":
+        return quick(args)
     run = BenchRun("moe", __file__, args, rounds=3)
     b = Bench(run)
     shapes = SMOKE_SHAPES if b.smoke else SHAPES
@@ -503,6 +653,58 @@ def main() -> int:
             go(tune_case, shape, N)
     run.meta["skipped_for_time"] = skipped
     run.write(cases=b.cases, time_budget_s=TIME_BUDGET_S, hard_budget_s=args.budget)
+    return 0
+
+
+QUICK_DECODE = (1, 2, 4, 8, 16, 64)
+QUICK_BUDGET_S = 135.0  # no new case past this: the last one ends within ~150 s
+
+
+def quick(args) -> int:
+    """--case quick: decode at batch 1-64 on every shape (decode kernels vs the grouped path vs
+    torch._grouped_mm vs a copy of the same bytes), Mixtral / Qwen3 prefill at 4k (then 16k) tokens
+    forward and forward+backward (kiln vs torch._grouped_mm), then the GEMM config sweep on Mixtral at 4k
+    and the decode tile sweep at batch 1 (the goal points first: a run cut by the budget keeps them)."""
+    run = BenchRun("moe_quick", __file__, args, rounds=3)
+    b = Bench(run)
+    shapes = list(SMOKE_SHAPES if b.smoke else SHAPES)
+    prefill_shapes = shapes[:2]  # Mixtral, Qwen3
+    decode = (2,) if b.smoke else QUICK_DECODE
+    prefill = (12,) if b.smoke else (4096, 16384)
+    routings = ("zipf",) if b.smoke else ("balanced", "zipf")
+    budget = args.budget if args.budget != HARD_BUDGET_S else QUICK_BUDGET_S
+    skipped = []
+
+    def go(f, *a):
+        if b.over_budget(budget):
+            skipped.append(f"{f.__name__}{a[:3]}")
+            return
+        try:
+            f(b, *a)
+        except Exception as e:  # noqa: BLE001 - record the case's failure and go on
+            b.cases.append(
+                dict(case=f.__name__, args=repr(a[:3]), error=f"{type(e).__name__}: {str(e)[:300]}")
+            )
+            run.log(f"{f.__name__}{a[:3]} failed: {type(e).__name__}: {e}")
+
+    with use_backend("triton"):
+        weights = {shape: make_weights(b, shape) for shape in shapes}
+        for shape in shapes:
+            for B in decode:  # Zipf from batch 8: below it every token's k experts are distinct either way
+                for routing in routings if B >= 8 or b.smoke else routings[:1]:
+                    go(decode_case, shape, B, routing, weights[shape], True)
+        for shape in prefill_shapes:
+            for routing in routings:
+                go(experts_case, shape, prefill[0], routing, weights[shape], ("fwd", "fwd+bwd"), True)
+        for N in prefill[1:]:
+            for shape in prefill_shapes:
+                for routing in routings:
+                    go(experts_case, shape, N, routing, weights[shape], ("fwd", "fwd+bwd"), True)
+        go(gemm_sweep_case, shapes[0], prefill[0], weights[shapes[0]])
+        for shape in shapes[:2]:
+            go(decode_sweep_case, shape, 1 if not b.smoke else 2, weights[shape])
+    run.meta["skipped_for_time"] = skipped
+    run.write(cases=b.cases, case="quick", hard_budget_s=budget)
     return 0
 
 

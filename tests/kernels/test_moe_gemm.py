@@ -6,6 +6,7 @@ import torch
 
 from kiln.kernels.dispatch import use_backend
 from kiln.kernels.moe_gemm import (
+    grouped_dw,
     grouped_linear,
     grouped_linear_bwd_op,
     grouped_linear_op,
@@ -114,8 +115,9 @@ def test_grouped_linear_opcheck():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "E, k, d, inter, n", [(8, 2, 4096, 1024, 1000), (128, 8, 2048, 768, 513), (64, 6, 256, 96, 7)]
-)
+    "E, k, d, inter, n",
+    [(8, 2, 4096, 1024, 1000), (8, 2, 4096, 1024, 2048), (128, 8, 2048, 768, 513), (64, 6, 256, 96, 7)],
+)  # (8, 2, 4096, 1024, 2048): 512 rows per expert, forward and dx through the persistent TMA kernel
 def test_grouped_linear_gpu_bf16(E, k, d, inter, n):
     g = torch.Generator(device="cuda").manual_seed(0)
     idx = torch.randint(0, E, (n * k,), generator=g, device="cuda")
@@ -125,6 +127,90 @@ def test_grouped_linear_gpu_bf16(E, k, d, inter, n):
     offs = _offsets(counts, "cuda")
     # a K = d reduction in bf16 inputs with fp32 accumulation: the dw sums up to n*k rows per expert
     check_op(lambda x, w: _op(x, w, offs), lambda x, w: grouped_linear_ref(x, w, offs), [x, w], scale=2.0)
+
+
+@pytest.mark.parametrize(
+    "counts, N, K",
+    [
+        ([3, 0, 21, 9, 40], 48, 40),
+        ([0, 0, 50, 0], 32, 32),
+        ([7], 32, 16),
+        ([0, 1, 0, 0, 2, 0, 0, 66], 16, 48),
+    ],
+    ids=["ragged", "one-expert-all-rows", "E1", "skewed"],
+)
+def test_grouped_mm_tma_forward_dx_and_dw(counts, N, K):
+    # the persistent TMA kernel (explicit config; its default is for large experts on an sm_90+ GPU):
+    # 16-row tiles that run past their expert's end, empty experts, 4 programs looping over the tiles
+    g = torch.Generator().manual_seed(sum(counts))
+    x = torch.randn(sum(counts), K, generator=g)
+    w = torch.randn(len(counts), N, K, generator=g) / K**0.5
+    dy = torch.randn(sum(counts), N, generator=g)
+    offs = _offsets(counts)
+    cfg = (16, 16, 16, 4, 1, "tma")
+    with use_backend("triton"):
+        y, _ = grouped_mm(x, w.transpose(1, 2), offs, config=cfg)  # forward: w (E, N, K) seen transposed
+        dx, _ = grouped_mm(dy, w, offs, config=cfg)  # dx = dy @ w[e]: the reduction down w[e]'s N rows
+        dw = grouped_dw(dy, x, offs, len(counts), config=cfg)  # descriptors over each expert's rows
+    assert_close(y, grouped_linear_ref(x.double(), w.double(), offs))
+    assert_close(dx, grouped_linear_ref(dy.double(), w.transpose(1, 2).contiguous().double(), offs))
+    assert_close(dw, _dw_ref(dy, x, counts))
+
+
+def _dw_ref(dy, x, counts):
+    bounds = _offsets(counts).tolist()
+    return torch.stack([dy[a:b].double().T @ x[a:b].double() for a, b in zip(bounds, bounds[1:])])
+
+
+def test_grouped_mm_tma_rejects_what_descriptors_cannot_read():
+    offs = _offsets([3, 4])
+    w = torch.randn(2, 24, 32)  # dx's reduction over 24 rows of w[e] is not a multiple of BLOCK_K = 16
+    with use_backend("triton"), pytest.raises(ValueError, match="TMA config"):
+        grouped_mm(torch.randn(7, 24), w, offs, config=(16, 16, 16, 4, 1, "tma"))
+    with use_backend("triton"), pytest.raises(ValueError, match="TMA config"):  # a strided x
+        grouped_mm(torch.randn(7, 64)[:, ::2], w.transpose(1, 2), offs, config=(16, 16, 16, 4, 1, "tma"))
+    with use_backend("triton"), pytest.raises(ValueError, match="TMA config"):  # dw: a strided dy
+        grouped_dw(torch.randn(7, 48)[:, ::2], torch.randn(7, 32), offs, 2, config=(16, 16, 16, 4, 1, "tma"))
+
+
+def test_mm_config_table():
+    from kiln.kernels import moe_gemm
+
+    if moe_gemm.interpreting():  # the interpreter's one small config
+        assert moe_gemm.mm_config(8192, 8, N=28672, K=4096) == (16, 64, 64, 4, 1)
+        assert moe_gemm.dw_config(8192, 8, 28672, 4096) == (64, 64, 16, 4, 1)
+        return
+    assert moe_gemm.mm_config(8192, 8, N=28672, K=4096) == moe_gemm.TMA_BIG  # Mixtral at 4k tokens
+    assert moe_gemm.mm_config(32768, 128, N=1536, K=2048)[:2] == (128, 128)  # Qwen3: small experts
+    assert moe_gemm.mm_config(8, 128, N=1536, K=2048)[0] == 16  # decode
+    assert moe_gemm.dw_config(8192, 8, 28672, 4096) == moe_gemm.DW_TMA
+    assert moe_gemm.dw_config(32768, 128, 1536, 2048) == (128, 128, 64, 8, 3)
+
+
+@pytest.mark.gpu
+def test_grouped_mm_tma_gpu_skewed_bf16():
+    # Mixtral-sized experts (d 4096), skewed: one expert with most rows, empty ones, a 1-row expert; the
+    # default configs take the TMA kernels for the forward, dx and dw
+    from kiln.kernels.moe_gemm import DW_TMA, TMA_BIG, dw_config, mm_config
+
+    counts = [0, 3000, 0, 0, 1, 0, 95, 1000]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(sum(counts), 4096, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(8, 2048, 4096, generator=g, device="cuda") / 64).bfloat16()
+    dy = torch.randn(sum(counts), 2048, generator=g, device="cuda").bfloat16()
+    offs = _offsets(counts, "cuda")
+    assert mm_config(sum(counts), 8, False, 2048, 4096) == TMA_BIG
+    assert dw_config(sum(counts), 8, 2048, 4096) == DW_TMA
+    with use_backend("triton"):
+        y, _ = grouped_mm(x, w.transpose(1, 2), offs)
+        dx, _ = grouped_mm(dy, w, offs)
+        dw = grouped_dw(dy, x, offs, 8)
+    # K = 4096 (2048 for dx) bf16 products in float32: the reference rounds once, as the kernel does
+    assert_close(y, grouped_linear_ref(x, w, offs))
+    assert_close(dx, grouped_linear_ref(dy, w.transpose(1, 2).contiguous(), offs))
+    # dw sums up to 3000 rows of bf16 products in float32, rounded once to bf16; the float64 reference
+    # rounds nothing, so the bf16 table's single rounding
+    assert_close(dw, _dw_ref(dy, x, counts).to(torch.bfloat16), torch.bfloat16)
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 17, 1], [5]], ids=["E4", "E1"])

@@ -44,6 +44,23 @@ def test_sparse_moe_kernels_match_eager_loop(E, k, n):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)  # float32, two orders of summation
 
 
+@pytest.mark.parametrize("E, k, n", [(8, 2, 3), (16, 4, 4), (4, 2, 5)])
+def test_sparse_moe_inference_matches_eager_loop(E, k, n):
+    # no gradient: n * k <= E takes the decode kernels (kernels/moe_decode.py), (4, 2, 5) the grouped path
+    torch.manual_seed(E + k + n)
+    moe = SparseMoE(d_model=24, hidden=20, n_experts=E, top_k=k, backend="eager")
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+        x = torch.randn(n, 24)
+        want, aux_want = moe(x)
+        moe.backend = "kiln"
+        with use_backend("triton"):
+            got, aux = moe(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aux, aux_want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_sparse_moe_kernels_compile_without_graph_breaks():
     # every MoE kernel is a custom op and the routing plan plain torch ops: one graph, fullgraph=True
@@ -172,12 +189,13 @@ def test_cuda_training_step_kernels_match_eager():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_step_has_no_host_sync():
+@pytest.mark.parametrize("n", [8, 16])  # 48 pairs <= 64 experts: the decode kernels; 96: the grouped path
+def test_cuda_graph_decode_step_has_no_host_sync(n):
     moe = SparseMoE(512, 704, 64, 6, backend="kiln").cuda().bfloat16()
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.05)
-    x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(n, 512, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         want, _ = moe(x)  # compiles the kernels outside the capture
         s = torch.cuda.Stream()

@@ -23,17 +23,21 @@ matmul tutorial) so that programs running together share an expert's weight pane
 
 Dtypes: bfloat16 / float16 with float32 accumulation on the GPU; float32 (IEEE, or TF32 when
 torch.backends.cuda.matmul.allow_tf32 is on) too, which is what the interpreter tests use (its bf16 dot
-is wrong, PLATFORM.md). Operands are read through plain pointers with masks (any strides), not TMA.
+is wrong, PLATFORM.md). Operands are read through plain pointers with masks (any strides); for large
+experts in 16-bit dtypes on sm_90+ (`mm_config`, `dw_config`) through TMA descriptors instead: a persistent
+forward / dx kernel and a dw kernel whose descriptors cover one expert's rows (docs/perf/moe.md).
 `grouped_swiglu(x, gate_up_proj, offsets)` fuses the activation into the gate/up GEMM: each program holds
 a gate tile and the matching up tile (columns n and I + n of w[e]) and writes silu(gate) * up (R, I), so
 the (R, 2I) products are neither written nor read back at inference; with autograd it also stores them
 for the backward (the SwiGLU backward of kernels/swiglu.py, then the grouped dx and dw of the pair). bench/moe.py
 measures it against the two-kernel path; the model runs the two-kernel path until the H200 says the
 fused one pays.
-Not done: a persistent grid, TMA descriptors, split over rows for the dw of a hot expert.
+Not done: TMA for the fused SwiGLU and for small experts, split over rows for the dw of a hot expert.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +45,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels._common import needs_grad
-from kiln.kernels.dispatch import interpreting, use_triton
+from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -182,6 +186,65 @@ def _grouped_mm_kernel(
 
 
 @triton.jit
+def _grouped_mm_tma_kernel(
+    A_ptr,  # (R, K): a[r, k] at A_ptr + r * stride_ar + k (unit column stride, 16-byte aligned rows)
+    B_ptr,  # B_KMAJOR: w (E, N, K) contiguous, C = A @ w[e].T (the forward); else (E, K, N) contiguous,
+    #         C = A @ w[e] (the dx backward, w the forward's (E, N_fwd, K_fwd), so K = N_fwd here)
+    C_ptr,  # (R, N) out, contiguous
+    Offs_ptr,  # (E + 1,) int32 row offsets of the experts
+    R,
+    N,
+    K,
+    E,
+    m_tiles,  # static bound on the row tiles: cdiv(R, BLOCK_M) + E
+    stride_ar,
+    num_programs,  # the grid's size (the SM count): each program loops over every num_programs-th tile
+    B_KMAJOR: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot input_precision for float32 inputs: "ieee" or "tf32"
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """The persistent Hopper form of _grouped_mm_kernel: operand tiles through TMA descriptors into the
+    wgmma pipeline, one program per SM walking the static bound of (row tile, column tile) pairs. A tile
+    whose rows run past its expert's end reads the next expert's rows (TMA cannot clip per expert): they
+    only make rows that are not stored. B's descriptor spans all experts, (E*N, K) or (E*K, N): columns
+    past N (forward) likewise land in unstored columns, while reduction steps past K are zero-filled
+    (K is the descriptor's last dim) in the forward, and the launcher asks K % BLOCK_K == 0 for the dx
+    form, whose reduction runs down the rows of w[e]."""
+    a_desc = tl.make_tensor_descriptor(A_ptr, [R, K], [stride_ar, 1], [BLOCK_M, BLOCK_K])
+    if B_KMAJOR:
+        b_desc = tl.make_tensor_descriptor(B_ptr, [E * N, K], [K, 1], [BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(B_ptr, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N])
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    k_steps = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), m_tiles * tiles_n, num_programs):
+        first_m = (tile // per_group) * GROUP_M
+        group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
+        t = first_m + (tile % per_group) % group_rows
+        tn = (tile % per_group) // group_rows
+        e, row0, row_end = _expert_of_tile(Offs_ptr, t, E, BLOCK_M, BLOCK_E)
+        if e < E:
+            col0 = tn * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(0, k_steps):
+                a = a_desc.load([row0, kk * BLOCK_K])  # (BLOCK_M, BLOCK_K)
+                if B_KMAJOR:
+                    b = b_desc.load([e * N + col0, kk * BLOCK_K]).T  # (BLOCK_K, BLOCK_N), transposed in smem
+                else:
+                    b = b_desc.load([e * K + kk * BLOCK_K, col0])
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+            cols = col0 + tl.arange(0, BLOCK_N)
+            tl.store(C_ptr + rows[:, None] * N + cols[None, :], acc.to(C_ptr.dtype.element_ty),
+                     mask=(rows < row_end)[:, None] & (cols < N)[None, :])  # fmt: skip
+
+
+@triton.jit
 def _grouped_dw_kernel(
     DY_ptr,  # (R, N) gradient of the output: element (r, n) at DY_ptr + r * stride_dyr + n * stride_dyn
     X_ptr,  # (R, K) the forward's input: element (r, k) at X_ptr + r * stride_xr + k * stride_xk
@@ -223,6 +286,47 @@ def _grouped_dw_kernel(
 
 
 @triton.jit
+def _grouped_dw_tma_kernel(
+    DY_ptr,  # (R, N) contiguous, rows 16-byte aligned
+    X_ptr,  # (R, K) contiguous, rows 16-byte aligned
+    DW_ptr,  # (E, N, K) out, contiguous
+    Offs_ptr,  # (E + 1,) int32 row offsets
+    N,
+    K,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """_grouped_dw_kernel through TMA: each program builds descriptors over its expert's rows alone (base
+    at row offsets[e], n_e rows), so the reduction's last step past the expert's end is zero-filled by
+    the copy engine rather than masked; dy's tile is transposed in shared memory for wgmma."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    e = pid // (tiles_n * tiles_k)
+    tile = pid % (tiles_n * tiles_k)
+    n0 = (tile // tiles_k) * BLOCK_N
+    k0 = (tile % tiles_k) * BLOCK_K
+    start = tl.load(Offs_ptr + e)
+    rows = tl.load(Offs_ptr + e + 1) - start
+    # an empty expert still gets valid (1-row) descriptors; its loop runs zero times: an exact zero
+    dy_desc = tl.make_tensor_descriptor(DY_ptr + start.to(tl.int64) * N, [tl.maximum(rows, 1), N], [N, 1],
+                                        [BLOCK_R, BLOCK_N])  # fmt: skip
+    x_desc = tl.make_tensor_descriptor(X_ptr + start.to(tl.int64) * K, [tl.maximum(rows, 1), K], [K, 1],
+                                       [BLOCK_R, BLOCK_K])  # fmt: skip
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for r0 in range(0, rows, BLOCK_R):
+        dyt = dy_desc.load([r0, n0]).T  # (BLOCK_N, BLOCK_R)
+        x = x_desc.load([r0, k0])  # (BLOCK_R, BLOCK_K)
+        acc = tl.dot(dyt, x, acc, input_precision=PRECISION)
+    ns = n0 + tl.arange(0, BLOCK_N)
+    ks = k0 + tl.arange(0, BLOCK_K)
+    out = DW_ptr + e.to(tl.int64) * N * K + ns[:, None].to(tl.int64) * K + ks[None, :]
+    tl.store(out, acc.to(DW_ptr.dtype.element_ty), mask=(ns < N)[:, None] & (ks < K)[None, :])
+
+
+@triton.jit
 def _swiglu_grad_kernel(
     DH_ptr,  # (R, I) gradient of h = silu(gate) * up, contiguous
     Pre_ptr,  # (R, 2I) [gate | up], contiguous
@@ -249,7 +353,9 @@ def _swiglu_grad_kernel(
 
 
 _mm_launch = CachedLaunch(_grouped_mm_kernel)
+_mm_tma_launch = CachedLaunch(_grouped_mm_tma_kernel)
 _dw_launch = CachedLaunch(_grouped_dw_kernel)
+_dw_tma_launch = CachedLaunch(_grouped_dw_tma_kernel)
 _swiglu_grad_launch = CachedLaunch(_swiglu_grad_kernel)
 
 
@@ -257,12 +363,21 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
-def mm_config(R: int, E: int, swiglu: bool = False) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the forward / dx kernel. BLOCK_M follows the
-    mean rows per expert (decode: a few rows per expert, a 128-row tile would be mostly padding; there
-    64-wide columns give more programs over few experts' weights); the fused SwiGLU holds two accumulators,
-    so half the columns. Under the interpreter, 16-row tiles and 64-wide columns: few programs (each costs
-    milliseconds there). Not tuned on the H200 yet (bench/moe.py measures these choices)."""
+# The persistent TMA kernel's tiles for large experts: 128x256 (the non-persistent pointer kernel measured
+# 582 TFLOP/s at 128x256 against 544 at 128x128 on Mixtral's gate/up at 4k tokens, bench/results/moe.json
+# "tune"), 3 stages (144 KB of shared memory), as kernels/matmul.py's persistent 128x256 config.
+TMA_BIG = (128, 256, 64, 8, 3, "tma")
+
+
+def mm_config(R: int, E: int, swiglu: bool = False, N: int = 0, K: int = 0) -> tuple[int | str, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the forward / dx kernel, with a sixth element
+    "tma" for the persistent TMA kernel. BLOCK_M follows the mean rows per expert (decode: a few rows per
+    expert, a 128-row tile would be mostly padding; there 64-wide columns give more programs over few
+    experts' weights); the fused SwiGLU holds two accumulators, so half the columns. Large experts (N or
+    K of 4096 or more, 256+ rows each: Mixtral-8x7B's prefill) take the persistent TMA kernel's 128x256
+    tiles (the launcher falls back to the pointer kernel at those tiles for float32, and where the
+    operands or the GPU do not allow descriptors). Under the
+    interpreter, 16-row tiles and 64-wide columns: few programs (each costs milliseconds there)."""
     if interpreting():
         return 16, 64, 64, 4, 1
     mean = R / max(E, 1)
@@ -270,7 +385,40 @@ def mm_config(R: int, E: int, swiglu: bool = False) -> tuple[int, int, int, int,
         return 16, 64, 128, 4, 4
     if mean <= 64:
         return 64, 64 if swiglu else 128, 64, 4, 4
+    if not swiglu and mean >= 256 and max(N, K) >= 4096:
+        return TMA_BIG
     return 128, 64 if swiglu else 128, 64, 8, 3
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _tma_operands(a: torch.Tensor, b: torch.Tensor, block_k: int) -> bool | None:
+    """B_KMAJOR (True / False) if a (R, K) and b (E, K, N) can be read through the TMA kernel's
+    descriptors, else None: a with unit column stride and 16-byte aligned rows; b a contiguous w (E, N, K)
+    seen transposed (the forward) or a contiguous (E, K, N) (dx, whose reduction down w[e]'s rows needs
+    K % block_k == 0); 16-byte aligned bases; 16-bit or float32 elements; sm_90+ (or the interpreter)."""
+    if a.is_cuda:
+        if _capability(a.device.index if a.device.index is not None else torch.cuda.current_device())[0] < 9:
+            return None
+    elif not interpreting():
+        return None
+    es = a.element_size()
+    E, K, N = b.shape
+    if a.stride(1) != 1 or (a.stride(0) * es) % 16 or a.data_ptr() % 16 or b.data_ptr() % 16:
+        return None
+    if b.stride() == (N * K, 1, K) and (K * es) % 16 == 0:
+        return True
+    if b.stride() == (K * N, N, 1) and (N * es) % 16 == 0 and K % block_k == 0:
+        return False
+    return None
+
+
+def _tma_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    # scratch for the descriptors the TMA kernel builds on the device (128 bytes per descriptor per program)
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def grouped_mm(
@@ -284,7 +432,8 @@ def grouped_mm(
     """Launcher: (C, pre). C (R, N) with C[rows of e] = a[rows of e] @ b[e]; a (R, K) and b (E, K, N),
     any strides (the forward passes w.transpose(1, 2), the dx backward w itself). swiglu: b holds 2I
     columns [gate | up] and C (R, I) = silu(a @ gate) * (a @ up), with pre (R, 2I) the two products
-    when store_pre (else None). config: mm_config's tuple."""
+    when store_pre (else None). config: mm_config's tuple (default: mm_config's choice for this shape,
+    the TMA kernel where its operands allow it)."""
     R, K = a.shape
     E, _, N = b.shape
     if swiglu:
@@ -298,8 +447,30 @@ def grouped_mm(
             pre.zero_()
         return c.zero_(), pre
     offs = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
-    bm, bn, bk, warps, stages = config or mm_config(R, E, swiglu)
+    if config is None:
+        config = mm_config(R, E, swiglu, N, K)
+        if config == TMA_BIG and (a.element_size() != 2 or _tma_operands(a, b, TMA_BIG[2]) is None):
+            config = TMA_BIG[:5]  # the same tiles through pointers (and float32 never through TMA by default)
+    bm, bn, bk, warps, stages = config[:5]
     m_tiles = cdiv(R, bm) + E
+    if len(config) > 5 and config[5] == "tma":
+        kmajor = _tma_operands(a, b, bk)
+        if swiglu or kmajor is None:
+            raise ValueError(
+                "grouped_mm: the TMA config needs the plain GEMM (no swiglu), a with unit column stride and "
+                "16-byte aligned rows, b a contiguous w (E, N, K) seen transposed or a contiguous (E, K, N) "
+                "with K a multiple of BLOCK_K, on an sm_90+ GPU: pass a 5-element config instead"
+            )
+        if a.is_cuda:
+            triton.set_allocator(_tma_alloc)  # a context variable in triton, read at launch
+        tiles = m_tiles * cdiv(N, bn)
+        programs = min(tiles, sm_count(a.device))
+        _mm_tma_launch[(programs,)](
+            a, b, c, offs, R, N, K, E, m_tiles, a.stride(0), programs, B_KMAJOR=kmajor,
+            PRECISION=_precision(a.dtype), BLOCK_M=bm,
+            BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=max(16, pow2(E)), GROUP_M=8, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        return c, pre
     grid = (m_tiles * cdiv(N, bn),)
     _mm_launch[grid](
         a, b, c, c if pre is None else pre, offs, N, K, E, m_tiles, a.stride(0), a.stride(1), b.stride(0),
@@ -310,11 +481,51 @@ def grouped_mm(
     return c, pre
 
 
+# dw's tiles through TMA for large experts (the rule of mm_config's TMA_BIG): (BLOCK_N, BLOCK_K, BLOCK_R,
+# num_warps, num_stages, "tma"); the pointer kernel's 128x128x64 measured 452 TFLOP/s on Mixtral's gate/up
+# at 4k tokens, 128x256 450 (bench/results/moe.json "tune")
+DW_TMA = (128, 256, 64, 8, 3, "tma")
+
+
+def dw_config(R: int, E: int, N: int, K: int) -> tuple[int | str, ...]:
+    """grouped_dw's default: the TMA kernel for large experts (mean rows >= 256, N or K >= 4096), else the
+    pointer kernel's 128x128 tiles over 64-row steps; small tiles under the interpreter."""
+    if interpreting():
+        return 64, 64, 16, 4, 1
+    if R / max(E, 1) >= 256 and max(N, K) >= 4096:
+        return DW_TMA
+    return 128, 128, 64, 8, 3
+
+
+def _dw_tma_ok(dy: torch.Tensor, x: torch.Tensor) -> bool:
+    """Descriptors over each expert's rows need contiguous dy and x with 16-byte rows and bases (so that
+    every expert's first row is aligned too), on an sm_90+ GPU or the interpreter."""
+    if dy.is_cuda:
+        if (
+            _capability(dy.device.index if dy.device.index is not None else torch.cuda.current_device())[0]
+            < 9
+        ):
+            return False
+    elif not interpreting():
+        return False
+    es = x.element_size()
+    return (
+        dy.is_contiguous() and x.is_contiguous() and (dy.shape[1] * es) % 16 == 0 and (x.shape[1] * es) % 16 == 0
+        and dy.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0
+    )  # fmt: skip
+
+
 def grouped_dw(
-    dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, E: int, config: tuple[int, ...] | None = None
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    E: int,
+    config: tuple[int | str, ...] | None = None,
 ) -> torch.Tensor:
     """Launcher: dw (E, N, K) contiguous, dw[e] = dy[rows of e].T @ x[rows of e]; dy (R, N), x (R, K).
-    config: (BLOCK_N, BLOCK_K, BLOCK_R, num_warps, num_stages)."""
+    config: (BLOCK_N, BLOCK_K, BLOCK_R, num_warps, num_stages), a sixth element "tma" for the TMA kernel
+    (default: dw_config's, the TMA kernel falling back to the same tiles through pointers where the
+    operands or the GPU do not allow descriptors)."""
     R, N = dy.shape
     K = x.shape[1]
     dw = torch.empty(E, N, K, dtype=x.dtype, device=x.device)
@@ -323,8 +534,25 @@ def grouped_dw(
     if R == 0:
         return dw.zero_()
     offs = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
-    bn, bk, br, warps, stages = config or ((64, 64, 16, 4, 1) if interpreting() else (128, 128, 64, 8, 3))
+    if config is None:
+        config = dw_config(R, E, N, K)
+        if len(config) > 5 and (x.element_size() != 2 or not _dw_tma_ok(dy, x)):
+            config = config[:5]  # the same tiles through pointers (float32 never through TMA by default)
+    bn, bk, br, warps, stages = config[:5]
     grid = (E * cdiv(N, bn) * cdiv(K, bk),)
+    if len(config) > 5 and config[5] == "tma":
+        if not _dw_tma_ok(dy, x):
+            raise ValueError(
+                "grouped_dw: the TMA config needs contiguous dy and x with 16-byte aligned rows on an sm_90+ "
+                "GPU: pass a 5-element config instead"
+            )
+        if dy.is_cuda:
+            triton.set_allocator(_tma_alloc)
+        _dw_tma_launch[grid](
+            dy, x, dw, offs, N, K, PRECISION=_precision(x.dtype), BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=br,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        return dw
     _dw_launch[grid](
         dy, x, dw, offs, N, K, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
         PRECISION=_precision(x.dtype), BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=br, num_warps=warps,

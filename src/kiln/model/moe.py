@@ -17,7 +17,9 @@ Two dispatches, chosen by `KernelConfig.moe` (backend "auto": kernels on CUDA, t
   sizes are read on the host (one sync per layer).
 - "kiln": kernels/moe_router.py (top-k, weights, counts, aux loss in one pass), kernels/moe_permute.py
   (expert-sorted rows and the weighted combine back), kernels/moe_gemm.py (one grouped GEMM launch per
-  projection over the stacked weights as they are) with kernels/swiglu.py between them. No host sync and
+  projection over the stacked weights as they are) with kernels/swiglu.py between them; at inference with
+  no more (token, expert) pairs than experts (decode), kernels/moe_decode.py instead: two weight-streaming
+  kernels, gate/up + SwiGLU and down + weighted combine, no sort. No host sync and
   shapes fixed by N, k and E only, so a decode step can be captured in a CUDA graph. Under autocast the
   rows and the expert weights are cast to the autocast dtype (autocast does not reach custom ops).
 """
@@ -28,6 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kiln.kernels._common import needs_grad
+from kiln.kernels.moe_decode import moe_decode, use_decode
 from kiln.kernels.moe_gemm import grouped_linear
 from kiln.kernels.moe_permute import permute, routing_plan, unpermute
 from kiln.kernels.moe_router import route
@@ -76,6 +80,9 @@ class Experts(nn.Module):
         if torch.is_autocast_enabled(dev):
             dt = torch.get_autocast_dtype(dev)
             x, w1, w2 = x.to(dt), w1.to(dt), w2.to(dt)
+        if use_decode(x.shape[0], expert_idx.shape[1], E) and not needs_grad(x, weights, w1, w2):
+            # a few tokens at inference: two weight-streaming kernels, no sort (kernels/moe_decode.py)
+            return moe_decode(x, expert_idx, weights, w1, w2)
         plan = routing_plan(expert_idx, E, counts=counts)  # dropless
         xs = permute(x, plan)  # (N*k, d) expert-sorted
         h = swiglu(grouped_linear(xs, w1, plan.offsets), None)  # (N*k, 2I) -> (N*k, I)
