@@ -6,7 +6,15 @@ import pytest
 
 from kiln.errors import KilnError
 from kiln.kernels.cuda.build import CSRC
-from kiln.kernels.cuda.ladder import SGEMM_LADDER, WARPTILE_CONFIGS, step_index
+from kiln.kernels.cuda.ladder import (
+    SGEMM_LADDER,
+    WARPTILE_CONFIGS,
+    WGMMA_CONFIGS,
+    WGMMA_DEFAULT,
+    WgmmaConfig,
+    step_index,
+    wgmma_config_index,
+)
 
 
 def test_names_are_unique_and_ordered_like_the_launcher():
@@ -61,3 +69,41 @@ def test_warptile_configs_match_the_launcher_and_the_first_is_step_6():
         wmiter = (cfg.wm * cfg.wn) // (32 * cfg.tm * cfg.tn * cfg.wniter)
         assert wmiter >= 1 and wmiter * 32 * cfg.tm * cfg.tn * cfg.wniter == cfg.wm * cfg.wn
         assert cfg.name
+
+
+def test_wgmma_configs_match_the_kernel_table():
+    src = (CSRC / "wgmma_kernels.cuh").read_text()
+    table = src.split("#define KILN_WGMMA_CONFIGS(X)")[1].split("\n\n")[0]
+    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+)\)", table)
+    assert [int(r[0]) for r in rows] == list(range(len(WGMMA_CONFIGS)))
+    for r, cfg in zip(rows, WGMMA_CONFIGS):
+        assert tuple(int(v) for v in r[1:]) == (cfg.bm, cfg.bn, cfg.consumers, cfg.stages)
+    assert 0 <= WGMMA_DEFAULT < len(WGMMA_CONFIGS)
+
+
+def test_wgmma_config_arithmetic():
+    cfg = WgmmaConfig(128, 256, 2, 4)
+    # 4 stages x (128 + 256) rows x 128 bytes + 8 mbarriers + 1024 bytes of alignment slack
+    assert cfg.smem_bytes == 4 * 384 * 128 + 64 + 1024 == 197696
+    assert cfg.threads == 384 and cfg.name == "128x256 2cons 4st"
+    for bad in ((128, 192, 1, 4), (128, 256, 1, 4), (96, 128, 1, 4), (128, 256, 2, 5), (128, 128, 1, 1)):
+        with pytest.raises(KilnError, match="bad wgmma config"):
+            WgmmaConfig(*bad)
+    assert wgmma_config_index(0) == 0
+    for bad in (len(WGMMA_CONFIGS), -1, True, "0"):
+        with pytest.raises(KilnError, match="unknown wgmma config"):
+            wgmma_config_index(bad)
+
+
+def test_wgmma_ops_refuse_bad_arguments_before_any_cuda_call():
+    import torch
+
+    from kiln.kernels.cuda.ops import wgmma_bf16, wgmma_fp8
+
+    a = torch.zeros(8, 8, dtype=torch.bfloat16)
+    with pytest.raises(KilnError, match="unknown wgmma config"):
+        wgmma_bf16(a, a, 99)
+    with pytest.raises(KilnError, match="CUDA tensors"):
+        wgmma_bf16(a, a)
+    with pytest.raises(KilnError, match="CUDA tensors"):
+        wgmma_fp8(a.to(torch.float8_e4m3fn), a.to(torch.float8_e4m3fn), torch.ones(1), torch.ones(1))

@@ -1,4 +1,5 @@
-"""The SGEMM ladder: fp32 C = A @ B in seven kernels, each changing one thing about the step before it.
+"""The SGEMM ladder: fp32 C = A @ B in seven kernels, each changing one thing about the step before it;
+and the tile configurations the benchmark sweeps (warp-tiled SGEMM, Hopper wgmma).
 
 The order here is the order of `kiln_sgemm`'s `step` argument in csrc/sgemm.cu (a GPU test checks the
 two agree); docs/cuda.md explains each step at length. Tile sizes are those of the kernel's launch:
@@ -82,3 +83,54 @@ def step_index(step: str | int) -> int:
     elif step in names:
         return names.index(step)
     raise KilnError(f"unknown SGEMM step {step!r}; the steps are {', '.join(names)} (or 0..{len(names) - 1})")
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """One configuration of the Hopper wgmma + TMA GEMM (csrc/wgmma_kernels.cuh): a BM x BN tile of C per
+    block, `consumers` warpgroups issuing wgmma (plus one producer warpgroup issuing TMA), `stages` K tiles
+    of 128 bytes per row in flight."""
+
+    bm: int
+    bn: int
+    consumers: int
+    stages: int
+
+    def __post_init__(self):
+        # the kernel's static_asserts, checked here so a bad row fails in a CPU test before nvcc
+        rows = self.bm // self.consumers
+        if self.bn not in (128, 256) or rows % 64 or (rows // 64) * self.bn // 2 > 128:
+            raise KilnError(f"bad wgmma config {self}: BN in (128, 256), 64-row slices, <= 128 accumulators")
+        if self.smem_bytes > 227 * 1024 or self.stages < 2:
+            raise KilnError(f"bad wgmma config {self}: {self.smem_bytes} bytes of shared memory, >= 2 stages")
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of a launch: the stages, the mbarriers and 1024 bytes of alignment slack."""
+        return 1024 + self.stages * (self.bm + self.bn) * 128 + 2 * self.stages * 8
+
+    @property
+    def name(self) -> str:
+        return f"{self.bm}x{self.bn} {self.consumers}cons {self.stages}st"
+
+
+# The order of KILN_WGMMA_CONFIGS in csrc/wgmma_kernels.cuh (a CPU test compares the two).
+WGMMA_CONFIGS: tuple[WgmmaConfig, ...] = (
+    WgmmaConfig(128, 128, 1, 4),  # the simplest: one consumer warpgroup, two m64n128 slices
+    WgmmaConfig(128, 256, 2, 4),  # two consumers of m64n256 each, setmaxnreg
+    WgmmaConfig(128, 256, 2, 3),
+    WgmmaConfig(256, 128, 2, 4),  # two consumers of 2 x m64n128 each
+    WgmmaConfig(128, 128, 2, 5),
+)
+# What wgmma_bf16 / wgmma_fp8 run when no config is given (the benchmark reports the fastest).
+WGMMA_DEFAULT = 1
+
+
+def wgmma_config_index(config: int) -> int:
+    if isinstance(config, bool) or not isinstance(config, int) or not 0 <= config < len(WGMMA_CONFIGS):
+        raise KilnError(f"unknown wgmma config {config!r}; choose 0..{len(WGMMA_CONFIGS) - 1}")
+    return config

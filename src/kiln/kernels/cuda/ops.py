@@ -6,6 +6,8 @@ tensor-core GEMMs, each beside the torch computation it is checked against.
     sgemm_warptile(a, b, config)     the last step at one of ladder.WARPTILE_CONFIGS (autotuning)
     mma_bf16(a, b)                   (M, K) @ (K, N) bf16 -> bf16 (fp32 accumulation); K, N % 8 == 0
     mma_fp8(a, bt, scale_a, scale_b) scale_a * scale_b * (M, K) @ (N, K)^T, e4m3 -> bf16; K % 16, N % 8 == 0
+    wgmma_bf16(a, bt, config)        (M, K) @ (N, K)^T bf16 -> bf16 on Hopper wgmma + TMA; K, N % 8 == 0
+    wgmma_fp8(a, bt, sa, sb, config) the same in e4m3 with per-tensor scales; K % 16, N % 8 == 0
 
 Inputs must be contiguous CUDA tensors of the stated dtype; anything else is a KilnError naming the
 problem. The extension is built on the first call (kiln.kernels.cuda.build). The memory probes are in
@@ -18,7 +20,7 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.kernels.cuda.build import load_extension
-from kiln.kernels.cuda.ladder import WARPTILE_CONFIGS, step_index
+from kiln.kernels.cuda.ladder import WARPTILE_CONFIGS, WGMMA_DEFAULT, step_index, wgmma_config_index
 
 VECTOR_ADD_VARIANTS = ("one_per_thread", "grid_stride", "float4")
 INT32_MAX = 2**31 - 1  # the kernels index rows and columns with int
@@ -127,18 +129,22 @@ def mma_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return c
 
 
-def mma_fp8(a: torch.Tensor, bt: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
-    """scale_a * scale_b * a (M, K) @ bt (N, K)^T with e4m3 operands on tensor cores, bf16 result: what
-    `torch._scaled_mm(a, bt.t(), scale_a, scale_b, out_dtype=torch.bfloat16)` computes. Scales are
-    1-element fp32 CUDA tensors (per-tensor scaling)."""
-    _check(a, "a", torch.float8_e4m3fn, 2)
-    _check(bt, "bt", torch.float8_e4m3fn, 2)
+def _check_scales(a: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> None:
     for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
         _check(s, name, torch.float32)
         if s.device != a.device:
             raise KilnError(f"{name} is on {s.device} and a on {a.device}; put them on one device")
         if s.numel() != 1:
             raise KilnError(f"{name} must hold one value (per-tensor scaling), got shape {tuple(s.shape)}")
+
+
+def mma_fp8(a: torch.Tensor, bt: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    """scale_a * scale_b * a (M, K) @ bt (N, K)^T with e4m3 operands on tensor cores, bf16 result: what
+    `torch._scaled_mm(a, bt.t(), scale_a, scale_b, out_dtype=torch.bfloat16)` computes. Scales are
+    1-element fp32 CUDA tensors (per-tensor scaling)."""
+    _check(a, "a", torch.float8_e4m3fn, 2)
+    _check(bt, "bt", torch.float8_e4m3fn, 2)
+    _check_scales(a, scale_a, scale_b)
     m, n, k = _matmul_shapes(a, bt, b_is_nk=True)
     if k % 16 or n % 8:
         raise KilnError(f"mma_fp8 needs K divisible by 16 and N by 8, got K={k} N={n}: pad them")
@@ -147,4 +153,52 @@ def mma_fp8(a: torch.Tensor, bt: torch.Tensor, scale_a: torch.Tensor, scale_b: t
     if not _aligned16(a, bt, c):
         raise KilnError("mma_fp8 needs 16-byte aligned tensors (a slice may not be): use .clone()")
     load_extension().mma_fp8(a, bt, scale_a, scale_b, c)
+    return c
+
+
+def _wgmma_checks(a: torch.Tensor, bt: torch.Tensor, dtype: torch.dtype, k_mult: int, what: str):
+    _check(a, "a", dtype, 2)
+    _check(bt, "bt", dtype, 2)
+    m, n, k = _matmul_shapes(a, bt, b_is_nk=True)
+    if k % k_mult or n % 8:
+        raise KilnError(
+            f"{what} needs K divisible by {k_mult} (16-byte rows for TMA) and N by 8, got K={k} N={n}: pad them"
+        )
+    if torch.cuda.get_device_capability(a.device) != (9, 0):
+        cap = torch.cuda.get_device_capability(a.device)
+        raise KilnError(
+            f"{what} runs on Hopper only (wgmma and TMA, compute capability 9.0); this GPU is {cap[0]}.{cap[1]}: "
+            "use mma_bf16 / mma_fp8"
+        )
+    c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    if not _aligned16(a, bt, c):
+        raise KilnError(f"{what} needs 16-byte aligned tensors (a slice may not be): use .clone()")
+    return c
+
+
+def wgmma_bf16(a: torch.Tensor, bt: torch.Tensor, config: int = WGMMA_DEFAULT) -> torch.Tensor:
+    """a (M, K) @ bt (N, K)^T in bf16 on Hopper warpgroup MMA fed by TMA (ladder.WGMMA_CONFIGS[config]),
+    fp32 accumulation, bf16 result: what `a @ bt.t()` (F.linear(a, bt)) returns. bt is K-major, the layout
+    of an nn.Linear weight."""
+    idx = wgmma_config_index(config)
+    c = _wgmma_checks(a, bt, torch.bfloat16, 8, "wgmma_bf16")
+    load_extension().wgmma_bf16(idx, a, bt, c)
+    return c
+
+
+def wgmma_fp8(
+    a: torch.Tensor,
+    bt: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    config: int = WGMMA_DEFAULT,
+) -> torch.Tensor:
+    """scale_a * scale_b * a (M, K) @ bt (N, K)^T with e4m3 operands on Hopper wgmma + TMA, bf16 result:
+    what `torch._scaled_mm(a, bt.t(), scale_a, scale_b, out_dtype=torch.bfloat16)` computes."""
+    idx = wgmma_config_index(config)
+    _check(a, "a", torch.float8_e4m3fn, 2)
+    _check(bt, "bt", torch.float8_e4m3fn, 2)
+    _check_scales(a, scale_a, scale_b)
+    c = _wgmma_checks(a, bt, torch.float8_e4m3fn, 16, "wgmma_fp8")
+    load_extension().wgmma_fp8(idx, a, bt, scale_a, scale_b, c)
     return c

@@ -52,6 +52,15 @@ const char* kiln_mma_bf16(int M, int N, int K, const void* A, const void* B, voi
 const char* kiln_mma_fp8(int M, int N, int K, const void* A, const void* Bt, const float* scale_a,
                          const float* scale_b, void* C, void* stream);
 
+// ---- wgmma.cu: Hopper warpgroup MMA fed by TMA, C (M, N) bf16 = A (M, K) @ Bt (N, K)^T ----
+// Both operands K-major (Bt is B transposed, like an nn.Linear weight). bf16: K % 8 == 0; e4m3 (times
+// *scale_a * *scale_b): K % 16 == 0; both: N % 8 == 0, 16-byte aligned pointers, a compute capability 9.0
+// GPU. config: an index of KILN_WGMMA_CONFIGS (wgmma_kernels.cuh), kiln.kernels.cuda.ladder.WGMMA_CONFIGS.
+int kiln_wgmma_configs(void);
+const char* kiln_wgmma_bf16(int config, int M, int N, int K, const void* A, const void* Bt, void* C, void* stream);
+const char* kiln_wgmma_fp8(int config, int M, int N, int K, const void* A, const void* Bt, const float* scale_a,
+                           const float* scale_b, void* C, void* stream);
+
 #ifdef __cplusplus
 }
 #endif
