@@ -7,7 +7,10 @@
     4. the SGEMM ladder at 4096^3 and at 1000 x 1027 x 999 against cuBLAS fp32 (TF32 off), each step's
        GFLOP/s, its ratio to cuBLAS and its speedup over the step before, and the last step autotuned
        (the fastest of its tile configurations on that shape); the tensor-core kernels at
-       4096^3 (and an odd M) against cuBLAS bf16 and torch._scaled_mm (FP8, where the GPU has it).
+       4096^3 (and an odd M) against cuBLAS bf16 and torch._scaled_mm (FP8, where the GPU has it);
+    5. on Hopper, last, the wgmma + TMA GEMMs (bf16 and FP8), every configuration of
+       ladder.WGMMA_CONFIGS, each run in a child process (kiln.profile.cuda_isolated): a configuration
+       that faults or hangs is recorded as failed and skipped, the others are still measured.
 
 Every GEMM output is checked against cuBLAS fp32 (bf16/FP8: against the fp32 product of the same
 rounded inputs) and its max relative error recorded. Times are medians over rounds of
@@ -19,11 +22,16 @@ bench/results/cuda_ladder.json) and the PNGs beside it, in cuda_ladder/.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
 import time
 from pathlib import Path
 
 SGEMM_SHAPES = ((4096, 4096, 4096), (1000, 1027, 999))
 TC_SHAPES = ((4096, 4096, 4096), (1000, 1024, 1008))
+WGMMA_SHAPES = ((4096, 4096, 4096), (1000, 1024, 1008))
+WGMMA_TIMEOUT_S = 180  # one worker: start, load the cached build, check and time every configuration
 
 
 def _gflops(m: int, n: int, k: int, ms: float) -> float:
@@ -131,6 +139,86 @@ def bench_tensor_cores(bench, shape: tuple[int, int, int]) -> list[dict]:
     return rows
 
 
+def _emit(**event) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def wgmma_worker(kind: str, shape: str, variants: list[int]) -> int:
+    """The child process of bench_wgmma: checks each configuration against the fp32 product of the same
+    inputs, then times the correct ones and the peer interleaved; events on stdout (cuda_isolated)."""
+    import torch
+
+    from kiln.kernels.cuda.ops import wgmma_bf16, wgmma_fp8
+    from kiln.profile.timing import Timer
+
+    m, n, k = (int(v) for v in shape.split("x"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(m, k, device="cuda", generator=g)
+    bt = torch.randn(n, k, device="cuda", generator=g)
+    if kind == "bf16":
+        a, bt = a.bfloat16(), bt.bfloat16()
+        ref = a.float() @ bt.float().t()
+        run = lambda v: wgmma_bf16(a, bt, v)  # noqa: E731
+        peers = {"cublas_bf16": lambda: a @ bt.t()}
+    else:
+        a8, bt8 = (a / 4).to(torch.float8_e4m3fn), (bt / 4).to(torch.float8_e4m3fn)
+        sa = sb = torch.tensor(4.0, device="cuda")
+        ref = (a8.float() @ bt8.float().t()) * 16
+        run = lambda v: wgmma_fp8(a8, bt8, sa, sb, v)  # noqa: E731
+        peers = {}
+        if m % 16 == 0 and n % 16 == 0:  # _scaled_mm's own shape rule
+            peers["scaled_mm_fp8"] = lambda: torch._scaled_mm(a8, bt8.t(), sa, sb, out_dtype=torch.bfloat16)
+    fns = {}
+    for v in variants:
+        _emit(event="start", variant=v)
+        c = run(v)
+        torch.cuda.synchronize()
+        err = _rel_err(c, ref)
+        _emit(event="checked", variant=v, max_rel_err=err)
+        if err < 2e-2:  # a wrong kernel is reported, not timed
+            fns[f"config_{v}"] = lambda v=v: run(v)
+    fns.update(peers)
+    times = Timer(smoke=False, rounds=3).interleaved(fns, rep_ms=30)
+    _emit(event="timed", ms={name: t["ms"] for name, t in times.items()})
+    return 0
+
+
+def bench_wgmma(bench, kind: str, shape: tuple[int, int, int]) -> list[dict]:
+    """Every wgmma configuration of one kind ("bf16" or "fp8") on one shape, in child processes."""
+    import kiln
+    from kiln.kernels.cuda.ladder import WGMMA_CONFIGS
+    from kiln.profile.cuda_isolated import run_isolated
+
+    m, n, k = shape
+    key = "x".join(map(str, shape))
+    env = dict(os.environ)  # the child imports the same kiln as this process
+    src_root = str(Path(kiln.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
+
+    def command(vs: list[int]) -> list[str]:
+        return [sys.executable, "-m", "kiln.profile.cuda_ladder", "--wgmma-worker", kind, key,
+                ",".join(map(str, vs))]  # fmt: skip
+
+    r = run_isolated(range(len(WGMMA_CONFIGS)), command, timeout_s=WGMMA_TIMEOUT_S, env=env)
+    peer_name = "cublas_bf16" if kind == "bf16" else "scaled_mm_fp8"
+    peer = r["ms"].get(peer_name)
+    rows = []
+    for i, cfg in enumerate(WGMMA_CONFIGS):
+        ms = r["ms"].get(f"config_{i}")
+        err = r["checked"].get(i, {}).get("max_rel_err")
+        error = r["failed"].get(i) or (None if ms or err is None else (r["timing_error"] or "wrong result"))
+        rows.append({"name": f"wgmma_{kind}", "config": i, "tiles": cfg.name, "M": m, "N": n, "K": k,
+                     "ms": round(ms, 4) if ms else None,
+                     "TFLOPs": round(_gflops(m, n, k, ms) / 1e3, 1) if ms else None,
+                     "vs_peer": round(peer / ms, 3) if ms and peer else None,
+                     "max_rel_err": err, "error": error})  # fmt: skip
+    if peer:
+        rows.append({"name": peer_name, "config": None, "tiles": None, "M": m, "N": n, "K": k,
+                     "ms": round(peer, 4), "TFLOPs": round(_gflops(m, n, k, peer) / 1e3, 1), "vs_peer": 1.0,
+                     "max_rel_err": None, "error": None})  # fmt: skip
+    return rows
+
+
 def plot(out_dir: Path, result: dict) -> list[str]:
     """The PNGs: the ladder (GFLOP/s per step against cuBLAS) and one per probe."""
     import matplotlib
@@ -217,6 +305,18 @@ def run(out: str | None, script_file: str) -> Path:
         result["tensor_cores"][key] = bench_tensor_cores(bench, shape)
         bench.log(f"tensor cores {key}")
         print(format_table(result["tensor_cores"][key], [(c, c) for c in result["tensor_cores"][key][0]]))
+    # last: kernels that could fault or hang run in child processes (a fault would end this one)
+    result["wgmma"] = {}
+    if torch.cuda.get_device_capability() == (9, 0):
+        cols = ("name", "config", "tiles", "ms", "TFLOPs", "vs_peer", "max_rel_err", "error")
+        for kind in ("bf16", "fp8"):
+            for shape in WGMMA_SHAPES:
+                key = f"{kind} " + "x".join(map(str, shape))
+                result["wgmma"][key] = bench_wgmma(bench, kind, shape)
+                bench.log(f"wgmma {key}")
+                print(format_table(result["wgmma"][key], [(c, c) for c in cols]))
+    else:
+        bench.log("wgmma: skipped (needs compute capability 9.0)")
     result["plots"] = plot(Path(bench.out).parent / "cuda_ladder", result)
     return bench.write(**result)
 
@@ -224,6 +324,14 @@ def run(out: str | None, script_file: str) -> Path:
 def main(argv: list[str] | None = None, script_file: str | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/cuda_ladder.py", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/cuda_ladder.json", help="the result JSON (PNGs beside it)")
+    p.add_argument("--wgmma-worker", nargs=3, metavar=("KIND", "MxNxK", "CONFIGS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.wgmma_worker:  # the child process of bench_wgmma
+        kind, shape, configs = args.wgmma_worker
+        return wgmma_worker(kind, shape, [int(v) for v in configs.split(",")])
     run(args.out, script_file or __file__)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
