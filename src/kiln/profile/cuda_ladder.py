@@ -106,6 +106,8 @@ def bench_sgemm(bench, shape: tuple[int, int, int]) -> list[dict]:
 def bench_tensor_cores(bench, shape: tuple[int, int, int]) -> list[dict]:
     import torch
 
+    from kiln.errors import KilnError
+    from kiln.kernels.cuda.ladder import MMA_CONFIGS
     from kiln.kernels.cuda.ops import mma_bf16, mma_fp8
 
     m, n, k = shape
@@ -114,6 +116,19 @@ def bench_tensor_cores(bench, shape: tuple[int, int, int]) -> list[dict]:
     b = torch.randn(k, n, device="cuda", generator=g).bfloat16()
     ref = a.float() @ b.float()
     fns = {"mma_bf16": lambda: mma_bf16(a, b), "cublas_bf16": lambda: a @ b}
+    # the other tile configurations of the bf16 kernel (config 0 is mma_bf16 itself): checked first; one
+    # that raises or is wrong is recorded and not timed
+    config_errs, config_fail = {}, {}
+    for i in range(1, len(MMA_CONFIGS)):
+        try:
+            config_errs[i] = _rel_err(mma_bf16(a, b, i), ref)
+        except (KilnError, RuntimeError) as e:
+            config_fail[i] = str(e)[-300:]
+            continue
+        if config_errs[i] < 2e-2:
+            fns[f"mma_bf16_config_{i}"] = lambda i=i: mma_bf16(a, b, i)
+        else:
+            config_fail[i] = "wrong result"
     fp8 = torch.cuda.get_device_capability() >= (8, 9)
     if fp8:
         a8 = (a.float() / 4).to(torch.float8_e4m3fn)
@@ -129,6 +144,9 @@ def bench_tensor_cores(bench, shape: tuple[int, int, int]) -> list[dict]:
     errs = {"mma_bf16": _rel_err(mma_bf16(a, b), ref), "cublas_bf16": _rel_err(a @ b, ref)}
     if fp8:
         errs["mma_fp8"] = _rel_err(mma_fp8(a8, bt8, sa, sb), ref8)
+    for i in range(1, len(MMA_CONFIGS)):
+        peers[f"mma_bf16_config_{i}"] = "cublas_bf16"
+        errs[f"mma_bf16_config_{i}"] = config_errs.get(i)
     rows = []
     for name, t in times.items():
         peer = times.get(peers.get(name, ""), {}).get("ms")
@@ -136,6 +154,16 @@ def bench_tensor_cores(bench, shape: tuple[int, int, int]) -> list[dict]:
                      "TFLOPs": round(_gflops(m, n, k, t["ms"]) / 1e3, 1),
                      "vs_peer": round(peer / t["ms"], 3) if peer else None,
                      "max_rel_err": errs.get(name)})  # fmt: skip
+    # the bf16 kernel autotuned: the fastest configuration on this shape
+    configs = {0: times["mma_bf16"]["ms"]}
+    configs.update({i: times[f"mma_bf16_config_{i}"]["ms"] for i in config_errs if i not in config_fail})
+    best = min(configs, key=configs.get)
+    rows.append({"name": "mma_bf16_autotuned", "M": m, "N": n, "K": k, "ms": round(configs[best], 4),
+                 "TFLOPs": round(_gflops(m, n, k, configs[best]) / 1e3, 1),
+                 "vs_peer": round(times["cublas_bf16"]["ms"] / configs[best], 3),
+                 "max_rel_err": errs["mma_bf16"] if best == 0 else config_errs[best],
+                 "config": best, "tiles": MMA_CONFIGS[best].name,
+                 "failed_configs": config_fail or None})  # fmt: skip
     return rows
 
 

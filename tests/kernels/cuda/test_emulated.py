@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kiln.kernels.cuda.build import CSRC
+from kiln.kernels.cuda.ladder import MMA_CONFIGS
 
 EMU = Path(__file__).resolve().parent / "emu"
 GXX = shutil.which("g++")
@@ -43,9 +44,11 @@ def test_tensor_core_gemms_emulated(tmp_path):
     # the kernels' dynamic shared memory becomes a static array (the emulation has no launch-time size)
     src = (CSRC / "mma_kernels.cuh").read_text()
     decl = "extern __shared__ __align__(128) unsigned char smem[];"
-    assert src.count(decl) == 2
-    static = "static unsigned char smem[mma_gemm::STAGES * 2 * mma_gemm::BM * mma_gemm::TILE_BYTES] __attribute__((aligned(128)));"
+    assert src.count(decl) == 1
+    biggest = max(c.smem_bytes for c in MMA_CONFIGS)
+    static = f"static unsigned char smem[{biggest}] __attribute__((aligned(128)));"
     (tmp_path / "mma_kernels_emu.cuh").write_text(src.replace(decl, static))
     proc = build_and_run(tmp_path, "mma_emu.cpp")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(": 0 wrong") == 2 * 2
+    # per shape: bf16 at every configuration, e4m3 at config 0's geometry
+    assert proc.stdout.count(": 0 wrong") == 2 * (len(MMA_CONFIGS) + 1), proc.stdout

@@ -12,7 +12,7 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.kernels.cuda.build import load_extension
-from kiln.kernels.cuda.ladder import SGEMM_LADDER, WARPTILE_CONFIGS
+from kiln.kernels.cuda.ladder import MMA_CONFIGS, SGEMM_LADDER, WARPTILE_CONFIGS
 from kiln.kernels.cuda.ops import VECTOR_ADD_VARIANTS, mma_bf16, mma_fp8, sgemm, sgemm_warptile, vector_add
 
 pytestmark = pytest.mark.gpu
@@ -36,6 +36,7 @@ def rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
 def test_extension_agrees_with_the_ladder_registry():
     assert load_extension().sgemm_steps() == len(SGEMM_LADDER)
     assert load_extension().sgemm_warptile_configs() == len(WARPTILE_CONFIGS)
+    assert load_extension().mma_configs() == len(MMA_CONFIGS)
 
 
 @pytest.mark.parametrize("variant", VECTOR_ADD_VARIANTS)
@@ -107,13 +108,14 @@ def test_sgemm_bad_inputs():
         sgemm(a, a.t().contiguous(), "fastest")
 
 
+@pytest.mark.parametrize("config", range(len(MMA_CONFIGS)))
 @pytest.mark.parametrize("shape", TC_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_mma_bf16_matches_fp32_product(shape):
+def test_mma_bf16_matches_fp32_product(shape, config):
     m, n, k = shape
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     a = torch.randn(m, k, device="cuda", generator=g).bfloat16()
     b = torch.randn(k, n, device="cuda", generator=g).bfloat16()
-    c = mma_bf16(a, b)
+    c = mma_bf16(a, b, config)
     ref = a.float() @ b.float()
     assert c.dtype == torch.bfloat16 and c.shape == (m, n)
     assert rel_err(c, ref) < 1e-2
@@ -124,6 +126,8 @@ def test_mma_bf16_bad_shapes():
     a = torch.randn(16, 12, device="cuda").bfloat16()
     with pytest.raises(KilnError, match="divisible by 8"):
         mma_bf16(a, torch.randn(12, 16, device="cuda").bfloat16())
+    with pytest.raises(KilnError, match="unknown mma config"):
+        mma_bf16(a, torch.randn(12, 16, device="cuda").bfloat16(), len(MMA_CONFIGS))
 
 
 def _fp8_inputs(m, n, k, seed):

@@ -7,10 +7,12 @@ import pytest
 from kiln.errors import KilnError
 from kiln.kernels.cuda.build import CSRC
 from kiln.kernels.cuda.ladder import (
+    MMA_CONFIGS,
     SGEMM_LADDER,
     WARPTILE_CONFIGS,
     WGMMA_CONFIGS,
     WGMMA_DEFAULT,
+    MmaConfig,
     WgmmaConfig,
     step_index,
     wgmma_config_index,
@@ -107,3 +109,21 @@ def test_wgmma_ops_refuse_bad_arguments_before_any_cuda_call():
         wgmma_bf16(a, a)
     with pytest.raises(KilnError, match="CUDA tensors"):
         wgmma_fp8(a.to(torch.float8_e4m3fn), a.to(torch.float8_e4m3fn), torch.ones(1), torch.ones(1))
+
+
+def test_mma_configs_match_the_kernel_table():
+    src = (CSRC / "mma_kernels.cuh").read_text()
+    table = src.split("#define KILN_MMA_CONFIGS(X)")[1].split("\n\n")[0]
+    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+)\)", table)
+    assert [int(r[0]) for r in rows] == list(range(len(MMA_CONFIGS)))
+    for r, cfg in zip(rows, MMA_CONFIGS):
+        assert tuple(int(v) for v in r[1:]) == (cfg.bm, cfg.bn, cfg.warps_m, cfg.warps_n, cfg.stages)
+    # the FP8 mma.sync launcher runs config 0's geometry
+    c0 = MMA_CONFIGS[0]
+    fp8 = (CSRC / "mma.cu").read_text().split("kiln_mma_fp8(int M")[1]
+    assert f"launch<true, {c0.bm}, {c0.bn}, {c0.warps_m}, {c0.warps_n}, {c0.stages}>" in fp8
+    assert MmaConfig(128, 256, 2, 4, 4).smem_bytes == 4 * 384 * 128
+    assert MmaConfig(128, 256, 2, 4, 4).name == "128x256 warps 2x4 of 64x64 4st"
+    for bad in ((128, 128, 3, 4, 3), (128, 128, 2, 16, 3), (256, 256, 2, 4, 4)):
+        with pytest.raises(KilnError, match="bad mma config"):
+            MmaConfig(*bad)

@@ -86,6 +86,56 @@ def step_index(step: str | int) -> int:
 
 
 @dataclass(frozen=True)
+class MmaConfig:
+    """One configuration of the mma.sync bf16 GEMM (csrc/mma_kernels.cuh): a BM x BN tile of C per block,
+    warps_m x warps_n warps each owning (BM / warps_m) x (BN / warps_n) of it, `stages` K tiles of 64 in
+    flight (cp.async)."""
+
+    bm: int
+    bn: int
+    warps_m: int
+    warps_n: int
+    stages: int
+
+    def __post_init__(self):
+        wtm, wtn = self.bm // self.warps_m, self.bn // self.warps_n
+        if wtm * self.warps_m != self.bm or wtn * self.warps_n != self.bn or wtm % 16 or wtn % 16:
+            raise KilnError(f"bad mma config {self}: warp tiles must be whole multiples of 16 x 16")
+        if self.smem_bytes > 227 * 1024 or self.stages < 2:
+            raise KilnError(f"bad mma config {self}: {self.smem_bytes} bytes of shared memory, >= 2 stages")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * (self.bm + self.bn) * 128
+
+    @property
+    def name(self) -> str:
+        wtm, wtn = self.bm // self.warps_m, self.bn // self.warps_n
+        return f"{self.bm}x{self.bn} warps {self.warps_m}x{self.warps_n} of {wtm}x{wtn} {self.stages}st"
+
+
+# The order of KILN_MMA_CONFIGS in csrc/mma_kernels.cuh (a CPU test compares the two); config 0 is the
+# first version's geometry, and the one the FP8 mma.sync kernel runs.
+MMA_CONFIGS: tuple[MmaConfig, ...] = (
+    MmaConfig(128, 128, 2, 4, 3),
+    MmaConfig(128, 256, 2, 4, 3),  # 64 x 64 warp tiles: 128 accumulators, half the ldmatrix per FLOP
+    MmaConfig(128, 256, 2, 4, 4),
+    MmaConfig(256, 128, 4, 2, 3),
+    MmaConfig(128, 128, 2, 2, 4),
+)
+
+
+def config_index(config: int, table: tuple, what: str) -> int:
+    if isinstance(config, bool) or not isinstance(config, int) or not 0 <= config < len(table):
+        raise KilnError(f"unknown {what} config {config!r}; choose 0..{len(table) - 1}")
+    return config
+
+
+@dataclass(frozen=True)
 class WgmmaConfig:
     """One configuration of the Hopper wgmma + TMA GEMM (csrc/wgmma_kernels.cuh): a BM x BN tile of C per
     block, `consumers` warpgroups issuing wgmma (plus one producer warpgroup issuing TMA), `stages` K tiles
@@ -131,6 +181,4 @@ WGMMA_DEFAULT = 1
 
 
 def wgmma_config_index(config: int) -> int:
-    if isinstance(config, bool) or not isinstance(config, int) or not 0 <= config < len(WGMMA_CONFIGS):
-        raise KilnError(f"unknown wgmma config {config!r}; choose 0..{len(WGMMA_CONFIGS) - 1}")
-    return config
+    return config_index(config, WGMMA_CONFIGS, "wgmma")

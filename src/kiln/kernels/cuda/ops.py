@@ -4,7 +4,7 @@ tensor-core GEMMs, each beside the torch computation it is checked against.
     vector_add(a, b, variant)        out = a + b, fp32; variant "one_per_thread" | "grid_stride" | "float4"
     sgemm(a, b, step)                (M, K) @ (K, N) fp32, any shape; step: a name of ladder.SGEMM_LADDER
     sgemm_warptile(a, b, config)     the last step at one of ladder.WARPTILE_CONFIGS (autotuning)
-    mma_bf16(a, b)                   (M, K) @ (K, N) bf16 -> bf16 (fp32 accumulation); K, N % 8 == 0
+    mma_bf16(a, b, config)           (M, K) @ (K, N) bf16 -> bf16 (fp32 accumulation); K, N % 8 == 0
     mma_fp8(a, bt, scale_a, scale_b) scale_a * scale_b * (M, K) @ (N, K)^T, e4m3 -> bf16; K % 16, N % 8 == 0
     wgmma_bf16(a, bt, config)        (M, K) @ (N, K)^T bf16 -> bf16 on Hopper wgmma + TMA; K, N % 8 == 0
     wgmma_fp8(a, bt, sa, sb, config) the same in e4m3 with per-tensor scales; K % 16, N % 8 == 0
@@ -20,7 +20,14 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.kernels.cuda.build import load_extension
-from kiln.kernels.cuda.ladder import WARPTILE_CONFIGS, WGMMA_DEFAULT, step_index, wgmma_config_index
+from kiln.kernels.cuda.ladder import (
+    MMA_CONFIGS,
+    WARPTILE_CONFIGS,
+    WGMMA_DEFAULT,
+    config_index,
+    step_index,
+    wgmma_config_index,
+)
 
 VECTOR_ADD_VARIANTS = ("one_per_thread", "grid_stride", "float4")
 INT32_MAX = 2**31 - 1  # the kernels index rows and columns with int
@@ -111,9 +118,11 @@ def _capability_at_least(device: torch.device, need: tuple[int, int], what: str)
         )
 
 
-def mma_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mma_bf16(a: torch.Tensor, b: torch.Tensor, config: int = 0) -> torch.Tensor:
     """a (M, K) @ b (K, N) in bf16 on tensor cores (mma.sync, ldmatrix, swizzled shared memory,
-    cp.async pipeline); fp32 accumulation, bf16 result (what torch's bf16 matmul returns)."""
+    cp.async pipeline) at tile configuration ladder.MMA_CONFIGS[config]; fp32 accumulation, bf16 result
+    (what torch's bf16 matmul returns)."""
+    idx = config_index(config, MMA_CONFIGS, "mma")
     _check(a, "a", torch.bfloat16, 2)
     _check(b, "b", torch.bfloat16, 2)
     m, n, k = _matmul_shapes(a, b)
@@ -125,7 +134,7 @@ def mma_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if not _aligned16(a, b, c):
         raise KilnError("mma_bf16 needs 16-byte aligned tensors (a slice may not be): use .clone()")
-    load_extension().mma_bf16(a, b, c)
+    load_extension().mma_bf16(idx, a, b, c)
     return c
 
 

@@ -44,11 +44,14 @@ const char* kiln_sgemm_warptile(int config, int M, int N, int K, const float* A,
 
 // ---- mma_bf16.cu: C (M, N) bf16 = A (M, K) bf16 @ B (K, N) bf16, fp32 accumulation ----
 // Tensor cores through mma.sync m16n8k16 with ldmatrix, XOR-swizzled shared memory and a cp.async
-// multi-stage pipeline. Needs sm_80+; K % 8 == 0, N % 8 == 0 and 16-byte aligned A, B, C.
-const char* kiln_mma_bf16(int M, int N, int K, const void* A, const void* B, void* C, void* stream);
+// multi-stage pipeline. Needs sm_80+; K % 8 == 0, N % 8 == 0 and 16-byte aligned A, B, C. config: an index
+// of KILN_MMA_CONFIGS (mma_kernels.cuh), kiln.kernels.cuda.ladder.MMA_CONFIGS.
+int kiln_mma_configs(void);
+const char* kiln_mma_bf16(int config, int M, int N, int K, const void* A, const void* B, void* C, void* stream);
 
 // ---- mma_fp8.cu: C (M, N) bf16 = scale_a * scale_b * A (M, K) e4m3 @ Bt (N, K) e4m3^T ----
-// mma.sync m16n8k32 e4m3 (sm_89+); K % 16 == 0; scales are device pointers to one float each.
+// mma.sync m16n8k32 e4m3 (sm_89+), the geometry of bf16 config 0; K % 16 == 0; scales are device pointers
+// to one float each.
 const char* kiln_mma_fp8(int M, int N, int K, const void* A, const void* Bt, const float* scale_a,
                          const float* scale_b, void* C, void* stream);
 
