@@ -5,8 +5,8 @@
        bandwidth measured at the start of the run (kiln.profile.ceilings);
     3. the memory probes (kiln.kernels.cuda.probes): strided reads, bank conflicts, latency, occupancy;
     4. the SGEMM ladder at 4096^3 and at 1000 x 1027 x 999 against cuBLAS fp32 (TF32 off), each step's
-       GFLOP/s, its ratio to cuBLAS and its speedup over the step before, and the last step autotuned
-       (the fastest of its tile configurations on that shape); the tensor-core kernels at
+       GFLOP/s, its ratio to cuBLAS and its speedup over the step before, and the last two steps
+       autotuned (the fastest of their tile configurations on that shape); the tensor-core kernels at
        4096^3 (and an odd M) against cuBLAS bf16 and torch._scaled_mm (FP8, where the GPU has it);
     5. on Hopper, last, the wgmma + TMA GEMMs (bf16 and FP8), every configuration of
        ladder.WGMMA_CONFIGS, each run in a child process (kiln.profile.cuda_isolated): a configuration
@@ -66,8 +66,8 @@ def bench_vector_add(bench, n: int = 1 << 28) -> list[dict]:
 def bench_sgemm(bench, shape: tuple[int, int, int]) -> list[dict]:
     import torch
 
-    from kiln.kernels.cuda.ladder import SGEMM_LADDER, WARPTILE_CONFIGS
-    from kiln.kernels.cuda.ops import sgemm, sgemm_warptile
+    from kiln.kernels.cuda.ladder import DOUBLE_BUFFERED_STEP_CONFIG, SGEMM_LADDER, WARPTILE_CONFIGS
+    from kiln.kernels.cuda.ops import sgemm, sgemm_double_buffered, sgemm_warptile
 
     m, n, k = shape
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -75,9 +75,13 @@ def bench_sgemm(bench, shape: tuple[int, int, int]) -> list[dict]:
     b = torch.randn(k, n, device="cuda", generator=g)
     ref = a @ b
     fns = {s.name: (lambda s=s: sgemm(a, b, s.name)) for s in SGEMM_LADDER}
-    # autotuning: the other tile configurations of the last step (config 0 is the step itself)
+    # autotuning: the other tile configurations of the warp-tiled step (config 0 is the step itself) and
+    # of the double-buffered step (config DOUBLE_BUFFERED_STEP_CONFIG is the step)
     for i in range(1, len(WARPTILE_CONFIGS)):
         fns[f"warptile_config_{i}"] = lambda i=i: sgemm_warptile(a, b, i)
+    for i in range(len(WARPTILE_CONFIGS)):
+        if i != DOUBLE_BUFFERED_STEP_CONFIG:
+            fns[f"double_buffered_config_{i}"] = lambda i=i: sgemm_double_buffered(a, b, i)
     fns["cublas_fp32"] = lambda: a @ b
     times = bench.timer.interleaved(fns, rep_ms=30)
     cublas = times["cublas_fp32"]["ms"]
@@ -89,15 +93,25 @@ def bench_sgemm(bench, shape: tuple[int, int, int]) -> list[dict]:
                      "speedup_vs_prev": round(prev / ms, 2) if prev else None,
                      "max_rel_err": _rel_err(sgemm(a, b, s.name), ref)})  # fmt: skip
         prev = ms
-    configs = {0: times[SGEMM_LADDER[-1].name]["ms"]}
-    configs.update({i: times[f"warptile_config_{i}"]["ms"] for i in range(1, len(WARPTILE_CONFIGS))})
-    best = min(configs, key=configs.get)
-    ms = configs[best]
-    rows.append({"step": None, "name": "warptiled_autotuned", "M": m, "N": n, "K": k, "ms": round(ms, 4),
-                 "GFLOPs": _gflops(m, n, k, ms), "vs_cublas": round(cublas / ms, 3),
-                 "config": best, "tiles": WARPTILE_CONFIGS[best].name,
-                 "configs_ms": {str(i): round(t, 4) for i, t in configs.items()},
-                 "max_rel_err": _rel_err(sgemm_warptile(a, b, best), ref)})  # fmt: skip
+    for name, run_config, own in (
+        ("warptiled", sgemm_warptile, 0),
+        ("double_buffered", sgemm_double_buffered, DOUBLE_BUFFERED_STEP_CONFIG),
+    ):
+        configs = {own: times[name]["ms"]}
+        configs.update(
+            {
+                i: times[f"{name.replace('warptiled', 'warptile')}_config_{i}"]["ms"]
+                for i in range(len(WARPTILE_CONFIGS))
+                if i != own
+            }
+        )
+        best = min(configs, key=configs.get)
+        ms = configs[best]
+        rows.append({"step": None, "name": f"{name}_autotuned", "M": m, "N": n, "K": k, "ms": round(ms, 4),
+                     "GFLOPs": _gflops(m, n, k, ms), "vs_cublas": round(cublas / ms, 3),
+                     "config": best, "tiles": WARPTILE_CONFIGS[best].name,
+                     "configs_ms": {str(i): round(t, 4) for i, t in configs.items()},
+                     "max_rel_err": _rel_err(run_config(a, b, best), ref)})  # fmt: skip
     rows.append({"step": None, "name": "cublas_fp32", "M": m, "N": n, "K": k, "ms": round(cublas, 4),
                  "GFLOPs": _gflops(m, n, k, cublas), "vs_cublas": 1.0})  # fmt: skip
     return rows

@@ -13,7 +13,15 @@ import torch
 from kiln.errors import KilnError
 from kiln.kernels.cuda.build import load_extension
 from kiln.kernels.cuda.ladder import MMA_CONFIGS, SGEMM_LADDER, WARPTILE_CONFIGS
-from kiln.kernels.cuda.ops import VECTOR_ADD_VARIANTS, mma_bf16, mma_fp8, sgemm, sgemm_warptile, vector_add
+from kiln.kernels.cuda.ops import (
+    VECTOR_ADD_VARIANTS,
+    mma_bf16,
+    mma_fp8,
+    sgemm,
+    sgemm_double_buffered,
+    sgemm_warptile,
+    vector_add,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -87,7 +95,22 @@ def test_sgemm_warptile_configs_match_float64(config, shape):
     assert err < 1e-3, f"config {config} {shape}: {err:.2e}"
 
 
-@pytest.mark.parametrize("step", ["vectorized", "warptiled"])
+@pytest.mark.parametrize("config", range(len(WARPTILE_CONFIGS)))
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1, 1), (1000, 1027, 999), (129, 200, 64), (300, 260, 1000)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+def test_sgemm_double_buffered_configs_match_float64(config, shape):
+    m, n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(config)
+    a = torch.randn(m, k, device="cuda", generator=g)
+    b = torch.randn(k, n, device="cuda", generator=g)
+    err = rel_err(sgemm_double_buffered(a, b, config), a.double() @ b.double())
+    assert err < 1e-3, f"config {config} {shape}: {err:.2e}"
+
+
+@pytest.mark.parametrize("step", ["vectorized", "warptiled", "double_buffered"])
 def test_sgemm_unaligned_rows_take_the_scalar_path(step):
     # a view starting one float in: not 16-byte aligned, so the float4 loads must not be used
     base = torch.randn(64 * 129 + 1, device="cuda")

@@ -7,6 +7,7 @@ import pytest
 from kiln.errors import KilnError
 from kiln.kernels.cuda.build import CSRC
 from kiln.kernels.cuda.ladder import (
+    DOUBLE_BUFFERED_STEP_CONFIG,
     MMA_CONFIGS,
     SGEMM_LADDER,
     WARPTILE_CONFIGS,
@@ -21,7 +22,7 @@ from kiln.kernels.cuda.ladder import (
 
 def test_names_are_unique_and_ordered_like_the_launcher():
     names = [s.name for s in SGEMM_LADDER]
-    assert len(set(names)) == len(names) == 7
+    assert len(set(names)) == len(names) == 8
     src = (CSRC / "sgemm.cu").read_text()
     assert re.search(r"kiln_sgemm_steps\(void\) \{ return (\d+); \}", src).group(1) == str(len(names))
     cases = [int(c) for c in re.findall(r"case (\d+):", src)]
@@ -34,7 +35,8 @@ def test_names_are_unique_and_ordered_like_the_launcher():
 
 def test_step_index():
     assert step_index("naive") == 0 and step_index("warptiled") == 6 and step_index(3) == 3
-    for bad in ("fast", 7, -1, True, 2.0):
+    assert step_index("double_buffered") == 7
+    for bad in ("fast", 8, -1, True, 2.0):
         with pytest.raises(KilnError, match="naive, coalesced"):
             step_index(bad)
 
@@ -63,6 +65,12 @@ def test_warptile_configs_match_the_launcher_and_the_first_is_step_6():
     assert (
         f"warptiled<{c0.bm}, {c0.bn}, {c0.bk}, {c0.wm}, {c0.wn}, {c0.wniter}, {c0.tm}, {c0.tn}, {c0.threads}>"
         in step6
+    )
+    step7 = src.split("case 7:")[1].split("break;")[0]
+    c1 = WARPTILE_CONFIGS[DOUBLE_BUFFERED_STEP_CONFIG]
+    assert (
+        f"double_buffered<{c1.bm}, {c1.bn}, {c1.bk}, {c1.wm}, {c1.wn}, {c1.wniter}, {c1.tm}, {c1.tn}, {c1.threads},"
+        in step7
     )
     # the same constraints the kernel's static_asserts enforce, so a new row fails here before nvcc
     for cfg in WARPTILE_CONFIGS:

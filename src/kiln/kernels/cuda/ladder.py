@@ -1,4 +1,4 @@
-"""The SGEMM ladder: fp32 C = A @ B in seven kernels, each changing one thing about the step before it;
+"""The SGEMM ladder: fp32 C = A @ B in eight kernels, each changing one thing about the step before it;
 and the tile configurations the benchmark sweeps (warp-tiled SGEMM, Hopper wgmma).
 
 The order here is the order of `kiln_sgemm`'s `step` argument in csrc/sgemm.cu (a GPU test checks the
@@ -36,13 +36,16 @@ SGEMM_LADDER: tuple[LadderStep, ...] = (
                "128-bit global and shared loads; A's tile stored transposed so its reads vectorize too"),
     LadderStep("warptiled", 128, "BM=BN=128 BK=16 WM=WN=64 (1x4 sub-tiles) TM=8 TN=4",
                "a warp-level tile: each warp's shared reads fall in few contiguous runs, registers reused"),
+    LadderStep("double_buffered", 256, "BM=BN=128 BK=16 WM=64 WN=32 (1x2 sub-tiles) TM=8 TN=4, 2 buffers",
+               "two shared buffers: the next tile's global loads fly during this tile's FMAs, one barrier"),
 )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class WarptileConfig:
-    """One tile configuration of the warp-tiled kernel (step 6 runs the first); the benchmark times them
-    all on each shape and reports the fastest ("autotuned")."""
+    """One tile configuration of the warp-tiled kernel (step 6 runs the first) and of the double-buffered
+    one (step 7 runs the second); the benchmark times them all on each shape and reports the fastest
+    ("autotuned")."""
 
     bm: int
     bn: int
@@ -67,7 +70,10 @@ WARPTILE_CONFIGS: tuple[WarptileConfig, ...] = (
     WarptileConfig(128, 128, 16, 64, 32, 2, 8, 4, 256),
     WarptileConfig(64, 128, 16, 32, 64, 2, 8, 4, 128),
     WarptileConfig(128, 128, 8, 64, 64, 4, 8, 4, 128),
+    WarptileConfig(128, 128, 8, 64, 32, 2, 8, 4, 256),
 )
+# The configuration ladder step 7 (double_buffered) launches.
+DOUBLE_BUFFERED_STEP_CONFIG = 1
 
 
 def step_index(step: str | int) -> int:

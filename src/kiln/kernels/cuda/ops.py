@@ -3,7 +3,8 @@ tensor-core GEMMs, each beside the torch computation it is checked against.
 
     vector_add(a, b, variant)        out = a + b, fp32; variant "one_per_thread" | "grid_stride" | "float4"
     sgemm(a, b, step)                (M, K) @ (K, N) fp32, any shape; step: a name of ladder.SGEMM_LADDER
-    sgemm_warptile(a, b, config)     the last step at one of ladder.WARPTILE_CONFIGS (autotuning)
+    sgemm_warptile(a, b, config)     the warp-tiled step at one of ladder.WARPTILE_CONFIGS (autotuning)
+    sgemm_double_buffered(a, b, config)  the double-buffered step (the last) at one of the same configs
     mma_bf16(a, b, config)           (M, K) @ (K, N) bf16 -> bf16 (fp32 accumulation); K, N % 8 == 0
     mma_fp8(a, bt, scale_a, scale_b) scale_a * scale_b * (M, K) @ (N, K)^T, e4m3 -> bf16; K % 16, N % 8 == 0
     wgmma_bf16(a, bt, config)        (M, K) @ (N, K)^T bf16 -> bf16 on Hopper wgmma + TMA; K, N % 8 == 0
@@ -107,6 +108,18 @@ def sgemm_warptile(a: torch.Tensor, b: torch.Tensor, config: int) -> torch.Tenso
     m, n, _ = _matmul_shapes(a, b)
     c = torch.empty(m, n, dtype=torch.float32, device=a.device)
     load_extension().sgemm_warptile(config, a, b, c)
+    return c
+
+
+def sgemm_double_buffered(a: torch.Tensor, b: torch.Tensor, config: int) -> torch.Tensor:
+    """a (M, K) @ b (K, N) in fp32 by the double-buffered kernel (the ladder's last step) at tile
+    configuration ladder.WARPTILE_CONFIGS[config]."""
+    idx = config_index(config, WARPTILE_CONFIGS, "warp-tile")
+    _check(a, "a", torch.float32, 2)
+    _check(b, "b", torch.float32, 2)
+    m, n, _ = _matmul_shapes(a, b)
+    c = torch.empty(m, n, dtype=torch.float32, device=a.device)
+    load_extension().sgemm_double_buffered(idx, a, b, c)
     return c
 
 

@@ -34,13 +34,17 @@ const char* kiln_occupancy_info(int variant, int* regs, int* local_bytes, int* b
 
 // ---- sgemm.cu: C (M, N) = A (M, K) @ B (K, N), fp32, row-major, any M, N, K >= 1 ----
 // step: 0 naive, 1 coalesced, 2 shared-memory tiling, 3 1D blocktiling, 4 2D blocktiling,
-// 5 vectorized loads, 6 warp tiling (the order of kiln.kernels.cuda.ladder.SGEMM_LADDER).
+// 5 vectorized loads, 6 warp tiling, 7 double-buffered shared memory (the order of
+// kiln.kernels.cuda.ladder.SGEMM_LADDER).
 int kiln_sgemm_steps(void);
 const char* kiln_sgemm(int step, int M, int N, int K, const float* A, const float* B, float* C, void* stream);
 // The warp-tiled kernel (step 6) at one of kiln_sgemm_warptile_configs() tile configurations (autotuning).
 int kiln_sgemm_warptile_configs(void);
 const char* kiln_sgemm_warptile(int config, int M, int N, int K, const float* A, const float* B, float* C,
                                 void* stream);
+// The double-buffered kernel (step 7) at one of the same tile configurations.
+const char* kiln_sgemm_double_buffered(int config, int M, int N, int K, const float* A, const float* B, float* C,
+                                       void* stream);
 
 // ---- mma_bf16.cu: C (M, N) bf16 = A (M, K) bf16 @ B (K, N) bf16, fp32 accumulation ----
 // Tensor cores through mma.sync m16n8k16 with ldmatrix, XOR-swizzled shared memory and a cp.async

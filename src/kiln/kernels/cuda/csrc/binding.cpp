@@ -93,6 +93,16 @@ void sgemm_warptile(int64_t config, const at::Tensor& a, const at::Tensor& b, co
                            stream_of(a)));
 }
 
+void sgemm_double_buffered(int64_t config, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+    check(a, "a"), check(b, "b"), check(c, "c");
+    TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && c.dim() == 2 && a.size(1) == b.size(0) && c.size(0) == a.size(0) &&
+                    c.size(1) == b.size(1),
+                "sgemm_double_buffered: shapes must be (M, K) @ (K, N) -> (M, N)");
+    c10::cuda::CUDAGuard guard(a.device());
+    ok(kiln_sgemm_double_buffered((int)config, (int)a.size(0), (int)b.size(1), (int)a.size(1), cf(a), cf(b), f(c),
+                                  stream_of(a)));
+}
+
 void mma_bf16(int64_t config, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
     check(a, "a"), check(b, "b"), check(c, "c");
     TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && c.dim() == 2 && a.size(1) == b.size(0) && c.size(0) == a.size(0) &&
@@ -152,6 +162,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("sgemm", &sgemm);
     m.def("sgemm_warptile_configs", &kiln_sgemm_warptile_configs);
     m.def("sgemm_warptile", &sgemm_warptile);
+    m.def("sgemm_double_buffered", &sgemm_double_buffered);
     m.def("mma_configs", &kiln_mma_configs);
     m.def("mma_bf16", &mma_bf16);
     m.def("mma_fp8", &mma_fp8);
