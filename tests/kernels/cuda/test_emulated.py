@@ -1,4 +1,5 @@
-"""The CUDA kernels' index arithmetic checked on the CPU: the SGEMM ladder and the tensor-core GEMMs
+"""The CUDA kernels' index arithmetic checked on the CPU: the SGEMM ladder and the tensor-core GEMMs (mma.sync
+and wgmma + TMA)
 compiled with g++ against a host emulation of the CUDA model (emu/: threads of a block as std::threads,
 __syncthreads a barrier, ldmatrix/mma/cp.async by their PTX ISA definitions), run on odd shapes and
 compared exactly with a host product of integer-valued inputs.
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kiln.kernels.cuda.build import CSRC
-from kiln.kernels.cuda.ladder import MMA_CONFIGS
+from kiln.kernels.cuda.ladder import MMA_CONFIGS, WGMMA_CONFIGS
 
 EMU = Path(__file__).resolve().parent / "emu"
 GXX = shutil.which("g++")
@@ -58,3 +59,17 @@ def test_tensor_core_gemms_emulated(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # per shape: bf16 at every configuration, e4m3 at config 0's geometry
     assert proc.stdout.count(": 0 wrong") == 2 * (len(MMA_CONFIGS) + 1), proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GXX is None, reason="needs g++")
+def test_wgmma_gemms_emulated(tmp_path):
+    # the kernel's dynamic shared memory becomes the emulation's block memory (emu_smem, hopper_emu.h)
+    src = (CSRC / "wgmma_kernels.cuh").read_text()
+    decl = "extern __shared__ unsigned char smem_raw[];"
+    assert src.count(decl) == 1
+    (tmp_path / "wgmma_kernels_emu.cuh").write_text(src.replace(decl, "unsigned char* smem_raw = emu_smem;"))
+    proc = build_and_run(tmp_path, "wgmma_emu.cpp")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # bf16 and e4m3 at every configuration
+    assert proc.stdout.count(": 0 wrong") == 2 * len(WGMMA_CONFIGS), proc.stdout
