@@ -31,7 +31,9 @@ from pathlib import Path
 SGEMM_SHAPES = ((4096, 4096, 4096), (1000, 1027, 999))
 TC_SHAPES = ((4096, 4096, 4096), (1000, 1024, 1008))
 WGMMA_SHAPES = ((4096, 4096, 4096), (1000, 1024, 1008))
-WGMMA_TIMEOUT_S = 180  # one worker: start, load the cached build, check and time every configuration
+# One worker: start (~10 s: torch, CUDA, the cached build), check and time every configuration (~5 s). A
+# hung kernel traps after ~9 s (kiln_hopper::mbar_wait), so the timeout only catches other hangs.
+WGMMA_TIMEOUT_S = 90
 
 
 def _gflops(m: int, n: int, k: int, ms: float) -> float:
@@ -225,8 +227,11 @@ def wgmma_worker(kind: str, shape: str, variants: list[int]) -> int:
     return 0
 
 
-def bench_wgmma(bench, kind: str, shape: tuple[int, int, int]) -> list[dict]:
-    """Every wgmma configuration of one kind ("bf16" or "fp8") on one shape, in child processes."""
+def bench_wgmma(
+    bench, kind: str, shape: tuple[int, int, int], skip: dict[int, str] | None = None
+) -> list[dict]:
+    """Every wgmma configuration of one kind ("bf16" or "fp8") on one shape, in child processes; the
+    configurations in `skip` (config -> why) are not run (they faulted or hung on an earlier shape)."""
     import kiln
     from kiln.kernels.cuda.ladder import WGMMA_CONFIGS
     from kiln.profile.cuda_isolated import run_isolated
@@ -241,7 +246,10 @@ def bench_wgmma(bench, kind: str, shape: tuple[int, int, int]) -> list[dict]:
         return [sys.executable, "-m", "kiln.profile.cuda_ladder", "--wgmma-worker", kind, key,
                 ",".join(map(str, vs))]  # fmt: skip
 
-    r = run_isolated(range(len(WGMMA_CONFIGS)), command, timeout_s=WGMMA_TIMEOUT_S, env=env)
+    skip = skip or {}
+    todo = [i for i in range(len(WGMMA_CONFIGS)) if i not in skip]
+    r = run_isolated(todo, command, timeout_s=WGMMA_TIMEOUT_S, env=env)
+    r["failed"].update({i: f"skipped: failed on an earlier shape ({why[:200]})" for i, why in skip.items()})
     peer_name = "cublas_bf16" if kind == "bf16" else "scaled_mm_fp8"
     peer = r["ms"].get(peer_name)
     rows = []
@@ -352,9 +360,12 @@ def run(out: str | None, script_file: str) -> Path:
     if torch.cuda.get_device_capability() == (9, 0):
         cols = ("name", "config", "tiles", "ms", "TFLOPs", "vs_peer", "max_rel_err", "error")
         for kind in ("bf16", "fp8"):
+            failed: dict[int, str] = {}  # a configuration that faults or hangs is not run again
             for shape in WGMMA_SHAPES:
                 key = f"{kind} " + "x".join(map(str, shape))
-                result["wgmma"][key] = bench_wgmma(bench, kind, shape)
+                result["wgmma"][key] = bench_wgmma(bench, kind, shape, skip=failed)
+                failed.update({r["config"]: r["error"] for r in result["wgmma"][key]
+                               if r["config"] is not None and r["error"] and "worker" in r["error"]})  # fmt: skip
                 bench.log(f"wgmma {key}")
                 print(format_table(result["wgmma"][key], [(c, c) for c in cols]))
     else:
