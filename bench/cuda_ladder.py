@@ -1,8 +1,9 @@
-"""The CUDA C++ ladder on one GPU: vector add, memory probes, the SGEMM ladder and the tensor-core GEMMs,
-each against its torch/cuBLAS peer (the measurement is kiln.profile.cuda_ladder; `kiln bench cuda` runs
-the same code).
+"""The CUDA C++ ladder on one GPU: vector add, memory probes, the SGEMM ladder and the tensor-core GEMMs
+(mma.sync at every tile configuration; on Hopper, last, the wgmma + TMA GEMMs in bf16 and FP8, each
+configuration in a child process so that one that faults or hangs is recorded and skipped), each against
+its torch/cuBLAS peer (the measurement is kiln.profile.cuda_ladder; `kiln bench cuda` runs the same code).
 
-    python bench/cuda_ladder.py      # H200: about 3 minutes with a cold build -> bench/results/cuda_ladder.json
+    python bench/cuda_ladder.py      # H200: under 3 minutes with a cold build -> bench/results/cuda_ladder.json
                                      # and bench/results/cuda_ladder/*.png
 
 There is no --smoke: the kernels are CUDA C++ and do not run on the CPU. Without a CUDA toolchain the

@@ -5,9 +5,12 @@
        bandwidth measured at the start of the run (kiln.profile.ceilings);
     3. the memory probes (kiln.kernels.cuda.probes): strided reads, bank conflicts, latency, occupancy;
     4. the SGEMM ladder at 4096^3 and at 1000 x 1027 x 999 against cuBLAS fp32 (TF32 off), each step's
-       GFLOP/s, its ratio to cuBLAS and its speedup over the step before, and the last step autotuned
-       (the fastest of its tile configurations on that shape); the tensor-core kernels at
-       4096^3 (and an odd M) against cuBLAS bf16 and torch._scaled_mm (FP8, where the GPU has it).
+       GFLOP/s, its ratio to cuBLAS and its speedup over the step before, and the last two steps
+       autotuned (the fastest of their tile configurations on that shape); the tensor-core kernels at
+       4096^3 (and an odd M) against cuBLAS bf16 and torch._scaled_mm (FP8, where the GPU has it);
+    5. on Hopper, last, the wgmma + TMA GEMMs (bf16 and FP8), every configuration of
+       ladder.WGMMA_CONFIGS, each run in a child process (kiln.profile.cuda_isolated): a configuration
+       that faults or hangs is recorded as failed and skipped, the others are still measured.
 
 Every GEMM output is checked against cuBLAS fp32 (bf16/FP8: against the fp32 product of the same
 rounded inputs) and its max relative error recorded. Times are medians over rounds of
@@ -19,11 +22,18 @@ bench/results/cuda_ladder.json) and the PNGs beside it, in cuda_ladder/.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
 import time
 from pathlib import Path
 
 SGEMM_SHAPES = ((4096, 4096, 4096), (1000, 1027, 999))
 TC_SHAPES = ((4096, 4096, 4096), (1000, 1024, 1008))
+WGMMA_SHAPES = ((4096, 4096, 4096), (1000, 1024, 1008))
+# One worker: start (~10 s: torch, CUDA, the cached build), check and time every configuration (~5 s). A
+# hung kernel traps after ~9 s (kiln_hopper::mbar_wait), so the timeout only catches other hangs.
+WGMMA_TIMEOUT_S = 90
 
 
 def _gflops(m: int, n: int, k: int, ms: float) -> float:
@@ -58,8 +68,8 @@ def bench_vector_add(bench, n: int = 1 << 28) -> list[dict]:
 def bench_sgemm(bench, shape: tuple[int, int, int]) -> list[dict]:
     import torch
 
-    from kiln.kernels.cuda.ladder import SGEMM_LADDER, WARPTILE_CONFIGS
-    from kiln.kernels.cuda.ops import sgemm, sgemm_warptile
+    from kiln.kernels.cuda.ladder import DOUBLE_BUFFERED_STEP_CONFIG, SGEMM_LADDER, WARPTILE_CONFIGS
+    from kiln.kernels.cuda.ops import sgemm, sgemm_double_buffered, sgemm_warptile
 
     m, n, k = shape
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -67,9 +77,13 @@ def bench_sgemm(bench, shape: tuple[int, int, int]) -> list[dict]:
     b = torch.randn(k, n, device="cuda", generator=g)
     ref = a @ b
     fns = {s.name: (lambda s=s: sgemm(a, b, s.name)) for s in SGEMM_LADDER}
-    # autotuning: the other tile configurations of the last step (config 0 is the step itself)
+    # autotuning: the other tile configurations of the warp-tiled step (config 0 is the step itself) and
+    # of the double-buffered step (config DOUBLE_BUFFERED_STEP_CONFIG is the step)
     for i in range(1, len(WARPTILE_CONFIGS)):
         fns[f"warptile_config_{i}"] = lambda i=i: sgemm_warptile(a, b, i)
+    for i in range(len(WARPTILE_CONFIGS)):
+        if i != DOUBLE_BUFFERED_STEP_CONFIG:
+            fns[f"double_buffered_config_{i}"] = lambda i=i: sgemm_double_buffered(a, b, i)
     fns["cublas_fp32"] = lambda: a @ b
     times = bench.timer.interleaved(fns, rep_ms=30)
     cublas = times["cublas_fp32"]["ms"]
@@ -81,15 +95,25 @@ def bench_sgemm(bench, shape: tuple[int, int, int]) -> list[dict]:
                      "speedup_vs_prev": round(prev / ms, 2) if prev else None,
                      "max_rel_err": _rel_err(sgemm(a, b, s.name), ref)})  # fmt: skip
         prev = ms
-    configs = {0: times[SGEMM_LADDER[-1].name]["ms"]}
-    configs.update({i: times[f"warptile_config_{i}"]["ms"] for i in range(1, len(WARPTILE_CONFIGS))})
-    best = min(configs, key=configs.get)
-    ms = configs[best]
-    rows.append({"step": None, "name": "warptiled_autotuned", "M": m, "N": n, "K": k, "ms": round(ms, 4),
-                 "GFLOPs": _gflops(m, n, k, ms), "vs_cublas": round(cublas / ms, 3),
-                 "config": best, "tiles": WARPTILE_CONFIGS[best].name,
-                 "configs_ms": {str(i): round(t, 4) for i, t in configs.items()},
-                 "max_rel_err": _rel_err(sgemm_warptile(a, b, best), ref)})  # fmt: skip
+    for name, run_config, own in (
+        ("warptiled", sgemm_warptile, 0),
+        ("double_buffered", sgemm_double_buffered, DOUBLE_BUFFERED_STEP_CONFIG),
+    ):
+        configs = {own: times[name]["ms"]}
+        configs.update(
+            {
+                i: times[f"{name.replace('warptiled', 'warptile')}_config_{i}"]["ms"]
+                for i in range(len(WARPTILE_CONFIGS))
+                if i != own
+            }
+        )
+        best = min(configs, key=configs.get)
+        ms = configs[best]
+        rows.append({"step": None, "name": f"{name}_autotuned", "M": m, "N": n, "K": k, "ms": round(ms, 4),
+                     "GFLOPs": _gflops(m, n, k, ms), "vs_cublas": round(cublas / ms, 3),
+                     "config": best, "tiles": WARPTILE_CONFIGS[best].name,
+                     "configs_ms": {str(i): round(t, 4) for i, t in configs.items()},
+                     "max_rel_err": _rel_err(run_config(a, b, best), ref)})  # fmt: skip
     rows.append({"step": None, "name": "cublas_fp32", "M": m, "N": n, "K": k, "ms": round(cublas, 4),
                  "GFLOPs": _gflops(m, n, k, cublas), "vs_cublas": 1.0})  # fmt: skip
     return rows
@@ -98,6 +122,8 @@ def bench_sgemm(bench, shape: tuple[int, int, int]) -> list[dict]:
 def bench_tensor_cores(bench, shape: tuple[int, int, int]) -> list[dict]:
     import torch
 
+    from kiln.errors import KilnError
+    from kiln.kernels.cuda.ladder import MMA_CONFIGS
     from kiln.kernels.cuda.ops import mma_bf16, mma_fp8
 
     m, n, k = shape
@@ -106,6 +132,19 @@ def bench_tensor_cores(bench, shape: tuple[int, int, int]) -> list[dict]:
     b = torch.randn(k, n, device="cuda", generator=g).bfloat16()
     ref = a.float() @ b.float()
     fns = {"mma_bf16": lambda: mma_bf16(a, b), "cublas_bf16": lambda: a @ b}
+    # the other tile configurations of the bf16 kernel (config 0 is mma_bf16 itself): checked first; one
+    # that raises or is wrong is recorded and not timed
+    config_errs, config_fail = {}, {}
+    for i in range(1, len(MMA_CONFIGS)):
+        try:
+            config_errs[i] = _rel_err(mma_bf16(a, b, i), ref)
+        except (KilnError, RuntimeError) as e:
+            config_fail[i] = str(e)[-300:]
+            continue
+        if config_errs[i] < 2e-2:
+            fns[f"mma_bf16_config_{i}"] = lambda i=i: mma_bf16(a, b, i)
+        else:
+            config_fail[i] = "wrong result"
     fp8 = torch.cuda.get_device_capability() >= (8, 9)
     if fp8:
         a8 = (a.float() / 4).to(torch.float8_e4m3fn)
@@ -121,6 +160,9 @@ def bench_tensor_cores(bench, shape: tuple[int, int, int]) -> list[dict]:
     errs = {"mma_bf16": _rel_err(mma_bf16(a, b), ref), "cublas_bf16": _rel_err(a @ b, ref)}
     if fp8:
         errs["mma_fp8"] = _rel_err(mma_fp8(a8, bt8, sa, sb), ref8)
+    for i in range(1, len(MMA_CONFIGS)):
+        peers[f"mma_bf16_config_{i}"] = "cublas_bf16"
+        errs[f"mma_bf16_config_{i}"] = config_errs.get(i)
     rows = []
     for name, t in times.items():
         peer = times.get(peers.get(name, ""), {}).get("ms")
@@ -128,6 +170,102 @@ def bench_tensor_cores(bench, shape: tuple[int, int, int]) -> list[dict]:
                      "TFLOPs": round(_gflops(m, n, k, t["ms"]) / 1e3, 1),
                      "vs_peer": round(peer / t["ms"], 3) if peer else None,
                      "max_rel_err": errs.get(name)})  # fmt: skip
+    # the bf16 kernel autotuned: the fastest configuration on this shape
+    configs = {0: times["mma_bf16"]["ms"]}
+    configs.update({i: times[f"mma_bf16_config_{i}"]["ms"] for i in config_errs if i not in config_fail})
+    best = min(configs, key=configs.get)
+    rows.append({"name": "mma_bf16_autotuned", "M": m, "N": n, "K": k, "ms": round(configs[best], 4),
+                 "TFLOPs": round(_gflops(m, n, k, configs[best]) / 1e3, 1),
+                 "vs_peer": round(times["cublas_bf16"]["ms"] / configs[best], 3),
+                 "max_rel_err": errs["mma_bf16"] if best == 0 else config_errs[best],
+                 "config": best, "tiles": MMA_CONFIGS[best].name,
+                 "failed_configs": config_fail or None})  # fmt: skip
+    return rows
+
+
+def _emit(**event) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def wgmma_worker(kind: str, shape: str, variants: list[int]) -> int:
+    """The child process of bench_wgmma: checks each configuration against the fp32 product of the same
+    inputs, then times the correct ones and the peer interleaved; events on stdout (cuda_isolated)."""
+    import torch
+
+    from kiln.kernels.cuda.ops import wgmma_bf16, wgmma_fp8
+    from kiln.profile.timing import Timer
+
+    m, n, k = (int(v) for v in shape.split("x"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(m, k, device="cuda", generator=g)
+    bt = torch.randn(n, k, device="cuda", generator=g)
+    if kind == "bf16":
+        a, bt = a.bfloat16(), bt.bfloat16()
+        ref = a.float() @ bt.float().t()
+        run = lambda v: wgmma_bf16(a, bt, v)  # noqa: E731
+        peers = {"cublas_bf16": lambda: a @ bt.t()}
+    else:
+        a8, bt8 = (a / 4).to(torch.float8_e4m3fn), (bt / 4).to(torch.float8_e4m3fn)
+        sa = sb = torch.tensor(4.0, device="cuda")
+        ref = (a8.float() @ bt8.float().t()) * 16
+        run = lambda v: wgmma_fp8(a8, bt8, sa, sb, v)  # noqa: E731
+        peers = {}
+        if m % 16 == 0 and n % 16 == 0:  # _scaled_mm's own shape rule
+            peers["scaled_mm_fp8"] = lambda: torch._scaled_mm(a8, bt8.t(), sa, sb, out_dtype=torch.bfloat16)
+    fns = {}
+    for v in variants:
+        _emit(event="start", variant=v)
+        c = run(v)
+        torch.cuda.synchronize()
+        err = _rel_err(c, ref)
+        _emit(event="checked", variant=v, max_rel_err=err)
+        if err < 2e-2:  # a wrong kernel is reported, not timed
+            fns[f"config_{v}"] = lambda v=v: run(v)
+    fns.update(peers)
+    times = Timer(smoke=False, rounds=3).interleaved(fns, rep_ms=30)
+    _emit(event="timed", ms={name: t["ms"] for name, t in times.items()})
+    return 0
+
+
+def bench_wgmma(
+    bench, kind: str, shape: tuple[int, int, int], skip: dict[int, str] | None = None
+) -> list[dict]:
+    """Every wgmma configuration of one kind ("bf16" or "fp8") on one shape, in child processes; the
+    configurations in `skip` (config -> why) are not run (they faulted or hung on an earlier shape)."""
+    import kiln
+    from kiln.kernels.cuda.ladder import WGMMA_CONFIGS
+    from kiln.profile.cuda_isolated import run_isolated
+
+    m, n, k = shape
+    key = "x".join(map(str, shape))
+    env = dict(os.environ)  # the child imports the same kiln as this process
+    src_root = str(Path(kiln.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
+
+    def command(vs: list[int]) -> list[str]:
+        return [sys.executable, "-m", "kiln.profile.cuda_ladder", "--wgmma-worker", kind, key,
+                ",".join(map(str, vs))]  # fmt: skip
+
+    skip = skip or {}
+    todo = [i for i in range(len(WGMMA_CONFIGS)) if i not in skip]
+    r = run_isolated(todo, command, timeout_s=WGMMA_TIMEOUT_S, env=env)
+    r["failed"].update({i: f"skipped: failed on an earlier shape ({why[:200]})" for i, why in skip.items()})
+    peer_name = "cublas_bf16" if kind == "bf16" else "scaled_mm_fp8"
+    peer = r["ms"].get(peer_name)
+    rows = []
+    for i, cfg in enumerate(WGMMA_CONFIGS):
+        ms = r["ms"].get(f"config_{i}")
+        err = r["checked"].get(i, {}).get("max_rel_err")
+        error = r["failed"].get(i) or (None if ms or err is None else (r["timing_error"] or "wrong result"))
+        rows.append({"name": f"wgmma_{kind}", "config": i, "tiles": cfg.name, "M": m, "N": n, "K": k,
+                     "ms": round(ms, 4) if ms else None,
+                     "TFLOPs": round(_gflops(m, n, k, ms) / 1e3, 1) if ms else None,
+                     "vs_peer": round(peer / ms, 3) if ms and peer else None,
+                     "max_rel_err": err, "error": error})  # fmt: skip
+    if peer:
+        rows.append({"name": peer_name, "config": None, "tiles": None, "M": m, "N": n, "K": k,
+                     "ms": round(peer, 4), "TFLOPs": round(_gflops(m, n, k, peer) / 1e3, 1), "vs_peer": 1.0,
+                     "max_rel_err": None, "error": None})  # fmt: skip
     return rows
 
 
@@ -217,6 +355,21 @@ def run(out: str | None, script_file: str) -> Path:
         result["tensor_cores"][key] = bench_tensor_cores(bench, shape)
         bench.log(f"tensor cores {key}")
         print(format_table(result["tensor_cores"][key], [(c, c) for c in result["tensor_cores"][key][0]]))
+    # last: kernels that could fault or hang run in child processes (a fault would end this one)
+    result["wgmma"] = {}
+    if torch.cuda.get_device_capability() == (9, 0):
+        cols = ("name", "config", "tiles", "ms", "TFLOPs", "vs_peer", "max_rel_err", "error")
+        for kind in ("bf16", "fp8"):
+            failed: dict[int, str] = {}  # a configuration that faults or hangs is not run again
+            for shape in WGMMA_SHAPES:
+                key = f"{kind} " + "x".join(map(str, shape))
+                result["wgmma"][key] = bench_wgmma(bench, kind, shape, skip=failed)
+                failed.update({r["config"]: r["error"] for r in result["wgmma"][key]
+                               if r["config"] is not None and r["error"] and "worker" in r["error"]})  # fmt: skip
+                bench.log(f"wgmma {key}")
+                print(format_table(result["wgmma"][key], [(c, c) for c in cols]))
+    else:
+        bench.log("wgmma: skipped (needs compute capability 9.0)")
     result["plots"] = plot(Path(bench.out).parent / "cuda_ladder", result)
     return bench.write(**result)
 
@@ -224,6 +377,14 @@ def run(out: str | None, script_file: str) -> Path:
 def main(argv: list[str] | None = None, script_file: str | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/cuda_ladder.py", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/cuda_ladder.json", help="the result JSON (PNGs beside it)")
+    p.add_argument("--wgmma-worker", nargs=3, metavar=("KIND", "MxNxK", "CONFIGS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.wgmma_worker:  # the child process of bench_wgmma
+        kind, shape, configs = args.wgmma_worker
+        return wgmma_worker(kind, shape, [int(v) for v in configs.split(",")])
     run(args.out, script_file or __file__)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

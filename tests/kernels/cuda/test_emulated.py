@@ -1,4 +1,5 @@
-"""The CUDA kernels' index arithmetic checked on the CPU: the SGEMM ladder and the tensor-core GEMMs
+"""The CUDA kernels' index arithmetic checked on the CPU: the SGEMM ladder and the tensor-core GEMMs (mma.sync
+and wgmma + TMA)
 compiled with g++ against a host emulation of the CUDA model (emu/: threads of a block as std::threads,
 __syncthreads a barrier, ldmatrix/mma/cp.async by their PTX ISA definitions), run on odd shapes and
 compared exactly with a host product of integer-valued inputs.
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kiln.kernels.cuda.build import CSRC
+from kiln.kernels.cuda.ladder import MMA_CONFIGS, WGMMA_CONFIGS
 
 EMU = Path(__file__).resolve().parent / "emu"
 GXX = shutil.which("g++")
@@ -32,9 +34,15 @@ def build_and_run(tmp_path: Path, main_cpp: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.skipif(GXX is None, reason="needs g++")
 def test_sgemm_ladder_emulated(tmp_path):
+    # the emulation carries a copy of sgemm.cu's configuration table: it must be the same
+    def table(text):
+        return text.split("#define KILN_WARPTILE_CONFIGS(X)")[1].split("\n\n")[0]
+
+    assert table((EMU / "sgemm_emu.cpp").read_text()) == table((CSRC / "sgemm.cu").read_text())
     proc = build_and_run(tmp_path, "sgemm_emu.cpp")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(": 0 wrong") == 2 * (5 + 2 * 5)  # steps 0-4; 5, 6 and 3 configs x vec
+    # per shape: steps 0-4; then x 2 (vec): steps 5, 6, the 4 other warp-tile configs, the 5 double-buffered
+    assert proc.stdout.count(": 0 wrong") == 2 * (5 + 2 * 11), proc.stdout
 
 
 @pytest.mark.slow
@@ -43,9 +51,25 @@ def test_tensor_core_gemms_emulated(tmp_path):
     # the kernels' dynamic shared memory becomes a static array (the emulation has no launch-time size)
     src = (CSRC / "mma_kernels.cuh").read_text()
     decl = "extern __shared__ __align__(128) unsigned char smem[];"
-    assert src.count(decl) == 2
-    static = "static unsigned char smem[mma_gemm::STAGES * 2 * mma_gemm::BM * mma_gemm::TILE_BYTES] __attribute__((aligned(128)));"
+    assert src.count(decl) == 1
+    biggest = max(c.smem_bytes for c in MMA_CONFIGS)
+    static = f"static unsigned char smem[{biggest}] __attribute__((aligned(128)));"
     (tmp_path / "mma_kernels_emu.cuh").write_text(src.replace(decl, static))
     proc = build_and_run(tmp_path, "mma_emu.cpp")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(": 0 wrong") == 2 * 2
+    # per shape: bf16 at every configuration, e4m3 at config 0's geometry
+    assert proc.stdout.count(": 0 wrong") == 2 * (len(MMA_CONFIGS) + 1), proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GXX is None, reason="needs g++")
+def test_wgmma_gemms_emulated(tmp_path):
+    # the kernel's dynamic shared memory becomes the emulation's block memory (emu_smem, hopper_emu.h)
+    src = (CSRC / "wgmma_kernels.cuh").read_text()
+    decl = "extern __shared__ unsigned char smem_raw[];"
+    assert src.count(decl) == 1
+    (tmp_path / "wgmma_kernels_emu.cuh").write_text(src.replace(decl, "unsigned char* smem_raw = emu_smem;"))
+    proc = build_and_run(tmp_path, "wgmma_emu.cpp")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # bf16 and e4m3 at every configuration
+    assert proc.stdout.count(": 0 wrong") == 2 * len(WGMMA_CONFIGS), proc.stdout

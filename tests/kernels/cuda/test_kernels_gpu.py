@@ -12,8 +12,16 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.kernels.cuda.build import load_extension
-from kiln.kernels.cuda.ladder import SGEMM_LADDER, WARPTILE_CONFIGS
-from kiln.kernels.cuda.ops import VECTOR_ADD_VARIANTS, mma_bf16, mma_fp8, sgemm, sgemm_warptile, vector_add
+from kiln.kernels.cuda.ladder import MMA_CONFIGS, SGEMM_LADDER, WARPTILE_CONFIGS
+from kiln.kernels.cuda.ops import (
+    VECTOR_ADD_VARIANTS,
+    mma_bf16,
+    mma_fp8,
+    sgemm,
+    sgemm_double_buffered,
+    sgemm_warptile,
+    vector_add,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -36,6 +44,7 @@ def rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
 def test_extension_agrees_with_the_ladder_registry():
     assert load_extension().sgemm_steps() == len(SGEMM_LADDER)
     assert load_extension().sgemm_warptile_configs() == len(WARPTILE_CONFIGS)
+    assert load_extension().mma_configs() == len(MMA_CONFIGS)
 
 
 @pytest.mark.parametrize("variant", VECTOR_ADD_VARIANTS)
@@ -86,7 +95,22 @@ def test_sgemm_warptile_configs_match_float64(config, shape):
     assert err < 1e-3, f"config {config} {shape}: {err:.2e}"
 
 
-@pytest.mark.parametrize("step", ["vectorized", "warptiled"])
+@pytest.mark.parametrize("config", range(len(WARPTILE_CONFIGS)))
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1, 1), (1000, 1027, 999), (129, 200, 64), (300, 260, 1000)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+def test_sgemm_double_buffered_configs_match_float64(config, shape):
+    m, n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(config)
+    a = torch.randn(m, k, device="cuda", generator=g)
+    b = torch.randn(k, n, device="cuda", generator=g)
+    err = rel_err(sgemm_double_buffered(a, b, config), a.double() @ b.double())
+    assert err < 1e-3, f"config {config} {shape}: {err:.2e}"
+
+
+@pytest.mark.parametrize("step", ["vectorized", "warptiled", "double_buffered"])
 def test_sgemm_unaligned_rows_take_the_scalar_path(step):
     # a view starting one float in: not 16-byte aligned, so the float4 loads must not be used
     base = torch.randn(64 * 129 + 1, device="cuda")
@@ -107,13 +131,14 @@ def test_sgemm_bad_inputs():
         sgemm(a, a.t().contiguous(), "fastest")
 
 
+@pytest.mark.parametrize("config", range(len(MMA_CONFIGS)))
 @pytest.mark.parametrize("shape", TC_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_mma_bf16_matches_fp32_product(shape):
+def test_mma_bf16_matches_fp32_product(shape, config):
     m, n, k = shape
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     a = torch.randn(m, k, device="cuda", generator=g).bfloat16()
     b = torch.randn(k, n, device="cuda", generator=g).bfloat16()
-    c = mma_bf16(a, b)
+    c = mma_bf16(a, b, config)
     ref = a.float() @ b.float()
     assert c.dtype == torch.bfloat16 and c.shape == (m, n)
     assert rel_err(c, ref) < 1e-2
@@ -124,6 +149,8 @@ def test_mma_bf16_bad_shapes():
     a = torch.randn(16, 12, device="cuda").bfloat16()
     with pytest.raises(KilnError, match="divisible by 8"):
         mma_bf16(a, torch.randn(12, 16, device="cuda").bfloat16())
+    with pytest.raises(KilnError, match="unknown mma config"):
+        mma_bf16(a, torch.randn(12, 16, device="cuda").bfloat16(), len(MMA_CONFIGS))
 
 
 def _fp8_inputs(m, n, k, seed):

@@ -6,12 +6,23 @@ import pytest
 
 from kiln.errors import KilnError
 from kiln.kernels.cuda.build import CSRC
-from kiln.kernels.cuda.ladder import SGEMM_LADDER, WARPTILE_CONFIGS, step_index
+from kiln.kernels.cuda.ladder import (
+    DOUBLE_BUFFERED_STEP_CONFIG,
+    MMA_CONFIGS,
+    SGEMM_LADDER,
+    WARPTILE_CONFIGS,
+    WGMMA_CONFIGS,
+    WGMMA_DEFAULT,
+    MmaConfig,
+    WgmmaConfig,
+    step_index,
+    wgmma_config_index,
+)
 
 
 def test_names_are_unique_and_ordered_like_the_launcher():
     names = [s.name for s in SGEMM_LADDER]
-    assert len(set(names)) == len(names) == 7
+    assert len(set(names)) == len(names) == 8
     src = (CSRC / "sgemm.cu").read_text()
     assert re.search(r"kiln_sgemm_steps\(void\) \{ return (\d+); \}", src).group(1) == str(len(names))
     cases = [int(c) for c in re.findall(r"case (\d+):", src)]
@@ -24,7 +35,8 @@ def test_names_are_unique_and_ordered_like_the_launcher():
 
 def test_step_index():
     assert step_index("naive") == 0 and step_index("warptiled") == 6 and step_index(3) == 3
-    for bad in ("fast", 7, -1, True, 2.0):
+    assert step_index("double_buffered") == 7
+    for bad in ("fast", 8, -1, True, 2.0):
         with pytest.raises(KilnError, match="naive, coalesced"):
             step_index(bad)
 
@@ -54,6 +66,12 @@ def test_warptile_configs_match_the_launcher_and_the_first_is_step_6():
         f"warptiled<{c0.bm}, {c0.bn}, {c0.bk}, {c0.wm}, {c0.wn}, {c0.wniter}, {c0.tm}, {c0.tn}, {c0.threads}>"
         in step6
     )
+    step7 = src.split("case 7:")[1].split("break;")[0]
+    c1 = WARPTILE_CONFIGS[DOUBLE_BUFFERED_STEP_CONFIG]
+    assert (
+        f"double_buffered<{c1.bm}, {c1.bn}, {c1.bk}, {c1.wm}, {c1.wn}, {c1.wniter}, {c1.tm}, {c1.tn}, {c1.threads},"
+        in step7
+    )
     # the same constraints the kernel's static_asserts enforce, so a new row fails here before nvcc
     for cfg in WARPTILE_CONFIGS:
         warps = cfg.threads // 32
@@ -61,3 +79,59 @@ def test_warptile_configs_match_the_launcher_and_the_first_is_step_6():
         wmiter = (cfg.wm * cfg.wn) // (32 * cfg.tm * cfg.tn * cfg.wniter)
         assert wmiter >= 1 and wmiter * 32 * cfg.tm * cfg.tn * cfg.wniter == cfg.wm * cfg.wn
         assert cfg.name
+
+
+def test_wgmma_configs_match_the_kernel_table():
+    src = (CSRC / "wgmma_kernels.cuh").read_text()
+    table = src.split("#define KILN_WGMMA_CONFIGS(X)")[1].split("\n\n")[0]
+    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+)\)", table)
+    assert [int(r[0]) for r in rows] == list(range(len(WGMMA_CONFIGS)))
+    for r, cfg in zip(rows, WGMMA_CONFIGS):
+        assert tuple(int(v) for v in r[1:]) == (cfg.bm, cfg.bn, cfg.consumers, cfg.stages)
+    assert 0 <= WGMMA_DEFAULT < len(WGMMA_CONFIGS)
+
+
+def test_wgmma_config_arithmetic():
+    cfg = WgmmaConfig(128, 256, 2, 4)
+    # 4 stages x (128 + 256) rows x 128 bytes + 8 mbarriers + 1024 bytes of alignment slack
+    assert cfg.smem_bytes == 4 * 384 * 128 + 64 + 1024 == 197696
+    assert cfg.threads == 384 and cfg.name == "128x256 2cons 4st"
+    for bad in ((128, 192, 1, 4), (128, 256, 1, 4), (96, 128, 1, 4), (128, 256, 2, 5), (128, 128, 1, 1)):
+        with pytest.raises(KilnError, match="bad wgmma config"):
+            WgmmaConfig(*bad)
+    assert wgmma_config_index(0) == 0
+    for bad in (len(WGMMA_CONFIGS), -1, True, "0"):
+        with pytest.raises(KilnError, match="unknown wgmma config"):
+            wgmma_config_index(bad)
+
+
+def test_wgmma_ops_refuse_bad_arguments_before_any_cuda_call():
+    import torch
+
+    from kiln.kernels.cuda.ops import wgmma_bf16, wgmma_fp8
+
+    a = torch.zeros(8, 8, dtype=torch.bfloat16)
+    with pytest.raises(KilnError, match="unknown wgmma config"):
+        wgmma_bf16(a, a, 99)
+    with pytest.raises(KilnError, match="CUDA tensors"):
+        wgmma_bf16(a, a)
+    with pytest.raises(KilnError, match="CUDA tensors"):
+        wgmma_fp8(a.to(torch.float8_e4m3fn), a.to(torch.float8_e4m3fn), torch.ones(1), torch.ones(1))
+
+
+def test_mma_configs_match_the_kernel_table():
+    src = (CSRC / "mma_kernels.cuh").read_text()
+    table = src.split("#define KILN_MMA_CONFIGS(X)")[1].split("\n\n")[0]
+    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+)\)", table)
+    assert [int(r[0]) for r in rows] == list(range(len(MMA_CONFIGS)))
+    for r, cfg in zip(rows, MMA_CONFIGS):
+        assert tuple(int(v) for v in r[1:]) == (cfg.bm, cfg.bn, cfg.warps_m, cfg.warps_n, cfg.stages)
+    # the FP8 mma.sync launcher runs config 0's geometry
+    c0 = MMA_CONFIGS[0]
+    fp8 = (CSRC / "mma.cu").read_text().split("kiln_mma_fp8(int M")[1]
+    assert f"launch<true, {c0.bm}, {c0.bn}, {c0.warps_m}, {c0.warps_n}, {c0.stages}>" in fp8
+    assert MmaConfig(128, 256, 2, 4, 4).smem_bytes == 4 * 384 * 128
+    assert MmaConfig(128, 256, 2, 4, 4).name == "128x256 warps 2x4 of 64x64 4st"
+    for bad in ((128, 128, 3, 4, 3), (128, 128, 2, 16, 3), (256, 256, 2, 4, 4)):
+        with pytest.raises(KilnError, match="bad mma config"):
+            MmaConfig(*bad)

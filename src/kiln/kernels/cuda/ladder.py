@@ -1,4 +1,5 @@
-"""The SGEMM ladder: fp32 C = A @ B in seven kernels, each changing one thing about the step before it.
+"""The SGEMM ladder: fp32 C = A @ B in eight kernels, each changing one thing about the step before it;
+and the tile configurations the benchmark sweeps (warp-tiled SGEMM, Hopper wgmma).
 
 The order here is the order of `kiln_sgemm`'s `step` argument in csrc/sgemm.cu (a GPU test checks the
 two agree); docs/cuda.md explains each step at length. Tile sizes are those of the kernel's launch:
@@ -35,13 +36,16 @@ SGEMM_LADDER: tuple[LadderStep, ...] = (
                "128-bit global and shared loads; A's tile stored transposed so its reads vectorize too"),
     LadderStep("warptiled", 128, "BM=BN=128 BK=16 WM=WN=64 (1x4 sub-tiles) TM=8 TN=4",
                "a warp-level tile: each warp's shared reads fall in few contiguous runs, registers reused"),
+    LadderStep("double_buffered", 256, "BM=BN=128 BK=16 WM=64 WN=32 (1x2 sub-tiles) TM=8 TN=4, 2 buffers",
+               "two shared buffers: the next tile's global loads fly during this tile's FMAs, one barrier"),
 )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class WarptileConfig:
-    """One tile configuration of the warp-tiled kernel (step 6 runs the first); the benchmark times them
-    all on each shape and reports the fastest ("autotuned")."""
+    """One tile configuration of the warp-tiled kernel (step 6 runs the first) and of the double-buffered
+    one (step 7 runs the second); the benchmark times them all on each shape and reports the fastest
+    ("autotuned")."""
 
     bm: int
     bn: int
@@ -66,7 +70,10 @@ WARPTILE_CONFIGS: tuple[WarptileConfig, ...] = (
     WarptileConfig(128, 128, 16, 64, 32, 2, 8, 4, 256),
     WarptileConfig(64, 128, 16, 32, 64, 2, 8, 4, 128),
     WarptileConfig(128, 128, 8, 64, 64, 4, 8, 4, 128),
+    WarptileConfig(128, 128, 8, 64, 32, 2, 8, 4, 256),
 )
+# The configuration ladder step 7 (double_buffered) launches.
+DOUBLE_BUFFERED_STEP_CONFIG = 1
 
 
 def step_index(step: str | int) -> int:
@@ -82,3 +89,102 @@ def step_index(step: str | int) -> int:
     elif step in names:
         return names.index(step)
     raise KilnError(f"unknown SGEMM step {step!r}; the steps are {', '.join(names)} (or 0..{len(names) - 1})")
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """One configuration of the mma.sync bf16 GEMM (csrc/mma_kernels.cuh): a BM x BN tile of C per block,
+    warps_m x warps_n warps each owning (BM / warps_m) x (BN / warps_n) of it, `stages` K tiles of 64 in
+    flight (cp.async)."""
+
+    bm: int
+    bn: int
+    warps_m: int
+    warps_n: int
+    stages: int
+
+    def __post_init__(self):
+        wtm, wtn = self.bm // self.warps_m, self.bn // self.warps_n
+        if wtm * self.warps_m != self.bm or wtn * self.warps_n != self.bn or wtm % 16 or wtn % 16:
+            raise KilnError(f"bad mma config {self}: warp tiles must be whole multiples of 16 x 16")
+        if self.smem_bytes > 227 * 1024 or self.stages < 2:
+            raise KilnError(f"bad mma config {self}: {self.smem_bytes} bytes of shared memory, >= 2 stages")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * (self.bm + self.bn) * 128
+
+    @property
+    def name(self) -> str:
+        wtm, wtn = self.bm // self.warps_m, self.bn // self.warps_n
+        return f"{self.bm}x{self.bn} warps {self.warps_m}x{self.warps_n} of {wtm}x{wtn} {self.stages}st"
+
+
+# The order of KILN_MMA_CONFIGS in csrc/mma_kernels.cuh (a CPU test compares the two); config 0 is the
+# first version's geometry, and the one the FP8 mma.sync kernel runs.
+MMA_CONFIGS: tuple[MmaConfig, ...] = (
+    MmaConfig(128, 128, 2, 4, 3),
+    MmaConfig(128, 256, 2, 4, 3),  # 64 x 64 warp tiles: 128 accumulators, half the ldmatrix per FLOP
+    MmaConfig(128, 256, 2, 4, 4),
+    MmaConfig(256, 128, 4, 2, 3),
+    MmaConfig(128, 128, 2, 2, 4),
+)
+
+
+def config_index(config: int, table: tuple, what: str) -> int:
+    if isinstance(config, bool) or not isinstance(config, int) or not 0 <= config < len(table):
+        raise KilnError(f"unknown {what} config {config!r}; choose 0..{len(table) - 1}")
+    return config
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """One configuration of the Hopper wgmma + TMA GEMM (csrc/wgmma_kernels.cuh): a BM x BN tile of C per
+    block, `consumers` warpgroups issuing wgmma (plus one producer warpgroup issuing TMA), `stages` K tiles
+    of 128 bytes per row in flight."""
+
+    bm: int
+    bn: int
+    consumers: int
+    stages: int
+
+    def __post_init__(self):
+        # the kernel's static_asserts, checked here so a bad row fails in a CPU test before nvcc
+        rows = self.bm // self.consumers
+        if self.bn not in (128, 256) or rows % 64 or (rows // 64) * self.bn // 2 > 128:
+            raise KilnError(f"bad wgmma config {self}: BN in (128, 256), 64-row slices, <= 128 accumulators")
+        if self.smem_bytes > 227 * 1024 or self.stages < 2:
+            raise KilnError(f"bad wgmma config {self}: {self.smem_bytes} bytes of shared memory, >= 2 stages")
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of a launch: the stages, the mbarriers and 1024 bytes of alignment slack."""
+        return 1024 + self.stages * (self.bm + self.bn) * 128 + 2 * self.stages * 8
+
+    @property
+    def name(self) -> str:
+        return f"{self.bm}x{self.bn} {self.consumers}cons {self.stages}st"
+
+
+# The order of KILN_WGMMA_CONFIGS in csrc/wgmma_kernels.cuh (a CPU test compares the two).
+WGMMA_CONFIGS: tuple[WgmmaConfig, ...] = (
+    WgmmaConfig(128, 128, 1, 4),  # the simplest: one consumer warpgroup, two m64n128 slices
+    WgmmaConfig(128, 256, 2, 4),  # two consumers of m64n256 each, setmaxnreg
+    WgmmaConfig(128, 256, 2, 3),
+    WgmmaConfig(256, 128, 2, 4),  # two consumers of 2 x m64n128 each
+    WgmmaConfig(128, 128, 2, 5),
+)
+# What wgmma_bf16 / wgmma_fp8 run when no config is given (the benchmark reports the fastest).
+WGMMA_DEFAULT = 1
+
+
+def wgmma_config_index(config: int) -> int:
+    return config_index(config, WGMMA_CONFIGS, "wgmma")

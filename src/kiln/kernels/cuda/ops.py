@@ -3,9 +3,12 @@ tensor-core GEMMs, each beside the torch computation it is checked against.
 
     vector_add(a, b, variant)        out = a + b, fp32; variant "one_per_thread" | "grid_stride" | "float4"
     sgemm(a, b, step)                (M, K) @ (K, N) fp32, any shape; step: a name of ladder.SGEMM_LADDER
-    sgemm_warptile(a, b, config)     the last step at one of ladder.WARPTILE_CONFIGS (autotuning)
-    mma_bf16(a, b)                   (M, K) @ (K, N) bf16 -> bf16 (fp32 accumulation); K, N % 8 == 0
+    sgemm_warptile(a, b, config)     the warp-tiled step at one of ladder.WARPTILE_CONFIGS (autotuning)
+    sgemm_double_buffered(a, b, config)  the double-buffered step (the last) at one of the same configs
+    mma_bf16(a, b, config)           (M, K) @ (K, N) bf16 -> bf16 (fp32 accumulation); K, N % 8 == 0
     mma_fp8(a, bt, scale_a, scale_b) scale_a * scale_b * (M, K) @ (N, K)^T, e4m3 -> bf16; K % 16, N % 8 == 0
+    wgmma_bf16(a, bt, config)        (M, K) @ (N, K)^T bf16 -> bf16 on Hopper wgmma + TMA; K, N % 8 == 0
+    wgmma_fp8(a, bt, sa, sb, config) the same in e4m3 with per-tensor scales; K % 16, N % 8 == 0
 
 Inputs must be contiguous CUDA tensors of the stated dtype; anything else is a KilnError naming the
 problem. The extension is built on the first call (kiln.kernels.cuda.build). The memory probes are in
@@ -18,7 +21,14 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.kernels.cuda.build import load_extension
-from kiln.kernels.cuda.ladder import WARPTILE_CONFIGS, step_index
+from kiln.kernels.cuda.ladder import (
+    MMA_CONFIGS,
+    WARPTILE_CONFIGS,
+    WGMMA_DEFAULT,
+    config_index,
+    step_index,
+    wgmma_config_index,
+)
 
 VECTOR_ADD_VARIANTS = ("one_per_thread", "grid_stride", "float4")
 INT32_MAX = 2**31 - 1  # the kernels index rows and columns with int
@@ -101,6 +111,18 @@ def sgemm_warptile(a: torch.Tensor, b: torch.Tensor, config: int) -> torch.Tenso
     return c
 
 
+def sgemm_double_buffered(a: torch.Tensor, b: torch.Tensor, config: int) -> torch.Tensor:
+    """a (M, K) @ b (K, N) in fp32 by the double-buffered kernel (the ladder's last step) at tile
+    configuration ladder.WARPTILE_CONFIGS[config]."""
+    idx = config_index(config, WARPTILE_CONFIGS, "warp-tile")
+    _check(a, "a", torch.float32, 2)
+    _check(b, "b", torch.float32, 2)
+    m, n, _ = _matmul_shapes(a, b)
+    c = torch.empty(m, n, dtype=torch.float32, device=a.device)
+    load_extension().sgemm_double_buffered(idx, a, b, c)
+    return c
+
+
 def _capability_at_least(device: torch.device, need: tuple[int, int], what: str) -> None:
     cap = torch.cuda.get_device_capability(device)
     if cap < need:
@@ -109,9 +131,11 @@ def _capability_at_least(device: torch.device, need: tuple[int, int], what: str)
         )
 
 
-def mma_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mma_bf16(a: torch.Tensor, b: torch.Tensor, config: int = 0) -> torch.Tensor:
     """a (M, K) @ b (K, N) in bf16 on tensor cores (mma.sync, ldmatrix, swizzled shared memory,
-    cp.async pipeline); fp32 accumulation, bf16 result (what torch's bf16 matmul returns)."""
+    cp.async pipeline) at tile configuration ladder.MMA_CONFIGS[config]; fp32 accumulation, bf16 result
+    (what torch's bf16 matmul returns)."""
+    idx = config_index(config, MMA_CONFIGS, "mma")
     _check(a, "a", torch.bfloat16, 2)
     _check(b, "b", torch.bfloat16, 2)
     m, n, k = _matmul_shapes(a, b)
@@ -123,8 +147,17 @@ def mma_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if not _aligned16(a, b, c):
         raise KilnError("mma_bf16 needs 16-byte aligned tensors (a slice may not be): use .clone()")
-    load_extension().mma_bf16(a, b, c)
+    load_extension().mma_bf16(idx, a, b, c)
     return c
+
+
+def _check_scales(a: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> None:
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        _check(s, name, torch.float32)
+        if s.device != a.device:
+            raise KilnError(f"{name} is on {s.device} and a on {a.device}; put them on one device")
+        if s.numel() != 1:
+            raise KilnError(f"{name} must hold one value (per-tensor scaling), got shape {tuple(s.shape)}")
 
 
 def mma_fp8(a: torch.Tensor, bt: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
@@ -133,12 +166,7 @@ def mma_fp8(a: torch.Tensor, bt: torch.Tensor, scale_a: torch.Tensor, scale_b: t
     1-element fp32 CUDA tensors (per-tensor scaling)."""
     _check(a, "a", torch.float8_e4m3fn, 2)
     _check(bt, "bt", torch.float8_e4m3fn, 2)
-    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
-        _check(s, name, torch.float32)
-        if s.device != a.device:
-            raise KilnError(f"{name} is on {s.device} and a on {a.device}; put them on one device")
-        if s.numel() != 1:
-            raise KilnError(f"{name} must hold one value (per-tensor scaling), got shape {tuple(s.shape)}")
+    _check_scales(a, scale_a, scale_b)
     m, n, k = _matmul_shapes(a, bt, b_is_nk=True)
     if k % 16 or n % 8:
         raise KilnError(f"mma_fp8 needs K divisible by 16 and N by 8, got K={k} N={n}: pad them")
@@ -147,4 +175,52 @@ def mma_fp8(a: torch.Tensor, bt: torch.Tensor, scale_a: torch.Tensor, scale_b: t
     if not _aligned16(a, bt, c):
         raise KilnError("mma_fp8 needs 16-byte aligned tensors (a slice may not be): use .clone()")
     load_extension().mma_fp8(a, bt, scale_a, scale_b, c)
+    return c
+
+
+def _wgmma_checks(a: torch.Tensor, bt: torch.Tensor, dtype: torch.dtype, k_mult: int, what: str):
+    _check(a, "a", dtype, 2)
+    _check(bt, "bt", dtype, 2)
+    m, n, k = _matmul_shapes(a, bt, b_is_nk=True)
+    if k % k_mult or n % 8:
+        raise KilnError(
+            f"{what} needs K divisible by {k_mult} (16-byte rows for TMA) and N by 8, got K={k} N={n}: pad them"
+        )
+    if torch.cuda.get_device_capability(a.device) != (9, 0):
+        cap = torch.cuda.get_device_capability(a.device)
+        raise KilnError(
+            f"{what} runs on Hopper only (wgmma and TMA, compute capability 9.0); this GPU is {cap[0]}.{cap[1]}: "
+            "use mma_bf16 / mma_fp8"
+        )
+    c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    if not _aligned16(a, bt, c):
+        raise KilnError(f"{what} needs 16-byte aligned tensors (a slice may not be): use .clone()")
+    return c
+
+
+def wgmma_bf16(a: torch.Tensor, bt: torch.Tensor, config: int = WGMMA_DEFAULT) -> torch.Tensor:
+    """a (M, K) @ bt (N, K)^T in bf16 on Hopper warpgroup MMA fed by TMA (ladder.WGMMA_CONFIGS[config]),
+    fp32 accumulation, bf16 result: what `a @ bt.t()` (F.linear(a, bt)) returns. bt is K-major, the layout
+    of an nn.Linear weight."""
+    idx = wgmma_config_index(config)
+    c = _wgmma_checks(a, bt, torch.bfloat16, 8, "wgmma_bf16")
+    load_extension().wgmma_bf16(idx, a, bt, c)
+    return c
+
+
+def wgmma_fp8(
+    a: torch.Tensor,
+    bt: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    config: int = WGMMA_DEFAULT,
+) -> torch.Tensor:
+    """scale_a * scale_b * a (M, K) @ bt (N, K)^T with e4m3 operands on Hopper wgmma + TMA, bf16 result:
+    what `torch._scaled_mm(a, bt.t(), scale_a, scale_b, out_dtype=torch.bfloat16)` computes."""
+    idx = wgmma_config_index(config)
+    _check(a, "a", torch.float8_e4m3fn, 2)
+    _check(bt, "bt", torch.float8_e4m3fn, 2)
+    _check_scales(a, scale_a, scale_b)
+    c = _wgmma_checks(a, bt, torch.float8_e4m3fn, 16, "wgmma_fp8")
+    load_extension().wgmma_fp8(idx, a, bt, scale_a, scale_b, c)
     return c

@@ -1,5 +1,6 @@
 // The tensor-core kernels (csrc/mma_kernels.cuh, with its dynamic shared memory made a static array by
-// the test) under the host emulation, against an fp32 product of the same values: partial tiles in M,
+// the test) under the host emulation, bf16 at every configuration of KILN_MMA_CONFIGS and e4m3 at the
+// one it launches, against an fp32 product of the same values: partial tiles in M,
 // N and K, several K tiles (the stage ring wraps), bf16 and e4m3. Small integers are exact in both
 // formats and in every partial sum, so results compare exactly after the same bf16 rounding.
 #include "ptx_emu.h"
@@ -27,17 +28,27 @@ int main() {
         for (int i = 0; i < M; ++i)
             for (int j = 0; j < N; ++j)
                 for (int k = 0; k < K; ++k) R[i * N + j] += Af[i * K + k] * Bf[k * N + j];
-        const dim3 grid(cdiv(N, mma_gemm::BN), cdiv(M, mma_gemm::BM));
 
         std::vector<__nv_bfloat16> A(M * K), B(K * N), C(M * N);
         for (int i = 0; i < M * K; ++i) A[i].x = emu_f2bf(Af[i]);
         for (int i = 0; i < K * N; ++i) B[i].x = emu_f2bf(Bf[i]);
         for (auto& c : C) c.x = 0x7fc0;  // NaN: an element never written fails
-        emu_launch(grid, dim3(mma_gemm::THREADS), [&] { mma_gemm::bf16_gemm(M, N, K, A.data(), B.data(), C.data()); });
-        int wrong = 0;
-        for (int i = 0; i < M * N; ++i) wrong += emu::bf16(C[i].x) != emu::bf16(emu_f2bf(R[i]));
-        printf("bf16 %dx%dx%d: %d wrong\n", M, N, K, wrong);
-        bad += wrong != 0;
+        const auto* a8 = reinterpret_cast<const unsigned char*>(A.data());
+        const auto* b8 = reinterpret_cast<const unsigned char*>(B.data());
+#define X(CFG, BM, BN, WARPS_M, WARPS_N, STAGES)                                                            \
+    {                                                                                                       \
+        for (auto& c : C) c.x = 0x7fc0; /* NaN: an element never written fails */                         \
+        emu_launch(dim3(cdiv(M, BM) * cdiv(N, BN)), dim3(WARPS_M * WARPS_N * 32), [&] {                     \
+            mma_gemm::gemm<false, BM, BN, WARPS_M, WARPS_N, STAGES>(M, N, K, a8, b8, nullptr, nullptr,      \
+                                                                    C.data());                              \
+        });                                                                                                 \
+        int wrong = 0;                                                                                      \
+        for (int i = 0; i < M * N; ++i) wrong += emu::bf16(C[i].x) != emu::bf16(emu_f2bf(R[i]));           \
+        printf("bf16 config %d %dx%dx%d: %d wrong\n", CFG, M, N, K, wrong);                                 \
+        bad += wrong != 0;                                                                                  \
+    }
+        KILN_MMA_CONFIGS(X)
+#undef X
 
         std::vector<uint8_t> A8(M * K), Bt8(N * K);
         for (int i = 0; i < M * K; ++i) A8[i] = to_e4m3(Af[i]);
@@ -45,9 +56,9 @@ int main() {
             for (int k = 0; k < K; ++k) Bt8[n * K + k] = to_e4m3(Bf[k * N + n]);
         const float sa = 0.5f, sb = 0.25f;
         for (auto& c : C) c.x = 0x7fc0;
-        emu_launch(grid, dim3(mma_gemm::THREADS),
-                   [&] { mma_gemm::fp8_gemm(M, N, K, A8.data(), Bt8.data(), &sa, &sb, C.data()); });
-        wrong = 0;
+        emu_launch(dim3(cdiv(M, 128) * cdiv(N, 128)), dim3(256),
+                   [&] { mma_gemm::gemm<true, 128, 128, 2, 4, 3>(M, N, K, A8.data(), Bt8.data(), &sa, &sb, C.data()); });
+        int wrong = 0;
         for (int i = 0; i < M * N; ++i) wrong += emu::bf16(C[i].x) != emu::bf16(emu_f2bf(R[i] * sa * sb));
         printf("fp8 %dx%dx%d: %d wrong\n", M, N, K, wrong);
         bad += wrong != 0;

@@ -4,6 +4,14 @@
 #include "cuda_emu.h"
 #include "sgemm_kernels.cuh"
 
+// the configuration table of csrc/sgemm.cu (the rest of that file is the launchers)
+#define KILN_WARPTILE_CONFIGS(X)                  \
+    X(0, 128, 128, 16, 64, 64, 4, 8, 4, 128)      \
+    X(1, 128, 128, 16, 64, 32, 2, 8, 4, 256)      \
+    X(2, 64, 128, 16, 32, 64, 2, 8, 4, 128)       \
+    X(3, 128, 128, 8, 64, 64, 4, 8, 4, 128)       \
+    X(4, 128, 128, 8, 64, 32, 2, 8, 4, 256)
+
 using namespace sgemm_ladder;
 
 static unsigned cdiv(int a, int b) { return (a + b - 1) / b; }
@@ -23,6 +31,13 @@ static void run(int step, int M, int N, int K, const float* A, const float* B, f
         case 7: emu_launch(tiles(M, N, 128, 128), dim3(256), [&] { warptiled<128, 128, 16, 64, 32, 2, 8, 4, 256>(M, N, K, A, B, C, vA, vB, vC); }); break;
         case 8: emu_launch(tiles(M, N, 64, 128), dim3(128), [&] { warptiled<64, 128, 16, 32, 64, 2, 8, 4, 128>(M, N, K, A, B, C, vA, vB, vC); }); break;
         case 9: emu_launch(tiles(M, N, 128, 128), dim3(128), [&] { warptiled<128, 128, 8, 64, 64, 4, 8, 4, 128>(M, N, K, A, B, C, vA, vB, vC); }); break;
+        case 10: emu_launch(tiles(M, N, 128, 128), dim3(256), [&] { warptiled<128, 128, 8, 64, 32, 2, 8, 4, 256>(M, N, K, A, B, C, vA, vB, vC); }); break;
+        // the double-buffered kernel (step 7 runs config 1) at every configuration
+#define X(i, BM, BN, BK, WM, WN, WNITER, TM, TN, NT)                                                        \
+        case 11 + i: emu_launch(tiles(M, N, BM, BN), dim3(NT), [&] {                                       \
+            double_buffered<BM, BN, BK, WM, WN, WNITER, TM, TN, NT, 1>(M, N, K, A, B, C, vA, vB, vC); }); break;
+        KILN_WARPTILE_CONFIGS(X)
+#undef X
     }
 }
 
@@ -41,7 +56,7 @@ int main() {
                 for (int k = 0; k < K; ++k) acc += A[i * K + k] * B[k * N + j];
                 R[i * N + j] = acc;
             }
-        for (int step = 0; step < 10; ++step)
+        for (int step = 0; step < 16; ++step)
             for (int vec = 0; vec < (step >= 5 ? 2 : 1); ++vec) {
                 std::vector<float> C(M * N, 12345.f);
                 run(step, M, N, K, A.data(), B.data(), C.data(), vec);

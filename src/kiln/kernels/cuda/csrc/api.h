@@ -34,23 +34,39 @@ const char* kiln_occupancy_info(int variant, int* regs, int* local_bytes, int* b
 
 // ---- sgemm.cu: C (M, N) = A (M, K) @ B (K, N), fp32, row-major, any M, N, K >= 1 ----
 // step: 0 naive, 1 coalesced, 2 shared-memory tiling, 3 1D blocktiling, 4 2D blocktiling,
-// 5 vectorized loads, 6 warp tiling (the order of kiln.kernels.cuda.ladder.SGEMM_LADDER).
+// 5 vectorized loads, 6 warp tiling, 7 double-buffered shared memory (the order of
+// kiln.kernels.cuda.ladder.SGEMM_LADDER).
 int kiln_sgemm_steps(void);
 const char* kiln_sgemm(int step, int M, int N, int K, const float* A, const float* B, float* C, void* stream);
 // The warp-tiled kernel (step 6) at one of kiln_sgemm_warptile_configs() tile configurations (autotuning).
 int kiln_sgemm_warptile_configs(void);
 const char* kiln_sgemm_warptile(int config, int M, int N, int K, const float* A, const float* B, float* C,
                                 void* stream);
+// The double-buffered kernel (step 7) at one of the same tile configurations.
+const char* kiln_sgemm_double_buffered(int config, int M, int N, int K, const float* A, const float* B, float* C,
+                                       void* stream);
 
 // ---- mma_bf16.cu: C (M, N) bf16 = A (M, K) bf16 @ B (K, N) bf16, fp32 accumulation ----
 // Tensor cores through mma.sync m16n8k16 with ldmatrix, XOR-swizzled shared memory and a cp.async
-// multi-stage pipeline. Needs sm_80+; K % 8 == 0, N % 8 == 0 and 16-byte aligned A, B, C.
-const char* kiln_mma_bf16(int M, int N, int K, const void* A, const void* B, void* C, void* stream);
+// multi-stage pipeline. Needs sm_80+; K % 8 == 0, N % 8 == 0 and 16-byte aligned A, B, C. config: an index
+// of KILN_MMA_CONFIGS (mma_kernels.cuh), kiln.kernels.cuda.ladder.MMA_CONFIGS.
+int kiln_mma_configs(void);
+const char* kiln_mma_bf16(int config, int M, int N, int K, const void* A, const void* B, void* C, void* stream);
 
 // ---- mma_fp8.cu: C (M, N) bf16 = scale_a * scale_b * A (M, K) e4m3 @ Bt (N, K) e4m3^T ----
-// mma.sync m16n8k32 e4m3 (sm_89+); K % 16 == 0; scales are device pointers to one float each.
+// mma.sync m16n8k32 e4m3 (sm_89+), the geometry of bf16 config 0; K % 16 == 0; scales are device pointers
+// to one float each.
 const char* kiln_mma_fp8(int M, int N, int K, const void* A, const void* Bt, const float* scale_a,
                          const float* scale_b, void* C, void* stream);
+
+// ---- wgmma.cu: Hopper warpgroup MMA fed by TMA, C (M, N) bf16 = A (M, K) @ Bt (N, K)^T ----
+// Both operands K-major (Bt is B transposed, like an nn.Linear weight). bf16: K % 8 == 0; e4m3 (times
+// *scale_a * *scale_b): K % 16 == 0; both: N % 8 == 0, 16-byte aligned pointers, a compute capability 9.0
+// GPU. config: an index of KILN_WGMMA_CONFIGS (wgmma_kernels.cuh), kiln.kernels.cuda.ladder.WGMMA_CONFIGS.
+int kiln_wgmma_configs(void);
+const char* kiln_wgmma_bf16(int config, int M, int N, int K, const void* A, const void* Bt, void* C, void* stream);
+const char* kiln_wgmma_fp8(int config, int M, int N, int K, const void* A, const void* Bt, const float* scale_a,
+                           const float* scale_b, void* C, void* stream);
 
 #ifdef __cplusplus
 }

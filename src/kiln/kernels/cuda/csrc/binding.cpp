@@ -93,13 +93,23 @@ void sgemm_warptile(int64_t config, const at::Tensor& a, const at::Tensor& b, co
                            stream_of(a)));
 }
 
-void mma_bf16(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+void sgemm_double_buffered(int64_t config, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+    check(a, "a"), check(b, "b"), check(c, "c");
+    TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && c.dim() == 2 && a.size(1) == b.size(0) && c.size(0) == a.size(0) &&
+                    c.size(1) == b.size(1),
+                "sgemm_double_buffered: shapes must be (M, K) @ (K, N) -> (M, N)");
+    c10::cuda::CUDAGuard guard(a.device());
+    ok(kiln_sgemm_double_buffered((int)config, (int)a.size(0), (int)b.size(1), (int)a.size(1), cf(a), cf(b), f(c),
+                                  stream_of(a)));
+}
+
+void mma_bf16(int64_t config, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
     check(a, "a"), check(b, "b"), check(c, "c");
     TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && c.dim() == 2 && a.size(1) == b.size(0) && c.size(0) == a.size(0) &&
                     c.size(1) == b.size(1),
                 "mma_bf16: shapes must be (M, K) @ (K, N) -> (M, N)");
     c10::cuda::CUDAGuard guard(a.device());
-    ok(kiln_mma_bf16((int)a.size(0), (int)b.size(1), (int)a.size(1), a.data_ptr(), b.data_ptr(), c.data_ptr(),
+    ok(kiln_mma_bf16((int)config, (int)a.size(0), (int)b.size(1), (int)a.size(1), a.data_ptr(), b.data_ptr(), c.data_ptr(),
                      stream_of(a)));
 }
 
@@ -113,6 +123,28 @@ void mma_fp8(const at::Tensor& a, const at::Tensor& bt, const at::Tensor& scale_
     ok(kiln_mma_fp8((int)a.size(0), (int)bt.size(0), (int)a.size(1), a.data_ptr(), bt.data_ptr(),
                     static_cast<const float*>(scale_a.data_ptr()), static_cast<const float*>(scale_b.data_ptr()),
                     c.data_ptr(), stream_of(a)));
+}
+
+void wgmma_bf16(int64_t config, const at::Tensor& a, const at::Tensor& bt, const at::Tensor& c) {
+    check(a, "a"), check(bt, "bt"), check(c, "c");
+    TORCH_CHECK(a.dim() == 2 && bt.dim() == 2 && c.dim() == 2 && a.size(1) == bt.size(1) && c.size(0) == a.size(0) &&
+                    c.size(1) == bt.size(0),
+                "wgmma_bf16: shapes must be (M, K) @ (N, K)^T -> (M, N)");
+    c10::cuda::CUDAGuard guard(a.device());
+    ok(kiln_wgmma_bf16((int)config, (int)a.size(0), (int)bt.size(0), (int)a.size(1), a.data_ptr(), bt.data_ptr(),
+                       c.data_ptr(), stream_of(a)));
+}
+
+void wgmma_fp8(int64_t config, const at::Tensor& a, const at::Tensor& bt, const at::Tensor& scale_a,
+               const at::Tensor& scale_b, const at::Tensor& c) {
+    check(a, "a"), check(bt, "bt"), check(scale_a, "scale_a"), check(scale_b, "scale_b"), check(c, "c");
+    TORCH_CHECK(a.dim() == 2 && bt.dim() == 2 && c.dim() == 2 && a.size(1) == bt.size(1) && c.size(0) == a.size(0) &&
+                    c.size(1) == bt.size(0),
+                "wgmma_fp8: shapes must be (M, K) @ (N, K)^T -> (M, N)");
+    c10::cuda::CUDAGuard guard(a.device());
+    ok(kiln_wgmma_fp8((int)config, (int)a.size(0), (int)bt.size(0), (int)a.size(1), a.data_ptr(), bt.data_ptr(),
+                      static_cast<const float*>(scale_a.data_ptr()), static_cast<const float*>(scale_b.data_ptr()),
+                      c.data_ptr(), stream_of(a)));
 }
 
 }  // namespace
@@ -130,6 +162,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("sgemm", &sgemm);
     m.def("sgemm_warptile_configs", &kiln_sgemm_warptile_configs);
     m.def("sgemm_warptile", &sgemm_warptile);
+    m.def("sgemm_double_buffered", &sgemm_double_buffered);
+    m.def("mma_configs", &kiln_mma_configs);
     m.def("mma_bf16", &mma_bf16);
     m.def("mma_fp8", &mma_fp8);
+    m.def("wgmma_configs", &kiln_wgmma_configs);
+    m.def("wgmma_bf16", &wgmma_bf16);
+    m.def("wgmma_fp8", &wgmma_fp8);
 }

@@ -1,36 +1,57 @@
-// Launchers of the tensor-core GEMMs (kernels in mma_kernels.cuh).
+// Launchers of the tensor-core GEMMs (kernels in mma_kernels.cuh), one per configuration of
+// KILN_MMA_CONFIGS.
 #include "api.h"
 #include "common.cuh"
 #include "mma_kernels.cuh"
 
 namespace {
 
-constexpr int kSmemBytes = mma_gemm::STAGES * 2 * mma_gemm::BM * mma_gemm::TILE_BYTES;  // 96 KiB
-
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-template <class Kernel>
-const char* allow_smem(Kernel k) {
+template <bool FP8, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES>
+const char* launch(int M, int N, int K, const void* A, const void* B, const float* scale_a, const float* scale_b,
+                   void* C, cudaStream_t stream) {
+    constexpr int smem = mma_gemm::smem_bytes<BM, BN, STAGES>();
+    auto kernel = mma_gemm::gemm<FP8, BM, BN, WARPS_M, WARPS_N, STAGES>;
     // more than 48 KiB of dynamic shared memory must be asked for, per kernel
-    cudaError_t err = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return cudaGetErrorString(err);
+    const unsigned blocks = (unsigned)(kiln::ceil_div(M, BM) * kiln::ceil_div(N, BN));
+    kernel<<<blocks, WARPS_M * WARPS_N * 32, smem, stream>>>(M, N, K, static_cast<const unsigned char*>(A),
+                                                             static_cast<const unsigned char*>(B), scale_a, scale_b,
+                                                             static_cast<__nv_bfloat16*>(C));
+    return kiln::launch_status();
 }
 
-dim3 grid(int M, int N) {
-    return dim3((unsigned)kiln::ceil_div(N, mma_gemm::BN), (unsigned)kiln::ceil_div(M, mma_gemm::BM));
+const char* dispatch_bf16(int config, int M, int N, int K, const void* A, const void* B, void* C, void* stream) {
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    switch (config) {
+#define X(i, BM, BN, WARPS_M, WARPS_N, STAGES) \
+    case i:                                    \
+        return launch<false, BM, BN, WARPS_M, WARPS_N, STAGES>(M, N, K, A, B, nullptr, nullptr, C, s);
+        KILN_MMA_CONFIGS(X)
+#undef X
+        default:
+            return "kiln_mma_bf16: unknown config";
+    }
 }
 
 }  // namespace
 
-extern "C" const char* kiln_mma_bf16(int M, int N, int K, const void* A, const void* B, void* C, void* stream) {
+extern "C" int kiln_mma_configs(void) {
+    int n = 0;
+#define X(i, BM, BN, WARPS_M, WARPS_N, STAGES) ++n;
+    KILN_MMA_CONFIGS(X)
+#undef X
+    return n;
+}
+
+extern "C" const char* kiln_mma_bf16(int config, int M, int N, int K, const void* A, const void* B, void* C,
+                                     void* stream) {
     if (M <= 0 || N <= 0 || K <= 0) return "kiln_mma_bf16: M, N and K must be >= 1";
     if (K % 8 != 0 || N % 8 != 0) return "kiln_mma_bf16: K and N must be multiples of 8";
     if (!aligned16(A) || !aligned16(B) || !aligned16(C)) return "kiln_mma_bf16: A, B and C must be 16-byte aligned";
-    if (const char* e = allow_smem(mma_gemm::bf16_gemm)) return e;
-    mma_gemm::bf16_gemm<<<grid(M, N), mma_gemm::THREADS, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(
-        M, N, K, static_cast<const __nv_bfloat16*>(A), static_cast<const __nv_bfloat16*>(B),
-        static_cast<__nv_bfloat16*>(C));
-    return kiln::launch_status();
+    return dispatch_bf16(config, M, N, K, A, B, C, stream);
 }
 
 extern "C" const char* kiln_mma_fp8(int M, int N, int K, const void* A, const void* Bt, const float* scale_a,
@@ -38,9 +59,6 @@ extern "C" const char* kiln_mma_fp8(int M, int N, int K, const void* A, const vo
     if (M <= 0 || N <= 0 || K <= 0) return "kiln_mma_fp8: M, N and K must be >= 1";
     if (K % 16 != 0 || N % 8 != 0) return "kiln_mma_fp8: K must be a multiple of 16 and N of 8";
     if (!aligned16(A) || !aligned16(Bt) || !aligned16(C)) return "kiln_mma_fp8: A, Bt and C must be 16-byte aligned";
-    if (const char* e = allow_smem(mma_gemm::fp8_gemm)) return e;
-    mma_gemm::fp8_gemm<<<grid(M, N), mma_gemm::THREADS, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(
-        M, N, K, static_cast<const unsigned char*>(A), static_cast<const unsigned char*>(Bt), scale_a, scale_b,
-        static_cast<__nv_bfloat16*>(C));
-    return kiln::launch_status();
+    // config 0's geometry (128 x 128, 8 warps of 64 x 32, 3 stages): see KILN_MMA_CONFIGS
+    return launch<true, 128, 128, 2, 4, 3>(M, N, K, A, Bt, scale_a, scale_b, C, static_cast<cudaStream_t>(stream));
 }

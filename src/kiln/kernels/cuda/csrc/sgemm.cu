@@ -15,17 +15,44 @@ dim3 tiles(int M, int N, int BM, int BN) {
 
 }  // namespace
 
-extern "C" int kiln_sgemm_steps(void) { return 7; }
+extern "C" int kiln_sgemm_steps(void) { return 8; }
 
-// The warp-tiled kernel's configurations, searched by the benchmark (step 6 launches config 0).
+// The tile configurations of the warp-tiled (step 6) and double-buffered (step 7) kernels, searched by
+// the benchmark (step 6 launches config 0, step 7 config 1: its 256 threads keep 16 warps per SM).
 // Columns: BM BN BK WM WN WNITER TM TN threads, in the order of ladder.WARPTILE_CONFIGS.
 #define KILN_WARPTILE_CONFIGS(X)                  \
     X(0, 128, 128, 16, 64, 64, 4, 8, 4, 128)      \
     X(1, 128, 128, 16, 64, 32, 2, 8, 4, 256)      \
     X(2, 64, 128, 16, 32, 64, 2, 8, 4, 128)       \
-    X(3, 128, 128, 8, 64, 64, 4, 8, 4, 128)
+    X(3, 128, 128, 8, 64, 64, 4, 8, 4, 128)       \
+    X(4, 128, 128, 8, 64, 32, 2, 8, 4, 256)
 
-extern "C" int kiln_sgemm_warptile_configs(void) { return 4; }
+extern "C" int kiln_sgemm_warptile_configs(void) { return 5; }
+
+// Blocks per SM the double-buffered kernel's registers are held to: 2 at 256 threads (<= 128 registers),
+// else 1 (the 128-thread configurations hold 128 accumulators per thread).
+constexpr int db_min_blocks(int threads) { return threads >= 256 ? 2 : 1; }
+
+extern "C" const char* kiln_sgemm_double_buffered(int config, int M, int N, int K, const float* A,
+                                                  const float* B, float* C, void* stream) {
+    if (M <= 0 || N <= 0 || K <= 0) return "kiln_sgemm_double_buffered: M, N and K must be >= 1";
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const bool vecA = K % 4 == 0 && aligned16(A);
+    const bool vecB = N % 4 == 0 && aligned16(B);
+    const bool vecC = N % 4 == 0 && aligned16(C);
+    switch (config) {
+#define X(i, BM, BN, BK, WM, WN, WNITER, TM, TN, NT)                                            \
+    case i:                                                                                      \
+        double_buffered<BM, BN, BK, WM, WN, WNITER, TM, TN, NT, db_min_blocks(NT)>              \
+            <<<tiles(M, N, BM, BN), NT, 0, s>>>(M, N, K, A, B, C, vecA, vecB, vecC);             \
+        break;
+        KILN_WARPTILE_CONFIGS(X)
+#undef X
+        default:
+            return "kiln_sgemm_double_buffered: unknown config";
+    }
+    return kiln::launch_status();
+}
 
 extern "C" const char* kiln_sgemm_warptile(int config, int M, int N, int K, const float* A, const float* B,
                                            float* C, void* stream) {
@@ -80,8 +107,13 @@ extern "C" const char* kiln_sgemm(int step, int M, int N, int K, const float* A,
             warptiled<128, 128, 16, 64, 64, 4, 8, 4, 128>
                 <<<tiles(M, N, 128, 128), 128, 0, s>>>(M, N, K, A, B, C, vecA, vecB, vecC);
             break;
+        case 7:
+            // config 1 of KILN_WARPTILE_CONFIGS: 8 warps of 64 x 32, 2 blocks per SM
+            double_buffered<128, 128, 16, 64, 32, 2, 8, 4, 256, 2>
+                <<<tiles(M, N, 128, 128), 256, 0, s>>>(M, N, K, A, B, C, vecA, vecB, vecC);
+            break;
         default:
-            return "kiln_sgemm: unknown step (0..6)";
+            return "kiln_sgemm: unknown step (0..7)";
     }
     return kiln::launch_status();
 }

@@ -319,4 +319,109 @@ __global__ void __launch_bounds__(NT)
         }
 }
 
+// 8. double-buffered shared memory: step 7's tiles with two shared buffers per operand. While the FMAs
+//    run on buffer `cur`, the next K tile's global loads are already in flight into registers (issued
+//    before the FMAs, consumed after them), and are then stored into buffer cur ^ 1: the load latency
+//    (~600 cycles from DRAM/L2) hides behind the tile's FMAs instead of stalling every warp at the
+//    __syncthreads that step 7 has between its loads and its math, and one barrier per K tile suffices
+//    (buffer cur ^ 1 was last read in the previous iteration, before the previous barrier). The cost is
+//    the staging registers (BM*BK/NT + BK*BN/NT floats per thread: 16 for 128 x 128 x 16 on 256
+//    threads) and twice the shared memory. MINB: blocks per SM the register budget is held to (2 at
+//    256 threads: at most 128 registers per thread, so that 16 warps per SM stay resident).
+template <int BM, int BN, int BK, int WM, int WN, int WNITER, int TM, int TN, int NT, int MINB>
+__global__ void __launch_bounds__(NT, MINB)
+    double_buffered(int M, int N, int K, const float* __restrict__ A, const float* __restrict__ B,
+                    float* __restrict__ C, bool vecA, bool vecB, bool vecC) {
+    constexpr int WARPS = NT / 32;
+    static_assert((BN / WN) * (BM / WM) == WARPS, "one warp per warp tile");
+    constexpr int WMITER = (WM * WN) / (32 * TM * TN * WNITER);
+    static_assert(WMITER >= 1 && WMITER * 32 * TM * TN * WNITER == WM * WN, "warp tile = 32 threads' tiles");
+    constexpr int WSUBM = WM / WMITER, WSUBN = WN / WNITER;
+    static_assert(WSUBN % TN == 0 && (WSUBN / TN) * (WSUBM / TM) == 32, "32 threads per sub-tile");
+    static_assert(TM % 4 == 0 && TN % 4 == 0 && BK % 4 == 0 && BN % 4 == 0, "float4 granularity");
+    static_assert(NT % (BK / 4) == 0 && NT % (BN / 4) == 0, "whole rows of the tiles per loading pass");
+    constexpr int aStride = NT / (BK / 4), bStride = NT / (BN / 4);
+    constexpr int A_LOADS = BM / aStride, B_LOADS = BK / bStride;  // float4s per thread per K tile
+    static_assert(A_LOADS * aStride == BM && B_LOADS * bStride == BK, "whole tiles per thread");
+    __shared__ __align__(16) float As[2][BK * BM];  // transposed: (BK, BM), two buffers
+    __shared__ __align__(16) float Bs[2][BK * BN];  // (BK, BN)
+    const int tid = threadIdx.x;
+    const int warp = tid / 32, lane = tid % 32;
+    const int warpCol = warp % (BN / WN), warpRow = warp / (BN / WN);
+    const int tCol = lane % (WSUBN / TN), tRow = lane / (WSUBN / TN);
+    const int aRow = tid / (BK / 4), aCol4 = tid % (BK / 4);
+    const int bRow = tid / (BN / 4), bCol4 = tid % (BN / 4);
+    const int rowBase = blockIdx.y * BM, colBase = blockIdx.x * BN;
+    float acc[WMITER * TM * WNITER * TN] = {0.f};
+    float regM[WMITER * TM], regN[WNITER * TN];
+    float4 ra[A_LOADS], rb[B_LOADS];  // the next K tile, between its global load and its shared store
+
+    auto fetch = [&](int k0) {
+#pragma unroll
+        for (int i = 0; i < A_LOADS; ++i) ra[i] = load4(A, rowBase + aRow + i * aStride, M, k0 + aCol4 * 4, K, vecA);
+#pragma unroll
+        for (int i = 0; i < B_LOADS; ++i) rb[i] = load4(B, k0 + bRow + i * bStride, K, colBase + bCol4 * 4, N, vecB);
+    };
+    auto stash = [&](int buf) {
+#pragma unroll
+        for (int i = 0; i < A_LOADS; ++i) {
+            const int r = aRow + i * aStride;
+            As[buf][(aCol4 * 4 + 0) * BM + r] = ra[i].x;
+            As[buf][(aCol4 * 4 + 1) * BM + r] = ra[i].y;
+            As[buf][(aCol4 * 4 + 2) * BM + r] = ra[i].z;
+            As[buf][(aCol4 * 4 + 3) * BM + r] = ra[i].w;
+        }
+#pragma unroll
+        for (int i = 0; i < B_LOADS; ++i)
+            *reinterpret_cast<float4*>(&Bs[buf][(bRow + i * bStride) * BN + bCol4 * 4]) = rb[i];
+    };
+
+    fetch(0);
+    stash(0);
+    __syncthreads();
+    int cur = 0;
+    for (int k0 = 0; k0 < K; k0 += BK) {
+        const bool more = k0 + BK < K;
+        if (more) fetch(k0 + BK);  // in flight during the FMAs below
+        const float* as = As[cur];
+        const float* bs = Bs[cur];
+#pragma unroll
+        for (int d = 0; d < BK; ++d) {
+#pragma unroll
+            for (int wm = 0; wm < WMITER; ++wm)
+#pragma unroll
+                for (int i = 0; i < TM; i += 4)
+                    *reinterpret_cast<float4*>(&regM[wm * TM + i]) = *reinterpret_cast<const float4*>(
+                        &as[d * BM + warpRow * WM + wm * WSUBM + tRow * TM + i]);
+#pragma unroll
+            for (int wn = 0; wn < WNITER; ++wn)
+#pragma unroll
+                for (int j = 0; j < TN; j += 4)
+                    *reinterpret_cast<float4*>(&regN[wn * TN + j]) = *reinterpret_cast<const float4*>(
+                        &bs[d * BN + warpCol * WN + wn * WSUBN + tCol * TN + j]);
+#pragma unroll
+            for (int i = 0; i < WMITER * TM; ++i)
+#pragma unroll
+                for (int j = 0; j < WNITER * TN; ++j) acc[i * (WNITER * TN) + j] += regM[i] * regN[j];
+        }
+        if (more) stash(cur ^ 1);
+        __syncthreads();  // the next tile is in buffer cur ^ 1 for everyone; buffer cur is free
+        cur ^= 1;
+    }
+#pragma unroll
+    for (int wm = 0; wm < WMITER; ++wm)
+#pragma unroll
+        for (int i = 0; i < TM; ++i) {
+            const int row = rowBase + warpRow * WM + wm * WSUBM + tRow * TM + i;
+#pragma unroll
+            for (int wn = 0; wn < WNITER; ++wn)
+#pragma unroll
+                for (int j = 0; j < TN; j += 4) {
+                    const float* a = &acc[(wm * TM + i) * (WNITER * TN) + wn * TN + j];
+                    store4(C, row, M, colBase + warpCol * WN + wn * WSUBN + tCol * TN + j, N, vecC,
+                           make_float4(a[0], a[1], a[2], a[3]));
+                }
+        }
+}
+
 }  // namespace sgemm_ladder
