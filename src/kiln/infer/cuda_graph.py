@@ -75,20 +75,38 @@ class DecodeGraphs:
         # host staging and its device copy: rows 0-2 of the int64 buffer are tokens, positions, slots,
         # rows 3-4 the fed rows' source (in the previous step's ids) and destination (in this batch);
         # the int32 buffer holds the context lengths (Bmax,) then the block tables (Bmax, W)
-        self.host64 = torch.zeros(5, Bmax, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(Bmax * (1 + W), dtype=torch.int32, pin_memory=pin)
+        # Two staging sets, used in turn: with asynchronous scheduling the host fills step N+1's inputs
+        # while step N's copy from its set may still wait in the stream behind step N-1; the set is
+        # filled again at step N+2, after the engine has waited for step N (kiln.infer.engine).
+        self._staging = []
+        for _ in range(2):
+            h64 = torch.zeros(5, Bmax, dtype=torch.int64, pin_memory=pin)
+            h32 = torch.zeros(Bmax * (1 + W), dtype=torch.int32, pin_memory=pin)
+            lens, tables = h32[:Bmax], h32[Bmax:].view(Bmax, W)
+            self._staging.append((h64, h32, h64.numpy(), lens.numpy(), tables.numpy(), lens, tables))
+        self._turn = 0
+        self._select(0)
         self.dev64 = torch.zeros(5, Bmax, dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(Bmax * (1 + W), dtype=torch.int32, device=device)
-        self.np64 = self.host64.numpy()
-        self.np_lens, self.np_tables = self.host32[:Bmax].numpy(), self.host32[Bmax:].view(Bmax, W).numpy()
         self.dev_lens, self.dev_tables = self.dev32[:Bmax], self.dev32[Bmax:].view(Bmax, W)
-        self.host_lens, self.host_tables = self.host32[:Bmax], self.host32[Bmax:].view(Bmax, W)
         self.cu_seqlens = torch.arange(Bmax + 1, dtype=torch.int32, device=device)
         self.step_fn = self._step
         if backend == "compile":
             self.step_fn = torch.compile(self._step, dynamic=False)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _select(self, i: int) -> None:
+        """Make staging set i the one `run` fills (host tensors and their numpy views)."""
+        (
+            self.host64,
+            self.host32,
+            self.np64,
+            self.np_lens,
+            self.np_tables,
+            self.host_lens,
+            self.host_tables,
+        ) = self._staging[i]
 
     def bucket(self, batch: int) -> int | None:
         """The smallest bucket that holds `batch` rows, or None when the batch is larger than all."""
@@ -158,6 +176,8 @@ class DecodeGraphs:
             raise ValueError(
                 f"DecodeGraphs.run: batch {B} is larger than the largest bucket {self.buckets[-1]}"
             )
+        self._turn ^= 1
+        self._select(self._turn)
         bs = self.block_size
         width = self.np_tables.shape[1]
         if max(map(len, tables)) > width:
