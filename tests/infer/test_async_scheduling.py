@@ -47,7 +47,7 @@ def make(setup, async_on: bool, eos=(), **engine) -> LLM:
         "num_blocks": 256,
         "max_num_batched_tokens": 16,
         "max_num_seqs": 8,
-        "max_graph_batch": 4,
+        "max_graph_batch": 8,
         "async_scheduling": "on" if async_on else "off",
         **engine,
     }
@@ -64,8 +64,9 @@ def workload(stop_tok: int, stop_str: str) -> list[SamplingParams]:
         SamplingParams(max_tokens=10, temperature=1.0, seed=5, n=3),  # n > 1, seeded
         SamplingParams(max_tokens=16, temperature=1.0, seed=6, stop=[stop_str]),  # a stop string
         SamplingParams(max_tokens=11, **g, prompt_logprobs=2, logprobs=1),
-        SamplingParams(max_tokens=12, temperature=0.8, seed=3, presence_penalty=0.5, frequency_penalty=0.3),
-        SamplingParams(max_tokens=10, **g, repetition_penalty=1.3),
+        # penalties make their steps synchronous: short, so most of the run overlaps
+        SamplingParams(max_tokens=4, temperature=0.8, seed=3, presence_penalty=0.5, frequency_penalty=0.3),
+        SamplingParams(max_tokens=3, **g, repetition_penalty=1.3),
         SamplingParams(max_tokens=13, temperature=0.7, min_p=0.05, seed=9),
         SamplingParams(max_tokens=20, **g),  # aborted after 3 tokens
     ]
@@ -128,7 +129,7 @@ def _stops(setup):
 @pytest.mark.parametrize(
     "engine",
     [
-        {},  # chunked prefill (16-token budget), prefix caching, static-buffer decode buckets 1, 2, 4
+        {},  # chunked prefill (16-token budget), prefix caching, static-buffer decode buckets 1, 2, 4, 8
         {"num_blocks": 30, "enable_prefix_caching": False},  # preemption under KV pressure
         {"decode_backend": "eager", "max_num_batched_tokens": 64},  # eager decode, whole prompts
     ],
