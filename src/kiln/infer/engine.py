@@ -97,7 +97,10 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:  # a loop, not all(<genexpr>): asked for every request a step moves
+            if not s.is_finished:
+                return False
+        return True
 
 
 @dataclass

@@ -224,12 +224,19 @@ class Scheduler:
         # 1. running sequences, oldest first; preemption victims come from the back of the list, i.e. from
         # sequences not yet served this step
         i = 0
+        bs = cfg.block_size
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending and self._reaches_length(seq):
-                i += 1  # its pending token is its last: nothing more to compute
+            num_tokens = seq.num_tokens
+            if seq.num_pending and num_tokens >= self.max_length(seq):
+                i += 1  # its pending token is its last (max_tokens or max_model_len): nothing to compute
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(num_tokens - seq.num_computed_tokens, budget)
+            if len(seq.block_table) * bs >= num_tokens:  # the common decode: its block has room
+                take(seq, n)
+                budget -= n
+                i += 1
+                continue
             while not bm.can_append(seq):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -330,10 +337,3 @@ class Scheduler:
         ):
             return "length", None
         return None, None
-
-    def _reaches_length(self, seq: Sequence) -> bool:
-        """Whether seq's pending tokens take it to max_tokens or max_model_len (it ends when they arrive)."""
-        return (
-            seq.num_output_tokens + seq.num_pending >= seq.params.max_tokens
-            or seq.num_tokens >= self.config.max_model_len
-        )
