@@ -92,8 +92,9 @@ class ScheduledBatch:
     """One step's work, in the order the runner lays out the flat token batch.
 
     Sequence i computes the tokens at positions computed_before[i] .. computed_before[i] +
-    num_new_tokens[i] - 1 (their ids: seq.token_ids[those positions]); samples[i] says whether that reaches
-    its last known token, so its logits at the last position are sampled. `preempted` lists the sequences
+    num_new_tokens[i] - 1 (their ids: seq.token_ids[those positions], or, for a position past the known
+    tokens, the id a launched step is still sampling: then n is 1); samples[i] says whether that reaches
+    its last token, so its logits at the last position are sampled. `preempted` lists the sequences
     preempted while building this batch (for metrics; they are WAITING again).
     """
 
