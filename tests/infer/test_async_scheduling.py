@@ -189,3 +189,21 @@ def test_async_scheduling_switch_is_validated():
     assert cfg.resolve_async(torch.device("cpu")) is False and cfg.resolve_async(torch.device("cuda")) is True
     with pytest.raises(KilnError, match="async_scheduling"):
         EngineConfig(async_scheduling="maybe")
+
+
+def test_async_stream_and_abort_with_a_step_in_flight(setup):
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=6)
+    want = [s.outputs[0].text for s in make(setup, False).stream("hello", params)]
+    llm = make(setup, True)
+    got = [s.outputs[0].text for s in llm.stream("hello", params)]
+    assert got[-1] == want[-1] and len(got) == len(want)  # the same states, each one call later
+    eng = llm.engine
+    rid = eng.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0))
+    assert eng.step() == []  # step 1 launched; nothing resolved yet
+    assert eng._inflight is not None and eng.has_unfinished()
+    eng.step()  # step 2 launched, step 1 resolved: one token
+    eng.abort(rid)
+    assert eng.has_unfinished()  # step 2 is still in flight
+    (out,) = eng.step()  # step 2's token is dropped; the abort is reported
+    assert out.finished and out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) == 1
+    assert not eng.has_unfinished() and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
