@@ -316,7 +316,7 @@ class LLMEngine:
             host.copy_(ids, non_blocking=cuda)
             event = self._events[self._slot]
             if event is not None:
-                event.record()
+                event.record(torch.cuda.current_stream(self.device))  # the stream the copy is on
             self._slot ^= 1
         return _Launched(
             batch=batch,
