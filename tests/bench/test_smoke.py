@@ -22,6 +22,7 @@ SCRIPTS = [
     "matmul_decode",
     "host_overhead",
     "infer",
+    "infer_overlap",
     "moe",
     "quant",
     "collectives",

@@ -44,9 +44,11 @@ def check_batch(sched, batch):
         batch.seqs, batch.num_new_tokens, batch.computed_before, batch.samples
     ):
         assert seq.status is SequenceStatus.RUNNING and n >= 1
-        assert before == seq.num_computed_tokens and before + n <= seq.num_tokens
+        # schedule has advanced the computed count and given each sampling sequence a pending token
+        assert before + n == seq.num_computed_tokens and before + n <= seq.num_tokens
         assert len(seq.block_table) * bs >= before + n
-        assert samples == (before + n == seq.num_tokens)
+        assert seq.num_pending == samples
+        assert samples == (before + n == seq.num_tokens - seq.num_pending)
 
 
 _caches: "weakref.WeakKeyDictionary[BlockManager, list[int]]" = weakref.WeakKeyDictionary()

@@ -247,8 +247,10 @@ def steady_decode(
 def steady_tokens(batch: int, prompt_len: int, warm_steps: int, timed_steps: int, step_budget: int) -> int:
     """The output length `steady_decode` gives each request: the warm and timed steps, plus one step per
     prefill chunk (sequences prefilled in earlier chunks decode while later ones prefill), plus slack, so no
-    request finishes inside the timed window."""
-    return warm_steps + timed_steps + -(-batch * prompt_len // step_budget) + 2
+    request finishes inside the timed window. The slack of 4: one step more of prefill than the estimate
+    (the decodes of the first prompts take some of each step's budget), and, with asynchronous
+    scheduling, a step launched one ahead of what the engine has reported."""
+    return warm_steps + timed_steps + -(-batch * prompt_len // step_budget) + 4
 
 
 def drive(

@@ -173,11 +173,12 @@ class BlockManager:
 
     # -- after a step ----------------------------------------------------------------------------------
 
-    def mark_computed(self, seq: Sequence) -> None:
-        """Register the blocks that became full and computed (seq.num_computed_tokens already advanced)."""
+    def mark_computed(self, seq: Sequence, upto: int | None = None) -> None:
+        """Register the blocks that became full and computed: those within the first `upto` positions
+        (default seq.num_computed_tokens), whose K/V a finished step has written."""
         if not self.enable_prefix_caching:
             return
-        n_full = seq.num_computed_tokens // self.block_size
+        n_full = (seq.num_computed_tokens if upto is None else upto) // self.block_size
         bs = self.block_size
         for i in range(len(seq.block_hashes), n_full):
             tokens = seq.block_token_ids(i, bs)

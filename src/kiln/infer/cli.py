@@ -177,6 +177,7 @@ def _bench_infer(args: argparse.Namespace, extra: list[str]) -> int:
         max_num_batched_tokens=max(args.max_num_batched_tokens, seqs),
         decode_backend=args.decode_backend,
         max_graph_batch=seqs,
+        async_scheduling=args.async_scheduling,
         kernels=KernelConfig(linear=args.linear, attention="kiln"),
     )
     cfg = EngineConfig(**engine)
@@ -221,6 +222,7 @@ def _bench_infer(args: argparse.Namespace, extra: list[str]) -> int:
             "device": torch.cuda.get_device_name() if llm.engine.device.type == "cuda" else "cpu",
             "torch": torch.__version__,
             "decode_backend": args.decode_backend,
+            "async_scheduling": llm.engine.async_scheduling,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         atomic_write_text(Path(args.out), json.dumps({**meta, **result}, indent=2) + "\n")
@@ -282,6 +284,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=("graphs", "compile", "eager"),
         default="graphs",
         help="decode steps as CUDA graphs (default), torch.compile'd then captured, or eager",
+    )
+    b.add_argument(
+        "--async-scheduling",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="launch step N+1 before step N's ids reach the host (auto: on for CUDA, off on CPU)",
     )
     b.add_argument(
         "--requests",

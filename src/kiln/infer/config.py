@@ -11,6 +11,7 @@ from kiln.errors import KilnError
 from kiln.model.config import KernelConfig
 
 DECODE_BACKENDS = ("graphs", "compile", "eager")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -35,6 +36,11 @@ class EngineConfig:
                             way), "eager" (no graphs: every kernel launched from Python). On CPU, "graphs"
                             and "compile" run the same padded static-buffer step without a graph.
     max_graph_batch         the largest decode bucket captured; larger decode steps run eagerly
+    async_scheduling        schedule and launch step N+1 before step N's sampled ids reach the host, so the
+                            host's work (scheduling, input staging, postprocess, detokenizing) overlaps
+                            the GPU's (kiln.infer.engine): "on", "off", or "auto" (on for CUDA, off on
+                            CPU, where the host runs the kernels itself and nothing could overlap); the
+                            outputs are the same token for token either way
     kernels                 the model's per-op kernel choice (kiln.model.config.KernelConfig)
     """
 
@@ -52,11 +58,18 @@ class EngineConfig:
     seed: int = 0
     decode_backend: str = "graphs"
     max_graph_batch: int = 256
+    async_scheduling: str = "auto"
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.kernels, dict):
             self.kernels = KernelConfig(**self.kernels)
+        if isinstance(self.async_scheduling, bool):  # a bool from Python code reads as on / off
+            self.async_scheduling = "on" if self.async_scheduling else "off"
+        if self.async_scheduling not in ASYNC_SCHEDULING:
+            raise KilnError(
+                f"engine async_scheduling {self.async_scheduling!r} is not one of {', '.join(ASYNC_SCHEDULING)}"
+            )
         if self.dtype not in DTYPES:
             raise KilnError(f"engine dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.decode_backend not in DECODE_BACKENDS:
@@ -94,6 +107,12 @@ class EngineConfig:
                 f"engine device {self.device!r}: CUDA is not available on this machine: use --device cpu"
             )
         return dev
+
+    def resolve_async(self, device: torch.device) -> bool:
+        """Whether the engine overlaps its host work with the device (async_scheduling "auto": on CUDA)."""
+        if self.async_scheduling == "auto":
+            return device.type == "cuda"
+        return self.async_scheduling == "on"
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         dt = DTYPES[self.dtype]

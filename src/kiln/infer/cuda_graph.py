@@ -14,6 +14,10 @@ replays it with one launch. A graph replays fixed addresses and shapes, so:
 - the host fills pinned staging buffers (int64 tokens/positions/slots; int32 context lengths, then the
   block tables) and copies the rows of the bucket to the device asynchronously, on the stream the graph
   then replays on (kernels read contiguous rows: the lengths are not a column of the tables);
+- with asynchronous scheduling a row's token may be one the previous step sampled and the host has not
+  seen yet: `run`'s `feed` names those rows and their rows in the previous step's id tensor, and one
+  gather on the device writes them into the static token buffer before the replay (the two index lists
+  travel in the same staging copy);
 - the outputs are the bf16 logits (B, V) and the argmax ids (B,) of the bucket: views into the graphs'
   shared memory pool. Greedy steps take the ids (the step's one device-to-host copy); other sampling
   parameters run kiln.infer.sampler on the logits after the replay (its host-side branches, chosen per
@@ -68,22 +72,41 @@ class DecodeGraphs:
         self.use_graphs = device.type == "cuda"
         Bmax, W = self.buckets[-1], max_blocks_per_seq
         pin = self.use_graphs
-        # host staging and its device copy: rows 0-2 of the int64 buffer are tokens, positions, slots;
+        # host staging and its device copy: rows 0-2 of the int64 buffer are tokens, positions, slots,
+        # rows 3-4 the fed rows' source (in the previous step's ids) and destination (in this batch);
         # the int32 buffer holds the context lengths (Bmax,) then the block tables (Bmax, W)
-        self.host64 = torch.zeros(3, Bmax, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(Bmax * (1 + W), dtype=torch.int32, pin_memory=pin)
-        self.dev64 = torch.zeros(3, Bmax, dtype=torch.int64, device=device)
+        # Two staging sets, used in turn: with asynchronous scheduling the host fills step N+1's inputs
+        # while step N's copy from its set may still wait in the stream behind step N-1; the set is
+        # filled again at step N+2, after the engine has waited for step N (kiln.infer.engine).
+        self._staging = []
+        for _ in range(2):
+            h64 = torch.zeros(5, Bmax, dtype=torch.int64, pin_memory=pin)
+            h32 = torch.zeros(Bmax * (1 + W), dtype=torch.int32, pin_memory=pin)
+            lens, tables = h32[:Bmax], h32[Bmax:].view(Bmax, W)
+            self._staging.append((h64, h32, h64.numpy(), lens.numpy(), tables.numpy(), lens, tables))
+        self._turn = 0
+        self._select(0)
+        self.dev64 = torch.zeros(5, Bmax, dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(Bmax * (1 + W), dtype=torch.int32, device=device)
-        self.np64 = self.host64.numpy()
-        self.np_lens, self.np_tables = self.host32[:Bmax].numpy(), self.host32[Bmax:].view(Bmax, W).numpy()
         self.dev_lens, self.dev_tables = self.dev32[:Bmax], self.dev32[Bmax:].view(Bmax, W)
-        self.host_lens, self.host_tables = self.host32[:Bmax], self.host32[Bmax:].view(Bmax, W)
         self.cu_seqlens = torch.arange(Bmax + 1, dtype=torch.int32, device=device)
         self.step_fn = self._step
         if backend == "compile":
             self.step_fn = torch.compile(self._step, dynamic=False)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _select(self, i: int) -> None:
+        """Make staging set i the one `run` fills (host tensors and their numpy views)."""
+        (
+            self.host64,
+            self.host32,
+            self.np64,
+            self.np_lens,
+            self.np_tables,
+            self.host_lens,
+            self.host_tables,
+        ) = self._staging[i]
 
     def bucket(self, batch: int) -> int | None:
         """The smallest bucket that holds `batch` rows, or None when the batch is larger than all."""
@@ -137,17 +160,24 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(
-        self, tokens: list[int], positions: list[int], tables: list[list[int]]
+        self,
+        tokens: list[int],
+        positions: list[int],
+        tables: list[list[int]],
+        feed: tuple[torch.Tensor, list[int], list[int]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of B = len(tokens) sequences: each sequence's newest token at its position,
-        its cache pages `tables[i]`. Returns views of the bucket's logits (B, V) and argmax ids (B,),
-        valid until the next run."""
+        its cache pages `tables[i]`. feed = (prev_ids (R,) int64 on the device, src, dst): row dst[j]'s
+        token is prev_ids[src[j]] (its entry in `tokens` is a placeholder), gathered on the device.
+        Returns views of the bucket's logits (B, V) and argmax ids (B,), valid until the next run."""
         B = len(tokens)
         Bb = self.bucket(B)
         if Bb is None:
             raise ValueError(
                 f"DecodeGraphs.run: batch {B} is larger than the largest bucket {self.buckets[-1]}"
             )
+        self._turn ^= 1
+        self._select(self._turn)
         bs = self.block_size
         width = self.np_tables.shape[1]
         if max(map(len, tables)) > width:
@@ -161,9 +191,18 @@ class DecodeGraphs:
         for i, table in enumerate(tables):
             self.np_tables[i, : len(table)] = table
         self._fill_padding(B, Bb)
-        self.dev64.copy_(self.host64, non_blocking=True)  # (3, Bmax): a few KB, one copy
+        m = 0
+        if feed is not None:
+            prev_ids, src, dst = feed
+            m = len(src)
+            self.np64[3, :m] = src
+            self.np64[4, :m] = dst
+        self.dev64.copy_(self.host64, non_blocking=True)  # (5, Bmax): a few KB, one copy
         self.dev_lens[:Bb].copy_(self.host_lens[:Bb], non_blocking=True)
         self.dev_tables[:Bb].copy_(self.host_tables[:Bb], non_blocking=True)
+        if m:
+            # stream order: after the previous step wrote prev_ids, before this replay reads the tokens
+            self.dev64[0].index_copy_(0, self.dev64[4, :m], prev_ids.index_select(0, self.dev64[3, :m]))
         if self.use_graphs:
             self.graphs[Bb].replay()
             logits, ids = self.outputs[Bb]

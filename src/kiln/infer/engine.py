@@ -7,7 +7,25 @@
 
 `LLMEngine` is the step loop (`add_request`, `step`, `abort`), on which `LLM` (offline: `generate`,
 `stream`) and the HTTP server build. One device-to-host copy per step: the sampled ids (with their
-logprobs when a request asked for them).
+logprobs when a request asked for them), non-blocking into a pinned host buffer.
+
+Asynchronous scheduling (EngineConfig.async_scheduling; vLLM v1's async scheduling, SGLang's overlap
+scheduler). A step is launched, then resolved: waited for, postprocessed, detokenized. Synchronously, each
+step() launches step N and resolves it. Asynchronously, step() schedules and launches step N+1 while step N
+still runs on the device, and only then resolves step N, so the host's scheduling, input staging,
+postprocess and detokenizing overlap the GPU's work:
+
+    host:   schedule N+1 | stage + launch N+1 | wait N | postprocess N, detokenize | schedule N+2 | ...
+    device: ........ step N ............ | ...... step N+1 ...... (no gap while the host keeps ahead)
+
+The scheduler counts step N's sampled tokens as pending (Sequence.num_pending: KV slot reserved, length
+advanced); step N+1 takes their ids from step N's id tensor on the device (ModelRunner's Feed). A sequence
+that step N ends (EOS, stop id or string, abort) has had step N+1 computed for it in vain: that token is
+dropped and its blocks freed, so the outputs are those of the synchronous engine, token for token.
+step() returns the requests that step N moved (one step behind the launches), and has_unfinished() stays
+true while a step is in flight. A step whose next sampling depends on its ids on the host is resolved
+before the next one is scheduled: penalties (repetition, frequency, presence), whose counts are built from
+the host's token lists.
 """
 
 from __future__ import annotations
@@ -25,10 +43,10 @@ from kiln.errors import KilnError
 from kiln.infer.block_manager import BlockManager
 from kiln.infer.config import EngineConfig
 from kiln.infer.loading import eos_ids, load_for_inference
-from kiln.infer.runner import ModelRunner
+from kiln.infer.runner import Feed, ModelRunner, StepOutput
 from kiln.infer.sampler import Sampler, SamplingTensors, plain_greedy, token_logprobs
 from kiln.infer.sampling_params import SamplingParams
-from kiln.infer.scheduler import Scheduler, SchedulerConfig
+from kiln.infer.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kiln.infer.sequence import Sequence
 from kiln.model.transformer import Transformer
 
@@ -79,7 +97,34 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:  # a loop, not all(<genexpr>): asked for every request a step moves
+            if not s.is_finished:
+                return False
+        return True
+
+
+@dataclass
+class _Launched:
+    """A step launched on the device and not yet resolved. ids: (R,) int64 sampled ids on the device (one
+    per sampling sequence, in batch.sampling_seqs order), the next step's Feed source; host_ids: their
+    pinned host copy, valid once `event` has completed (None on CPU: copied synchronously); logprobs:
+    (chosen (R,), top values (R, k), top ids (R, k)) host copies when a request asked; rows: seq_id -> row
+    of ids; needs_host: the next step's sampling needs these ids on the host (penalties)."""
+
+    batch: ScheduledBatch
+    sampling: list[Sequence]
+    ids: torch.Tensor | None
+    host_ids: torch.Tensor | None
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    event: object | None
+    rows: dict[int, int]
+    needs_host: bool
+    step: StepOutput | None
+
+
+def _has_penalty(seq: Sequence) -> bool:
+    p = seq.params
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
 # ----------------------------------------------------------------------------------------------- engine
@@ -121,6 +166,14 @@ class LLMEngine:
             self.block_manager,
         )
         self.sampler = Sampler()
+        self.async_scheduling = config.resolve_async(self.device)
+        self._inflight: _Launched | None = None  # the launched, unresolved step (async scheduling)
+        # the sampled ids' host copies, reused: two, since step N+1's copy is enqueued before step N's is read
+        cuda = self.device.type == "cuda"
+        rows = min(config.max_num_seqs, config.max_num_batched_tokens)
+        self._host_ids = [torch.zeros(rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
+        self._slot = 0
         self.requests: dict[str, _Request] = {}
         self._aborted: dict[str, _Request] = {}  # aborted since the last step's outputs
         self._by_seq: dict[int, tuple[_Request, int]] = {}
@@ -202,41 +255,104 @@ class LLMEngine:
         self._aborted[request_id] = req  # reported by the next step, which may sample none of its sequences
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests waiting or running, or a launched step not yet resolved (async scheduling)."""
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- a step -------------------------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """Run one scheduled step; return the state of every request that made progress in it (the
-        finished ones for the last time: they are dropped from the engine). finished_only: return only
-        the requests that finished, for callers that read nothing else (offline generation): the running
-        ones' snapshots (a copy of every output token list, each step) are then not built."""
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
-            return self._collect({}, finished_only)
-        step = self.runner.execute(batch)
-        sampling = batch.sampling_seqs
-        ids = logprobs = top = None
-        if sampling:
-            if plain_greedy(sampling):
-                greedy = step.greedy_ids if step.greedy_ids is not None else step.logits.argmax(dim=-1)
-                ids = greedy.tolist()  # the step's one device-to-host copy
-            else:
-                params = SamplingTensors.build(sampling, self.vocab_size, self.device)
-                out = self.sampler(step.logits.float(), params)
-                ids = out.token_ids.tolist()  # the step's one device-to-host copy
-                if out.logprobs is not None:
-                    logprobs = out.logprobs.tolist()
-                    top = [list(zip(i, v)) for i, v in zip(out.top_ids.tolist(), out.top_logprobs.tolist())]
-        if step.hidden is not None:
-            self._prompt_logprobs(batch, step.inputs, step.hidden)
-        self.scheduler.postprocess(batch, ids or [], logprobs, top)
+        """Run one scheduled step; return the state of every request that made progress (the finished ones
+        for the last time: they are dropped from the engine). Synchronously that is the step just run;
+        with async scheduling it launches the next step first and returns what the previous one did.
+        finished_only: return only the requests that finished, for callers that read nothing else (offline
+        generation): the running ones' snapshots (a copy of every output token list) are then not built."""
         touched: dict[str, _Request] = {}
-        for seq in sampling:
+        prev, self._inflight = self._inflight, None
+        if prev is not None and prev.needs_host:  # not an overlap case (it is resolved at launch): safety
+            self._resolve(prev, touched)
+            prev = None
+        batch = self.scheduler.schedule()
+        launched = None if batch.is_empty else self._launch(batch, prev)
+        if prev is not None:
+            self._resolve(prev, touched)  # step N, while step N+1 runs
+        if launched is not None:
+            if self.async_scheduling and not launched.needs_host:
+                self._inflight = launched
+            else:
+                self._resolve(launched, touched)
+        return self._collect(touched, finished_only)
+
+    def _launch(self, batch: ScheduledBatch, prev: _Launched | None) -> _Launched:
+        """Run the step's forward and sampling, and enqueue the copy of its ids to the host; no sync. A row
+        whose token the previous step sampled (still in flight) takes it from prev.ids on the device."""
+        feed = None
+        if prev is not None:
+            rows, src = [], []
+            for i, (seq, start) in enumerate(zip(batch.seqs, batch.computed_before)):
+                if start >= seq.num_known_tokens:
+                    rows.append(i)
+                    src.append(prev.rows[seq.seq_id])  # KeyError: a pending token no launched step samples
+            if rows:
+                feed = Feed(prev.ids, rows, src)
+        step = self.runner.execute(batch, feed)
+        sampling = batch.sampling_seqs
+        ids = host = logprobs = event = None
+        if sampling:
+            n = len(sampling)
+            cuda = self.device.type == "cuda"
+            if plain_greedy(sampling):
+                ids = step.greedy_ids if step.greedy_ids is not None else step.logits.argmax(dim=-1)
+            else:
+                # the noise is keyed by (seed, tokens generated before this one), pending ones included
+                steps = [s.num_output_tokens + s.num_pending - 1 for s in sampling]
+                params = SamplingTensors.build(sampling, self.vocab_size, self.device, steps=steps)
+                out = self.sampler(step.logits.float(), params)
+                ids = out.token_ids
+                if out.logprobs is not None:
+                    logprobs = tuple(
+                        t.to("cpu", non_blocking=cuda) for t in (out.logprobs, out.top_logprobs, out.top_ids)
+                    )
+            # the step's one device-to-host copy (a few hundred bytes), into a reused pinned buffer
+            host = self._host_ids[self._slot][:n]
+            host.copy_(ids, non_blocking=cuda)
+            event = self._events[self._slot]
+            if event is not None:
+                event.record(torch.cuda.current_stream(self.device))  # the stream the copy is on
+            self._slot ^= 1
+        return _Launched(
+            batch=batch,
+            sampling=sampling,
+            ids=ids,
+            host_ids=host,
+            logprobs=logprobs,
+            event=event,
+            rows={s.seq_id: r for r, s in enumerate(sampling)},
+            needs_host=any(map(_has_penalty, sampling)),
+            # the flat batch and hidden states only when prompt logprobs read them (they hold (N, d))
+            step=step if any(s.params.prompt_logprobs is not None for s in batch.seqs) else None,
+        )
+
+    def _resolve(self, done: _Launched, touched: dict[str, _Request]) -> None:
+        """Wait for a launched step's ids, then postprocess it: tokens in place of its placeholders, stops,
+        prompt logprobs, detokenizing; the requests it moved go into `touched`."""
+        ids = lps = top = None
+        if done.sampling:
+            if done.event is not None:
+                done.event.synchronize()  # this step's copy only; a step launched after it keeps running
+            ids = done.host_ids.tolist()
+            if done.logprobs is not None:
+                chosen, values, top_ids = done.logprobs
+                lps = chosen.tolist()
+                top = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
+        step = done.step
+        if step is not None and step.hidden is not None:
+            self._prompt_logprobs(done.batch, step.inputs, step.hidden)
+        live = [seq for seq in done.sampling if not seq.is_finished]  # those that get their token
+        self.scheduler.postprocess(done.batch, ids or [], lps, top)
+        for seq in live:
             entry = self._by_seq.get(seq.seq_id)
             if entry is not None:
                 touched[entry[0].request_id] = entry[0]
                 self._detokenize(seq)
-        return self._collect(touched, finished_only)
 
     def _prompt_logprobs(self, batch, inputs, hidden) -> None:
         """log P(prompt[p] | prompt[:p]) at the prompt positions this step computed, for requests that asked."""

@@ -5,7 +5,12 @@ The runner turns a ScheduledBatch (kiln.infer.scheduler) into the model's flat-t
 and the metadata that routes attention (dense prefill, prefill over a cached prefix, or paged decode).
 It owns one (k_cache, v_cache) pair per layer, each (num_blocks, block_size, Hk, D), sized at start from
 free device memory (CUDA) or a byte budget (CPU). The metadata is built on the host from the sequences'
-block tables and copied to the device once per step; the forward then runs with no device-to-host sync.
+block tables and copied to the device once per step (from pinned memory, asynchronously on CUDA); the
+forward then runs with no device-to-host sync.
+
+With asynchronous scheduling a decode row's token may be one the previous step sampled and the host has
+not seen: `execute`'s `feed` names those rows and where their ids are in the previous step's sampled-id
+tensor, which is gathered into the step's token tensor on the device (never through the host).
 """
 
 from __future__ import annotations
@@ -46,6 +51,16 @@ class StepOutput:
     greedy_ids: torch.Tensor | None = None
     inputs: StepInputs | None = None
     hidden: torch.Tensor | None = None
+
+
+@dataclass
+class Feed:
+    """Tokens a step takes from the previous step's sampled ids on the device: batch row rows[j]'s (only)
+    new token is prev_ids[src[j]]. prev_ids: (R,) int64, the previous step's sampling rows."""
+
+    prev_ids: torch.Tensor
+    rows: list[int]
+    src: list[int]
 
 
 def _token_slice(seq, start: int, end: int) -> list[int]:
@@ -123,23 +138,35 @@ class ModelRunner:
         self.model.compute_logits(h[:rows]).float()
 
     # ---- a step ------------------------------------------------------------------------------------------
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
+    def execute(self, batch: ScheduledBatch, feed: Feed | None = None) -> StepOutput:
         """Run one scheduled step: a decode-only batch through the captured graphs when it fits a bucket,
-        anything else (prefill, mixed, or no graphs) eagerly."""
+        anything else (prefill, mixed, or no graphs) eagerly. feed: rows whose token is on the device only."""
         if self.graphs is not None and batch.is_decode_only and self.graphs.bucket(len(batch.seqs)):
             seqs = batch.seqs
             positions = batch.computed_before
-            tokens = [seq.last_token_id for seq in seqs]
-            logits, ids = self.graphs.run(tokens, positions, [seq.block_table for seq in seqs])
+            # a fed row's token is a placeholder here (0), overwritten on the device
+            tokens = [seq.last_token_id if p < seq.num_known_tokens else 0 for seq, p in zip(seqs, positions)]
+            graph_feed = None if feed is None else (feed.prev_ids, feed.src, feed.rows)
+            logits, ids = self.graphs.run(tokens, positions, [seq.block_table for seq in seqs], graph_feed)
             return StepOutput(logits=logits, greedy_ids=ids)
-        inputs = self.prepare(batch)
+        inputs = self.prepare(batch, feed)
         hidden = self.forward(inputs)
-        logits = self.logits(hidden[inputs.sample_rows(batch)]) if batch.sampling_indices else None
+        rows = inputs.sample_rows(batch)
+        logits = self.logits(hidden[self._to_device(rows, torch.int64)]) if rows else None
         return StepOutput(logits=logits, inputs=inputs, hidden=hidden)
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
+        """A host list or array as a device tensor; on CUDA through pinned memory, without waiting for the
+        GPU (a pageable copy would wait for the step before it: the host could not run ahead)."""
+        host = torch.as_tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def prepare(self, batch: ScheduledBatch, feed: Feed | None = None) -> StepInputs:
         """Host lists -> one device copy each. Sequence i's new tokens are positions
-        computed_before[i] .. + num_new_tokens[i] - 1; its keys are positions 0 .. that end."""
+        computed_before[i] .. + num_new_tokens[i] - 1; its keys are positions 0 .. that end. A fed row's
+        token (a decode of a token the host does not know yet) is gathered from feed.prev_ids."""
         bs = self.block_size
         tokens: list[int] = []
         positions: list[np.ndarray] = []
@@ -150,7 +177,10 @@ class ModelRunner:
         tables = [np.asarray(seq.block_table, dtype=np.int64) for seq in batch.seqs]
         for seq, table, n, start in zip(batch.seqs, tables, batch.num_new_tokens, batch.computed_before):
             end = start + n
-            tokens.extend(_token_slice(seq, start, end))
+            if start >= seq.num_known_tokens:  # a pending token (n is 1): a placeholder, fed below
+                tokens.append(0)
+            else:
+                tokens.extend(_token_slice(seq, start, end))
             pos = np.arange(start, end, dtype=np.int64)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
@@ -161,33 +191,38 @@ class ModelRunner:
                 has_prefix = True
         decode = batch.is_decode_only
         has_prefix = has_prefix and not decode
-        dev = self.device
+        dev = self._to_device
         fields = {}
         if decode:
             width = max(len(t) for t in tables)
             padded = np.zeros((len(tables), width), dtype=np.int32)
             for i, t in enumerate(tables):
                 padded[i, : len(t)] = t
-            fields["block_tables"] = torch.from_numpy(padded).to(dev)
-            fields["context_lens"] = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+            fields["block_tables"] = dev(padded, torch.int32)
+            fields["context_lens"] = dev(ctx_lens, torch.int32)
         elif has_prefix:
             for table, end in zip(tables, ctx_lens):
                 pos = np.arange(end, dtype=np.int64)
                 key_slots.append(table[pos // bs] * bs + pos % bs)
-            fields["key_slots"] = torch.from_numpy(np.concatenate(key_slots)).to(dev)
-            fields["cu_seqlens_k"] = torch.tensor(cu_k, dtype=torch.int32, device=dev)
+            fields["key_slots"] = dev(np.concatenate(key_slots), torch.int64)
+            fields["cu_seqlens_k"] = dev(cu_k, torch.int32)
             fields["max_seqlen_k"] = max(ctx_lens)
         meta = AttnMetadata(
-            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
+            cu_seqlens_q=dev(cu_q, torch.int32),
             max_seqlen_q=max(batch.num_new_tokens),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            slot_mapping=dev(np.concatenate(slots), torch.int64),
             decode=decode,
             has_prefix=has_prefix,
             **fields,
         )
+        token_t = dev(tokens, torch.int64)
+        if feed is not None and feed.rows:
+            # (m,) flat positions of the fed rows <- their ids in the previous step's output
+            where = dev([cu_q[i] for i in feed.rows], torch.int64)
+            token_t.index_copy_(0, where, feed.prev_ids.index_select(0, dev(feed.src, torch.int64)))
         return StepInputs(
-            tokens=torch.tensor(tokens, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            tokens=token_t,
+            positions=dev(np.concatenate(positions), torch.int64),
             meta=meta,
             cu_seqlens=cu_q,
         )

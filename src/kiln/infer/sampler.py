@@ -96,7 +96,15 @@ class SamplingTensors:
     max_logprobs: int  # the largest params.logprobs; -1 = no row wants logprobs
 
     @classmethod
-    def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device | str) -> SamplingTensors:
+    def build(
+        cls,
+        seqs: list[Sequence],
+        vocab_size: int,
+        device: torch.device | str,
+        steps: list[int] | None = None,
+    ) -> SamplingTensors:
+        """steps: each row's noise step, the tokens it generated before this one; default its output
+        tokens on the host (the engine passes them when some are still in flight: async scheduling)."""
         device = torch.device(device)
         V = vocab_size
         params = [s.params for s in seqs]
@@ -133,7 +141,7 @@ class SamplingTensors:
             frequency_penalty=vec(freq, torch.float32),
             presence_penalty=vec(pres, torch.float32),
             seeds=vec([s.seed for s in seqs], torch.int64),
-            steps=vec([s.num_output_tokens for s in seqs], torch.int64),
+            steps=vec([s.num_output_tokens for s in seqs] if steps is None else steps, torch.int64),
             output_counts=output_counts,
             seen=seen,
             all_greedy=all(greedy),

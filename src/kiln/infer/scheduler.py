@@ -12,7 +12,18 @@ There are no separate prefill and decode phases (vLLM v1's scheduler): each step
      blocks allow: blocks for all their tokens (reusing the cached prefix), and as many tokens as the
      budget leaves (chunked) or, without chunked prefill, all of them or it waits. FIFO is strict: a
      request that does not fit blocks the ones behind it (no starvation of long prompts).
-A sequence samples in a step when that step computes its last known token.
+A sequence samples in a step when that step computes its last token.
+
+Bookkeeping happens at schedule time (vLLM v1's): `schedule` advances each scheduled sequence's
+num_computed_tokens by its new tokens and gives each sampling sequence a pending token
+(Sequence.num_pending), so the next step can be scheduled before this one's ids reach the host
+(asynchronous scheduling, kiln.infer.engine): such a sequence decodes its pending token, whose id the
+runner takes from the previous step's sampled ids on the device. `postprocess` then replaces the
+placeholder by the real id, registers the computed blocks, and checks stops. A sequence whose pending
+tokens already reach its length limit is not scheduled again (it finishes when they arrive); one that
+ends on EOS or a stop has had one step computed in vain, whose token `postprocess` drops. A sequence
+preempted with a token pending still gets it (it joins the recompute); one that waits with a token pending
+is not admitted until it arrives.
 
 Lengths: a sequence never grows past max_model_len tokens (finish_reason "length" there), so `add` refuses a
 prompt that leaves no room for one output token, and one whose longest possible run could not fit in the
@@ -81,8 +92,9 @@ class ScheduledBatch:
     """One step's work, in the order the runner lays out the flat token batch.
 
     Sequence i computes the tokens at positions computed_before[i] .. computed_before[i] +
-    num_new_tokens[i] - 1 (their ids: seq.token_ids[those positions]); samples[i] says whether that reaches
-    its last known token, so its logits at the last position are sampled. `preempted` lists the sequences
+    num_new_tokens[i] - 1 (their ids: seq.token_ids[those positions], or, for a position past the known
+    tokens, the id a launched step is still sampling: then n is 1); samples[i] says whether that reaches
+    its last token, so its logits at the last position are sampled. `preempted` lists the sequences
     preempted while building this batch (for metrics; they are WAITING again).
     """
 
@@ -201,17 +213,31 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
 
         def take(seq: Sequence, n: int) -> None:
+            before = seq.num_computed_tokens
+            samples = before + n == seq.num_tokens
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
-            batch.computed_before.append(seq.num_computed_tokens)
-            batch.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
+            batch.computed_before.append(before)
+            batch.samples.append(samples)
+            seq.num_computed_tokens = before + n
+            seq.num_pending += samples  # its next token: a placeholder until postprocess
 
         # 1. running sequences, oldest first; preemption victims come from the back of the list, i.e. from
         # sequences not yet served this step
         i = 0
+        bs = cfg.block_size
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_tokens = seq.num_tokens
+            if seq.num_pending and num_tokens >= self.max_length(seq):
+                i += 1  # its pending token is its last (max_tokens or max_model_len): nothing to compute
+                continue
+            n = min(num_tokens - seq.num_computed_tokens, budget)
+            if len(seq.block_table) * bs >= num_tokens:  # the common decode: its block has room
+                take(seq, n)
+                budget -= n
+                i += 1
+                continue
             while not bm.can_append(seq):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -228,6 +254,8 @@ class Scheduler:
         now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted with a token in flight: admitted once it has arrived
+                break
             n = seq.num_tokens - bm.num_cached_prefix_tokens(seq)
             if n > budget:
                 if not cfg.chunked_prefill:
@@ -257,8 +285,9 @@ class Scheduler:
         sampled_token_ids (and logprobs, top_logprobs when the step computed them) have one entry per
         sampling sequence, in batch.sampling_indices order: the rows of the sampler's output. A sequence
         stores its logprobs only if it asked (params.logprobs), and keeps the first params.logprobs of the
-        top list (which holds the batch's largest k). Sequences finished meanwhile (aborted between schedule
-        and postprocess) are skipped.
+        top list (which holds the batch's largest k). Sequences finished meanwhile (aborted, or ended by the
+        previous step's token while this one ran) are skipped: their token is dropped. A sequence preempted
+        meanwhile (it is WAITING) still takes its token; its blocks are gone, so none is registered.
         """
         n_sampling = sum(batch.samples)
         if len(sampled_token_ids) != n_sampling:
@@ -275,14 +304,14 @@ class Scheduler:
         ):
             r = row
             row += samples
-            if seq.is_finished or seq.status is not SequenceStatus.RUNNING:
+            if seq.is_finished:
                 continue
-            if seq.num_computed_tokens != before:
-                raise RuntimeError(f"sequence {seq.seq_id} changed between schedule and postprocess")
-            seq.num_computed_tokens = before + n_new
-            bm.mark_computed(seq)
+            if seq.status is SequenceStatus.RUNNING:
+                # the blocks this step wrote, not those of a step scheduled since (their K/V are in flight)
+                bm.mark_computed(seq, upto=before + n_new)
             if not samples:
                 continue
+            seq.num_pending -= 1
             token = sampled_token_ids[r]
             seq.append_token(token, now)
             k = seq.params.logprobs
@@ -303,6 +332,9 @@ class Scheduler:
             return "stop", None  # EOS: stop_reason None (vLLM's convention)
         if token in seq.params.stop_token_ids:
             return "stop", token
-        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if (
+            seq.num_output_tokens >= seq.params.max_tokens
+            or seq.num_known_tokens >= self.config.max_model_len
+        ):
             return "length", None
         return None, None

@@ -7,8 +7,14 @@ tokens so far are kept, and its next prefill recomputes prompt + outputs (recomp
 had computed stay in the prefix cache while free, so the recompute often hits them).
 
 Invariants while RUNNING: num_cached_tokens <= num_computed_tokens <= num_tokens - 1 between steps
-(the last known token's K/V is computed by the step that samples its successor), and the block table
-covers all num_tokens positions.
+(the last token's K/V is computed by the step that samples its successor), and the block table covers
+all num_tokens positions.
+
+Pending tokens. The scheduler advances num_computed_tokens when it schedules a step, and a step that
+samples adds a placeholder (`num_pending`) until its id reaches the host (Scheduler.postprocess). With
+asynchronous scheduling (kiln.infer.engine) the next step is scheduled before that: `num_tokens` counts
+the placeholders (their positions get KV slots, their ids are fed to the next step on the device), while
+`token_ids` / `output_token_ids` hold the known ids only.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        self.num_pending = 0  # tokens sampled by launched steps whose ids have not reached the host (0-2)
         self.finish_reason: str | None = None
         # the stop token id or stop string; None for EOS and for "length"/"abort" (vLLM's convention)
         self.stop_reason: int | str | None = None
@@ -92,6 +99,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + output tokens, the pending ones (sampled, id not yet on the host) included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt + output tokens whose ids the host holds."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
@@ -152,6 +165,7 @@ class Sequence:
         if reason not in FINISH_REASONS:
             raise ValueError(f"finish reason must be one of {FINISH_REASONS}, got {reason!r}")
         self.status = SequenceStatus.FINISHED
+        self.num_pending = 0  # a launched step's token for it is dropped
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.finished_time = time.monotonic() if now is None else now

@@ -75,6 +75,8 @@ def build_engine(model, batch: int, context: int, graphs: bool, steps: int):
         block_size=bs, num_blocks=batch * math.ceil(max_len_ / bs) + 4, max_num_seqs=batch,
         max_num_batched_tokens=max(STEP_TOKENS, batch), max_model_len=max_len_, enable_prefix_caching=False,
         decode_backend="graphs" if graphs else "eager", max_graph_batch=batch,
+        # one step = one host range ending in its ids' copy (attribute_step relies on it): no overlap
+        async_scheduling="off",
     )  # fmt: skip
     return LLMEngine(model, None, cfg, log=None)
 
