@@ -7,8 +7,12 @@ the offline engine (LLM.generate) in the same run, on a random-init Qwen2.5-1.5B
     python bench/serve.py --n 256 --rate 16 --out ...             # nano-vllm's 256 requests
     python bench/serve.py --smoke                                 # CPU, a tiny model, in seconds
 
-Per request the client records the time to its first streamed token (TTFT) and the gaps between streamed
-tokens (ITL: one chunk per engine step); output tok/s = output tokens / (first send -> last response end).
+Per request the client records the time to its response's headers (admission: the server answers them once
+the engine has taken the request into its queue), to its first streamed token (TTFT) and the gaps between
+streamed tokens (ITL: one chunk per engine step); output tok/s = output tokens / (first send -> last response
+end). `all_admitted_s` is when the last request of a phase was admitted; the server's /metrics give the
+phase's engine steps, its intakes (the adds the engine took before one step: a burst admitted at once is one
+intake of many requests) and its mean admission latency; the offline run's step count is beside them.
 overhead = 1 - (HTTP tok/s at saturation) / (offline tok/s): the price of the server at full load. The server
 runs as a `kiln serve` subprocess (the client's Python does not share its GIL) after the offline run has
 given its GPU memory back; `kiln serve` runs its engine in a process of its own (kiln.serve.engine_process),
@@ -76,14 +80,25 @@ def offline(llm: LLM, reqs) -> dict:
     ]
     # warm-up: batch sizes and lengths like the run's (kernel compilation and autotuning stay out of it)
     llm.generate([p for p, _ in reqs[:32]], SamplingParams(max_tokens=16, ignore_eos=True))
+    eng, steps = llm.engine, [0]
+    step = eng.step
+
+    def counted(*a, **kw):  # the run's step count, to set beside the server's (an instance attribute only)
+        steps[0] += 1
+        return step(*a, **kw)
+
+    eng.step = counted
     t = time.perf_counter()
-    outs = llm.generate([p for p, _ in reqs], params)
+    try:
+        outs = llm.generate([p for p, _ in reqs], params)
+    finally:
+        del eng.step
     wall = time.perf_counter() - t
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     # the engine's own arrival-to-first-token of the same workload: what HTTP's TTFT is compared with
     ttft = [o.metrics["ttft_s"] for o in outs if "ttft_s" in o.metrics]
     return {"output_tokens": n_out, "time_s": round(wall, 3), "output_tok_s": round(n_out / wall, 1),
-            "ttft_s": percentiles(ttft)}  # fmt: skip
+            "ttft_s": percentiles(ttft), "engine_steps": steps[0] or None}  # fmt: skip
 
 
 # ---- the HTTP client -------------------------------------------------------------------------------------
@@ -101,6 +116,7 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: i
     t0 = time.perf_counter()
     stamps, usage = [], None
     async with http.stream("POST", "/v1/completions", json=body) as r:
+        admitted = time.perf_counter()  # the headers: the server sends them once the engine took the request
         if r.status_code != 200:
             return {"status": r.status_code, "error": (await r.aread()).decode()[:300]}
         async for line in r.aiter_lines():
@@ -114,6 +130,7 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: i
     return {
         "status": 200,
         "start": t0,
+        "admitted": admitted,
         "end": end,
         "ttft": stamps[0] - t0 if stamps else None,
         "itl": [b - a for a, b in zip(stamps, stamps[1:])],
@@ -138,17 +155,20 @@ async def load(url: str, model: str, reqs, rate: float | None, seed: int = 0) ->
             delays.append(t)
             if rate is not None:
                 t += rng.expovariate(rate)
-        before = await server_latency(http)
+        before = await server_metrics(http)
         t0 = time.perf_counter()
         results = await asyncio.gather(
             *(later(d, i, p, m) for i, (d, (p, m)) in enumerate(zip(delays, reqs)))
         )
         wall = time.perf_counter() - t0
-        after = await server_latency(http)
+        after = await server_metrics(http)
     server = {}  # this phase's means: the differences of the histograms' sums and counts
-    for key in after:
+    for key in ("ttft", "itl", "e2e", "admission"):
         (s0, c0), (s1, c1) = before[key], after[key]
         server[key] = round((s1 - s0) / (c1 - c0), 5) if c1 > c0 else None
+    (s0, c0), (s1, c1) = before["intake"], after["intake"]
+    engine = {"steps": after["steps"] - before["steps"], "intakes": int(c1 - c0),
+              "requests_per_intake": round((s1 - s0) / (c1 - c0), 1) if c1 > c0 else None}  # fmt: skip
     ok = [r for r in results if r["status"] == 200]
     n_out = sum(r["tokens"] for r in ok)
     return {
@@ -161,13 +181,17 @@ async def load(url: str, model: str, reqs, rate: float | None, seed: int = 0) ->
         "ttft_s": percentiles([r["ttft"] for r in ok if r["ttft"] is not None]),
         "itl_s": percentiles([x for r in ok for x in r["itl"]]),
         "e2e_s": percentiles([r["end"] - r["start"] for r in ok]),
-        # the server's own view of this phase (its /metrics histograms)
+        "admit_s": percentiles([r["admitted"] - r["start"] for r in ok]),
+        "all_admitted_s": round(max(r["admitted"] for r in ok) - t0, 4) if ok else None,
+        # the server's own view of this phase (its /metrics histograms and counters)
         "server_mean_s": server,
+        "server_engine": engine,
     }
 
 
-async def server_latency(http: httpx.AsyncClient) -> dict:
-    """(sum, count) of the server's TTFT, inter-token and end-to-end latency histograms (/metrics)."""
+async def server_metrics(http: httpx.AsyncClient) -> dict:
+    """(sum, count) of the server's TTFT, inter-token, end-to-end and admission latency histograms and of
+    its intake sizes; its engine step count (/metrics)."""
     text = (await http.get("/metrics")).text
     vals = {}
     for line in text.splitlines():
@@ -175,9 +199,11 @@ async def server_latency(http: httpx.AsyncClient) -> dict:
         vals[name] = float(v) if v and not name.startswith("#") else None
     out = {}
     for key, metric in (("ttft", "kiln_time_to_first_token_seconds"), ("itl", "kiln_inter_token_latency_seconds"),
-                        ("e2e", "kiln_e2e_request_latency_seconds")):  # fmt: skip
+                        ("e2e", "kiln_e2e_request_latency_seconds"), ("admission", "kiln_admission_latency_seconds"),
+                        ("intake", "kiln_engine_intake_requests")):  # fmt: skip
         total, count = vals.get(metric + "_sum"), vals.get(metric + "_count")
         out[key] = (total or 0.0, count or 0.0)
+    out["steps"] = int(vals.get("kiln_engine_steps_total") or 0)
     return out
 
 
@@ -307,6 +333,12 @@ def main() -> None:
         f"rate {args.rate}/s {result['fixed_rate']['output_tok_s']:.1f} tok/s, "
         f"TTFT p50 {result['fixed_rate']['ttft_s']['p50']} s p99 {result['fixed_rate']['ttft_s']['p99']} s, "
         f"ITL p50 {result['fixed_rate']['itl_s']['p50']} s p99 {result['fixed_rate']['itl_s']['p99']} s"
+    )
+    sat = result["saturation"]
+    print(
+        f"saturation: all {args.n} admitted after {sat['all_admitted_s']} s, TTFT p50 {sat['ttft_s']['p50']} s; "
+        f"engine steps {sat['server_engine']['steps']} (offline {result['offline']['engine_steps']}), "
+        f"intakes {sat['server_engine']['intakes']} of {sat['server_engine']['requests_per_intake']} requests"
     )
     if args.out:
         from kiln.io.atomic import atomic_write_text

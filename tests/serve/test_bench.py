@@ -21,4 +21,11 @@ def test_bench_smoke(tmp_path, monkeypatch):
         assert run["requests_ok"] == result["n"] and not run["errors"]
         assert run["output_tokens"] == result["offline"]["output_tokens"]  # every request ran to its length
         assert run["ttft_s"]["p50"] > 0 and run["itl_s"]["p99"] >= run["itl_s"]["p50"] > 0
+        # admission: every request's headers came before its first token; the engine took them all in
+        assert 0 < run["admit_s"]["p50"] <= run["ttft_s"]["p50"] and run["all_admitted_s"] > 0
+        eng = run["server_engine"]
+        assert eng["steps"] > 0 and 1 <= eng["intakes"] <= result["n"]
+        assert round(eng["intakes"] * eng["requests_per_intake"]) == result["n"]
+        assert run["server_mean_s"]["admission"] > 0
     assert "overhead_at_saturation" in result and result["commit"]
+    assert result["offline"]["engine_steps"] > 0
