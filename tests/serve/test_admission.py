@@ -18,7 +18,9 @@ from kiln.serve.protocol import APIError
 from ._server import RunningServer, engine_for, served
 
 GOOD = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-TOO_LONG = SamplingParams(max_tokens=10_000)  # prompt + max_tokens beyond the 256-token context: the engine's 400
+TOO_LONG = SamplingParams(
+    max_tokens=10_000
+)  # prompt + max_tokens beyond the 256-token context: the engine's 400
 
 
 class _Recorder:
