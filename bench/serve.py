@@ -10,7 +10,8 @@ the offline engine (LLM.generate) in the same run, on a random-init Qwen2.5-1.5B
 Per request the client records the time to its response's headers (admission: the server answers them once
 the engine has taken the request into its queue), to its first streamed token (TTFT) and the gaps between
 streamed tokens (ITL: one chunk per engine step); output tok/s = output tokens / (first send -> last response
-end). `all_admitted_s` is when the last request of a phase was admitted; the server's /metrics give the
+end). `all_sent_s` / `all_admitted_s` are when the last request of a phase was written by the client (its
+own lag, httpcore's trace) / admitted by the server; the server's /metrics give the
 phase's engine steps, its intakes (the adds the engine took before one step: a burst admitted at once is one
 intake of many requests) and its mean admission latency; the offline run's step count is beside them.
 overhead = 1 - (HTTP tok/s at saturation) / (offline tok/s): the price of the server at full load. The server
@@ -114,8 +115,13 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: i
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    stamps, usage = [], None
-    async with http.stream("POST", "/v1/completions", json=body) as r:
+    stamps, usage, sent = [], None, []
+
+    async def trace(event: str, info: dict) -> None:  # httpcore's trace extension: when the body was sent
+        if event.endswith("send_request_body.complete"):
+            sent.append(time.perf_counter())
+
+    async with http.stream("POST", "/v1/completions", json=body, extensions={"trace": trace}) as r:
         admitted = time.perf_counter()  # the headers: the server sends them once the engine took the request
         if r.status_code != 200:
             return {"status": r.status_code, "error": (await r.aread()).decode()[:300]}
@@ -130,6 +136,7 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: i
     return {
         "status": 200,
         "start": t0,
+        "sent": sent[0] if sent else None,
         "admitted": admitted,
         "end": end,
         "ttft": stamps[0] - t0 if stamps else None,
@@ -181,7 +188,13 @@ async def load(url: str, model: str, reqs, rate: float | None, seed: int = 0) ->
         "ttft_s": percentiles([r["ttft"] for r in ok if r["ttft"] is not None]),
         "itl_s": percentiles([x for r in ok for x in r["itl"]]),
         "e2e_s": percentiles([r["end"] - r["start"] for r in ok]),
+        # the client's own lag (its request written) and admission (the server's headers back), per request
+        # and for the phase's last request
+        "send_s": percentiles([r["sent"] - r["start"] for r in ok if r["sent"] is not None]),
         "admit_s": percentiles([r["admitted"] - r["start"] for r in ok]),
+        "all_sent_s": round(max(r["sent"] for r in ok) - t0, 4)
+        if ok and all(r["sent"] for r in ok)
+        else None,
         "all_admitted_s": round(max(r["admitted"] for r in ok) - t0, 4) if ok else None,
         # the server's own view of this phase (its /metrics histograms and counters)
         "server_mean_s": server,
@@ -336,7 +349,8 @@ def main() -> None:
     )
     sat = result["saturation"]
     print(
-        f"saturation: all {args.n} admitted after {sat['all_admitted_s']} s, TTFT p50 {sat['ttft_s']['p50']} s; "
+        f"saturation: all {args.n} sent after {sat['all_sent_s']} s, admitted after {sat['all_admitted_s']} s, "
+        f"TTFT p50 {sat['ttft_s']['p50']} s; "
         f"engine steps {sat['server_engine']['steps']} (offline {result['offline']['engine_steps']}), "
         f"intakes {sat['server_engine']['intakes']} of {sat['server_engine']['requests_per_intake']} requests"
     )

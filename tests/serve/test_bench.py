@@ -23,6 +23,9 @@ def test_bench_smoke(tmp_path, monkeypatch):
         assert run["ttft_s"]["p50"] > 0 and run["itl_s"]["p99"] >= run["itl_s"]["p50"] > 0
         # admission: every request's headers came before its first token; the engine took them all in
         assert 0 < run["admit_s"]["p50"] <= run["ttft_s"]["p50"] and run["all_admitted_s"] > 0
+        assert (
+            0 < run["send_s"]["p50"] <= run["admit_s"]["p50"] and run["all_sent_s"] <= run["all_admitted_s"]
+        )
         eng = run["server_engine"]
         assert eng["steps"] > 0 and 1 <= eng["intakes"] <= result["n"]
         assert round(eng["intakes"] * eng["requests_per_intake"]) == result["n"]
