@@ -11,7 +11,7 @@ import queue
 import httpx
 
 from kiln.infer.sampling_params import SamplingParams
-from kiln.serve import engine_loop
+from kiln.serve import engine_loop, worker
 from kiln.serve.engine_loop import EngineLoop
 from kiln.serve.protocol import APIError
 
@@ -93,9 +93,10 @@ def _sample(s: RunningServer, name: str) -> float:
     return s.server.metrics.registry.get_sample_value(name) or 0.0
 
 
-def check_burst_is_one_intake(s: RunningServer) -> None:
+def check_burst_is_one_intake(s: RunningServer, monkeypatch) -> None:
     """Eight requests in one tick, the fourth refused by the engine: one command, one intake of the seven
     others, which all run; the refused one gets its own 400 naming the problem."""
+    monkeypatch.setattr(worker, "ADD_BATCH_S", 60.0)  # the tick alone decides (a slow machine's tick is long)
     count0 = _sample(s, "kiln_engine_intake_requests_count")
     sum0 = _sample(s, "kiln_engine_intake_requests_sum")
     params = [GOOD] * 3 + [TOO_LONG] + [GOOD] * 4
@@ -109,10 +110,10 @@ def check_burst_is_one_intake(s: RunningServer) -> None:
     assert s.server.worker.in_flight == 0
 
 
-def test_burst_is_one_intake_thread_transport(model_dir):
+def test_burst_is_one_intake_thread_transport(model_dir, monkeypatch):
     llm, config = served(model_dir, max_num_seqs=8)
     with RunningServer(llm, config) as s:
-        check_burst_is_one_intake(s)
+        check_burst_is_one_intake(s, monkeypatch)
         assert _sample(s, "kiln_engine_steps_total") >= 4
         assert s.wait_idle()
 
@@ -134,3 +135,20 @@ def test_concurrent_http_requests_one_bad(model_dir):
         texts = {r.json()["choices"][0]["text"] for r in rs}
         assert all(r.status_code == 200 for r in rs) and len(texts) == 1  # greedy: the same text each
         assert all(r.json()["usage"]["completion_tokens"] == 5 for r in rs)
+
+
+def test_adds_leave_at_the_end_of_the_tick_or_when_old(model_dir, monkeypatch):
+    """One command per tick; with ADD_BATCH_S = 0 every add leaves at once (a long tick holds none back)."""
+    llm, config = served(model_dir)
+    with RunningServer(llm, config) as s:
+        w = s.server.worker
+        sent = []
+        send = w.send
+        monkeypatch.setattr(w, "send", lambda cmd: (sent.append(cmd), send(cmd))[1])
+        monkeypatch.setattr(worker, "ADD_BATCH_S", 60.0)
+        assert _burst(s, [GOOD] * 3) == [4] * 3
+        assert [len(c[1]) for c in sent if c[0] == "add"] == [3]
+        sent.clear()
+        monkeypatch.setattr(worker, "ADD_BATCH_S", 0.0)
+        assert _burst(s, [GOOD] * 3) == [4] * 3
+        assert [len(c[1]) for c in sent if c[0] == "add"] == [1, 1, 1]

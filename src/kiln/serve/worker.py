@@ -15,7 +15,9 @@ transports that share everything here:
 The adds submitted in one tick of the event loop leave as one command (a burst of clients parsed in one
 tick is one message, one pickling and one write for the process transport, whose feeder thread would
 otherwise wait for the GIL once per request while the event loop is busy), and the engine answers each
-intake with one reply (engine_loop.py: the intake rule).
+intake with one reply (engine_loop.py: the intake rule). A tick that parses hundreds of requests lasts
+long, so a batch also leaves as soon as an add finds it ADD_BATCH_S old: the engine gets the burst's head
+while the event loop is still parsing its tail.
 
 Admission is bounded in the event loop, where it is counted: the server holds at most `max_num_seqs`
 running + `max_waiting` waiting sequences (n counts n times); past that a request is refused with 503
@@ -38,6 +40,8 @@ from kiln.infer.sampling_params import SamplingParams
 from kiln.serve.engine_loop import EngineLoop
 from kiln.serve.metrics import ServerMetrics
 from kiln.serve.protocol import APIError
+
+ADD_BATCH_S = 0.002  # adds wait at most this long (or the end of the tick) to leave together
 
 
 class RequestHandle:
@@ -111,6 +115,7 @@ class EngineWorker:
         self.in_flight = 0  # sequences admitted and not yet released (event-loop side only)
         self._adds: list[tuple] = []  # (key, prompts, params) submitted in this tick of the event loop
         self._adds_lock = threading.Lock()  # stop() may flush them from another thread
+        self._adds_since = 0.0  # when the first of them was queued
         self._steps = 0  # the engine's step count last reported (kiln_engine_steps_total follows it)
         self.accepting = False
         self.error: str | None = None  # the engine's crash, if any
@@ -150,9 +155,14 @@ class EngineWorker:
         # registered before the command leaves: a crash reported from now on fails this handle too
         self._handles[handle.id] = handle
         with self._adds_lock:
+            now = time.monotonic()
             if not self._adds:  # the first add of this tick: it leaves after the tick's other handlers ran
+                self._adds_since = now
                 self._loop.call_soon(self._flush_adds)
             self._adds.append((handle.id, prompts, params))
+            now_too = now - self._adds_since >= ADD_BATCH_S  # a long tick: do not hold the head back
+        if now_too:
+            self._flush_adds()
         try:
             await handle.accepted
         except KilnError as e:
