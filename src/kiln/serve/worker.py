@@ -199,14 +199,17 @@ class EngineWorker:
         """The engine's answer to the adds it took before one step: (key, prompt tokens, None) accepted,
         (key, 0, message) rejected; `steps`: the engine steps run before them."""
         m = self.metrics
-        m.intake.observe(sum(1 for r in results if r[2] is None))
+        accepted = sum(1 for r in results if r[2] is None)
+        if accepted:
+            m.intake.observe(accepted)
         tokens = sum(r[1] for r in results)
         if tokens:
             m.prompt_tokens.inc(tokens)
         self._loop.call_soon_threadsafe(self._settle, results)
 
-    def step(self, items: list[tuple[int, int, RequestOutput]], gauges: tuple[int, int, int]) -> None:
-        """Deliver one step's outputs (or several steps' newest ones) in one wake-up of the event loop."""
+    def step(self, items: list[tuple[int, int, RequestOutput]], gauges: tuple[int, int, int, int]) -> None:
+        """Deliver one step's outputs (or several steps' newest ones) in one wake-up of the event loop;
+        gauges: (running, waiting, KV blocks used, engine steps run)."""
         m = self.metrics
         m.running.set(gauges[0])
         m.waiting.set(gauges[1])
