@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import multiprocessing as mp
 import os
 import random
 import socket
@@ -125,13 +126,19 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: i
         admitted = time.perf_counter()  # the headers: the server sends them once the engine took the request
         if r.status_code != 200:
             return {"status": r.status_code, "error": (await r.aread()).decode()[:300]}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            if line.startswith('data: {"id"') and '"choices":[]' in line:  # the usage chunk
-                usage = json.loads(line[6:])["usage"]
-            else:
-                stamps.append(time.perf_counter())
+        # raw bytes split into events here (httpx's aiter_lines decodes and splits every line in Python: at
+        # 256 streams this one-process client's own time then delays the requests it has yet to send)
+        buf = b""
+        async for data in r.aiter_bytes():
+            now = time.perf_counter()
+            *events, buf = (buf + data).split(b"\n\n")
+            for ev in events:
+                if not ev.startswith(b"data: {"):
+                    continue
+                if ev.startswith(b'data: {"id"') and b'"choices":[]' in ev:  # the usage chunk
+                    usage = json.loads(ev[6:])["usage"]
+                else:
+                    stamps.append(now)
     end = time.perf_counter()
     return {
         "status": 200,
@@ -145,38 +152,115 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: i
     }
 
 
+def arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
+    """Send times (seconds from the phase's start): Poisson at `rate` per second, or all at once (None)."""
+    rng, delays, t = random.Random(seed), [], 0.0
+    for _ in range(n):
+        delays.append(t)
+        if rate is not None:
+            t += rng.expovariate(rate)
+    return delays
+
+
+def _client(url: str, n: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8, keepalive_expiry=120)
+    return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600), limits=limits)
+
+
+async def _warm_up(http: httpx.AsyncClient, model: str, warm, reqs, open_first: bool) -> None:
+    # as the offline run's: the server is a fresh process (its kernels compile on first use)
+    await asyncio.gather(*(one_request(http, model, p, 16, -1) for p, _ in warm))
+    if open_first:  # one tiny request per connection, all at once: the pool then holds len(reqs) of them
+        await asyncio.gather(*(one_request(http, model, p[:4], 1, -1) for p, _ in reqs))
+
+
+async def _send_all(http: httpx.AsyncClient, model: str, reqs, delays, seeds) -> list[dict]:
+    async def later(delay, seed, prompt, m):
+        await asyncio.sleep(delay)
+        return await one_request(http, model, prompt, m, seed)
+
+    return await asyncio.gather(*(later(d, i, p, m) for d, i, (p, m) in zip(delays, seeds, reqs)))
+
+
 async def load(
     url: str, model: str, reqs, rate: float | None, seed: int = 0, open_first: bool = False
 ) -> dict:
-    """All of `reqs` through the server: Poisson arrivals at `rate` per second, or all at once (None).
-    open_first: the warm-up also opens one connection per request (kept alive), so the phase measures no
-    TCP connection set-up in this one-process client."""
-    limits = httpx.Limits(
-        max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8, keepalive_expiry=120
-    )
-    rng = random.Random(seed)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600), limits=limits) as http:
-        # warm-up, as the offline run's: the server is a fresh process (its kernels compile on first use)
-        await asyncio.gather(*(one_request(http, model, p, 16, -1) for p, _ in reqs[:32]))
-        if open_first:  # one tiny request per connection, all at once: the pool then holds len(reqs) of them
-            await asyncio.gather(*(one_request(http, model, p[:4], 1, -1) for p, _ in reqs))
-
-        async def later(delay, i, prompt, m):
-            await asyncio.sleep(delay)
-            return await one_request(http, model, prompt, m, i)
-
-        delays, t = [], 0.0
-        for _ in reqs:
-            delays.append(t)
-            if rate is not None:
-                t += rng.expovariate(rate)
+    """All of `reqs` through the server from this process: Poisson arrivals at `rate` per second, or all at
+    once (None). open_first: the warm-up also opens one connection per request (kept alive), so the phase
+    measures no TCP connection set-up in this one-process client."""
+    async with _client(url, len(reqs)) as http:
+        await _warm_up(http, model, reqs[:32], reqs, open_first)
         before = await server_metrics(http)
         t0 = time.perf_counter()
-        results = await asyncio.gather(
-            *(later(d, i, p, m) for i, (d, (p, m)) in enumerate(zip(delays, reqs)))
-        )
-        wall = time.perf_counter() - t0
+        results = await _send_all(http, model, reqs, arrivals(len(reqs), rate, seed), range(len(reqs)))
+        t_end = time.perf_counter()
         after = await server_metrics(http)
+    return summarize(results, rate, t0, t_end, before, after)
+
+
+def _client_process(url, model, reqs, delays, seeds, warm, open_first, barrier, out) -> None:
+    """One client process of load_procs: warm up, wait for the others (and the parent's /metrics read),
+    send its share at its arrival times, put the results on `out`."""
+
+    async def run():
+        async with _client(url, len(reqs)) as http:
+            await _warm_up(http, model, warm, reqs, open_first)
+            barrier.wait(600)  # every client warmed up: the parent reads /metrics
+            barrier.wait(600)  # go
+            return await _send_all(http, model, reqs, delays, seeds)
+
+    try:
+        out.put(asyncio.run(run()))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        out.put(f"{type(e).__name__}: {e}")
+        raise
+
+
+def load_procs(url: str, model: str, reqs, rate: float | None, procs: int, open_first: bool, seed: int = 0):
+    """load() from `procs` client processes (request i from process i % procs, at the same arrival times):
+    one Python process's event loop, sending hundreds of requests while it reads the streams of those
+    already running, is itself slow enough to delay the later requests (its all_sent_s shows it)."""
+    ctx = mp.get_context("spawn")  # a fresh interpreter: nothing of this one's threads or CUDA state
+    barrier, out = ctx.Barrier(procs + 1), ctx.Queue()
+    delays = arrivals(len(reqs), rate, seed)
+    children = []
+    for k in range(procs):
+        ids = list(range(k, len(reqs), procs))
+        args = (url, model, [reqs[i] for i in ids], [delays[i] for i in ids], ids, reqs[:32][k::procs],
+                open_first, barrier, out)  # fmt: skip
+        children.append(ctx.Process(target=_client_process, args=args, daemon=True))
+        children[-1].start()
+    try:
+        barrier.wait(600)
+        before = asyncio.run(_metrics_once(url))
+        t0 = time.perf_counter()
+        barrier.wait(600)
+        results = []
+        for _ in range(procs):
+            got = out.get(timeout=3600)
+            if isinstance(got, str):
+                raise RuntimeError(f"a client process failed: {got}")
+            results += got
+        t_end = max((r["end"] for r in results if r["status"] == 200), default=time.perf_counter())
+        after = asyncio.run(_metrics_once(url))
+    finally:
+        barrier.abort()  # a child still waiting (the parent failed) stops waiting
+        for c in children:
+            c.join(60)
+            if c.is_alive():
+                c.kill()
+    result = summarize(results, rate, t0, t_end, before, after)
+    result["client_processes"] = procs
+    return result
+
+
+async def _metrics_once(url: str) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        return await server_metrics(http)
+
+
+def summarize(results: list[dict], rate, t0: float, t_end: float, before: dict, after: dict) -> dict:
+    wall = t_end - t0
     server = {}  # this phase's means: the differences of the histograms' sums and counts
     for key in ("ttft", "itl", "e2e", "admission"):
         (s0, c0), (s1, c1) = before[key], after[key]
@@ -297,16 +381,24 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--rate", type=float, default=8.0, help="requests per second of the fixed-rate run")
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument(
+        "--client-procs",
+        type=int,
+        default=4,
+        help="client processes of the last saturation phase (default 4)",
+    )
     ap.add_argument("--server", choices=("subprocess", "thread"), default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, a few short requests")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.client_procs < 1:
+        ap.error(f"--client-procs must be >= 1, got {args.client_procs}")
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if args.smoke:
         cfg = ModelConfig(arch="qwen2", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                           ffn_hidden=64, max_seq_len=64, qkv_bias=True, tie_embeddings=True)  # fmt: skip
-        args.n, args.min_len, args.max_len, args.rate = 6, 4, 12, 50.0
+        args.n, args.min_len, args.max_len, args.rate, args.client_procs = 6, 4, 12, 50.0, 2
         engine = {"device": "cpu", "dtype": "fp32", "num_blocks": 64, "block_size": 4, "max_num_seqs": 8}
         server_kind = args.server or "thread"
     else:
@@ -344,6 +436,10 @@ def main() -> None:
                                               ("saturation_open_connections", None, True)):  # fmt: skip
                     result[key] = asyncio.run(load(url, "bench", reqs, rate, open_first=open_first))
                     print(key, json.dumps(result[key]), flush=True)
+                # and from several client processes (connections opened first): the server's own price
+                key = "saturation_clients"
+                result[key] = load_procs(url, "bench", reqs, None, args.client_procs, open_first=True)
+                print(key, json.dumps(result[key]), flush=True)
         except Exception:
             log = Path(tmp) / "server.log"
             if log.exists():
@@ -351,22 +447,19 @@ def main() -> None:
             raise
     sat, off = result["saturation"]["output_tok_s"], result["offline"]["output_tok_s"]
     result["overhead_at_saturation"] = round(1 - sat / off, 4)
-    sat_open = result["saturation_open_connections"]["output_tok_s"]
-    result["overhead_at_saturation_open_connections"] = round(1 - sat_open / off, 4)
+    for key in ("saturation_open_connections", "saturation_clients"):
+        result[f"overhead_at_{key}"] = round(1 - result[key]["output_tok_s"] / off, 4)
     print(
         f"offline {off:.1f} tok/s | HTTP saturation {sat:.1f} tok/s (overhead {100 * (1 - sat / off):.1f}%) | "
         f"rate {args.rate}/s {result['fixed_rate']['output_tok_s']:.1f} tok/s, "
         f"TTFT p50 {result['fixed_rate']['ttft_s']['p50']} s p99 {result['fixed_rate']['ttft_s']['p99']} s, "
         f"ITL p50 {result['fixed_rate']['itl_s']['p50']} s p99 {result['fixed_rate']['itl_s']['p99']} s"
     )
-    print(
-        f"saturation with connections opened first: {sat_open:.1f} tok/s "
-        f"(overhead {100 * result['overhead_at_saturation_open_connections']:.1f}%)"
-    )
-    for key in ("saturation", "saturation_open_connections"):
+    for key in ("saturation", "saturation_open_connections", "saturation_clients"):
         run = result[key]
         print(
-            f"{key}: all {args.n} sent after {run['all_sent_s']} s, admitted after {run['all_admitted_s']} s, "
+            f"{key}: {run['output_tok_s']:.1f} tok/s (overhead {100 * (1 - run['output_tok_s'] / off):.1f}%); "
+            f"all {args.n} sent after {run['all_sent_s']} s, admitted after {run['all_admitted_s']} s, "
             f"TTFT p50 {run['ttft_s']['p50']} s; "
             f"engine steps {run['server_engine']['steps']} (offline {result['offline']['engine_steps']}), "
             f"intakes {run['server_engine']['intakes']} of {run['server_engine']['requests_per_intake']} requests"

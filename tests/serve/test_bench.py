@@ -16,7 +16,7 @@ def test_bench_smoke(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["serve.py", "--smoke", "--out", str(out)])
     runpy.run_path(str(BENCH / "serve.py"), run_name="__main__")
     result = json.loads(out.read_text())
-    for key in ("fixed_rate", "saturation", "saturation_open_connections"):
+    for key in ("fixed_rate", "saturation", "saturation_open_connections", "saturation_clients"):
         run = result[key]
         assert run["requests_ok"] == result["n"] and not run["errors"]
         assert run["output_tokens"] == result["offline"]["output_tokens"]  # every request ran to its length
@@ -31,4 +31,5 @@ def test_bench_smoke(tmp_path, monkeypatch):
         assert round(eng["intakes"] * eng["requests_per_intake"]) == result["n"]
         assert run["server_mean_s"]["admission"] > 0
     assert "overhead_at_saturation" in result and result["commit"]
-    assert result["offline"]["engine_steps"] > 0 and "overhead_at_saturation_open_connections" in result
+    assert result["offline"]["engine_steps"] > 0 and "overhead_at_saturation_clients" in result
+    assert result["saturation_clients"]["client_processes"] == 2
