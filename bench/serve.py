@@ -39,20 +39,17 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
-import torch
 
-from kiln.infer import bench
-from kiln.infer.engine import LLM
-from kiln.infer.sampling_params import SamplingParams
-from kiln.model.config import ModelConfig
-from kiln.model.hf import save_pretrained
-from kiln.model.transformer import build_model
-from kiln.profile.provenance import provenance
+if TYPE_CHECKING:
+    from kiln.infer.engine import LLM
+# torch and the engine are imported where used: the client processes (load_procs) import this file too
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TEMPERATURE = 0.6  # nano-vllm's; EOS is ignored, so every request runs to its length whatever is sampled
+BARRIER_S = 180.0  # client processes wait this long for each other at most (an interpreter start, a warm-up)
 
 
 def make_requests(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -76,6 +73,8 @@ def percentiles(xs: list[float]) -> dict:
 
 # ---- the offline reference ---------------------------------------------------------------------------
 def offline(llm: LLM, reqs) -> dict:
+    from kiln.infer.sampling_params import SamplingParams
+
     params = [
         SamplingParams(max_tokens=m, temperature=TEMPERATURE, ignore_eos=True, seed=i)
         for i, (_, m) in enumerate(reqs)
@@ -122,23 +121,27 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: i
         if event.endswith("send_request_body.complete"):
             sent.append(time.perf_counter())
 
-    async with http.stream("POST", "/v1/completions", json=body, extensions={"trace": trace}) as r:
-        admitted = time.perf_counter()  # the headers: the server sends them once the engine took the request
-        if r.status_code != 200:
-            return {"status": r.status_code, "error": (await r.aread()).decode()[:300]}
-        # raw bytes split into events here (httpx's aiter_lines decodes and splits every line in Python: at
-        # 256 streams this one-process client's own time then delays the requests it has yet to send)
-        buf = b""
-        async for data in r.aiter_bytes():
-            now = time.perf_counter()
-            *events, buf = (buf + data).split(b"\n\n")
-            for ev in events:
-                if not ev.startswith(b"data: {"):
-                    continue
-                if ev.startswith(b'data: {"id"') and b'"choices":[]' in ev:  # the usage chunk
-                    usage = json.loads(ev[6:])["usage"]
-                else:
-                    stamps.append(now)
+    try:
+        async with http.stream("POST", "/v1/completions", json=body, extensions={"trace": trace}) as r:
+            # the headers: the server sends them once the engine has taken the request
+            admitted = time.perf_counter()
+            if r.status_code != 200:
+                return {"status": r.status_code, "error": (await r.aread()).decode()[:300]}
+            # raw bytes split into events here (httpx's aiter_lines decodes and splits every line in
+            # Python: at 256 streams a one-process client's own time delays the requests it has yet to send)
+            buf = b""
+            async for data in r.aiter_bytes():
+                now = time.perf_counter()
+                *events, buf = (buf + data).split(b"\n\n")
+                for ev in events:
+                    if not ev.startswith(b"data: {"):
+                        continue
+                    if ev.startswith(b'data: {"id"') and b'"choices":[]' in ev:  # the usage chunk
+                        usage = json.loads(ev[6:])["usage"]
+                    else:
+                        stamps.append(now)
+    except httpx.HTTPError as e:  # a dropped connection is this request's failure, not the run's
+        return {"status": 0, "error": f"{type(e).__name__}: {e}"}
     end = time.perf_counter()
     return {
         "status": 200,
@@ -167,11 +170,15 @@ def _client(url: str, n: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600), limits=limits)
 
 
-async def _warm_up(http: httpx.AsyncClient, model: str, warm, reqs, open_first: bool) -> None:
+async def _warm_up(http: httpx.AsyncClient, model: str, warm) -> None:
     # as the offline run's: the server is a fresh process (its kernels compile on first use)
     await asyncio.gather(*(one_request(http, model, p, 16, -1) for p, _ in warm))
-    if open_first:  # one tiny request per connection, all at once: the pool then holds len(reqs) of them
-        await asyncio.gather(*(one_request(http, model, p[:4], 1, -1) for p, _ in reqs))
+
+
+async def _open_connections(http: httpx.AsyncClient, model: str, reqs) -> None:
+    """One tiny request per connection, all at once: the pool then holds len(reqs) of them, kept alive
+    (shortly before the phase: uvicorn closes a connection idle for 5 s)."""
+    await asyncio.gather(*(one_request(http, model, p[:4], 1, -1) for p, _ in reqs))
 
 
 async def _send_all(http: httpx.AsyncClient, model: str, reqs, delays, seeds) -> list[dict]:
@@ -189,7 +196,9 @@ async def load(
     once (None). open_first: the warm-up also opens one connection per request (kept alive), so the phase
     measures no TCP connection set-up in this one-process client."""
     async with _client(url, len(reqs)) as http:
-        await _warm_up(http, model, reqs[:32], reqs, open_first)
+        await _warm_up(http, model, reqs[:32])
+        if open_first:
+            await _open_connections(http, model, reqs)
         before = await server_metrics(http)
         t0 = time.perf_counter()
         results = await _send_all(http, model, reqs, arrivals(len(reqs), rate, seed), range(len(reqs)))
@@ -204,9 +213,12 @@ def _client_process(url, model, reqs, delays, seeds, warm, open_first, barrier, 
 
     async def run():
         async with _client(url, len(reqs)) as http:
-            await _warm_up(http, model, warm, reqs, open_first)
-            barrier.wait(600)  # every client warmed up: the parent reads /metrics
-            barrier.wait(600)  # go
+            await _warm_up(http, model, warm)
+            barrier.wait(BARRIER_S)  # 1: every client started and warmed up
+            if open_first:
+                await _open_connections(http, model, reqs)
+            barrier.wait(BARRIER_S)  # 2: connections open: the parent reads /metrics
+            barrier.wait(BARRIER_S)  # 3: go
             return await _send_all(http, model, reqs, delays, seeds)
 
     try:
@@ -231,13 +243,14 @@ def load_procs(url: str, model: str, reqs, rate: float | None, procs: int, open_
         children.append(ctx.Process(target=_client_process, args=args, daemon=True))
         children[-1].start()
     try:
-        barrier.wait(600)
+        barrier.wait(BARRIER_S)
+        barrier.wait(BARRIER_S)
         before = asyncio.run(_metrics_once(url))
         t0 = time.perf_counter()
-        barrier.wait(600)
+        barrier.wait(BARRIER_S)
         results = []
         for _ in range(procs):
-            got = out.get(timeout=3600)
+            got = out.get(timeout=600)
             if isinstance(got, str):
                 raise RuntimeError(f"a client process failed: {got}")
             results += got
@@ -393,6 +406,15 @@ def main() -> None:
     args = ap.parse_args()
     if args.client_procs < 1:
         ap.error(f"--client-procs must be >= 1, got {args.client_procs}")
+    import torch
+
+    from kiln.infer import bench
+    from kiln.infer.engine import LLM
+    from kiln.model.config import ModelConfig
+    from kiln.model.hf import save_pretrained
+    from kiln.model.transformer import build_model
+    from kiln.profile.provenance import provenance
+
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if args.smoke:
@@ -438,7 +460,10 @@ def main() -> None:
                     print(key, json.dumps(result[key]), flush=True)
                 # and from several client processes (connections opened first): the server's own price
                 key = "saturation_clients"
-                result[key] = load_procs(url, "bench", reqs, None, args.client_procs, open_first=True)
+                try:
+                    result[key] = load_procs(url, "bench", reqs, None, args.client_procs, open_first=True)
+                except Exception as e:  # noqa: BLE001 - the other phases' results still get written
+                    result[key] = {"error": f"{type(e).__name__}: {e}", "client_processes": args.client_procs}
                 print(key, json.dumps(result[key]), flush=True)
         except Exception:
             log = Path(tmp) / "server.log"
@@ -447,7 +472,12 @@ def main() -> None:
             raise
     sat, off = result["saturation"]["output_tok_s"], result["offline"]["output_tok_s"]
     result["overhead_at_saturation"] = round(1 - sat / off, 4)
-    for key in ("saturation_open_connections", "saturation_clients"):
+    phases = [
+        k
+        for k in ("saturation", "saturation_open_connections", "saturation_clients")
+        if "error" not in result[k]
+    ]
+    for key in phases[1:]:
         result[f"overhead_at_{key}"] = round(1 - result[key]["output_tok_s"] / off, 4)
     print(
         f"offline {off:.1f} tok/s | HTTP saturation {sat:.1f} tok/s (overhead {100 * (1 - sat / off):.1f}%) | "
@@ -455,7 +485,7 @@ def main() -> None:
         f"TTFT p50 {result['fixed_rate']['ttft_s']['p50']} s p99 {result['fixed_rate']['ttft_s']['p99']} s, "
         f"ITL p50 {result['fixed_rate']['itl_s']['p50']} s p99 {result['fixed_rate']['itl_s']['p99']} s"
     )
-    for key in ("saturation", "saturation_open_connections", "saturation_clients"):
+    for key in phases:
         run = result[key]
         print(
             f"{key}: {run['output_tok_s']:.1f} tok/s (overhead {100 * (1 - run['output_tok_s'] / off):.1f}%); "
