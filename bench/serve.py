@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TEMPERATURE = 0.6  # nano-vllm's; EOS is ignored, so every request runs to its length whatever is sampled
-BARRIER_S = 180.0  # client processes wait this long for each other at most (an interpreter start, a warm-up)
+BARRIER_S = 120.0  # client processes wait this long for each other at most (an interpreter start, a warm-up)
 
 
 def make_requests(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -250,7 +250,7 @@ def load_procs(url: str, model: str, reqs, rate: float | None, procs: int, open_
         barrier.wait(BARRIER_S)
         results = []
         for _ in range(procs):
-            got = out.get(timeout=600)
+            got = out.get(timeout=300)
             if isinstance(got, str):
                 raise RuntimeError(f"a client process failed: {got}")
             results += got
@@ -438,6 +438,14 @@ def main() -> None:
     llm = LLM(model, log=lambda *a: None, **engine)
     result["offline"] = offline(llm, reqs)
     print("offline", json.dumps(result["offline"]), flush=True)
+
+    def save() -> None:  # after every phase: a run cut short keeps what it measured
+        if args.out:
+            from kiln.io.atomic import atomic_write_text
+
+            atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
+
+    save()
     capacity = args.n + 8  # every request admitted: the bench measures speed, not the 503 bound
     with tempfile.TemporaryDirectory() as tmp:
         if server_kind == "subprocess":
@@ -458,6 +466,7 @@ def main() -> None:
                                               ("saturation_open_connections", None, True)):  # fmt: skip
                     result[key] = asyncio.run(load(url, "bench", reqs, rate, open_first=open_first))
                     print(key, json.dumps(result[key]), flush=True)
+                    save()
                 # and from several client processes (connections opened first): the server's own price
                 key = "saturation_clients"
                 try:
@@ -494,10 +503,7 @@ def main() -> None:
             f"engine steps {run['server_engine']['steps']} (offline {result['offline']['engine_steps']}), "
             f"intakes {run['server_engine']['intakes']} of {run['server_engine']['requests_per_intake']} requests"
         )
-    if args.out:
-        from kiln.io.atomic import atomic_write_text
-
-        atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
+    save()
 
 
 if __name__ == "__main__":
