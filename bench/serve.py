@@ -7,8 +7,13 @@ the offline engine (LLM.generate) in the same run, on a random-init Qwen2.5-1.5B
     python bench/serve.py --n 256 --rate 16 --out ...             # nano-vllm's 256 requests
     python bench/serve.py --smoke                                 # CPU, a tiny model, in seconds
 
-Per request the client records the time to its first streamed token (TTFT) and the gaps between streamed
-tokens (ITL: one chunk per engine step); output tok/s = output tokens / (first send -> last response end).
+Per request the client records the time to its response's headers (admission: the server answers them once
+the engine has taken the request into its queue), to its first streamed token (TTFT) and the gaps between
+streamed tokens (ITL: one chunk per engine step); output tok/s = output tokens / (first send -> last response
+end). `all_sent_s` / `all_admitted_s` are when the last request of a phase was written by the client (its
+own lag, httpcore's trace) / admitted by the server; the server's /metrics give the
+phase's engine steps, its intakes (the adds the engine took before one step: a burst admitted at once is one
+intake of many requests) and its mean admission latency; the offline run's step count is beside them.
 overhead = 1 - (HTTP tok/s at saturation) / (offline tok/s): the price of the server at full load. The server
 runs as a `kiln serve` subprocess (the client's Python does not share its GIL) after the offline run has
 given its GPU memory back; `kiln serve` runs its engine in a process of its own (kiln.serve.engine_process),
@@ -24,6 +29,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import multiprocessing as mp
 import os
 import random
 import socket
@@ -33,20 +39,17 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
-import torch
 
-from kiln.infer import bench
-from kiln.infer.engine import LLM
-from kiln.infer.sampling_params import SamplingParams
-from kiln.model.config import ModelConfig
-from kiln.model.hf import save_pretrained
-from kiln.model.transformer import build_model
-from kiln.profile.provenance import provenance
+if TYPE_CHECKING:
+    from kiln.infer.engine import LLM
+# torch and the engine are imported where used: the client processes (load_procs) import this file too
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TEMPERATURE = 0.6  # nano-vllm's; EOS is ignored, so every request runs to its length whatever is sampled
+BARRIER_S = 120.0  # client processes wait this long for each other at most (an interpreter start, a warm-up)
 
 
 def make_requests(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -70,20 +73,33 @@ def percentiles(xs: list[float]) -> dict:
 
 # ---- the offline reference ---------------------------------------------------------------------------
 def offline(llm: LLM, reqs) -> dict:
+    from kiln.infer.sampling_params import SamplingParams
+
     params = [
         SamplingParams(max_tokens=m, temperature=TEMPERATURE, ignore_eos=True, seed=i)
         for i, (_, m) in enumerate(reqs)
     ]
     # warm-up: batch sizes and lengths like the run's (kernel compilation and autotuning stay out of it)
     llm.generate([p for p, _ in reqs[:32]], SamplingParams(max_tokens=16, ignore_eos=True))
+    eng, steps = llm.engine, [0]
+    step = eng.step
+
+    def counted(*a, **kw):  # the run's step count, to set beside the server's (an instance attribute only)
+        steps[0] += 1
+        return step(*a, **kw)
+
+    eng.step = counted
     t = time.perf_counter()
-    outs = llm.generate([p for p, _ in reqs], params)
+    try:
+        outs = llm.generate([p for p, _ in reqs], params)
+    finally:
+        del eng.step
     wall = time.perf_counter() - t
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     # the engine's own arrival-to-first-token of the same workload: what HTTP's TTFT is compared with
     ttft = [o.metrics["ttft_s"] for o in outs if "ttft_s" in o.metrics]
     return {"output_tokens": n_out, "time_s": round(wall, 3), "output_tok_s": round(n_out / wall, 1),
-            "ttft_s": percentiles(ttft)}  # fmt: skip
+            "ttft_s": percentiles(ttft), "engine_steps": steps[0] or None}  # fmt: skip
 
 
 # ---- the HTTP client -------------------------------------------------------------------------------------
@@ -99,21 +115,39 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: i
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    stamps, usage = [], None
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            return {"status": r.status_code, "error": (await r.aread()).decode()[:300]}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            if line.startswith('data: {"id"') and '"choices":[]' in line:  # the usage chunk
-                usage = json.loads(line[6:])["usage"]
-            else:
-                stamps.append(time.perf_counter())
+    stamps, usage, sent = [], None, []
+
+    async def trace(event: str, info: dict) -> None:  # httpcore's trace extension: when the body was sent
+        if event.endswith("send_request_body.complete"):
+            sent.append(time.perf_counter())
+
+    try:
+        async with http.stream("POST", "/v1/completions", json=body, extensions={"trace": trace}) as r:
+            # the headers: the server sends them once the engine has taken the request
+            admitted = time.perf_counter()
+            if r.status_code != 200:
+                return {"status": r.status_code, "error": (await r.aread()).decode()[:300]}
+            # raw bytes split into events here (httpx's aiter_lines decodes and splits every line in
+            # Python: at 256 streams a one-process client's own time delays the requests it has yet to send)
+            buf = b""
+            async for data in r.aiter_bytes():
+                now = time.perf_counter()
+                *events, buf = (buf + data).split(b"\n\n")
+                for ev in events:
+                    if not ev.startswith(b"data: {"):
+                        continue
+                    if ev.startswith(b'data: {"id"') and b'"choices":[]' in ev:  # the usage chunk
+                        usage = json.loads(ev[6:])["usage"]
+                    else:
+                        stamps.append(now)
+    except httpx.HTTPError as e:  # a dropped connection is this request's failure, not the run's
+        return {"status": 0, "error": f"{type(e).__name__}: {e}"}
     end = time.perf_counter()
     return {
         "status": 200,
         "start": t0,
+        "sent": sent[0] if sent else None,
+        "admitted": admitted,
         "end": end,
         "ttft": stamps[0] - t0 if stamps else None,
         "itl": [b - a for a, b in zip(stamps, stamps[1:])],
@@ -121,34 +155,132 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: i
     }
 
 
-async def load(url: str, model: str, reqs, rate: float | None, seed: int = 0) -> dict:
-    """All of `reqs` through the server: Poisson arrivals at `rate` per second, or all at once (None)."""
-    limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
-    rng = random.Random(seed)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600), limits=limits) as http:
-        # warm-up, as the offline run's: the server is a fresh process (its kernels compile on first use)
-        await asyncio.gather(*(one_request(http, model, p, 16, -1) for p, _ in reqs[:32]))
+def arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
+    """Send times (seconds from the phase's start): Poisson at `rate` per second, or all at once (None)."""
+    rng, delays, t = random.Random(seed), [], 0.0
+    for _ in range(n):
+        delays.append(t)
+        if rate is not None:
+            t += rng.expovariate(rate)
+    return delays
 
-        async def later(delay, i, prompt, m):
-            await asyncio.sleep(delay)
-            return await one_request(http, model, prompt, m, i)
 
-        delays, t = [], 0.0
-        for _ in reqs:
-            delays.append(t)
-            if rate is not None:
-                t += rng.expovariate(rate)
-        before = await server_latency(http)
+def _client(url: str, n: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8, keepalive_expiry=120)
+    return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600), limits=limits)
+
+
+async def _warm_up(http: httpx.AsyncClient, model: str, warm) -> None:
+    # as the offline run's: the server is a fresh process (its kernels compile on first use)
+    await asyncio.gather(*(one_request(http, model, p, 16, -1) for p, _ in warm))
+
+
+async def _open_connections(http: httpx.AsyncClient, model: str, reqs) -> None:
+    """One tiny request per connection, all at once: the pool then holds len(reqs) of them, kept alive
+    (shortly before the phase: uvicorn closes a connection idle for 5 s)."""
+    await asyncio.gather(*(one_request(http, model, p[:4], 1, -1) for p, _ in reqs))
+
+
+async def _send_all(http: httpx.AsyncClient, model: str, reqs, delays, seeds) -> list[dict]:
+    async def later(delay, seed, prompt, m):
+        await asyncio.sleep(delay)
+        return await one_request(http, model, prompt, m, seed)
+
+    return await asyncio.gather(*(later(d, i, p, m) for d, i, (p, m) in zip(delays, seeds, reqs)))
+
+
+async def load(
+    url: str, model: str, reqs, rate: float | None, seed: int = 0, open_first: bool = False
+) -> dict:
+    """All of `reqs` through the server from this process: Poisson arrivals at `rate` per second, or all at
+    once (None). open_first: the warm-up also opens one connection per request (kept alive), so the phase
+    measures no TCP connection set-up in this one-process client."""
+    async with _client(url, len(reqs)) as http:
+        await _warm_up(http, model, reqs[:32])
+        if open_first:
+            await _open_connections(http, model, reqs)
+        before = await server_metrics(http)
         t0 = time.perf_counter()
-        results = await asyncio.gather(
-            *(later(d, i, p, m) for i, (d, (p, m)) in enumerate(zip(delays, reqs)))
-        )
-        wall = time.perf_counter() - t0
-        after = await server_latency(http)
+        results = await _send_all(http, model, reqs, arrivals(len(reqs), rate, seed), range(len(reqs)))
+        t_end = time.perf_counter()
+        after = await server_metrics(http)
+    return summarize(results, rate, t0, t_end, before, after)
+
+
+def _client_process(url, model, reqs, delays, seeds, warm, open_first, barrier, out) -> None:
+    """One client process of load_procs: warm up, wait for the others (and the parent's /metrics read),
+    send its share at its arrival times, put the results on `out`."""
+
+    async def run():
+        async with _client(url, len(reqs)) as http:
+            await _warm_up(http, model, warm)
+            barrier.wait(BARRIER_S)  # 1: every client started and warmed up
+            if open_first:
+                await _open_connections(http, model, reqs)
+            barrier.wait(BARRIER_S)  # 2: connections open: the parent reads /metrics
+            barrier.wait(BARRIER_S)  # 3: go
+            return await _send_all(http, model, reqs, delays, seeds)
+
+    try:
+        out.put(asyncio.run(run()))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        out.put(f"{type(e).__name__}: {e}")
+        raise
+
+
+def load_procs(url: str, model: str, reqs, rate: float | None, procs: int, open_first: bool, seed: int = 0):
+    """load() from `procs` client processes (request i from process i % procs, at the same arrival times):
+    one Python process's event loop, sending hundreds of requests while it reads the streams of those
+    already running, is itself slow enough to delay the later requests (its all_sent_s shows it)."""
+    ctx = mp.get_context("spawn")  # a fresh interpreter: nothing of this one's threads or CUDA state
+    barrier, out = ctx.Barrier(procs + 1), ctx.Queue()
+    delays = arrivals(len(reqs), rate, seed)
+    children = []
+    for k in range(procs):
+        ids = list(range(k, len(reqs), procs))
+        args = (url, model, [reqs[i] for i in ids], [delays[i] for i in ids], ids, reqs[:32][k::procs],
+                open_first, barrier, out)  # fmt: skip
+        children.append(ctx.Process(target=_client_process, args=args, daemon=True))
+        children[-1].start()
+    try:
+        barrier.wait(BARRIER_S)
+        barrier.wait(BARRIER_S)
+        before = asyncio.run(_metrics_once(url))
+        t0 = time.perf_counter()
+        barrier.wait(BARRIER_S)
+        results = []
+        for _ in range(procs):
+            got = out.get(timeout=300)
+            if isinstance(got, str):
+                raise RuntimeError(f"a client process failed: {got}")
+            results += got
+        t_end = max((r["end"] for r in results if r["status"] == 200), default=time.perf_counter())
+        after = asyncio.run(_metrics_once(url))
+    finally:
+        barrier.abort()  # a child still waiting (the parent failed) stops waiting
+        for c in children:
+            c.join(60)
+            if c.is_alive():
+                c.kill()
+    result = summarize(results, rate, t0, t_end, before, after)
+    result["client_processes"] = procs
+    return result
+
+
+async def _metrics_once(url: str) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        return await server_metrics(http)
+
+
+def summarize(results: list[dict], rate, t0: float, t_end: float, before: dict, after: dict) -> dict:
+    wall = t_end - t0
     server = {}  # this phase's means: the differences of the histograms' sums and counts
-    for key in after:
+    for key in ("ttft", "itl", "e2e", "admission"):
         (s0, c0), (s1, c1) = before[key], after[key]
         server[key] = round((s1 - s0) / (c1 - c0), 5) if c1 > c0 else None
+    (s0, c0), (s1, c1) = before["intake"], after["intake"]
+    engine = {"steps": after["steps"] - before["steps"], "intakes": int(c1 - c0),
+              "requests_per_intake": round((s1 - s0) / (c1 - c0), 1) if c1 > c0 else None}  # fmt: skip
     ok = [r for r in results if r["status"] == 200]
     n_out = sum(r["tokens"] for r in ok)
     return {
@@ -161,13 +293,23 @@ async def load(url: str, model: str, reqs, rate: float | None, seed: int = 0) ->
         "ttft_s": percentiles([r["ttft"] for r in ok if r["ttft"] is not None]),
         "itl_s": percentiles([x for r in ok for x in r["itl"]]),
         "e2e_s": percentiles([r["end"] - r["start"] for r in ok]),
-        # the server's own view of this phase (its /metrics histograms)
+        # the client's own lag (its request written) and admission (the server's headers back), per request
+        # and for the phase's last request
+        "send_s": percentiles([r["sent"] - r["start"] for r in ok if r["sent"] is not None]),
+        "admit_s": percentiles([r["admitted"] - r["start"] for r in ok]),
+        "all_sent_s": round(max(r["sent"] for r in ok) - t0, 4)
+        if ok and all(r["sent"] for r in ok)
+        else None,
+        "all_admitted_s": round(max(r["admitted"] for r in ok) - t0, 4) if ok else None,
+        # the server's own view of this phase (its /metrics histograms and counters)
         "server_mean_s": server,
+        "server_engine": engine,
     }
 
 
-async def server_latency(http: httpx.AsyncClient) -> dict:
-    """(sum, count) of the server's TTFT, inter-token and end-to-end latency histograms (/metrics)."""
+async def server_metrics(http: httpx.AsyncClient) -> dict:
+    """(sum, count) of the server's TTFT, inter-token, end-to-end and admission latency histograms and of
+    its intake sizes; its engine step count (/metrics)."""
     text = (await http.get("/metrics")).text
     vals = {}
     for line in text.splitlines():
@@ -175,9 +317,11 @@ async def server_latency(http: httpx.AsyncClient) -> dict:
         vals[name] = float(v) if v and not name.startswith("#") else None
     out = {}
     for key, metric in (("ttft", "kiln_time_to_first_token_seconds"), ("itl", "kiln_inter_token_latency_seconds"),
-                        ("e2e", "kiln_e2e_request_latency_seconds")):  # fmt: skip
+                        ("e2e", "kiln_e2e_request_latency_seconds"), ("admission", "kiln_admission_latency_seconds"),
+                        ("intake", "kiln_engine_intake_requests")):  # fmt: skip
         total, count = vals.get(metric + "_sum"), vals.get(metric + "_count")
         out[key] = (total or 0.0, count or 0.0)
+    out["steps"] = int(vals.get("kiln_engine_steps_total") or 0)
     return out
 
 
@@ -250,16 +394,33 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--rate", type=float, default=8.0, help="requests per second of the fixed-rate run")
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument(
+        "--client-procs",
+        type=int,
+        default=4,
+        help="client processes of the last saturation phase (default 4)",
+    )
     ap.add_argument("--server", choices=("subprocess", "thread"), default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, a few short requests")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.client_procs < 1:
+        ap.error(f"--client-procs must be >= 1, got {args.client_procs}")
+    import torch
+
+    from kiln.infer import bench
+    from kiln.infer.engine import LLM
+    from kiln.model.config import ModelConfig
+    from kiln.model.hf import save_pretrained
+    from kiln.model.transformer import build_model
+    from kiln.profile.provenance import provenance
+
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if args.smoke:
         cfg = ModelConfig(arch="qwen2", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                           ffn_hidden=64, max_seq_len=64, qkv_bias=True, tie_embeddings=True)  # fmt: skip
-        args.n, args.min_len, args.max_len, args.rate = 6, 4, 12, 50.0
+        args.n, args.min_len, args.max_len, args.rate, args.client_procs = 6, 4, 12, 50.0, 2
         engine = {"device": "cpu", "dtype": "fp32", "num_blocks": 64, "block_size": 4, "max_num_seqs": 8}
         server_kind = args.server or "thread"
     else:
@@ -277,6 +438,14 @@ def main() -> None:
     llm = LLM(model, log=lambda *a: None, **engine)
     result["offline"] = offline(llm, reqs)
     print("offline", json.dumps(result["offline"]), flush=True)
+
+    def save() -> None:  # after every phase: a run cut short keeps what it measured
+        if args.out:
+            from kiln.io.atomic import atomic_write_text
+
+            atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
+
+    save()
     capacity = args.n + 8  # every request admitted: the bench measures speed, not the 503 bound
     with tempfile.TemporaryDirectory() as tmp:
         if server_kind == "subprocess":
@@ -291,10 +460,20 @@ def main() -> None:
             ctx = thread_server(llm, capacity)
         try:
             with ctx as url:
-                for rate in (args.rate, None):
-                    key = "saturation" if rate is None else "fixed_rate"
-                    result[key] = asyncio.run(load(url, "bench", reqs, rate))
+                # saturation as before (each request opens its connection in the phase), then with the
+                # connections opened in the warm-up: the difference is this client's connection set-up
+                for key, rate, open_first in (("fixed_rate", args.rate, False), ("saturation", None, False),
+                                              ("saturation_open_connections", None, True)):  # fmt: skip
+                    result[key] = asyncio.run(load(url, "bench", reqs, rate, open_first=open_first))
                     print(key, json.dumps(result[key]), flush=True)
+                    save()
+                # and from several client processes (connections opened first): the server's own price
+                key = "saturation_clients"
+                try:
+                    result[key] = load_procs(url, "bench", reqs, None, args.client_procs, open_first=True)
+                except Exception as e:  # noqa: BLE001 - the other phases' results still get written
+                    result[key] = {"error": f"{type(e).__name__}: {e}", "client_processes": args.client_procs}
+                print(key, json.dumps(result[key]), flush=True)
         except Exception:
             log = Path(tmp) / "server.log"
             if log.exists():
@@ -302,16 +481,29 @@ def main() -> None:
             raise
     sat, off = result["saturation"]["output_tok_s"], result["offline"]["output_tok_s"]
     result["overhead_at_saturation"] = round(1 - sat / off, 4)
+    phases = [
+        k
+        for k in ("saturation", "saturation_open_connections", "saturation_clients")
+        if "error" not in result[k]
+    ]
+    for key in phases[1:]:
+        result[f"overhead_at_{key}"] = round(1 - result[key]["output_tok_s"] / off, 4)
     print(
         f"offline {off:.1f} tok/s | HTTP saturation {sat:.1f} tok/s (overhead {100 * (1 - sat / off):.1f}%) | "
         f"rate {args.rate}/s {result['fixed_rate']['output_tok_s']:.1f} tok/s, "
         f"TTFT p50 {result['fixed_rate']['ttft_s']['p50']} s p99 {result['fixed_rate']['ttft_s']['p99']} s, "
         f"ITL p50 {result['fixed_rate']['itl_s']['p50']} s p99 {result['fixed_rate']['itl_s']['p99']} s"
     )
-    if args.out:
-        from kiln.io.atomic import atomic_write_text
-
-        atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
+    for key in phases:
+        run = result[key]
+        print(
+            f"{key}: {run['output_tok_s']:.1f} tok/s (overhead {100 * (1 - run['output_tok_s'] / off):.1f}%); "
+            f"all {args.n} sent after {run['all_sent_s']} s, admitted after {run['all_admitted_s']} s, "
+            f"TTFT p50 {run['ttft_s']['p50']} s; "
+            f"engine steps {run['server_engine']['steps']} (offline {result['offline']['engine_steps']}), "
+            f"intakes {run['server_engine']['intakes']} of {run['server_engine']['requests_per_intake']} requests"
+        )
+    save()
 
 
 if __name__ == "__main__":

@@ -16,9 +16,20 @@ def test_bench_smoke(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["serve.py", "--smoke", "--out", str(out)])
     runpy.run_path(str(BENCH / "serve.py"), run_name="__main__")
     result = json.loads(out.read_text())
-    for key in ("fixed_rate", "saturation"):
+    for key in ("fixed_rate", "saturation", "saturation_open_connections", "saturation_clients"):
         run = result[key]
         assert run["requests_ok"] == result["n"] and not run["errors"]
         assert run["output_tokens"] == result["offline"]["output_tokens"]  # every request ran to its length
         assert run["ttft_s"]["p50"] > 0 and run["itl_s"]["p99"] >= run["itl_s"]["p50"] > 0
+        # admission: every request's headers came before its first token; the engine took them all in
+        assert 0 < run["admit_s"]["p50"] <= run["ttft_s"]["p50"] and run["all_admitted_s"] > 0
+        assert (
+            0 < run["send_s"]["p50"] <= run["admit_s"]["p50"] and run["all_sent_s"] <= run["all_admitted_s"]
+        )
+        eng = run["server_engine"]
+        assert eng["steps"] > 0 and 1 <= eng["intakes"] <= result["n"]
+        assert round(eng["intakes"] * eng["requests_per_intake"]) == result["n"]
+        assert run["server_mean_s"]["admission"] > 0
     assert "overhead_at_saturation" in result and result["commit"]
+    assert result["offline"]["engine_steps"] > 0 and "overhead_at_saturation_clients" in result
+    assert result["saturation_clients"]["client_processes"] == 2

@@ -56,7 +56,7 @@ def test_deltas_rebuild_the_cumulative_outputs():
 
 
 def test_deltas_of_a_real_engine_run(model_dir):
-    """Two engines on the same weights and seeds, stop strings, n = 2, logprobs, prompt logprobs, more
+    """Two engines on the same weights and seeds, stop strings, n = 2, logprobs or none, prompt logprobs, more
     requests than a step holds: one steps as the thread transport does (cumulative outputs, encoded), the
     other as the engine process does (finished_only, running requests read live). Both decode, step by
     step, to exactly the first engine's outputs."""
@@ -64,8 +64,10 @@ def test_deltas_of_a_real_engine_run(model_dir):
     prompts = ["def contextmanager(func):", "class Foo:", "import os", "with open(", "x = [1, 2"]
     for eng in (ref, live):
         for k, p in enumerate(prompts):
+            # n = 1 without logprobs (k = 0, 2) is the engine process's fast path (encode_live)
+            lp = 2 if k % 2 else None
             params = SamplingParams(
-                max_tokens=6 + 3 * k, temperature=1.0, seed=k, n=1 + k % 2, logprobs=2, stop=["e", "("]
+                max_tokens=6 + 3 * k, temperature=1.0, seed=k, n=1 + k % 2, logprobs=lp, stop=["e", "("]
             )
             if k == 4:
                 params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=1, prompt_logprobs=1)

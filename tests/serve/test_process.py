@@ -160,3 +160,11 @@ def test_model_that_does_not_load_is_a_cli_error(tmp_path, capsys):
     assert main(["serve", "--model", str(tmp_path), "--device", "cpu", "--port", "8"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kiln: error:") and "Traceback" not in err, err
+
+
+def test_burst_is_one_intake_process_transport(proc_server, monkeypatch):
+    """The adds of one tick cross the pipe as one command and come back as one intake (test_admission)."""
+    from .test_admission import check_burst_is_one_intake
+
+    check_burst_is_one_intake(proc_server, monkeypatch)
+    assert proc_server.server.metrics.registry.get_sample_value("kiln_engine_steps_total") >= 4

@@ -69,8 +69,18 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
+# one encoder for every chunk: json.dumps with non-default separators builds a new JSONEncoder per call
+_JSON = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+    return f"data: {_JSON(obj)}\n\n"
+
+
+async def _abort(handle: RequestHandle) -> None:
+    """handle.abort as a coroutine: Starlette runs a plain function's background task in its thread pool
+    (a thread hop per request, and the admission count touched from outside the event loop)."""
+    handle.abort()
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -285,7 +295,7 @@ class Server:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 # runs even when a disconnect cancels the stream before its generator started
-                background=BackgroundTask(handle.abort),
+                background=BackgroundTask(_abort, handle),
             )
         finals: dict[int, RequestOutput] = {}
         gone = asyncio.ensure_future(_wait_disconnect(request))

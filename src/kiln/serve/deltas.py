@@ -52,8 +52,22 @@ class DeltaEncoder:
 
     def encode_live(self, key: int, i: int, req) -> tuple | None:
         """The delta of an unfinished engine request (kiln.infer.engine._Request), None if nothing moved."""
-        first = req.request_id not in self._sent
+        state = self._sent.get(req.request_id)
+        first = state is None
         seqs = req.seqs
+        params = req.params
+        if not first and len(seqs) == 1 and params.logprobs is None and params.prompt_logprobs is None:
+            # the common case, once per running request per step in the engine process: one completion
+            # and no logprobs, so only its new token ids and its text's change (what _encode gives)
+            s, seq, text = state[0][0], seqs[0], req.texts[0]
+            ids, finish = seq.output_token_ids, seq.finish_reason
+            n = len(ids)
+            if n == s.tokens and text is s.text and finish == s.finish:
+                return None
+            keep, append = _text_delta(s.text, text)
+            comp = (0, ids[s.tokens :], None, None, keep, append, finish, seq.stop_reason)
+            s.tokens, s.text, s.finish = n, text, finish
+            return (key, i, False, None, None, None, [comp])
         if first and not any(s.output_token_ids or s.finish_reason for s in seqs):
             return None  # waiting, or its prompt still in prefill: nothing to send yet
         want = req.params.logprobs is not None

@@ -3,69 +3,64 @@ carries its commands and outputs. It runs in a thread of the server's process (w
 `Server(engine, config)`) or in a child process of its own (engine_process.ProcessWorker: `kiln serve`).
 
 Commands (tuples, picklable: the process transport sends them through a pipe), from the HTTP side:
-    ("add", key, prompts, params)   add_request for each prompt (all or none); key: the handle's int id
+    ("add", [(key, prompts, params), ...])   the requests the HTTP side submitted in one tick of its event
+                                    loop; add_request for each prompt of each (all or none per key); key:
+                                    the handle's int id
     ("abort", key)                  engine.abort of the handle's prompts: their KV blocks are freed at once
     ("abort_all",)                  every request (shutdown's deadline)
     ("stop",)                       abort what is left, step it out, return
 Events, to the sink (worker.EngineWorker on the HTTP side, or the child's delta sender):
-    accepted(key, prompt_tokens) | rejected(key, message)     one per "add"
+    intake(results, steps)  once per intake (the adds taken before one step): results [(key, prompt tokens,
+                            None) accepted | (key, 0, message) rejected], one per add; steps: the engine
+                            steps run before this intake
     step(items, gauges)     items: [(key, prompt index, RequestOutput)] of one step (cumulative outputs);
                             with live=True, the finished requests' RequestOutputs, then every unfinished
                             request's own engine state (key, prompt index, LLMEngine.requests[id]), which
                             the sink reads before the next step (the engine then builds no per-step copies);
-                            gauges: (running, waiting, KV blocks used), after every pass of the loop
+                            gauges: (running, waiting, KV blocks used, steps run), after every pass
     crashed(message)        the engine raised: the loop ends
 The request id of prompt i of handle `key` is f"{key}-{i}".
+
+Intake (why the engine sees a burst of requests at once, as offline generation adds them): before each step
+the loop takes every command already queued, so a step schedules every request that arrived while the last
+one ran. When the engine is idle, the first command may be the head of a burst (hundreds of clients sending
+at once, parsed by the HTTP side one after another): the loop then keeps taking commands while they arrive
+less than BURST_GAP_S apart, for at most BURST_MAX_S, before its first step. A lone request pays one gap
+(2 ms, against a prefill step and the HTTP round trip); the first request of a burst pays at most
+BURST_MAX_S, and the first step then schedules the whole burst (up to the step's token budget) instead of one
+prompt, followed by steps that each admit the few that arrived meanwhile.
 """
 
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable
 
 from kiln.errors import KilnError
 from kiln.infer.engine import LLMEngine
 
+BURST_GAP_S = 0.002  # an idle engine's first intake ends when no command came for this long
+BURST_MAX_S = 0.02  # ... or after this long in all
+
 
 class EngineLoop:
-    """run(get): drain the commands `get(block)` returns (queue.Empty when none) before each step, step
-    while work exists, block on `get` when idle; report to `sink` (module docstring)."""
+    """run(get): take the commands `get(timeout)` returns (timeout None: block; 0: only what is queued;
+    raises queue.Empty when none came) before each step, step while work exists, block when idle; report
+    to `sink` (module docstring)."""
 
     def __init__(self, engine: LLMEngine, sink, live: bool = False):
         self.engine, self.sink, self.live = engine, sink, live
         self._owner: dict[str, tuple[int, int]] = {}  # engine request id -> (handle key, prompt index)
         self._rids: dict[int, list[str]] = {}  # handle key -> its live request ids
+        self.steps = 0  # engine steps run
 
-    def run(self, get: Callable[[bool], tuple]) -> None:
+    def run(self, get: Callable[[float | None], tuple]) -> None:
         eng = self.engine
         try:
             while True:
-                # idle: block until a command arrives; busy: take what is queued and step
-                block = not eng.has_unfinished()
-                while True:
-                    try:
-                        cmd = get(block)
-                    except queue.Empty:
-                        break
-                    block = False
-                    kind = cmd[0]
-                    if kind == "stop":
-                        for rid in list(self._owner):
-                            eng.abort(rid)
-                        while eng.has_unfinished() or eng.requests:  # the aborted, one last time
-                            self._step()
-                        self.sink.step([], self._gauges())
-                        return
-                    if kind == "add":
-                        self._add(*cmd[1:])
-                    elif kind == "abort":
-                        for rid in self._rids.get(cmd[1], ()):
-                            eng.abort(rid)
-                    elif kind == "abort_all":
-                        for rid in list(self._owner):
-                            eng.abort(rid)
-                    else:
-                        raise KilnError(f"unknown engine command {kind!r}")
+                if self._intake(get, idle=not eng.has_unfinished() and not eng.requests):
+                    return
                 # a step also hands back requests that an abort finished (and drops them from the engine)
                 if eng.has_unfinished() or eng.requests:
                     self._step()
@@ -74,7 +69,49 @@ class EngineLoop:
         except BaseException as e:  # noqa: BLE001 - a crash: the sink fails every waiting request (500)
             self.sink.crashed(f"{type(e).__name__}: {e}")
 
-    def _add(self, key: int, prompts: list, params) -> None:
+    def _intake(self, get: Callable[[float | None], tuple], idle: bool) -> bool:
+        """Take the queued commands (idle: block for the first, then the burst rule); True: "stop"."""
+        eng = self.engine
+        results: list[tuple[int, int, str | None]] = []
+        timeout: float | None = None if idle else 0.0
+        deadline = None
+        while True:
+            try:
+                cmd = get(timeout)
+            except queue.Empty:
+                break
+            if idle:  # the head of a possible burst: wait for its tail a little (module docstring)
+                now = time.monotonic()
+                deadline = deadline if deadline is not None else now + BURST_MAX_S
+                timeout = max(0.0, min(BURST_GAP_S, deadline - now))
+            else:
+                timeout = 0.0
+            kind = cmd[0]
+            if kind == "add":
+                for key, prompts, params in cmd[1]:
+                    results.append(self._add(key, prompts, params))
+            elif kind == "abort":
+                for rid in self._rids.get(cmd[1], ()):
+                    eng.abort(rid)
+            elif kind == "abort_all":
+                for rid in list(self._owner):
+                    eng.abort(rid)
+            elif kind == "stop":
+                if results:
+                    self.sink.intake(results, self.steps)
+                for rid in list(self._owner):
+                    eng.abort(rid)
+                while eng.has_unfinished() or eng.requests:  # the aborted, one last time
+                    self._step()
+                self.sink.step([], self._gauges())
+                return True
+            else:
+                raise KilnError(f"unknown engine command {kind!r}")
+        if results:  # one reply for the whole intake: the HTTP side wakes once, not once per request
+            self.sink.intake(results, self.steps)
+        return False
+
+    def _add(self, key: int, prompts: list, params) -> tuple[int, int, str | None]:
         eng, rids = self.engine, []
         try:
             for i, p in enumerate(prompts):
@@ -82,12 +119,11 @@ class EngineLoop:
         except KilnError as e:  # all or none: take back the prompts already added
             for rid in rids:
                 eng.abort(rid)
-            self.sink.rejected(key, str(e))
-            return
+            return key, 0, str(e)
         for i, rid in enumerate(rids):
             self._owner[rid] = (key, i)
         self._rids[key] = rids
-        self.sink.accepted(key, sum(len(eng.requests[rid].prompt_ids) for rid in rids))
+        return key, sum(len(eng.requests[rid].prompt_ids) for rid in rids), None
 
     def _step(self) -> None:
         items = []
@@ -106,9 +142,11 @@ class EngineLoop:
         if self.live:  # the requests still running (or waiting): the sink reads what moved
             reqs = eng.requests
             items.extend((key, i, reqs[rid]) for rid, (key, i) in self._owner.items())
+        self.steps += 1
         self.sink.step(items, self._gauges())
 
-    def _gauges(self) -> tuple[int, int, int]:
+    def _gauges(self) -> tuple[int, int, int, int]:
         eng = self.engine
         bm = eng.block_manager
-        return len(eng.scheduler.running), len(eng.scheduler.waiting), bm.num_blocks - bm.num_free_blocks
+        sch = eng.scheduler
+        return len(sch.running), len(sch.waiting), bm.num_blocks - bm.num_free_blocks, self.steps

@@ -10,9 +10,11 @@ reason).
       DeltaDecoder rebuilds the cumulative RequestOutputs,
       EngineWorker.step delivers them (one wake-up of the event loop)
 
-Replies: ("ready", engine facts) or ("failed", message) once at start; ("accepted", key, prompt tokens) or
-("rejected", key, message) per add; ("step", [deltas.py's delta per output], (running, waiting, KV blocks
-used)) per step that produced outputs or moved a gauge; ("crashed", message); ("stopped",) last.
+Replies: ("ready", engine facts) or ("failed", message) once at start; ("intake", [(key, prompt tokens,
+None | rejection message)], steps) per intake (every add taken before one step: engine_loop.py);
+("step", [deltas.py's delta per output], (running, waiting, KV blocks used, steps)) per step that produced
+outputs or moved a gauge; ("crashed", message); ("stopped",) last. Commands arrive as the HTTP side
+batched them: the adds of one tick of its event loop in one message (worker.py).
 
 The engine never waits on the server process: its messages go through a sender thread's unbounded buffer,
 so a server process that falls behind grows that buffer (and coalesces: the reader takes every message
@@ -109,7 +111,7 @@ class ProcessWorker(EngineWorker):
         self.accepting = False
         self._stopping = True
         if self._proc.is_alive():
-            self.send(("stop",))
+            self.command(("stop",))
         if self._reader is not None:
             self._reader.join(timeout)
         self._proc.join(timeout)
@@ -171,10 +173,8 @@ class ProcessWorker(EngineWorker):
                 for delta in msg[1]:
                     newest[self._decoder.apply(delta)] = (delta[2], delta[5])
                 gauges = msg[2]
-            elif kind == "accepted":
-                self.accepted(msg[1], msg[2])
-            elif kind == "rejected":
-                self.rejected(msg[1], msg[2])
+            elif kind == "intake":
+                self.intake(msg[1], msg[2])
             elif kind == "crashed":
                 flush()
                 self.crashed(msg[1])
@@ -233,11 +233,8 @@ class _ChildSink:
         self.sender, self.encoder = sender, DeltaEncoder()
         self._gauges = None
 
-    def accepted(self, key: int, prompt_tokens: int) -> None:
-        self.sender.put(("accepted", key, prompt_tokens))
-
-    def rejected(self, key: int, message: str) -> None:
-        self.sender.put(("rejected", key, message))
+    def intake(self, results: list, steps: int) -> None:
+        self.sender.put(("intake", results, steps))
 
     def step(self, items: list, gauges: tuple) -> None:
         deltas = []
@@ -249,9 +246,9 @@ class _ChildSink:
             )
             if d is not None:
                 deltas.append(d)
-        if not deltas and gauges == self._gauges:
+        if not deltas and gauges[:3] == self._gauges:  # the step count alone travels with the next one
             return
-        self._gauges = gauges
+        self._gauges = gauges[:3]
         self.sender.put(("step", deltas, gauges))
 
     def crashed(self, message: str) -> None:
@@ -288,11 +285,11 @@ def _engine_main(model: str, engine: dict, engine_log: bool, commands, conn) -> 
         )
     )
 
-    def get(block: bool) -> tuple:
+    def get(timeout: float | None) -> tuple:
         if sender.broken:  # the server process is gone: stop now, even with requests running
             return ("stop",)
-        if not block:
-            return commands.get(block=False)
+        if timeout is not None:
+            return commands.get(block=timeout > 0, timeout=timeout or None)
         while True:
             try:
                 return commands.get(timeout=PARENT_CHECK_S)

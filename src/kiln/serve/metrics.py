@@ -9,6 +9,10 @@ kiln_inter_token_latency_seconds    time between a completion's consecutive toke
 kiln_e2e_request_latency_seconds    HTTP arrival -> last token of a prompt (histogram)
 kiln_requests_finished_total{finish_reason}       completions by finish reason (stop, length, abort)
 kiln_requests_rejected_total        requests refused with 503 because the server was at capacity
+kiln_admission_latency_seconds      submission to the engine's acceptance (the request is then in its queue)
+kiln_engine_intake_requests         requests the engine took in one intake, before one step (histogram: its
+                                    count is the intakes, its sum the requests)
+kiln_engine_steps_total             engine steps run
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 # seconds; the ranges of a CPU test model up to a 1.5B model's long prompts on a GPU
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+ADMISSION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+INTAKE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 
@@ -44,3 +50,16 @@ class ServerMetrics:
             "kiln_requests_finished", "Completions by finish reason", ["finish_reason"], registry=r
         )
         self.rejected = Counter("kiln_requests_rejected", "Requests refused at capacity (503)", registry=r)
+        self.admission = Histogram(
+            "kiln_admission_latency_seconds",
+            "Submission to the engine's acceptance",
+            buckets=ADMISSION_BUCKETS,
+            registry=r,
+        )
+        self.intake = Histogram(
+            "kiln_engine_intake_requests",
+            "Requests the engine took before one step",
+            buckets=INTAKE_BUCKETS,
+            registry=r,
+        )
+        self.steps = Counter("kiln_engine_steps", "Engine steps run", registry=r)

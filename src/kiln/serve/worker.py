@@ -7,10 +7,17 @@ transports that share everything here:
                                       does not share a GIL with the event loop's JSON and SSE work
 
     HTTP handlers (event loop)                     the transport (thread, or the process's reader thread)
-    submit(prompts, params) --("add", key, ...)--> EngineLoop: add_request for each prompt (all or none)
-                            <--accepted / rejected (-> 400), call_soon_threadsafe--
+    submit(prompts, params) --("add", [adds])-->   EngineLoop: add_request for each prompt (all or none)
+                            <--intake: accepted / rejected (-> 400), one call_soon_threadsafe per intake--
     handle.abort()          --("abort", key)-->    engine.abort: the sequences' KV blocks are freed at once
                             <--step(items, gauges): one wake-up of the event loop per delivery--
+
+The adds submitted in one tick of the event loop leave as one command (a burst of clients parsed in one
+tick is one message, one pickling and one write for the process transport, whose feeder thread would
+otherwise wait for the GIL once per request while the event loop is busy), and the engine answers each
+intake with one reply (engine_loop.py: the intake rule). A tick that parses hundreds of requests lasts
+long, so a batch also leaves as soon as an add finds it ADD_BATCH_S old: the engine gets the burst's head
+while the event loop is still parsing its tail.
 
 Admission is bounded in the event loop, where it is counted: the server holds at most `max_num_seqs`
 running + `max_waiting` waiting sequences (n counts n times); past that a request is refused with 503
@@ -33,6 +40,8 @@ from kiln.infer.sampling_params import SamplingParams
 from kiln.serve.engine_loop import EngineLoop
 from kiln.serve.metrics import ServerMetrics
 from kiln.serve.protocol import APIError
+
+ADD_BATCH_S = 0.002  # adds wait at most this long (or the end of the tick) to leave together
 
 
 class RequestHandle:
@@ -63,7 +72,7 @@ class RequestHandle:
         if not self.closed:
             self.closed = True
             if not self.done:
-                self.worker.send(("abort", self.id))
+                self.worker.command(("abort", self.id))
             self.worker._release(self)
 
     def _take(self, item) -> tuple[int, RequestOutput]:
@@ -93,7 +102,7 @@ class RequestHandle:
 class EngineWorker:
     """The HTTP side shared by both transports. A transport gives the engine facts (`_engine_facts`, before
     serving), implements `send(command)`, `healthy`, `_start()` and `stop()`, and calls the sink methods
-    (`accepted`, `rejected`, `step`, `crashed`) from its delivery thread."""
+    (`intake`, `step`, `crashed`) from its delivery thread."""
 
     def __init__(self, max_waiting: int, log=print):
         if not isinstance(max_waiting, int) or isinstance(max_waiting, bool) or max_waiting < 0:
@@ -104,6 +113,10 @@ class EngineWorker:
         self._handles: dict[int, RequestHandle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.in_flight = 0  # sequences admitted and not yet released (event-loop side only)
+        self._adds: list[tuple] = []  # (key, prompts, params) submitted in this tick of the event loop
+        self._adds_lock = threading.Lock()  # stop() may flush them from another thread
+        self._adds_since = 0.0  # when the first of them was queued
+        self._steps = 0  # the engine's step count last reported (kiln_engine_steps_total follows it)
         self.accepting = False
         self.error: str | None = None  # the engine's crash, if any
 
@@ -141,7 +154,15 @@ class EngineWorker:
         self.in_flight += handle.n_seqs
         # registered before the command leaves: a crash reported from now on fails this handle too
         self._handles[handle.id] = handle
-        self.send(("add", handle.id, prompts, params))
+        with self._adds_lock:
+            now = time.monotonic()
+            if not self._adds:  # the first add of this tick: it leaves after the tick's other handlers ran
+                self._adds_since = now
+                self._loop.call_soon(self._flush_adds)
+            self._adds.append((handle.id, prompts, params))
+            now_too = now - self._adds_since >= ADD_BATCH_S  # a long tick: do not hold the head back
+        if now_too:
+            self._flush_adds()
         try:
             await handle.accepted
         except KilnError as e:
@@ -153,6 +174,17 @@ class EngineWorker:
             raise
         return handle
 
+    def _flush_adds(self) -> None:
+        with self._adds_lock:
+            adds, self._adds = self._adds, []
+            if adds:
+                self.send(("add", adds))
+
+    def command(self, command: tuple) -> None:
+        """Send a command after the adds still waiting for the end of the tick (an abort follows its add)."""
+        self._flush_adds()
+        self.send(command)
+
     def _release(self, handle: RequestHandle) -> None:
         if handle.n_seqs:
             self.in_flight -= handle.n_seqs
@@ -160,22 +192,31 @@ class EngineWorker:
 
     def abort_all(self) -> None:
         """Abort every request in the engine (shutdown's deadline): their handlers end them with "abort"."""
-        self.send(("abort_all",))
+        self.command(("abort_all",))
 
     # ---- the sink: called from the transport's delivery thread ------------------------------------------
-    def accepted(self, key: int, prompt_tokens: int) -> None:
-        self.metrics.prompt_tokens.inc(prompt_tokens)
-        self._settle(key, None)
+    def intake(self, results: list[tuple[int, int, str | None]], steps: int) -> None:
+        """The engine's answer to the adds it took before one step: (key, prompt tokens, None) accepted,
+        (key, 0, message) rejected; `steps`: the engine steps run before them."""
+        m = self.metrics
+        accepted = sum(1 for r in results if r[2] is None)
+        if accepted:
+            m.intake.observe(accepted)
+        tokens = sum(r[1] for r in results)
+        if tokens:
+            m.prompt_tokens.inc(tokens)
+        self._loop.call_soon_threadsafe(self._settle, results)
 
-    def rejected(self, key: int, message: str) -> None:
-        self._settle(key, KilnError(message))
-
-    def step(self, items: list[tuple[int, int, RequestOutput]], gauges: tuple[int, int, int]) -> None:
-        """Deliver one step's outputs (or several steps' newest ones) in one wake-up of the event loop."""
+    def step(self, items: list[tuple[int, int, RequestOutput]], gauges: tuple[int, int, int, int]) -> None:
+        """Deliver one step's outputs (or several steps' newest ones) in one wake-up of the event loop;
+        gauges: (running, waiting, KV blocks used, engine steps run)."""
         m = self.metrics
         m.running.set(gauges[0])
         m.waiting.set(gauges[1])
         m.kv_blocks_used.set(gauges[2])
+        if gauges[3] > self._steps:
+            m.steps.inc(gauges[3] - self._steps)
+            self._steps = gauges[3]
         now = time.monotonic()
         batch = []
         for key, i, out in items:
@@ -203,18 +244,18 @@ class EngineWorker:
                 )
 
     # ---- event-loop callbacks --------------------------------------------------------------------------
-    def _settle(self, key: int, error: BaseException | None) -> None:
-        def settle():
+    def _settle(self, results: list[tuple[int, int, str | None]]) -> None:
+        now = time.monotonic()
+        for key, _, error in results:
             handle = self._handles.get(key)
             if handle is None or handle.accepted.done():
-                return
+                continue
             if error is None:
+                self.metrics.admission.observe(now - handle.arrival)
                 handle.accepted.set_result(None)
             else:
                 del self._handles[key]
-                handle.accepted.set_exception(error)
-
-        self._loop.call_soon_threadsafe(settle)
+                handle.accepted.set_exception(KilnError(error))
 
     def _deliver(self, batch: list) -> None:
         for handle, i, out, done in batch:
@@ -269,8 +310,8 @@ class ThreadWorker(EngineWorker):
         self._thread = threading.Thread(target=loop.run, args=(self._get,), name="kiln-engine", daemon=True)
         self._thread.start()
 
-    def _get(self, block: bool) -> tuple:
-        return self._commands.get(block=block)
+    def _get(self, timeout: float | None) -> tuple:
+        return self._commands.get(block=timeout != 0, timeout=timeout or None)
 
     def send(self, command: tuple) -> None:
         self._commands.put(command)
@@ -283,5 +324,5 @@ class ThreadWorker(EngineWorker):
         """Abort what is left, end the thread. In-flight HTTP handlers see their requests finish (abort)."""
         self.accepting = False
         if self._thread is not None and self._thread.is_alive():
-            self.send(("stop",))
+            self.command(("stop",))
             self._thread.join(timeout)
