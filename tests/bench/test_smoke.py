@@ -89,6 +89,15 @@ def test_every_bench_script_is_smoke_tested():
     # cuda_ladder has no CPU path at all (CUDA C++ kernels): tests/kernels/cuda tests its error path
     # train: tests/train/test_bench_train.py (its compiled contenders are too slow to compile here)
     # speedrun: tests/train/test_speedrun.py runs its smoke and checks its two runs
-    owned_elsewhere = {"tokenizer", "compile", "serve", "cuda_ladder", "train", "speedrun"}
+    # dist_host_profile: tests/bench/test_dist_host_profile.py (a profile, not a measurement with --smoke)
+    owned_elsewhere = {
+        "tokenizer",
+        "compile",
+        "serve",
+        "cuda_ladder",
+        "train",
+        "speedrun",
+        "dist_host_profile",
+    }
     scripts = {p.stem for p in BENCH.glob("*.py")} - owned_elsewhere
     assert scripts == set(SCRIPTS), f"bench scripts without a smoke test: {scripts - set(SCRIPTS)}"
