@@ -72,7 +72,11 @@ def percentiles(xs: list[float]) -> dict:
 
 
 # ---- the offline reference ---------------------------------------------------------------------------
-def offline(llm: LLM, reqs) -> dict:
+SATURATION_PHASES = ("saturation", "saturation_open_connections", "saturation_clients")
+PHASES = ("fixed_rate", *SATURATION_PHASES)
+
+
+def offline(llm: LLM, reqs, rounds: int = 2) -> dict:
     from kiln.infer.sampling_params import SamplingParams
 
     params = [
@@ -88,18 +92,26 @@ def offline(llm: LLM, reqs) -> dict:
         steps[0] += 1
         return step(*a, **kw)
 
-    eng.step = counted
-    t = time.perf_counter()
-    try:
-        outs = llm.generate([p for p, _ in reqs], params)
-    finally:
-        del eng.step
-    wall = time.perf_counter() - t
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    # the engine's own arrival-to-first-token of the same workload: what HTTP's TTFT is compared with
-    ttft = [o.metrics["ttft_s"] for o in outs if "ttft_s" in o.metrics]
-    return {"output_tokens": n_out, "time_s": round(wall, 3), "output_tok_s": round(n_out / wall, 1),
-            "ttft_s": percentiles(ttft), "engine_steps": steps[0] or None}  # fmt: skip
+    # the whole workload `rounds` times, the best one reported: on the H200 the first heavy seconds after
+    # idle run measurably slower (the server's phases come after minutes of work), so one cold pass would
+    # flatter the server's ratio
+    runs = []
+    for _ in range(rounds):
+        steps[0] = 0
+        eng.step = counted
+        t = time.perf_counter()
+        try:
+            outs = llm.generate([p for p, _ in reqs], params)
+        finally:
+            del eng.step
+        wall = time.perf_counter() - t
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        # the engine's own arrival-to-first-token of the same workload: what HTTP's TTFT is compared with
+        ttft = [o.metrics["ttft_s"] for o in outs if "ttft_s" in o.metrics]
+        runs.append({"output_tokens": n_out, "time_s": round(wall, 3), "output_tok_s": round(n_out / wall, 1),
+                     "ttft_s": percentiles(ttft), "engine_steps": steps[0] or None})  # fmt: skip
+    best = max(runs, key=lambda r: r["output_tok_s"])
+    return {**best, "rounds_tok_s": [r["output_tok_s"] for r in runs]}
 
 
 # ---- the HTTP client -------------------------------------------------------------------------------------
@@ -403,7 +415,15 @@ def main() -> None:
     ap.add_argument("--server", choices=("subprocess", "thread"), default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, a few short requests")
     ap.add_argument("--out")
+    ap.add_argument("--phases", default=",".join(PHASES),
+                    help=f"comma-separated HTTP phases to run, in this order: {', '.join(PHASES)}")  # fmt: skip
+    ap.add_argument(
+        "--offline-rounds", type=int, default=2, help="offline passes of the workload (best kept)"
+    )
     args = ap.parse_args()
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    if not phases or set(phases) - set(PHASES):
+        ap.error(f"--phases: unknown {sorted(set(phases) - set(PHASES))}; choose from {', '.join(PHASES)}")
     if args.client_procs < 1:
         ap.error(f"--client-procs must be >= 1, got {args.client_procs}")
     import torch
@@ -436,7 +456,7 @@ def main() -> None:
     result["engine"] = engine
     model = build_model(cfg, device=dev, dtype=dtype, seed=0).eval()
     llm = LLM(model, log=lambda *a: None, **engine)
-    result["offline"] = offline(llm, reqs)
+    result["offline"] = offline(llm, reqs, max(1, args.offline_rounds))
     print("offline", json.dumps(result["offline"]), flush=True)
 
     def save() -> None:  # after every phase: a run cut short keeps what it measured
@@ -464,37 +484,36 @@ def main() -> None:
                 # connections opened in the warm-up: the difference is this client's connection set-up
                 for key, rate, open_first in (("fixed_rate", args.rate, False), ("saturation", None, False),
                                               ("saturation_open_connections", None, True)):  # fmt: skip
-                    result[key] = asyncio.run(load(url, "bench", reqs, rate, open_first=open_first))
-                    print(key, json.dumps(result[key]), flush=True)
-                    save()
+                    if key in phases:
+                        result[key] = asyncio.run(load(url, "bench", reqs, rate, open_first=open_first))
+                        print(key, json.dumps(result[key]), flush=True)
+                        save()
                 # and from several client processes (connections opened first): the server's own price
                 key = "saturation_clients"
-                try:
-                    result[key] = load_procs(url, "bench", reqs, None, args.client_procs, open_first=True)
-                except Exception as e:  # noqa: BLE001 - the other phases' results still get written
-                    result[key] = {"error": f"{type(e).__name__}: {e}", "client_processes": args.client_procs}
-                print(key, json.dumps(result[key]), flush=True)
+                if key in phases:
+                    try:
+                        result[key] = load_procs(url, "bench", reqs, None, args.client_procs, open_first=True)
+                    except Exception as e:  # noqa: BLE001 - the other phases' results still get written
+                        result[key] = {
+                            "error": f"{type(e).__name__}: {e}",
+                            "client_processes": args.client_procs,
+                        }
+                    print(key, json.dumps(result[key]), flush=True)
         except Exception:
             log = Path(tmp) / "server.log"
             if log.exists():
                 print(log.read_text()[-4000:], file=sys.stderr)
             raise
-    sat, off = result["saturation"]["output_tok_s"], result["offline"]["output_tok_s"]
-    result["overhead_at_saturation"] = round(1 - sat / off, 4)
-    phases = [
-        k
-        for k in ("saturation", "saturation_open_connections", "saturation_clients")
-        if "error" not in result[k]
-    ]
-    for key in phases[1:]:
+    off = result["offline"]["output_tok_s"]
+    done = [k for k in SATURATION_PHASES if k in result and "error" not in result[k]]
+    for key in done:
         result[f"overhead_at_{key}"] = round(1 - result[key]["output_tok_s"] / off, 4)
-    print(
-        f"offline {off:.1f} tok/s | HTTP saturation {sat:.1f} tok/s (overhead {100 * (1 - sat / off):.1f}%) | "
-        f"rate {args.rate}/s {result['fixed_rate']['output_tok_s']:.1f} tok/s, "
-        f"TTFT p50 {result['fixed_rate']['ttft_s']['p50']} s p99 {result['fixed_rate']['ttft_s']['p99']} s, "
-        f"ITL p50 {result['fixed_rate']['itl_s']['p50']} s p99 {result['fixed_rate']['itl_s']['p99']} s"
-    )
-    for key in phases:
+    print(f"offline {off:.1f} tok/s (rounds {result['offline']['rounds_tok_s']})")
+    if "fixed_rate" in result:
+        fixed = result["fixed_rate"]
+        print(f"rate {args.rate}/s {fixed['output_tok_s']:.1f} tok/s, TTFT p50 {fixed['ttft_s']['p50']} s p99 "
+              f"{fixed['ttft_s']['p99']} s, ITL p50 {fixed['itl_s']['p50']} s p99 {fixed['itl_s']['p99']} s")  # fmt: skip
+    for key in done:
         run = result[key]
         print(
             f"{key}: {run['output_tok_s']:.1f} tok/s (overhead {100 * (1 - run['output_tok_s'] / off):.1f}%); "

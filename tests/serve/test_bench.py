@@ -33,3 +33,15 @@ def test_bench_smoke(tmp_path, monkeypatch):
     assert "overhead_at_saturation" in result and result["commit"]
     assert result["offline"]["engine_steps"] > 0 and "overhead_at_saturation_clients" in result
     assert result["saturation_clients"]["client_processes"] == 2
+    assert len(result["offline"]["rounds_tok_s"]) == 2  # the offline workload twice, the best kept
+
+
+def test_bench_phases_subset(tmp_path, monkeypatch):
+    out = tmp_path / "serve.json"
+    monkeypatch.syspath_prepend(str(BENCH))
+    argv = ["serve.py", "--smoke", "--out", str(out), "--phases", "saturation", "--offline-rounds", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(str(BENCH / "serve.py"), run_name="__main__")
+    result = json.loads(out.read_text())
+    assert "saturation" in result and "fixed_rate" not in result and "saturation_clients" not in result
+    assert "overhead_at_saturation" in result and len(result["offline"]["rounds_tok_s"]) == 1
