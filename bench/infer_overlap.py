@@ -14,9 +14,11 @@ the KV cache, the captured graphs and the allocator state.
 Beside them, the GPU's own time for the step: B's bucket graph replayed back to back (--replays times,
 CUDA events), on the static inputs the last timed step left (it rewrites those K/V slots with the same
 values). tok/s at that time is what a host that costs nothing would give; step_ms - replay_ms is the host
-time the GPU waited for. Agreement: greedy and seeded sampled requests (logprobs on) run with the switch off
-and on must give the same tokens (bf16: a batch's last steps differ by the rows of sequences that have
-just ended, so the bucket can differ; any mismatch is recorded with its request, not fatal).
+time the GPU waited for. Agreement: greedy and seeded sampled requests (logprobs on) run off, on, off; the
+second and third passes both prefill over the prefix cache the first filled, and are compared (bf16: a
+batch's last steps differ by the rows of sequences that have just ended, so the bucket can differ; any
+mismatch is recorded with its request, not fatal); the first against the third is the prefix cache's own
+bf16 effect, the baseline to read it against.
 """
 
 from __future__ import annotations
@@ -96,17 +98,27 @@ def agreement(llm: LLM, vocab: int, smoke: bool) -> dict:
         for i in range(n)
     ]
     eng = llm.engine
-    got = {}
-    for mode in (False, True):
+    # three passes, off / on / off: the first one fills the prefix cache, so the second and third both
+    # prefill over cached prefixes (another attention path, other bf16 rounding than the cold first pass);
+    # on vs the third pass is the async comparison, the first vs the third the prefix cache's own effect
+    passes = []
+    for mode in (False, True, False):
         eng.async_scheduling = mode
-        got[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    same = [a == b for a, b in zip(got[False], got[True])]
-    first_diff = [
-        next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        for a, b, s in zip(got[False], got[True], same)
-        if not s
-    ]
-    return {"requests": n, "identical": sum(same), "mismatch_first_index": first_diff}
+        passes.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+
+    def compare(x: list, y: list) -> tuple[int, list[int]]:
+        same = [a == b for a, b in zip(x, y)]
+        first_diff = [
+            next((k for k, (p, q) in enumerate(zip(a, b)) if p != q), min(len(a), len(b)))
+            for a, b, s in zip(x, y, same)
+            if not s
+        ]
+        return sum(same), first_diff
+
+    identical, first_diff = compare(passes[1], passes[2])
+    cached, cached_diff = compare(passes[0], passes[2])
+    return {"requests": n, "identical": identical, "mismatch_first_index": first_diff,
+            "sync_cold_vs_sync_cached_identical": cached, "sync_cold_vs_cached_first_index": cached_diff}  # fmt: skip
 
 
 def main() -> int:
