@@ -32,6 +32,8 @@ from kiln.serve.responses import ResponseBuilder, TokenText
 from kiln.serve.worker import EngineWorker, RequestHandle, ThreadWorker
 from kiln.tokenizer.chat import render_chat
 
+STREAM_INTERVAL_S = 0.02  # a stream's default pace: docs/serve.md, "The event loop at hundreds of streams"
+
 
 @dataclass
 class ServeConfig:
@@ -42,6 +44,10 @@ class ServeConfig:
     special_tokens  passed to the template (bos_token, eos_token), from tokenizer_config.json
     max_waiting     sequences that may wait beyond the engine's max_num_seqs running (then 503)
     max_body_bytes  request bodies larger than this are refused (413)
+    stream_interval a stream sends at most one chunk per this many seconds (the tokens of the engine steps
+                    in between go together in it; none is dropped); 0: one chunk per engine step. With
+                    hundreds of streams, one wake-up and one SSE chunk per stream per engine step (~150
+                    steps/s) kept the event loop behind, and admissions waited behind that work
     """
 
     model_name: str
@@ -50,6 +56,7 @@ class ServeConfig:
     special_tokens: dict | None = None
     max_waiting: int = 256
     max_body_bytes: int = 4 << 20
+    stream_interval: float = STREAM_INTERVAL_S
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -60,6 +67,9 @@ class ServeConfig:
             raise KilnError(f"max_waiting must be an integer >= 0, got {self.max_waiting!r}")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise KilnError(f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
+        si = self.stream_interval
+        if isinstance(si, bool) or not isinstance(si, (int, float)) or not 0 <= si <= 1:
+            raise KilnError(f"stream_interval must be a number of seconds in [0, 1], got {si!r}")
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -319,7 +329,7 @@ class Server:
         try:
             while not handle.done:
                 try:
-                    outs = await handle.next_batch()
+                    outs = await handle.next_batch(self.config.stream_interval)
                 except APIError as e:
                     yield _sse(e.body())
                     break

@@ -27,8 +27,11 @@ stops on its own when its parent is gone.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import threading
@@ -41,7 +44,8 @@ from kiln.serve.engine_loop import EngineLoop
 from kiln.serve.worker import EngineWorker
 
 PARENT_CHECK_S = 1.0  # how often an idle engine process checks that the server process still exists
-COALESCE_MAX = 64  # step messages the reader folds into one delivery at most
+READ_BYTES = 1 << 20  # the reader takes up to this much of the pipe per read (every message there, usually)
+PIPE_BYTES = 1 << 20  # the reply pipe's capacity asked of Linux (its default, 64 KiB, is ~8 step messages)
 
 
 class ProcessWorker(EngineWorker):
@@ -133,14 +137,26 @@ class ProcessWorker(EngineWorker):
 
     # ---- the reader thread -------------------------------------------------------------------------------
     def _read(self) -> None:
+        """Take every message already in the pipe with one read (os.read of up to READ_BYTES) and apply
+        them as one run. multiprocessing's Connection.recv makes two or three system calls per message
+        (poll, the 4-byte header, the body), each giving up the GIL, and a thread that gives up the GIL
+        while the event loop's thread computes gets it back only after the 5 ms switch interval: at one
+        message per engine step (~150/s) and three calls each, the reader could fall ever further behind
+        the engine while hundreds of streams kept the event loop busy, and the engine's intake replies
+        (admission) queue behind its step messages. The frames are multiprocessing's own (_frames)."""
+        fd, buf = self._conn.fileno(), bytearray()
+        with contextlib.suppress(AttributeError, OSError):  # Linux: room for a few steps' messages at once
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         try:
             while True:
-                msgs = [self._conn.recv()]
-                while len(msgs) < COALESCE_MAX and self._conn.poll():
-                    msgs.append(self._conn.recv())
-                if self._handle(msgs):
+                data = os.read(fd, READ_BYTES)  # blocks (without the GIL) until bytes come; b"": EOF
+                if not data:
+                    break
+                buf += data
+                msgs = _frames(buf)
+                if msgs and self._handle(msgs):
                     return
-        except (EOFError, OSError):
+        except OSError:
             pass
         except BaseException as e:  # noqa: BLE001 - a bug here must still answer the waiting requests
             self.crashed(f"the engine process's reader failed: {type(e).__name__}: {e}")
@@ -183,6 +199,25 @@ class ProcessWorker(EngineWorker):
                 return True
         flush()
         return False
+
+
+def _frames(buf: bytearray) -> list:
+    """Unpickle the whole messages at the start of `buf` and remove them from it; a partial one stays.
+    The framing is multiprocessing.connection's (Connection.send: a 4-byte big-endian signed length, or -1
+    and an 8-byte length for bodies over 2 GiB, then the pickled body)."""
+    msgs, pos, end = [], 0, len(buf)
+    while end - pos >= 4:
+        size, head = int.from_bytes(buf[pos : pos + 4], "big", signed=True), 4
+        if size == -1:
+            if end - pos < 12:
+                break
+            size, head = int.from_bytes(buf[pos + 4 : pos + 12], "big"), 12
+        if end - pos - head < size:
+            break
+        msgs.append(pickle.loads(buf[pos + head : pos + head + size]))
+        pos += head + size
+    del buf[:pos]
+    return msgs
 
 
 def _exit_words(code: int | None) -> str:
