@@ -117,7 +117,10 @@ def _admission_under_load(model_dir, stream_interval: float, n: int = 64, max_to
         return probes, await streams
 
     with RunningServer(llm, config) as s:
-        return asyncio.run(main(s.url))
+        probes, counts = asyncio.run(main(s.url))
+        lag = s.server.metrics.registry.get_sample_value("kiln_event_loop_lag_seconds_count")
+    assert lag > 10  # the event-loop lag probe ran throughout (every 10 ms)
+    return probes, counts
 
 
 def test_admission_stays_fast_while_streams_run(model_dir):

@@ -32,6 +32,7 @@ from kiln.serve.responses import ResponseBuilder, TokenText
 from kiln.serve.worker import EngineWorker, RequestHandle, ThreadWorker
 from kiln.tokenizer.chat import render_chat
 
+LOOP_PROBE_S = 0.01  # the event-loop lag probe's period (kiln_event_loop_lag_seconds)
 STREAM_INTERVAL_S = 0.02  # a stream's default pace: docs/serve.md, "The event loop at hundreds of streams"
 
 
@@ -144,13 +145,23 @@ class Server:
             self._deadline.daemon = True
             self._deadline.start()
 
+    async def _watch_loop(self) -> None:
+        """kiln_event_loop_lag_seconds: how late a sleep of LOOP_PROBE_S wakes (the loop's backlog)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(LOOP_PROBE_S)
+            self.metrics.loop_lag.observe(max(0.0, loop.time() - t - LOOP_PROBE_S))
+
     def _build(self) -> FastAPI:
         @asynccontextmanager
         async def lifespan(app):
             self.worker.start()
+            watch = asyncio.ensure_future(self._watch_loop())
             try:
                 yield
             finally:
+                watch.cancel()
                 if self._deadline is not None:
                     self._deadline.cancel()
                 self.worker.stop()

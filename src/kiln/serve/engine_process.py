@@ -11,9 +11,10 @@ reason).
       EngineWorker.step delivers them (one wake-up of the event loop)
 
 Replies: ("ready", engine facts) or ("failed", message) once at start; ("intake", [(key, prompt tokens,
-None | rejection message)], steps) per intake (every add taken before one step: engine_loop.py);
-("step", [deltas.py's delta per output], (running, waiting, KV blocks used, steps)) per step that produced
-outputs or moved a gauge; ("crashed", message); ("stopped",) last. Commands arrive as the HTTP side
+None | rejection message)], steps, sent) per intake (every add taken before one step: engine_loop.py);
+("step", [deltas.py's delta per output], (running, waiting, KV blocks used, steps), sent) per step that
+produced outputs or moved a gauge (sent: the engine process's time.monotonic() when it made the message,
+the same clock as this process's on Linux: kiln_engine_reply_lag_seconds); ("crashed", message); ("stopped",) last. Commands arrive as the HTTP side
 batched them: the adds of one tick of its event loop in one message (worker.py).
 
 The engine never waits on the server process: its messages go through a sender thread's unbounded buffer,
@@ -35,6 +36,7 @@ import pickle
 import queue
 import signal
 import threading
+import time
 
 from kiln.errors import KilnError
 from kiln.infer.config import EngineConfig
@@ -183,8 +185,11 @@ class ProcessWorker(EngineWorker):
             self.step(items, gauges)
             gauges = None
 
+        now = time.monotonic()
         for msg in msgs:
             kind = msg[0]
+            if kind in ("step", "intake"):
+                self.metrics.reply_lag.observe(max(0.0, now - msg[3]))
             if kind == "step":
                 for delta in msg[1]:
                     newest[self._decoder.apply(delta)] = (delta[2], delta[5])
@@ -269,7 +274,7 @@ class _ChildSink:
         self._gauges = None
 
     def intake(self, results: list, steps: int) -> None:
-        self.sender.put(("intake", results, steps))
+        self.sender.put(("intake", results, steps, time.monotonic()))
 
     def step(self, items: list, gauges: tuple) -> None:
         deltas = []
@@ -284,7 +289,7 @@ class _ChildSink:
         if not deltas and gauges[:3] == self._gauges:  # the step count alone travels with the next one
             return
         self._gauges = gauges[:3]
-        self.sender.put(("step", deltas, gauges))
+        self.sender.put(("step", deltas, gauges, time.monotonic()))
 
     def crashed(self, message: str) -> None:
         self.sender.put(("crashed", message))
