@@ -344,11 +344,13 @@ class Server:
                 except APIError as e:
                     yield _sse(e.body())
                     break
+                events = []
                 for i, out in outs:
                     if out.finished:
                         finals[i] = out
-                    for chunk in builder.chunks(i, out, include_usage):
-                        yield _sse(chunk)
+                    events.extend(_sse(chunk) for chunk in builder.chunks(i, out, include_usage))
+                if events:  # one body message per wake-up: one h11 frame and one socket write each
+                    yield "".join(events)
             else:
                 if include_usage:
                     yield _sse(builder.usage_chunk(finals))
