@@ -124,8 +124,9 @@ def _admission_under_load(model_dir, stream_interval: float, n: int = 64, max_to
 
 
 def test_admission_stays_fast_while_streams_run(model_dir):
-    # 64 streams of 400 tokens at ~6.4 ms per engine step; probes sent meanwhile must be admitted fast. Before
-    # streams were paced (stream_interval 0) the probes' median on this machine was ... s
+    # 64 streams of 240 tokens at ~6.4 ms per engine step; probes sent meanwhile must be admitted fast.
+    # Measured on the (loaded) CPU machine: medians 0.14-0.15 s paced, 0.28-0.30 s with stream_interval 0;
+    # 0.5 s leaves room for a loaded CI machine (a guard against a buried event loop, not a discriminator)
     probes, counts = _admission_under_load(model_dir, ServeConfig.stream_interval)
     assert counts == [240] * 64  # every token reached every stream
     assert sorted(probes)[2] < 0.5, probes
