@@ -12,6 +12,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from kiln.cli import main
 from kiln.errors import KilnError
 from kiln.serve.app import ServeConfig
 
@@ -54,10 +55,14 @@ def test_paced_stream_has_every_token_in_order(model_dir):
     assert len(chunks) < 40 and chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_stream_interval_is_validated():
+def test_stream_interval_is_validated(model_dir, capsys):
     for bad in (-0.1, 2.0, "0.02", True):
         with pytest.raises(KilnError, match="stream_interval"):
             ServeConfig(model_name="m", stream_interval=bad)
+    # the CLI's option: `kiln: error:` and exit 2 before an engine process starts
+    assert main(["serve", "--model", str(model_dir), "--device", "cpu", "--stream-interval", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kiln: error: stream_interval") and "Traceback" not in err, err
 
 
 async def _streams(url: str, n: int, max_tokens: int, started: asyncio.Event) -> list[int]:
