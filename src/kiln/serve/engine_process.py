@@ -14,8 +14,9 @@ Replies: ("ready", engine facts) or ("failed", message) once at start; ("intake"
 None | rejection message)], steps, sent) per intake (every add taken before one step: engine_loop.py);
 ("step", [deltas.py's delta per output], (running, waiting, KV blocks used, steps), sent) per step that
 produced outputs or moved a gauge (sent: the engine process's time.monotonic() when it made the message,
-the same clock as this process's on Linux: kiln_engine_reply_lag_seconds); ("crashed", message); ("stopped",) last. Commands arrive as the HTTP side
-batched them: the adds of one tick of its event loop in one message (worker.py).
+the same clock as this process's on Linux: kiln_engine_reply_lag_seconds); ("crashed", message);
+("stopped",) last. Commands arrive as the HTTP side batched them: the adds of one tick of its event loop
+in one message (worker.py).
 
 The engine never waits on the server process: its messages go through a sender thread's unbounded buffer,
 so a server process that falls behind grows that buffer (and coalesces: the reader takes every message
@@ -142,10 +143,9 @@ class ProcessWorker(EngineWorker):
         """Take every message already in the pipe with one read (os.read of up to READ_BYTES) and apply
         them as one run. multiprocessing's Connection.recv makes two or three system calls per message
         (poll, the 4-byte header, the body), each giving up the GIL, and a thread that gives up the GIL
-        while the event loop's thread computes gets it back only after the 5 ms switch interval: at one
-        message per engine step (~150/s) and three calls each, the reader could fall ever further behind
-        the engine while hundreds of streams kept the event loop busy, and the engine's intake replies
-        (admission) queue behind its step messages. The frames are multiprocessing's own (_frames)."""
+        while the event loop's thread computes can wait up to the 5 ms switch interval to get it back;
+        the engine's intake replies (admission) wait behind every step message before them. One read per
+        wake-up takes them all. The frames are multiprocessing's own (_frames)."""
         fd, buf = self._conn.fileno(), bytearray()
         with contextlib.suppress(AttributeError, OSError):  # Linux: room for a few steps' messages at once
             fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
