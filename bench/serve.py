@@ -287,7 +287,7 @@ async def _metrics_once(url: str) -> dict:
 def summarize(results: list[dict], rate, t0: float, t_end: float, before: dict, after: dict) -> dict:
     wall = t_end - t0
     server = {}  # this phase's means: the differences of the histograms' sums and counts
-    for key in ("ttft", "itl", "e2e", "admission"):
+    for key in ("ttft", "itl", "e2e", "admission", "loop_lag", "reply_lag"):
         (s0, c0), (s1, c1) = before[key], after[key]
         server[key] = round((s1 - s0) / (c1 - c0), 5) if c1 > c0 else None
     (s0, c0), (s1, c1) = before["intake"], after["intake"]
@@ -330,7 +330,8 @@ async def server_metrics(http: httpx.AsyncClient) -> dict:
     out = {}
     for key, metric in (("ttft", "kiln_time_to_first_token_seconds"), ("itl", "kiln_inter_token_latency_seconds"),
                         ("e2e", "kiln_e2e_request_latency_seconds"), ("admission", "kiln_admission_latency_seconds"),
-                        ("intake", "kiln_engine_intake_requests")):  # fmt: skip
+                        ("intake", "kiln_engine_intake_requests"), ("loop_lag", "kiln_event_loop_lag_seconds"),
+                        ("reply_lag", "kiln_engine_reply_lag_seconds")):  # fmt: skip
         total, count = vals.get(metric + "_sum"), vals.get(metric + "_count")
         out[key] = (total or 0.0, count or 0.0)
     out["steps"] = int(vals.get("kiln_engine_steps_total") or 0)

@@ -167,4 +167,33 @@ def test_burst_is_one_intake_process_transport(proc_server, monkeypatch):
     from .test_admission import check_burst_is_one_intake
 
     check_burst_is_one_intake(proc_server, monkeypatch)
-    assert proc_server.server.metrics.registry.get_sample_value("kiln_engine_steps_total") >= 4
+    reg = proc_server.server.metrics.registry
+    assert reg.get_sample_value("kiln_engine_steps_total") >= 4
+    # every intake and step message was stamped by the engine process and timed here
+    assert reg.get_sample_value("kiln_engine_reply_lag_seconds_count") >= 5
+    assert reg.get_sample_value("kiln_engine_reply_lag_seconds_sum") < 60
+
+
+def test_reader_frames_match_connection_send():
+    """The reader's own framing (engine_process._frames) reads what multiprocessing's Connection.send
+    wrote, cut anywhere: small messages, one larger than the pipe, several in one read."""
+    import multiprocessing as mp
+    import os
+    import threading
+
+    from kiln.serve.engine_process import _frames
+
+    r, w = mp.Pipe(duplex=False)
+    msgs = [("intake", [(1, 5, None)], 0, 1.5)]
+    msgs += [("step", list(range(n)), (1, 2, 3, 4), 2.5) for n in (0, 7, 50000)]
+    msgs += [("stopped",)]
+    t = threading.Thread(target=lambda: [w.send(m) for m in msgs])
+    t.start()
+    buf, got = bytearray(), []
+    while len(got) < len(msgs):
+        buf += os.read(r.fileno(), 997)  # frames cut at every kind of place
+        got += _frames(buf)
+    t.join()
+    assert got == msgs and not buf
+    r.close()
+    w.close()

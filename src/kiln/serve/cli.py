@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import signal
 import threading
@@ -115,6 +116,8 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
         max_waiting=args.max_waiting_requests,
         max_body_bytes=args.max_body_bytes,
     )
+    if args.stream_interval is not None:
+        config = dataclasses.replace(config, stream_interval=args.stream_interval)
     engine_opts = dict(
         device=args.device,
         dtype=args.dtype,
@@ -182,6 +185,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="sequences that may wait beyond --max-num-seqs running; more get 503 (default 256)",
     )
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body limit (default 4 MiB)")
+    p.add_argument(
+        "--stream-interval",
+        type=float,
+        default=None,
+        help="a stream sends at most one chunk per this many seconds, with every token since the last "
+        "(0: one per engine step; default 0.02, ServeConfig's)",
+    )
     p.add_argument(
         "--shutdown-timeout",
         type=float,

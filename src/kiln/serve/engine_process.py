@@ -11,10 +11,12 @@ reason).
       EngineWorker.step delivers them (one wake-up of the event loop)
 
 Replies: ("ready", engine facts) or ("failed", message) once at start; ("intake", [(key, prompt tokens,
-None | rejection message)], steps) per intake (every add taken before one step: engine_loop.py);
-("step", [deltas.py's delta per output], (running, waiting, KV blocks used, steps)) per step that produced
-outputs or moved a gauge; ("crashed", message); ("stopped",) last. Commands arrive as the HTTP side
-batched them: the adds of one tick of its event loop in one message (worker.py).
+None | rejection message)], steps, sent) per intake (every add taken before one step: engine_loop.py);
+("step", [deltas.py's delta per output], (running, waiting, KV blocks used, steps), sent) per step that
+produced outputs or moved a gauge (sent: the engine process's time.monotonic() when it made the message,
+the same clock as this process's on Linux: kiln_engine_reply_lag_seconds); ("crashed", message);
+("stopped",) last. Commands arrive as the HTTP side batched them: the adds of one tick of its event loop
+in one message (worker.py).
 
 The engine never waits on the server process: its messages go through a sender thread's unbounded buffer,
 so a server process that falls behind grows that buffer (and coalesces: the reader takes every message
@@ -27,11 +29,15 @@ stops on its own when its parent is gone.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import threading
+import time
 
 from kiln.errors import KilnError
 from kiln.infer.config import EngineConfig
@@ -41,7 +47,8 @@ from kiln.serve.engine_loop import EngineLoop
 from kiln.serve.worker import EngineWorker
 
 PARENT_CHECK_S = 1.0  # how often an idle engine process checks that the server process still exists
-COALESCE_MAX = 64  # step messages the reader folds into one delivery at most
+READ_BYTES = 1 << 20  # the reader takes up to this much of the pipe per read (every message there, usually)
+PIPE_BYTES = 1 << 20  # the reply pipe's capacity asked of Linux (its default, 64 KiB, is ~8 step messages)
 
 
 class ProcessWorker(EngineWorker):
@@ -133,14 +140,25 @@ class ProcessWorker(EngineWorker):
 
     # ---- the reader thread -------------------------------------------------------------------------------
     def _read(self) -> None:
+        """Take every message already in the pipe with one read (os.read of up to READ_BYTES) and apply
+        them as one run. multiprocessing's Connection.recv makes two or three system calls per message
+        (poll, the 4-byte header, the body), each giving up the GIL, and a thread that gives up the GIL
+        while the event loop's thread computes can wait up to the 5 ms switch interval to get it back;
+        the engine's intake replies (admission) wait behind every step message before them. One read per
+        wake-up takes them all. The frames are multiprocessing's own (_frames)."""
+        fd, buf = self._conn.fileno(), bytearray()
+        with contextlib.suppress(AttributeError, OSError):  # Linux: room for a few steps' messages at once
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         try:
             while True:
-                msgs = [self._conn.recv()]
-                while len(msgs) < COALESCE_MAX and self._conn.poll():
-                    msgs.append(self._conn.recv())
-                if self._handle(msgs):
+                data = os.read(fd, READ_BYTES)  # blocks (without the GIL) until bytes come; b"": EOF
+                if not data:
+                    break
+                buf += data
+                msgs = _frames(buf)
+                if msgs and self._handle(msgs):
                     return
-        except (EOFError, OSError):
+        except OSError:
             pass
         except BaseException as e:  # noqa: BLE001 - a bug here must still answer the waiting requests
             self.crashed(f"the engine process's reader failed: {type(e).__name__}: {e}")
@@ -167,8 +185,11 @@ class ProcessWorker(EngineWorker):
             self.step(items, gauges)
             gauges = None
 
+        now = time.monotonic()
         for msg in msgs:
             kind = msg[0]
+            if kind in ("step", "intake"):
+                self.metrics.reply_lag.observe(max(0.0, now - msg[3]))
             if kind == "step":
                 for delta in msg[1]:
                     newest[self._decoder.apply(delta)] = (delta[2], delta[5])
@@ -183,6 +204,25 @@ class ProcessWorker(EngineWorker):
                 return True
         flush()
         return False
+
+
+def _frames(buf: bytearray) -> list:
+    """Unpickle the whole messages at the start of `buf` and remove them from it; a partial one stays.
+    The framing is multiprocessing.connection's (Connection.send: a 4-byte big-endian signed length, or -1
+    and an 8-byte length for bodies over 2 GiB, then the pickled body)."""
+    msgs, pos, end = [], 0, len(buf)
+    while end - pos >= 4:
+        size, head = int.from_bytes(buf[pos : pos + 4], "big", signed=True), 4
+        if size == -1:
+            if end - pos < 12:
+                break
+            size, head = int.from_bytes(buf[pos + 4 : pos + 12], "big"), 12
+        if end - pos - head < size:
+            break
+        msgs.append(pickle.loads(buf[pos + head : pos + head + size]))
+        pos += head + size
+    del buf[:pos]
+    return msgs
 
 
 def _exit_words(code: int | None) -> str:
@@ -234,7 +274,7 @@ class _ChildSink:
         self._gauges = None
 
     def intake(self, results: list, steps: int) -> None:
-        self.sender.put(("intake", results, steps))
+        self.sender.put(("intake", results, steps, time.monotonic()))
 
     def step(self, items: list, gauges: tuple) -> None:
         deltas = []
@@ -249,7 +289,7 @@ class _ChildSink:
         if not deltas and gauges[:3] == self._gauges:  # the step count alone travels with the next one
             return
         self._gauges = gauges[:3]
-        self.sender.put(("step", deltas, gauges))
+        self.sender.put(("step", deltas, gauges, time.monotonic()))
 
     def crashed(self, message: str) -> None:
         self.sender.put(("crashed", message))

@@ -13,6 +13,11 @@ kiln_admission_latency_seconds      submission to the engine's acceptance (the r
 kiln_engine_intake_requests         requests the engine took in one intake, before one step (histogram: its
                                     count is the intakes, its sum the requests)
 kiln_engine_steps_total             engine steps run
+kiln_event_loop_lag_seconds         how late the event loop ran a callback due every LOOP_PROBE_S (histogram:
+                                    a loop buried under work delays every request's admission by as much)
+kiln_engine_reply_lag_seconds       the engine process's message (a step's outputs, an intake's answer) to
+                                    its handling in this process's reader thread (histogram; `kiln serve`'s
+                                    process transport only)
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 ADMISSION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 INTAKE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 
@@ -63,3 +69,9 @@ class ServerMetrics:
             registry=r,
         )
         self.steps = Counter("kiln_engine_steps", "Engine steps run", registry=r)
+        self.loop_lag = Histogram(
+            "kiln_event_loop_lag_seconds", "Event loop lateness", buckets=LAG_BUCKETS, registry=r
+        )
+        self.reply_lag = Histogram(
+            "kiln_engine_reply_lag_seconds", "Engine message to its handling", buckets=LAG_BUCKETS, registry=r
+        )

@@ -70,6 +70,9 @@ class Choice:
         self.sent_tokens = 0
         self.started = False
         self.ended = False  # its finish_reason was sent (later outputs of the request repeat it)
+        # legacy logprobs: the text_offset after the last token sent (offsets add up the tokens' own texts,
+        # as the whole response's do, not the characters sent: held-back text would shift them)
+        self.lp_offset = 0
 
     def delta(self, comp: CompletionOutput, stops: list[str], finished: bool) -> tuple[str, int, int]:
         """(new text, first new token, end token) since the last call."""
@@ -260,8 +263,10 @@ class ResponseBuilder:
                     )
             else:
                 echo = ch.echo if first else ""
-                offset = ch.sent_chars - len(text) + len(ch.echo) if not first else 0
+                offset = 0 if first else ch.lp_offset
                 lp = self._completion_logprobs(comp, lo, hi, offset, out if (first and self.echo) else None)
+                if lp is not None and lp["tokens"]:
+                    ch.lp_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 result.append(
                     self._chunk(
                         [

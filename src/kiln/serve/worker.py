@@ -62,6 +62,7 @@ class RequestHandle:
         # prompts the engine has finished (the handle leaves the worker's registry after the last)
         self._seen: dict[tuple[int, int], tuple[int, float]] = {}
         self._engine_finished = 0
+        self._paced_at: float | None = None  # event-loop time of the last batch next_batch returned
 
     @property
     def done(self) -> bool:
@@ -87,15 +88,26 @@ class RequestHandle:
     async def next(self) -> tuple[int, RequestOutput]:
         return self._take(await self.outputs.get())
 
-    async def next_batch(self) -> list[tuple[int, RequestOutput]]:
+    async def next_batch(self, interval: float = 0.0) -> list[tuple[int, RequestOutput]]:
         """Wait for an output, then take every other one already queued, keeping the newest per prompt
         (outputs are cumulative: the newest holds all the text and tokens of the older ones). A client
         that falls behind the engine then gets several tokens per chunk instead of one chunk per token,
-        so the event loop's work per step stops growing with its backlog."""
+        so the event loop's work per step stops growing with its backlog.
+
+        interval > 0: return at most once per `interval` seconds (the stream's pace, ServeConfig's
+        stream_interval): after a batch the handler sleeps out the rest of the interval before it looks
+        at its queue again, so the engine's outputs meanwhile only queue up (a put wakes no one) and the
+        stream costs the event loop one wake-up and one chunk per interval instead of one per engine step.
+        The first batch (the first token) is never held back; nothing is dropped."""
+        if interval > 0 and self._paced_at is not None:
+            wait = self._paced_at + interval - self.loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
         newest = dict([await self.next()])
         while not self.outputs.empty():
             i, out = self._take(self.outputs.get_nowait())
             newest[i] = out
+        self._paced_at = self.loop.time()
         return list(newest.items())
 
 
@@ -218,18 +230,20 @@ class EngineWorker:
             m.steps.inc(gauges[3] - self._steps)
             self._steps = gauges[3]
         now = time.monotonic()
-        batch = []
+        batch, generated = [], 0
         for key, i, out in items:
             handle = self._handles.get(key)
             if handle is None:  # answered already (a crash)
                 continue
-            self._observe(handle, i, out, now)
+            generated += self._observe(handle, i, out, now)
             done = False
             if out.finished:
                 handle._engine_finished += 1
                 done = handle._engine_finished == len(handle.prompts)
             if done or (not handle.closed and (handle.stream or out.finished)):
                 batch.append((handle, i, out, done))
+        if generated:  # one increment per delivery (a counter's inc takes a lock: not one per request)
+            m.generation_tokens.inc(generated)
         if batch:  # one wake-up of the event loop per delivery, not one per request
             self._loop.call_soon_threadsafe(self._deliver, batch)
 
@@ -273,14 +287,16 @@ class EngineWorker:
                 handle.outputs.put_nowait(failure)
 
     # ---- metrics (delivery thread) ------------------------------------------------------------------------
-    def _observe(self, handle: RequestHandle, i: int, out: RequestOutput, now: float) -> None:
+    def _observe(self, handle: RequestHandle, i: int, out: RequestOutput, now: float) -> int:
+        """The latency metrics of one output; returns its new tokens (the caller counts them)."""
         m = self.metrics
+        generated = 0
         for c in out.outputs:
             key = (i, c.index)
             seen, last = handle._seen.get(key, (0, handle.arrival))
             new = len(c.token_ids) - seen
             if new > 0:
-                m.generation_tokens.inc(new)
+                generated += new
                 if seen == 0:
                     m.ttft.observe(now - handle.arrival)
                 else:  # several tokens in one delivery (a coalesced backlog): spread the gap over them
@@ -291,6 +307,7 @@ class EngineWorker:
             m.e2e.observe(now - handle.arrival)
             for c in out.outputs:
                 m.finished.labels(finish_reason=c.finish_reason or "unknown").inc()
+        return generated
 
 
 class ThreadWorker(EngineWorker):
