@@ -77,7 +77,7 @@ SHAPES = {  # name: (E, k, d, I, shared hidden or 0)
 SMOKE_SHAPES = {"tiny+shared": (4, 2, 32, 16, 32)}
 PREFILL = (4096, 16384, 1024)  # the goal points (>= 4k tokens) first
 DECODE = (1, 8, 64)
-TIME_BUDGET_S = 120.0  # past this: no loop / padded peers (the lead's limit is ~3 minutes in all)
+TIME_BUDGET_S = 120.0  # past this: no loop / padded peers (a GPU run's share is ~3 minutes in all)
 HARD_BUDGET_S = 165.0  # past this: no new case (recorded as skipped)
 SLOW_PEERS = ("loop", "padded_bmm")
 
