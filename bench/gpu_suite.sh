@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One batched GPU session: kiln's GPU tests, every benchmark, and the main job on CUDA.
 # Usage (on the H200, from the repo root): bash bench/gpu_suite.sh OUT_DIR [parts...]
-# parts: tests norms gemm_ce attention matmul_decode host_overhead run infer compile (default: tests norms
-# gemm_ce attention run). Each part has its own time cap so one
+# parts: tests norms gemm_ce attention matmul_decode host_overhead run infer compile, and the measurements
+# the open issues wait for: serve overlap quant fp8curve cuda moe (default: tests norms gemm_ce attention
+# run). Each part has its own time cap so one
 # slow part cannot eat the others'; results are JSON/logs in OUT_DIR.
 # At most 7 files land in OUT_DIR (the device tool brings back 8).
 set -u
@@ -12,9 +13,10 @@ PARTS=${*:-tests norms gemm_ce attention run}
 mkdir -p "$OUT"
 # kiln is imported from this tree (the GPU machine has no install of it); the scripts add no paths themselves
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
-# Liger Kernel travels as a pure-Python wheel (see PLATFORM.md); install it out of the tree if present.
-if ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/liger_kernel-*.whl \
+# Wheels the GPU image lacks travel in .whl/ (Liger Kernel; FastAPI, uvicorn, pydantic for `serve`; see
+# PLATFORM.md): installed out of the tree when present.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 {
@@ -45,6 +47,24 @@ for part in $PARTS; do
     run) timeout 75 python3 -m kiln.cli run --no-progress --out /tmp/kiln-gpu-run --data.max_bytes=12000000 \
            --tokenizer.train_bytes=3000000 --train.steps=150 --train.eval_interval=50 --train.ckpt_interval=150 \
            > "$OUT/run_gpu.log" 2>&1 ;;
+    # issue 16: HTTP at saturation from one and from four client processes against the offline engine (~2 min)
+    serve) timeout 200 python3 bench/serve.py --phases saturation,saturation_clients --out "$OUT/serve.json" \
+             >> "$OUT/bench.log" 2>&1 ;;
+    # issue 15: async scheduling off / on, its agreement over the prefix cache, and its fp32 GPU test
+    overlap) timeout 150 python3 bench/infer_overlap.py --batches 1,64,128 --timed-steps 48 \
+               --out "$OUT/infer_overlap.json" >> "$OUT/bench.log" 2>&1
+             timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/infer/test_engine_gpu.py \
+               >> "$OUT/bench.log" 2>&1 ;;
+    # issue 18: the engine's quantized decode with the swept tables, prefill, the logit error (~1 min)
+    quant) timeout 150 python3 bench/quant.py --skip decode --out "$OUT/quant.json" >> "$OUT/bench.log" 2>&1 ;;
+    # issue 23: bf16 against FP8 loss curves through torch.compile (<= 200 s)
+    fp8curve) timeout 230 python3 bench/train.py --case fp8-curve --compile --steps 600 \
+                --out "$OUT/train-fp8-curve.json" >> "$OUT/bench.log" 2>&1 ;;
+    # issue 21: the CUDA kernels' GPU tests (wgmma included), then the ladder
+    cuda) timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/cuda >> "$OUT/bench.log" 2>&1
+          timeout 200 python3 bench/cuda_ladder.py --out "$OUT/cuda_ladder.json" >> "$OUT/bench.log" 2>&1 ;;
+    # issue 19: decode batch 1-64 and prefill against torch._grouped_mm (~90 s)
+    moe) timeout 180 python3 bench/moe.py --case quick --out "$OUT/moe_quick.json" >> "$OUT/bench.log" 2>&1 ;;
     *) echo "unknown part $part" ;;
   esac
   echo "$part: exit $? in $(( $(date +%s) - start ))s" | tee -a "$OUT/env.txt"
