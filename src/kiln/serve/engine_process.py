@@ -151,15 +151,16 @@ class ProcessWorker(EngineWorker):
             fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         try:
             while True:
-                data = os.read(fd, READ_BYTES)  # blocks (without the GIL) until bytes come; b"": EOF
+                try:
+                    data = os.read(fd, READ_BYTES)  # blocks (without the GIL) until bytes come; b"": EOF
+                except OSError:  # the pipe closed under the read: the same as EOF
+                    data = b""
                 if not data:
                     break
                 buf += data
                 msgs = _frames(buf)
                 if msgs and self._handle(msgs):
                     return
-        except OSError:
-            pass
         except BaseException as e:  # noqa: BLE001 - a bug here must still answer the waiting requests
             self.crashed(f"the engine process's reader failed: {type(e).__name__}: {e}")
             return
