@@ -92,10 +92,13 @@ class RunningServer:
         return self.llm.engine
 
     def wait_idle(self, timeout: float = 20.0) -> bool:
-        """True once the engine holds no request (its thread has handed back every aborted one)."""
+        """True once the engine holds no request (its thread has handed back every aborted one) and every
+        handler has released its admission (a stream releases in its generator's finally, after the engine
+        finished it: up to one stream interval later, so the engine idles before the handlers do)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not self.engine.requests and not self.engine.has_unfinished():
+            idle = not self.engine.requests and not self.engine.has_unfinished()
+            if idle and self.server.worker.in_flight == 0:
                 return True
             time.sleep(0.02)
         return False
