@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.kernels import decode_attention as dec
 from kiln.kernels.attention import attention_ref
-from kiln.kernels.decode_attention import decode_attention, decode_attention_ref, gather_kv
+from kiln.kernels.decode_attention import FORMS, decode_attention, decode_attention_ref, gather_kv
 from kiln.kernels.dispatch import use_backend
 from kiln.kernels.paged_kv import paged_kv_write, paged_kv_write_ref, slot_mapping
 
@@ -138,12 +139,13 @@ def test_bad_inputs(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize(
     "lens,Hq,Hk,D,page", [([1, 4096, 77, 1000], 32, 4, 128, 16), ([40000], 16, 2, 128, 64)]
 )
-def test_gpu_bf16_decode(lens, Hq, Hk, D, page):
+def test_gpu_bf16_decode(lens, Hq, Hk, D, page, form):
     q, kc, vc, table, seq_lens = _paged(lens, Hq, Hk, D, page, torch.bfloat16, "cuda", seed=8)
-    got = decode_attention(q, kc, vc, table, seq_lens)
+    got = decode_attention(q, kc, vc, table, seq_lens, form=form)
     assert_close(got, _ref64(q, kc, vc, table, seq_lens))
 
 
@@ -174,19 +176,24 @@ def _wide(lens, Hq, Hk, D, page, width, dtype, device, seed):
 
 
 @pytest.mark.parametrize(
-    "num_splits,window,sinks",
-    [(None, None, False), (1, None, True), (1, 40, True), (7, None, True), (7, 40, False), (24, None, False)],
-)
-def test_decode_live_chunks_on_a_wide_table(num_splits, window, sinks, device):
+    "num_splits,window,sinks,form",
+    [(None, None, False, "two_pass"), (1, None, True, "two_pass"), (1, 40, True, "two_pass"),
+     (7, None, True, "two_pass"), (7, 40, False, "two_pass"), (24, None, False, "two_pass"),
+     (None, None, True, "one_pass"), (7, 40, True, "one_pass")],
+)  # fmt: skip
+def test_decode_live_chunks_on_a_wide_table(num_splits, window, sinks, form, device):
     # A table 64 pages wide (1024 keys of capacity) holding 0-300 live keys: each sequence's splits share
     # its live keys (chunk from seq_lens on the device), more splits than tiles leave some empty, one
     # split writes the output itself (no reduction), and a sequence with no keys gives 0 (or 0 with sinks).
     q, kc, vc, table, seq_lens = _wide([300, 1, 0, 17, 129], 6, 2, 16, 16, 64, torch.float32, device, 10)
     s = torch.randn(6, generator=torch.Generator().manual_seed(11)).to(device) if sinks else None
     with use_backend("triton"):
-        got = decode_attention(q, kc, vc, table, seq_lens, window=window, sinks=s, num_splits=num_splits)
+        got = decode_attention(
+            q, kc, vc, table, seq_lens, window=window, sinks=s, num_splits=num_splits, form=form
+        )
     assert_close(got, _ref64(q, kc, vc, table, seq_lens, window=window, sinks=s))
     assert torch.equal(got[2], torch.zeros_like(got[2]))
+    _assert_counters_zero(device)
 
 
 def test_decode_split_count_follows_the_gpu_and_capacity():
@@ -200,10 +207,125 @@ def test_decode_split_count_follows_the_gpu_and_capacity():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("B,L,width", [(64, 300, 256), (1, 450, 256), (300, 200, 64)])
-def test_gpu_bf16_decode_live_chunks(B, L, width):
+def test_gpu_bf16_decode_live_chunks(B, L, width, form):
     # Qwen2.5-1.5B heads (12 / 2 x 128), short live contexts in a wide table; (300, ...) takes one split.
     lens = [1 + (L * (i + 1)) // B for i in range(B)]
     q, kc, vc, table, seq_lens = _wide(lens, 12, 2, 128, 16, width, torch.bfloat16, "cuda", 12)
-    got = decode_attention(q, kc, vc, table, seq_lens)
+    got = decode_attention(q, kc, vc, table, seq_lens, form=form)
     assert_close(got, _ref64(q, kc, vc, table, seq_lens))
+    _assert_counters_zero("cuda")
+
+
+# ------------------------------------------------------------------------------ one launch (form="one_pass")
+def _assert_counters_zero(device):
+    """Every one-pass counter buffer on `device` is back at zero (each launch zeroes what it counted)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    for buf in dec._COUNTERS.get((device.type, device.index), []):
+        assert int(buf.count_nonzero()) == 0, "a one-pass launch left a split counter non-zero"
+
+
+@pytest.mark.parametrize(
+    "lens,Hq,Hk,num_splits,window,sinks",
+    [
+        ([33], 2, 2, 3, None, True),  # B=1, GQA 1: a tile + 1 (BLOCK_N 32 here) over 2 of 3 splits
+        ([1, 32, 300], 4, 2, 5, None, False),  # GQA 2: 1 key, exactly one tile, 5 full splits
+        ([5, 0, 129], 12, 2, 7, None, True),  # GQA 6: shorter than the split count (empty splits), no keys
+        ([200, 7, 64], 6, 1, 4, 50, True),  # GQA 6 over one KV head, a window
+    ],
+    ids=["B1-gqa1-sinks", "B3-gqa2", "B3-gqa6-empty-splits-sinks", "B3-gqa6-window"],
+)
+def test_decode_one_pass_equals_two_pass_and_reference(lens, Hq, Hk, num_splits, window, sinks, device):
+    # The last split program to arrive reduces (in the interpreter programs run in grid order, so an empty
+    # split is the last to arrive for a short sequence, a live one for a long one); its counters end at 0.
+    q, kc, vc, table, seq_lens = _paged(lens, Hq, Hk, 16, 16, torch.float32, device, seed=20)
+    s = torch.randn(Hq, generator=torch.Generator().manual_seed(21)).to(device) if sinks else None
+    kw = dict(window=window, sinks=s, num_splits=num_splits)
+    with use_backend("triton"):
+        one = decode_attention(q, kc, vc, table, seq_lens, form="one_pass", **kw)
+        _assert_counters_zero(device)
+        again = decode_attention(q, kc, vc, table, seq_lens, form="one_pass", **kw)
+        two = decode_attention(q, kc, vc, table, seq_lens, form="two_pass", **kw)
+    want = _ref64(q, kc, vc, table, seq_lens, window=window, sinks=s)
+    assert_close(one, want, name="one_pass")
+    assert_close(two, want, name="two_pass")
+    assert torch.equal(one, again)  # the combine reads partials in a fixed order: bitwise repeatable
+    _assert_counters_zero(device)
+
+
+def test_one_pass_counters_shared_across_shapes(device):
+    # Consecutive one-pass calls of different (B, Hk) on one device share the counter buffer; each leaves it
+    # zero for the next. A request for more counters than the buffer holds gets a larger one, and the old one
+    # stays referenced (a CUDA graph may have captured its address).
+    cases = [([40, 3, 90], 4, 2, 3), ([17], 6, 1, 2), ([1, 65], 2, 2, 4)]
+    with use_backend("triton"):
+        for i, (lens, Hq, Hk, splits) in enumerate(cases):
+            q, kc, vc, table, seq_lens = _paged(lens, Hq, Hk, 16, 8, torch.float32, device, seed=30 + i)
+            got = decode_attention(q, kc, vc, table, seq_lens, num_splits=splits, form="one_pass")
+            assert_close(got, _ref64(q, kc, vc, table, seq_lens), name=str(lens))
+            _assert_counters_zero(device)
+    first = dec.split_counters(torch.device(device), 3)
+    bigger = dec.split_counters(torch.device(device), first.numel() + 1)
+    assert bigger.numel() > first.numel() and dec.split_counters(torch.device(device), 5) is bigger
+    assert any(b is first for b in dec._COUNTERS[(first.device.type, first.device.index)])
+
+
+def test_decode_form_is_checked(device):
+    q, kc, vc, table, seq_lens = _paged([5, 9], 4, 2, 16, 8, torch.float32, device)
+    with pytest.raises(ValueError, match="form must be one of"):
+        decode_attention(q, kc, vc, table, seq_lens, form="fused")
+
+
+@pytest.mark.gpu
+def test_gpu_one_pass_in_a_cuda_graph():
+    """The one-pass form as a decode engine runs it: called once eagerly (autotuning, counters), captured in
+    a CUDA graph, replayed with new lengths written into the same buffers; every replay matches the
+    reference, is bitwise equal to the eager call on the same inputs, and leaves the counters at zero."""
+    lens = [1, 1100, 63, 700]  # Qwen2.5-1.5B heads (12 / 2 x 128) in a table 4096 tokens wide
+    q, kc, vc, table, seq_lens = _wide(lens, 12, 2, 128, 16, 256, torch.bfloat16, "cuda", 40)
+    with use_backend("triton"):
+        eager = decode_attention(q, kc, vc, table, seq_lens, form="one_pass")
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = decode_attention(q, kc, vc, table, seq_lens, form="one_pass")
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        _assert_counters_zero("cuda")
+    assert_close(out, _ref64(q, kc, vc, table, seq_lens))
+    seq_lens.copy_(torch.tensor([900, 2, 1024, 64], dtype=torch.int32))  # the next step's lengths
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, _ref64(q, kc, vc, table, seq_lens))
+    _assert_counters_zero("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 64])
+def test_gpu_one_pass_is_deterministic(B):
+    # On the GPU the splits of a (sequence, KV head) arrive in a different order from call to call; the
+    # combine reads them in split order, so every call gives the same bits.
+    lens = [1 + (1100 * (i + 1)) // B for i in range(B)]
+    q, kc, vc, table, seq_lens = _wide(lens, 12, 2, 128, 16, 256, torch.bfloat16, "cuda", 41)
+    first = decode_attention(q, kc, vc, table, seq_lens, form="one_pass")
+    for _ in range(20):
+        assert torch.equal(decode_attention(q, kc, vc, table, seq_lens, form="one_pass"), first)
+    assert_close(first, _ref64(q, kc, vc, table, seq_lens))
+
+
+@pytest.mark.gpu
+def test_gpu_one_pass_capture_without_warm_up_is_an_error(monkeypatch):
+    # No counter buffer yet (a fresh cache): a capture cannot allocate and zero one, so it says so.
+    monkeypatch.setattr(dec, "_COUNTERS", {})
+    q, kc, vc, table, seq_lens = _wide([300, 20], 12, 2, 128, 16, 64, torch.bfloat16, "cuda", 42)
+    decode_attention(q, kc, vc, table, seq_lens, form="two_pass")  # autotune outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="run the same call once before capturing"):
+        with torch.cuda.graph(graph):
+            decode_attention(q, kc, vc, table, seq_lens, form="one_pass")

@@ -13,15 +13,43 @@ dots, padded to 16), so each K/V byte is read once. Token t's row is found throu
 per row, so a tile spans any number of pages. Each program writes a partial output normalized by its
 own sum, and the log2-sum-exp of its chunk:
     o_s = sum_j 2^(s_j - lse_s) v_j,   lse_s = log2 sum_j 2^(s_j)      (s in log2 units)
-Kernel 2 combines them: o = sum_s 2^(lse_s - m) o_s / (sum_s 2^(lse_s - m) + 2^(sink - m)).
+and they are combined: o = sum_s 2^(lse_s - m) o_s / (sum_s 2^(lse_s - m) + 2^(sink - m)), in one of two
+forms (`form`; DEFAULT_FORM until the H200 has timed both):
+- "two_pass": kernel 2, one program per (b, query head), combines them. With PDL (sm_90+) it is scheduled
+  while kernel 1 runs and waits in its prologue for kernel 1 to complete, so its launch is hidden; the
+  kernel boundary (kernel 1 drained, its writes flushed, kernel 2 released) and kernel 2's own L2 round
+  trips are not.
+- "one_pass": no kernel 2. Each program of a (b, kv head), having stored its partials, adds 1 to that
+  pair's int32 counter (acq_rel, gpu scope); the one that reads splits - 1 (every program counts, the
+  empty splits too) arrived last: it zeroes the counter for the next launch and combines the group's
+  partials of the splits holding keys, read back from memory in split order, so the bits do not depend
+  on which program arrived last. No program ever waits for another (no spinning, so no deadlock however
+  programs are scheduled, and nothing for PDL's early-scheduled next kernel to starve). The cost moves
+  into the tail of each group's slowest split: an atomic's round trip, then the combine of Hq / Hk heads
+  on one program (B x Hk combining programs instead of B x Hq).
+  Memory ordering on NVIDIA GPUs (PTX memory model): every thread of the program stores its partials;
+  bar.sync (tl.debug_barrier) orders those stores before thread 0's atom.acq_rel.gpu (Triton issues a
+  scalar atomic from one thread); a release is cumulative, so it publishes the stores the barrier
+  ordered before it: the pattern of CUTLASS's semaphore and generic barrier (__syncthreads, then one
+  thread's release). The last program's atomic reads the value the other programs' releases wrote, so
+  it acquires them; Triton broadcasts its result through shared memory and a bar.sync, which orders all
+  its threads' loads after the acquire. Those loads are ld.global.cg (from L2: an SM's L1 is not
+  coherent and may hold a line of the same address from an earlier launch, the partial buffers being
+  reused by the caching allocator). The reset is a plain store: nothing reads the counter again in this
+  launch, and the next launch in the stream starts after this one completes (with PDL its prologue
+  waits for that). The interpreter runs programs one at a time in grid order (b, then kv head, then
+  split), so every store is visible to the programs after it and the highest split always arrives last;
+  the ordering is exercised only on the GPU (tests marked gpu, one comparing 20 calls bit for bit).
+  The counter buffer: `split_counters` (kept per device by this module; why that is safe under CUDA
+  graphs, and when it is not with several streams, is said there).
 
 The split COUNT is fixed on the host (so the grid is fixed and the launch needs no device-to-host sync:
 CUDA-graph friendly): enough (b, kv head, split) programs to fill the GPU a few times over, at most one
 split per CHUNK_ALIGN keys of the block table's capacity. The CHUNK each split covers is derived on the
 device from the live context, per sequence: chunk_b = align(cdiv(live_b, splits), BLOCK_N), live_b =
 seq_lens[b] (or the window). Every split of every sequence gets an equal share of its live keys, and
-splits past the end of a short sequence return at once, storing only an empty log-sum-exp (-inf): the
-reduction reads a split's partial output only where the split held keys. Until 2026-12-02 the chunk came from the
+splits past the end of a short sequence store nothing but an empty log-sum-exp (-inf; in the one-pass
+form not even that): the reduction reads a split's partial output only where the split held keys. Until 2026-12-02 the chunk came from the
 capacity too (chunk = capacity / splits): with a block table sized for 4k tokens and a few hundred live
 keys, the first one or two splits did all the work while the others sat empty (H200: 7.6 us a layer at
 batch 1, 16.4 us at batch 64, docs/perf/inference.md).
@@ -31,9 +59,10 @@ kernel writes the final output itself (sinks included) and the reduction is not 
 Measured on the H200 and not kept (bench/sweep_attention.py, batch 1 x 64k): split counts of 1-8
 programs per SM (4 is best; fewer cannot keep enough loads in flight per SM), page indices loaded a
 tile ahead (up to 16% slower: the compiler already pipelines the table load with the K/V loads), and
-the reduction as a programmatic dependent launch (no gain within noise). Folding the reduction
-into the last program of each (sequence, KV head) was not tried: it would serialize the combine of
-all splits of 8 query heads on 8 SMs.
+the reduction as a programmatic dependent launch (no gain within noise at that 80-us size; PDL on every
+decode kernel later took the batch-1 step from 1.43 to 1.34 ms, docs/perf/inference.md). The reduction in
+the last program of each (sequence, KV head), held back before by the worry that it serializes the
+combine of a group's heads on one SM, is the one-pass form (2026-12-02): not yet timed on the H200.
 """
 
 from __future__ import annotations
@@ -54,6 +83,13 @@ MAX_SPLITS = 128  # the reduction holds (splits, D) partials of one head in regi
 # (b, kv head, split) programs per SM that the split count aims at. H200 sweep at batch 1 x 64k: 1 per
 # SM 43% of the copy bandwidth, 2: 66%, 3: 73%, 4: 77%, 6: 66%, 8: 74% (tiles of 64 keys, 3 stages).
 PER_SM = 4
+# The two forms of a multi-split launch (module doc). two_pass stays the default until the H200 has timed
+# both (bench/attention.py decode rows, kiln_two_pass_* against kiln_one_pass_*).
+FORMS = ("two_pass", "one_pass")
+DEFAULT_FORM = "two_pass"
+# one_pass's counters, per device: (device type, index) -> the buffers handed out, the current one last
+# (split_counters says why none is ever freed)
+_COUNTERS: dict[tuple[str, int | None], list[torch.Tensor]] = {}
 
 
 # ----------------------------------------------------------------------------------------- reference
@@ -95,18 +131,63 @@ def _bench(fn, quantiles):
 
 
 # fmt: off
-@triton.autotune(_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE_SIZE", "SPLIT_KEY"], do_bench=_bench)
+@triton.jit
+def _combine_splits(
+    O_PART, LSE_PART, SINKS, OUT, b64, h0, group, n_live,  # query heads h0 .. h0 + group - 1 of sequence b64
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    HEAD_DIM: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_STEP: tl.constexpr,
+    SINK: tl.constexpr,
+):
+    """The one-pass form's reduction, run by the last split program of a (sequence, KV head): the group's
+    partials of splits 0 .. n_live - 1, read back from memory in split order (the result does not depend on
+    which program runs it), combined as kernel 2 does. GROUP_P >= group heads; SPLIT_STEP splits a step, so a
+    (GROUP_P, SPLIT_STEP, HEAD_DIM) fp32 tile stays within ~64 registers a thread."""
+    offs_g = tl.arange(0, GROUP_P)
+    h = h0 + offs_g
+    g_ok = offs_g < group
+    lse_rows = LSE_PART + b64 * stride_lb + h * stride_lh  # (GROUP_P,) pointers to each head's split 0
+    offs_s = tl.arange(0, BLOCK_S)
+    lse = tl.load(lse_rows[:, None] + offs_s[None, :], mask=g_ok[:, None] & (offs_s < n_live)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")  # (GROUP_P, BLOCK_S), log2 units
+    m = tl.maximum(tl.max(lse, 1), -1.0e30)  # finite: no live split gives weights 0, not NaN
+    if SINK:
+        sink = tl.load(SINKS + h, mask=g_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+    denom = tl.sum(tl.math.exp2(lse - m[:, None]), 1)  # (GROUP_P,); masked splits weigh 2^-inf = 0
+    if SINK:
+        denom += tl.math.exp2(sink - m)
+    offs_c = tl.arange(0, SPLIT_STEP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
+    for s0 in range(0, n_live, SPLIT_STEP):  # fixed order: the sum is bitwise the same on every call
+        s = s0 + offs_c
+        ok = g_ok[:, None] & (s < n_live)[None, :]  # (GROUP_P, SPLIT_STEP)
+        w = tl.math.exp2(tl.load(lse_rows[:, None] + s[None, :], mask=ok, other=float("-inf"),
+                                 cache_modifier=".cg") - m[:, None])
+        o_ptrs = (O_PART + b64 * stride_ob + h[:, None, None] * stride_oh + s[None, :, None] * stride_os
+                  + offs_d[None, None, :])
+        o = tl.load(o_ptrs, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")  # (GROUP_P, SPLIT_STEP, D)
+        acc += tl.sum(w[:, :, None] * o, 1)
+    out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]  # no keys and no sink: 0
+    tl.store(OUT + b64 * stride_outb + h[:, None] * stride_outh + offs_d[None, :], out.to(OUT.dtype.element_ty),
+             mask=g_ok[:, None])
+
+
+@triton.autotune(_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE_SIZE", "SPLIT_KEY", "ONE_PASS"], do_bench=_bench)
 @triton.jit
 def _decode_split_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS,  # q (B, Hq, D); caches (pages, PAGE_SIZE, Hk, D); see paged_kv
     O_PART, LSE_PART,  # o_part (B, Hq, splits, D), lse_part (B, Hq, splits) fp32, log2 units (not SINGLE)
-    SINKS, OUT,  # SINGLE only: sinks (Hq,) or a dummy, out (B, Hq, D) in q's dtype
+    SINKS, OUT,  # SINGLE or ONE_PASS: sinks (Hq,) or a dummy, out (B, Hq, D) in q's dtype
+    COUNTERS,  # ONE_PASS: (>= B * Hk,) int32, zero on entry, left zero; counter b * Hk + hk (else a dummy)
     stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_bt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
     group, window, splits, qk_scale,  # splits: the grid's third dim, fixed on the host
     SPLIT_KEY,  # autotuning key only (the split count, capped)
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, WINDOW: tl.constexpr,
     SINGLE: tl.constexpr,  # one split: normalize (with the sinks) and write the final output here
+    ONE_PASS: tl.constexpr,  # several splits, the last to finish per (b, kv head) combines them (module doc)
+    GROUP_P: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_STEP: tl.constexpr,  # ONE_PASS's combine tiles
     SINK: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -129,12 +210,15 @@ def _decode_split_kernel(
     h = hk * group + offs_h
     h_ok = offs_h < group
     b64 = b.to(tl.int64)
-    if not SINGLE:
+    if not SINGLE and not ONE_PASS:
         if hi <= lo:  # past the live keys: the reduction reads this split's lse only, as "empty"
             tl.store(LSE_PART + b64 * stride_lb + h * stride_lh + split, tl.full([BLOCK_H], float("-inf"),
                      tl.float32), mask=h_ok)
             return
-    q = tl.load(Q + b64 * stride_qb + h[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None], other=0.0)
+    # ONE_PASS: an empty split (hi <= lo) still runs to its arrival at the counter, with its q load, loop and
+    # partial stores predicated off (no early return: the last program to arrive may be an empty one)
+    live = h_ok & (hi > lo)
+    q = tl.load(Q + b64 * stride_qb + h[:, None] * stride_qh + offs_d[None, :], mask=live[:, None], other=0.0)
     table = BLOCK_TABLE + b64 * stride_bt
     m_i = tl.zeros([BLOCK_H], tl.float32) - 1.0e30  # finite, so an empty split gives l = 0, not NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -171,8 +255,23 @@ def _decode_split_kernel(
         acc = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         o_ptrs = O_PART + b64 * stride_ob + h[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-        tl.store(o_ptrs, acc, mask=h_ok[:, None])
-        tl.store(LSE_PART + b64 * stride_lb + h * stride_lh + split, lse, mask=h_ok)
+        tl.store(o_ptrs, acc, mask=live[:, None])
+        tl.store(LSE_PART + b64 * stride_lb + h * stride_lh + split, lse, mask=live)
+        if ONE_PASS:
+            # Arrive at this (b, kv head)'s counter; the program that arrives last (every split counts,
+            # empty ones too: `splits` arrivals) combines all partials. Memory ordering (module doc): the
+            # barrier orders every thread's partial stores above before thread 0's release-acquire atomic;
+            # the last program's acquire (its result broadcast to all threads through shared memory and a
+            # barrier) orders its partial loads after every other program's release, and those loads read
+            # L2 (.cg), never a stale L1 line.
+            tl.debug_barrier()
+            counter = COUNTERS + b * tl.num_programs(1) + hk
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
+                tl.store(counter, 0)  # every split has arrived: zero for the next launch (graph replays too)
+                n_live = tl.cdiv(n - first, tl.maximum(chunk, 1))  # splits holding keys: 0 .. n_live - 1
+                _combine_splits(O_PART, LSE_PART, SINKS, OUT, b64, hk * group, group, n_live,
+                                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                                HEAD_DIM, GROUP_P, BLOCK_S, SPLIT_STEP, SINK)
 
 
 @triton.jit
@@ -216,11 +315,49 @@ def num_splits_for(
     return max(1, min(want, cdiv(max(capacity, 1), align)))
 
 
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 counters on `device`, zero between one-pass launches (each launch zeroes the ones it
+    counted on), for `decode_attention(form="one_pass")`. Allocated on first use, outside any CUDA-graph
+    capture, and kept for the process's lifetime: a graph captured with a buffer replays with its address,
+    so a buffer replaced by a larger one stays alive too (a few KB each, at most one per power of two).
+    Shared by every one-pass call on the device: safe while those calls are ordered on one stream, or on
+    streams that wait for each other (kiln's engine runs one step at a time); two one-pass calls running
+    at once on two streams would mix their counts (module doc)."""
+    kept = _COUNTERS.setdefault((device.type, device.index), [])
+    if kept and kept[-1].numel() >= n:
+        return kept[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError(
+            f"decode_attention(form='one_pass'): its {n} split counters on {device} do not exist yet, and "
+            "a CUDA-graph capture cannot allocate and zero them; run the same call once before capturing "
+            "(a warm-up: it also autotunes the kernel)"
+        )
+    kept.append(torch.zeros(max(1024, pow2(n)), dtype=torch.int32, device=device))
+    return kept[-1]
+
+
+def combine_step(group: int, head_dim: int) -> int:
+    """Splits per step of the one-pass combine: a (pow2(group), step, head_dim) fp32 tile of at most 8192
+    values (64 registers a thread at 4 warps, 32 at 8), at least one split."""
+    return max(1, 8192 // (pow2(group) * head_dim))
+
+
 def decode_attention_triton(
-    q, k_cache, v_cache, block_table, seq_lens, softmax_scale, window, sinks, num_splits, config=None
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    softmax_scale,
+    window,
+    sinks,
+    num_splits,
+    config=None,
+    form=DEFAULT_FORM,
 ):
     """config (sweeps): a dict of the split kernel's BLOCK_N, num_warps, num_stages, plus optionally
-    `per_sm` and `align` for the split count, used instead of autotuning and the defaults."""
+    `per_sm` and `align` for the split count, used instead of autotuning and the defaults. form: see
+    `decode_attention` (checked there)."""
     B, Hq, D = q.shape
     _, page_size, Hk, _ = k_cache.shape
     capacity = block_table.shape[1] * page_size
@@ -234,6 +371,7 @@ def decode_attention_triton(
             raise ValueError(f"decode_attention: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
         splits = num_splits
     single = splits == 1
+    one_pass = form == "one_pass" and not single
     group = Hq // Hk
     use_pdl = pdl(q)
     out = torch.empty_like(q)
@@ -243,17 +381,20 @@ def decode_attention_triton(
         o_part = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
     sink_arg = sinks if sinks is not None else q
+    counters = split_counters(q.device, B * Hk) if one_pass else seq_lens  # else a dummy, never touched
     # fmt: off
     split_kernel = _decode_split_kernel.fn if config else _decode_split_kernel  # an explicit config: no autotuning
     split_kernel[(B, Hk, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, sink_arg, out,
+        q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, sink_arg, out, counters,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
         *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         group, window or 0, splits, softmax_scale * LOG2E, pow2(splits),
         HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, pow2(group)), WINDOW=window is not None,
-        SINGLE=single, SINK=sinks is not None, PDL=use_pdl, launch_pdl=use_pdl, **config,
+        SINGLE=single, ONE_PASS=one_pass, GROUP_P=pow2(group), BLOCK_S=pow2(splits),
+        SPLIT_STEP=min(pow2(splits), combine_step(group, D)), SINK=sinks is not None, PDL=use_pdl,
+        launch_pdl=use_pdl, **config,
     )
-    if single:
+    if single or one_pass:
         return out
     _decode_reduce_kernel[(B, Hq)](
         o_part, lse_part, sink_arg, out,
@@ -280,14 +421,18 @@ def decode_attention_op(
     window: int | None,
     sinks: torch.Tensor | None,
     num_splits: int | None,
+    form: str = DEFAULT_FORM,
 ) -> torch.Tensor:
-    """decode_attention_triton on checked inputs (q with a contiguous last dim): (B, Hq, D) like q."""
+    """decode_attention_triton on checked inputs (q with a contiguous last dim): (B, Hq, D) like q. The
+    one-pass form's counters are left as it found them (zero), so the op declares no mutation."""
     return decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, softmax_scale, window, sinks,
-                                   num_splits)  # fmt: skip
+                                   num_splits, form=form)  # fmt: skip
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, block_table, seq_lens, softmax_scale, window, sinks, num_splits):
+def _(
+    q, k_cache, v_cache, block_table, seq_lens, softmax_scale, window, sinks, num_splits, form=DEFAULT_FORM
+):
     return torch.empty_like(q)
 
 
@@ -302,8 +447,17 @@ def decode_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
+    form: str | None = None,
 ) -> torch.Tensor:
-    """One decode step of attention for B sequences over the paged cache; see the module doc. (B, Hq, D)."""
+    """One decode step of attention for B sequences over the paged cache; see the module doc. (B, Hq, D).
+    form: "two_pass" (a split kernel, then a reduction kernel) or "one_pass" (the last split program of
+    each (sequence, KV head) reduces); None takes DEFAULT_FORM. Both give the same values; a launch of one
+    split, or the reference path, has no reduction and ignores the choice."""
+    form = DEFAULT_FORM if form is None else form
+    if form not in FORMS:
+        raise ValueError(
+            f"decode_attention: form must be one of {FORMS} (or None for the default), got {form!r}"
+        )
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"decode_attention: q must be (B, Hq, D) and caches (num_blocks, block_size, Hk, D), got "
@@ -334,10 +488,10 @@ def decode_attention(
         if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
             raise ValueError("decode_attention: the caches' last dim must be contiguous")
         if torch.compiler.is_compiling():
-            args = (q, k_cache, v_cache, block_table, seq_lens, scale, window, sinks, num_splits)
+            args = (q, k_cache, v_cache, block_table, seq_lens, scale, window, sinks, num_splits, form)
             return decode_attention_op(*args)
         return decode_attention_triton(
-            q, k_cache, v_cache, block_table, seq_lens, scale, window, sinks, num_splits
+            q, k_cache, v_cache, block_table, seq_lens, scale, window, sinks, num_splits, form=form
         )
     return decode_attention_ref(
         q, k_cache, v_cache, block_table, seq_lens, softmax_scale=scale, window=window, sinks=sinks
