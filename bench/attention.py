@@ -11,14 +11,18 @@ from a retained graph; the three forwards interleaved in rounds, then the three 
 FlashAttention's convention: forward 4 B H Tq Tk D (halved when causal), backward 2.5x the forward.
 
 Decode: one query per sequence over a paged bf16 cache (page 16, shuffled block table), GQA 64q/8kv,
-head dim 128, at batch 64 x 4k and batch 1 x 64k context, and Qwen2.5-1.5B's 12q/2kv at 384 live keys
-(batch 1) and 1100 (batch 64) in block tables 4096 tokens wide (an engine's captured step); the unit is K/V bytes read per second,
-against the copy bandwidth measured at the start of the run (kiln.profile.ceilings), with SDPA on a dense,
-contiguous copy of the same cache as the peer. Decode is timed replayed from a CUDA graph (as an
-engine runs it; a 64 us kernel is otherwise hidden behind Python's launch cost), with an L2 flush
-before each replay, twice: do_bench's (zeroing 256 MB, which leaves the L2 full of dirty lines that
-are written back during the timed step) and a read-only flush that leaves it clean (Bench.clean_ms);
-the eager time is recorded too.
+head dim 128, at batch 64 x 4k and batch 1 x 64k context, and Qwen2.5-1.5B's 12q/2kv at 384 and 1100 live
+keys (batch 1) and 1100 (batch 64) in block tables 4096 tokens wide (an engine's captured step); the unit
+is K/V bytes read per second, against the copy bandwidth measured at the start of the run
+(kiln.profile.ceilings), with SDPA on a dense, contiguous copy of the same cache as the peer. Decode is
+timed replayed from a CUDA graph (as an engine runs it; a 64 us kernel is otherwise hidden behind
+Python's launch cost), with an L2 flush before each replay, twice: do_bench's (zeroing 256 MB, which
+leaves the L2 full of dirty lines that are written back during the timed step) and a read-only flush
+that leaves it clean (Bench.clean_ms); the eager time is recorded too. Decode's two forms of a multi-split launch (kiln.kernels.decode_attention
+`form`: two_pass = split kernel + reduction kernel, one_pass = the last split program reduces) are timed
+side by side on every decode row, their graphs replayed interleaved (kiln_two_pass_* / kiln_one_pass_*,
+one_pass_speedup* = two_pass time / one_pass time), and on the Qwen rows also as a graph of 28 calls over 28
+separate caches, a decode step's worth of layers (kiln_<form>_stack_us_per_call). kiln_* is the default form.
 
 Every case is independent: an error is recorded in the JSON for that case and the run continues.
 """
@@ -38,6 +42,7 @@ SEQLENS = (4096, 8192, 16384, 1024, 2048)  # the goal points (>= 4096) first
 TOKENS = 16384
 TIME_BUDGET_S = 95.0  # no new case after this; the run's share is ~130 s including imports and exit
 FLEX_BUDGET_S = 92.0  # no flex compile after this
+QWEN_LAYERS = 28  # Qwen2.5-1.5B's depth: decode attention launches per decode step
 
 
 def parse_args():
@@ -66,13 +71,16 @@ def prefill_cases(smoke: bool) -> list[dict]:
 def decode_cases(smoke: bool) -> list[dict]:
     if smoke:
         return [dict(B=2, L=70, Hq=8, Hk=1, D=16, page=16, cap=160)]
-    # the last two: Qwen2.5-1.5B's heads with short live contexts in a block table 4096 tokens wide (what the
-    # engine's captured decode step passes): the split chunks follow the live keys, not the table's width
+    # the last three: Qwen2.5-1.5B's heads with short live contexts in a block table 4096 tokens wide (what
+    # the engine's captured decode step passes): the split chunks follow the live keys, not the table's
+    # width; also timed as a stack of its 28 layers (decode_forms)
+    qwen = dict(Hq=12, Hk=2, D=128, page=16, cap=4096, layers=QWEN_LAYERS)
     return [
         dict(B=64, L=4096, Hq=64, Hk=8, D=128, page=16),
         dict(B=1, L=65536, Hq=64, Hk=8, D=128, page=16),
-        dict(B=1, L=384, Hq=12, Hk=2, D=128, page=16, cap=4096),
-        dict(B=64, L=1100, Hq=12, Hk=2, D=128, page=16, cap=4096),
+        dict(B=1, L=384, **qwen),
+        dict(B=1, L=1100, **qwen),
+        dict(B=64, L=1100, **qwen),
     ]
 
 
@@ -129,26 +137,39 @@ class Bench:
         times = sorted(a.elapsed_time(b) for a, b in zip(start, end))
         return times[reps // 2]
 
-    def graph_ms(self, fn, clean: bool = False) -> float:
-        """Time fn replayed from a CUDA graph (as a decode engine runs it): no Python launch cost,
-        still an L2 flush before every replay (do_bench's, or with `clean` see `clean_ms`)."""
+    def capture(self, fns: list):
+        """One CUDA graph of the calls fns[0](), fns[1](), ... in order, each called first outside the
+        capture (compile, autotune, workspaces) on the current and on a side stream."""
         import torch
 
-        fn()  # compile and autotune outside the capture
+        for fn in fns:
+            fn()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fn()
+            for fn in fns:
+                fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            fn()
+            for fn in fns:
+                fn()
+        return graph
+
+    def graph_ms(self, fn, clean: bool = False) -> float:
+        """Time fn replayed from a CUDA graph (as a decode engine runs it): no Python launch cost,
+        still an L2 flush before every replay (do_bench's, or with `clean` see `clean_ms`)."""
+        graph = self.capture([fn])
         return self.clean_ms(graph.replay) if clean else self.ms(graph.replay)
 
     def measure(self, rec: dict, key: str, fn, graph: bool = False, clean: bool = False) -> float | None:
         """Time fn into rec[key] (ms); on failure record the error instead and carry on."""
+        return self.record(rec, key, lambda: self.graph_ms(fn, clean) if graph and self.cuda else self.ms(fn))
+
+    def record(self, rec: dict, key: str, timing) -> float | None:
+        """rec[key] = timing(), a time in ms; on failure record the error instead and carry on."""
         try:
-            ms = self.graph_ms(fn, clean) if graph and self.cuda else self.ms(fn)
+            ms = timing()
         except Exception as e:  # noqa: BLE001 - one failing case must not end the run
             rec[key + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             self.log(f"  {rec.get('case')} {key} failed: {rec[key + '_error']}")
@@ -276,10 +297,11 @@ def decode_case(bench: Bench, c: dict, rec: dict, dev: str, dtype) -> None:
     kv_bytes = 2 * B * L * Hk * D * k_cache.element_size()
     rec["kv_bytes"] = kv_bytes
 
-    def kiln():
+    def kiln(form=None, kc=k_cache, vc=v_cache):  # form None: the default (kiln_* keys)
         with use_backend("triton"):
-            return decode_attention(q, k_cache, v_cache, table, seq_lens)
+            return decode_attention(q, kc, vc, table, seq_lens, form=form)
 
+    decode_forms(bench, rec, c, kiln, k_cache)
     bench.measure(rec, "kiln_eager_ms", kiln)  # with Python launch overhead: see the graph figure
     ms = bench.measure(rec, "kiln_ms", kiln, graph=True)
     from kiln.kernels import decode_attention as dec
@@ -310,6 +332,55 @@ def decode_case(bench: Bench, c: dict, rec: dict, dev: str, dtype) -> None:
         ms = bench.measure(rec, "sdpa_dense_clean_l2_ms", sdpa, graph=True, clean=True)
         if ms:
             rec["sdpa_dense_clean_l2_TBps"] = round(kv_bytes / ms / 1e9, 3)
+
+
+def decode_forms(bench: Bench, rec: dict, c: dict, kiln, k_cache) -> None:
+    """decode_attention's two forms of a multi-split launch side by side (kernels/decode_attention.py):
+    two_pass (split kernel, then a reduction kernel: what kiln_* measures while it is the default) and
+    one_pass (the last split program of each (sequence, KV head) reduces). Each is captured in a CUDA graph
+    and the two graphs are replayed interleaved (do_bench's flush before each replay): kiln_<form>_ms;
+    after a clean-L2 flush: kiln_<form>_clean_l2_ms; and, for rows with `layers`, a graph of that many
+    calls over as many separate caches (one per layer, as a decode step reads them; the same table and
+    lengths): kiln_<form>_stack_us_per_call. one_pass_speedup*: two_pass time / one_pass time (> 1: one
+    launch faster). The ratios are what decides DEFAULT_FORM. one_pass_max_abs_diff: how far the two forms'
+    outputs are apart (summation order only)."""
+    import torch
+
+    from kiln.kernels.decode_attention import FORMS
+
+    for form in FORMS:
+        bench.measure(rec, f"kiln_{form}_eager_ms", lambda form=form: kiln(form))
+    try:  # the same values up to the combine's summation order (bf16 output on the GPU)
+        rec["one_pass_max_abs_diff"] = float(
+            (kiln("one_pass").float() - kiln("two_pass").float()).abs().max()
+        )
+    except Exception as e:  # noqa: BLE001 - the timings above already recorded a failing form
+        rec["one_pass_max_abs_diff_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    if not bench.cuda:
+        return
+    graphs, stacks = {}, {}
+    layers = c.get("layers", 0)
+    caches = [(torch.randn_like(k_cache), torch.randn_like(k_cache)) for _ in range(layers)]
+    for form in FORMS:
+        try:
+            graphs[form] = bench.capture([lambda form=form: kiln(form)])
+            if layers:
+                stacks[form] = bench.capture([lambda form=form, kv=kv: kiln(form, *kv) for kv in caches])
+        except Exception as e:  # noqa: BLE001 - one failing form must not end the run
+            rec[f"kiln_{form}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            bench.log(f"  {rec.get('case')} {form} failed: {rec[f'kiln_{form}_error']}")
+    bench.measure_many(rec, {f"kiln_{form}_ms": g.replay for form, g in graphs.items()})
+    for form, g in graphs.items():
+        bench.record(rec, f"kiln_{form}_clean_l2_ms", lambda g=g: bench.clean_ms(g.replay))
+    if stacks:
+        bench.measure_many(rec, {f"kiln_{form}_stack_ms": g.replay for form, g in stacks.items()})
+        for form in stacks:
+            if rec.get(f"kiln_{form}_stack_ms"):
+                rec[f"kiln_{form}_stack_us_per_call"] = round(rec[f"kiln_{form}_stack_ms"] * 1e3 / layers, 3)
+    for key in ("_ms", "_clean_l2_ms", "_stack_ms"):
+        two, one = rec.get(f"kiln_two_pass{key}"), rec.get(f"kiln_one_pass{key}")
+        if two and one:
+            rec["one_pass_speedup" + key.removesuffix("_ms")] = round(two / one, 3)
 
 
 def flex_case(bench: Bench, rec: dict, tensors, flex, create_block_mask) -> None:
@@ -421,6 +492,29 @@ def markdown_tables(path: str) -> str:
                 f"| {f(100 * kiln / copy if kiln and copy else None)}% | {f(sdpa, '{:.2f}')} TB/s "
                 f"| {f(kiln / sdpa if kiln and sdpa else None, '{:.2f}')} |"
             )
+    lines += [
+        "",
+        "| decode forms (graph replay, us) | splits | two_pass | one_pass | speedup | clean L2: two / one "
+        "| speedup | per call in a stack of layers: two / one | speedup |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["decode"]:
+        if "kiln_one_pass_ms" not in r and "kiln_one_pass_eager_ms" not in r:
+            continue  # a results file from before the one-pass form
+
+        def us(key, r=r):
+            return f(r[key] * 1e3 if r.get(key) else None, "{:.1f}")
+
+        stack = f"{f(r.get('kiln_two_pass_stack_us_per_call'), '{:.1f}')} / "
+        stack += f"{f(r.get('kiln_one_pass_stack_us_per_call'), '{:.1f}')}"
+        lines.append(
+            f"| B={r['B']} x {r['L']}, {r['Hq']}q/{r['Hk']}kv, table {r.get('cap', r['L'])} "
+            f"| {r.get('kiln_splits', '-')} | {us('kiln_two_pass_ms')} | {us('kiln_one_pass_ms')} "
+            f"| {f(r.get('one_pass_speedup'), '{:.2f}')} "
+            f"| {us('kiln_two_pass_clean_l2_ms')} / {us('kiln_one_pass_clean_l2_ms')} "
+            f"| {f(r.get('one_pass_speedup_clean_l2'), '{:.2f}')} | {stack} "
+            f"| {f(r.get('one_pass_speedup_stack'), '{:.2f}')} |"
+        )
     return "\n".join(lines)
 
 
