@@ -229,19 +229,28 @@ def _assert_counters_zero(device):
 
 
 @pytest.mark.parametrize(
-    "lens,Hq,Hk,num_splits,window,sinks",
+    "lens,Hq,Hk,D,num_splits,window,sinks",
     [
-        ([33], 2, 2, 3, None, True),  # B=1, GQA 1: a tile + 1 (BLOCK_N 32 here) over 2 of 3 splits
-        ([1, 32, 300], 4, 2, 5, None, False),  # GQA 2: 1 key, exactly one tile, 5 full splits
-        ([5, 0, 129], 12, 2, 7, None, True),  # GQA 6: shorter than the split count (empty splits), no keys
-        ([200, 7, 64], 6, 1, 4, 50, True),  # GQA 6 over one KV head, a window
+        ([33], 2, 2, 16, 3, None, True),  # B=1, GQA 1: a tile + 1 (BLOCK_N 32 here) over 2 of 3 splits
+        ([1, 32, 300], 4, 2, 16, 5, None, False),  # GQA 2: 1 key, exactly one tile, 5 full splits
+        (
+            [5, 0, 129],
+            12,
+            2,
+            16,
+            7,
+            None,
+            True,
+        ),  # GQA 6: shorter than the split count (empty splits), no keys
+        ([200, 7, 64], 6, 1, 16, 4, 50, True),  # GQA 6 over one KV head, a window
+        ([1500, 3], 16, 1, 64, 24, None, True),  # 24 live splits combined 8 a step (combine_step(16, 64))
     ],
-    ids=["B1-gqa1-sinks", "B3-gqa2", "B3-gqa6-empty-splits-sinks", "B3-gqa6-window"],
+    ids=["B1-gqa1-sinks", "B3-gqa2", "B3-gqa6-empty-splits-sinks", "B3-gqa6-window", "B2-gqa16-three-steps"],
 )
-def test_decode_one_pass_equals_two_pass_and_reference(lens, Hq, Hk, num_splits, window, sinks, device):
+def test_decode_one_pass_equals_two_pass_and_reference(lens, Hq, Hk, D, num_splits, window, sinks, device):
     # The last split program to arrive reduces (in the interpreter programs run in grid order, so an empty
     # split is the last to arrive for a short sequence, a live one for a long one); its counters end at 0.
-    q, kc, vc, table, seq_lens = _paged(lens, Hq, Hk, 16, 16, torch.float32, device, seed=20)
+    q, kc, vc, table, seq_lens = _paged(lens, Hq, Hk, D, 16, torch.float32, device, seed=20)
     s = torch.randn(Hq, generator=torch.Generator().manual_seed(21)).to(device) if sinks else None
     kw = dict(window=window, sinks=s, num_splits=num_splits)
     with use_backend("triton"):

@@ -42,7 +42,7 @@ for single, one_pass in ((False, False), (True, False), (False, True)):
     ptrs = dict(Q="*bf16", K_CACHE="*bf16", V_CACHE="*bf16", BLOCK_TABLE="*i32", SEQ_LENS="*i32", O_PART=part,
                 LSE_PART=part, SINKS="*fp32", OUT="*bf16", COUNTERS="*i32")
     c = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=16, WINDOW=True, SINGLE=single, ONE_PASS=one_pass, GROUP_P=8,
-             BLOCK_S=32, SPLIT_STEP=8, SINK=True, PDL=True, BLOCK_N=64)
+             SPLIT_STEP=8, SINK=True, PDL=True, BLOCK_N=64)
     out[f"split single={single} one_pass={one_pass}"] = compile_(da._decode_split_kernel, ptrs, c, ("qk_scale",),
                                                                  num_warps=4, num_stages=3)
 out["reduce"] = compile_(da._decode_reduce_kernel, dict(O_PART="*fp32", LSE_PART="*fp32", SINKS="*fp32", OUT="*bf16"),

@@ -135,39 +135,39 @@ def _bench(fn, quantiles):
 def _combine_splits(
     O_PART, LSE_PART, SINKS, OUT, b64, h0, group, n_live,  # query heads h0 .. h0 + group - 1 of sequence b64
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-    HEAD_DIM: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_STEP: tl.constexpr,
-    SINK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP_P: tl.constexpr, SPLIT_STEP: tl.constexpr, SINK: tl.constexpr,
 ):
     """The one-pass form's reduction, run by the last split program of a (sequence, KV head): the group's
     partials of splits 0 .. n_live - 1, read back from memory in split order (the result does not depend on
-    which program runs it), combined as kernel 2 does. GROUP_P >= group heads; SPLIT_STEP splits a step, so a
+    which program runs it), combined as kernel 2 does, SPLIT_STEP splits a step with a running max (one
+    L2 round trip a step: lse and partial outputs load together). GROUP_P >= group heads; a
     (GROUP_P, SPLIT_STEP, HEAD_DIM) fp32 tile stays within ~64 registers a thread."""
     offs_g = tl.arange(0, GROUP_P)
     h = h0 + offs_g
     g_ok = offs_g < group
     lse_rows = LSE_PART + b64 * stride_lb + h * stride_lh  # (GROUP_P,) pointers to each head's split 0
-    offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(lse_rows[:, None] + offs_s[None, :], mask=g_ok[:, None] & (offs_s < n_live)[None, :],
-                  other=float("-inf"), cache_modifier=".cg")  # (GROUP_P, BLOCK_S), log2 units
-    m = tl.maximum(tl.max(lse, 1), -1.0e30)  # finite: no live split gives weights 0, not NaN
-    if SINK:
-        sink = tl.load(SINKS + h, mask=g_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-        m = tl.maximum(m, sink)
-    denom = tl.sum(tl.math.exp2(lse - m[:, None]), 1)  # (GROUP_P,); masked splits weigh 2^-inf = 0
-    if SINK:
-        denom += tl.math.exp2(sink - m)
+    o_rows = O_PART + b64 * stride_ob + h * stride_oh
     offs_c = tl.arange(0, SPLIT_STEP)
     offs_d = tl.arange(0, HEAD_DIM)
+    m = tl.zeros([GROUP_P], tl.float32) - 1.0e30  # finite: no live split gives weights 0, not NaN
+    denom = tl.zeros([GROUP_P], tl.float32)
+    if SINK:  # the sink joins the denominator: start from it, 2^(sink - m) = 1
+        m = tl.maximum(m, tl.load(SINKS + h, mask=g_ok, other=0.0).to(tl.float32) * 1.4426950408889634)
+        denom += 1.0
     acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
     for s0 in range(0, n_live, SPLIT_STEP):  # fixed order: the sum is bitwise the same on every call
         s = s0 + offs_c
         ok = g_ok[:, None] & (s < n_live)[None, :]  # (GROUP_P, SPLIT_STEP)
-        w = tl.math.exp2(tl.load(lse_rows[:, None] + s[None, :], mask=ok, other=float("-inf"),
-                                 cache_modifier=".cg") - m[:, None])
-        o_ptrs = (O_PART + b64 * stride_ob + h[:, None, None] * stride_oh + s[None, :, None] * stride_os
-                  + offs_d[None, None, :])
-        o = tl.load(o_ptrs, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")  # (GROUP_P, SPLIT_STEP, D)
-        acc += tl.sum(w[:, :, None] * o, 1)
+        # .cg: from L2, where the other programs' released stores are (module doc)
+        lse = tl.load(lse_rows[:, None] + s[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(o_rows[:, None, None] + s[None, :, None] * stride_os + offs_d[None, None, :],
+                    mask=ok[:, :, None], other=0.0, cache_modifier=".cg")  # (GROUP_P, SPLIT_STEP, D)
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        alpha = tl.math.exp2(m - m_new)
+        w = tl.math.exp2(lse - m_new[:, None])  # masked splits weigh 2^-inf = 0
+        denom = denom * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
+        m = m_new
     out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]  # no keys and no sink: 0
     tl.store(OUT + b64 * stride_outb + h[:, None] * stride_outh + offs_d[None, :], out.to(OUT.dtype.element_ty),
              mask=g_ok[:, None])
@@ -187,7 +187,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, WINDOW: tl.constexpr,
     SINGLE: tl.constexpr,  # one split: normalize (with the sinks) and write the final output here
     ONE_PASS: tl.constexpr,  # several splits, the last to finish per (b, kv head) combines them (module doc)
-    GROUP_P: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_STEP: tl.constexpr,  # ONE_PASS's combine tiles
+    GROUP_P: tl.constexpr, SPLIT_STEP: tl.constexpr,  # ONE_PASS's combine tile: heads, splits a step
     SINK: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -271,7 +271,7 @@ def _decode_split_kernel(
                 n_live = tl.cdiv(n - first, tl.maximum(chunk, 1))  # splits holding keys: 0 .. n_live - 1
                 _combine_splits(O_PART, LSE_PART, SINKS, OUT, b64, hk * group, group, n_live,
                                 stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                                HEAD_DIM, GROUP_P, BLOCK_S, SPLIT_STEP, SINK)
+                                HEAD_DIM, GROUP_P, SPLIT_STEP, SINK)
 
 
 @triton.jit
@@ -390,7 +390,7 @@ def decode_attention_triton(
         *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         group, window or 0, splits, softmax_scale * LOG2E, pow2(splits),
         HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, pow2(group)), WINDOW=window is not None,
-        SINGLE=single, ONE_PASS=one_pass, GROUP_P=pow2(group), BLOCK_S=pow2(splits),
+        SINGLE=single, ONE_PASS=one_pass, GROUP_P=pow2(group),
         SPLIT_STEP=min(pow2(splits), combine_step(group, D)), SINK=sinks is not None, PDL=use_pdl,
         launch_pdl=use_pdl, **config,
     )
