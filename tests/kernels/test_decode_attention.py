@@ -288,6 +288,28 @@ def test_decode_form_is_checked(device):
         decode_attention(q, kc, vc, table, seq_lens, form="fused")
 
 
+def test_decode_default_form_from_the_environment(monkeypatch, device):
+    # KILN_DECODE_FORM picks the form of calls that name none (the model's): a one-pass call is the one
+    # that takes counters, so a fresh counter cache shows which form ran. A bad value is an error naming it.
+    q, kc, vc, table, seq_lens = _paged([40, 3], 4, 2, 16, 8, torch.float32, device, seed=50)
+    monkeypatch.setattr(dec, "_COUNTERS", {})
+    try:
+        monkeypatch.setenv("KILN_DECODE_FORM", "one_pass")
+        dec.default_form.cache_clear()
+        with use_backend("triton"):
+            got = decode_attention(q, kc, vc, table, seq_lens, num_splits=3)
+        assert dec._COUNTERS, "KILN_DECODE_FORM=one_pass did not run the one-pass form"
+        assert_close(got, _ref64(q, kc, vc, table, seq_lens))
+        _assert_counters_zero(device)
+        monkeypatch.setenv("KILN_DECODE_FORM", "fused")
+        dec.default_form.cache_clear()
+        with use_backend("triton"), pytest.raises(ValueError, match="KILN_DECODE_FORM must be one of"):
+            decode_attention(q, kc, vc, table, seq_lens, num_splits=3)
+    finally:
+        monkeypatch.undo()
+        dec.default_form.cache_clear()  # the next call reads the restored environment
+
+
 @pytest.mark.gpu
 def test_gpu_one_pass_in_a_cuda_graph():
     """The one-pass form as a decode engine runs it: called once eagerly (autotuning, counters), captured in

@@ -14,7 +14,7 @@ per row, so a tile spans any number of pages. Each program writes a partial outp
 own sum, and the log2-sum-exp of its chunk:
     o_s = sum_j 2^(s_j - lse_s) v_j,   lse_s = log2 sum_j 2^(s_j)      (s in log2 units)
 and they are combined: o = sum_s 2^(lse_s - m) o_s / (sum_s 2^(lse_s - m) + 2^(sink - m)), in one of two
-forms (`form`; DEFAULT_FORM until the H200 has timed both):
+forms (`form`; DEFAULT_FORM until the H200 has timed both, KILN_DECODE_FORM overriding it):
 - "two_pass": kernel 2, one program per (b, query head), combines them. With PDL (sm_90+) it is scheduled
   while kernel 1 runs and waits in its prologue for kernel 1 to complete, so its launch is hidden; the
   kernel boundary (kernel 1 drained, its writes flushed, kernel 2 released) and kernel 2's own L2 round
@@ -49,10 +49,10 @@ split per CHUNK_ALIGN keys of the block table's capacity. The CHUNK each split c
 device from the live context, per sequence: chunk_b = align(cdiv(live_b, splits), BLOCK_N), live_b =
 seq_lens[b] (or the window). Every split of every sequence gets an equal share of its live keys, and
 splits past the end of a short sequence store nothing but an empty log-sum-exp (-inf; in the one-pass
-form not even that): the reduction reads a split's partial output only where the split held keys. Until 2026-12-02 the chunk came from the
-capacity too (chunk = capacity / splits): with a block table sized for 4k tokens and a few hundred live
-keys, the first one or two splits did all the work while the others sat empty (H200: 7.6 us a layer at
-batch 1, 16.4 us at batch 64, docs/perf/inference.md).
+form not even that): the reduction reads a split's partial output only where the split held keys. Until
+2026-12-02 the chunk came from the capacity too (chunk = capacity / splits): with a block table sized for
+4k tokens and a few hundred live keys, the first one or two splits did all the work while the others sat
+empty (H200: 7.6 us a layer at batch 1, 16.4 us at batch 64, docs/perf/inference.md).
 Where one split suffices (B x Hk programs fill the GPU, or the capacity is a single chunk), the split
 kernel writes the final output itself (sinks included) and the reduction is not launched.
 
@@ -67,7 +67,9 @@ combine of a group's heads on one SM, is the one-pass form (2026-12-02): not yet
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import triton
@@ -84,7 +86,8 @@ MAX_SPLITS = 128  # the reduction holds (splits, D) partials of one head in regi
 # SM 43% of the copy bandwidth, 2: 66%, 3: 73%, 4: 77%, 6: 66%, 8: 74% (tiles of 64 keys, 3 stages).
 PER_SM = 4
 # The two forms of a multi-split launch (module doc). two_pass stays the default until the H200 has timed
-# both (bench/attention.py decode rows, kiln_two_pass_* against kiln_one_pass_*).
+# both (bench/attention.py decode rows, kiln_two_pass_* against kiln_one_pass_*); KILN_DECODE_FORM in the
+# environment overrides it for A/B timing of whole decode steps (default_form).
 FORMS = ("two_pass", "one_pass")
 DEFAULT_FORM = "two_pass"
 # one_pass's counters, per device: (device type, index) -> the buffers handed out, the current one last
@@ -315,6 +318,17 @@ def num_splits_for(
     return max(1, min(want, cdiv(max(capacity, 1), align)))
 
 
+@functools.cache
+def default_form() -> str:
+    """The form of a call that names none: DEFAULT_FORM, or KILN_DECODE_FORM from the environment (read
+    once, as KILN_PDL is: `KILN_DECODE_FORM=one_pass python bench/infer.py ...` times whole decode steps in
+    the other form without a code change)."""
+    form = os.environ.get("KILN_DECODE_FORM", DEFAULT_FORM)
+    if form not in FORMS:
+        raise ValueError(f"KILN_DECODE_FORM must be one of {FORMS}, got {form!r}")
+    return form
+
+
 def split_counters(device: torch.device, n: int) -> torch.Tensor:
     """At least n int32 counters on `device`, zero between one-pass launches (each launch zeroes the ones it
     counted on), for `decode_attention(form="one_pass")`. Allocated on first use, outside any CUDA-graph
@@ -353,11 +367,11 @@ def decode_attention_triton(
     sinks,
     num_splits,
     config=None,
-    form=DEFAULT_FORM,
+    form=None,
 ):
     """config (sweeps): a dict of the split kernel's BLOCK_N, num_warps, num_stages, plus optionally
     `per_sm` and `align` for the split count, used instead of autotuning and the defaults. form: see
-    `decode_attention` (checked there)."""
+    `decode_attention` (checked there; None: default_form())."""
     B, Hq, D = q.shape
     _, page_size, Hk, _ = k_cache.shape
     capacity = block_table.shape[1] * page_size
@@ -371,7 +385,7 @@ def decode_attention_triton(
             raise ValueError(f"decode_attention: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
         splits = num_splits
     single = splits == 1
-    one_pass = form == "one_pass" and not single
+    one_pass = (default_form() if form is None else form) == "one_pass" and not single
     group = Hq // Hk
     use_pdl = pdl(q)
     out = torch.empty_like(q)
@@ -421,7 +435,7 @@ def decode_attention_op(
     window: int | None,
     sinks: torch.Tensor | None,
     num_splits: int | None,
-    form: str = DEFAULT_FORM,
+    form: str | None = None,
 ) -> torch.Tensor:
     """decode_attention_triton on checked inputs (q with a contiguous last dim): (B, Hq, D) like q. The
     one-pass form's counters are left as it found them (zero), so the op declares no mutation."""
@@ -430,9 +444,7 @@ def decode_attention_op(
 
 
 @decode_attention_op.register_fake
-def _(
-    q, k_cache, v_cache, block_table, seq_lens, softmax_scale, window, sinks, num_splits, form=DEFAULT_FORM
-):
+def _(q, k_cache, v_cache, block_table, seq_lens, softmax_scale, window, sinks, num_splits, form=None):
     return torch.empty_like(q)
 
 
@@ -451,10 +463,10 @@ def decode_attention(
 ) -> torch.Tensor:
     """One decode step of attention for B sequences over the paged cache; see the module doc. (B, Hq, D).
     form: "two_pass" (a split kernel, then a reduction kernel) or "one_pass" (the last split program of
-    each (sequence, KV head) reduces); None takes DEFAULT_FORM. Both give the same values; a launch of one
-    split, or the reference path, has no reduction and ignores the choice."""
-    form = DEFAULT_FORM if form is None else form
-    if form not in FORMS:
+    each (sequence, KV head) reduces); None takes default_form() (DEFAULT_FORM unless KILN_DECODE_FORM
+    says otherwise). Both give the same values up to summation order; a launch of one split, or the
+    reference path, has no reduction and ignores the choice."""
+    if form is not None and form not in FORMS:
         raise ValueError(
             f"decode_attention: form must be one of {FORMS} (or None for the default), got {form!r}"
         )
