@@ -213,8 +213,242 @@ def _down_kernel(
     tl.store(Y_ptr + t.to(tl.int64) * D + offs_n, y.to(Y_ptr.dtype.element_ty), mask=offs_n < D)
 
 
+# ------------------------------------------------------------------------- the "experts" form (deduped)
+@triton.jit
+def _leader_occurrences(Idx_ptr, p, T, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, T_P2: tl.constexpr):
+    """(e, n_occ): slot p's expert, and how many passes its program makes: 0 unless p is the first slot in
+    flat order holding e (the leader, which serves every pair of e), else the most times one token holds e
+    (1 from a top-k router; more only when a token lists an expert twice). All T*k ids in one 2-D load
+    (<= 16 x 8 at decode) and a compare: no sort, no host sync."""
+    toks = tl.arange(0, T_P2)[:, None]
+    js = tl.arange(0, TOPK_P2)[None, :]
+    ids = tl.load(Idx_ptr + toks * TOPK + js, mask=(toks < T) & (js < TOPK), other=-1)  # (T_P2, TOPK_P2)
+    e = tl.load(Idx_ptr + p)
+    hit = ids == e
+    first = tl.min(tl.min(tl.where(hit, toks * TOPK + js, T_P2 * TOPK_P2), axis=1), axis=0)
+    most = tl.max(tl.sum(hit.to(tl.int32), axis=1), axis=0)
+    return e.to(tl.int64), tl.where(first == p, most, 0)
+
+
+@triton.jit
+def _chunk_pairs(Idx_ptr, e, c, o, T, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, ROWS: tl.constexpr):
+    """Tokens c*ROWS .. c*ROWS + ROWS - 1 as rows: each row's pair index t*k + j where j is the token's
+    o-th slot holding expert e, and whether the row has one (ROWS,) each."""
+    toks = c * ROWS + tl.arange(0, ROWS)
+    js = tl.arange(0, TOPK_P2)[None, :]
+    ids = tl.load(Idx_ptr + toks[:, None] * TOPK + js, mask=(toks < T)[:, None] & (js < TOPK), other=-1)
+    hit = ids == e  # (ROWS, TOPK_P2)
+    sel = hit & (tl.cumsum(hit.to(tl.int32), axis=1) == o + 1)  # the o-th hit of each token
+    j = tl.sum(tl.where(sel, js, 0), axis=1)
+    return toks.to(tl.int64) * TOPK + j, tl.sum(sel.to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _up_experts_kernel(
+    X_ptr,  # (T, d): x[t, c] at X_ptr + t * stride_xt + c * stride_xc
+    Idx_ptr,  # (T * TOPK,) contiguous expert ids
+    W_ptr,  # (E, 2I, d): w1[e, n, c] at W_ptr + e * stride_we + n * stride_wn + c * stride_wc
+    H_ptr,  # (T * TOPK, I) out, contiguous: silu(gate) * up per pair
+    T,
+    I,
+    D,
+    stride_xt,
+    stride_xc,
+    stride_we,
+    stride_wn,
+    stride_wc,
+    TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr,  # pow2 >= TOPK
+    T_P2: tl.constexpr,  # pow2 >= T
+    ROWS: tl.constexpr,  # tokens per pass: 1 (FMAs) or 16-64 (tl.dot, x.T the MMA's N side)
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot input_precision ("ieee" for float32; unused by fp16 / bf16)
+    BLOCK_N: tl.constexpr,  # rows of gate (and of up) per program
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    p = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (offs_n < I)[:, None]
+    e, n_occ = _leader_occurrences(Idx_ptr, p, T, TOPK, TOPK_P2, T_P2)
+    g_rows = W_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+    u_rows = g_rows + I * stride_wn
+    # passes: each occurrence (1 from a top-k router) and each ROWS tokens; a pass none of whose tokens
+    # holds e reads nothing (k_end = 0). With T <= ROWS and a top-k router: one pass, the weights read once.
+    for o in range(0, n_occ):
+        for c in range(0, tl.cdiv(T, ROWS)):
+            pair, row_ok = _chunk_pairs(Idx_ptr, e, c, o, T, TOPK, TOPK_P2, ROWS)  # (ROWS,)
+            x_cols = X_ptr + (pair // TOPK)[None, :] * stride_xt  # (1, ROWS): x.T's columns
+            k_end = tl.where(tl.max(row_ok.to(tl.int32), axis=0) > 0, D, 0)
+            if DOT:
+                # (BLOCK_N, ROWS) += W tile (BLOCK_N, BLOCK_K) @ x.T (BLOCK_K, ROWS): each weight element
+                # meets up to ROWS tokens, which FMAs would pay ROWS times on the CUDA cores (16 rows of
+                # bf16 at 4.3 TB/s is ~70 TFLOP/s of FMA, the H200's whole fp32 rate); the tensor cores do
+                # it for free. kernels/matmul_decode.py's dot kernel, measured on the H200 at 2-16 rows.
+                acc_g = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+                acc_u = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+                for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    k_ok = offs_k < D
+                    xt = tl.load(x_cols + offs_k[:, None] * stride_xc, mask=k_ok[:, None] & row_ok[None, :],
+                                 other=0.0)  # fmt: skip
+                    m = n_ok & k_ok[None, :]
+                    wg = tl.load(g_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
+                    wu = tl.load(u_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
+                    acc_g = tl.dot(wg, xt, acc_g, input_precision=PRECISION)
+                    acc_u = tl.dot(wu, xt, acc_u, input_precision=PRECISION)
+            else:  # one row: the pairs form's gemv (a 16-row MMA would be 15/16 padding)
+                acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+                acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+                for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    k_ok = offs_k < D
+                    xt = tl.load(x_cols + offs_k[:, None] * stride_xc, mask=k_ok[:, None] & row_ok[None, :],
+                                 other=0.0)  # fmt: skip
+                    x = tl.reshape(xt, (1, BLOCK_K)).to(tl.float32)
+                    m = n_ok & k_ok[None, :]
+                    wg = tl.load(g_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
+                    wu = tl.load(u_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
+                    acc_g += wg.to(tl.float32) * x
+                    acc_u += wu.to(tl.float32) * x
+            g = _rows_sum(acc_g, DOT).to(H_ptr.dtype.element_ty).to(tl.float32)  # (BLOCK_N, ROWS)
+            u = _rows_sum(acc_u, DOT).to(H_ptr.dtype.element_ty).to(tl.float32)
+            h = g * tl.sigmoid(g) * u
+            # written as it lies, (n, row) -> h[pair, n]: no transpose through shared memory
+            tl.store(H_ptr + pair[None, :] * I + offs_n[:, None], h.to(H_ptr.dtype.element_ty),
+                     mask=n_ok & row_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _rows_sum(acc, DOT: tl.constexpr):
+    """The (BLOCK_N, ROWS) products: the dot's accumulator as it is, or the FMA accumulator summed over K."""
+    if DOT:
+        r = acc
+    else:
+        r = tl.sum(acc, axis=1)[:, None]
+    return r
+
+
+@triton.jit
+def _down_experts_kernel(
+    H_ptr,  # (T * TOPK, I) contiguous: the up kernel's output
+    Idx_ptr,  # (T * TOPK,) contiguous expert ids
+    Wt_ptr,  # (T * TOPK,) contiguous routing weights (any float dtype; used in float32)
+    W_ptr,  # (E, d, I): w2[e, n, i] at W_ptr + e * stride_we + n * stride_wn + i * stride_wi
+    P_ptr,  # (T * TOPK, d) float32 out, contiguous: each pair's weighted down projection
+    T,
+    I,
+    D,
+    stride_we,
+    stride_wn,
+    stride_wi,
+    TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr,
+    T_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # output columns (rows of w2[e]) per program
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    p = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (offs_n < D)[:, None]
+    e, n_occ = _leader_occurrences(Idx_ptr, p, T, TOPK, TOPK_P2, T_P2)
+    w_rows = W_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+    for o in range(0, n_occ):
+        for c in range(0, tl.cdiv(T, ROWS)):
+            pair, row_ok = _chunk_pairs(Idx_ptr, e, c, o, T, TOPK, TOPK_P2, ROWS)  # (ROWS,)
+            h_cols = H_ptr + pair[None, :] * I  # (1, ROWS): h.T's columns
+            k_end = tl.where(tl.max(row_ok.to(tl.int32), axis=0) > 0, I, 0)
+            if DOT:
+                acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+                for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    k_ok = offs_k < I
+                    ht = tl.load(h_cols + offs_k[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+                    w = tl.load(w_rows + offs_k[None, :] * stride_wi, mask=n_ok & k_ok[None, :], other=0.0)
+                    acc = tl.dot(w, ht, acc, input_precision=PRECISION)  # (BLOCK_N, ROWS)
+            else:
+                acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+                for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    k_ok = offs_k < I
+                    ht = tl.load(h_cols + offs_k[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+                    w = tl.load(w_rows + offs_k[None, :] * stride_wi, mask=n_ok & k_ok[None, :], other=0.0)
+                    acc += w.to(tl.float32) * tl.reshape(ht, (1, BLOCK_K)).to(tl.float32)
+            # the routing weight after the K sum (it is constant over K): h stays as stored, one rounding
+            wt = tl.load(Wt_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)  # (ROWS,)
+            y = _rows_sum(acc, DOT) * wt[None, :]  # (BLOCK_N, ROWS)
+            tl.store(P_ptr + pair[None, :] * D + offs_n[:, None], y, mask=n_ok & row_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    P_ptr,  # (T * TOPK, d) float32, contiguous: the pairs' weighted down projections
+    Y_ptr,  # (T, d) out, contiguous
+    D,
+    TOPK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out[t] = sum_j P[t*k + j], j = 0 .. k-1 in that order: deterministic, no atomics."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < D
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(P_ptr + (t * TOPK + j) * D + offs, mask=ok, other=0.0)
+    tl.store(Y_ptr + t * D + offs, acc.to(Y_ptr.dtype.element_ty), mask=ok)
+
+
 _up_launch = CachedLaunch(_up_kernel)
 _down_launch = CachedLaunch(_down_kernel)
+_up_experts_launch = CachedLaunch(_up_experts_kernel)
+_down_experts_launch = CachedLaunch(_down_experts_kernel)
+_combine_launch = CachedLaunch(_combine_kernel)
+
+
+FORMS = ("auto", "pairs", "experts")
+DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # tl.dot's inputs (float64 takes FMAs)
+
+
+def decode_form(n_tokens: int, top_k: int, n_experts: int) -> str:
+    """The form `form="auto"` takes: "experts" at one token with k >= 4, "pairs" otherwise.
+
+    From the H200 quick run at 2693a3b (docs/perf/moe.md), the pairs form at >= 0.8 of copy keeps it;
+    "experts" only where the pairs form measured below 0.8 for a reason the shape (not the routing) shows:
+    at batch 1 with k 6-8 small experts (Qwen3-like 0.70, DeepSeek-like 0.54) the pairs form's down kernel
+    has d / 4 programs (512 at d = 2048), each walking k * I weights (6144-8448 deep) serially: too few
+    loads in flight for 20-40 us of bytes; the experts form gives it k times the programs, I deep each,
+    for a third launch (the combine, k * d * 4 bytes). Mixtral (k = 2, 0.92 at batch 1) keeps pairs.
+    Not taken on shape alone: Zipf routing at batch 8-16 (0.56-0.70), where several tokens share a hot
+    expert, since the same shapes under balanced routing measured 0.94-1.03 with the pairs form, and the
+    host cannot see the routing without a sync; DeepSeek-like batch 2 (0.72), since Qwen3-like batch 2
+    (same T and k class) measured 0.87. bench/moe.py --case quick times both forms at every batch and
+    routing (kiln_decode_pairs, kiln_decode_experts): the rule is to be reset from that run. The experts
+    form has not been measured on the H200 yet."""
+    return "experts" if n_tokens == 1 and top_k >= 4 else "pairs"
+
+
+def expert_rows(n_tokens: int, dtype: torch.dtype) -> int:
+    """Tokens per pass of the experts form: 1 at one token (FMAs, the gemv), else pow2(T) within
+    [16, 64] for tl.dot (16 is its narrowest side; past 64 tokens a hot expert is read once per 64)."""
+    if n_tokens <= 1 or dtype not in DOT_DTYPES:
+        return 1
+    return min(max(16, pow2(n_tokens)), 64)
+
+
+def expert_tiles(K: int, rows: int) -> DecodeTiles:
+    """The experts form's tiles for a weight stream of depth K: the pairs form's at one row; with tl.dot
+    kernels/matmul_decode.py's H200 rule for 2-16 rows with few columns and a short K (16-wide column
+    blocks, 128-wide K steps, 4 warps, 3 stages). Interpreted: small tiles (ragged columns, several K
+    steps)."""
+    if rows == 1:
+        return decode_tiles(K)
+    if interpreting():
+        return DecodeTiles(16, 16, 1, 1)
+    return DecodeTiles(16, 128, 4, 3)
 
 
 def moe_decode_fwd(
@@ -224,9 +458,17 @@ def moe_decode_fwd(
     w1: torch.Tensor,
     w2: torch.Tensor,
     config: tuple[DecodeTiles, DecodeTiles] | None = None,
+    form: str = "auto",
+    rows: int | None = None,
 ) -> torch.Tensor:
-    """Launcher: out (T, d) in x's dtype. config: (up tiles, down tiles), default `decode_tiles` of d and I."""
+    """Launcher: out (T, d) in x's dtype. form: "pairs" (two kernels, each (token, expert) pair streams
+    its expert), "experts" (each distinct expert streamed once for all its tokens: three kernels) or
+    "auto" (`decode_form`). config: (up tiles, down tiles), default `decode_tiles` of d and I (pairs) or
+    `expert_tiles` (experts). rows: the experts form's tokens per pass (default `expert_rows`; 1 or a
+    power of two >= 16 for tl.dot)."""
     _check(x, expert_idx, weights, w1, w2)
+    if form not in FORMS:
+        raise ValueError(f"moe_decode: form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
     T, k = expert_idx.shape
     E, two_i, d = w1.shape
     I = two_i // 2
@@ -235,10 +477,17 @@ def moe_decode_fwd(
         return out
     if I == 0 or k == 0:
         return out.zero_()
-    up, down = config or (decode_tiles(d), decode_tiles(I))
+    if form == "auto":
+        form = decode_form(T, k, E)
     idx = expert_idx.reshape(-1)  # (T*k,): views of contiguous (T, k); a strided one is copied
     wts = weights.reshape(-1)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
+    if form == "experts":
+        _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows)
+        return out
+    if rows is not None:
+        raise ValueError("moe_decode: rows applies to form='experts' only")
+    up, down = config or (decode_tiles(d), decode_tiles(I))
     _up_launch[(T * k, cdiv(I, up.block_n))](
         x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
         BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, num_warps=up.warps,
@@ -250,33 +499,79 @@ def moe_decode_fwd(
     return out
 
 
+def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows) -> None:
+    """The experts form's three launches (module docstring): up into h, down into float32 partials per
+    pair, the combine into out."""
+    d, I = x.shape[1], h.shape[1]
+    rows = expert_rows(T, x.dtype) if rows is None else rows
+    dot = rows > 1
+    if rows < 1 or rows & (rows - 1) or (dot and (rows < 16 or x.dtype not in DOT_DTYPES)):
+        raise ValueError(
+            f"moe_decode: rows must be 1, or a power of two >= 16 with a float16 / bfloat16 / float32 x "
+            f"(tl.dot), got {rows} for {x.dtype}"
+        )
+    up, down = config or (expert_tiles(d, rows), expert_tiles(I, rows))
+    if dot and min(up.block_n, up.block_k, down.block_n, down.block_k) < 16:
+        raise ValueError(f"moe_decode: tl.dot tiles need block_n and block_k >= 16, got {up} and {down}")
+    precision = "tf32" if x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    meta = dict(
+        TOPK=k, TOPK_P2=max(2, pow2(k)), T_P2=max(2, pow2(T)), ROWS=rows, DOT=dot, PRECISION=precision
+    )
+    _up_experts_launch[(T * k, cdiv(I, up.block_n))](
+        x, idx, w1, h, T, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), **meta,
+        BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, num_warps=up.warps,
+    )  # fmt: skip
+    part = torch.empty(T * k, d, dtype=torch.float32, device=x.device)  # every element written once
+    _down_experts_launch[(T * k, cdiv(d, down.block_n))](
+        h, idx, wts, w2, part, T, I, d, w2.stride(0), w2.stride(1), w2.stride(2), **meta,
+        BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, num_warps=down.warps,
+    )  # fmt: skip
+    block = min(1024, pow2(d))
+    _combine_launch[(T, cdiv(d, block))](part, out, d, TOPK=k, BLOCK=block, num_warps=4)
+
+
 # ------------------------------------------------------------------------------ torch.compile: custom op
 @torch.library.custom_op("kiln::moe_decode", mutates_args=())
 def moe_decode_op(
-    x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    expert_idx: torch.Tensor,
+    weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    form: str = "auto",
 ) -> torch.Tensor:
     """out (T, d): the routed experts of T decode tokens (module docstring); forward only."""
-    return moe_decode_fwd(x, expert_idx, weights, w1, w2)
+    return moe_decode_fwd(x, expert_idx, weights, w1, w2, form=form)
 
 
 @moe_decode_op.register_fake
-def _(x, expert_idx, weights, w1, w2):
+def _(x, expert_idx, weights, w1, w2, form="auto"):
     _check(x, expert_idx, weights, w1, w2)
+    if form not in FORMS:
+        raise ValueError(f"moe_decode: form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
     return x.new_empty(x.shape)
 
 
 def moe_decode(
-    x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    expert_idx: torch.Tensor,
+    weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    form: str = "auto",
 ) -> torch.Tensor:
     """The routed experts' weighted sum for a few tokens (forward only: gradients are not tracked; the
-    model calls it without autograd). x (T, d), expert_idx / weights (T, k), w1 (E, 2I, d), w2 (E, d, I)."""
+    model calls it without autograd). x (T, d), expert_idx / weights (T, k), w1 (E, 2I, d), w2 (E, d, I);
+    form "auto" / "pairs" / "experts" (`moe_decode_fwd`; the reference ignores it: one math)."""
     if needs_grad(x, weights, w1, w2):
         raise RuntimeError(
             "moe_decode is forward only (inference): call it under torch.no_grad(), or take the grouped "
             "path (kiln.model.moe.Experts.grouped) when gradients are needed"
         )
+    if form not in FORMS:
+        raise ValueError(f"moe_decode: form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
     if not use_triton(x, w1, w2):
         return moe_decode_ref(x, expert_idx, weights, w1, w2)
     if torch.compiler.is_compiling():
-        return moe_decode_op(x, expert_idx, weights, w1, w2)
-    return moe_decode_fwd(x, expert_idx, weights, w1, w2)
+        return moe_decode_op(x, expert_idx, weights, w1, w2, form)
+    return moe_decode_fwd(x, expert_idx, weights, w1, w2, form=form)
