@@ -625,7 +625,8 @@ def decode_sweep_case(b: Bench, shape: str, B: int, weights, form: str = "pairs"
         if ms:
             v["GBps"] = round(nbytes / ms / 1e6, 1)
             v["frac_copy"] = fraction(v["GBps"] / 1e3, b.run.ceilings.get("copy_TBps"))
-    entry = dict(case="sweep_decode", shape=shape, tokens=B, routing=routing, mode="fwd", form=form, rows=rows,
+    entry = dict(case="sweep_decode", shape=shape, tokens=B, routing=routing, mode="fwd", form=form,
+                 rows=rows if form == "experts" else None,
                  default=f"up {tuple(up0)} down {tuple(down0)}", weight_bytes=nbytes, results=res)  # fmt: skip
     b.cases.append(entry)
     b.run.log(f"sweep decode {form} {shape} {B} {routing}: "

@@ -132,7 +132,8 @@ def _routed(T, k, E, d, I, seed, hot):
 )  # fmt: skip
 def test_moe_decode_forms_match_loop(T, k, E, d, I, hot):
     # d and I are not multiples of the tiles (16 columns / 16-wide K steps for tl.dot, 4 / 16 for the
-    # FMAs); T = 1 takes the experts form's FMA path, T > 1 its tl.dot path (float32, IEEE, interpreted)
+    # FMAs); T = 1 takes the experts form's one-row kernels (the pairs form's up, a per-pair down), T > 1
+    # its deduped tl.dot kernels (float32, IEEE, interpreted); then the fixed-order combine
     x, idx, wts, w1, w2 = _routed(T, k, E, d, I, seed=T * 7 + k, hot=hot)
     want = _loop(x, idx, wts, w1, w2)
     with use_backend("triton"):
@@ -142,7 +143,8 @@ def test_moe_decode_forms_match_loop(T, k, E, d, I, hot):
 
 def test_moe_decode_experts_expert_twice_in_a_token_and_passes():
     # a token listing one expert twice (no top-k router does, the math allows it): the leader makes one
-    # pass per occurrence; rows=1 at T = 3 makes one FMA pass per token; rows=16 at T = 17 two tl.dot passes
+    # pass per occurrence; rows=1 at T = 3 takes the one-row kernels (per pair); rows=16 at T = 17 makes
+    # two tl.dot passes over the hot expert (tokens 0-15, then 16)
     x, idx, wts, w1, w2 = _case(3, 3, 5, 20, 12, seed=6, idx_dtype=torch.int64)
     idx[0] = torch.tensor([2, 4, 2])
     idx[2, 1] = 2

@@ -1,4 +1,4 @@
-"""Decode-sized mixture-of-experts FFN: the routed experts of a few tokens as two weight streams.
+"""Decode-sized mixture-of-experts FFN: the routed experts of a few tokens as weight streams, in two forms.
 
 Shapes: x (T, d) tokens, expert_idx (T, k) int32/int64, weights (T, k) float (the router's), gate_up_proj
 w1 (E, 2I, d) holding [gate | up] along dim 1, down_proj w2 (E, d, I), as the model stores them:
@@ -10,8 +10,9 @@ Why a separate path: at decode a layer's active experts are a few MB to a few hu
 few MFLOP, and the prefill path (routing plan, permute, grouped GEMM, SwiGLU, grouped GEMM, unpermute) is
 about fifteen kernels, most of them a few microseconds of launch and tail latency each: on the H200 the
 Qwen3-30B-A3B-like layer (8 experts x 9.4 MB) at batch 1 took 64.5 us in a CUDA graph for 75.5 MB, 28% of
-the copy bandwidth. Here it is two kernels, no sort, no permutation:
+the copy bandwidth. Here it is two or three kernels, no sort, no permutation.
 
+The "pairs" form, two kernels, one weight stream per (token, expert) pair:
 - `_up_kernel`, grid (T*k pairs, cdiv(I, BLOCK_N)): each program reads the pair's expert id on the device,
   BLOCK_N gate rows and the matching BLOCK_N up rows of that expert, and the pair's token row; float32
   FMAs over BLOCK_K-wide steps (kernels/matmul_decode.py's one-row gemv: small BLOCK_N so that even one
@@ -22,15 +23,38 @@ the copy bandwidth. Here it is two kernels, no sort, no permutation:
   walks its k pairs' h rows and down_proj rows as one flattened (slot, K step) loop (one pipeline, not k
   short ones), the routing weight folded into h: out[t, n] = sum_j sum_i w2[e_j, n, i] * (w_j * h_j[i]).
   Every output element is written once, in a fixed order: deterministic, no atomics, no zeroed buffer.
+Measured on the H200 (docs/perf/moe.md) it misses 80% of copy in two places: Zipf routing at batch 8-16
+(several tokens on one hot expert: every pair streams that expert again, from L2 at best) and one or two
+tokens with k 6-8 small experts (the down kernel's d / 4 programs each walk k * I weights serially).
 
+The "experts" form, three kernels, each distinct expert's weights streamed once for all its tokens:
+- `_up_experts_kernel`, grid (T*k slots, cdiv(I, BLOCK_N)): a program whose slot is not the first slot in
+  flat order holding its expert (the leader) returns after one load of all T*k ids (<= 16 x 8) and a
+  compare; the leader gathers the tokens routed to its expert, ROWS (16-64) at a time, and streams each
+  weight tile once into tl.dot against their rows (W tile (BLOCK_N, BLOCK_K) @ x.T (BLOCK_K, ROWS), the
+  rows a pass lacks masked to zero), writing h for each of those pairs.
+- `_down_experts_kernel`, grid (T*k slots, cdiv(d, BLOCK_N)): the same leaders; each pair's weighted down
+  projection w_pair * (h_pair @ w2[e].T) over BLOCK_N columns into a float32 buffer (T*k, d).
+- `_combine_kernel`, grid (T, cdiv(d, 256)): out[t] = sum_j partial[t*k + j], j in order: deterministic,
+  no atomics.
+At one token (and in float64, which tl.dot does not take) a pass holds one row: the pairs form's up
+kernel (at one token each pair is its expert's only one under a top-k router) and `_down_pair_kernel`,
+grid (T*k, cdiv(d, BLOCK_N)): k times the pairs form's down programs, each I deep instead of k * I.
+The leader needs no sort and no host sync either: the ids are compared on the device, the grid is fixed.
+A token that lists an expert twice (no top-k router does) is served by one pass per occurrence.
+
+Which form: `moe_decode_fwd(..., form=)`, "auto" being `decode_form(T, k, E)` (its docstring has the
+reasoning; the experts form is not yet measured on the H200: bench/moe.py --case quick times both).
 No host sync, the grids depend on T, k, d and I only: CUDA-graph safe. Tiles: `decode_tiles`, the dense
 gemv's rule measured on the H200 (4 columns, 256-wide steps, 3-stage pipeline; long K: 2 columns,
-1024-wide steps); bench/moe.py sweeps others. Forward only (inference): the model takes this path when
-no gradient is needed and there are no more pairs than experts (`use_decode`); with more pairs the same
-weights would be streamed once per pair instead of once per expert, and the grouped GEMM wins.
-float32 accumulation; float32 / float16 / bfloat16 (the CPU tests run float32 through the interpreter).
-Differences to the prefill path: out is summed in float32 without rounding each pair's down projection to
-x's dtype first (one rounding less). Expert ids must lie in [0, E): not checked (a check is a host sync).
+1024-wide steps), and for the experts form's tl.dot kernels `expert_tiles`; bench/moe.py sweeps others.
+Forward only (inference): the model takes this path when no gradient is needed and there are no more
+pairs than experts (`use_decode`); with more pairs the pairs form would stream the same weights once per
+pair, and the grouped GEMM wins (whether the experts form moves that line is for the H200 run).
+float32 accumulation; float32 / float16 / bfloat16 (the CPU tests run float32 and float16 through the
+interpreter). Differences to the prefill path: out is summed in float32 without rounding each pair's down
+projection to x's dtype first (one rounding less). Expert ids must lie in [0, E): not checked (a check is
+a host sync).
 """
 
 from __future__ import annotations
@@ -258,11 +282,10 @@ def _up_experts_kernel(
     stride_wn,
     stride_wc,
     TOPK: tl.constexpr,
-    TOPK_P2: tl.constexpr,  # pow2 >= TOPK
-    T_P2: tl.constexpr,  # pow2 >= T
-    ROWS: tl.constexpr,  # tokens per pass: 1 (FMAs) or 16-64 (tl.dot, x.T the MMA's N side)
-    DOT: tl.constexpr,
-    PRECISION: tl.constexpr,  # tl.dot input_precision ("ieee" for float32; unused by fp16 / bf16)
+    TOPK_P2: tl.constexpr,  # pow2 >= max(TOPK, 2)
+    T_P2: tl.constexpr,  # pow2 >= max(T, 2)
+    ROWS: tl.constexpr,  # tokens per pass (16-64): x.T's columns, the MMA's N side
+    PRECISION: tl.constexpr,  # tl.dot input_precision ("ieee" or "tf32" for float32; fp16 / bf16 ignore it)
     BLOCK_N: tl.constexpr,  # rows of gate (and of up) per program
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
@@ -280,53 +303,31 @@ def _up_experts_kernel(
             pair, row_ok = _chunk_pairs(Idx_ptr, e, c, o, T, TOPK, TOPK_P2, ROWS)  # (ROWS,)
             x_cols = X_ptr + (pair // TOPK)[None, :] * stride_xt  # (1, ROWS): x.T's columns
             k_end = tl.where(tl.max(row_ok.to(tl.int32), axis=0) > 0, D, 0)
-            if DOT:
-                # (BLOCK_N, ROWS) += W tile (BLOCK_N, BLOCK_K) @ x.T (BLOCK_K, ROWS): each weight element
-                # meets up to ROWS tokens, which FMAs would pay ROWS times on the CUDA cores (16 rows of
-                # bf16 at 4.3 TB/s is ~70 TFLOP/s of FMA, the H200's whole fp32 rate); the tensor cores do
-                # it for free. kernels/matmul_decode.py's dot kernel, measured on the H200 at 2-16 rows.
-                acc_g = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-                acc_u = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-                for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = offs_k < D
-                    xt = tl.load(x_cols + offs_k[:, None] * stride_xc, mask=k_ok[:, None] & row_ok[None, :],
-                                 other=0.0)  # fmt: skip
-                    m = n_ok & k_ok[None, :]
-                    wg = tl.load(g_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
-                    wu = tl.load(u_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
-                    acc_g = tl.dot(wg, xt, acc_g, input_precision=PRECISION)
-                    acc_u = tl.dot(wu, xt, acc_u, input_precision=PRECISION)
-            else:  # one row: the pairs form's gemv (a 16-row MMA would be 15/16 padding)
-                acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-                acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-                for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = offs_k < D
-                    xt = tl.load(x_cols + offs_k[:, None] * stride_xc, mask=k_ok[:, None] & row_ok[None, :],
-                                 other=0.0)  # fmt: skip
-                    x = tl.reshape(xt, (1, BLOCK_K)).to(tl.float32)
-                    m = n_ok & k_ok[None, :]
-                    wg = tl.load(g_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
-                    wu = tl.load(u_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
-                    acc_g += wg.to(tl.float32) * x
-                    acc_u += wu.to(tl.float32) * x
-            g = _rows_sum(acc_g, DOT).to(H_ptr.dtype.element_ty).to(tl.float32)  # (BLOCK_N, ROWS)
-            u = _rows_sum(acc_u, DOT).to(H_ptr.dtype.element_ty).to(tl.float32)
+            # (BLOCK_N, ROWS) += W tile (BLOCK_N, BLOCK_K) @ x.T (BLOCK_K, ROWS), kernels/matmul_decode.py's
+            # dot kernel (measured on the H200 at 2-16 rows): each weight element meets up to ROWS tokens,
+            # which FMAs would pay ROWS times on the CUDA cores (16 bf16 rows at 4.3 TB/s of weights is ~70
+            # TFLOP/s of FMA, about the H200's whole fp32 rate); the tensor cores take it for free, and the
+            # rows a pass lacks are zeros that cost no memory traffic (masked loads)
+            acc_g = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+            for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < D
+                xt = tl.load(
+                    x_cols + offs_k[:, None] * stride_xc, mask=k_ok[:, None] & row_ok[None, :], other=0.0
+                )
+                m = n_ok & k_ok[None, :]
+                wg = tl.load(g_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
+                wu = tl.load(u_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
+                acc_g = tl.dot(wg, xt, acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(wu, xt, acc_u, input_precision=PRECISION)
+            # rounded to the output dtype before the SiLU, as the pairs form and the grouped GEMM round them
+            g = acc_g.to(H_ptr.dtype.element_ty).to(tl.float32)
+            u = acc_u.to(H_ptr.dtype.element_ty).to(tl.float32)
             h = g * tl.sigmoid(g) * u
             # written as it lies, (n, row) -> h[pair, n]: no transpose through shared memory
             tl.store(H_ptr + pair[None, :] * I + offs_n[:, None], h.to(H_ptr.dtype.element_ty),
                      mask=n_ok & row_ok[None, :])  # fmt: skip
-
-
-@triton.jit
-def _rows_sum(acc, DOT: tl.constexpr):
-    """The (BLOCK_N, ROWS) products: the dot's accumulator as it is, or the FMA accumulator summed over K."""
-    if DOT:
-        r = acc
-    else:
-        r = tl.sum(acc, axis=1)[:, None]
-    return r
 
 
 @triton.jit
@@ -346,7 +347,6 @@ def _down_experts_kernel(
     TOPK_P2: tl.constexpr,
     T_P2: tl.constexpr,
     ROWS: tl.constexpr,
-    DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,  # output columns (rows of w2[e]) per program
     BLOCK_K: tl.constexpr,
@@ -362,26 +362,53 @@ def _down_experts_kernel(
             pair, row_ok = _chunk_pairs(Idx_ptr, e, c, o, T, TOPK, TOPK_P2, ROWS)  # (ROWS,)
             h_cols = H_ptr + pair[None, :] * I  # (1, ROWS): h.T's columns
             k_end = tl.where(tl.max(row_ok.to(tl.int32), axis=0) > 0, I, 0)
-            if DOT:
-                acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-                for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = offs_k < I
-                    ht = tl.load(h_cols + offs_k[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-                    w = tl.load(w_rows + offs_k[None, :] * stride_wi, mask=n_ok & k_ok[None, :], other=0.0)
-                    acc = tl.dot(w, ht, acc, input_precision=PRECISION)  # (BLOCK_N, ROWS)
-            else:
-                acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-                for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = offs_k < I
-                    ht = tl.load(h_cols + offs_k[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-                    w = tl.load(w_rows + offs_k[None, :] * stride_wi, mask=n_ok & k_ok[None, :], other=0.0)
-                    acc += w.to(tl.float32) * tl.reshape(ht, (1, BLOCK_K)).to(tl.float32)
-            # the routing weight after the K sum (it is constant over K): h stays as stored, one rounding
+            acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+            for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < I
+                ht = tl.load(h_cols + offs_k[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :] * stride_wi, mask=n_ok & k_ok[None, :], other=0.0)
+                acc = tl.dot(w, ht, acc, input_precision=PRECISION)  # (BLOCK_N, ROWS)
+            # the routing weight after the K sum (constant over K): h enters the MMA as stored
             wt = tl.load(Wt_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)  # (ROWS,)
-            y = _rows_sum(acc, DOT) * wt[None, :]  # (BLOCK_N, ROWS)
-            tl.store(P_ptr + pair[None, :] * D + offs_n[:, None], y, mask=n_ok & row_ok[None, :])
+            tl.store(
+                P_ptr + pair[None, :] * D + offs_n[:, None], acc * wt[None, :], mask=n_ok & row_ok[None, :]
+            )
+
+
+@triton.jit
+def _down_pair_kernel(
+    H_ptr,  # (T * TOPK, I) contiguous: the up kernel's output
+    Idx_ptr,  # (T * TOPK,) contiguous expert ids
+    Wt_ptr,  # (T * TOPK,) contiguous routing weights
+    W_ptr,  # (E, d, I): w2[e, n, i] at W_ptr + e * stride_we + n * stride_wn + i * stride_wi
+    P_ptr,  # (T * TOPK, d) float32 out, contiguous
+    I,
+    D,
+    stride_we,
+    stride_wn,
+    stride_wi,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """One row per pass (one token, or a dtype without tl.dot): program (pair, column block) computes its
+    pair's weighted down projection over I alone, the FMA gemv of the pairs form's kernels: k times the
+    pairs form's down programs, each k times shorter."""
+    p = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (offs_n < D)[:, None]
+    e = tl.load(Idx_ptr + p).to(tl.int64)
+    w_rows = W_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < I
+        h = tl.load(H_ptr + p * I + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + offs_k[None, :] * stride_wi, mask=n_ok & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * h[None, :]
+    y = tl.sum(acc, axis=1) * tl.load(Wt_ptr + p).to(tl.float32)  # (BLOCK_N,)
+    tl.store(P_ptr + p * D + offs_n, y, mask=offs_n < D)
 
 
 @triton.jit
@@ -406,6 +433,7 @@ _up_launch = CachedLaunch(_up_kernel)
 _down_launch = CachedLaunch(_down_kernel)
 _up_experts_launch = CachedLaunch(_up_experts_kernel)
 _down_experts_launch = CachedLaunch(_down_experts_kernel)
+_down_pair_launch = CachedLaunch(_down_pair_kernel)
 _combine_launch = CachedLaunch(_combine_kernel)
 
 
@@ -501,33 +529,43 @@ def moe_decode_fwd(
 
 def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows) -> None:
     """The experts form's three launches (module docstring): up into h, down into float32 partials per
-    pair, the combine into out."""
+    pair, the combine into out. One row per pass (one token, or float64): the pairs form's up kernel (at
+    one token each pair is its own expert's only one) and a down kernel per pair."""
     d, I = x.shape[1], h.shape[1]
     rows = expert_rows(T, x.dtype) if rows is None else rows
-    dot = rows > 1
-    if rows < 1 or rows & (rows - 1) or (dot and (rows < 16 or x.dtype not in DOT_DTYPES)):
+    if rows < 1 or rows & (rows - 1) or (rows > 1 and (rows < 16 or x.dtype not in DOT_DTYPES)):
         raise ValueError(
             f"moe_decode: rows must be 1, or a power of two >= 16 with a float16 / bfloat16 / float32 x "
             f"(tl.dot), got {rows} for {x.dtype}"
         )
     up, down = config or (expert_tiles(d, rows), expert_tiles(I, rows))
-    if dot and min(up.block_n, up.block_k, down.block_n, down.block_k) < 16:
-        raise ValueError(f"moe_decode: tl.dot tiles need block_n and block_k >= 16, got {up} and {down}")
-    precision = "tf32" if x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
-    meta = dict(
-        TOPK=k, TOPK_P2=max(2, pow2(k)), T_P2=max(2, pow2(T)), ROWS=rows, DOT=dot, PRECISION=precision
-    )
-    _up_experts_launch[(T * k, cdiv(I, up.block_n))](
-        x, idx, w1, h, T, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), **meta,
-        BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, num_warps=up.warps,
-    )  # fmt: skip
     part = torch.empty(T * k, d, dtype=torch.float32, device=x.device)  # every element written once
-    _down_experts_launch[(T * k, cdiv(d, down.block_n))](
-        h, idx, wts, w2, part, T, I, d, w2.stride(0), w2.stride(1), w2.stride(2), **meta,
-        BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, num_warps=down.warps,
-    )  # fmt: skip
-    block = min(1024, pow2(d))
-    _combine_launch[(T, cdiv(d, block))](part, out, d, TOPK=k, BLOCK=block, num_warps=4)
+    if rows == 1:
+        _up_launch[(T * k, cdiv(I, up.block_n))](
+            x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
+            BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, num_warps=up.warps,
+        )  # fmt: skip
+        _down_pair_launch[(T * k, cdiv(d, down.block_n))](
+            h, idx, wts, w2, part, I, d, w2.stride(0), w2.stride(1), w2.stride(2), BLOCK_N=down.block_n,
+            BLOCK_K=down.block_k, STAGES=down.stages, num_warps=down.warps,
+        )  # fmt: skip
+    else:
+        if min(up.block_n, up.block_k, down.block_n, down.block_k) < 16:
+            raise ValueError(f"moe_decode: tl.dot tiles need block_n and block_k >= 16, got {up} and {down}")
+        precision = "tf32" if x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+        meta = dict(TOPK=k, TOPK_P2=max(2, pow2(k)), T_P2=max(2, pow2(T)), ROWS=rows, PRECISION=precision)
+        _up_experts_launch[(T * k, cdiv(I, up.block_n))](
+            x, idx, w1, h, T, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), **meta,
+            BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, num_warps=up.warps,
+        )  # fmt: skip
+        _down_experts_launch[(T * k, cdiv(d, down.block_n))](
+            h, idx, wts, w2, part, T, I, d, w2.stride(0), w2.stride(1), w2.stride(2), **meta,
+            BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, num_warps=down.warps,
+        )  # fmt: skip
+    # 256 columns per program (2 warps, 16-byte loads): at one token d / 256 programs (8 at d = 2048), each
+    # k loads deep; the partials (k * d * 4 bytes, 64 KB for Qwen3-like) were just written, in L2
+    block = min(256, pow2(d))
+    _combine_launch[(T, cdiv(d, block))](part, out, d, TOPK=k, BLOCK=block, num_warps=2)
 
 
 # ------------------------------------------------------------------------------ torch.compile: custom op
