@@ -4,6 +4,11 @@ float64: the pair-by-pair reference and, as an outside oracle, the model's eager
 expert twice in one token, ragged d and I, int64 ids, fp16, more tokens than one pass holds); errors; the
 custom op; bf16 and a CUDA graph on the GPU."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -223,3 +228,59 @@ def test_moe_decode_gpu_bf16_and_graph(T, k, E, d, I, form):
         assert torch.equal(
             out, moe_decode(x, idx, wts, w1, w2, form=form)
         )  # fixed order: bitwise deterministic
+
+
+# the experts form compiled for the H200 (sm_90) on the CPU machine, in a subprocess without the
+# interpreter (as tests/kernels/test_moe_sm90.py does for the pairs form): Qwen3-like bf16 at batch 16
+# (tl.dot, 16 rows per pass) and batch 1 (the per-pair down kernel), at the launcher's tiles
+SM90_SCRIPT = r"""
+import json
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kiln.kernels import moe_decode as md
+
+def ptx(fn, ptrs, consts, t, nodiv=()):
+    names = [p.name for p in fn.params]
+    consts = dict(consts, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.stages)
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    div = [n for n in names if n not in consts and n not in nodiv]  # as a real launch specializes them
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=attrs)
+    p = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.warps, num_stages=t.stages)).asm["ptx"]
+    return {f: p.count(f) for f in ("mma.sync", "cp.async.cg")}
+
+k, d, I, T = 8, 2048, 768, 16
+rows = md.expert_rows(T, torch.bfloat16)
+meta = dict(TOPK=k, TOPK_P2=8, T_P2=16, ROWS=rows, PRECISION="ieee")
+out = {
+    "up": ptx(md._up_experts_kernel, dict(X_ptr="*bf16", Idx_ptr="*i32", W_ptr="*bf16", H_ptr="*bf16"),
+              dict(meta, stride_xc=1, stride_wc=1), md.expert_tiles(d, rows), ("T",)),
+    "down": ptx(md._down_experts_kernel,
+                dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", P_ptr="*fp32"),
+                dict(meta, stride_wi=1), md.expert_tiles(I, rows), ("T",)),
+    "down_pair": ptx(md._down_pair_kernel,
+                     dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", P_ptr="*fp32"),
+                     dict(stride_wi=1), md.expert_tiles(I, 1)),
+}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # 3 compiles: ~8 s
+def test_moe_decode_experts_form_compiles_for_sm90(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = Path(__file__).resolve().parents[2] / "src"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a fresh cache: compile for real, touch nothing shared
+    proc = subprocess.run(
+        [sys.executable, "-c", SM90_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the deduped kernels on the tensor cores (mma.sync at 16 rows) fed by 16-byte cp.async loads through
+    # the pipeline; the per-pair down kernel's FMA loop on cp.async loads too
+    assert res["up"]["mma.sync"] > 0 and res["up"]["cp.async.cg"] > 0, res
+    assert res["down"]["mma.sync"] > 0 and res["down"]["cp.async.cg"] > 0, res
+    assert res["down_pair"]["mma.sync"] == 0 and res["down_pair"]["cp.async.cg"] > 0, res
