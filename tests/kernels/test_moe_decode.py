@@ -243,13 +243,13 @@ from kiln.kernels import moe_decode as md
 
 def ptx(fn, ptrs, consts, t, nodiv=()):
     names = [p.name for p in fn.params]
-    consts = dict(consts, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.stages)
+    consts = dict(consts, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.stages, PDL=True)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
     div = [n for n in names if n not in consts and n not in nodiv]  # as a real launch specializes them
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=attrs)
     p = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.warps, num_stages=t.stages)).asm["ptx"]
-    return {f: p.count(f) for f in ("mma.sync", "cp.async.cg")}
+    return {f: p.count(f) for f in ("mma.sync", "cp.async.cg", "griddepcontrol.wait")}
 
 k, d, I, T = 8, 2048, 768, 16
 rows = md.expert_rows(T, torch.bfloat16)
@@ -264,11 +264,16 @@ out = {
                      dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", P_ptr="*fp32"),
                      dict(stride_wi=1), md.expert_tiles(I, 1)),
 }
+names = [p.name for p in md._combine_kernel.params]
+consts = dict(TOPK=k, BLOCK=256, PDL=True)
+src = ASTSource(fn=md._combine_kernel, signature={n: "constexpr" if n in consts else {"P_ptr": "*fp32", "Y_ptr": "*bf16"}.get(n, "i32") for n in names},
+                constexprs={(names.index(a),): v for a, v in consts.items()})
+out["combine"] = {"griddepcontrol.wait": triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2)).asm["ptx"].count("griddepcontrol.wait")}
 print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # 3 compiles: ~8 s
+@pytest.mark.slow  # 4 compiles: ~10 s
 def test_moe_decode_experts_form_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = Path(__file__).resolve().parents[2] / "src"
@@ -284,3 +289,5 @@ def test_moe_decode_experts_form_compiles_for_sm90(tmp_path):
     assert res["up"]["mma.sync"] > 0 and res["up"]["cp.async.cg"] > 0, res
     assert res["down"]["mma.sync"] > 0 and res["down"]["cp.async.cg"] > 0, res
     assert res["down_pair"]["mma.sync"] == 0 and res["down_pair"]["cp.async.cg"] > 0, res
+    # launched with programmatic dependent launch on sm_90: each waits for its predecessor in its prologue
+    assert all(r["griddepcontrol.wait"] > 0 for r in res.values()), res

@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import FLOAT_DTYPES, needs_grad
+from kiln.kernels._common import FLOAT_DTYPES, needs_grad, pdl, pdl_prologue
 from kiln.kernels.dispatch import interpreting, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 
@@ -289,7 +289,9 @@ def _up_experts_kernel(
     BLOCK_N: tl.constexpr,  # rows of gate (and of up) per program
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/_common.py pdl_prologue)
 ):
+    pdl_prologue(PDL)
     p = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < I)[:, None]
@@ -351,7 +353,9 @@ def _down_experts_kernel(
     BLOCK_N: tl.constexpr,  # output columns (rows of w2[e]) per program
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     p = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < D)[:, None]
@@ -391,10 +395,12 @@ def _down_pair_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row per pass (one token, or a dtype without tl.dot): program (pair, column block) computes its
     pair's weighted down projection over I alone, the FMA gemv of the pairs form's kernels: k times the
     pairs form's down programs, each k times shorter."""
+    pdl_prologue(PDL)
     p = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < D)[:, None]
@@ -418,8 +424,10 @@ def _combine_kernel(
     D,
     TOPK: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t] = sum_j P[t*k + j], j = 0 .. k-1 in that order: deterministic, no atomics."""
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < D
@@ -540,6 +548,10 @@ def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows) -> None:
         )
     up, down = config or (expert_tiles(d, rows), expert_tiles(I, rows))
     part = torch.empty(T * k, d, dtype=torch.float32, device=x.device)  # every element written once
+    # programmatic dependent launch (sm_90+, as kernels/decode_attention.py's split and combine): each
+    # kernel after the first is scheduled while its predecessor runs and waits for it in its prologue, so
+    # the third launch (the combine) costs no launch gap. KILN_PDL=0 turns it off (A/B timing).
+    use_pdl = pdl(x)
     if rows == 1:
         _up_launch[(T * k, cdiv(I, up.block_n))](
             x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
@@ -547,7 +559,7 @@ def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows) -> None:
         )  # fmt: skip
         _down_pair_launch[(T * k, cdiv(d, down.block_n))](
             h, idx, wts, w2, part, I, d, w2.stride(0), w2.stride(1), w2.stride(2), BLOCK_N=down.block_n,
-            BLOCK_K=down.block_k, STAGES=down.stages, num_warps=down.warps,
+            BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, num_warps=down.warps, launch_pdl=use_pdl,
         )  # fmt: skip
     else:
         if min(up.block_n, up.block_k, down.block_n, down.block_k) < 16:
@@ -556,16 +568,20 @@ def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows) -> None:
         meta = dict(TOPK=k, TOPK_P2=max(2, pow2(k)), T_P2=max(2, pow2(T)), ROWS=rows, PRECISION=precision)
         _up_experts_launch[(T * k, cdiv(I, up.block_n))](
             x, idx, w1, h, T, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), **meta,
-            BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, num_warps=up.warps,
+            BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, PDL=use_pdl, num_warps=up.warps,
+            launch_pdl=use_pdl,
         )  # fmt: skip
         _down_experts_launch[(T * k, cdiv(d, down.block_n))](
             h, idx, wts, w2, part, T, I, d, w2.stride(0), w2.stride(1), w2.stride(2), **meta,
-            BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, num_warps=down.warps,
+            BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, num_warps=down.warps,
+            launch_pdl=use_pdl,
         )  # fmt: skip
     # 256 columns per program (2 warps, 16-byte loads): at one token d / 256 programs (8 at d = 2048), each
     # k loads deep; the partials (k * d * 4 bytes, 64 KB for Qwen3-like) were just written, in L2
     block = min(256, pow2(d))
-    _combine_launch[(T, cdiv(d, block))](part, out, d, TOPK=k, BLOCK=block, num_warps=2)
+    _combine_launch[(T, cdiv(d, block))](
+        part, out, d, TOPK=k, BLOCK=block, PDL=use_pdl, num_warps=2, launch_pdl=use_pdl
+    )
 
 
 # ------------------------------------------------------------------------------ torch.compile: custom op
