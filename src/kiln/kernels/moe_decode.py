@@ -92,8 +92,9 @@ def decode_tiles(K: int) -> DecodeTiles:
 
 def use_decode(n_tokens: int, top_k: int, n_experts: int) -> bool:
     """Whether the model's MoE block takes this path (with no gradient needed): when the T*k pairs are no
-    more than the experts. Each pair streams its expert's weights, so pairs sharing an expert cost L2
-    reads the grouped GEMM would not make; below E pairs most pairs have an expert of their own."""
+    more than the experts. In the pairs form each pair streams its expert's weights, so pairs sharing an
+    expert cost L2 reads the grouped GEMM would not make; below E pairs most pairs have an expert of their
+    own. The experts form reads each expert once and may move this line: not before the H200 says so."""
     return 0 < n_tokens * top_k <= n_experts
 
 
