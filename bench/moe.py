@@ -22,8 +22,9 @@ Cases:
 - "gemm" (4k tokens): the gate/up projection alone over expert-sorted rows: kiln grouped_linear vs
   torch._grouped_mm vs dense F.linear, forward and forward+backward (dx and dw).
 - "decode" (batch 1 / 8 / 64, forward, CUDA-graph replay where capturable: the loop syncs, so it is
-  timed eagerly): the unit is GB/s over the active experts' weights (each read once), against the
-  device copy bandwidth measured at the start of the run (kiln.profile.ceilings; copy counts read + write,
+  timed eagerly; the decode kernels' two forms, kiln_decode_pairs and kiln_decode_experts, side by
+  side at every batch, experts_vs_pairs their ratio): the unit is GB/s over the active experts' weights
+  (each read once), against the device copy bandwidth measured at the start of the run (kiln.profile.ceilings; copy counts read + write,
   the weights are only read: a reference point, not a ceiling).
 - "router" (16k tokens): kiln's router (top-k, weights, counts, aux and z losses, forward+backward)
   against the eager formula of kiln.model.moe.

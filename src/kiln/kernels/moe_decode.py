@@ -549,9 +549,10 @@ def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows) -> None:
         )
     up, down = config or (expert_tiles(d, rows), expert_tiles(I, rows))
     part = torch.empty(T * k, d, dtype=torch.float32, device=x.device)  # every element written once
-    # programmatic dependent launch (sm_90+, as kernels/decode_attention.py's split and combine): each
-    # kernel after the first is scheduled while its predecessor runs and waits for it in its prologue, so
-    # the third launch (the combine) costs no launch gap. KILN_PDL=0 turns it off (A/B timing).
+    # programmatic dependent launch (sm_90+, as kernels/decode_attention.py's split and combine): each of
+    # this form's kernels (all but the pairs form's up kernel at one row) is scheduled while its predecessor
+    # runs and waits for it in its prologue, so the third launch (the combine) adds no launch gap.
+    # KILN_PDL=0 turns it off (A/B timing).
     use_pdl = pdl(x)
     if rows == 1:
         _up_launch[(T * k, cdiv(I, up.block_n))](
