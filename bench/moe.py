@@ -22,8 +22,9 @@ Cases:
 - "gemm" (4k tokens): the gate/up projection alone over expert-sorted rows: kiln grouped_linear vs
   torch._grouped_mm vs dense F.linear, forward and forward+backward (dx and dw).
 - "decode" (batch 1 / 8 / 64, forward, CUDA-graph replay where capturable: the loop syncs, so it is
-  timed eagerly): the unit is GB/s over the active experts' weights (each read once), against the
-  device copy bandwidth measured at the start of the run (kiln.profile.ceilings; copy counts read + write,
+  timed eagerly; the decode kernels' two forms, kiln_decode_pairs and kiln_decode_experts, side by
+  side at every batch, experts_vs_pairs their ratio): the unit is GB/s over the active experts' weights
+  (each read once), against the device copy bandwidth measured at the start of the run (kiln.profile.ceilings; copy counts read + write,
   the weights are only read: a reference point, not a ceiling).
 - "router" (16k tokens): kiln's router (top-k, weights, counts, aux and z losses, forward+backward)
   against the eager formula of kiln.model.moe.
@@ -51,7 +52,15 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels.dispatch import use_backend
-from kiln.kernels.moe_decode import DecodeTiles, decode_tiles, moe_decode_fwd, use_decode
+from kiln.kernels.moe_decode import (
+    DecodeTiles,
+    decode_form,
+    decode_tiles,
+    expert_rows,
+    expert_tiles,
+    moe_decode_fwd,
+    use_decode,
+)
 from kiln.kernels.moe_gemm import (
     DW_TMA,
     TMA_BIG,
@@ -346,11 +355,23 @@ def gemm_case(b: Bench, shape: str, N: int, routing: str, weights):
         b.record(entry, b.time(fns), flops=flops * (3 if mode != "fwd" else 1))
 
 
+def decode_pairs(x, idx, w, w1, w2):
+    """The decode kernels' pairs form at any batch: each (token, expert) pair streams its expert."""
+    return moe_decode_fwd(x, idx, w, w1, w2, form="pairs")
+
+
+def decode_experts(x, idx, w, w1, w2):
+    """The decode kernels' experts form at any batch: each distinct expert streamed once for its tokens."""
+    return moe_decode_fwd(x, idx, w, w1, w2, form="experts")
+
+
 def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool = False):
-    """kiln (the model's dispatch: the decode kernels when B*k <= E), kiln_grouped (the grouped path),
-    torch._grouped_mm, and "copy": a device copy moving the same number of bytes (half read, half
-    written) at this size, the bandwidth reachable by a kernel this short. Quick: no loop, no fused, and
-    kiln_decode (the decode kernels at any batch)."""
+    """kiln (the model's dispatch: the decode kernels when B*k <= E, in decode_form's form),
+    kiln_decode_pairs and kiln_decode_experts (the decode kernels' two forms at every batch, past
+    use_decode's B*k <= E too: which form wins where, and where the grouped path takes over),
+    kiln_grouped (the grouped path), torch._grouped_mm, and "copy": a device copy moving the same number
+    of bytes (half read, half written) at this size, the bandwidth reachable by a kernel this short.
+    Quick: no loop, no fused."""
     E, k, d, inter, sh = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
     w1, w2, shared = weights
     x = b.randn(B, d)
@@ -359,22 +380,37 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     elem = torch.finfo(b.dtype).bits // 8
     nbytes = active * 3 * inter * d * elem + (3 * (sh // 2) * d * elem if sh else 0)
     impls = {"kiln": kiln_experts, "kiln_grouped": kiln_grouped_experts, "grouped_mm": grouped_mm_experts}
-    if quick:  # the decode kernels at every batch, past use_decode's N*k <= E too: where the crossover lies
-        impls["kiln_decode"] = lambda x, idx, w, w1, w2: moe_decode_fwd(x, idx, w, w1, w2)
-    else:
+    impls |= {"kiln_decode_pairs": decode_pairs, "kiln_decode_experts": decode_experts}
+    if not quick:
         impls |= {"kiln_fused": kiln_fused_experts, "loop": loop_experts}
     fns = {n: fwd(with_shared(f, shared), [x, idx, w, w1, w2]) for n, f in impls.items()}
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=b.dev)
     dst = torch.empty_like(src)
     fns["copy"] = lambda: dst.copy_(src)
     with torch.no_grad():
-        err = (
-            kiln_experts(x, idx, w, w1, w2).float() - kiln_grouped_experts(x, idx, w, w1, w2).float()
+        grouped = kiln_grouped_experts(x, idx, w, w1, w2).float()
+        err = (kiln_experts(x, idx, w, w1, w2).float() - grouped).abs()
+        err_forms = (
+            decode_experts(x, idx, w, w1, w2).float() - decode_pairs(x, idx, w, w1, w2).float()
         ).abs()
+    counts = torch.bincount(idx.reshape(-1), minlength=E)
     entry = dict(case="decode", shape=shape, tokens=B, routing=routing, mode="fwd", active_experts=active,
+                 pairs_per_active_expert=round(B * k / active, 2), max_tokens_per_expert=int(counts.max()),
                  weight_bytes=nbytes, path="decode" if use_decode(B, k, E) else "grouped",
-                 max_abs_diff_vs_grouped=float(err.max()))  # fmt: skip
+                 form=decode_form(B, k, E) if use_decode(B, k, E) else None,
+                 experts_rows=expert_rows(B, b.dtype), max_abs_diff_vs_grouped=float(err.max()),
+                 max_abs_diff_experts_vs_pairs=float(err_forms.max()))  # fmt: skip
     b.record(entry, b.time(fns, graph=True), nbytes=nbytes)
+    # > 1: the experts form is faster than the pairs form at this batch and routing
+    ms = {n: _best_ms(entry["results"].get(n, {})) for n in ("kiln_decode_pairs", "kiln_decode_experts")}
+    if all(ms.values()):
+        entry["experts_vs_pairs"] = round(ms["kiln_decode_pairs"] / ms["kiln_decode_experts"], 3)
+        b.run.log(f"        experts form / pairs form speedup {entry['experts_vs_pairs']}")
+
+
+def _best_ms(v: dict) -> float | None:
+    """A result's CUDA-graph time where it has one, else its eager median."""
+    return v["graph_ms"] if isinstance(v.get("graph_ms"), float) else v.get("ms")
 
 
 def router_case(b: Bench, shape: str, N: int):
@@ -499,6 +535,10 @@ SWEEP_DECODE_UP = [DecodeTiles(8, 256, 4, 3), DecodeTiles(4, 512, 4, 2), DecodeT
                    DecodeTiles(16, 128, 4, 3), DecodeTiles(2, 1024, 4, 1)]  # fmt: skip
 SWEEP_DECODE_DOWN = [DecodeTiles(4, 256, 2, 3), DecodeTiles(2, 1024, 4, 1), DecodeTiles(8, 256, 4, 3),
                      DecodeTiles(2, 256, 1, 3), DecodeTiles(1, 1024, 2, 2)]  # fmt: skip
+# the experts form's tl.dot tiles (batch > 1; block_n and block_k >= 16): wider column blocks (fewer
+# programs, more rows per x tile read), longer K steps, fewer warps, deeper pipelines
+SWEEP_EXPERTS_DOT = [DecodeTiles(32, 128, 4, 3), DecodeTiles(64, 128, 4, 3), DecodeTiles(16, 256, 4, 3),
+                     DecodeTiles(16, 64, 4, 4), DecodeTiles(16, 128, 1, 4), DecodeTiles(16, 256, 2, 3)]  # fmt: skip
 
 
 def gemm_sweep_case(b: Bench, shape: str, N: int, weights):
@@ -557,31 +597,41 @@ def gemm_sweep_case(b: Bench, shape: str, N: int, weights):
     )
 
 
-def decode_sweep_case(b: Bench, shape: str, B: int, weights):
-    """The decode kernels' tiles (kernels/moe_decode.py): each SWEEP_DECODE_UP tile with the default down
-    tile and each SWEEP_DECODE_DOWN tile with the default up tile; GB/s over the active experts' weights,
-    CUDA-graph replay."""
+def decode_sweep_case(b: Bench, shape: str, B: int, weights, form: str = "pairs", routing: str = "balanced"):
+    """The decode kernels' tiles (kernels/moe_decode.py) in one form: each sweep up tile with the default
+    down tile and each down tile with the default up tile; GB/s over the active experts' weights,
+    CUDA-graph replay. The pairs form (and the experts form at one token, the same FMA loops) sweeps
+    SWEEP_DECODE_UP / _DOWN; the experts form's tl.dot tiles (batch > 1) sweep SWEEP_EXPERTS_DOT."""
     E, k, d, inter, _ = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
     w1, w2, _ = weights
     x = b.randn(B, d)
-    idx, w = make_routing(B, E, k, "balanced", b.dev, b.gen)
+    idx, w = make_routing(B, E, k, routing, b.dev, b.gen)
     nbytes = int(torch.unique(idx).numel()) * 3 * inter * d * (torch.finfo(b.dtype).bits // 8)
-    up0, down0 = decode_tiles(d), decode_tiles(inter)
-    ups = SWEEP_DECODE_UP[:1] if b.smoke else SWEEP_DECODE_UP
-    downs = SWEEP_DECODE_DOWN[:1] if b.smoke else SWEEP_DECODE_DOWN
+    rows = expert_rows(B, b.dtype)
+    if form == "experts":
+        up0, down0 = expert_tiles(d, rows), expert_tiles(inter, rows)
+    else:
+        up0, down0 = decode_tiles(d), decode_tiles(inter)
+    if form == "experts" and rows > 1:
+        ups = downs = SWEEP_EXPERTS_DOT[:1] if b.smoke else SWEEP_EXPERTS_DOT
+    else:
+        ups = SWEEP_DECODE_UP[:1] if b.smoke else SWEEP_DECODE_UP
+        downs = SWEEP_DECODE_DOWN[:1] if b.smoke else SWEEP_DECODE_DOWN
     cfgs = {"default": (up0, down0)} | {f"up{tuple(t)}": (t, down0) for t in ups} | {
         f"down{tuple(t)}": (up0, t) for t in downs}  # fmt: skip
-    fns = {n: (lambda c=c: moe_decode_fwd(x, idx, w, w1, w2, config=c)) for n, c in cfgs.items()}
+    fns = {n: (lambda c=c: moe_decode_fwd(x, idx, w, w1, w2, config=c, form=form)) for n, c in cfgs.items()}
     res = b.time(fns, graph=True)
     for v in res.values():
         ms = v.get("graph_ms") if isinstance(v.get("graph_ms"), float) else v.get("ms")
         if ms:
             v["GBps"] = round(nbytes / ms / 1e6, 1)
             v["frac_copy"] = fraction(v["GBps"] / 1e3, b.run.ceilings.get("copy_TBps"))
-    entry = dict(case="sweep_decode", shape=shape, tokens=B, routing="balanced", mode="fwd",
+    entry = dict(case="sweep_decode", shape=shape, tokens=B, routing=routing, mode="fwd", form=form,
+                 rows=rows if form == "experts" else None,
                  default=f"up {tuple(up0)} down {tuple(down0)}", weight_bytes=nbytes, results=res)  # fmt: skip
     b.cases.append(entry)
-    b.run.log(f"sweep decode {shape} {B}: " + " ".join(f"{n}={v.get('GBps', 'ERR')}" for n, v in res.items()))
+    b.run.log(f"sweep decode {form} {shape} {B} {routing}: "
+              + " ".join(f"{n}={v.get('GBps', 'ERR')}" for n, v in res.items()))  # fmt: skip
 
 
 def make_weights(b: Bench, shape: str):
@@ -690,8 +740,8 @@ def quick(args) -> int:
     with use_backend("triton"):
         weights = {shape: make_weights(b, shape) for shape in shapes}
         for shape in shapes:
-            for B in decode:  # Zipf from batch 8: below it every token's k experts are distinct either way
-                for routing in routings if B >= 8 or b.smoke else routings[:1]:
+            for B in decode:  # Zipf from batch 2: tokens share hot experts, which the experts form dedupes
+                for routing in routings if B >= 2 or b.smoke else routings[:1]:
                     go(decode_case, shape, B, routing, weights[shape], True)
         for shape in prefill_shapes:
             for routing in routings:
@@ -703,6 +753,11 @@ def quick(args) -> int:
         go(gemm_sweep_case, shapes[0], prefill[0], weights[shapes[0]])
         for shape in shapes[:2]:
             go(decode_sweep_case, shape, 1 if not b.smoke else 2, weights[shape])
+        # the experts form: its one-token FMA tiles where decode_form takes it (DeepSeek-like batch 1), its
+        # tl.dot tiles where tokens share experts most (Qwen3-like batch 16, Zipf)
+        go(decode_sweep_case, shapes[-1], 1, weights[shapes[-1]], "experts")
+        go(decode_sweep_case, shapes[1 if len(shapes) > 1 else 0], 16 if not b.smoke else 2,
+           weights[shapes[1 if len(shapes) > 1 else 0]], "experts", "zipf")  # fmt: skip
     run.meta["skipped_for_time"] = skipped
     run.write(cases=b.cases, case="quick", hard_budget_s=budget)
     return 0

@@ -1,8 +1,14 @@
-"""Decode MoE kernels (kernels/moe_decode.py) against float64: the pair-by-pair reference and, as an outside
-oracle, the model's eager per-expert loop (kiln.model.moe.Experts.forward); odd shapes (one expert, every
-token on one expert, ragged d and I, int64 ids, fp16); errors; the custom op; bf16 and a CUDA graph on
-the GPU."""
+"""Decode MoE kernels (kernels/moe_decode.py), both forms ("pairs" and the deduped "experts"), against
+float64: the pair-by-pair reference and, as an outside oracle, the model's eager per-expert loop
+(kiln.model.moe.Experts.forward); odd shapes (one expert, every token or half the tokens on one expert, an
+expert twice in one token, ragged d and I, int64 ids, fp16, more tokens than one pass holds); errors; the
+custom op; bf16 and a CUDA graph on the GPU."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +17,8 @@ import torch
 from kiln.kernels.dispatch import use_backend
 from kiln.kernels.moe_decode import (
     DecodeTiles,
+    decode_form,
+    expert_rows,
     moe_decode,
     moe_decode_fwd,
     moe_decode_op,
@@ -104,28 +112,185 @@ def test_moe_decode_empty_and_errors():
 def test_moe_decode_opcheck():
     x, idx, wts, w1, w2 = _case(2, 2, 4, 16, 8, seed=5)
     with use_backend("triton"):
-        torch.library.opcheck(
-            moe_decode_op, (x, idx, wts, w1, w2), test_utils=("test_schema", "test_faketensor")
-        )
+        for form in ("auto", "experts"):
+            torch.library.opcheck(
+                moe_decode_op, (x, idx, wts, w1, w2, form), test_utils=("test_schema", "test_faketensor")
+            )
+
+
+# ------------------------------------------------------------------------------------ the experts form
+def _routed(T, k, E, d, I, seed, hot):
+    """A case whose routing puts `hot` of the T tokens' first slot on expert E - 1 (the rest distinct)."""
+    x, idx, wts, w1, w2 = _case(T, k, E, d, I, seed=seed)
+    for t in range(hot):
+        row = idx[t]
+        row[row == E - 1] = row[0]  # keep the token's k experts distinct
+        row[0] = E - 1
+    return x, idx, wts, w1, w2
+
+
+@pytest.mark.parametrize(
+    "T, k, E, d, I, hot",
+    [(3, 1, 1, 20, 9, 3), (1, 4, 8, 21, 18, 0), (2, 2, 8, 17, 24, 0), (4, 2, 4, 40, 21, 2), (5, 3, 7, 24, 18, 5),
+     (4, 4, 8, 18, 11, 4)],
+    ids=["E1-all-on-one", "T1-k4", "distinct", "half-on-one", "all-on-one-k3", "all-on-one-k4"],
+)  # fmt: skip
+def test_moe_decode_forms_match_loop(T, k, E, d, I, hot):
+    # d and I are not multiples of the tiles (16 columns / 16-wide K steps for tl.dot, 4 / 16 for the
+    # FMAs); T = 1 takes the experts form's one-row kernels (the pairs form's up, a per-pair down), T > 1
+    # its deduped tl.dot kernels (float32, IEEE, interpreted); then the fixed-order combine
+    x, idx, wts, w1, w2 = _routed(T, k, E, d, I, seed=T * 7 + k, hot=hot)
+    want = _loop(x, idx, wts, w1, w2)
+    with use_backend("triton"):
+        got = {form: moe_decode(x, idx, wts, w1, w2, form=form) for form in ("pairs", "experts")}
+        for out in got.values():
+            assert_close(out, want)
+        if T == 1:  # the default (decode_form) takes the experts form at one token with k >= 4
+            assert torch.equal(moe_decode(x, idx, wts, w1, w2), got["experts"])
+
+
+def test_moe_decode_experts_expert_twice_in_a_token_and_passes():
+    # a token listing one expert twice (no top-k router does, the math allows it): the leader makes one
+    # pass per occurrence; rows=1 at T = 3 takes the one-row kernels (per pair); rows=16 at T = 17 makes
+    # two tl.dot passes over the hot expert (tokens 0-15, then 16)
+    x, idx, wts, w1, w2 = _case(3, 3, 5, 20, 12, seed=6, idx_dtype=torch.int64)
+    idx[0] = torch.tensor([2, 4, 2])
+    idx[2, 1] = 2
+    want = _loop(x, idx, wts, w1, w2)
+    with use_backend("triton"):
+        assert_close(moe_decode_fwd(x, idx, wts, w1, w2, form="experts"), want)
+        assert_close(moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=1), want)
+        assert_close(moe_decode_fwd(x, idx, wts, w1, w2, form="pairs"), want)
+    x, idx, wts, w1, w2 = _routed(17, 1, 2, 16, 16, seed=7, hot=12)
+    with use_backend("triton"):
+        got = moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=16)
+    assert_close(got, _loop(x, idx, wts, w1, w2))
+
+
+def test_moe_decode_experts_tiles_fp16_and_determinism():
+    # explicit tiles: a ragged 16-column tile over d = 37 and I = 19, several 16-wide K steps, 2 stages
+    x, idx, wts, w1, w2 = _routed(3, 2, 5, 37, 19, seed=8, hot=2)
+    tiles = (DecodeTiles(16, 16, 1, 2), DecodeTiles(32, 16, 1, 1))
+    with use_backend("triton"):
+        got = moe_decode_fwd(x, idx, wts, w1, w2, config=tiles, form="experts")
+        again = moe_decode_fwd(x, idx, wts, w1, w2, config=tiles, form="experts")
+    assert_close(got, _loop(x, idx, wts, w1, w2))
+    assert torch.equal(got, again)  # fixed order, no atomics
+    x16, w116, w216 = x.half(), w1.half(), w2.half()
+    with use_backend("triton"):
+        got16 = moe_decode(x16, idx, wts, w116, w216, form="experts")
+    assert_close(got16, moe_decode_ref(x16, idx, wts, w116, w216).double())
+    # as in test_moe_decode_tiles_and_fp16: gate, up and h rounded to fp16 on the way, twice the bound
+    assert_close(got16, _loop(x16, idx, wts, w116, w216), torch.float16, scale=2.0)
+
+
+def test_moe_decode_forms_errors_and_rules():
+    x, idx, wts, w1, w2 = _case(2, 2, 4, 16, 8)
+    with use_backend("triton"):
+        with pytest.raises(ValueError, match="form must be one of"):
+            moe_decode(x, idx, wts, w1, w2, form="tokens")
+        with pytest.raises(ValueError, match="rows must be 1, or a power of two >= 16"):
+            moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=8)
+        with pytest.raises(ValueError, match="rows applies to form='experts' only"):
+            moe_decode_fwd(x, idx, wts, w1, w2, form="pairs", rows=16)
+        with pytest.raises(ValueError, match="tl.dot tiles need block_n and block_k >= 16"):
+            moe_decode_fwd(x, idx, wts, w1, w2, form="experts", config=(DecodeTiles(4, 16, 1, 1),) * 2)
+    # the default: experts at one token with k >= 4 (Qwen3 / DeepSeek batch 1), pairs elsewhere
+    assert decode_form(1, 8, 128) == "experts" and decode_form(1, 6, 64) == "experts"
+    assert (
+        decode_form(1, 2, 8) == "pairs"
+        and decode_form(2, 6, 64) == "pairs"
+        and decode_form(16, 8, 128) == "pairs"
+    )
+    assert expert_rows(1, torch.bfloat16) == 1 and expert_rows(3, torch.bfloat16) == 16
+    assert expert_rows(40, torch.float16) == 64 and expert_rows(200, torch.float32) == 64
+    assert expert_rows(4, torch.float64) == 1  # no tl.dot in float64: FMAs, one token per pass
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["pairs", "experts"])
 @pytest.mark.parametrize(
     "T, k, E, d, I",
     [(1, 2, 8, 4096, 14336), (4, 2, 8, 4096, 14336), (1, 8, 128, 2048, 768), (16, 8, 128, 2048, 768),
-     (3, 6, 64, 2048, 1408)],
+     (3, 6, 64, 2048, 1408), (12, 2, 8, 4096, 14336)],
 )  # fmt: skip
-def test_moe_decode_gpu_bf16_and_graph(T, k, E, d, I):
-    x, idx, wts, w1, w2 = _case(T, k, E, d, I, device="cuda", dtype=torch.bfloat16)
+def test_moe_decode_gpu_bf16_and_graph(T, k, E, d, I, form):
+    # every token's first slot on the last expert: pairs sharing an expert, which the experts form dedupes
+    x, idx, wts, w1, w2 = _case(T, k, E, d, I, device="cuda", dtype=torch.bfloat16, same_expert=True)
     with torch.no_grad():
-        got = moe_decode(x, idx, wts, w1, w2)
+        got = moe_decode(x, idx, wts, w1, w2, form=form)
         # bf16 inputs against the float64 loop on the first two tokens (its float64 matmuls on the GPU): gate,
         # up and h are rounded to bf16 on the way (as the grouped path rounds them), within the bf16 table
         assert_close(got[:2], _loop(x[:2], idx[:2], wts[:2], w1, w2), torch.bfloat16)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # no host sync inside
-            out = moe_decode(x, idx, wts, w1, w2)
+            out = moe_decode(x, idx, wts, w1, w2, form=form)
         x.copy_(torch.randn_like(x))
         idx.copy_(idx.flip(0))
         graph.replay()
-        assert torch.equal(out, moe_decode(x, idx, wts, w1, w2))  # fixed order: bitwise deterministic
+        assert torch.equal(
+            out, moe_decode(x, idx, wts, w1, w2, form=form)
+        )  # fixed order: bitwise deterministic
+
+
+# the experts form compiled for the H200 (sm_90) on the CPU machine, in a subprocess without the
+# interpreter (as tests/kernels/test_moe_sm90.py does for the pairs form): Qwen3-like bf16 at batch 16
+# (tl.dot, 16 rows per pass) and batch 1 (the per-pair down kernel), at the launcher's tiles
+SM90_SCRIPT = r"""
+import json
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kiln.kernels import moe_decode as md
+
+def ptx(fn, ptrs, consts, t, nodiv=()):
+    names = [p.name for p in fn.params]
+    consts = dict(consts, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.stages, PDL=True)
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    div = [n for n in names if n not in consts and n not in nodiv]  # as a real launch specializes them
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=attrs)
+    p = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.warps, num_stages=t.stages)).asm["ptx"]
+    return {f: p.count(f) for f in ("mma.sync", "cp.async.cg", "griddepcontrol.wait")}
+
+k, d, I, T = 8, 2048, 768, 16
+rows = md.expert_rows(T, torch.bfloat16)
+meta = dict(TOPK=k, TOPK_P2=8, T_P2=16, ROWS=rows, PRECISION="ieee")
+out = {
+    "up": ptx(md._up_experts_kernel, dict(X_ptr="*bf16", Idx_ptr="*i32", W_ptr="*bf16", H_ptr="*bf16"),
+              dict(meta, stride_xc=1, stride_wc=1), md.expert_tiles(d, rows), ("T",)),
+    "down": ptx(md._down_experts_kernel,
+                dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", P_ptr="*fp32"),
+                dict(meta, stride_wi=1), md.expert_tiles(I, rows), ("T",)),
+    "down_pair": ptx(md._down_pair_kernel,
+                     dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", P_ptr="*fp32"),
+                     dict(stride_wi=1), md.expert_tiles(I, 1)),
+}
+names = [p.name for p in md._combine_kernel.params]
+consts = dict(TOPK=k, BLOCK=256, PDL=True)
+src = ASTSource(fn=md._combine_kernel, signature={n: "constexpr" if n in consts else {"P_ptr": "*fp32", "Y_ptr": "*bf16"}.get(n, "i32") for n in names},
+                constexprs={(names.index(a),): v for a, v in consts.items()})
+out["combine"] = {"griddepcontrol.wait": triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2)).asm["ptx"].count("griddepcontrol.wait")}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # 4 compiles: ~10 s
+def test_moe_decode_experts_form_compiles_for_sm90(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = Path(__file__).resolve().parents[2] / "src"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a fresh cache: compile for real, touch nothing shared
+    proc = subprocess.run(
+        [sys.executable, "-c", SM90_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the deduped kernels on the tensor cores (mma.sync at 16 rows) fed by 16-byte cp.async loads through
+    # the pipeline; the per-pair down kernel's FMA loop on cp.async loads too
+    assert res["up"]["mma.sync"] > 0 and res["up"]["cp.async.cg"] > 0, res
+    assert res["down"]["mma.sync"] > 0 and res["down"]["cp.async.cg"] > 0, res
+    assert res["down_pair"]["mma.sync"] == 0 and res["down_pair"]["cp.async.cg"] > 0, res
+    # launched with programmatic dependent launch on sm_90: each waits for its predecessor in its prologue
+    assert all(r["griddepcontrol.wait"] > 0 for r in res.values()), res

@@ -1,4 +1,4 @@
-"""Decode-sized mixture-of-experts FFN: the routed experts of a few tokens as two weight streams.
+"""Decode-sized mixture-of-experts FFN: the routed experts of a few tokens as weight streams, in two forms.
 
 Shapes: x (T, d) tokens, expert_idx (T, k) int32/int64, weights (T, k) float (the router's), gate_up_proj
 w1 (E, 2I, d) holding [gate | up] along dim 1, down_proj w2 (E, d, I), as the model stores them:
@@ -10,8 +10,9 @@ Why a separate path: at decode a layer's active experts are a few MB to a few hu
 few MFLOP, and the prefill path (routing plan, permute, grouped GEMM, SwiGLU, grouped GEMM, unpermute) is
 about fifteen kernels, most of them a few microseconds of launch and tail latency each: on the H200 the
 Qwen3-30B-A3B-like layer (8 experts x 9.4 MB) at batch 1 took 64.5 us in a CUDA graph for 75.5 MB, 28% of
-the copy bandwidth. Here it is two kernels, no sort, no permutation:
+the copy bandwidth. Here it is two or three kernels, no sort, no permutation.
 
+The "pairs" form, two kernels, one weight stream per (token, expert) pair:
 - `_up_kernel`, grid (T*k pairs, cdiv(I, BLOCK_N)): each program reads the pair's expert id on the device,
   BLOCK_N gate rows and the matching BLOCK_N up rows of that expert, and the pair's token row; float32
   FMAs over BLOCK_K-wide steps (kernels/matmul_decode.py's one-row gemv: small BLOCK_N so that even one
@@ -22,15 +23,38 @@ the copy bandwidth. Here it is two kernels, no sort, no permutation:
   walks its k pairs' h rows and down_proj rows as one flattened (slot, K step) loop (one pipeline, not k
   short ones), the routing weight folded into h: out[t, n] = sum_j sum_i w2[e_j, n, i] * (w_j * h_j[i]).
   Every output element is written once, in a fixed order: deterministic, no atomics, no zeroed buffer.
+Measured on the H200 (docs/perf/moe.md) it misses 80% of copy in two places: Zipf routing at batch 8-16
+(several tokens on one hot expert: every pair streams that expert again, from L2 at best) and one or two
+tokens with k 6-8 small experts (the down kernel's d / 4 programs each walk k * I weights serially).
 
+The "experts" form, three kernels, each distinct expert's weights streamed once for all its tokens:
+- `_up_experts_kernel`, grid (T*k slots, cdiv(I, BLOCK_N)): a program whose slot is not the first slot in
+  flat order holding its expert (the leader) returns after one load of all T*k ids (<= 16 x 8) and a
+  compare; the leader gathers the tokens routed to its expert, ROWS (16-64) at a time, and streams each
+  weight tile once into tl.dot against their rows (W tile (BLOCK_N, BLOCK_K) @ x.T (BLOCK_K, ROWS), the
+  rows a pass lacks masked to zero), writing h for each of those pairs.
+- `_down_experts_kernel`, grid (T*k slots, cdiv(d, BLOCK_N)): the same leaders; each pair's weighted down
+  projection w_pair * (h_pair @ w2[e].T) over BLOCK_N columns into a float32 buffer (T*k, d).
+- `_combine_kernel`, grid (T, cdiv(d, 256)): out[t] = sum_j partial[t*k + j], j in order: deterministic,
+  no atomics.
+At one token (and in float64, which tl.dot does not take) a pass holds one row: the pairs form's up
+kernel (at one token each pair is its expert's only one under a top-k router) and `_down_pair_kernel`,
+grid (T*k, cdiv(d, BLOCK_N)): k times the pairs form's down programs, each I deep instead of k * I.
+The leader needs no sort and no host sync either: the ids are compared on the device, the grid is fixed.
+A token that lists an expert twice (no top-k router does) is served by one pass per occurrence.
+
+Which form: `moe_decode_fwd(..., form=)`, "auto" being `decode_form(T, k, E)` (its docstring has the
+reasoning; the experts form is not yet measured on the H200: bench/moe.py --case quick times both).
 No host sync, the grids depend on T, k, d and I only: CUDA-graph safe. Tiles: `decode_tiles`, the dense
 gemv's rule measured on the H200 (4 columns, 256-wide steps, 3-stage pipeline; long K: 2 columns,
-1024-wide steps); bench/moe.py sweeps others. Forward only (inference): the model takes this path when
-no gradient is needed and there are no more pairs than experts (`use_decode`); with more pairs the same
-weights would be streamed once per pair instead of once per expert, and the grouped GEMM wins.
-float32 accumulation; float32 / float16 / bfloat16 (the CPU tests run float32 through the interpreter).
-Differences to the prefill path: out is summed in float32 without rounding each pair's down projection to
-x's dtype first (one rounding less). Expert ids must lie in [0, E): not checked (a check is a host sync).
+1024-wide steps), and for the experts form's tl.dot kernels `expert_tiles`; bench/moe.py sweeps others.
+Forward only (inference): the model takes this path when no gradient is needed and there are no more
+pairs than experts (`use_decode`); with more pairs the pairs form would stream the same weights once per
+pair, and the grouped GEMM wins (whether the experts form moves that line is for the H200 run).
+float32 accumulation; float32 / float16 / bfloat16 (the CPU tests run float32 and float16 through the
+interpreter). Differences to the prefill path: out is summed in float32 without rounding each pair's down
+projection to x's dtype first (one rounding less). Expert ids must lie in [0, E): not checked (a check is
+a host sync).
 """
 
 from __future__ import annotations
@@ -41,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import FLOAT_DTYPES, needs_grad
+from kiln.kernels._common import FLOAT_DTYPES, needs_grad, pdl, pdl_prologue
 from kiln.kernels.dispatch import interpreting, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 
@@ -68,8 +92,9 @@ def decode_tiles(K: int) -> DecodeTiles:
 
 def use_decode(n_tokens: int, top_k: int, n_experts: int) -> bool:
     """Whether the model's MoE block takes this path (with no gradient needed): when the T*k pairs are no
-    more than the experts. Each pair streams its expert's weights, so pairs sharing an expert cost L2
-    reads the grouped GEMM would not make; below E pairs most pairs have an expert of their own."""
+    more than the experts. In the pairs form each pair streams its expert's weights, so pairs sharing an
+    expert cost L2 reads the grouped GEMM would not make; below E pairs most pairs have an expert of their
+    own. The experts form reads each expert once and may move this line: not before the H200 says so."""
     return 0 < n_tokens * top_k <= n_experts
 
 
@@ -213,8 +238,254 @@ def _down_kernel(
     tl.store(Y_ptr + t.to(tl.int64) * D + offs_n, y.to(Y_ptr.dtype.element_ty), mask=offs_n < D)
 
 
+# ------------------------------------------------------------------------- the "experts" form (deduped)
+@triton.jit
+def _leader_occurrences(Idx_ptr, p, T, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, T_P2: tl.constexpr):
+    """(e, n_occ): slot p's expert, and how many passes its program makes: 0 unless p is the first slot in
+    flat order holding e (the leader, which serves every pair of e), else the most times one token holds e
+    (1 from a top-k router; more only when a token lists an expert twice). All T*k ids in one 2-D load
+    (<= 16 x 8 at decode) and a compare: no sort, no host sync."""
+    toks = tl.arange(0, T_P2)[:, None]
+    js = tl.arange(0, TOPK_P2)[None, :]
+    ids = tl.load(Idx_ptr + toks * TOPK + js, mask=(toks < T) & (js < TOPK), other=-1)  # (T_P2, TOPK_P2)
+    e = tl.load(Idx_ptr + p)
+    hit = ids == e
+    first = tl.min(tl.min(tl.where(hit, toks * TOPK + js, T_P2 * TOPK_P2), axis=1), axis=0)
+    most = tl.max(tl.sum(hit.to(tl.int32), axis=1), axis=0)
+    return e.to(tl.int64), tl.where(first == p, most, 0)
+
+
+@triton.jit
+def _chunk_pairs(Idx_ptr, e, c, o, T, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, ROWS: tl.constexpr):
+    """Tokens c*ROWS .. c*ROWS + ROWS - 1 as rows: each row's pair index t*k + j where j is the token's
+    o-th slot holding expert e, and whether the row has one (ROWS,) each."""
+    toks = c * ROWS + tl.arange(0, ROWS)
+    js = tl.arange(0, TOPK_P2)[None, :]
+    ids = tl.load(Idx_ptr + toks[:, None] * TOPK + js, mask=(toks < T)[:, None] & (js < TOPK), other=-1)
+    hit = ids == e  # (ROWS, TOPK_P2)
+    sel = hit & (tl.cumsum(hit.to(tl.int32), axis=1) == o + 1)  # the o-th hit of each token
+    j = tl.sum(tl.where(sel, js, 0), axis=1)
+    return toks.to(tl.int64) * TOPK + j, tl.sum(sel.to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _up_experts_kernel(
+    X_ptr,  # (T, d): x[t, c] at X_ptr + t * stride_xt + c * stride_xc
+    Idx_ptr,  # (T * TOPK,) contiguous expert ids
+    W_ptr,  # (E, 2I, d): w1[e, n, c] at W_ptr + e * stride_we + n * stride_wn + c * stride_wc
+    H_ptr,  # (T * TOPK, I) out, contiguous: silu(gate) * up per pair
+    T,
+    I,
+    D,
+    stride_xt,
+    stride_xc,
+    stride_we,
+    stride_wn,
+    stride_wc,
+    TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr,  # pow2 >= max(TOPK, 2)
+    T_P2: tl.constexpr,  # pow2 >= max(T, 2)
+    ROWS: tl.constexpr,  # tokens per pass (16-64): x.T's columns, the MMA's N side
+    PRECISION: tl.constexpr,  # tl.dot input_precision ("ieee" or "tf32" for float32; fp16 / bf16 ignore it)
+    BLOCK_N: tl.constexpr,  # rows of gate (and of up) per program
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/_common.py pdl_prologue)
+):
+    pdl_prologue(PDL)
+    p = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (offs_n < I)[:, None]
+    e, n_occ = _leader_occurrences(Idx_ptr, p, T, TOPK, TOPK_P2, T_P2)
+    g_rows = W_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+    u_rows = g_rows + I * stride_wn
+    # passes: each occurrence (1 from a top-k router) and each ROWS tokens; a pass none of whose tokens
+    # holds e reads nothing (k_end = 0). With T <= ROWS and a top-k router: one pass, the weights read once.
+    for o in range(0, n_occ):
+        for c in range(0, tl.cdiv(T, ROWS)):
+            pair, row_ok = _chunk_pairs(Idx_ptr, e, c, o, T, TOPK, TOPK_P2, ROWS)  # (ROWS,)
+            x_cols = X_ptr + (pair // TOPK)[None, :] * stride_xt  # (1, ROWS): x.T's columns
+            k_end = tl.where(tl.max(row_ok.to(tl.int32), axis=0) > 0, D, 0)
+            # (BLOCK_N, ROWS) += W tile (BLOCK_N, BLOCK_K) @ x.T (BLOCK_K, ROWS), kernels/matmul_decode.py's
+            # dot kernel (measured on the H200 at 2-16 rows): each weight element meets up to ROWS tokens,
+            # which FMAs would pay ROWS times on the CUDA cores (16 bf16 rows at 4.3 TB/s of weights is ~70
+            # TFLOP/s of FMA, about the H200's whole fp32 rate); the tensor cores take it for free, and the
+            # rows a pass lacks are zeros that cost no memory traffic (masked loads)
+            acc_g = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+            for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < D
+                xt = tl.load(
+                    x_cols + offs_k[:, None] * stride_xc, mask=k_ok[:, None] & row_ok[None, :], other=0.0
+                )
+                m = n_ok & k_ok[None, :]
+                wg = tl.load(g_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
+                wu = tl.load(u_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
+                acc_g = tl.dot(wg, xt, acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(wu, xt, acc_u, input_precision=PRECISION)
+            # rounded to the output dtype before the SiLU, as the pairs form and the grouped GEMM round them
+            g = acc_g.to(H_ptr.dtype.element_ty).to(tl.float32)
+            u = acc_u.to(H_ptr.dtype.element_ty).to(tl.float32)
+            h = g * tl.sigmoid(g) * u
+            # written as it lies, (n, row) -> h[pair, n]: no transpose through shared memory
+            tl.store(H_ptr + pair[None, :] * I + offs_n[:, None], h.to(H_ptr.dtype.element_ty),
+                     mask=n_ok & row_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _down_experts_kernel(
+    H_ptr,  # (T * TOPK, I) contiguous: the up kernel's output
+    Idx_ptr,  # (T * TOPK,) contiguous expert ids
+    Wt_ptr,  # (T * TOPK,) contiguous routing weights (any float dtype; used in float32)
+    W_ptr,  # (E, d, I): w2[e, n, i] at W_ptr + e * stride_we + n * stride_wn + i * stride_wi
+    P_ptr,  # (T * TOPK, d) float32 out, contiguous: each pair's weighted down projection
+    T,
+    I,
+    D,
+    stride_we,
+    stride_wn,
+    stride_wi,
+    TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr,
+    T_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # output columns (rows of w2[e]) per program
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_prologue(PDL)
+    p = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (offs_n < D)[:, None]
+    e, n_occ = _leader_occurrences(Idx_ptr, p, T, TOPK, TOPK_P2, T_P2)
+    w_rows = W_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+    for o in range(0, n_occ):
+        for c in range(0, tl.cdiv(T, ROWS)):
+            pair, row_ok = _chunk_pairs(Idx_ptr, e, c, o, T, TOPK, TOPK_P2, ROWS)  # (ROWS,)
+            h_cols = H_ptr + pair[None, :] * I  # (1, ROWS): h.T's columns
+            k_end = tl.where(tl.max(row_ok.to(tl.int32), axis=0) > 0, I, 0)
+            acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+            for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < I
+                ht = tl.load(h_cols + offs_k[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :] * stride_wi, mask=n_ok & k_ok[None, :], other=0.0)
+                acc = tl.dot(w, ht, acc, input_precision=PRECISION)  # (BLOCK_N, ROWS)
+            # the routing weight after the K sum (constant over K): h enters the MMA as stored
+            wt = tl.load(Wt_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)  # (ROWS,)
+            tl.store(
+                P_ptr + pair[None, :] * D + offs_n[:, None], acc * wt[None, :], mask=n_ok & row_ok[None, :]
+            )
+
+
+@triton.jit
+def _down_pair_kernel(
+    H_ptr,  # (T * TOPK, I) contiguous: the up kernel's output
+    Idx_ptr,  # (T * TOPK,) contiguous expert ids
+    Wt_ptr,  # (T * TOPK,) contiguous routing weights
+    W_ptr,  # (E, d, I): w2[e, n, i] at W_ptr + e * stride_we + n * stride_wn + i * stride_wi
+    P_ptr,  # (T * TOPK, d) float32 out, contiguous
+    I,
+    D,
+    stride_we,
+    stride_wn,
+    stride_wi,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One row per pass (one token, or a dtype without tl.dot): program (pair, column block) computes its
+    pair's weighted down projection over I alone, the FMA gemv of the pairs form's kernels: k times the
+    pairs form's down programs, each k times shorter."""
+    pdl_prologue(PDL)
+    p = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (offs_n < D)[:, None]
+    e = tl.load(Idx_ptr + p).to(tl.int64)
+    w_rows = W_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < I
+        h = tl.load(H_ptr + p * I + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + offs_k[None, :] * stride_wi, mask=n_ok & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * h[None, :]
+    y = tl.sum(acc, axis=1) * tl.load(Wt_ptr + p).to(tl.float32)  # (BLOCK_N,)
+    tl.store(P_ptr + p * D + offs_n, y, mask=offs_n < D)
+
+
+@triton.jit
+def _combine_kernel(
+    P_ptr,  # (T * TOPK, d) float32, contiguous: the pairs' weighted down projections
+    Y_ptr,  # (T, d) out, contiguous
+    D,
+    TOPK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """out[t] = sum_j P[t*k + j], j = 0 .. k-1 in that order: deterministic, no atomics."""
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < D
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(P_ptr + (t * TOPK + j) * D + offs, mask=ok, other=0.0)
+    tl.store(Y_ptr + t * D + offs, acc.to(Y_ptr.dtype.element_ty), mask=ok)
+
+
 _up_launch = CachedLaunch(_up_kernel)
 _down_launch = CachedLaunch(_down_kernel)
+_up_experts_launch = CachedLaunch(_up_experts_kernel)
+_down_experts_launch = CachedLaunch(_down_experts_kernel)
+_down_pair_launch = CachedLaunch(_down_pair_kernel)
+_combine_launch = CachedLaunch(_combine_kernel)
+
+
+FORMS = ("auto", "pairs", "experts")
+DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # tl.dot's inputs (float64 takes FMAs)
+
+
+def decode_form(n_tokens: int, top_k: int, n_experts: int) -> str:
+    """The form `form="auto"` takes: "experts" at one token with k >= 4, "pairs" otherwise.
+
+    From the H200 quick run at 2693a3b (docs/perf/moe.md), the pairs form at >= 0.8 of copy keeps it;
+    "experts" only where the pairs form measured below 0.8 for a reason the shape (not the routing) shows:
+    at batch 1 with k 6-8 small experts (Qwen3-like 0.70, DeepSeek-like 0.54) the pairs form's down kernel
+    has d / 4 programs (512 at d = 2048), each walking k * I weights (6144-8448 deep) serially: too few
+    loads in flight for 20-40 us of bytes; the experts form gives it k times the programs, I deep each,
+    for a third launch (the combine, k * d * 4 bytes). Mixtral (k = 2, 0.92 at batch 1) keeps pairs.
+    Not taken on shape alone: Zipf routing at batch 8-16 (0.56-0.70), where several tokens share a hot
+    expert, since the same shapes under balanced routing measured 0.94-1.03 with the pairs form, and the
+    host cannot see the routing without a sync; DeepSeek-like batch 2 (0.72), since Qwen3-like batch 2
+    (same T and k class) measured 0.87. bench/moe.py --case quick times both forms at every batch and
+    routing (kiln_decode_pairs, kiln_decode_experts): the rule is to be reset from that run. The experts
+    form has not been measured on the H200 yet."""
+    return "experts" if n_tokens == 1 and top_k >= 4 else "pairs"
+
+
+def expert_rows(n_tokens: int, dtype: torch.dtype) -> int:
+    """Tokens per pass of the experts form: 1 at one token (FMAs, the gemv), else pow2(T) within
+    [16, 64] for tl.dot (16 is its narrowest side; past 64 tokens a hot expert is read once per 64)."""
+    if n_tokens <= 1 or dtype not in DOT_DTYPES:
+        return 1
+    return min(max(16, pow2(n_tokens)), 64)
+
+
+def expert_tiles(K: int, rows: int) -> DecodeTiles:
+    """The experts form's tiles for a weight stream of depth K: the pairs form's at one row; with tl.dot
+    kernels/matmul_decode.py's H200 rule for 2-16 rows with few columns and a short K (16-wide column
+    blocks, 128-wide K steps, 4 warps, 3 stages). Interpreted: small tiles (ragged columns, several K
+    steps)."""
+    if rows == 1:
+        return decode_tiles(K)
+    if interpreting():
+        return DecodeTiles(16, 16, 1, 1)
+    return DecodeTiles(16, 128, 4, 3)
 
 
 def moe_decode_fwd(
@@ -224,9 +495,17 @@ def moe_decode_fwd(
     w1: torch.Tensor,
     w2: torch.Tensor,
     config: tuple[DecodeTiles, DecodeTiles] | None = None,
+    form: str = "auto",
+    rows: int | None = None,
 ) -> torch.Tensor:
-    """Launcher: out (T, d) in x's dtype. config: (up tiles, down tiles), default `decode_tiles` of d and I."""
+    """Launcher: out (T, d) in x's dtype. form: "pairs" (two kernels, each (token, expert) pair streams
+    its expert), "experts" (each distinct expert streamed once for all its tokens: three kernels) or
+    "auto" (`decode_form`). config: (up tiles, down tiles), default `decode_tiles` of d and I (pairs) or
+    `expert_tiles` (experts). rows: the experts form's tokens per pass (default `expert_rows`; 1 or a
+    power of two >= 16 for tl.dot)."""
     _check(x, expert_idx, weights, w1, w2)
+    if form not in FORMS:
+        raise ValueError(f"moe_decode: form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
     T, k = expert_idx.shape
     E, two_i, d = w1.shape
     I = two_i // 2
@@ -235,10 +514,17 @@ def moe_decode_fwd(
         return out
     if I == 0 or k == 0:
         return out.zero_()
-    up, down = config or (decode_tiles(d), decode_tiles(I))
+    if form == "auto":
+        form = decode_form(T, k, E)
     idx = expert_idx.reshape(-1)  # (T*k,): views of contiguous (T, k); a strided one is copied
     wts = weights.reshape(-1)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
+    if form == "experts":
+        _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows)
+        return out
+    if rows is not None:
+        raise ValueError("moe_decode: rows applies to form='experts' only")
+    up, down = config or (decode_tiles(d), decode_tiles(I))
     _up_launch[(T * k, cdiv(I, up.block_n))](
         x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
         BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, num_warps=up.warps,
@@ -250,33 +536,98 @@ def moe_decode_fwd(
     return out
 
 
+def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows) -> None:
+    """The experts form's three launches (module docstring): up into h, down into float32 partials per
+    pair, the combine into out. One row per pass (one token, or float64): the pairs form's up kernel (at
+    one token each pair is its own expert's only one) and a down kernel per pair."""
+    d, I = x.shape[1], h.shape[1]
+    rows = expert_rows(T, x.dtype) if rows is None else rows
+    if rows < 1 or rows & (rows - 1) or (rows > 1 and (rows < 16 or x.dtype not in DOT_DTYPES)):
+        raise ValueError(
+            f"moe_decode: rows must be 1, or a power of two >= 16 with a float16 / bfloat16 / float32 x "
+            f"(tl.dot), got {rows} for {x.dtype}"
+        )
+    up, down = config or (expert_tiles(d, rows), expert_tiles(I, rows))
+    part = torch.empty(T * k, d, dtype=torch.float32, device=x.device)  # every element written once
+    # programmatic dependent launch (sm_90+, as kernels/decode_attention.py's split and combine): each of
+    # this form's kernels (all but the pairs form's up kernel at one row) is scheduled while its predecessor
+    # runs and waits for it in its prologue, so the third launch (the combine) adds no launch gap.
+    # KILN_PDL=0 turns it off (A/B timing).
+    use_pdl = pdl(x)
+    if rows == 1:
+        _up_launch[(T * k, cdiv(I, up.block_n))](
+            x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
+            BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, num_warps=up.warps,
+        )  # fmt: skip
+        _down_pair_launch[(T * k, cdiv(d, down.block_n))](
+            h, idx, wts, w2, part, I, d, w2.stride(0), w2.stride(1), w2.stride(2), BLOCK_N=down.block_n,
+            BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, num_warps=down.warps, launch_pdl=use_pdl,
+        )  # fmt: skip
+    else:
+        if min(up.block_n, up.block_k, down.block_n, down.block_k) < 16:
+            raise ValueError(f"moe_decode: tl.dot tiles need block_n and block_k >= 16, got {up} and {down}")
+        precision = "tf32" if x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+        meta = dict(TOPK=k, TOPK_P2=max(2, pow2(k)), T_P2=max(2, pow2(T)), ROWS=rows, PRECISION=precision)
+        _up_experts_launch[(T * k, cdiv(I, up.block_n))](
+            x, idx, w1, h, T, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), **meta,
+            BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, PDL=use_pdl, num_warps=up.warps,
+            launch_pdl=use_pdl,
+        )  # fmt: skip
+        _down_experts_launch[(T * k, cdiv(d, down.block_n))](
+            h, idx, wts, w2, part, T, I, d, w2.stride(0), w2.stride(1), w2.stride(2), **meta,
+            BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, num_warps=down.warps,
+            launch_pdl=use_pdl,
+        )  # fmt: skip
+    # 256 columns per program (2 warps, 16-byte loads): at one token d / 256 programs (8 at d = 2048), each
+    # k loads deep; the partials (k * d * 4 bytes, 64 KB for Qwen3-like) were just written, in L2
+    block = min(256, pow2(d))
+    _combine_launch[(T, cdiv(d, block))](
+        part, out, d, TOPK=k, BLOCK=block, PDL=use_pdl, num_warps=2, launch_pdl=use_pdl
+    )
+
+
 # ------------------------------------------------------------------------------ torch.compile: custom op
 @torch.library.custom_op("kiln::moe_decode", mutates_args=())
 def moe_decode_op(
-    x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    expert_idx: torch.Tensor,
+    weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    form: str = "auto",
 ) -> torch.Tensor:
     """out (T, d): the routed experts of T decode tokens (module docstring); forward only."""
-    return moe_decode_fwd(x, expert_idx, weights, w1, w2)
+    return moe_decode_fwd(x, expert_idx, weights, w1, w2, form=form)
 
 
 @moe_decode_op.register_fake
-def _(x, expert_idx, weights, w1, w2):
+def _(x, expert_idx, weights, w1, w2, form="auto"):
     _check(x, expert_idx, weights, w1, w2)
+    if form not in FORMS:
+        raise ValueError(f"moe_decode: form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
     return x.new_empty(x.shape)
 
 
 def moe_decode(
-    x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    expert_idx: torch.Tensor,
+    weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    form: str = "auto",
 ) -> torch.Tensor:
     """The routed experts' weighted sum for a few tokens (forward only: gradients are not tracked; the
-    model calls it without autograd). x (T, d), expert_idx / weights (T, k), w1 (E, 2I, d), w2 (E, d, I)."""
+    model calls it without autograd). x (T, d), expert_idx / weights (T, k), w1 (E, 2I, d), w2 (E, d, I);
+    form "auto" / "pairs" / "experts" (`moe_decode_fwd`; the reference ignores it: one math)."""
     if needs_grad(x, weights, w1, w2):
         raise RuntimeError(
             "moe_decode is forward only (inference): call it under torch.no_grad(), or take the grouped "
             "path (kiln.model.moe.Experts.grouped) when gradients are needed"
         )
+    if form not in FORMS:
+        raise ValueError(f"moe_decode: form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
     if not use_triton(x, w1, w2):
         return moe_decode_ref(x, expert_idx, weights, w1, w2)
     if torch.compiler.is_compiling():
-        return moe_decode_op(x, expert_idx, weights, w1, w2)
-    return moe_decode_fwd(x, expert_idx, weights, w1, w2)
+        return moe_decode_op(x, expert_idx, weights, w1, w2, form)
+    return moe_decode_fwd(x, expert_idx, weights, w1, w2, form=form)
