@@ -294,13 +294,24 @@ def perplexity_section(run: BenchRun, model_path: str, text_path: str, tokens: i
     held_t = torch.tensor(held[: n * T], device=dev).view(n, T)
     n_bytes = len(tok.decode(held[: n * T]).encode("utf-8"))
     calib = list(torch.tensor(calib_ids[: len(calib_ids) // T * T], device=dev).view(-1, T).split(8))
+    # label -> (scheme, options): the schemes as shipped (head quantized), GPTQ with and without act-order,
+    # and int4 with the head left in float, which separates the head's share of the loss from the blocks'
+    schemes = {
+        "bf16": None,
+        "int8": ("int8", {}),
+        "int4-g128": ("int4-g128", {}),
+        "int4-g128-gptq": ("int4-g128", {"method": "gptq"}),
+        "int4-g128-gptq-act-order": ("int4-g128", {"method": "gptq", "act_order": True}),
+        "int4-g128 (head float)": ("int4-g128", {"head": False}),
+        "int4-g128-gptq (head float)": ("int4-g128", {"method": "gptq", "head": False}),
+        "fp8": ("fp8", {}),
+    }
     rows = []
-    for s in ("bf16", "int8", "int4-g128", "int4-g128-gptq", "fp8"):
+    for s, spec in schemes.items():
         model = load_source(model_path, dev, torch.float32)[0].eval()
-        if s != "bf16":
-            gptq = s.endswith("-gptq")
-            sch = QuantScheme.parse(s.removesuffix("-gptq"), method="gptq" if gptq else "rtn")
-            quantize_model(model, sch, calib if gptq else None)
+        if spec is not None:
+            sch = QuantScheme.parse(spec[0], **spec[1])
+            quantize_model(model, sch, calib if sch.method == "gptq" else None)
         model = model.to(dtype)
         nats = 0.0
         for w in held_t.split(4):
@@ -649,6 +660,32 @@ def sweep_table(cases: list[dict]) -> dict[str, str]:
     return table
 
 
+def quality_main(args) -> int:
+    """--case quality: what each scheme costs in accuracy, apart from any timing. The numbers are the
+    quantization's own (the kernels equal their references, tests/kernels), so a machine without a GPU
+    computes them at full size: float32 there, which isolates the quantization error from bf16's rounding
+    (on a GPU the model runs in bf16, as the engine does)."""
+    if args.quality_model and not args.quality_text:
+        raise SystemExit("--quality-model needs --quality-text (held-out text)")
+    if not args.out and not args.smoke:
+        args.out = str(default_out("quant_quality", __file__, False))
+    run = BenchRun("quant", __file__, args, rounds=1, allow_cpu=True)
+    failed: dict[str, str] = {}
+    result: dict = {"dtype": "bfloat16" if run.device.type == "cuda" else "float32"}
+    for name, fn in (
+        ("logits", lambda: logit_section(run)),
+        ("perplexity", lambda: perplexity_section(run, args.quality_model, args.quality_text, args.quality_tokens)),
+    ):  # fmt: skip
+        if name == "perplexity" and not args.quality_model:
+            continue
+        out = _try(failed, name, fn)
+        if out is not None:
+            result[name] = out
+        run.write(complete=False, failed=failed, **result)
+    run.write(complete=True, failed=failed, **result)
+    return 1 if failed else 0
+
+
 def main() -> int:
     ap = bench_parser("quant", __doc__)
     ap.add_argument("--prompt", type=int, default=128)
@@ -664,8 +701,10 @@ def main() -> int:
         "--quality-text", help="held-out UTF-8 text for --quality-model (first half: GPTQ calibration)"
     )
     ap.add_argument("--quality-tokens", type=int, default=262144, help="held-out tokens to score")
-    ap.add_argument("--case", choices=("all", "decode-sweep"), default="all",
-                    help="decode-sweep: only the decode config sweep, to bench/results/quant_sweep.json")  # fmt: skip
+    ap.add_argument("--case", choices=("all", "decode-sweep", "quality"), default="all",
+                    help="decode-sweep: only the decode config sweep, to bench/results/quant_sweep.json; "
+                    "quality: only the logit error and (with --quality-model) perplexity, on a GPU or at full "
+                    "size on the CPU (float32 there), to bench/results/quant_quality.json")  # fmt: skip
     ap.add_argument(
         "--budget", type=float, default=120.0, help="decode-sweep: seconds before it stops starting cases"
     )
@@ -674,6 +713,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.case == "decode-sweep" and not args.out and not args.smoke:
         args.out = str(default_out("quant_sweep", __file__, False))
+    if args.case == "quality":
+        return quality_main(args)
     run = BenchRun("quant", __file__, args, rounds=3)
     if args.case == "decode-sweep":
         failed: dict[str, str] = {}

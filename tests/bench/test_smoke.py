@@ -101,3 +101,40 @@ def test_every_bench_script_is_smoke_tested():
     }
     scripts = {p.stem for p in BENCH.glob("*.py")} - owned_elsewhere
     assert scripts == set(SCRIPTS), f"bench scripts without a smoke test: {scripts - set(SCRIPTS)}"
+
+
+@pytest.mark.slow
+def test_quant_quality_smoke(tmp_path):
+    """bench/quant.py --case quality: the logit error and, with --quality-model, perplexity of a model on
+    held-out text for every scheme (here a random-init qwen2 model with a tokenizer trained in the test)."""
+    import inspect
+    import textwrap
+
+    from kiln.model.config import ModelConfig
+    from kiln.model.hf import save_pretrained
+    from kiln.model.transformer import build_model
+    from kiln.tokenizer.train import train_bpe
+
+    text = inspect.getsource(textwrap) + inspect.getsource(json)
+    tok = train_bpe([text[:6000]], 300, progress=False, processes=1)
+    cfg = ModelConfig(arch="qwen2", vocab_size=tok.n_vocab, d_model=128, n_layers=1, n_heads=4, n_kv_heads=2,
+                      ffn_hidden=256, max_seq_len=32, qkv_bias=True)  # fmt: skip
+    model_dir = tmp_path / "model"
+    save_pretrained(build_model(cfg, seed=0), model_dir)
+    tok.save(model_dir)
+    held = tmp_path / "held_out.txt"
+    held.write_text(text)
+    out = tmp_path / "quality.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "KILN_COMMIT": "smoke-test"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(BENCH / "quant.py"), "--smoke", "--case", "quality", "--out", str(out),
+           "--quality-model", str(model_dir), "--quality-text", str(held), "--quality-tokens", "256"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True and not doc["failed"] and doc["dtype"] == "float32"
+    assert {r["scheme"] for r in doc["logits"]} == {"int8", "int4-g128", "fp8"}
+    ppl = {r["scheme"]: r["ppl"] for r in doc["perplexity"]}
+    assert {"bf16", "int8", "int4-g128", "int4-g128-gptq", "int4-g128-gptq-act-order", "fp8"} <= set(ppl)
+    assert all(1.0 < p < 2 * tok.n_vocab for p in ppl.values()), ppl  # finite, no worse than chance by 2x
+    assert abs(ppl["int8"] / ppl["bf16"] - 1) < 0.01, ppl  # int8 per channel: within 1% of float

@@ -47,7 +47,11 @@ def default_out(area: str, script_file: str, smoke: bool) -> Path:
 class BenchRun:
     """One benchmark run: its device, timer, provenance and ceilings, and the writer of its result."""
 
-    def __init__(self, area: str, script_file: str, args: argparse.Namespace, rounds: int = 5):
+    def __init__(
+        self, area: str, script_file: str, args: argparse.Namespace, rounds: int = 5, allow_cpu: bool = False
+    ):
+        """allow_cpu: a run that measures no time (a quality figure, computed the same on any device) may
+        run without a GPU, on the CPU at full size, without the interpreter (kiln's torch references)."""
         import torch
 
         from kiln.profile.ceilings import measure_ceilings
@@ -60,9 +64,10 @@ class BenchRun:
             raise RuntimeError(
                 f"bench/{area}.py --smoke: TRITON_INTERPRET=1 must be set before triton is imported"
             )
-        if not self.smoke and not torch.cuda.is_available():
+        cuda = torch.cuda.is_available()
+        if not self.smoke and not cuda and not allow_cpu:
             raise SystemExit(f"bench/{area}.py needs a CUDA GPU; pass --smoke to check it on the CPU")
-        self.device = torch.device("cpu" if self.smoke else "cuda")
+        self.device = torch.device("cuda" if cuda and not self.smoke else "cpu")
         self.timer = Timer(self.smoke, rounds=rounds)
         self.out = Path(args.out) if args.out else default_out(area, script_file, self.smoke)
         self.t0 = time.perf_counter()
