@@ -44,8 +44,9 @@ def provenance() -> dict:
     import triton
 
     cuda = torch.cuda.is_available()
+    cpu = "none (CPU, Triton interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" else "none (CPU)"
     return {
-        "gpu": torch.cuda.get_device_name() if cuda else "none (CPU, Triton interpreter)",
+        "gpu": torch.cuda.get_device_name() if cuda else cpu,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda if cuda else None,
