@@ -228,7 +228,8 @@ def build(fn, ptrs, consts, warps, stages):
     names = [p.name for p in fn.params]
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in ("eps", "norm_offset") else "i32")
            for n in names}
-    div = [n for n in names if n in ptrs or n in ("N", "K", "stride_xm", "stride_wn", "k_split")]
+    # as a real launch specializes them at these shapes (n_ss: 384 or 768 partials at one row)
+    div = [n for n in names if n in ptrs or n in ("N", "K", "stride_xm", "stride_wn", "k_split", "n_ss")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div if n not in consts}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages)).asm["ptx"]
@@ -252,7 +253,9 @@ for M in [int(m) for m in sys.argv[1].split(",")]:
                      RESIDUAL=fused and producer and cfg.split_k == 1, SS_BLOCK=1, BLOCK_N=cfg.block_n,
                      BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, PDL=cfg.pdl, GRIDDEP=True)
             if c["RMSNORM"]:  # the launcher's step for the partials the rule's producer writes at M rows
-                n_ss = -(-1536 // (md.decode_config(M, 1536, 1536, 132).block_n))
+                pk = 1536 if name == "qkv" else 8960  # o feeds qkv, down feeds gate_up
+                pc = md.decode_config(M, 1536, pk, 132)
+                n_ss = -(-1536 // (pc.block_n if pc.split_k == 1 else md._residual_sum_tile(M)))
                 c["SS_BLOCK"] = min(md.pow2(n_ss), md.SS_TILE // (md.pow2(M) if cfg.kernel == "gemv" else 16))
             if cfg.kernel == "gemv":
                 c.update(BLOCK_M=md.pow2(M), STAGES=cfg.stages)
