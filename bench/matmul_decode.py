@@ -20,8 +20,9 @@ decode matmul, kiln's add + RMSNorm kernel, kiln's decode matmul (what the model
 matmul with the residual_sumsq epilogue, then the matmul with the rmsnorm prologue (two kernels). Beside
 them each kernel alone (plain and fused producer, the norm, plain and fused consumer), to see which side
 the time goes to; at 16 rows also the fused pair on the 4-warp 16 x 128 tile (the rule's 1-warp 16 x 256
-tile spills more with the fused epilogue and prologue). Outputs checked: the fused stream equal bit for bit
-to the separate one, both outputs against float32.
+tile needs 255 registers with the rmsnorm prologue), and at one row the fused pair with a producer of twice
+the columns per program (half the partials each consumer program reads). Outputs checked: the fused stream
+equal bit for bit to the separate one, both outputs against float32.
 
     python bench/matmul_decode.py --case norm_fused   # only these: -> bench/results/matmul_decode-norm_fused.json
 """
@@ -161,9 +162,9 @@ def swiglu_down_cases(run, down, row_counts, dtype, g) -> list[dict]:
     return out
 
 
-# At 16 rows the rule gives o and qkv a one-warp 16 x 256 tile, which spills with the fused epilogue and
-# prologue (sm_90 compile: 255 registers, 116 / 64 bytes of spill against 168 registers, 36 bytes plain):
-# the four-warp tile the rule gives 2-15 rows, for both kernels of the fused pair.
+# At 16 rows the rule gives o and qkv a one-warp 16 x 256 tile, on which the rmsnorm prologue needs 255
+# registers (sm_90 compile; 142 plain, no spills either way): the four-warp tile the rule gives 2-15 rows
+# (qkv 96 registers fused, o 40), for both kernels of the fused pair.
 NORM_FUSED_ALT_16 = DecodeConfig("dot", 16, 128, 1, 4, 3, True)
 
 
@@ -219,6 +220,13 @@ def _norm_fused_case(run, pair, x, h, w1, gamma, w2, b2) -> dict:
     }
     if M == 16 and not run.smoke and pair == "o+qkv":
         fns["fused_alt"] = lambda: fused(NORM_FUSED_ALT_16, NORM_FUSED_ALT_16)
+    if M == 1 and not run.smoke:
+        # every consumer program reads all the producer's partials (384 a row after o, 768 after down at one
+        # row: 1.5-3 KB from L2, as much as its x tile): a producer with twice the columns per program
+        # writes half as many (and streams its weight over half as many programs)
+        rule = decode_config(M, d, K1, sm_count(x.device))
+        fewer = rule._replace(block_n=2 * rule.block_n)
+        fns["fused_half_partials"] = lambda: fused(fewer, None)
     t = run.timer.interleaved(fns, graph=True)
     us = {k: None if v["ms"] is None else round(v["ms"] * 1e3, 2) for k, v in t.items()}
     row = {

@@ -212,6 +212,9 @@ def _gemv_kernel(
         rstd = _row_rstd(SS_ptr, offs_m, M, n_ss, K, eps, BLOCK_M, SS_BLOCK)  # (BLOCK_M,)
     else:
         rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
+    # RESIDUAL: the stream's (BLOCK_M, BLOCK_N) tile is loaded now, so that its L2 latency passes under the
+    # K loop instead of following it in the epilogue
+    r = _load_residual(R_ptr, offs_m[:, None], offs_n[None, :], M, N, RESIDUAL)
     # Splits start at multiples of BLOCK_K, so masking against K (not k_hi) is exact, and K's divisibility
     # (specialized by Triton when K % 16 == 0) keeps the loads 16 bytes wide. Products accumulate
     # elementwise across the loop and are summed over K once at the end: the loop is loads and FMAs.
@@ -235,7 +238,7 @@ def _gemv_kernel(
                         rstd[:, None], norm_offset)  # fmt: skip
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # (BLOCK_M, BLOCK_N, BLOCK_K)
         y = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
-    _store(y, offs_m[:, None], offs_n[None, :], pid_n, pid_k, Y_ptr, Bias_ptr, R_ptr, SS_ptr, M, N, n_ss,
+    _store(y, offs_m[:, None], offs_n[None, :], pid_n, pid_k, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss,
            HAS_BIAS, ACTIVATION, SPLIT_K, RESIDUAL, 1)  # fmt: skip
 
 
@@ -292,6 +295,7 @@ def _dot_kernel(
         rstd = _row_rstd(SS_ptr, offs_m, M, n_ss, K, eps, BLOCK_M, SS_BLOCK)[None, :]
     else:
         rstd = tl.zeros((1, BLOCK_M), dtype=tl.float32)  # unused
+    r = _load_residual(R_ptr, offs_m[None, :], offs_n[:, None], M, N, RESIDUAL)  # (BLOCK_N, BLOCK_M): acc's
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -300,22 +304,22 @@ def _dot_kernel(
                      RMSNORM, G_ptr + offs_k[:, None], (offs_k < K)[:, None], rstd, norm_offset)  # fmt: skip
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
     # Written as it lies, (n, m) -> C[m, n]: no transpose through shared memory.
-    _store(acc, offs_m[None, :], offs_n[:, None], pid_n, pid_k, Y_ptr, Bias_ptr, R_ptr, SS_ptr, M, N, n_ss,
+    _store(acc, offs_m[None, :], offs_n[:, None], pid_n, pid_k, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss,
            HAS_BIAS, ACTIVATION, SPLIT_K, RESIDUAL, 0)  # fmt: skip
 
 
 @triton.jit
-def _store(acc, m, n, pid_n, pid_k, Y_ptr, Bias_ptr, R_ptr, SS_ptr, M, N, n_ss, HAS_BIAS: tl.constexpr,
+def _store(acc, m, n, pid_n, pid_k, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss, HAS_BIAS: tl.constexpr,
            ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr, RESIDUAL: tl.constexpr, AXIS_N: tl.constexpr):  # fmt: skip
     """float32 acc -> C[m, n] with bias and activation (and RESIDUAL's add and partial sums), or into
     split pid_k's partial slice. m and n are row and column indices broadcastable to acc's shape
-    ((BLOCK_M, 1) and (1, BLOCK_N), or transposed); AXIS_N is acc's column axis."""
+    ((BLOCK_M, 1) and (1, BLOCK_N), or transposed); AXIS_N is acc's column axis; r the residual's tile."""
     mask = (m < M) & (n < N)
     at = m * N + n
     if SPLIT_K > 1:
         tl.store(Y_ptr + pid_k.to(tl.int64) * M * N + at, acc, mask=mask)
     elif RESIDUAL:
-        _residual_epilogue(acc, m, n, pid_n, Y_ptr, Bias_ptr, R_ptr, SS_ptr, M, N, n_ss, HAS_BIAS, ACTIVATION,
+        _residual_epilogue(acc, m, n, pid_n, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss, HAS_BIAS, ACTIVATION,
                            AXIS_N)  # fmt: skip
     else:
         if HAS_BIAS:
@@ -325,19 +329,28 @@ def _store(acc, m, n, pid_n, pid_k, Y_ptr, Bias_ptr, R_ptr, SS_ptr, M, N, n_ss, 
 
 
 @triton.jit
-def _residual_epilogue(acc, m, n, pid_n, Y_ptr, Bias_ptr, R_ptr, SS_ptr, M, N, n_ss, HAS_BIAS: tl.constexpr,
+def _load_residual(R_ptr, m, n, M, N, RESIDUAL: tl.constexpr):
+    """The residual's tile at rows m, columns n (broadcastable index tensors), or an unused zero."""
+    if RESIDUAL:
+        r = tl.load(R_ptr + m * N + n, mask=(m < M) & (n < N), other=0.0)
+    else:
+        r = tl.zeros((1, 1), dtype=tl.float32)
+    return r
+
+
+@triton.jit
+def _residual_epilogue(acc, m, n, pid_n, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss, HAS_BIAS: tl.constexpr,
                        ACTIVATION: tl.constexpr, AXIS_N: tl.constexpr):  # fmt: skip
     """The residual add of kiln's add + RMSNorm kernel, after the matmul's own epilogue: y = act(acc +
     bias) rounded to Y's dtype (what the matmul stores), h = round(y + r) computed in float32 (what the
     norm kernel stores as the new stream) into Y; and sum(h^2) over this program's columns, from the
     rounded h as the norm kernel reads it, into SS[m, pid_n]: one float32 per row, written by this program
-    alone (no atomics)."""
+    alone (no atomics). r: the residual's tile, shaped like acc."""
     mask = (m < M) & (n < N)
     at = m * N + n
     if HAS_BIAS:
         acc += tl.load(Bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)
     y = apply_activation(acc, ACTIVATION).to(Y_ptr.dtype.element_ty)
-    r = tl.load(R_ptr + at, mask=mask, other=0.0)
     h = (y.to(tl.float32) + r.to(tl.float32)).to(Y_ptr.dtype.element_ty)
     tl.store(Y_ptr + at, h, mask=mask)
     hf = tl.where(mask, h.to(tl.float32), 0.0)
@@ -397,10 +410,11 @@ def _split_residual_kernel(
     m = tl.arange(0, BLOCK_M)[:, None]
     n = pid * BLOCK_S + tl.arange(0, BLOCK_S)[None, :]
     mask = (m < M) & (n < N)
+    r = tl.load(R_ptr + m * N + n, mask=mask, other=0.0)
     acc = tl.load(P_ptr + m * N + n, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(P_ptr + s * M * N + m * N + n, mask=mask, other=0.0)
-    _residual_epilogue(acc, m, n, pid, Y_ptr, Bias_ptr, R_ptr, SS_ptr, M, N, n_ss, HAS_BIAS, ACTIVATION, 1)
+    _residual_epilogue(acc, m, n, pid, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss, HAS_BIAS, ACTIVATION, 1)
 
 
 def norm_fused_ref(
