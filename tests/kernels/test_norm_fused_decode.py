@@ -169,11 +169,18 @@ def test_bad_arguments(device):
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):
             decode_matmul(x, w1.t(), **kwargs)
+    with pytest.raises(ValueError, match="not the input a"):
+        square = torch.eye(24, device=device)  # (d, d): a's shape is the output's, so out=a would pass
+        decode_matmul(h, square, epilogue="residual_sumsq", residual=h.clone(), out=h)
     hn = h
     cases = [
         (dict(sumsq=ss), "arguments of prologue='rmsnorm'"),
         (dict(prologue="rmsnorm", norm_weight=gamma), "needs norm_weight"),
-        (dict(prologue="rmsnorm", norm_weight=gamma[:8], sumsq=ss), r"norm_weight must be a float \(24,\)"),
+        (
+            dict(prologue="rmsnorm", norm_weight=gamma[:8], sumsq=ss),
+            r"norm_weight must be a contiguous float \(24,\)",
+        ),
+        (dict(prologue="rmsnorm", norm_weight=gamma.repeat(2)[::2], sumsq=ss), r"stride \(2,\)"),
         (
             dict(prologue="rmsnorm", norm_weight=gamma, sumsq=ss.double()),
             r"sumsq must be a contiguous \(2, n\)",

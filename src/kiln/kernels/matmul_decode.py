@@ -581,10 +581,11 @@ def _check_norm_args(a, K, rmsnorm, norm_weight, sumsq, eps) -> None:
             "decode_matmul: prologue='rmsnorm' needs norm_weight (K,) and sumsq, the (M, n) float32 partial "
             "sums of squares returned by the producing matmul's epilogue='residual_sumsq'"
         )
-    if norm_weight.shape != (K,) or not norm_weight.is_floating_point() or norm_weight.device != a.device:
+    if (norm_weight.shape != (K,) or not norm_weight.is_floating_point() or norm_weight.device != a.device
+            or norm_weight.stride(0) != 1):  # fmt: skip
         raise ValueError(
-            f"decode_matmul: norm_weight must be a float ({K},) tensor on {a.device}, got "
-            f"{tuple(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device}"
+            f"decode_matmul: norm_weight must be a contiguous float ({K},) tensor on {a.device}, got "
+            f"{tuple(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device} (stride {norm_weight.stride()})"
         )
     if (sumsq.dim() != 2 or sumsq.shape[0] != M or sumsq.shape[1] < 1 or sumsq.dtype != torch.float32
             or not sumsq.is_contiguous() or sumsq.device != a.device):  # fmt: skip
@@ -607,6 +608,8 @@ def _check_residual_args(a, N, has_residual, residual, out) -> None:
         raise ValueError(
             "decode_matmul: epilogue='residual_sumsq' needs residual, the (M, N) stream it adds to"
         )
+    if out is not None and out.data_ptr() == a.data_ptr():  # other programs still read a while one writes
+        raise ValueError("decode_matmul: out may be the residual (updated in place) but not the input a")
     for name, t in (("residual", residual), ("out", out)):
         if t is not None and (t.shape != (M, N) or t.dtype != a.dtype or not t.is_contiguous()
                               or t.device != a.device):  # fmt: skip
