@@ -25,8 +25,14 @@ from ._tolerance import assert_close
 
 EPS = 1e-5
 # Producer (o / down projection) configs: the interpreter's rule (gemv at one row, dot above: 16 columns,
-# no split) and both kernels with K split, where the residual epilogue runs in the split-K sum kernel.
-PRODUCERS = [None, DecodeConfig("gemv", 8, 32, split_k=3), DecodeConfig("dot", 32, 16, split_k=4)]
+# no split), the gemv kernel over several rows, and both kernels with K split, where the residual epilogue
+# runs in the split-K sum kernel.
+PRODUCERS = [
+    None,
+    DecodeConfig("gemv", 16, 32),
+    DecodeConfig("gemv", 8, 32, split_k=3),
+    DecodeConfig("dot", 32, 16, split_k=4),
+]
 
 
 def _block(M, K1, d, N2, dtype, device, seed, bias=True):
@@ -88,13 +94,22 @@ def test_split_norm_matches_separate_kernels_and_float64(M, producer, dtype, dev
     assert_close(y, y_sep.double(), name="fused vs separate kernels")
     h_ref, y_ref = _oracle(*args)
     assert_close(h_new, h_ref, name="stream vs float64")
-    assert_close(y, y_ref, name="output vs float64")
+    # Four roundings to the dtype (y, the stream, the normalized row, times gamma) come before the second
+    # matmul: in fp16 the separate kernels' output is as far from float64 (the comparison above is the tight
+    # one), up to 2.5e-3 on these shapes against the table's 2e-3 for a single op
+    assert_close(y, y_ref, scale=2 if dtype == torch.float16 else 1, name="output vs float64")
+    assert_close(y_sep, y_ref, scale=2 if dtype == torch.float16 else 1, name="separate output vs float64")
 
 
 @pytest.mark.parametrize(
     "M,config,n_ss",
-    [(16, DecodeConfig("dot", 16, 32), 300), (3, DecodeConfig("gemv", 16, 32), 1500), (1, None, 7)],
-    ids=["dot-2-steps", "gemv-2-steps", "gemv-1-step"],
+    [
+        (16, DecodeConfig("dot", 16, 32), 300),
+        (3, DecodeConfig("gemv", 16, 32), 1500),
+        (1, None, 7),
+        (1, DecodeConfig("dot", 16, 32), 7),
+    ],
+    ids=["dot-2-steps", "gemv-2-steps", "gemv-1-step", "dot-1-row"],
 )
 def test_rmsnorm_prologue_any_partials_and_offset(M, config, n_ss, device):
     """The consumer takes partials in any number (here made by torch, split unevenly over the row): more
