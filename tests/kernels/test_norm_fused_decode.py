@@ -225,7 +225,10 @@ def test_split_norm_bf16_qwen_shapes(pair, M):
     assert_close(y, y_sep.double(), name=f"{pair} M={M} fused vs separate")
     h_ref, y_ref = _oracle(*args)
     assert_close(h_new, h_ref, name="stream vs float64")
-    assert_close(y, y_ref, name="output vs float64")
+    # four bf16 roundings before the second matmul (as in fp16 above): the same sequence in torch, rounded
+    # at the same points, reaches 0.94 of the single-op bound at down+gate_up, 16 rows, on these inputs
+    assert_close(y, y_ref, scale=2, name="output vs float64")
+    assert_close(y_sep, y_ref, scale=2, name="separate output vs float64")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         hg, _, yg = _fused(*args, None, None)
