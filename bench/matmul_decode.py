@@ -41,8 +41,8 @@ import torch.nn.functional as F
 
 from kiln.kernels.dispatch import sm_count, use_backend
 from kiln.kernels.matmul import linear
-from kiln.kernels.matmul_decode import DecodeConfig, decode_config, decode_matmul, norm_fused_ref
-from kiln.kernels.rmsnorm import rmsnorm
+from kiln.kernels.matmul_decode import DecodeConfig, decode_config, decode_matmul
+from kiln.kernels.rmsnorm import norm_fused_ref, rmsnorm
 from kiln.kernels.swiglu import swiglu, swiglu_linear
 from kiln.profile.ceilings import fraction
 from kiln.profile.harness import BenchRun, bench_parser, format_table

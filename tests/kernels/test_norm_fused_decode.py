@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kiln.kernels.dispatch import use_backend
-from kiln.kernels.matmul_decode import DecodeConfig, decode_matmul, norm_fused_ref
-from kiln.kernels.rmsnorm import rmsnorm, rmsnorm_ref
+from kiln.kernels.matmul_decode import DecodeConfig, decode_matmul
+from kiln.kernels.rmsnorm import norm_fused_ref, rmsnorm, rmsnorm_ref
 
 from ._tolerance import assert_close
 

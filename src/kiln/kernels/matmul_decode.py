@@ -34,7 +34,8 @@ columns (float32, from the rounded h) stored into a (M, n_col_blocks) buffer, ea
 this). Prologue "rmsnorm" on the second: each program sums the (M, n) partials in a fixed order, rstd =
 rsqrt(sum / K + eps), and forms its x tile as round(round(h * rstd) * (offset + gamma)) as it loads it (the
 norm kernel's rounding points). The separate norm launch goes; its (M, d) round trip becomes a few KB of
-partials read from L2 by every program of the second matmul. `norm_fused_ref` is the sequence it replaces.
+partials read from L2 by every program of the second matmul. kiln.kernels.rmsnorm.norm_fused_ref is the
+sequence it replaces.
 
 Which kernel and tiles: `decode_config`, a fixed rule from a sweep on the H200 (bench/sweep_matmul_decode.py,
 docs/kernels/matmul_decode.md); no autotuner, so a call costs one config lookup and one or two launches.
@@ -56,7 +57,6 @@ from kiln.kernels._common import apply_activation, griddep
 from kiln.kernels._common import pdl as use_pdl
 from kiln.kernels.dispatch import interpreting, sm_count
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
-from kiln.kernels.rmsnorm import rmsnorm_ref
 
 DECODE_MAX_M = 16  # the dot kernel's x.T tile is 16 wide: one column block covers every row
 
@@ -415,28 +415,6 @@ def _split_residual_kernel(
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(P_ptr + s * M * N + m * N + n, mask=mask, other=0.0)
     _residual_epilogue(acc, m, n, pid, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss, HAS_BIAS, ACTIVATION, 1)
-
-
-def norm_fused_ref(
-    x: torch.Tensor,
-    b1: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    b2: torch.Tensor,
-    bias1: torch.Tensor | None = None,
-    bias2: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    norm_offset: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sequence the "residual_sumsq" epilogue and "rmsnorm" prologue split between two matmuls, as
-    three references: y = x @ b1 + bias1 (kiln's matmul reference), (z, h) = kiln's add + RMSNorm reference
-    of (y, residual), out = z @ b2 + bias2. Returns (h, out): the new residual stream and the second
-    product, rounded at the dtype's points (float32 math; float64 inputs give the float64 oracle)."""
-    from kiln.kernels.matmul import matmul_ref  # kernels.matmul imports this module: a cycle at import
-
-    y = matmul_ref(x, b1, bias1)
-    z, h = rmsnorm_ref(y, norm_weight, eps, residual=residual, offset=norm_offset)
-    return h, matmul_ref(z, b2, bias2)
 
 
 # Launched through their compiled handles after the first call (host time: kernels/launch.py).
