@@ -52,10 +52,10 @@ ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", Q_OUT="*bf16", COS="*fp32", SIN="*f
 for inter in (False, True):
     c = dict(PAGE_SIZE=16, INTERLEAVED=inter, BLOCK_QH=16, BLOCK_KH=2, BLOCK_D=64, PDL=True)
     out[f"rope_kv interleaved={inter}"] = compile_(rope._rope_kv_write_kernel, ptrs, c)
-mm = dict(X_ptr="*bf16", W_ptr="*bf16", Y_ptr="*fp32", Bias_ptr="*bf16")
+mm = dict(X_ptr="*bf16", W_ptr="*bf16", Y_ptr="*fp32", Bias_ptr="*bf16", R_ptr="*bf16", SS_ptr="*fp32", G_ptr="*bf16")
 for cfg in (md.decode_config(1, 1536, 8960, 132), md.decode_config(8, 1536, 8960, 132)):
     kernel = md._gemv_kernel if cfg.kernel == "gemv" else md._dot_kernel
-    c = dict(HAS_BIAS=False, ACTIVATION="none", SWIGLU=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    c = dict(HAS_BIAS=False, ACTIVATION="none", SWIGLU=True, RMSNORM=False, RESIDUAL=False, SS_BLOCK=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
              SPLIT_K=cfg.split_k, PDL=True, GRIDDEP=True)
     c.update(dict(BLOCK_M=1, STAGES=cfg.stages) if cfg.kernel == "gemv" else dict(BLOCK_M=16, PRECISION="ieee"))
     out[f"swiglu {cfg}"] = compile_(kernel, mm, c, num_warps=cfg.warps, num_stages=cfg.stages)

@@ -26,6 +26,17 @@ A's dtype as the separate kiln.kernels.swiglu kernel would round it (so the fuse
 agree). Every column block recomputes its K range of x: at one row that is N / BLOCK_N recomputations of
 a few KB held in L2, for one launch and one (M, K) round trip less (kiln.kernels.swiglu.swiglu_linear).
 
+Add + RMSNorm split across two matmuls (a pre-norm block's o / down projection, then qkv / gate_up),
+recomputing nothing: epilogue "residual_sumsq" on the first, h = round(r + round(act(x @ W.T + bias)))
+(kiln's add + RMSNorm kernel's rounding) stored as the new stream, and sum(h^2) over each program's
+columns (float32, from the rounded h) stored into a (M, n_col_blocks) buffer, each entry by one program
+(no atomics, deterministic; with split K the sum kernel, whose programs own whole column blocks, does
+this). Prologue "rmsnorm" on the second: each program sums the (M, n) partials in a fixed order, rstd =
+rsqrt(sum / K + eps), and forms its x tile as round(round(h * rstd) * (offset + gamma)) as it loads it (the
+norm kernel's rounding points). The separate norm launch goes; its (M, d) round trip becomes a few KB of
+partials read from L2 by every program of the second matmul. kiln.kernels.rmsnorm.norm_fused_ref is the
+sequence it replaces.
+
 Which kernel and tiles: `decode_config`, a fixed rule from a sweep on the H200 (bench/sweep_matmul_decode.py,
 docs/kernels/matmul_decode.md); no autotuner, so a call costs one config lookup and one or two launches.
 Dtypes: float16, bfloat16 (float32 accumulation) and float32. Forward only: `kiln.kernels.matmul`
@@ -45,7 +56,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kiln.kernels._common import apply_activation, griddep
 from kiln.kernels._common import pdl as use_pdl
 from kiln.kernels.dispatch import interpreting, sm_count
-from kiln.kernels.launch import CachedLaunch, cdiv
+from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 
 DECODE_MAX_M = 16  # the dot kernel's x.T tile is 16 wide: one column block covers every row
 
@@ -112,17 +123,42 @@ def decode_config(M: int, N: int, K: int, sms: int, k_major: bool = True) -> Dec
 
 
 @triton.jit
-def _load_x(ptrs, mask, up_offset, SWIGLU: tl.constexpr):
+def _load_x(
+    ptrs, mask, up_offset, SWIGLU: tl.constexpr, RMSNORM: tl.constexpr, g_ptrs, g_mask, rstd, norm_offset
+):
     """A tile of x at `ptrs`; with SWIGLU, x = silu(gate) * up where gate is at ptrs and up at ptrs +
-    up_offset, computed in float32 and rounded to the input dtype (the separate swiglu kernel's output)."""
+    up_offset, computed in float32 and rounded to the input dtype (the separate swiglu kernel's output).
+    With RMSNORM, x = round(round(h * rstd) * (norm_offset + gamma)) for h at ptrs and gamma at g_ptrs
+    (broadcastable to the tile), rounded where kiln's RMSNorm kernel rounds (kernels/rmsnorm.py)."""
     # one return after a constexpr if/else: the compiler visits every return that follows a static branch
     if SWIGLU:
         g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(ptrs + up_offset, mask=mask, other=0.0).to(tl.float32)
         x = (g * tl.sigmoid(g) * u).to(ptrs.dtype.element_ty)
+    elif RMSNORM:
+        h = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(g_ptrs, mask=g_mask, other=0.0).to(tl.float32) + norm_offset
+        normed = (h * rstd).to(ptrs.dtype.element_ty)  # the norm kernel's first rounding (HF's)
+        x = (normed.to(tl.float32) * w).to(ptrs.dtype.element_ty)
     else:
         x = tl.load(ptrs, mask=mask, other=0.0)
     return x
+
+
+@triton.jit
+def _row_rstd(SS_ptr, offs_m, M, n_ss, K, eps, BLOCK_M: tl.constexpr, SS_BLOCK: tl.constexpr):
+    """(BLOCK_M,) float32 1 / sqrt(sum(h^2) / K + eps) per row, from the producer's (M, n_ss) partial sums
+    of squares: SS_BLOCK partials per step, summed elementwise across steps and then across the tile, a
+    fixed order, so every program of the launch (and every launch) gets the same bits."""
+    acc = tl.zeros((BLOCK_M, SS_BLOCK), dtype=tl.float32)
+    rows = SS_ptr + offs_m[:, None] * n_ss
+    for s0 in range(0, n_ss, SS_BLOCK):
+        offs_s = s0 + tl.arange(0, SS_BLOCK)
+        acc += tl.load(
+            rows + offs_s[None, :], mask=(offs_m < M)[:, None] & (offs_s < n_ss)[None, :], other=0.0
+        )
+    # / K then + eps then rsqrt, as the norm kernel (K: the normalized width, a run-time int there too)
+    return tl.rsqrt(tl.sum(acc, axis=1) / K + eps)
 
 
 @triton.jit
@@ -131,6 +167,9 @@ def _gemv_kernel(
     W_ptr,  # (N, K): w[n, k] at W_ptr + n * stride_wn + k * stride_wk (B = W.T)
     Y_ptr,  # (M, N) contiguous output; with SPLIT_K > 1 a float32 (SPLIT_K, M, N) partial-sum buffer
     Bias_ptr,  # (N,), read when HAS_BIAS (and SPLIT_K == 1)
+    R_ptr,  # (M, N) contiguous residual, read when RESIDUAL (may be Y_ptr: each element read, then written)
+    SS_ptr,  # (M, n_ss) float32: RESIDUAL's output (partial sums of squares), RMSNORM's input
+    G_ptr,  # (K,) the norm weight gamma, read when RMSNORM
     M,
     N,
     K,
@@ -139,9 +178,15 @@ def _gemv_kernel(
     stride_wn,
     stride_wk,
     k_split,  # K range of one split: a multiple of BLOCK_K (K when SPLIT_K == 1)
+    n_ss,  # columns of SS: RESIDUAL: cdiv(N, BLOCK_N); RMSNORM: the producer's column blocks
+    eps,  # float: RMSNORM's epsilon
+    norm_offset,  # float: RMSNORM's weight is norm_offset + gamma (1.0 for Gemma-style weights)
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     SWIGLU: tl.constexpr,  # x = silu(X[:, :K]) * X[:, K:2K] (the prologue, module doc)
+    RMSNORM: tl.constexpr,  # x = rmsnorm(X) with rstd from SS's partials (the prologue, module doc)
+    RESIDUAL: tl.constexpr,  # Y = R + act(X @ W.T + bias), and its partial sums of squares into SS
+    SS_BLOCK: tl.constexpr,  # RMSNORM: partials per step of the rstd sum (a power of two)
     BLOCK_M: tl.constexpr,  # next power of two >= M (rows of x held per program)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -163,15 +208,24 @@ def _gemv_kernel(
     n_ok = (offs_n < N)[:, None]
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
+    if RMSNORM:  # the row's whole norm statistic, before the K loop: a few KB of partials from L2
+        rstd = _row_rstd(SS_ptr, offs_m, M, n_ss, K, eps, BLOCK_M, SS_BLOCK)  # (BLOCK_M,)
+    else:
+        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
+    # RESIDUAL: the stream's (BLOCK_M, BLOCK_N) tile is loaded now, so that its L2 latency passes under the
+    # K loop instead of following it in the epilogue
+    r = _load_residual(R_ptr, offs_m[:, None], offs_n[None, :], M, N, RESIDUAL)
     # Splits start at multiples of BLOCK_K, so masking against K (not k_hi) is exact, and K's divisibility
     # (specialized by Triton when K % 16 == 0) keeps the loads 16 bytes wide. Products accumulate
     # elementwise across the loop and are summed over K once at the end: the loop is loads and FMAs.
     if BLOCK_M == 1:  # one row: 2-D tiles in the layout W is loaded in (no shuffle through shared memory)
+        r1 = tl.sum(rstd, axis=0)  # the one row's rstd as a scalar
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok & (offs_k < K)[None, :], other=0.0)
-            x = _load_x(X_ptr + offs_k * stride_xk, offs_k < K, K * stride_xk, SWIGLU)
+            x = _load_x(X_ptr + offs_k * stride_xk, offs_k < K, K * stride_xk, SWIGLU, RMSNORM, G_ptr + offs_k,
+                        offs_k < K, r1, norm_offset)  # fmt: skip
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)[None, :]  # (1, BLOCK_N)
     else:
@@ -180,10 +234,12 @@ def _gemv_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok & (offs_k < K)[None, :], other=0.0)
             x = _load_x(x_rows + offs_k[None, :] * stride_xk, (offs_m < M)[:, None] & (offs_k < K)[None, :],
-                        K * stride_xk, SWIGLU)  # fmt: skip
+                        K * stride_xk, SWIGLU, RMSNORM, G_ptr + offs_k[None, :], (offs_k < K)[None, :],
+                        rstd[:, None], norm_offset)  # fmt: skip
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # (BLOCK_M, BLOCK_N, BLOCK_K)
         y = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
-    _store(y, offs_m[:, None], offs_n[None, :], pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS, ACTIVATION, SPLIT_K)
+    _store(y, offs_m[:, None], offs_n[None, :], pid_n, pid_k, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss,
+           HAS_BIAS, ACTIVATION, SPLIT_K, RESIDUAL, 1)  # fmt: skip
 
 
 @triton.jit
@@ -192,6 +248,9 @@ def _dot_kernel(
     W_ptr,  # (N, K): w[n, k] at W_ptr + n * stride_wn + k * stride_wk (B = W.T)
     Y_ptr,  # (M, N) contiguous output; with SPLIT_K > 1 a float32 (SPLIT_K, M, N) partial-sum buffer
     Bias_ptr,  # (N,), read when HAS_BIAS (and SPLIT_K == 1)
+    R_ptr,  # (M, N) contiguous residual, read when RESIDUAL (may be Y_ptr: each element read, then written)
+    SS_ptr,  # (M, n_ss) float32: RESIDUAL's output (partial sums of squares), RMSNORM's input
+    G_ptr,  # (K,) the norm weight gamma, read when RMSNORM
     M,
     N,
     K,
@@ -200,9 +259,15 @@ def _dot_kernel(
     stride_wn,
     stride_wk,
     k_split,  # K range of one split: a multiple of BLOCK_K (K when SPLIT_K == 1)
+    n_ss,  # columns of SS: RESIDUAL: cdiv(N, BLOCK_N); RMSNORM: the producer's column blocks
+    eps,  # float: RMSNORM's epsilon
+    norm_offset,  # float: RMSNORM's weight is norm_offset + gamma (1.0 for Gemma-style weights)
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     SWIGLU: tl.constexpr,  # x = silu(X[:, :K]) * X[:, K:2K] (the prologue, module doc)
+    RMSNORM: tl.constexpr,  # x = rmsnorm(X) with rstd from SS's partials (the prologue, module doc)
+    RESIDUAL: tl.constexpr,  # Y = R + act(X @ W.T + bias), and its partial sums of squares into SS
+    SS_BLOCK: tl.constexpr,  # RMSNORM: partials per step of the rstd sum (a power of two)
     PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" or "tf32" (float32 inputs only)
     BLOCK_M: tl.constexpr,  # 16: the narrowest tl.dot side
     BLOCK_N: tl.constexpr,
@@ -225,32 +290,72 @@ def _dot_kernel(
     m_ok = (offs_m < M)[None, :]
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
+    if RMSNORM:  # the rows' whole norm statistics, before the K loop: a few KB of partials from L2
+        # (1, BLOCK_M): one per column of x.T
+        rstd = _row_rstd(SS_ptr, offs_m, M, n_ss, K, eps, BLOCK_M, SS_BLOCK)[None, :]
+    else:
+        rstd = tl.zeros((1, BLOCK_M), dtype=tl.float32)  # unused
+    r = _load_residual(R_ptr, offs_m[None, :], offs_n[:, None], M, N, RESIDUAL)  # (BLOCK_N, BLOCK_M): acc's
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok & (offs_k < K)[None, :], other=0.0)
-        xt = _load_x(
-            x_cols + offs_k[:, None] * stride_xk, m_ok & (offs_k < K)[:, None], K * stride_xk, SWIGLU
-        )
+        xt = _load_x(x_cols + offs_k[:, None] * stride_xk, m_ok & (offs_k < K)[:, None], K * stride_xk, SWIGLU,
+                     RMSNORM, G_ptr + offs_k[:, None], (offs_k < K)[:, None], rstd, norm_offset)  # fmt: skip
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
     # Written as it lies, (n, m) -> C[m, n]: no transpose through shared memory.
-    _store(acc, offs_m[None, :], offs_n[:, None], pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS, ACTIVATION, SPLIT_K)
+    _store(acc, offs_m[None, :], offs_n[:, None], pid_n, pid_k, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss,
+           HAS_BIAS, ACTIVATION, SPLIT_K, RESIDUAL, 0)  # fmt: skip
 
 
 @triton.jit
-def _store(acc, m, n, pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-           SPLIT_K: tl.constexpr):  # fmt: skip
-    """float32 acc -> C[m, n] with bias and activation, or into split pid_k's partial slice. m and n are
-    row and column indices broadcastable to acc's shape ((BLOCK_M, 1) and (1, BLOCK_N), or transposed)."""
+def _store(acc, m, n, pid_n, pid_k, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss, HAS_BIAS: tl.constexpr,
+           ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr, RESIDUAL: tl.constexpr, AXIS_N: tl.constexpr):  # fmt: skip
+    """float32 acc -> C[m, n] with bias and activation (and RESIDUAL's add and partial sums), or into
+    split pid_k's partial slice. m and n are row and column indices broadcastable to acc's shape
+    ((BLOCK_M, 1) and (1, BLOCK_N), or transposed); AXIS_N is acc's column axis; r the residual's tile."""
     mask = (m < M) & (n < N)
     at = m * N + n
     if SPLIT_K > 1:
         tl.store(Y_ptr + pid_k.to(tl.int64) * M * N + at, acc, mask=mask)
+    elif RESIDUAL:
+        _residual_epilogue(acc, m, n, pid_n, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss, HAS_BIAS, ACTIVATION,
+                           AXIS_N)  # fmt: skip
     else:
         if HAS_BIAS:
             acc += tl.load(Bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)
         acc = apply_activation(acc, ACTIVATION)
         tl.store(Y_ptr + at, acc.to(Y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_residual(R_ptr, m, n, M, N, RESIDUAL: tl.constexpr):
+    """The residual's tile at rows m, columns n (broadcastable index tensors), or an unused zero."""
+    if RESIDUAL:
+        r = tl.load(R_ptr + m * N + n, mask=(m < M) & (n < N), other=0.0)
+    else:
+        r = tl.zeros((1, 1), dtype=tl.float32)
+    return r
+
+
+@triton.jit
+def _residual_epilogue(acc, m, n, pid_n, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss, HAS_BIAS: tl.constexpr,
+                       ACTIVATION: tl.constexpr, AXIS_N: tl.constexpr):  # fmt: skip
+    """The residual add of kiln's add + RMSNorm kernel, after the matmul's own epilogue: y = act(acc +
+    bias) rounded to Y's dtype (what the matmul stores), h = round(y + r) computed in float32 (what the
+    norm kernel stores as the new stream) into Y; and sum(h^2) over this program's columns, from the
+    rounded h as the norm kernel reads it, into SS[m, pid_n]: one float32 per row, written by this program
+    alone (no atomics). r: the residual's tile, shaped like acc."""
+    mask = (m < M) & (n < N)
+    at = m * N + n
+    if HAS_BIAS:
+        acc += tl.load(Bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+    y = apply_activation(acc, ACTIVATION).to(Y_ptr.dtype.element_ty)
+    h = (y.to(tl.float32) + r.to(tl.float32)).to(Y_ptr.dtype.element_ty)
+    tl.store(Y_ptr + at, h, mask=mask)
+    hf = tl.where(mask, h.to(tl.float32), 0.0)
+    ss = tl.sum(hf * hf, axis=AXIS_N, keep_dims=True)  # shaped like m: (BLOCK_M, 1) or (1, BLOCK_M)
+    tl.store(SS_ptr + m * n_ss + pid_n, ss, mask=m < M)
 
 
 @triton.jit
@@ -279,10 +384,57 @@ def _split_sum_kernel(
     tl.store(Y_ptr + offs, acc.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _split_residual_kernel(
+    P_ptr,  # (SPLIT_K, M, N) float32 partial sums, contiguous
+    Y_ptr,  # (M, N) contiguous output: R + act(sum + bias)
+    Bias_ptr,  # (N,), read when HAS_BIAS
+    R_ptr,  # (M, N) contiguous residual (may be Y_ptr)
+    SS_ptr,  # (M, n_ss) float32 out: partial sums of squares of Y, one per row and program
+    M,
+    N,
+    n_ss,  # cdiv(N, BLOCK_S)
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # next power of two >= M
+    BLOCK_S: tl.constexpr,  # columns per program
+    PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the partial sums here
+):
+    """The split-K sum with the residual epilogue: a (BLOCK_M, BLOCK_S) tile per program, so that each
+    program owns whole column blocks of every row (its partial sums of squares). Slices added in the
+    same order as _split_sum_kernel: the same bits as that kernel followed by kiln's add + RMSNorm."""
+    if PDL:
+        gdc_wait()
+    pid = tl.program_id(0)
+    m = tl.arange(0, BLOCK_M)[:, None]
+    n = pid * BLOCK_S + tl.arange(0, BLOCK_S)[None, :]
+    mask = (m < M) & (n < N)
+    r = tl.load(R_ptr + m * N + n, mask=mask, other=0.0)
+    acc = tl.load(P_ptr + m * N + n, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(P_ptr + s * M * N + m * N + n, mask=mask, other=0.0)
+    _residual_epilogue(acc, m, n, pid, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss, HAS_BIAS, ACTIVATION, 1)
+
+
 # Launched through their compiled handles after the first call (host time: kernels/launch.py).
 _gemv_launch = CachedLaunch(_gemv_kernel)
 _dot_launch = CachedLaunch(_dot_kernel)
 _sum_launch = CachedLaunch(_split_sum_kernel)
+_residual_sum_launch = CachedLaunch(_split_residual_kernel)
+
+
+# Partial sums of squares per step of the consumer's rstd sum: at most this many (rows x partials) floats
+# in flight per program (16-64 registers a thread at 2-4 warps, released before the K loop); the rule's
+# producers write 96-768 partials a row, so one step covers them at every row count it gives.
+SS_TILE = 4096
+PROLOGUES = ("none", "swiglu", "rmsnorm")
+EPILOGUES = ("none", "residual_sumsq")
+
+
+def _residual_sum_tile(M: int) -> int:
+    """Columns per program of the split-K sum with the residual epilogue: ~1024 elements per program."""
+    return max(64, 1024 // pow2(M))
 
 
 def decode_matmul(
@@ -294,26 +446,42 @@ def decode_matmul(
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     prologue: str = "none",
-) -> torch.Tensor:
+    epilogue: str = "none",
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    sumsq: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    norm_offset: float = 0.0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher: act(a @ b + bias) into `out` (a contiguous (M, N) tensor) or a new tensor.
 
     Inputs are taken as checked by `kiln.kernels.matmul` (2-D, one dtype and device, M <= DECODE_MAX_M,
     M, N, K > 0); only what this path adds is checked here. config: skip the rule (tests, the sweep).
     prologue "swiglu": `a` is (M, 2K) [gate | up] and the product is act(swiglu(a) @ b + bias) (module doc).
+    prologue "rmsnorm": the product is act(rmsnorm(a) @ b + bias), with `norm_weight` (K,), `eps`,
+    `norm_offset` as kiln's rmsnorm takes them and `sumsq` the (M, n) float32 partial sums of squares of
+    the rows of `a` that the "residual_sumsq" epilogue of the matmul producing `a` returned.
+    epilogue "residual_sumsq": returns (h, sumsq) with h = residual + act(a @ b + bias) (M, N) (`out` may
+    be `residual` itself: updated in place) and sumsq (M, n) float32 its partial sums of squares per
+    column block, for the next matmul's "rmsnorm" prologue.
     """
     M, K = a.shape
     N = b.shape[1]
     if M > DECODE_MAX_M:
         raise ValueError(f"decode_matmul takes at most {DECODE_MAX_M} rows, got {M}")
-    if prologue not in ("none", "swiglu"):
-        raise ValueError(f"decode_matmul: unknown prologue {prologue!r}: 'none' or 'swiglu'")
-    swiglu = prologue == "swiglu"
+    if prologue not in PROLOGUES:
+        raise ValueError(f"decode_matmul: unknown prologue {prologue!r}: one of {', '.join(PROLOGUES)}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"decode_matmul: unknown epilogue {epilogue!r}: one of {', '.join(EPILOGUES)}")
+    swiglu, rmsnorm, has_residual = prologue == "swiglu", prologue == "rmsnorm", epilogue == "residual_sumsq"
     if swiglu:
         if K != 2 * b.shape[0]:
             raise ValueError(
                 f"decode_matmul: the swiglu prologue takes a (M, 2K) = (M, {2 * b.shape[0]}), got {K}"
             )
         K = b.shape[0]
+    _check_norm_args(a, K, rmsnorm, norm_weight, sumsq, eps)
+    _check_residual_args(a, N, has_residual, residual, out)
     if config is None:
         config = decode_config(M, N, K, sm_count(a.device), b.stride(0) == 1)
     c = torch.empty((M, N), device=a.device, dtype=a.dtype) if out is None else out
@@ -325,10 +493,15 @@ def decode_matmul(
         split = cdiv(K, k_split)
         dst = torch.empty((split, M, N), device=a.device, dtype=torch.float32) if split > 1 else c
     grid = (cdiv(N, config.block_n), split)
+    ss, n_ss, ss_block = _sumsq_buffers(a, M, N, config, split, has_residual, sumsq)
     (sxm, sxk), (sbk, sbn) = a.stride(), b.stride()  # B (K, N) = W.T: W's row stride is sbn
-    args = (a, b, dst, c if bias is None else bias, M, N, K, sxm, sxk, sbn, sbk, k_split)  # K: of b
+    res = c if residual is None else residual
+    gamma = b if norm_weight is None else norm_weight  # a valid pointer when unused
+    args = (a, b, dst, c if bias is None else bias, res, ss, gamma, M, N, K, sxm, sxk, sbn, sbk, k_split, n_ss,
+            float(eps), float(norm_offset))  # fmt: skip  # K: of b
     has_bias = bias is not None and split == 1
     act = activation if split == 1 else "none"
+    fused = dict(SWIGLU=swiglu, RMSNORM=rmsnorm, RESIDUAL=has_residual and split == 1, SS_BLOCK=ss_block)
     # Hopper: the main kernel lets its dependents launch early, and the split-K sum is launched as one
     # (programmatic dependent launch), so its launch overlaps the main kernel instead of following it.
     can_signal = a.is_cuda and griddep(a.device.index)
@@ -336,19 +509,89 @@ def decode_matmul(
     # Constexprs by keyword: CachedLaunch keys keywords by value but positional ints by Triton's value
     # classes (== 1, divisible by 16), which would let SPLIT_K = 2 and 4 share one binary.
     if config.kernel == "gemv":
-        _gemv_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, SWIGLU=swiglu, BLOCK_M=1 << (M - 1).bit_length(),
+        _gemv_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, **fused, BLOCK_M=pow2(M),
                            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, STAGES=config.stages,
                            PDL=pdl, GRIDDEP=can_signal, num_warps=config.warps, launch_pdl=pdl)  # fmt: skip
     elif config.kernel == "dot":
         precision = "tf32" if a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
-        _dot_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, SWIGLU=swiglu, PRECISION=precision, BLOCK_M=16,
+        _dot_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, **fused, PRECISION=precision, BLOCK_M=16,
                           BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, PDL=pdl, GRIDDEP=can_signal,
                           num_warps=config.warps, num_stages=config.stages, launch_pdl=pdl)  # fmt: skip
     else:
         raise ValueError(f"unknown decode kernel {config.kernel!r}: 'gemv' or 'dot'")
-    if split > 1:
+    if split > 1 and has_residual:
+        block_s = _residual_sum_tile(M)
+        _residual_sum_launch[(n_ss,)](dst, c, c if bias is None else bias, res, ss, M, N, n_ss,
+                                      HAS_BIAS=bias is not None, ACTIVATION=activation, SPLIT_K=split,
+                                      BLOCK_M=pow2(M), BLOCK_S=block_s, PDL=can_signal, launch_pdl=can_signal)  # fmt: skip
+    elif split > 1:
         block = 1024
         _sum_launch[(cdiv(M * N, block),)](dst, c, c if bias is None else bias, M * N, N, HAS_BIAS=bias is not None,
                                             ACTIVATION=activation, SPLIT_K=split, BLOCK=block, PDL=can_signal,
                                             launch_pdl=can_signal)  # fmt: skip
-    return c
+    return (c, ss) if has_residual else c
+
+
+def _sumsq_buffers(a, M, N, config, split, has_residual, sumsq) -> tuple[torch.Tensor, int, int]:
+    """(the SS tensor the kernels take, its columns n_ss, the consumer's SS_BLOCK). The producer writes one
+    partial per row and program that owns whole columns: the main kernel's column blocks, or the split-K
+    sum's when K is split; the consumer reads however many the tensor holds (a host-side shape, fixed for
+    a CUDA graph)."""
+    if has_residual:
+        n_ss = cdiv(N, config.block_n if split == 1 else _residual_sum_tile(M))
+        return torch.empty((M, n_ss), device=a.device, dtype=torch.float32), n_ss, 1
+    if sumsq is not None:
+        n_ss = sumsq.shape[1]
+        rows = pow2(M) if config.kernel == "gemv" else DECODE_MAX_M
+        return sumsq, n_ss, min(pow2(n_ss), max(1, SS_TILE // rows))
+    return a, 1, 1  # unused: a valid pointer
+
+
+def _check_norm_args(a, K, rmsnorm, norm_weight, sumsq, eps) -> None:
+    """The rmsnorm prologue's arguments, or that none was given without it (nothing silently ignored)."""
+    if not rmsnorm:
+        if norm_weight is not None or sumsq is not None:
+            raise ValueError("decode_matmul: norm_weight and sumsq are arguments of prologue='rmsnorm'")
+        return
+    M = a.shape[0]
+    if norm_weight is None or sumsq is None:
+        raise ValueError(
+            "decode_matmul: prologue='rmsnorm' needs norm_weight (K,) and sumsq, the (M, n) float32 partial "
+            "sums of squares returned by the producing matmul's epilogue='residual_sumsq'"
+        )
+    if (norm_weight.shape != (K,) or not norm_weight.is_floating_point() or norm_weight.device != a.device
+            or norm_weight.stride(0) != 1):  # fmt: skip
+        raise ValueError(
+            f"decode_matmul: norm_weight must be a contiguous float ({K},) tensor on {a.device}, got "
+            f"{tuple(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device} (stride {norm_weight.stride()})"
+        )
+    if (sumsq.dim() != 2 or sumsq.shape[0] != M or sumsq.shape[1] < 1 or sumsq.dtype != torch.float32
+            or not sumsq.is_contiguous() or sumsq.device != a.device):  # fmt: skip
+        raise ValueError(
+            f"decode_matmul: sumsq must be a contiguous ({M}, n) float32 tensor on {a.device} (the producer's "
+            f"partial sums of squares), got {tuple(sumsq.shape)} {sumsq.dtype} on {sumsq.device}"
+        )
+    if not eps >= 0:
+        raise ValueError(f"decode_matmul: eps must be >= 0, got {eps}")
+
+
+def _check_residual_args(a, N, has_residual, residual, out) -> None:
+    """The residual_sumsq epilogue's arguments, or that none was given without it."""
+    if not has_residual:
+        if residual is not None:
+            raise ValueError("decode_matmul: residual is an argument of epilogue='residual_sumsq'")
+        return
+    M = a.shape[0]
+    if residual is None:
+        raise ValueError(
+            "decode_matmul: epilogue='residual_sumsq' needs residual, the (M, N) stream it adds to"
+        )
+    if out is not None and out.data_ptr() == a.data_ptr():  # other programs still read a while one writes
+        raise ValueError("decode_matmul: out may be the residual (updated in place) but not the input a")
+    for name, t in (("residual", residual), ("out", out)):
+        if t is not None and (t.shape != (M, N) or t.dtype != a.dtype or not t.is_contiguous()
+                              or t.device != a.device):  # fmt: skip
+            raise ValueError(
+                f"decode_matmul: {name} must be a contiguous ({M}, {N}) {a.dtype} tensor on {a.device}, got "
+                f"{tuple(t.shape)} {t.dtype} on {t.device}"
+            )

@@ -54,6 +54,7 @@ from kiln.kernels._common import (
 )
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
+from kiln.kernels.matmul import matmul_ref
 
 
 def rmsnorm_ref(
@@ -69,6 +70,27 @@ def rmsnorm_ref(
     normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)  # HF's rounding
     y = (normed.to(acc) * (weight.to(acc) + offset)).to(x.dtype)
     return y if residual is None else (y, h)
+
+
+def norm_fused_ref(
+    x: torch.Tensor,
+    b1: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    b2: torch.Tensor,
+    bias1: torch.Tensor | None = None,
+    bias2: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    norm_offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequence that kiln.kernels.matmul_decode splits between two decode matmuls (the residual_sumsq
+    epilogue and the rmsnorm prologue), as three references: y = x @ b1 + bias1 (kiln's matmul reference),
+    (z, h) = the add + RMSNorm reference above of (y, residual), out = z @ b2 + bias2. Returns (h, out): the
+    new residual stream and the second product, rounded at the dtype's points (float32 math; float64
+    inputs give the float64 oracle)."""
+    y = matmul_ref(x, b1, bias1)
+    z, h = rmsnorm_ref(y, norm_weight, eps, residual=residual, offset=norm_offset)
+    return h, matmul_ref(z, b2, bias2)
 
 
 @triton.jit
