@@ -29,9 +29,9 @@ forward / dx kernel and a dw kernel whose descriptors cover one expert's rows (d
 `grouped_swiglu(x, gate_up_proj, offsets)` fuses the activation into the gate/up GEMM: each program holds
 a gate tile and the matching up tile (columns n and I + n of w[e]) and writes silu(gate) * up (R, I), so
 the (R, 2I) products are neither written nor read back at inference; with autograd it also stores them
-for the backward (the SwiGLU backward of kernels/swiglu.py, then the grouped dx and dw of the pair). bench/moe.py
-measures it against the two-kernel path; the model runs the two-kernel path until the H200 says the
-fused one pays.
+for the backward (`swiglu_grad`: the SwiGLU backward of kernels/swiglu.py, at the same rounding points,
+then the grouped dx and dw of the pair). bench/moe.py measures it against the two-kernel path; the model
+runs the two-kernel path until the H200 says the fused one pays.
 Not done: TMA for the fused SwiGLU and for small experts, split over rows for the dw of a hot expert.
 """
 
@@ -632,8 +632,17 @@ def _check_swiglu(x, w, offsets) -> None:
         raise ValueError(f"grouped_swiglu: w must hold [gate | up] rows (2I), got {w.shape[1]} rows")
 
 
-def _swiglu_bwd(dh, pre, x, w, offsets, need_dx: bool, need_dw: bool):
-    """d[gate | up] from the stored products, then the grouped dx and dw."""
+def swiglu_grad(dh: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Launcher: dpre (R, 2I) = [dgate | dup] in pre's dtype from dh (R, I) (cast to pre's dtype, as the
+    backward receives it) and the stored [gate | up] products pre (R, 2I) contiguous; float32 math, one
+    rounding per element. The backward's first step, public so that the GPU test can check each rounding
+    point of the fused backward on its own (docs/perf/moe.md)."""
+    paired = pre.dim() == 2 and pre.shape[1] % 2 == 0 and pre.is_contiguous()
+    if not paired or dh.shape != (pre.shape[0], pre.shape[1] // 2):
+        raise ValueError(
+            f"swiglu_grad expects contiguous [gate | up] products pre (R, 2I) and dh (R, I), got pre "
+            f"{tuple(pre.shape)} (contiguous: {pre.is_contiguous()}) and dh {tuple(dh.shape)}"
+        )
     R, I = pre.shape[0], pre.shape[1] // 2
     dh = dh.to(pre.dtype).contiguous()
     dpre = torch.empty_like(pre)
@@ -641,7 +650,12 @@ def _swiglu_bwd(dh, pre, x, w, offsets, need_dx: bool, need_dw: bool):
         block = min(1024, max(16, pow2(I)))
         ncb = cdiv(I, block)
         _swiglu_grad_launch[(R * ncb,)](dh, pre, dpre, I, ncb, BLOCK=block, num_warps=4)
-    return _bwd(dpre, x, w, offsets, need_dx, need_dw)
+    return dpre
+
+
+def _swiglu_bwd(dh, pre, x, w, offsets, need_dx: bool, need_dw: bool):
+    """d[gate | up] from the stored products, then the grouped dx and dw."""
+    return _bwd(swiglu_grad(dh, pre), x, w, offsets, need_dx, need_dw)
 
 
 class GroupedSwiGLU(torch.autograd.Function):
