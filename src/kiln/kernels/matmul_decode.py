@@ -238,8 +238,8 @@ def _gemv_kernel(
                         rstd[:, None], norm_offset)  # fmt: skip
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # (BLOCK_M, BLOCK_N, BLOCK_K)
         y = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
-    _store(y, offs_m[:, None], offs_n[None, :], pid_n, pid_k, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss,
-           HAS_BIAS, ACTIVATION, SPLIT_K, RESIDUAL, 1)  # fmt: skip
+    _store_decode(y, offs_m[:, None], offs_n[None, :], pid_n, pid_k, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss,
+                  HAS_BIAS, ACTIVATION, SPLIT_K, RESIDUAL, 1)  # fmt: skip
 
 
 @triton.jit
@@ -304,28 +304,37 @@ def _dot_kernel(
                      RMSNORM, G_ptr + offs_k[:, None], (offs_k < K)[:, None], rstd, norm_offset)  # fmt: skip
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
     # Written as it lies, (n, m) -> C[m, n]: no transpose through shared memory.
-    _store(acc, offs_m[None, :], offs_n[:, None], pid_n, pid_k, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss,
-           HAS_BIAS, ACTIVATION, SPLIT_K, RESIDUAL, 0)  # fmt: skip
+    _store_decode(acc, offs_m[None, :], offs_n[:, None], pid_n, pid_k, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss,
+                  HAS_BIAS, ACTIVATION, SPLIT_K, RESIDUAL, 0)  # fmt: skip
 
 
 @triton.jit
-def _store(acc, m, n, pid_n, pid_k, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss, HAS_BIAS: tl.constexpr,
-           ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr, RESIDUAL: tl.constexpr, AXIS_N: tl.constexpr):  # fmt: skip
-    """float32 acc -> C[m, n] with bias and activation (and RESIDUAL's add and partial sums), or into
-    split pid_k's partial slice. m and n are row and column indices broadcastable to acc's shape
-    ((BLOCK_M, 1) and (1, BLOCK_N), or transposed); AXIS_N is acc's column axis; r the residual's tile."""
+def _store(acc, m, n, pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+           SPLIT_K: tl.constexpr):  # fmt: skip
+    """float32 acc -> C[m, n] with bias and activation, or into split pid_k's partial slice. m and n are row
+    and column indices broadcastable to acc's shape ((BLOCK_M, 1) and (1, BLOCK_N), or transposed). Shared
+    with the quantized and FP8 decode kernels."""
     mask = (m < M) & (n < N)
     at = m * N + n
     if SPLIT_K > 1:
         tl.store(Y_ptr + pid_k.to(tl.int64) * M * N + at, acc, mask=mask)
-    elif RESIDUAL:
-        _residual_epilogue(acc, m, n, pid_n, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss, HAS_BIAS, ACTIVATION,
-                           AXIS_N)  # fmt: skip
     else:
         if HAS_BIAS:
             acc += tl.load(Bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)
         acc = apply_activation(acc, ACTIVATION)
         tl.store(Y_ptr + at, acc.to(Y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_decode(acc, m, n, pid_n, pid_k, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss, HAS_BIAS: tl.constexpr,
+                  ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr, RESIDUAL: tl.constexpr, AXIS_N: tl.constexpr):  # fmt: skip
+    """_store, or with RESIDUAL (and no split: the split-K sum does it then) the residual add and the
+    partial sums of squares; AXIS_N is acc's column axis, r the residual's tile."""
+    if RESIDUAL and SPLIT_K == 1:
+        _residual_epilogue(acc, m, n, pid_n, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss, HAS_BIAS, ACTIVATION,
+                           AXIS_N)  # fmt: skip
+    else:
+        _store(acc, m, n, pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS, ACTIVATION, SPLIT_K)
 
 
 @triton.jit
