@@ -78,7 +78,7 @@ def calls(monkeypatch):
 
 
 def _model(name: str, device, **over):
-    cfg = ModelConfig(**{**BASE, **over}, **CFGS.get(name, {}))
+    cfg = ModelConfig(**{**BASE, **CFGS.get(name, {}), **over})
     model = build_model(cfg, device, seed=1, kernels=KernelConfig(linear="kiln")).eval()
     with torch.no_grad():  # init leaves norm weights at 1: random ones test that each norm's own is used
         for n, p in model.named_parameters():
@@ -118,9 +118,14 @@ def _decode_step(cfg: ModelConfig, lens: list[int], page: int, seed: int, device
     return tokens, pos.to(device), meta, caches
 
 
+def _clones(caches):
+    """Copies of the per-layer K/V caches (a step writes its K/V into them)."""
+    return [(k.clone(), v.clone()) for k, v in caches]
+
+
 def _logits(model, tokens, pos, meta, caches):
-    """The step's logits (N, V), on copies of the caches (the step writes its K/V into them)."""
-    caches = [(k.clone(), v.clone()) for k, v in caches]
+    """The step's logits (N, V), on copies of the caches."""
+    caches = _clones(caches)
     with torch.no_grad(), use_backend("triton"):
         h, _ = model.model(tokens, pos, meta, caches)
         return model.compute_logits(h)
@@ -169,7 +174,7 @@ def test_quantized_linear_keeps_its_norms_separate(norm_form, calls, monkeypatch
 def test_prefill_and_layernorm_take_the_old_path(norm_form, calls, device):
     # more than 16 flat tokens (a prefill) and GPT-2 (LayerNorm, GELU MLP): every norm as before, the same bits
     cases = [
-        (_model("llama", device), 20),
+        (_model("llama", device), 17),
         (_model("gpt2", device, arch="gpt2", head_dim=None, n_kv_heads=6), 3),
     ]
     for model, T in cases:
@@ -200,13 +205,14 @@ def test_gradient_and_autocast_take_the_old_path(norm_form, device):
         assert model.model.norm_split(h) is None
 
 
+@pytest.mark.slow  # ~15 s: 3 engine steps of each form, ~20 kernels a step through the interpreter
 def test_engine_greedy_tokens_equal(norm_form, calls, device):
     from kiln.infer import SamplingParams
     from kiln.infer.engine import LLM
 
     model = _model("qwen2", device, max_seq_len=64)
-    prompts = [[5, 17, 3], [40, 2, 9, 11, 60, 1]]
-    params = SamplingParams(max_tokens=4, temperature=0.0)
+    prompts = [[5, 17, 3], [40, 2, 9, 11, 60]]
+    params = SamplingParams(max_tokens=3, temperature=0.0)
     outs = {}
     for form in ("separate", "split"):
         norm_form(form)
@@ -219,7 +225,7 @@ def test_engine_greedy_tokens_equal(norm_form, calls, device):
         n = calls()
         assert (n["prologue"] > 0) == (form == "split")
     assert outs["split"] == outs["separate"]
-    assert all(len(t) == 4 for t in outs["split"])
+    assert all(len(t) == 3 for t in outs["split"])
 
 
 def test_bad_switch_value_is_a_clear_error(norm_form, device):
@@ -234,9 +240,10 @@ def test_bad_switch_value_is_a_clear_error(norm_form, device):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_of_a_split_decode_step_bf16(norm_form):
+def test_cuda_graph_of_a_split_decode_step_bf16(norm_form, calls):
     # Qwen2.5-1.5B's block shapes (d 1536, 12 / 2 heads of 128, FFN 8960, q/k/v bias), 2 layers, a small
-    # vocabulary; a 4-row decode step captured in a CUDA graph with the split norm against the same step eager
+    # vocabulary, bf16; decode steps of 1 and 4 rows (gemv and dot kernels, down_proj's split K at 4) with
+    # the split norm, captured in a CUDA graph, against the same step eager and against the separate norms
     dev = torch.device("cuda")
     cfg = dict(vocab_size=1024, d_model=1536, n_layers=2, n_heads=12, n_kv_heads=2, ffn_hidden=8960,
                max_seq_len=256, head_dim=128)  # fmt: skip
@@ -244,25 +251,26 @@ def test_cuda_graph_of_a_split_decode_step_bf16(norm_form):
     for lens in ([100], [3, 50, 130, 7]):
         tokens, pos, meta, caches = _decode_step(model.config, lens, page=16, seed=7, device=dev)
         caches = [(k.bfloat16(), v.bfloat16()) for k, v in caches]
-        norm_form("separate")
-        want = _logits(model, tokens, pos, meta, caches).float()
-        norm_form("split")
-        eager = _logits(model, tokens, pos, meta, caches).float()
-        graph_caches = [(k.clone(), v.clone()) for k, v in caches]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(s):  # warm-up: compiles every kernel outside the capture
-            model.model(tokens, pos, meta, [(k.clone(), v.clone()) for k, v in caches])
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(g):
-            h, _ = model.model(tokens, pos, meta, graph_caches)
-            logits = model.compute_logits(h)
+        with torch.no_grad():
+            norm_form("separate")
+            want = model.model(tokens, pos, meta, _clones(caches))[0]
+            norm_form("split")
+            # the eager step also compiles every kernel before the capture
+            eager = model.model(tokens, pos, meta, _clones(caches))[0]
+            calls()
+            graph_caches = _clones(caches)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                h = model.model(tokens, pos, meta, graph_caches)[0]
+        assert calls()["prologue"] == 3  # captured with the split form (2 L - 1 norms)
         g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(logits.float(), eager)  # the same kernels, replayed: the same bits
-        # bf16: the split form's stream is the separate kernels' bit for bit, but a normalized element can
-        # differ by one bf16 ulp where the two rstd sums round apart; two layers carry that to the logits
-        # at a few bf16 ulps of their scale
-        err = (eager - want).abs().max().item()
-        assert err <= 0.02 * want.abs().max().item(), err
+        # kiln's Triton kernels, replayed on the same inputs: the same bits as the eager step
+        assert torch.equal(h, eager)
+        # against the separate norms: the stream is the same bit for bit, but a normalized element can differ
+        # by one bf16 ulp where the two float32 rstd sums round apart; two layers carry that to the final
+        # norm's output (O(1), ~3-4 at most: gamma ~ 1 +- 0.3) at a few bf16 ulps (1 ulp at 4: 0.8% of
+        # it). Through the interpreter at d 128, one row, the two forms measured bit-identical (3 seeds).
+        err = (eager.float() - want.float()).abs().max().item()
+        assert err <= 0.05 * want.float().abs().max().item(), err

@@ -173,7 +173,9 @@ class Decoder(nn.Module):
         before it and the one after it both run kiln's decode matmul: layer 0's input norm has no matmul
         before it and the final norm none after it (the head), so 2 L - 1 of a dense model's 2 L + 1 norms
         split (55 of 57 at 28 layers). Shapes and module types only: fixed for a captured CUDA graph."""
-        if decode_norm() != "split" or not decode_step_fusable(h):
+        # is_compiling first: a traced step (the engine's decode_backend="compile") keeps the separate norms,
+        # and Dynamo need not trace the switch's environment read
+        if torch.compiler.is_compiling() or decode_norm() != "split" or not decode_step_fusable(h):
             return None
         ready = [layer.splittable(h) for layer in self.layers]
         # block i's input norm: block i - 1's down_proj before it, block i's qkv after it
