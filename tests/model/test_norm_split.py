@@ -190,7 +190,7 @@ def test_prefill_and_layernorm_take_the_old_path(norm_form, calls, device):
         assert torch.equal(got, want)
 
 
-def test_gradient_and_autocast_take_the_old_path(norm_form, device):
+def test_gradient_autocast_and_wrapped_blocks_take_the_old_path(norm_form, device):
     # a decode-sized step that wants gradients (training) or runs under autocast keeps the separate norms
     model = _model("llama", device)
     h = model.model.embed_tokens(torch.tensor([1, 2, 3], device=device))  # (3, d), requires grad
@@ -203,6 +203,15 @@ def test_gradient_and_autocast_take_the_old_path(norm_form, device):
                 assert model.model.norm_split(h) is None
     with use_backend("reference"), torch.no_grad():  # kiln's kernels not in use: F.linear / the reference
         assert model.model.norm_split(h) is None
+    # layer 1 wrapped (as activation checkpointing wraps a block) or hooked: called whole, as today; only
+    # layer 0's post-attention norm, between two plain linears of an unwrapped block, still splits
+    wrapped = _model("llama", device)
+    wrapped.model.layers[1] = torch.nn.Sequential(wrapped.model.layers[1])
+    hooked = _model("llama", device)
+    hooked.model.layers[1].register_forward_pre_hook(lambda *args: None)
+    with use_backend("triton"), torch.no_grad():
+        for m in (wrapped, hooked):
+            assert m.model.norm_split(h) == [(False, True, False), (False, False, False)]
 
 
 @pytest.mark.slow  # ~15 s: 3 engine steps of each form, ~20 kernels a step through the interpreter

@@ -177,7 +177,8 @@ class Decoder(nn.Module):
         # and Dynamo need not trace the switch's environment read
         if torch.compiler.is_compiling() or decode_norm() != "split" or not decode_step_fusable(h):
             return None
-        ready = [layer.splittable(h) for layer in self.layers]
+        # a wrapped block (activation checkpointing, a compiled module) is called whole, as today
+        ready = [b.splittable(h) if isinstance(b, Block) else (False, False, False) for b in self.layers]
         # block i's input norm: block i - 1's down_proj before it, block i's qkv after it
         inp = [i > 0 and ready[i - 1][2] and ready[i][0] for i in range(len(ready))]
         plan = [(inp[i], ready[i][1], i + 1 < len(inp) and inp[i + 1]) for i in range(len(ready))]
