@@ -214,7 +214,7 @@ def test_gradient_autocast_and_wrapped_blocks_take_the_old_path(norm_form, devic
             assert m.model.norm_split(h) == [(False, True, False), (False, False, False)]
 
 
-@pytest.mark.slow  # ~15 s: 3 engine steps of each form, ~20 kernels a step through the interpreter
+@pytest.mark.slow  # 15-20 s on the shared CPU: 3 engine steps of each form, ~20 kernels a step through the interpreter
 def test_engine_greedy_tokens_equal(norm_form, calls, device):
     from kiln.infer import SamplingParams
     from kiln.infer.engine import LLM
