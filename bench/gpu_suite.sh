@@ -73,9 +73,21 @@ for part in $PARTS; do
               >> "$OUT/bench.log" 2>&1
             KILN_DECODE_FORM=one_pass timeout 150 python3 bench/infer_overlap.py --batches 1,64 --timed-steps 48 \
               --out "$OUT/infer_overlap-one_pass.json" >> "$OUT/bench.log" 2>&1
+            # whole decode steps with the add + RMSNorm separate (today) and split over the decode matmuls
+            # (KILN_DECODE_NORM=split), same batches, one process each (tables in bench.log); one file holds
+            # both runs' JSON as {"separate": ..., "split": ...}
+            rm -f /tmp/infer_overlap-norm_*.json
+            for form in separate split; do
+              echo "== infer_overlap KILN_DECODE_NORM=$form" >> "$OUT/bench.log"
+              KILN_DECODE_NORM=$form timeout 150 python3 bench/infer_overlap.py --batches 1,16 --timed-steps 48 \
+                --out "/tmp/infer_overlap-norm_$form.json" >> "$OUT/bench.log" 2>&1
+            done
+            python3 -c 'import json, os, sys; json.dump({f: json.load(open(f"/tmp/infer_overlap-norm_{f}.json"))
+              for f in ("separate", "split") if os.path.exists(f"/tmp/infer_overlap-norm_{f}.json")},
+              open(sys.argv[1], "w"), indent=1)' "$OUT/infer_overlap-norm_split.json" >> "$OUT/bench.log" 2>&1
             timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_decode_attention.py \
               tests/kernels/test_norm_fused_decode.py tests/kernels/test_moe_decode.py tests/kernels/test_moe_gemm.py \
-              >> "$OUT/bench.log" 2>&1 ;;
+              tests/model/test_norm_split.py >> "$OUT/bench.log" 2>&1 ;;
     *) echo "unknown part $part" ;;
   esac
   echo "$part: exit $? in $(( $(date +%s) - start ))s" | tee -a "$OUT/env.txt"

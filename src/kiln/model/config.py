@@ -11,7 +11,9 @@ so a config means one model and the HF export only has to check the family can e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +53,26 @@ HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")
 LINEAR_BACKENDS = ("auto", "torch", "kiln", "fp8", "fp8_rowwise")
 ATTENTION_BACKENDS = ("kiln", "sdpa", "auto")
 MOE_BACKENDS = ("auto", "eager", "kiln")
+# How a decode step's add + RMSNorm runs (decode_norm): "separate" (kiln's add + RMSNorm kernel between the
+# matmuls) or "split" (folded into the decode matmuls around it, kiln.kernels.matmul_decode)
+DECODE_NORMS = ("separate", "split")
+
+
+@functools.cache
+def decode_norm() -> str:
+    """The decoder's add + RMSNorm form at decode-sized steps: "separate" (the default) unless KILN_DECODE_NORM
+    in the environment says "split" (read once, as KILN_DECODE_FORM and KILN_PDL are), so that
+    `KILN_DECODE_NORM=split python bench/infer_overlap.py ...` times whole decode steps with the norms split
+    across the decode matmuls (o_proj / down_proj's residual_sumsq epilogue, gate_up / qkv's rmsnorm
+    prologue) without a code change. Where the split form does not apply, a step runs as with "separate"
+    (kiln.model.transformer.Decoder). Off by default until the H200 has timed it (docs/perf/matmul_decode.md)."""
+    form = os.environ.get("KILN_DECODE_NORM", "") or "separate"
+    if form not in DECODE_NORMS:
+        raise KilnError(
+            f"KILN_DECODE_NORM={form!r} is not one of {', '.join(DECODE_NORMS)}: unset it (or 'separate') for "
+            "kiln's add + RMSNorm kernel, 'split' to fold it into the decode matmuls"
+        )
+    return form
 
 
 @dataclass

@@ -55,6 +55,19 @@ class Norm(nn.Module):
         """Just the norm, no residual (the per-head q/k norms)."""
         return self(x)[0]
 
+    def splittable(self, x: torch.Tensor) -> bool:
+        """Whether the decode matmuls around this norm may take it over (KILN_DECODE_NORM=split) for a step
+        whose stream is x (N, d): an RMSNorm (no bias) whose weight is a plain contiguous tensor on x's
+        device, with no hooks wrapping it (sequence parallelism's)."""
+        w = self.weight
+        return (
+            self.bias is None
+            and type(w) in (nn.Parameter, torch.Tensor)
+            and w.device == x.device
+            and w.is_contiguous()
+            and not (self._forward_hooks or self._forward_pre_hooks)
+        )
+
 
 class Attention(nn.Module):
     """Multi-head attention with GQA (K/V heads never repeated), optional q/k norm, window and sinks.
@@ -89,12 +102,25 @@ class Attention(nn.Module):
         meta: AttnMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
         key_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        *,
+        prenorm: tuple[Norm, torch.Tensor] | None = None,
+        stream: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (N, d) -> (N, d). rope = (cos, sin, index) for the N query positions, or None (learned
         positions); kv_cache = this layer's paged (k_cache, v_cache) (num_blocks, block_size, Hk, D);
-        key_rope: tables for every key when a legacy cache rotates keys itself (streaming)."""
+        key_rope: tables for every key when a legacy cache rotates keys itself (streaming).
+
+        The split add + RMSNorm (decode-sized steps where Linear.decode_fusable holds; Block.forward_split):
+        prenorm = (norm, sumsq): x is the residual stream itself and the qkv projection applies `norm` in
+        its prologue, its rstd from sumsq (N, n), the partials of the matmul that produced x. stream (N, d):
+        o_proj adds its output to it in its epilogue, and the call returns (new stream, its partials)."""
         N = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        if prenorm is None:
+            qkv = self.qkv_proj(x)
+        else:
+            norm, sumsq = prenorm
+            qkv = self.qkv_proj.normed_from_stream(x, sumsq, norm.weight, norm.eps)
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(N, self.n_heads, self.head_dim)
         k = k.view(N, self.n_kv_heads, self.head_dim)
         v = v.view(N, self.n_kv_heads, self.head_dim)
@@ -104,6 +130,8 @@ class Attention(nn.Module):
             y = self._dense(q, k, v, rope, meta, key_rope)
         else:
             y = self._flat(q, k, v, rope, meta, kv_cache)
+        if stream is not None:
+            return self.o_proj.add_to_stream(y.reshape(N, -1), stream)
         return self.o_proj(y.reshape(N, -1))
 
     def _flat(self, q, k, v, rope, meta: AttnMetadata, kv_cache):
@@ -182,13 +210,29 @@ class GatedMLP(nn.Module):
         self.gate_up_proj.load_from_parts(self, "gate_up_proj")
         self.down_proj = Linear(hidden, d_model, False, kernels.linear)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)  # (N, 2F): [gate | up] in one tensor
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        prenorm: tuple[Norm, torch.Tensor] | None = None,
+        stream: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x (N, d) -> (N, d). The split add + RMSNorm (as Attention.forward's): prenorm = (norm, sumsq):
+        x is the stream and gate_up applies `norm` in its prologue; stream: down_proj adds its output to it
+        and the call returns (new stream, its (N, n) partial sums of squares)."""
+        if prenorm is None:
+            h = self.gate_up_proj(x)  # (N, 2F): [gate | up] in one tensor
+        else:
+            norm, sumsq = prenorm
+            h = self.gate_up_proj.normed_from_stream(x, sumsq, norm.weight, norm.eps)
         # Not kiln.kernels.swiglu.swiglu_linear (the SwiGLU in the down projection's decode prologue): on
         # the H200 at one row (Qwen2.5-1.5B shape, CUDA graphs) it took 415 us a step for the 28 layers
         # against 287 us for the SwiGLU kernel + the decode matmul, since every column block recomputes
         # the SwiGLU of the whole row (docs/perf/inference.md).
-        return self.down_proj(swiglu(h, None))
+        a = swiglu(h, None)  # (N, F)
+        if stream is not None:
+            return self.down_proj.add_to_stream(a, stream)
+        return self.down_proj(a)
 
 
 class GeluMLP(nn.Module):

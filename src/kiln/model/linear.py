@@ -26,10 +26,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kiln.kernels.dispatch import use_triton
 from kiln.kernels.fp8_train import fp8_train_linear
 from kiln.kernels.matmul import linear as kiln_linear
+from kiln.kernels.matmul_decode import DECODE_MAX_M, decode_matmul
 
-DECODE_ROWS = 16  # kiln.kernels.matmul_decode handles up to this many rows
+DECODE_ROWS = DECODE_MAX_M  # kiln.kernels.matmul_decode handles up to this many rows
+DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what kiln's matmul takes
 FP8_RECIPES = {"fp8": "tensorwise", "fp8_rowwise": "rowwise"}  # KernelConfig.linear -> fp8_train recipe
 
 
@@ -55,8 +58,69 @@ class Linear(nn.Module):
         training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         return x.is_cuda and 0 < rows <= DECODE_ROWS and not training
 
+    # ---- the split add + RMSNorm (KILN_DECODE_NORM=split; kiln.model.transformer.Decoder decides per call)
+    def decode_fusable(self, x: torch.Tensor) -> bool:
+        """Whether forward(x) would run kiln's decode matmul, so that the split norm's epilogue / prologue
+        (add_to_stream, normed_from_stream) may take its place: `decode_step_fusable(x)` holds (checked
+        once per step by the caller), the backend reaches kiln's kernels ("kiln", or "auto" on CUDA), the
+        weight is a plain tensor of x's dtype and device (not a DTensor of tensor parallelism or FSDP), no
+        hooks wrap the call, and no gradient is wanted. Quantized linears are other classes."""
+        w, b = self.weight, self.bias
+        grad = torch.is_grad_enabled() and (w.requires_grad or (b is not None and b.requires_grad))
+        return (
+            (self.backend == "kiln" or (self.backend == "auto" and x.is_cuda))
+            and type(w) in (nn.Parameter, torch.Tensor)
+            and w.dtype == x.dtype
+            and w.device == x.device
+            and not (self._forward_hooks or self._forward_pre_hooks)
+            and not grad
+        )
+
+    def add_to_stream(self, x: torch.Tensor, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(stream + self(x) (N, out), its (N, n) float32 partial sums of squares per column block): the
+        decode matmul's residual_sumsq epilogue, rounded as self(x) followed by kiln's add + RMSNorm kernel
+        would round the new stream (bit for bit), for the next matmul's rmsnorm prologue. Only where
+        `decode_fusable(x)`; x (N, in) with N <= DECODE_ROWS, stream (N, out) of x's dtype."""
+        return decode_matmul(
+            x, self.weight.t(), self.bias, epilogue="residual_sumsq", residual=stream.contiguous()
+        )
+
+    def normed_from_stream(
+        self, stream: torch.Tensor, sumsq: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """self(rmsnorm(stream) * norm_weight) (N, out) with the norm in the decode matmul's prologue: its
+        rstd from `sumsq`, the (N, n) partials that add_to_stream returned with `stream`. Only where
+        `decode_fusable(stream)`."""
+        return decode_matmul(
+            stream,
+            self.weight.t(),
+            self.bias,
+            prologue="rmsnorm",
+            norm_weight=norm_weight,
+            sumsq=sumsq,
+            eps=eps,
+        )
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, backend={self.backend}"
+
+
+def decode_step_fusable(x: torch.Tensor) -> bool:
+    """The per-call half of Linear.decode_fusable, the same for every linear of a step (x: the step's
+    flat hidden states (N, d)): a decode-sized step (0 < N <= DECODE_ROWS rows) of a dtype kiln's matmul
+    takes, with no gradient, not under autocast (a float32 stream meets 16-bit outputs there) or
+    torch.compile (the decode matmul's hooks are not registered ops), where kiln's Triton kernels run
+    (CUDA, or the interpreter with the "triton" backend: kiln.kernels.dispatch)."""
+    return (
+        x.dim() == 2
+        and 0 < x.shape[0] <= DECODE_ROWS
+        and x.shape[1] > 0
+        and x.dtype in DECODE_DTYPES
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and not torch.is_autocast_enabled(x.device.type)
+        and not torch.compiler.is_compiling()
+        and use_triton(x)
+    )
 
 
 class MergedLinear(Linear):

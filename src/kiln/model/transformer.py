@@ -6,6 +6,14 @@ Module tree (HF names, so checkpoints load by a rename table):
     model.norm                  lm_head (V, d) [absent when tied: the head is embed_tokens]
 Blocks are pre-norm: h = h + attn(norm(h)); h = h + mlp(norm(h)), with each residual add fused into the
 next norm (Norm.forward takes the stream).
+
+With KILN_DECODE_NORM=split (kiln.model.config.decode_norm; off by default), a decode-sized step (<= 16
+flat tokens, no gradient, kiln's Triton kernels) splits each add + RMSNorm between the decode matmuls
+around it: o_proj / down_proj add their output to the stream in their epilogue and return its partial
+sums of squares, and the next gate_up / qkv normalizes in its prologue (kiln.kernels.matmul_decode). The
+Decoder decides per call and per norm (Decoder.norm_split); layer 0's input norm (the stream is the
+embedding) and the final norm stay the add + RMSNorm kernel, as does any norm next to a linear that does
+not run the decode matmul (quantized, tensor-parallel, MoE, GPT-2's LayerNorm, prefill).
 """
 
 from __future__ import annotations
@@ -19,9 +27,9 @@ import torch.nn.functional as F
 from kiln.kernels.linear_cross_entropy import linear_cross_entropy
 from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.cache import KVCache
-from kiln.model.config import KernelConfig, ModelConfig
+from kiln.model.config import KernelConfig, ModelConfig, decode_norm
 from kiln.model.layers import Attention, GatedMLP, GeluMLP, Norm
-from kiln.model.linear import Linear
+from kiln.model.linear import Linear, decode_step_fusable
 from kiln.model.moe import SparseMoE
 from kiln.model.rope import RotaryTables
 
@@ -52,6 +60,52 @@ class Block(nn.Module):
             h, aux = self.mlp(x)
             return h, residual, aux
         return self.mlp(x), residual, None
+
+    def splittable(self, x: torch.Tensor) -> tuple[bool, bool, bool]:
+        """Which of this block's matmuls can take the split add + RMSNorm at a step whose stream is x (N, d)
+        (decode_step_fusable(x) already holds): (the qkv projection can normalize with input_layernorm
+        in its prologue, o_proj + post_attention_layernorm + gate_up can split that norm, down_proj can add
+        to the stream in its epilogue). Only dense SwiGLU blocks on plain decode linears, no hooks."""
+        attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, GatedMLP) or any(
+            m._forward_hooks or m._forward_pre_hooks for m in (self, attn, mlp)
+        ):
+            return False, False, False
+        fusable = lambda lin: isinstance(lin, Linear) and lin.decode_fusable(x)  # noqa: E731 (not a SplitCall)
+        qkv = self.input_layernorm.splittable(x) and fusable(attn.qkv_proj)
+        post = (
+            self.post_attention_layernorm.splittable(x) and fusable(attn.o_proj) and fusable(mlp.gate_up_proj)
+        )
+        return qkv, post, fusable(mlp.down_proj)
+
+    def forward_split(self, h, residual, sumsq, rope, meta, kv_cache, key_rope, post: bool, out: bool):
+        """The block on a decode-sized step with some of its norms split across the decode matmuls
+        (Decoder.norm_split chose which; nothing else changes).
+
+        sumsq None: (h, residual) as forward takes them, input_layernorm runs as the add + RMSNorm kernel.
+        sumsq (N, n) float32: the previous block's down_proj already added its output: `residual` is the
+        stream (h unused) and sumsq its partial sums of squares; the qkv projection normalizes it in its
+        prologue. post: o_proj adds to the stream and gate_up normalizes it (post_attention_layernorm).
+        out: down_proj adds to the stream and the block returns (None, stream, its partials) for the next
+        block's qkv; else (MLP output, stream before it, None) as forward returns."""
+        if sumsq is None:
+            x, residual = self.input_layernorm(h, residual)
+            prenorm = None
+        else:
+            x, prenorm = residual, (self.input_layernorm, sumsq)
+        if post:
+            residual, sumsq = self.self_attn(
+                x, rope, meta, kv_cache, key_rope, prenorm=prenorm, stream=residual
+            )
+            x, prenorm = residual, (self.post_attention_layernorm, sumsq)
+        else:
+            h = self.self_attn(x, rope, meta, kv_cache, key_rope, prenorm=prenorm)
+            x, residual = self.post_attention_layernorm(h, residual)
+            prenorm = None
+        if out:
+            residual, sumsq = self.mlp(x, prenorm=prenorm, stream=residual)
+            return None, residual, sumsq
+        return self.mlp(x, prenorm=prenorm), residual, None
 
 
 class Decoder(nn.Module):
@@ -97,14 +151,38 @@ class Decoder(nn.Module):
                 key_rope = self.rope(torch.arange(past + T, device=tokens.device).expand(B, past + T))
         else:
             h = h + self.embed_positions(positions.reshape(-1))
-        residual, auxes = None, []
+        residual, sumsq, auxes = None, None, []
+        split = self.norm_split(h)
         for i, layer in enumerate(self.layers):
             kv = kv_caches[i] if kv_caches is not None else None
+            if split is not None and any(split[i]):
+                h, residual, sumsq = layer.forward_split(
+                    h, residual, sumsq, rope, meta, kv, key_rope, *split[i][1:]
+                )
+                continue
             h, residual, aux = layer(h, residual, rope, meta, kv, key_rope)
             if aux is not None:
                 auxes.append(aux)
         h, _ = self.norm(h, residual)
         return h, (torch.stack(auxes).mean() if auxes else None)
+
+    def norm_split(self, h: torch.Tensor) -> list[tuple[bool, bool, bool]] | None:
+        """Per block (input norm split, post-attention norm split, down_proj adds to the stream) for a step
+        whose embedded tokens are h (N, d); None: every norm runs as the add + RMSNorm kernel (the switch
+        is off, the step is not decode-sized, nothing qualifies). A norm splits only when the matmul
+        before it and the one after it both run kiln's decode matmul: layer 0's input norm has no matmul
+        before it and the final norm none after it (the head), so 2 L - 1 of a dense model's 2 L + 1 norms
+        split (55 of 57 at 28 layers). Shapes and module types only: fixed for a captured CUDA graph."""
+        # is_compiling first: a traced step (the engine's decode_backend="compile") keeps the separate norms,
+        # and Dynamo need not trace the switch's environment read
+        if torch.compiler.is_compiling() or decode_norm() != "split" or not decode_step_fusable(h):
+            return None
+        # a wrapped block (activation checkpointing, a compiled module) is called whole, as today
+        ready = [b.splittable(h) if isinstance(b, Block) else (False, False, False) for b in self.layers]
+        # block i's input norm: block i - 1's down_proj before it, block i's qkv after it
+        inp = [i > 0 and ready[i - 1][2] and ready[i][0] for i in range(len(ready))]
+        plan = [(inp[i], ready[i][1], i + 1 < len(inp) and inp[i + 1]) for i in range(len(ready))]
+        return plan if any(any(p) for p in plan) else None
 
 
 class Transformer(nn.Module):
