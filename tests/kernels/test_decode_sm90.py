@@ -1,6 +1,6 @@
 """The fused decode kernels compiled for the H200 (sm_90) on the CPU machine (Triton cross-compiles without
 a GPU): decode attention's split kernel with and without its own normalization (one split) and in its
-one-pass form (the last split program reduces), and its reduction, RoPE + paged K/V write in both pair
+one-pass form (the last split program reduces), with int64 and int32 (ADDR32) K/V addressing, and its reduction, RoPE + paged K/V write in both pair
 layouts, and the decode matmuls with the SwiGLU prologue at the down projection's configs. The interpreter runs Python's semantics, so code that only the compiler
 rejects (a static branch followed by a second `return` of another shape was one) shows up only here.
 
@@ -48,13 +48,13 @@ def compile_(fn, ptrs, consts, floats=(), **opts):
     return len(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"])
 
 out = {}
-for single, one_pass in ((False, False), (True, False), (False, True)):
+for single, one_pass, addr32 in ((False, False, False), (False, False, True), (True, False, True), (False, True, True)):
     part = "*bf16" if single else "*fp32"
     ptrs = dict(Q="*bf16", K_CACHE="*bf16", V_CACHE="*bf16", BLOCK_TABLE="*i32", SEQ_LENS="*i32", O_PART=part,
                 LSE_PART=part, SINKS="*fp32", OUT="*bf16", COUNTERS="*i32")
     c = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=16, WINDOW=True, SINGLE=single, ONE_PASS=one_pass, GROUP_P=8,
-             SPLIT_STEP=8, SINK=True, PDL=True, BLOCK_N=64)
-    out[f"split single={single} one_pass={one_pass}"] = compile_(da._decode_split_kernel, ptrs, c, ("qk_scale",),
+             SPLIT_STEP=8, SINK=True, PDL=True, BLOCK_N=64, FITS32=True, ADDR32=addr32)
+    out[f"split single={single} one_pass={one_pass} addr32={addr32}"] = compile_(da._decode_split_kernel, ptrs, c, ("qk_scale",),
                                                                  num_warps=4, num_stages=3)
 out["reduce"] = compile_(da._decode_reduce_kernel, dict(O_PART="*fp32", LSE_PART="*fp32", SINKS="*fp32", OUT="*bf16"),
                          dict(HEAD_DIM=128, BLOCK_S=32, SINK=True, PDL=True))
@@ -74,7 +74,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # 8 compiles: ~10-25 s on an idle 2-core machine
+@pytest.mark.slow  # 9 compiles: ~10-25 s on an idle 2-core machine
 def test_fused_decode_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
@@ -84,7 +84,7 @@ def test_fused_decode_kernels_compile_for_sm90(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(res) == 8 and all(n > 0 for n in res.values()), res
+    assert len(res) == 9 and all(n > 0 for n in res.values()), res
 
 
 LAUNCH_SCRIPT = r"""

@@ -10,7 +10,8 @@ joining the softmax denominator, as in kiln.kernels.attention.
 Kernel 1 splits each sequence's keys into `num_splits` chunks: program (b, kv head, split) streams its
 chunk once and serves all Hq / Hk query heads of the group from it (the group is the M dim of the
 dots, padded to 16), so each K/V byte is read once. Token t's row is found through the block table
-per row, so a tile spans any number of pages. Each program writes a partial output normalized by its
+per row, so a tile spans any number of pages (row offsets in int32 where the cache's offsets fit and the
+config says ADDR32: fewer registers, the same loads; SPLIT_CONFIGS has the sm_90 figures). Each program writes a partial output normalized by its
 own sum, and the log2-sum-exp of its chunk:
     o_s = sum_j 2^(s_j - lse_s) v_j,   lse_s = log2 sum_j 2^(s_j)      (s in log2 units)
 and they are combined: o = sum_s 2^(lse_s - m) o_s / (sum_s 2^(lse_s - m) + 2^(sink - m)), in one of two
