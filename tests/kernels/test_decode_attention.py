@@ -398,10 +398,11 @@ def test_decode_addr32_guard_and_pruning(monkeypatch, device):
     # cache must be below 2^31. Where it is not, the autotuner drops the ADDR32 configs, and an explicit
     # ADDR32 config runs the int64 form (FITS32 False reaches the kernel).
     fits = dec.offsets_fit_int32
-    assert fits(torch.empty(2**31 // (16 * 2 * 128), 16, 2, 128, device="meta"))  # offsets up to 2^31 - 1
-    assert not fits(torch.empty(2**31 // (16 * 2 * 128) + 1, 16, 2, 128, device="meta"))
-    small = torch.empty(4, 16, 2, 128, device="meta")
-    assert not fits(small, torch.empty(1, 2**31 + 1, device="meta"))  # every cache counts
+    pages = 2**31 // (16 * 2 * 128)  # offsets up to 2^31 - 1 exactly
+    assert fits(torch.empty(pages, 16, 2, 128, device="meta"))
+    big = torch.empty(pages + 1, 16, 2, 128, device="meta")
+    assert not fits(big) and not fits(torch.empty(4, 16, 2, 128, device="meta"), big)  # every cache counts
+    assert not fits(big[:, :, :1])  # a view: its strides count, not its size
     cfgs = [triton.Config({"BLOCK_N": 64, "ADDR32": a}, num_warps=4, num_stages=3) for a in (False, True)]
     assert dec._prune_configs(cfgs, {}, FITS32=True) == cfgs
     assert dec._prune_configs(cfgs, {}, FITS32=False) == cfgs[:1]
