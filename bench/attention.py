@@ -23,6 +23,8 @@ that leaves it clean (Bench.clean_ms); the eager time is recorded too. Decode's 
 side by side on every decode row, their graphs replayed interleaved (kiln_two_pass_* / kiln_one_pass_*,
 one_pass_speedup* = two_pass time / one_pass time), and on the Qwen rows also as a graph of 28 calls over 28
 separate caches, a decode step's worth of layers (kiln_<form>_stack_us_per_call). kiln_* is the default form.
+The split kernel's autotuned configs (old int64 addressing and the ADDR32 ones) are also timed one by one,
+side by side (kiln_split_<config>_TBps; the "decode split configs" table).
 
 Every case is independent: an error is recorded in the JSON for that case and the run continues.
 """
@@ -302,6 +304,7 @@ def decode_case(bench: Bench, c: dict, rec: dict, dev: str, dtype) -> None:
             return decode_attention(q, kc, vc, table, seq_lens, form=form)
 
     decode_forms(bench, rec, c, kiln, k_cache)
+    decode_configs(bench, rec, (q, k_cache, v_cache, table, seq_lens))
     bench.measure(rec, "kiln_eager_ms", kiln)  # with Python launch overhead: see the graph figure
     ms = bench.measure(rec, "kiln_ms", kiln, graph=True)
     from kiln.kernels import decode_attention as dec
@@ -381,6 +384,45 @@ def decode_forms(bench: Bench, rec: dict, c: dict, kiln, k_cache) -> None:
         two, one = rec.get(f"kiln_two_pass{key}"), rec.get(f"kiln_one_pass{key}")
         if two and one:
             rec["one_pass_speedup" + key.removesuffix("_ms")] = round(two / one, 3)
+
+
+def config_name(n: int, w: int, s: int, addr32: bool) -> str:
+    return f"{n}x{w}w{s}s" + ("_addr32" if addr32 else "")
+
+
+def decode_configs(bench: Bench, rec: dict, tensors) -> None:
+    """The split kernel at each of its autotuned configs (decode_attention.SPLIT_CONFIGS: the old int64
+    ones and the ADDR32 ones with fewer registers), the default form, each a graph replayed interleaved with
+    the others (do_bench's flush before each replay): kiln_split_<config>_ms and _TBps, so that one run
+    shows old against new side by side (the autotuner's own pick is kiln_config). On the CPU each config
+    runs once through the interpreter: kiln_split_<config>_max_abs_diff against the autotuned call."""
+    from kiln.kernels import decode_attention as dec
+
+    q, kc, vc, table, seq_lens = tensors
+    scale = q.shape[-1] ** -0.5
+    fns = {}
+    for n, w, s, a in dec.SPLIT_CONFIGS:
+        cfg = dict(BLOCK_N=n, num_warps=w, num_stages=s, ADDR32=a)
+
+        def call(cfg=cfg):
+            return dec.decode_attention_triton(q, kc, vc, table, seq_lens, scale, None, None, None, cfg)
+
+        fns[f"kiln_split_{config_name(n, w, s, a)}_ms"] = call
+    if not bench.cuda:  # the interpreter: every config runs (num_warps / num_stages mean nothing there)
+        want = dec.decode_attention_triton(q, kc, vc, table, seq_lens, scale, None, None, None)
+        for key, fn in fns.items():
+            rec[key.removesuffix("_ms") + "_max_abs_diff"] = float((fn() - want).abs().max())
+        return
+    graphs = {}
+    for key, fn in fns.items():
+        try:
+            graphs[key] = bench.capture([fn]).replay
+        except Exception as e:  # noqa: BLE001 - one failing config must not end the run
+            rec[key + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    bench.measure_many(rec, graphs)
+    for key in graphs:
+        if rec.get(key):
+            rec[key.removesuffix("_ms") + "_TBps"] = round(rec["kv_bytes"] / rec[key] / 1e9, 3)
 
 
 def flex_case(bench: Bench, rec: dict, tensors, flex, create_block_mask) -> None:
@@ -515,7 +557,31 @@ def markdown_tables(path: str) -> str:
             f"| {f(r.get('one_pass_speedup_clean_l2'), '{:.2f}')} | {stack} "
             f"| {f(r.get('one_pass_speedup_stack'), '{:.2f}')} |"
         )
+    lines += decode_config_table(res)
     return "\n".join(lines)
+
+
+def decode_config_table(res: dict) -> list[str]:
+    """The split kernel's configs side by side (decode_configs): TB/s of K/V read per decode row."""
+    from kiln.kernels.decode_attention import SPLIT_CONFIGS
+
+    names = [config_name(*c) for c in SPLIT_CONFIGS]
+    rows = [r for r in res["decode"] if any(f"kiln_split_{n}_TBps" in r for n in names)]
+    if not rows:
+        return []  # a results file from before the per-config timings
+    lines = ["", "| decode split configs (graph replay, TB/s) | " + " | ".join(names) + " | autotuned |"]
+    lines.append("|---" * (len(names) + 2) + "|")
+    for r in rows:
+        cells = [
+            f"{r[k]:.2f}" if isinstance(r.get(k), float) else "-"
+            for k in (f"kiln_split_{n}_TBps" for n in names)
+        ]
+        lines.append(
+            f"| B={r['B']} x {r['L']}, {r['Hq']}q/{r['Hk']}kv, D {r['D']} | "
+            + " | ".join(cells)
+            + f" | {r.get('kiln_config', '-')} |"
+        )
+    return lines
 
 
 PREFLIGHT = """

@@ -360,3 +360,56 @@ def test_gpu_one_pass_capture_without_warm_up_is_an_error(monkeypatch):
     with pytest.raises(ValueError, match="run the same call once before capturing"):
         with torch.cuda.graph(graph):
             decode_attention(q, kc, vc, table, seq_lens, form="one_pass")
+
+
+# ------------------------------------------------------------------------ int32 K/V offsets (ADDR32 configs)
+@pytest.mark.parametrize(
+    "lens,Hq,Hk,D,page,block_n,splits,window,sinks,form",
+    [
+        ([1, 47, 130], 3, 3, 16, 8, 32, 3, None, False, "two_pass"),  # group 1, tiles over 4 pages of 8
+        ([200, 9], 8, 1, 32, 16, 16, 5, 60, True, "one_pass"),  # group 8 on one KV head, a window, sinks
+        ([75], 6, 2, 64, 32, 64, 1, None, True, "two_pass"),  # group 3, page 32 < tile 64, one split
+    ],
+    ids=["gqa1-page8", "gqa8-window-one-pass", "gqa3-D64-single"],
+)
+def test_decode_addr32_is_bitwise_the_int64_form(
+    lens, Hq, Hk, D, page, block_n, splits, window, sinks, form, device
+):
+    # The ADDR32 configs only move the K/V address math to int32 offsets: same loads, same math, same bits.
+    # Where the offsets do not fit (FITS32 False, faked here: a real cache that large does not fit a test),
+    # an ADDR32 config compiles the int64 form.
+    from kiln.kernels.decode_attention import decode_attention_triton
+
+    q, kc, vc, table, seq_lens = _paged(lens, Hq, Hk, D, page, torch.float32, device, seed=60)
+    s = torch.randn(Hq, generator=torch.Generator().manual_seed(61)).to(device) if sinks else None
+    cfg = dict(BLOCK_N=block_n, num_warps=4, num_stages=1)
+    args = (q, kc, vc, table, seq_lens, 0.3, window, s, splits)
+    old = decode_attention_triton(*args, dict(cfg, ADDR32=False), form=form)
+    new = decode_attention_triton(*args, dict(cfg, ADDR32=True), form=form)
+    assert torch.equal(new, old)
+    assert_close(new, _ref64(q, kc, vc, table, seq_lens, softmax_scale=0.3, window=window, sinks=s))
+    _assert_counters_zero(device)
+
+
+def test_decode_addr32_guard_and_pruning(monkeypatch, device):
+    import triton
+
+    # offsets_fit_int32 is shape/stride arithmetic (meta tensors: no memory): the largest element offset of a
+    # cache must be below 2^31. Where it is not, the autotuner drops the ADDR32 configs, and an explicit
+    # ADDR32 config runs the int64 form (FITS32 False reaches the kernel).
+    fits = dec.offsets_fit_int32
+    pages = 2**31 // (16 * 2 * 128)  # offsets up to 2^31 - 1 exactly
+    assert fits(torch.empty(pages, 16, 2, 128, device="meta"))
+    big = torch.empty(pages + 1, 16, 2, 128, device="meta")
+    assert not fits(big) and not fits(torch.empty(4, 16, 2, 128, device="meta"), big)  # every cache counts
+    assert not fits(big[:, :, :1])  # a view: its strides count, not its size
+    cfgs = [triton.Config({"BLOCK_N": 64, "ADDR32": a}, num_warps=4, num_stages=3) for a in (False, True)]
+    assert dec._prune_configs(cfgs, {}, FITS32=True) == cfgs
+    assert dec._prune_configs(cfgs, {}, FITS32=False) == cfgs[:1]
+    seen = []
+    monkeypatch.setattr(dec, "offsets_fit_int32", lambda *c: seen.append(len(c)) or False)
+    q, kc, vc, table, seq_lens = _paged([70, 3], 4, 2, 16, 8, torch.float32, device, seed=62)
+    got = dec.decode_attention_triton(q, kc, vc, table, seq_lens, 0.25, None, None, 2,
+                                      dict(BLOCK_N=32, num_warps=4, num_stages=1, ADDR32=True))  # fmt: skip
+    assert seen == [2]
+    assert_close(got, _ref64(q, kc, vc, table, seq_lens, softmax_scale=0.25))

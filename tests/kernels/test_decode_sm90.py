@@ -1,11 +1,19 @@
 """The fused decode kernels compiled for the H200 (sm_90) on the CPU machine (Triton cross-compiles without
 a GPU): decode attention's split kernel with and without its own normalization (one split) and in its
-one-pass form (the last split program reduces), and its reduction, RoPE + paged K/V write in both pair
+one-pass form (the last split program reduces), with int64 and int32 (ADDR32) K/V addressing, and its reduction, RoPE + paged K/V write in both pair
 layouts, and the decode matmuls with the SwiGLU prologue at the down projection's configs. The interpreter runs Python's semantics, so code that only the compiler
 rejects (a static branch followed by a second `return` of another shape was one) shows up only here.
 
 Runs in a subprocess: the pytest process imports triton under its interpreter (tests/conftest.py), which
-replaces the jit functions that a compile needs (as tests/kernels/test_quant_sm90.py)."""
+replaces the jit functions that a compile needs (as tests/kernels/test_quant_sm90.py).
+
+The second test compiles the split kernel as the H200 launches it: the launcher runs on CPU tensors of the
+Qwen2.5-1.5B decode shape and the launch is caught before it runs, so the signature is Triton's own
+specialization of those arguments (strides divisible by 16 marked so, as at a real launch: K/V rows load
+as 16-byte cp.async; a signature that marks only the pointers, as the first test's, compiles scalar loads
+through 64-bit pointer tensors, 255 registers with 300-500 bytes spilled, which no launch runs). ptxas -v
+on the PTX gives registers and spills: the ADDR32 configs must not spill and must leave room for the
+programs per SM that the split count aims at (docs/perf/attention.md has the table of all configs)."""
 
 from __future__ import annotations
 
@@ -13,9 +21,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+from kiln.kernels import decode_attention as dec
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -37,13 +48,13 @@ def compile_(fn, ptrs, consts, floats=(), **opts):
     return len(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"])
 
 out = {}
-for single, one_pass in ((False, False), (True, False), (False, True)):
+for single, one_pass, addr32 in ((False, False, False), (False, False, True), (True, False, True), (False, True, True)):
     part = "*bf16" if single else "*fp32"
     ptrs = dict(Q="*bf16", K_CACHE="*bf16", V_CACHE="*bf16", BLOCK_TABLE="*i32", SEQ_LENS="*i32", O_PART=part,
                 LSE_PART=part, SINKS="*fp32", OUT="*bf16", COUNTERS="*i32")
     c = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=16, WINDOW=True, SINGLE=single, ONE_PASS=one_pass, GROUP_P=8,
-             SPLIT_STEP=8, SINK=True, PDL=True, BLOCK_N=64)
-    out[f"split single={single} one_pass={one_pass}"] = compile_(da._decode_split_kernel, ptrs, c, ("qk_scale",),
+             SPLIT_STEP=8, SINK=True, PDL=True, BLOCK_N=64, FITS32=True, ADDR32=addr32)
+    out[f"split single={single} one_pass={one_pass} addr32={addr32}"] = compile_(da._decode_split_kernel, ptrs, c, ("qk_scale",),
                                                                  num_warps=4, num_stages=3)
 out["reduce"] = compile_(da._decode_reduce_kernel, dict(O_PART="*fp32", LSE_PART="*fp32", SINKS="*fp32", OUT="*bf16"),
                          dict(HEAD_DIM=128, BLOCK_S=32, SINK=True, PDL=True))
@@ -63,7 +74,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # 8 compiles: ~10-25 s on an idle 2-core machine
+@pytest.mark.slow  # 9 compiles: ~10-25 s on an idle 2-core machine
 def test_fused_decode_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
@@ -73,4 +84,98 @@ def test_fused_decode_kernels_compile_for_sm90(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(res) == 8 and all(n > 0 for n in res.values()), res
+    assert len(res) == 9 and all(n > 0 for n in res.values()), res
+
+
+LAUNCH_SCRIPT = r"""
+import json, os, re, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+from kiln.kernels import decode_attention as da
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+class Caught(Exception):
+    pass
+
+
+def launch_args(cfg, form, B=64, Hq=12, Hk=2, D=128, page=16, width=256, L=1100):
+    # the H200's launch: B x 1100 live keys in a table 4096 wide, 5 splits (num_splits_for at 132 SMs), PDL
+    fn, got = da._decode_split_kernel.fn, {}
+
+    def run(*args, grid, warmup, **kw):
+        got.update(args=args, kw=kw)
+        raise Caught
+
+    fn.run = run  # an instance attribute: the launch goes here instead of compiling for the (absent) driver
+    try:
+        q = torch.zeros(B, Hq, D, dtype=torch.bfloat16)
+        kc = torch.zeros(B * width, page, Hk, D, dtype=torch.bfloat16)
+        splits = da.num_splits_for(B, Hk, width * page, 132)
+        try:
+            da.decode_attention_triton(q, kc, kc.clone(), torch.zeros(B, width, dtype=torch.int32),
+                                       torch.full((B,), L, dtype=torch.int32), D ** -0.5, None, None, splits,
+                                       dict(cfg), form=form)
+        except Caught:
+            pass
+    finally:
+        del fn.run
+    return got["args"], dict(got["kw"], PDL=True, launch_pdl=True)
+
+
+def resources(args, kw):
+    # Triton's own launch path (triton/runtime/jit.py: the binder, then _pack_args), compiled for sm_90a
+    fn = da._decode_split_kernel.fn
+    backend = make_backend(TARGET)
+    bound, spec, opts = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kw)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, spec, opts)
+    k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(k.asm["ptx"])
+        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", path + ".o"],
+                             capture_output=True, text=True, check=True).stderr
+    num = lambda pat: int(re.search(pat, log).group(1))
+    return dict(regs=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
+                spill_loads=num(r"(\d+) bytes spill loads"), smem=k.metadata.shared)
+
+
+out = []
+for n, w, s, a in da.SPLIT_CONFIGS:
+    for form in json.loads(sys.argv[1]):
+        if a or json.loads(sys.argv[2]):
+            cfg = dict(BLOCK_N=n, num_warps=w, num_stages=s, ADDR32=a)
+            out.append(dict(cfg, form=form, **resources(*launch_args(cfg, form))))
+print(json.dumps(out))
+"""
+
+
+def split_kernel_resources(forms=("two_pass", "one_pass"), old=False) -> list[dict]:
+    """Registers, spills and shared memory of the split kernel's configs (the ADDR32 ones; `old`: all) at the
+    H200's Qwen2.5-1.5B decode launch, per form. Also a tool: the docs' table came from old=True."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as cache:
+        env["TRITON_CACHE_DIR"] = cache  # a fresh cache: compile for real, touch nothing shared
+        proc = subprocess.run(
+            [sys.executable, "-c", LAUNCH_SCRIPT, json.dumps(list(forms)), json.dumps(old)],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # 6 compiles and ptxas runs: ~20 s on the shared 2-core machine
+def test_split_kernel_addr32_configs_do_not_spill_at_the_launch():
+    # Every ADDR32 config in both forms: no spill; 4 warps at <= 128 registers a thread (4 programs an SM,
+    # PER_SM's aim: 65536 / (4 x 128 threads)), 8 warps at <= 80 (3 programs, 2 at the old config's 95).
+    res = split_kernel_resources()
+    assert len(res) == 2 * sum(a for *_, a in dec.SPLIT_CONFIGS), res
+    for r in res:
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+        assert r["regs"] <= (128 if r["num_warps"] == 4 else 80), r

@@ -10,7 +10,8 @@ joining the softmax denominator, as in kiln.kernels.attention.
 Kernel 1 splits each sequence's keys into `num_splits` chunks: program (b, kv head, split) streams its
 chunk once and serves all Hq / Hk query heads of the group from it (the group is the M dim of the
 dots, padded to 16), so each K/V byte is read once. Token t's row is found through the block table
-per row, so a tile spans any number of pages. Each program writes a partial output normalized by its
+per row, so a tile spans any number of pages (row offsets in int32 where the cache's offsets fit and the
+config says ADDR32: fewer registers, the same loads; SPLIT_CONFIGS has the sm_90 figures). Each program writes a partial output normalized by its
 own sum, and the log2-sum-exp of its chunk:
     o_s = sum_j 2^(s_j - lse_s) v_j,   lse_s = log2 sum_j 2^(s_j)      (s in log2 units)
 and they are combined: o = sum_s 2^(lse_s - m) o_s / (sum_s 2^(lse_s - m) + 2^(sink - m)), in one of two
@@ -120,13 +121,47 @@ def decode_attention_ref(
 
 
 # ------------------------------------------------------------------------------------ Triton kernels
+# The split kernel's autotuned configs: (BLOCK_N, num_warps, num_stages, ADDR32), with the registers a thread
+# each takes compiled for sm_90a at the Qwen2.5-1.5B launch (12 / 2 heads x 128, page 16, bf16), two_pass /
+# one_pass form (ptxas -v at the launch's own specialization: tests/kernels/test_decode_sm90.py; none spills;
+# the table in docs/perf/attention.md). At <= 128 registers 4 programs of 4 warps fit an SM (PER_SM's aim);
+# 8 warps at <= 80 fit 3 programs instead of 2. The old three stay so that the H200's autotuner chooses by
+# measurement (bench/attention.py times every config side by side).
+SPLIT_CONFIGS = (
+    (64, 4, 3, False),  # 123 / 126
+    (64, 4, 4, False),  # 123 / 126 (compiles as 3 stages do: K/V are single-buffered either way)
+    (128, 8, 3, False),  # 95 / 93
+    (64, 4, 3, True),  # 112 / 117
+    (128, 8, 3, True),  # 76 / 80
+    (32, 4, 3, True),  # 80 / 112
+)
+
+
 def _configs():
-    if interpreting():
-        return [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    if interpreting():  # one config (PLATFORM.md); the int32 form, whose guard the tests exercise both ways
+        return [triton.Config({"BLOCK_N": 32, "ADDR32": True}, num_warps=4, num_stages=1)]
     return [
-        triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
-        for n, w, s in ((64, 4, 3), (64, 4, 4), (128, 8, 3))
+        triton.Config({"BLOCK_N": n, "ADDR32": a}, num_warps=w, num_stages=s) for n, w, s, a in SPLIT_CONFIGS
     ]
+
+
+def offsets_fit_int32(*caches: torch.Tensor) -> bool:
+    """Whether every element offset of each (pages, page size, Hk, D) cache, from its first element, fits
+    int32, so the split kernel may build its K/V row offsets in int32 (ADDR32). Unrolled: it runs on every
+    launch (~1.5 us for two caches, a third of a generator's cost)."""
+    for c in caches:
+        (p, r, h, d), (sp, sr, sh, sd) = c.shape, c.stride()
+        if (p - 1) * sp + (r - 1) * sr + (h - 1) * sh + (d - 1) * sd >= 2**31:
+            return False
+    return True
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """The ADDR32 configs compile to the int64 form where the offsets do not fit (FITS32 False): drop them
+    rather than time the same kernel twice."""
+    if kwargs.get("FITS32", True):
+        return configs
+    return [c for c in configs if not c.kwargs.get("ADDR32")]
 
 
 def _bench(fn, quantiles):
@@ -176,7 +211,12 @@ def _combine_splits(
              mask=g_ok[:, None])
 
 
-@triton.autotune(_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE_SIZE", "SPLIT_KEY", "ONE_PASS"], do_bench=_bench)
+@triton.autotune(
+    _configs(),
+    key=["HEAD_DIM", "BLOCK_H", "PAGE_SIZE", "SPLIT_KEY", "ONE_PASS", "FITS32"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+    do_bench=_bench,
+)
 @triton.jit
 def _decode_split_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS,  # q (B, Hq, D); caches (pages, PAGE_SIZE, Hk, D); see paged_kv
@@ -191,7 +231,10 @@ def _decode_split_kernel(
     SINGLE: tl.constexpr,  # one split: normalize (with the sinks) and write the final output here
     ONE_PASS: tl.constexpr,  # several splits, the last to finish per (b, kv head) combines them (module doc)
     GROUP_P: tl.constexpr, SPLIT_STEP: tl.constexpr,  # ONE_PASS's combine tile: heads, splits a step
-    SINK: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINK: tl.constexpr, PDL: tl.constexpr,
+    FITS32: tl.constexpr,  # every cache element offset fits int32 (offsets_fit_int32, on the host)
+    BLOCK_N: tl.constexpr,
+    ADDR32: tl.constexpr,  # a config's choice: K/V row offsets in int32 where FITS32 (same loads, fewer registers)
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
@@ -229,11 +272,23 @@ def _decode_split_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         t = n0 + offs_n  # (BLOCK_N,) token positions; each row found through its page
         t_ok = t < hi
-        page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
-        k_rows = K_CACHE + page * stride_kp + (t % PAGE_SIZE) * stride_kt + hk * stride_kh
-        v_rows = V_CACHE + page * stride_vp + (t % PAGE_SIZE) * stride_vt + hk * stride_vh
-        k = tl.load(k_rows[:, None] + offs_d[None, :], mask=t_ok[:, None], other=0.0)  # (BLOCK_N, D)
-        v = tl.load(v_rows[:, None] + offs_d[None, :], mask=t_ok[:, None], other=0.0)
+        page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0)  # (BLOCK_N,) int32
+        if ADDR32 and FITS32:
+            # (BLOCK_N,) int32 row offsets from the head's base; the (BLOCK_N, D) offsets stay int32 and only
+            # the final address is 64-bit: the pipelined loop holds 32-bit offsets for the next tile, not
+            # 64-bit pointers (sm_90a: 123 -> 112 registers at 64 keys / 4 warps, 95 -> 76 at 128 / 8)
+            k_off = page * stride_kp + (t % PAGE_SIZE) * stride_kt
+            v_off = page * stride_vp + (t % PAGE_SIZE) * stride_vt
+            k_ptrs = K_CACHE + hk * stride_kh + (k_off[:, None] + offs_d[None, :])  # (BLOCK_N, D)
+            v_ptrs = V_CACHE + hk * stride_vh + (v_off[:, None] + offs_d[None, :])
+        else:  # int64 row pointers, any cache size: the kernel as it was before ADDR32 (the old configs)
+            page64 = page.to(tl.int64)
+            k_rows = K_CACHE + page64 * stride_kp + (t % PAGE_SIZE) * stride_kt + hk * stride_kh
+            v_rows = V_CACHE + page64 * stride_vp + (t % PAGE_SIZE) * stride_vt + hk * stride_vh
+            k_ptrs = k_rows[:, None] + offs_d[None, :]
+            v_ptrs = v_rows[:, None] + offs_d[None, :]
+        k = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)  # (BLOCK_N, D)
+        v = tl.load(v_ptrs, mask=t_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_H, BLOCK_N), log2 units
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -369,8 +424,9 @@ def decode_attention_triton(
     config=None,
     form=None,
 ):
-    """config (sweeps): a dict of the split kernel's BLOCK_N, num_warps, num_stages, plus optionally
-    `per_sm` and `align` for the split count, used instead of autotuning and the defaults. form: see
+    """config (sweeps): a dict of the split kernel's BLOCK_N, num_warps, num_stages (and ADDR32, False when
+    absent), plus optionally `per_sm` and `align` for the split count, used instead of autotuning and the
+    defaults. form: see
     `decode_attention` (checked there; None: default_form())."""
     B, Hq, D = q.shape
     _, page_size, Hk, _ = k_cache.shape
@@ -397,7 +453,9 @@ def decode_attention_triton(
     sink_arg = sinks if sinks is not None else q
     counters = split_counters(q.device, B * Hk) if one_pass else seq_lens  # else a dummy, never touched
     # fmt: off
-    split_kernel = _decode_split_kernel.fn if config else _decode_split_kernel  # an explicit config: no autotuning
+    if config:  # an explicit config: no autotuning; without ADDR32 the int64 form (the sweeps' kernel)
+        config.setdefault("ADDR32", False)
+    split_kernel = _decode_split_kernel.fn if config else _decode_split_kernel
     split_kernel[(B, Hk, splits)](
         q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, sink_arg, out, counters,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
@@ -406,7 +464,7 @@ def decode_attention_triton(
         HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, pow2(group)), WINDOW=window is not None,
         SINGLE=single, ONE_PASS=one_pass, GROUP_P=pow2(group),
         SPLIT_STEP=min(pow2(splits), combine_step(group, D)), SINK=sinks is not None, PDL=use_pdl,
-        launch_pdl=use_pdl, **config,
+        FITS32=offsets_fit_int32(k_cache, v_cache), launch_pdl=use_pdl, **config,
     )
     if single or one_pass:
         return out
