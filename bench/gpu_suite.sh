@@ -2,8 +2,8 @@
 # One batched GPU session: kiln's GPU tests, every benchmark, and the main job on CUDA.
 # Usage (on the H200, from the repo root): bash bench/gpu_suite.sh OUT_DIR [parts...]
 # parts: tests norms gemm_ce attention matmul_decode host_overhead run infer compile, and the measurements
-# the open issues wait for: serve overlap quant fp8curve cuda moe decode (default: tests norms gemm_ce
-# attention run). Each part has its own time cap so one
+# the open issues wait for: serve overlap quant fp8curve cuda moe decode decodestep (default: tests norms
+# gemm_ce attention run). Each part has its own time cap so one
 # slow part cannot eat the others'; results are JSON/logs in OUT_DIR.
 # At most 7 files land in OUT_DIR (the device tool brings back 8).
 set -u
@@ -65,29 +65,32 @@ for part in $PARTS; do
           timeout 200 python3 bench/cuda_ladder.py --out "$OUT/cuda_ladder.json" >> "$OUT/bench.log" 2>&1 ;;
     # issue 19: decode batch 1-64 and prefill against torch._grouped_mm (~90 s)
     moe) timeout 180 python3 bench/moe.py --case quick --out "$OUT/moe_quick.json" >> "$OUT/bench.log" 2>&1 ;;
-    # issues 15 and 19: the decode forms built without a GPU, each against the form in use, side by side:
-    # decode attention in one launch (kernel rows, then whole steps with KILN_DECODE_FORM=one_pass beside
-    # the overlap part's two-pass figures), add + RMSNorm split over the decode matmuls, and their GPU tests
+    # issues 15 and 19: the decode forms built without a GPU, each against the form in use, side by side.
+    # decode: kernel level (decode attention's one-launch form and split configs; add + RMSNorm split over
+    # the decode matmuls) and the GPU tests of every new form (<= 460 s)
     decode) timeout 130 python3 bench/attention.py --no-flex --out "$OUT/attention.json" >> "$OUT/bench.log" 2>&1
             timeout 90 python3 bench/matmul_decode.py --case norm_fused --out "$OUT/matmul_decode-norm_fused.json" \
               >> "$OUT/bench.log" 2>&1
-            KILN_DECODE_FORM=one_pass timeout 150 python3 bench/infer_overlap.py --batches 1,64 --timed-steps 48 \
-              --out "$OUT/infer_overlap-one_pass.json" >> "$OUT/bench.log" 2>&1
-            # whole decode steps with the add + RMSNorm separate (today) and split over the decode matmuls
-            # (KILN_DECODE_NORM=split), same batches, one process each (tables in bench.log); one file holds
-            # both runs' JSON as {"separate": ..., "split": ...}
-            rm -f /tmp/infer_overlap-norm_*.json
-            for form in separate split; do
-              echo "== infer_overlap KILN_DECODE_NORM=$form" >> "$OUT/bench.log"
-              KILN_DECODE_NORM=$form timeout 150 python3 bench/infer_overlap.py --batches 1,16 --timed-steps 48 \
-                --out "/tmp/infer_overlap-norm_$form.json" >> "$OUT/bench.log" 2>&1
-            done
-            python3 -c 'import json, os, sys; json.dump({f: json.load(open(f"/tmp/infer_overlap-norm_{f}.json"))
-              for f in ("separate", "split") if os.path.exists(f"/tmp/infer_overlap-norm_{f}.json")},
-              open(sys.argv[1], "w"), indent=1)' "$OUT/infer_overlap-norm_split.json" >> "$OUT/bench.log" 2>&1
             timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_decode_attention.py \
               tests/kernels/test_norm_fused_decode.py tests/kernels/test_moe_decode.py tests/kernels/test_moe_gemm.py \
               tests/model/test_norm_split.py >> "$OUT/bench.log" 2>&1 ;;
+    # decodestep: whole decode steps (async scheduling, CUDA graphs; batch 1 and 16, where the split norm
+    # applies: at most 16 rows) in today's forms, with decode attention
+    # in one launch (KILN_DECODE_FORM=one_pass), and with the add + RMSNorm split (KILN_DECODE_NORM=split):
+    # one process each, one after the other (tables in bench.log), one file {"base", "one_pass",
+    # "norm_split"} (<= 420 s)
+    decodestep)
+            rm -f /tmp/infer_overlap-step_*.json
+            for form in base one_pass norm_split; do
+              echo "== infer_overlap $form" >> "$OUT/bench.log"
+              env $( [ $form = one_pass ] && echo KILN_DECODE_FORM=one_pass ) \
+                $( [ $form = norm_split ] && echo KILN_DECODE_NORM=split ) \
+                timeout 140 python3 bench/infer_overlap.py --batches 1,16 --timed-steps 48 \
+                --out "/tmp/infer_overlap-step_$form.json" >> "$OUT/bench.log" 2>&1
+            done
+            python3 -c 'import json, os, sys; json.dump({f: json.load(open(f"/tmp/infer_overlap-step_{f}.json"))
+              for f in ("base", "one_pass", "norm_split") if os.path.exists(f"/tmp/infer_overlap-step_{f}.json")},
+              open(sys.argv[1], "w"), indent=1)' "$OUT/infer_overlap-decode_forms.json" >> "$OUT/bench.log" 2>&1 ;;
     *) echo "unknown part $part" ;;
   esac
   echo "$part: exit $? in $(( $(date +%s) - start ))s" | tee -a "$OUT/env.txt"
