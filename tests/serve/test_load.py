@@ -33,11 +33,11 @@ def test_disconnect_mid_stream_frees_blocks(model_dir):
             with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
                 assert r.status_code == 200
                 lines = r.iter_lines()
-                got = []
-                for ln in lines:  # read three chunks, then hang up
+                # the first chunk, then hang up: it leaves at the first token, while later chunks wait out
+                # the stream interval (20 ms each), long enough on a busy machine for the engine to finish
+                for ln in lines:
                     if ln.startswith("data: {"):
-                        got.append(json.loads(ln[6:]))
-                    if len(got) == 3:
+                        assert json.loads(ln[6:])["choices"][0]["finish_reason"] is None
                         break
                 assert used_blocks(s) > 0  # the request holds its KV blocks while it runs
                 metrics = httpx.get(s.url + "/metrics").text

@@ -102,10 +102,10 @@ def test_disconnect_aborts_and_frees_the_blocks(proc_server):
     body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as r:
-            got = 0
-            for ln in r.iter_lines():  # three chunks, then hang up
-                got += ln.startswith("data: {")
-                if got == 3:
+            # the first chunk, then hang up: it leaves at the first token, while later chunks wait out the
+            # stream interval (20 ms each), long enough on a busy machine for the engine to finish all 200
+            for ln in r.iter_lines():
+                if ln.startswith("data: {"):
                     break
             text = http.get("/metrics").text
             assert metric(text, "kiln_kv_blocks_used") > 0 and metric(text, "kiln_requests_running") == 1
