@@ -44,13 +44,14 @@ The leader needs no sort and no host sync either: the ids are compared on the de
 A token that lists an expert twice (no top-k router does) is served by one pass per occurrence.
 
 Which form: `moe_decode_fwd(..., form=)`, "auto" being `decode_form(T, k, E)` (its docstring has the
-reasoning; the experts form is not yet measured on the H200: bench/moe.py --case quick times both).
+H200 measurement behind it: experts at one token, pairs otherwise; bench/moe.py --case quick times both).
 No host sync, the grids depend on T, k, d and I only: CUDA-graph safe. Tiles: `decode_tiles`, the dense
 gemv's rule measured on the H200 (4 columns, 256-wide steps, 3-stage pipeline; long K: 2 columns,
 1024-wide steps), and for the experts form's tl.dot kernels `expert_tiles`; bench/moe.py sweeps others.
 Forward only (inference): the model takes this path when no gradient is needed and there are no more
 pairs than experts (`use_decode`); with more pairs the pairs form would stream the same weights once per
-pair, and the grouped GEMM wins (whether the experts form moves that line is for the H200 run).
+pair, and the grouped GEMM wins (at Mixtral-like 8-16 tokens the experts form measured 0.812-0.829 ms
+against the grouped GEMM's 0.730-0.737 on the H200: the line stays).
 float32 accumulation; float32 / float16 / bfloat16 (the CPU tests run float32 and float16 through the
 interpreter). Differences to the prefill path: out is summed in float32 without rounding each pair's down
 projection to x's dtype first (one rounding less). Expert ids must lie in [0, E): not checked (a check is
@@ -451,21 +452,17 @@ DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # tl.dot's inputs (
 
 
 def decode_form(n_tokens: int, top_k: int, n_experts: int) -> str:
-    """The form `form="auto"` takes: "experts" at one token with k >= 4, "pairs" otherwise.
+    """The form `form="auto"` takes: "experts" at one token, "pairs" otherwise.
 
-    From the H200 quick run at 2693a3b (docs/perf/moe.md), the pairs form at >= 0.8 of copy keeps it;
-    "experts" only where the pairs form measured below 0.8 for a reason the shape (not the routing) shows:
-    at batch 1 with k 6-8 small experts (Qwen3-like 0.70, DeepSeek-like 0.54) the pairs form's down kernel
-    has d / 4 programs (512 at d = 2048), each walking k * I weights (6144-8448 deep) serially: too few
-    loads in flight for 20-40 us of bytes; the experts form gives it k times the programs, I deep each,
-    for a third launch (the combine, k * d * 4 bytes). Mixtral (k = 2, 0.92 at batch 1) keeps pairs.
-    Not taken on shape alone: Zipf routing at batch 8-16 (0.56-0.70), where several tokens share a hot
-    expert, since the same shapes under balanced routing measured 0.94-1.03 with the pairs form, and the
-    host cannot see the routing without a sync; DeepSeek-like batch 2 (0.72), since Qwen3-like batch 2
-    (same T and k class) measured 0.87. bench/moe.py --case quick times both forms at every batch and
-    routing (kiln_decode_pairs, kiln_decode_experts): the rule is to be reset from that run. The experts
-    form has not been measured on the H200 yet."""
-    return "experts" if n_tokens == 1 and top_k >= 4 else "pairs"
+    Measured on the H200 at c598f16 (bench/moe.py --case quick, both forms as CUDA-graph replays, side
+    by side; docs/perf/moe.md), experts time / pairs time at one token: Mixtral-like 1.094x faster,
+    Qwen3-like 1.036x, DeepSeek-like 1.051x: at one token each pair is its expert's only one, and the
+    experts form's down kernel has k times the programs, each I deep instead of k * I (more loads in
+    flight), for a third launch (the combine, k * d * 4 bytes). At 2-4 tokens the pairs form wins at every
+    shape and routing (experts 0.67-0.96x); at 8-16 tokens it depends on the routing (Qwen3-like 16
+    tokens: 0.70x balanced, 1.12x Zipf), which the host cannot see without a sync, so pairs stays.
+    (Mixtral-like shapes past 4 tokens have more pairs than experts and take the grouped GEMM.)"""
+    return "experts" if n_tokens == 1 else "pairs"
 
 
 def expert_rows(n_tokens: int, dtype: torch.dtype) -> int:
