@@ -15,7 +15,8 @@ config says ADDR32: fewer registers, the same loads; SPLIT_CONFIGS has the sm_90
 own sum, and the log2-sum-exp of its chunk:
     o_s = sum_j 2^(s_j - lse_s) v_j,   lse_s = log2 sum_j 2^(s_j)      (s in log2 units)
 and they are combined: o = sum_s 2^(lse_s - m) o_s / (sum_s 2^(lse_s - m) + 2^(sink - m)), in one of two
-forms (`form`; DEFAULT_FORM until the H200 has timed both, KILN_DECODE_FORM overriding it):
+forms (`form`; DEFAULT_FORM, two_pass: on the H200 at c598f16 whole decode steps with one_pass ran 6.9%
+slower at batch 1 and 0.8% at batch 16, docs/perf/attention.md; KILN_DECODE_FORM overriding it):
 - "two_pass": kernel 2, one program per (b, query head), combines them. With PDL (sm_90+) it is scheduled
   while kernel 1 runs and waits in its prologue for kernel 1 to complete, so its launch is hidden; the
   kernel boundary (kernel 1 drained, its writes flushed, kernel 2 released) and kernel 2's own L2 round

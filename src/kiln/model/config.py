@@ -65,7 +65,8 @@ def decode_norm() -> str:
     `KILN_DECODE_NORM=split python bench/infer_overlap.py ...` times whole decode steps with the norms split
     across the decode matmuls (o_proj / down_proj's residual_sumsq epilogue, gate_up / qkv's rmsnorm
     prologue) without a code change. Where the split form does not apply, a step runs as with "separate"
-    (kiln.model.transformer.Decoder). Off by default until the H200 has timed it (docs/perf/matmul_decode.md)."""
+    (kiln.model.transformer.Decoder). Off by default: on the H200 at c598f16 whole decode steps with it ran 15%
+    slower at batch 1 and 12% at batch 16 (docs/perf/matmul_decode.md)."""
     form = os.environ.get("KILN_DECODE_NORM", "") or "separate"
     if form not in DECODE_NORMS:
         raise KilnError(
