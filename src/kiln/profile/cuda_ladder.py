@@ -11,6 +11,12 @@
     5. on Hopper, last, the wgmma + TMA GEMMs (bf16 and FP8), every configuration of
        ladder.WGMMA_CONFIGS, each run in a child process (kiln.profile.cuda_isolated): a configuration
        that faults or hangs is recorded as failed and skipped, the others are still measured.
+    6. the verdict on issue 21's two open goals at 4096^3 (the fastest SGEMM >= 0.9x cuBLAS fp32, the
+       fastest mma.sync bf16 >= 0.6x cuBLAS bf16), printed last and kept in the JSON as "goals".
+
+Kernels not yet timed on the H200 (the skewed SGEMM at every ladder.SKEWED_CONFIGS row, the mma.sync
+configurations from MMA_IN_PROCESS on) also run in child processes, checked before they are timed, each
+beside its cuBLAS peer timed in the same child: one that faults, hangs or is wrong is an error entry.
 
 Every GEMM output is checked against cuBLAS fp32 (bf16/FP8: against the fp32 product of the same
 rounded inputs) and its max relative error recorded. Times are medians over rounds of
@@ -34,6 +40,11 @@ WGMMA_SHAPES = ((4096, 4096, 4096), (1000, 1024, 1008))
 # One worker: start (~10 s: torch, CUDA, the cached build), check and time every configuration (~5 s). A
 # hung kernel traps after ~9 s (kiln_hopper::mbar_wait), so the timeout only catches other hangs.
 WGMMA_TIMEOUT_S = 90
+# mma.sync bf16 configurations 0-4 ran clean on the H200 (d4d0f05) and run in this process; later ones
+# (the register-pipelined tiles) run in a child process until a GPU run has shown them sound.
+MMA_IN_PROCESS = 5
+# issue 21's goals at 4096^3: the fastest kernel of each kind against its cuBLAS peer
+GOALS = {"sgemm_vs_cublas_fp32": 0.9, "mma_bf16_vs_cublas_bf16": 0.6}
 
 
 def _gflops(m: int, n: int, k: int, ms: float) -> float:
@@ -114,9 +125,38 @@ def bench_sgemm(bench, shape: tuple[int, int, int]) -> list[dict]:
                      "config": best, "tiles": WARPTILE_CONFIGS[best].name,
                      "configs_ms": {str(i): round(t, 4) for i, t in configs.items()},
                      "max_rel_err": _rel_err(run_config(a, b, best), ref)})  # fmt: skip
+    rows.append(bench_skewed(shape))
     rows.append({"step": None, "name": "cublas_fp32", "M": m, "N": n, "K": k, "ms": round(cublas, 4),
                  "GFLOPs": _gflops(m, n, k, cublas), "vs_cublas": 1.0})  # fmt: skip
     return rows
+
+
+def bench_skewed(shape: tuple[int, int, int]) -> dict:
+    """The skewed SGEMM at every configuration, in child processes, against cuBLAS fp32 timed in the same
+    child: one row for the fastest ("skewed_autotuned"), every configuration's figures inside it."""
+    from kiln.kernels.cuda.ladder import SKEWED_CONFIGS
+
+    m, n, k = shape
+    r = _run_isolated("sgemm_skewed", shape, list(range(len(SKEWED_CONFIGS))))
+    peer = r["ms"].get("cublas_fp32")
+    ok = {i: r["ms"][f"config_{i}"] for i in range(len(SKEWED_CONFIGS)) if r["ms"].get(f"config_{i}")}
+    errs = {i: ev.get("max_rel_err") for i, ev in r["checked"].items()}
+    failed = dict(r["failed"])
+    for i in range(len(SKEWED_CONFIGS)):
+        if i not in ok and i not in failed:
+            failed[i] = r["timing_error"] or "wrong result" if i in errs else "not measured"
+    row = {"step": None, "name": "skewed_autotuned", "M": m, "N": n, "K": k, "ms": None, "GFLOPs": None,
+           "vs_cublas": None, "config": None, "tiles": None, "max_rel_err": None,
+           "configs_ms": {str(i): round(t, 4) for i, t in ok.items()},
+           "configs_max_rel_err": {str(i): e for i, e in errs.items()},
+           "cublas_fp32_ms_same_process": round(peer, 4) if peer else None,
+           "failed_configs": {str(i): why for i, why in failed.items()} or None}  # fmt: skip
+    if ok:
+        best = min(ok, key=ok.get)
+        row.update(ms=round(ok[best], 4), GFLOPs=_gflops(m, n, k, ok[best]), config=best,
+                   tiles=SKEWED_CONFIGS[best].name, max_rel_err=errs.get(best),
+                   vs_cublas=round(peer / ok[best], 3) if peer else None)  # fmt: skip
+    return row
 
 
 def bench_tensor_cores(bench, shape: tuple[int, int, int]) -> list[dict]:
@@ -135,7 +175,7 @@ def bench_tensor_cores(bench, shape: tuple[int, int, int]) -> list[dict]:
     # the other tile configurations of the bf16 kernel (config 0 is mma_bf16 itself): checked first; one
     # that raises or is wrong is recorded and not timed
     config_errs, config_fail = {}, {}
-    for i in range(1, len(MMA_CONFIGS)):
+    for i in range(1, MMA_IN_PROCESS):
         try:
             config_errs[i] = _rel_err(mma_bf16(a, b, i), ref)
         except (KilnError, RuntimeError) as e:
@@ -160,7 +200,7 @@ def bench_tensor_cores(bench, shape: tuple[int, int, int]) -> list[dict]:
     errs = {"mma_bf16": _rel_err(mma_bf16(a, b), ref), "cublas_bf16": _rel_err(a @ b, ref)}
     if fp8:
         errs["mma_fp8"] = _rel_err(mma_fp8(a8, bt8, sa, sb), ref8)
-    for i in range(1, len(MMA_CONFIGS)):
+    for i in range(1, MMA_IN_PROCESS):
         peers[f"mma_bf16_config_{i}"] = "cublas_bf16"
         errs[f"mma_bf16_config_{i}"] = config_errs.get(i)
     rows = []
@@ -170,16 +210,36 @@ def bench_tensor_cores(bench, shape: tuple[int, int, int]) -> list[dict]:
                      "TFLOPs": round(_gflops(m, n, k, t["ms"]) / 1e3, 1),
                      "vs_peer": round(peer / t["ms"], 3) if peer else None,
                      "max_rel_err": errs.get(name)})  # fmt: skip
-    # the bf16 kernel autotuned: the fastest configuration on this shape
-    configs = {0: times["mma_bf16"]["ms"]}
-    configs.update({i: times[f"mma_bf16_config_{i}"]["ms"] for i in config_errs if i not in config_fail})
-    best = min(configs, key=configs.get)
-    rows.append({"name": "mma_bf16_autotuned", "M": m, "N": n, "K": k, "ms": round(configs[best], 4),
-                 "TFLOPs": round(_gflops(m, n, k, configs[best]) / 1e3, 1),
-                 "vs_peer": round(times["cublas_bf16"]["ms"] / configs[best], 3),
-                 "max_rel_err": errs["mma_bf16"] if best == 0 else config_errs[best],
+    # the configurations not yet run on a GPU, in child processes, each against cuBLAS bf16 timed there
+    new = list(range(MMA_IN_PROCESS, len(MMA_CONFIGS)))
+    r = _run_isolated("mma_bf16", shape, new) if new else {"ms": {}, "checked": {}, "failed": {}}
+    child_peer = r["ms"].get("cublas_bf16")
+    for i in new:
+        ms, err = r["ms"].get(f"config_{i}"), r["checked"].get(i, {}).get("max_rel_err")
+        error = r["failed"].get(i) or (None if ms else r.get("timing_error") or "wrong result")
+        if error:
+            config_fail[i] = error
+        rows.append({"name": f"mma_bf16_config_{i}", "M": m, "N": n, "K": k,
+                     "ms": round(ms, 4) if ms else None,
+                     "TFLOPs": round(_gflops(m, n, k, ms) / 1e3, 1) if ms else None,
+                     "vs_peer": round(child_peer / ms, 3) if ms and child_peer else None,
+                     "max_rel_err": err, "child_process": True,
+                     "peer_ms_same_process": round(child_peer, 4) if child_peer else None,
+                     "error": error})  # fmt: skip
+    # the bf16 kernel autotuned: the configuration with the best ratio to cuBLAS bf16 on this shape (the
+    # ratio, because the child processes time their own cuBLAS)
+    ratios = {0: times["cublas_bf16"]["ms"] / times["mma_bf16"]["ms"]}
+    ratios.update({i: times["cublas_bf16"]["ms"] / times[f"mma_bf16_config_{i}"]["ms"]
+                   for i in config_errs if i not in config_fail})  # fmt: skip
+    ratios.update({i: child_peer / r["ms"][f"config_{i}"] for i in new
+                   if i not in config_fail and child_peer and r["ms"].get(f"config_{i}")})  # fmt: skip
+    best = max(ratios, key=ratios.get)
+    best_row = next(x for x in rows if x["name"] == ("mma_bf16" if best == 0 else f"mma_bf16_config_{best}"))
+    rows.append({"name": "mma_bf16_autotuned", "M": m, "N": n, "K": k, "ms": best_row["ms"],
+                 "TFLOPs": best_row["TFLOPs"], "vs_peer": round(ratios[best], 3),
+                 "max_rel_err": best_row["max_rel_err"],
                  "config": best, "tiles": MMA_CONFIGS[best].name,
-                 "failed_configs": config_fail or None})  # fmt: skip
+                 "failed_configs": {str(i): why for i, why in config_fail.items()} or None})  # fmt: skip
     return rows
 
 
@@ -187,19 +247,32 @@ def _emit(**event) -> None:
     print(json.dumps(event), flush=True)
 
 
-def wgmma_worker(kind: str, shape: str, variants: list[int]) -> int:
-    """The child process of bench_wgmma: checks each configuration against the fp32 product of the same
-    inputs, then times the correct ones and the peer interleaved; events on stdout (cuda_isolated)."""
+def isolated_worker(kind: str, shape: str, variants: list[int]) -> int:
+    """The child process of _run_isolated: checks each configuration of one kernel against the fp32 (SGEMM:
+    float64) product of the same inputs, then times the correct ones and the peer interleaved; events on
+    stdout (cuda_isolated). kind: "bf16" / "fp8" (wgmma), "mma_bf16", "sgemm_skewed"."""
     import torch
 
-    from kiln.kernels.cuda.ops import wgmma_bf16, wgmma_fp8
+    from kiln.kernels.cuda.ops import mma_bf16, sgemm_skewed, wgmma_bf16, wgmma_fp8
     from kiln.profile.timing import Timer
 
     m, n, k = (int(v) for v in shape.split("x"))
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(m, k, device="cuda", generator=g)
     bt = torch.randn(n, k, device="cuda", generator=g)
-    if kind == "bf16":
+    tol = 2e-2  # bf16 / e4m3 output rounding (2**-8 relative) and accumulation order
+    if kind == "sgemm_skewed":
+        b = bt.t().contiguous()  # (K, N)
+        ref = a.double() @ b.double()
+        run = lambda v: sgemm_skewed(a, b, v)  # noqa: E731
+        peers = {"cublas_fp32": lambda: a @ b}  # TF32 off: torch's default, recorded by the parent
+        tol = 1e-3  # the GPU tests' bound for every SGEMM step
+    elif kind == "mma_bf16":
+        a16, b16 = a.bfloat16(), bt.t().contiguous().bfloat16()  # (M, K) @ (K, N)
+        ref = a16.float() @ b16.float()
+        run = lambda v: mma_bf16(a16, b16, v)  # noqa: E731
+        peers = {"cublas_bf16": lambda: a16 @ b16}
+    elif kind == "bf16":
         a, bt = a.bfloat16(), bt.bfloat16()
         ref = a.float() @ bt.float().t()
         run = lambda v: wgmma_bf16(a, bt, v)  # noqa: E731
@@ -219,7 +292,7 @@ def wgmma_worker(kind: str, shape: str, variants: list[int]) -> int:
         torch.cuda.synchronize()
         err = _rel_err(c, ref)
         _emit(event="checked", variant=v, max_rel_err=err)
-        if err < 2e-2:  # a wrong kernel is reported, not timed
+        if err < tol:  # a wrong kernel is reported, not timed
             fns[f"config_{v}"] = lambda v=v: run(v)
     fns.update(peers)
     times = Timer(smoke=False, rounds=3).interleaved(fns, rep_ms=30)
@@ -227,28 +300,34 @@ def wgmma_worker(kind: str, shape: str, variants: list[int]) -> int:
     return 0
 
 
-def bench_wgmma(
-    bench, kind: str, shape: tuple[int, int, int], skip: dict[int, str] | None = None
-) -> list[dict]:
-    """Every wgmma configuration of one kind ("bf16" or "fp8") on one shape, in child processes; the
-    configurations in `skip` (config -> why) are not run (they faulted or hung on an earlier shape)."""
+def _run_isolated(kind: str, shape: tuple[int, int, int], variants: list[int]) -> dict:
+    """isolated_worker over `variants` of kernel `kind` on one shape, in child processes (run_isolated)."""
     import kiln
-    from kiln.kernels.cuda.ladder import WGMMA_CONFIGS
     from kiln.profile.cuda_isolated import run_isolated
 
-    m, n, k = shape
     key = "x".join(map(str, shape))
     env = dict(os.environ)  # the child imports the same kiln as this process
     src_root = str(Path(kiln.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
 
     def command(vs: list[int]) -> list[str]:
-        return [sys.executable, "-m", "kiln.profile.cuda_ladder", "--wgmma-worker", kind, key,
+        return [sys.executable, "-m", "kiln.profile.cuda_ladder", "--worker", kind, key,
                 ",".join(map(str, vs))]  # fmt: skip
 
+    return run_isolated(variants, command, timeout_s=WGMMA_TIMEOUT_S, env=env)
+
+
+def bench_wgmma(
+    bench, kind: str, shape: tuple[int, int, int], skip: dict[int, str] | None = None
+) -> list[dict]:
+    """Every wgmma configuration of one kind ("bf16" or "fp8") on one shape, in child processes; the
+    configurations in `skip` (config -> why) are not run (they faulted or hung on an earlier shape)."""
+    from kiln.kernels.cuda.ladder import WGMMA_CONFIGS
+
+    m, n, k = shape
     skip = skip or {}
     todo = [i for i in range(len(WGMMA_CONFIGS)) if i not in skip]
-    r = run_isolated(todo, command, timeout_s=WGMMA_TIMEOUT_S, env=env)
+    r = _run_isolated(kind, shape, todo)
     r["failed"].update({i: f"skipped: failed on an earlier shape ({why[:200]})" for i, why in skip.items()})
     peer_name = "cublas_bf16" if kind == "bf16" else "scaled_mm_fp8"
     peer = r["ms"].get(peer_name)
@@ -287,7 +366,8 @@ def plot(out_dir: Path, result: dict) -> list[str]:
         written.append(str(path))
 
     for key, rows in result["sgemm"].items():
-        steps = [r for r in rows if r["name"] != "cublas_fp32"]  # the ladder, then the autotuned last step
+        # the ladder, then the autotuned kernels (a kernel whose every configuration failed has no bar)
+        steps = [r for r in rows if r["name"] != "cublas_fp32" and r.get("GFLOPs") is not None]
         cublas = next(r for r in rows if r["name"] == "cublas_fp32")["GFLOPs"]
         fig, ax = plt.subplots(figsize=(8, 4))
         ax.bar([r["name"] for r in steps], [r["GFLOPs"] for r in steps], color="tab:blue")
@@ -370,18 +450,56 @@ def run(out: str | None, script_file: str) -> Path:
                 print(format_table(result["wgmma"][key], [(c, c) for c in cols]))
     else:
         bench.log("wgmma: skipped (needs compute capability 9.0)")
+    result["goals"] = goals(result)
     result["plots"] = plot(Path(bench.out).parent / "cuda_ladder", result)
-    return bench.write(**result)
+    path = bench.write(**result)
+    print(verdict(result["goals"]))
+    return path
+
+
+def goals(result: dict) -> dict:
+    """Issue 21's open goals at 4096^3 from a result: the fastest row of each kind against its peer."""
+    key = "4096x4096x4096"
+    sgemm = [r for r in result["sgemm"].get(key, []) if r["name"] != "cublas_fp32" and r.get("vs_cublas")]
+    mma = [
+        r
+        for r in result["tensor_cores"].get(key, [])
+        if r["name"].startswith("mma_bf16") and r.get("vs_peer")
+    ]
+    out = {}
+    for goal, rows, col in (
+        ("sgemm_vs_cublas_fp32", sgemm, "vs_cublas"),
+        ("mma_bf16_vs_cublas_bf16", mma, "vs_peer"),
+    ):
+        # on a tie (an autotuned row repeats its best configuration's figure) the row naming its config
+        best = max(rows, key=lambda r: (r[col], r.get("config") is not None), default=None)
+        out[goal] = {"goal": GOALS[goal], "best": best[col] if best else None,
+                     "kernel": best["name"] if best else None, "config": best.get("config") if best else None,
+                     "tiles": best.get("tiles") if best else None, "ms": best["ms"] if best else None,
+                     "met": bool(best and best[col] >= GOALS[goal])}  # fmt: skip
+    return out
+
+
+def verdict(g: dict) -> str:
+    """The goals as lines to print last: MET / MISSED, the ratio, the kernel and configuration."""
+    lines = ["", "VERDICT (issue 21, 4096^3):"]
+    for goal, v in g.items():
+        what = f"{v['kernel']} config {v['config']} ({v['tiles']})" if v["kernel"] else "no kernel measured"
+        best = f"{v['best']:.3f}x" if v["best"] is not None else "-"
+        lines.append(
+            f"  {goal}: {'MET' if v['met'] else 'MISSED'}  best {best} (goal {v['goal']}x) by {what}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None, script_file: str | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/cuda_ladder.py", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/cuda_ladder.json", help="the result JSON (PNGs beside it)")
-    p.add_argument("--wgmma-worker", nargs=3, metavar=("KIND", "MxNxK", "CONFIGS"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=3, metavar=("KIND", "MxNxK", "CONFIGS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.wgmma_worker:  # the child process of bench_wgmma
-        kind, shape, configs = args.wgmma_worker
-        return wgmma_worker(kind, shape, [int(v) for v in configs.split(",")])
+    if args.worker:  # the child process of _run_isolated
+        kind, shape, configs = args.worker
+        return isolated_worker(kind, shape, [int(v) for v in configs.split(",")])
     run(args.out, script_file or __file__)
     return 0
 

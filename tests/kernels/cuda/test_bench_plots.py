@@ -37,3 +37,41 @@ def test_tables_print_every_row():
     rows = fake_result()["sgemm"]["4096x4096x4096"]
     table = format_table(rows, [(c, c) for c in ("step", "name", "GFLOPs", "config")])
     assert len(table.splitlines()) == 2 + len(rows) and "warptiled_autotuned" in table
+
+
+def test_goals_and_verdict_name_the_fastest_kernel_of_each_kind():
+    from kiln.profile.cuda_ladder import goals, verdict
+
+    result = {
+        "sgemm": {
+            "4096x4096x4096": [
+                {"name": "double_buffered", "vs_cublas": 0.858, "ms": 3.12},
+                {"name": "skewed_autotuned", "vs_cublas": 0.91, "ms": 2.9, "config": 1, "tiles": "t1"},
+                {"name": "cublas_fp32", "vs_cublas": 1.0, "ms": 2.68},
+            ]
+        },
+        "tensor_cores": {
+            "4096x4096x4096": [
+                {"name": "mma_bf16", "vs_peer": 0.40, "ms": 0.44},
+                {"name": "mma_bf16_config_5", "vs_peer": 0.55, "ms": 0.33},
+                {"name": "mma_bf16_config_7", "vs_peer": None, "ms": None, "error": "worker exited"},
+                {"name": "mma_bf16_autotuned", "vs_peer": 0.55, "ms": 0.33, "config": 5, "tiles": "t5"},
+                {"name": "mma_fp8", "vs_peer": 0.9, "ms": 0.2},  # another kind: not this goal
+            ]
+        },
+    }
+    g = goals(result)
+    assert g["sgemm_vs_cublas_fp32"]["met"] and g["sgemm_vs_cublas_fp32"]["config"] == 1
+    mma = g["mma_bf16_vs_cublas_bf16"]
+    assert (
+        not mma["met"]
+        and mma["best"] == 0.55
+        and mma["kernel"] == "mma_bf16_autotuned"
+        and mma["config"] == 5
+    )
+    text = verdict(g)
+    assert "sgemm_vs_cublas_fp32: MET  best 0.910x (goal 0.9x) by skewed_autotuned config 1 (t1)" in text
+    assert "mma_bf16_vs_cublas_bf16: MISSED  best 0.550x (goal 0.6x)" in text
+    # nothing measured at all (every kernel failed): MISSED, not a crash
+    empty = goals({"sgemm": {}, "tensor_cores": {}})
+    assert not any(v["met"] for v in empty.values()) and "no kernel measured" in verdict(empty)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kiln.kernels.cuda.build import CSRC
-from kiln.kernels.cuda.ladder import MMA_CONFIGS, WGMMA_CONFIGS
+from kiln.kernels.cuda.ladder import MMA_CONFIGS, SKEWED_CONFIGS, WGMMA_CONFIGS
 
 EMU = Path(__file__).resolve().parent / "emu"
 GXX = shutil.which("g++")
@@ -39,10 +39,17 @@ def test_sgemm_ladder_emulated(tmp_path):
         return text.split("#define KILN_WARPTILE_CONFIGS(X)")[1].split("\n\n")[0]
 
     assert table((EMU / "sgemm_emu.cpp").read_text()) == table((CSRC / "sgemm.cu").read_text())
+
+    def skewed(text):
+        return text.split("#define KILN_SKEWED_CONFIGS(X)")[1].split("\n\n")[0]
+
+    assert skewed((EMU / "sgemm_emu.cpp").read_text()) == skewed((CSRC / "sgemm.cu").read_text())
     proc = build_and_run(tmp_path, "sgemm_emu.cpp")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # per shape: steps 0-4; then x 2 (vec): steps 5, 6, the 4 other warp-tile configs, the 5 double-buffered
-    assert proc.stdout.count(": 0 wrong") == 2 * (5 + 2 * 11), proc.stdout
+    # per shape: steps 0-4; then x 2 (vec): steps 5, 6, the 4 other warp-tile configs, the 5 double-buffered,
+    # the skewed kernel's configs
+    runs = 5 + 2 * (11 + len(SKEWED_CONFIGS))
+    assert proc.stdout.count(": 0 wrong") == 2 * runs, proc.stdout
 
 
 @pytest.mark.slow

@@ -75,3 +75,19 @@ def test_bench_wgmma_runs_its_real_worker_and_records_every_failure():
     assert [r["config"] for r in rows] == list(range(len(WGMMA_CONFIGS)))
     assert rows[0]["error"].startswith("skipped: failed on an earlier shape (worker timed out")
     assert all(r["ms"] is None and "before running it" in r["error"] for r in rows[1:])
+
+
+def test_bench_skewed_records_every_configuration_that_did_not_run():
+    # without a GPU the worker dies before its first configuration: the row says so for each configuration
+    # and carries no figure (the benchmark goes on; with a GPU the same path records a faulting one)
+    import torch
+
+    if torch.cuda.is_available():
+        return  # the GPU run measures for real (bench/cuda_ladder.py)
+    from kiln.kernels.cuda.ladder import SKEWED_CONFIGS
+    from kiln.profile.cuda_ladder import bench_skewed
+
+    row = bench_skewed((64, 64, 64))
+    assert row["name"] == "skewed_autotuned" and row["ms"] is None and row["vs_cublas"] is None
+    assert sorted(row["failed_configs"]) == [str(i) for i in range(len(SKEWED_CONFIGS))]
+    assert all("before running it" in why for why in row["failed_configs"].values())

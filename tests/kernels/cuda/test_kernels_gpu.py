@@ -12,13 +12,14 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.kernels.cuda.build import load_extension
-from kiln.kernels.cuda.ladder import MMA_CONFIGS, SGEMM_LADDER, WARPTILE_CONFIGS
+from kiln.kernels.cuda.ladder import MMA_CONFIGS, SGEMM_LADDER, SKEWED_CONFIGS, WARPTILE_CONFIGS
 from kiln.kernels.cuda.ops import (
     VECTOR_ADD_VARIANTS,
     mma_bf16,
     mma_fp8,
     sgemm,
     sgemm_double_buffered,
+    sgemm_skewed,
     sgemm_warptile,
     vector_add,
 )
@@ -45,6 +46,7 @@ def test_extension_agrees_with_the_ladder_registry():
     assert load_extension().sgemm_steps() == len(SGEMM_LADDER)
     assert load_extension().sgemm_warptile_configs() == len(WARPTILE_CONFIGS)
     assert load_extension().mma_configs() == len(MMA_CONFIGS)
+    assert load_extension().sgemm_skewed_configs() == len(SKEWED_CONFIGS)
 
 
 @pytest.mark.parametrize("variant", VECTOR_ADD_VARIANTS)
@@ -108,6 +110,29 @@ def test_sgemm_double_buffered_configs_match_float64(config, shape):
     b = torch.randn(k, n, device="cuda", generator=g)
     err = rel_err(sgemm_double_buffered(a, b, config), a.double() @ b.double())
     assert err < 1e-3, f"config {config} {shape}: {err:.2e}"
+
+
+@pytest.mark.parametrize("config", range(len(SKEWED_CONFIGS)))
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1, 1), (7, 5, 3), (1000, 1027, 999), (129, 200, 64), (300, 260, 1000), (257, 384, 16)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+def test_sgemm_skewed_configs_match_float64(config, shape):
+    m, n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(config + 100)
+    a = torch.randn(m, k, device="cuda", generator=g)
+    b = torch.randn(k, n, device="cuda", generator=g)
+    err = rel_err(sgemm_skewed(a, b, config), a.double() @ b.double())
+    assert err < 1e-3, f"skewed config {config} {shape}: {err:.2e}"
+
+
+@pytest.mark.parametrize("config", range(len(SKEWED_CONFIGS)))
+def test_sgemm_skewed_unaligned_operands_take_the_scalar_path(config):
+    # b at an odd address: not 16-byte aligned, so its float4 loads must not be used
+    a = torch.randn(64, 128, device="cuda")
+    b = torch.randn(128 * 96 + 1, device="cuda")[1:].view(128, 96)
+    assert rel_err(sgemm_skewed(a, b, config), a.double() @ b.double()) < 1e-3
 
 
 @pytest.mark.parametrize("step", ["vectorized", "warptiled", "double_buffered"])

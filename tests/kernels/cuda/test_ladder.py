@@ -1,5 +1,6 @@
 """The SGEMM ladder's registry agrees with the C launcher (csrc/sgemm.cu), and steps resolve by name."""
 
+import dataclasses
 import re
 
 import pytest
@@ -10,10 +11,12 @@ from kiln.kernels.cuda.ladder import (
     DOUBLE_BUFFERED_STEP_CONFIG,
     MMA_CONFIGS,
     SGEMM_LADDER,
+    SKEWED_CONFIGS,
     WARPTILE_CONFIGS,
     WGMMA_CONFIGS,
     WGMMA_DEFAULT,
     MmaConfig,
+    SkewedConfig,
     WgmmaConfig,
     step_index,
     wgmma_config_index,
@@ -122,16 +125,69 @@ def test_wgmma_ops_refuse_bad_arguments_before_any_cuda_call():
 def test_mma_configs_match_the_kernel_table():
     src = (CSRC / "mma_kernels.cuh").read_text()
     table = src.split("#define KILN_MMA_CONFIGS(X)")[1].split("\n\n")[0]
-    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+)\)", table)
+    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), ([01])\)", table)
     assert [int(r[0]) for r in rows] == list(range(len(MMA_CONFIGS)))
     for r, cfg in zip(rows, MMA_CONFIGS):
-        assert tuple(int(v) for v in r[1:]) == (cfg.bm, cfg.bn, cfg.warps_m, cfg.warps_n, cfg.stages)
-    # the FP8 mma.sync launcher runs config 0's geometry
+        assert tuple(int(v) for v in r[1:]) == (
+            cfg.bm,
+            cfg.bn,
+            cfg.warps_m,
+            cfg.warps_n,
+            cfg.stages,
+            int(cfg.pipelined),
+        )
+    # the FP8 mma.sync launcher runs config 0's geometry, without the register pipeline
     c0 = MMA_CONFIGS[0]
+    assert not c0.pipelined
     fp8 = (CSRC / "mma.cu").read_text().split("kiln_mma_fp8(int M")[1]
-    assert f"launch<true, {c0.bm}, {c0.bn}, {c0.warps_m}, {c0.warps_n}, {c0.stages}>" in fp8
+    assert f"launch<true, {c0.bm}, {c0.bn}, {c0.warps_m}, {c0.warps_n}, {c0.stages}, false>" in fp8
     assert MmaConfig(128, 256, 2, 4, 4).smem_bytes == 4 * 384 * 128
     assert MmaConfig(128, 256, 2, 4, 4).name == "128x256 warps 2x4 of 64x64 4st"
+    assert MmaConfig(128, 256, 2, 4, 4, True).name == "128x256 warps 2x4 of 64x64 4st regpipe"
     for bad in ((128, 128, 3, 4, 3), (128, 128, 2, 16, 3), (256, 256, 2, 4, 4)):
         with pytest.raises(KilnError, match="bad mma config"):
             MmaConfig(*bad)
+
+
+def test_skewed_configs_match_the_launcher():
+    src = (CSRC / "sgemm.cu").read_text()
+    table = src.split("#define KILN_SKEWED_CONFIGS(X)")[1].split("\n\n")[0]
+    rows = re.findall(r"X\(" + ", ".join([r"(\d+)"] * 11) + r"\)", table)
+    assert [int(r[0]) for r in rows] == list(range(len(SKEWED_CONFIGS)))
+    for r, cfg in zip(rows, SKEWED_CONFIGS):
+        # (bm, bn, bk, wm, wn, wniter, tm, tn, threads, min_blocks): the table's column order
+        assert tuple(int(v) for v in r[1:]) == dataclasses.astuple(cfg)
+    n = re.search(r"kiln_sgemm_skewed_configs\(void\) \{ return (\d+); \}", src).group(1)
+    assert n == str(len(rows))
+    # the launcher instantiates the kernel with the skew on
+    assert "double_buffered<BM, BN, BK, WM, WN, WNITER, TM, TN, NT, MINB, true>" in src
+    # config 0 is step 7's tile (the skew is the one change)
+    c0, step7 = SKEWED_CONFIGS[0], WARPTILE_CONFIGS[DOUBLE_BUFFERED_STEP_CONFIG]
+    assert dataclasses.astuple(c0)[:-1] == dataclasses.astuple(step7)
+
+
+def test_skewed_config_arithmetic():
+    # as ptxas reports: two buffers of (16 x 128 + 3 x 8) floats of A and 16 x 128 of B
+    assert SKEWED_CONFIGS[0].smem_bytes == 2 * 4 * (16 * 128 + 24 + 16 * 128) == 32960
+    assert SKEWED_CONFIGS[4].smem_bytes == 24704
+    assert SKEWED_CONFIGS[0].name == "128x128x16 warp 64x32/2 thread 8x4 256t 2b/SM"
+    # BK = 16 at 128 x 256 passes 48 KiB with the skew; a warp count that does not match; BK = 12
+    for bad in (
+        (128, 256, 16, 64, 64, 4, 8, 4, 256, 1),
+        (128, 128, 16, 64, 32, 2, 8, 4, 128, 1),
+        (128, 128, 12, 64, 32, 2, 8, 4, 256, 2),
+    ):
+        with pytest.raises(KilnError, match="bad skewed SGEMM config"):
+            SkewedConfig(*bad)
+
+
+def test_sgemm_skewed_refuses_bad_arguments_before_any_cuda_call():
+    import torch
+
+    from kiln.kernels.cuda.ops import sgemm_skewed
+
+    a = torch.zeros(8, 8)
+    with pytest.raises(KilnError, match="unknown skewed SGEMM config"):
+        sgemm_skewed(a, a, len(SKEWED_CONFIGS))
+    with pytest.raises(KilnError, match="CUDA tensors"):
+        sgemm_skewed(a, a)

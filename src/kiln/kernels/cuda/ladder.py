@@ -76,6 +76,54 @@ WARPTILE_CONFIGS: tuple[WarptileConfig, ...] = (
 DOUBLE_BUFFERED_STEP_CONFIG = 1
 
 
+@dataclass(frozen=True)
+class SkewedConfig(WarptileConfig):
+    """One tile configuration of the skewed kernel: the double-buffered kernel with the rows of A's
+    transposed shared tile skewed so that its stores are conflict-free (`sgemm_skewed`), with
+    `min_blocks` the blocks per SM its registers are held to (2 at 256 threads: <= 128 registers)."""
+
+    min_blocks: int
+
+    def __post_init__(self):
+        # the kernel's static_asserts, checked here so that a bad row fails in a CPU test before nvcc
+        warps = self.threads // 32
+        wmiter = (self.wm * self.wn) // (32 * self.tm * self.tn * self.wniter)
+        ok = (
+            (self.bn // self.wn) * (self.bm // self.wm) == warps
+            and wmiter >= 1
+            and wmiter * 32 * self.tm * self.tn * self.wniter == self.wm * self.wn
+            and self.bk in (8, 16, 32)
+            and self.tm % 4 == 0
+            and self.tn % 4 == 0
+            and self.min_blocks in (1, 2)
+        )
+        # 48 KiB of static shared memory: two buffers of B and of A plus A's skew
+        if not ok or self.smem_bytes > 48 * 1024:
+            raise KilnError(f"bad skewed SGEMM config {self}: see KILN_SKEWED_CONFIGS in csrc/sgemm.cu")
+
+    @property
+    def smem_bytes(self) -> int:
+        skew = (self.bk // 4 - 1) * (128 // self.bk)
+        return 2 * 4 * (self.bk * self.bm + skew + self.bk * self.bn)
+
+    @property
+    def name(self) -> str:
+        return f"{super().name} {self.threads}t {self.min_blocks}b/SM"
+
+
+# The order of KILN_SKEWED_CONFIGS in csrc/sgemm.cu (a CPU test compares the two). Not yet timed on the
+# H200: 0 is step 7's tile with the skew; 1 and 3 split a thread's 8 x 8 results into 2 x 2 sub-tiles
+# of 4 x 4; 2 and 3 use BK = 8; 4 and 5 give each thread 128 results (8 x 16) in a 128 x 256 / 256 x 128 tile.
+SKEWED_CONFIGS: tuple[SkewedConfig, ...] = (
+    SkewedConfig(128, 128, 16, 64, 32, 2, 8, 4, 256, 2),
+    SkewedConfig(128, 128, 16, 64, 32, 2, 4, 4, 256, 2),
+    SkewedConfig(128, 128, 8, 64, 32, 2, 8, 4, 256, 2),
+    SkewedConfig(128, 128, 8, 64, 32, 2, 4, 4, 256, 2),
+    SkewedConfig(128, 256, 8, 64, 64, 4, 8, 4, 256, 1),
+    SkewedConfig(256, 128, 8, 64, 64, 4, 8, 4, 256, 1),
+)
+
+
 def step_index(step: str | int) -> int:
     """The index of a ladder step given by name or index; KilnError naming the valid ones otherwise."""
     names = [s.name for s in SGEMM_LADDER]
@@ -95,13 +143,15 @@ def step_index(step: str | int) -> int:
 class MmaConfig:
     """One configuration of the mma.sync bf16 GEMM (csrc/mma_kernels.cuh): a BM x BN tile of C per block,
     warps_m x warps_n warps each owning (BM / warps_m) x (BN / warps_n) of it, `stages` K tiles of 64 in
-    flight (cp.async)."""
+    flight (cp.async); `pipelined`: the warps' fragments double-buffered in registers (the next k16
+    step's ldmatrix issued before this step's mma)."""
 
     bm: int
     bn: int
     warps_m: int
     warps_n: int
     stages: int
+    pipelined: bool = False
 
     def __post_init__(self):
         wtm, wtn = self.bm // self.warps_m, self.bn // self.warps_n
@@ -121,7 +171,8 @@ class MmaConfig:
     @property
     def name(self) -> str:
         wtm, wtn = self.bm // self.warps_m, self.bn // self.warps_n
-        return f"{self.bm}x{self.bn} warps {self.warps_m}x{self.warps_n} of {wtm}x{wtn} {self.stages}st"
+        pipe = " regpipe" if self.pipelined else ""
+        return f"{self.bm}x{self.bn} warps {self.warps_m}x{self.warps_n} of {wtm}x{wtn} {self.stages}st{pipe}"
 
 
 # The order of KILN_MMA_CONFIGS in csrc/mma_kernels.cuh (a CPU test compares the two); config 0 is the
@@ -132,6 +183,12 @@ MMA_CONFIGS: tuple[MmaConfig, ...] = (
     MmaConfig(128, 256, 2, 4, 4),
     MmaConfig(256, 128, 4, 2, 3),
     MmaConfig(128, 128, 2, 2, 4),
+    # not yet timed on the H200: the register-pipelined fragments on the best earlier tiles, and 128 x 128
+    # tiles of 4 warps with 3 stages (96 KiB, <= 255 registers at 128 threads): two blocks per SM
+    MmaConfig(128, 256, 2, 4, 4, pipelined=True),
+    MmaConfig(256, 128, 4, 2, 4, pipelined=True),
+    MmaConfig(128, 128, 2, 2, 3, pipelined=True),
+    MmaConfig(128, 128, 2, 2, 3),
 )
 
 

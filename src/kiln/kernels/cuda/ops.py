@@ -5,6 +5,7 @@ tensor-core GEMMs, each beside the torch computation it is checked against.
     sgemm(a, b, step)                (M, K) @ (K, N) fp32, any shape; step: a name of ladder.SGEMM_LADDER
     sgemm_warptile(a, b, config)     the warp-tiled step at one of ladder.WARPTILE_CONFIGS (autotuning)
     sgemm_double_buffered(a, b, config)  the double-buffered step (the last) at one of the same configs
+    sgemm_skewed(a, b, config)       the double-buffered kernel with conflict-free A stores, ladder.SKEWED_CONFIGS
     mma_bf16(a, b, config)           (M, K) @ (K, N) bf16 -> bf16 (fp32 accumulation); K, N % 8 == 0
     mma_fp8(a, bt, scale_a, scale_b) scale_a * scale_b * (M, K) @ (N, K)^T, e4m3 -> bf16; K % 16, N % 8 == 0
     wgmma_bf16(a, bt, config)        (M, K) @ (N, K)^T bf16 -> bf16 on Hopper wgmma + TMA; K, N % 8 == 0
@@ -23,6 +24,7 @@ from kiln.errors import KilnError
 from kiln.kernels.cuda.build import load_extension
 from kiln.kernels.cuda.ladder import (
     MMA_CONFIGS,
+    SKEWED_CONFIGS,
     WARPTILE_CONFIGS,
     WGMMA_DEFAULT,
     config_index,
@@ -120,6 +122,18 @@ def sgemm_double_buffered(a: torch.Tensor, b: torch.Tensor, config: int) -> torc
     m, n, _ = _matmul_shapes(a, b)
     c = torch.empty(m, n, dtype=torch.float32, device=a.device)
     load_extension().sgemm_double_buffered(idx, a, b, c)
+    return c
+
+
+def sgemm_skewed(a: torch.Tensor, b: torch.Tensor, config: int = 0) -> torch.Tensor:
+    """a (M, K) @ b (K, N) in fp32 by the double-buffered kernel with the rows of A's transposed shared
+    tile skewed (conflict-free stores), at tile configuration ladder.SKEWED_CONFIGS[config]."""
+    idx = config_index(config, SKEWED_CONFIGS, "skewed SGEMM")
+    _check(a, "a", torch.float32, 2)
+    _check(b, "b", torch.float32, 2)
+    m, n, _ = _matmul_shapes(a, b)
+    c = torch.empty(m, n, dtype=torch.float32, device=a.device)
+    load_extension().sgemm_skewed(idx, a, b, c)
     return c
 
 

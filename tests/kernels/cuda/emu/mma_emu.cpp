@@ -35,12 +35,12 @@ int main() {
         for (auto& c : C) c.x = 0x7fc0;  // NaN: an element never written fails
         const auto* a8 = reinterpret_cast<const unsigned char*>(A.data());
         const auto* b8 = reinterpret_cast<const unsigned char*>(B.data());
-#define X(CFG, BM, BN, WARPS_M, WARPS_N, STAGES)                                                            \
+#define X(CFG, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE)                                                          \
     {                                                                                                       \
         for (auto& c : C) c.x = 0x7fc0; /* NaN: an element never written fails */                         \
         emu_launch(dim3(cdiv(M, BM) * cdiv(N, BN)), dim3(WARPS_M * WARPS_N * 32), [&] {                     \
-            mma_gemm::gemm<false, BM, BN, WARPS_M, WARPS_N, STAGES>(M, N, K, a8, b8, nullptr, nullptr,      \
-                                                                    C.data());                              \
+            mma_gemm::gemm<false, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE>(M, N, K, a8, b8, nullptr, nullptr,\
+                                                                          C.data());                        \
         });                                                                                                 \
         int wrong = 0;                                                                                      \
         for (int i = 0; i < M * N; ++i) wrong += emu::bf16(C[i].x) != emu::bf16(emu_f2bf(R[i]));           \
@@ -57,7 +57,7 @@ int main() {
         const float sa = 0.5f, sb = 0.25f;
         for (auto& c : C) c.x = 0x7fc0;
         emu_launch(dim3(cdiv(M, 128) * cdiv(N, 128)), dim3(256),
-                   [&] { mma_gemm::gemm<true, 128, 128, 2, 4, 3>(M, N, K, A8.data(), Bt8.data(), &sa, &sb, C.data()); });
+                   [&] { mma_gemm::gemm<true, 128, 128, 2, 4, 3, false>(M, N, K, A8.data(), Bt8.data(), &sa, &sb, C.data()); });
         int wrong = 0;
         for (int i = 0; i < M * N; ++i) wrong += emu::bf16(C[i].x) != emu::bf16(emu_f2bf(R[i] * sa * sb));
         printf("fp8 %dx%dx%d: %d wrong\n", M, N, K, wrong);

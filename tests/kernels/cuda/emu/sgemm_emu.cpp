@@ -12,6 +12,15 @@
     X(3, 128, 128, 8, 64, 64, 4, 8, 4, 128)       \
     X(4, 128, 128, 8, 64, 32, 2, 8, 4, 256)
 
+// the skewed kernel's table of csrc/sgemm.cu
+#define KILN_SKEWED_CONFIGS(X)                       \
+    X(0, 128, 128, 16, 64, 32, 2, 8, 4, 256, 2)      \
+    X(1, 128, 128, 16, 64, 32, 2, 4, 4, 256, 2)      \
+    X(2, 128, 128, 8, 64, 32, 2, 8, 4, 256, 2)       \
+    X(3, 128, 128, 8, 64, 32, 2, 4, 4, 256, 2)       \
+    X(4, 128, 256, 8, 64, 64, 4, 8, 4, 256, 1)       \
+    X(5, 256, 128, 8, 64, 64, 4, 8, 4, 256, 1)
+
 using namespace sgemm_ladder;
 
 static unsigned cdiv(int a, int b) { return (a + b - 1) / b; }
@@ -38,6 +47,12 @@ static void run(int step, int M, int N, int K, const float* A, const float* B, f
             double_buffered<BM, BN, BK, WM, WN, WNITER, TM, TN, NT, 1>(M, N, K, A, B, C, vA, vB, vC); }); break;
         KILN_WARPTILE_CONFIGS(X)
 #undef X
+        // the skewed kernel (kiln_sgemm_skewed) at every configuration
+#define X(i, BM, BN, BK, WM, WN, WNITER, TM, TN, NT, MINB)                                                  \
+        case 16 + i: emu_launch(tiles(M, N, BM, BN), dim3(NT), [&] {                                       \
+            double_buffered<BM, BN, BK, WM, WN, WNITER, TM, TN, NT, MINB, true>(M, N, K, A, B, C, vA, vB, vC); }); break;
+        KILN_SKEWED_CONFIGS(X)
+#undef X
     }
 }
 
@@ -56,7 +71,7 @@ int main() {
                 for (int k = 0; k < K; ++k) acc += A[i * K + k] * B[k * N + j];
                 R[i * N + j] = acc;
             }
-        for (int step = 0; step < 16; ++step)
+        for (int step = 0; step < 22; ++step)
             for (int vec = 0; vec < (step >= 5 ? 2 : 1); ++vec) {
                 std::vector<float> C(M * N, 12345.f);
                 run(step, M, N, K, A.data(), B.data(), C.data(), vec);

@@ -45,6 +45,11 @@ const char* kiln_sgemm_warptile(int config, int M, int N, int K, const float* A,
 // The double-buffered kernel (step 7) at one of the same tile configurations.
 const char* kiln_sgemm_double_buffered(int config, int M, int N, int K, const float* A, const float* B, float* C,
                                        void* stream);
+// The double-buffered kernel with A's transposed shared-memory rows skewed (conflict-free stores), at one of
+// kiln_sgemm_skewed_configs() tile configurations (KILN_SKEWED_CONFIGS, ladder.SKEWED_CONFIGS).
+int kiln_sgemm_skewed_configs(void);
+const char* kiln_sgemm_skewed(int config, int M, int N, int K, const float* A, const float* B, float* C,
+                              void* stream);
 
 // ---- mma_bf16.cu: C (M, N) bf16 = A (M, K) bf16 @ B (K, N) bf16, fp32 accumulation ----
 // Tensor cores through mma.sync m16n8k16 with ldmatrix, XOR-swizzled shared memory and a cp.async

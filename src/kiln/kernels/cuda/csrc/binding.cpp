@@ -103,6 +103,16 @@ void sgemm_double_buffered(int64_t config, const at::Tensor& a, const at::Tensor
                                   stream_of(a)));
 }
 
+void sgemm_skewed(int64_t config, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+    check(a, "a"), check(b, "b"), check(c, "c");
+    TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && c.dim() == 2 && a.size(1) == b.size(0) && c.size(0) == a.size(0) &&
+                    c.size(1) == b.size(1),
+                "sgemm_skewed: shapes must be (M, K) @ (K, N) -> (M, N)");
+    c10::cuda::CUDAGuard guard(a.device());
+    ok(kiln_sgemm_skewed((int)config, (int)a.size(0), (int)b.size(1), (int)a.size(1), cf(a), cf(b), f(c),
+                         stream_of(a)));
+}
+
 void mma_bf16(int64_t config, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
     check(a, "a"), check(b, "b"), check(c, "c");
     TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && c.dim() == 2 && a.size(1) == b.size(0) && c.size(0) == a.size(0) &&
@@ -163,6 +173,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("sgemm_warptile_configs", &kiln_sgemm_warptile_configs);
     m.def("sgemm_warptile", &sgemm_warptile);
     m.def("sgemm_double_buffered", &sgemm_double_buffered);
+    m.def("sgemm_skewed_configs", &kiln_sgemm_skewed_configs);
+    m.def("sgemm_skewed", &sgemm_skewed);
     m.def("mma_configs", &kiln_mma_configs);
     m.def("mma_bf16", &mma_bf16);
     m.def("mma_fp8", &mma_fp8);

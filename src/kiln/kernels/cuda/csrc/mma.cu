@@ -8,11 +8,11 @@ namespace {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-template <bool FP8, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES>
+template <bool FP8, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool PIPE>
 const char* launch(int M, int N, int K, const void* A, const void* B, const float* scale_a, const float* scale_b,
                    void* C, cudaStream_t stream) {
     constexpr int smem = mma_gemm::smem_bytes<BM, BN, STAGES>();
-    auto kernel = mma_gemm::gemm<FP8, BM, BN, WARPS_M, WARPS_N, STAGES>;
+    auto kernel = mma_gemm::gemm<FP8, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE>;
     // more than 48 KiB of dynamic shared memory must be asked for, per kernel
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return cudaGetErrorString(err);
@@ -26,9 +26,9 @@ const char* launch(int M, int N, int K, const void* A, const void* B, const floa
 const char* dispatch_bf16(int config, int M, int N, int K, const void* A, const void* B, void* C, void* stream) {
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     switch (config) {
-#define X(i, BM, BN, WARPS_M, WARPS_N, STAGES) \
-    case i:                                    \
-        return launch<false, BM, BN, WARPS_M, WARPS_N, STAGES>(M, N, K, A, B, nullptr, nullptr, C, s);
+#define X(i, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE) \
+    case i:                                          \
+        return launch<false, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE>(M, N, K, A, B, nullptr, nullptr, C, s);
         KILN_MMA_CONFIGS(X)
 #undef X
         default:
@@ -40,7 +40,7 @@ const char* dispatch_bf16(int config, int M, int N, int K, const void* A, const 
 
 extern "C" int kiln_mma_configs(void) {
     int n = 0;
-#define X(i, BM, BN, WARPS_M, WARPS_N, STAGES) ++n;
+#define X(i, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE) ++n;
     KILN_MMA_CONFIGS(X)
 #undef X
     return n;
@@ -60,5 +60,5 @@ extern "C" const char* kiln_mma_fp8(int M, int N, int K, const void* A, const vo
     if (K % 16 != 0 || N % 8 != 0) return "kiln_mma_fp8: K must be a multiple of 16 and N of 8";
     if (!aligned16(A) || !aligned16(Bt) || !aligned16(C)) return "kiln_mma_fp8: A, Bt and C must be 16-byte aligned";
     // config 0's geometry (128 x 128, 8 warps of 64 x 32, 3 stages): see KILN_MMA_CONFIGS
-    return launch<true, 128, 128, 2, 4, 3>(M, N, K, A, Bt, scale_a, scale_b, C, static_cast<cudaStream_t>(stream));
+    return launch<true, 128, 128, 2, 4, 3, false>(M, N, K, A, Bt, scale_a, scale_b, C, static_cast<cudaStream_t>(stream));
 }

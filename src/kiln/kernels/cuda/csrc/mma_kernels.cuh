@@ -27,17 +27,25 @@ namespace mma_gemm {
 constexpr int TILE_BYTES = 128;  // bytes of K per row of a stage's tiles
 constexpr int GROUP_M = 8;       // tile rows per group of the block order
 
-// Columns: config, BM, BN, WARPS_M, WARPS_N, STAGES, in the order of kiln.kernels.cuda.ladder.MMA_CONFIGS
-// (a CPU test compares the two). Shared memory: STAGES x (BM + BN) x 128 bytes. The bf16 kernel takes
-// every configuration; the FP8 kernel config 0 only: with e4m3 fragments the 64 x 64 warp tiles spill
+// Columns: config, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, in the order of
+// kiln.kernels.cuda.ladder.MMA_CONFIGS (a CPU test compares the two). Shared memory: STAGES x (BM + BN) x
+// 128 bytes. PIPE = 1: the warp's fragments are double-buffered in registers (the ldmatrix of k16 step
+// ks + 1, or of the next K tile's step 0, is issued before the mma of step ks; see the main loop).
+// Configs 5-8 (not yet timed on the H200) add that pipeline to the best earlier tiles, and a 128 x 128
+// tile of 4 warps with 3 stages (96 KiB) so that two blocks share an SM. The bf16 kernel takes every
+// configuration; the FP8 kernel config 0 only: with e4m3 fragments the 64 x 64 warp tiles spill
 // registers (ptxas: 255 registers and 36-316 bytes of spills, against none for bf16), and on Hopper the
 // FP8 path that pays is wgmma (wgmma_kernels.cuh).
-#define KILN_MMA_CONFIGS(X)   \
-    X(0, 128, 128, 2, 4, 3)   \
-    X(1, 128, 256, 2, 4, 3)   \
-    X(2, 128, 256, 2, 4, 4)   \
-    X(3, 256, 128, 4, 2, 3)   \
-    X(4, 128, 128, 2, 2, 4)
+#define KILN_MMA_CONFIGS(X)     \
+    X(0, 128, 128, 2, 4, 3, 0)  \
+    X(1, 128, 256, 2, 4, 3, 0)  \
+    X(2, 128, 256, 2, 4, 4, 0)  \
+    X(3, 256, 128, 4, 2, 3, 0)  \
+    X(4, 128, 128, 2, 2, 4, 0)  \
+    X(5, 128, 256, 2, 4, 4, 1)  \
+    X(6, 256, 128, 4, 2, 4, 1)  \
+    X(7, 128, 128, 2, 2, 3, 1)  \
+    X(8, 128, 128, 2, 2, 3, 0)
 
 template <int BM, int BN, int STAGES>
 constexpr int smem_bytes() {
@@ -52,20 +60,28 @@ __device__ __forceinline__ int swz(int row, int chunk, int row_bytes) {
 // Copies one K tile into a stage with cp.async. Each tile is ROWS x ROW_BYTES in chunks of 16 bytes, NT
 // threads taking every NT-th chunk. `rowmax`/`colmax`: bounds of the global matrix (rows, elements per
 // row); ld: its row length in elements; ELEM: bytes per element.
+// NT is a multiple of the chunks per row, so a thread keeps one chunk column and steps RS = NT / CHUNKS
+// rows per copy: one global pointer advanced by a fixed stride, one bounds test per row, and (RS % 8 ==
+// 0) the same swizzle for every row it copies, so the shared address is a base plus immediate offsets.
+// (The first version computed every copy's address from scratch; the same bytes land in the same place.)
 template <int ROWS, int ROW_BYTES, int ELEM, int NT>
 __device__ __forceinline__ void load_tile(unsigned char* dst, const unsigned char* src, int r0, int c0,
                                           int rowmax, int colmax, int ld, int tid) {
     constexpr int CHUNKS = ROW_BYTES / 16;
     constexpr int PER_THREAD = ROWS * CHUNKS / NT;
+    constexpr int RS = NT / CHUNKS;  // rows between one thread's copies
     static_assert(PER_THREAD * NT == ROWS * CHUNKS, "whole tile per pass");
+    static_assert(RS * CHUNKS == NT && RS % 8 == 0, "one chunk column per thread, one swizzle per thread");
+    const int r = tid / CHUNKS, ch = tid % CHUNKS;
+    const int gc = c0 + ch * (16 / ELEM);  // element column
+    const bool col_ok = gc < colmax;
+    const unsigned char* g = src + ((int64_t)(r0 + r) * ld + gc) * ELEM;
+    const int64_t step = (int64_t)RS * ld * ELEM;
+    unsigned char* d = dst + swz(r, ch, ROW_BYTES);  // == swz(r + i * RS, ch) - i * RS * ROW_BYTES
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
-        const int idx = tid + i * NT;
-        const int r = idx / CHUNKS, ch = idx % CHUNKS;
-        const int gr = r0 + r, gc = c0 + ch * (16 / ELEM);  // global row, element column
-        const bool ok = gr < rowmax && gc < colmax;
-        const unsigned char* g = ok ? src + ((int64_t)gr * ld + gc) * ELEM : src;
-        kiln_ptx::cp_async16(dst + swz(r, ch, ROW_BYTES), g, ok);
+        const bool ok = col_ok && r0 + r + i * RS < rowmax;
+        kiln_ptx::cp_async16(d + i * RS * ROW_BYTES, ok ? g + i * step : src, ok);
     }
 }
 
@@ -75,7 +91,7 @@ __device__ __forceinline__ void load_tile(unsigned char* dst, const unsigned cha
 // FP8 = true: C = scale_a * scale_b * A (M, K) @ Bt (N, K)^T, A and Bt e4m3 with K contiguous (the layout
 // torch._scaled_mm takes: its second operand column-major). A stage: BM x 128 and BN x 128 bytes. Both
 // operands are K-contiguous, so both come through plain ldmatrix (8-bit data has no .trans).
-template <bool FP8, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES>
+template <bool FP8, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool PIPE>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     gemm(int M, int N, int K, const unsigned char* __restrict__ A, const unsigned char* __restrict__ B,
          const float* __restrict__ scale_a, const float* __restrict__ scale_b, __nv_bfloat16* __restrict__ C) {
@@ -83,11 +99,13 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     constexpr int ELEM = FP8 ? 1 : 2;
     constexpr int BK = TILE_BYTES / ELEM;              // 64 bf16 or 128 e4m3
     constexpr int KSTEP = FP8 ? 32 : 16;               // K of one mma
+    constexpr int KS = BK / KSTEP;                     // mma k steps per K tile (4)
     constexpr int A_BYTES = BM * TILE_BYTES, B_BYTES = BN * TILE_BYTES;
     constexpr int B_ROW_BYTES = FP8 ? TILE_BYTES : BN * 2;  // Bt rows of 128 bytes / B rows of BN bf16
     constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;   // the warp's tile of C
     constexpr int MI = WTM / 16, NI = WTN / 8;              // its mma tiles
     static_assert(WTM % 16 == 0 && WTN % 16 == 0, "whole 16 x 16 fragment pairs per warp");
+    static_assert(KS % 2 == 0, "PIPE: the next K tile's step 0 lands in fragment buffer 0");
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* As = smem;                       // STAGES x (BM rows x 128 B)
     unsigned char* Bs = smem + STAGES * A_BYTES;    // STAGES x B tile
@@ -110,59 +128,109 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
         else
             load_tile<BK, BN * 2, 2, NT>(Bs + stage * B_BYTES, B, kt * BK, n0, K, N, N, tid);
     };
+    // The warp's fragments of k step ks of the stage at as / bs: MI A tiles (16 x 16, 4 registers) and NI
+    // B tiles (16 x 8, 2 registers). Every row an ldmatrix lane addresses is lane & 7 modulo 8 (the tiles
+    // start at multiples of 8 rows), so swz's XOR is by lane & 7, and the per-thread offsets below are
+    // swz's with the compile-time parts (mi, ks, nj rows) left as immediate offsets: a handful of address
+    // registers instead of one per (step, tile), which the register-double-buffered configs need.
+    const int lo = lane & 7, hi = lane >> 4;
+    // A, and Bt for FP8: row wm*WTM + mi*16 + (lane & 15), chunk 2ks + hi -> chunk' = 2ks ^ (hi ^ lo)
+    const int a_row = (wm * WTM + (lane & 15)) * TILE_BYTES, a_x = hi ^ lo;
+    auto load_frags = [&](uint32_t (&af)[MI][4], uint32_t (&bfrag)[NI][2], const unsigned char* as,
+                          const unsigned char* bs, int ks) {
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+            // 16-byte chunks: lanes 0-15 rows 0-15 at chunk 2ks, lanes 16-31 the same at chunk 2ks+1
+            // (bf16: k + 8; e4m3: k + 16) -> a0 a1 a2 a3; == as + swz(r, ch, TILE_BYTES)
+            kiln_ptx::ldmatrix_x4(af[mi], as + a_row + mi * 16 * TILE_BYTES + (((2 * ks) ^ a_x) << 4));
+        }
+#pragma unroll
+        for (int nj = 0; nj < NI / 2; ++nj) {
+            uint32_t t[4];
+            if constexpr (FP8) {
+                // matrices: (n 0-7, k 0-15) (n 0-7, k 16-31) (n 8-15, k 0-15) (n 8-15, k 16-31); row
+                // wn*WTN + nj*16 + lo + hi*8, chunk 2ks + ((lane >> 3) & 1)
+                const int r = wn * WTN + lo + hi * 8;
+                const int x = ((lane >> 3) & 1) ^ lo;
+                kiln_ptx::ldmatrix_x4(t, bs + (r + nj * 16) * B_ROW_BYTES + (((2 * ks) ^ x) << 4));
+            } else {
+                // lanes 0-15: k rows 0-15 at columns n..n+7, lanes 16-31: the same at n+8..n+15; row
+                // ks*16 + (lane & 15), chunk (wn*WTN + nj*16)/8 + hi
+                const int ch = (wn * WTN + nj * 16) / 8 + hi;
+                kiln_ptx::ldmatrix_x4_trans(
+                    t, bs + (ks * 16 + (lane & 15)) * B_ROW_BYTES + ((ch ^ lo) << 4));
+            }
+            bfrag[2 * nj][0] = t[0];
+            bfrag[2 * nj][1] = t[1];
+            bfrag[2 * nj + 1][0] = t[2];
+            bfrag[2 * nj + 1][1] = t[3];
+        }
+    };
+    auto mmas = [&](const uint32_t (&af)[MI][4], const uint32_t (&bfrag)[NI][2]) {
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni) {
+                if constexpr (FP8)
+                    kiln_ptx::mma_e4m3_16832(acc[mi][ni], af[mi], bfrag[ni]);
+                else
+                    kiln_ptx::mma_bf16_16816(acc[mi][ni], af[mi], bfrag[ni]);
+            }
+    };
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < ktiles) load_stage(s, s);
         kiln_ptx::cp_async_commit();  // an empty group past the end keeps the group count uniform
     }
-    for (int kt = 0; kt < ktiles; ++kt) {
-        kiln_ptx::cp_async_wait<STAGES - 2>();  // tile kt has landed (for this thread's copies)
-        __syncthreads();                        // ... for every thread's; and stage (kt-1) % STAGES is free
-        const int nk = kt + STAGES - 1;
-        if (nk < ktiles) load_stage(nk % STAGES, nk);
-        kiln_ptx::cp_async_commit();
-        const unsigned char* as = As + (kt % STAGES) * A_BYTES;
-        const unsigned char* bs = Bs + (kt % STAGES) * B_BYTES;
+    if constexpr (!PIPE) {
+        for (int kt = 0; kt < ktiles; ++kt) {
+            kiln_ptx::cp_async_wait<STAGES - 2>();  // tile kt has landed (for this thread's copies)
+            __syncthreads();                        // ... for every thread's; and stage (kt-1) % STAGES is free
+            const int nk = kt + STAGES - 1;
+            if (nk < ktiles) load_stage(nk % STAGES, nk);
+            kiln_ptx::cp_async_commit();
+            const unsigned char* as = As + (kt % STAGES) * A_BYTES;
+            const unsigned char* bs = Bs + (kt % STAGES) * B_BYTES;
 #pragma unroll
-        for (int ks = 0; ks < BK / KSTEP; ++ks) {
-            uint32_t af[MI][4], bfrag[NI][2];
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi) {
-                // 16-byte chunks: lanes 0-15 rows 0-15 at chunk 2ks, lanes 16-31 the same at chunk 2ks+1
-                // (bf16: k + 8; e4m3: k + 16) -> a0 a1 a2 a3
-                const int r = wm * WTM + mi * 16 + (lane & 15);
-                const int ch = ks * 2 + (lane >> 4);
-                kiln_ptx::ldmatrix_x4(af[mi], as + swz(r, ch, TILE_BYTES));
+            for (int ks = 0; ks < KS; ++ks) {
+                uint32_t af[MI][4], bfrag[NI][2];
+                load_frags(af, bfrag, as, bs, ks);
+                mmas(af, bfrag);
             }
+        }
+    } else {
+        // Fragments double-buffered in registers (CUTLASS's warp-level pipeline): while the tensor cores
+        // run the MI x NI mma of step ks from buffer ks % 2, the ldmatrix of step ks + 1 fill the other
+        // buffer, so no mma waits on a shared-memory load. ldmatrix and mma are `asm volatile` and stay in
+        // program order, which is why the next step's loads are written before this step's mma. At the
+        // last step the next K tile is made visible first (cp.async wait + barrier) and its step 0 loaded.
+        // The stage the cp.async of step 0 overwrites, (kt - 1) % STAGES, was last read by the ldmatrix of
+        // tile kt - 1's last step, issued before the barrier of that tile's last step.
+        uint32_t af[2][MI][4], bfrag[2][NI][2];
+        kiln_ptx::cp_async_wait<STAGES - 2>();  // tile 0 has landed
+        __syncthreads();
+        load_frags(af[0], bfrag[0], As, Bs, 0);
+        for (int kt = 0; kt < ktiles; ++kt) {
+            const unsigned char* as = As + (kt % STAGES) * A_BYTES;
+            const unsigned char* bs = Bs + (kt % STAGES) * B_BYTES;
 #pragma unroll
-            for (int nj = 0; nj < NI / 2; ++nj) {
-                uint32_t t[4];
-                if constexpr (FP8) {
-                    // matrices: (n 0-7, k 0-15) (n 0-7, k 16-31) (n 8-15, k 0-15) (n 8-15, k 16-31)
-                    const int r = wn * WTN + nj * 16 + (lane & 7) + (lane >> 4) * 8;
-                    const int ch = ks * 2 + ((lane >> 3) & 1);
-                    kiln_ptx::ldmatrix_x4(t, bs + swz(r, ch, B_ROW_BYTES));
-                } else {
-                    // lanes 0-15: k rows 0-15 at columns n..n+7, lanes 16-31: the same at n+8..n+15
-                    const int r = ks * 16 + (lane & 15);
-                    const int ch = (wn * WTN + nj * 16) / 8 + (lane >> 4);
-                    kiln_ptx::ldmatrix_x4_trans(t, bs + swz(r, ch, B_ROW_BYTES));
+            for (int ks = 0; ks < KS; ++ks) {
+                if (ks == 0) {
+                    const int nk = kt + STAGES - 1;
+                    if (nk < ktiles) load_stage(nk % STAGES, nk);
+                    kiln_ptx::cp_async_commit();
                 }
-                bfrag[2 * nj][0] = t[0];
-                bfrag[2 * nj][1] = t[1];
-                bfrag[2 * nj + 1][0] = t[2];
-                bfrag[2 * nj + 1][1] = t[3];
+                if (ks + 1 < KS) {
+                    load_frags(af[(ks + 1) % 2], bfrag[(ks + 1) % 2], as, bs, ks + 1);
+                } else if (kt + 1 < ktiles) {  // uniform across the block: the barrier is safe
+                    kiln_ptx::cp_async_wait<STAGES - 2>();  // tile kt + 1 has landed (this thread's copies)
+                    __syncthreads();                        // ... every thread's
+                    const int s1 = (kt + 1) % STAGES;
+                    load_frags(af[0], bfrag[0], As + s1 * A_BYTES, Bs + s1 * B_BYTES, 0);
+                }
+                mmas(af[ks % 2], bfrag[ks % 2]);
             }
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int ni = 0; ni < NI; ++ni) {
-                    if constexpr (FP8)
-                        kiln_ptx::mma_e4m3_16832(acc[mi][ni], af[mi], bfrag[ni]);
-                    else
-                        kiln_ptx::mma_bf16_16816(acc[mi][ni], af[mi], bfrag[ni]);
-                }
         }
     }
     kiln_ptx::cp_async_wait<0>();

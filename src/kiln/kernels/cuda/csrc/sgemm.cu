@@ -54,6 +54,45 @@ extern "C" const char* kiln_sgemm_double_buffered(int config, int M, int N, int 
     return kiln::launch_status();
 }
 
+// The skewed kernel (double_buffered with SKEW: A's transposed store conflict-free) and the tiles its
+// sweep adds (not yet timed on the H200). Columns: BM BN BK WM WN WNITER TM TN threads, blocks per SM the
+// registers are held to, in the order of ladder.SKEWED_CONFIGS. 0 is step 7's tile; 1 splits each
+// thread's 8 x 8 results into 2 x 2 sub-tiles of 4 x 4 (WMITER = 2): a warp's A reads then span 128 bytes
+// (one shared-memory wavefront) where 8 consecutive rows span 256; 2 and 3 are the same at BK = 8 (half
+// the staging registers and shared memory); 4 and 5 give each of 256 threads 128 results in a 128 x 256
+// or 256 x 128 tile at BK = 8 (one block per SM; the shared-memory reads per FMA of an 8 x 16 thread tile
+// are 3/4 of an 8 x 8's; BK = 16 would pass the 48 KiB of static shared memory with the skew).
+#define KILN_SKEWED_CONFIGS(X)                       \
+    X(0, 128, 128, 16, 64, 32, 2, 8, 4, 256, 2)      \
+    X(1, 128, 128, 16, 64, 32, 2, 4, 4, 256, 2)      \
+    X(2, 128, 128, 8, 64, 32, 2, 8, 4, 256, 2)       \
+    X(3, 128, 128, 8, 64, 32, 2, 4, 4, 256, 2)       \
+    X(4, 128, 256, 8, 64, 64, 4, 8, 4, 256, 1)       \
+    X(5, 256, 128, 8, 64, 64, 4, 8, 4, 256, 1)
+
+extern "C" int kiln_sgemm_skewed_configs(void) { return 6; }
+
+extern "C" const char* kiln_sgemm_skewed(int config, int M, int N, int K, const float* A, const float* B,
+                                         float* C, void* stream) {
+    if (M <= 0 || N <= 0 || K <= 0) return "kiln_sgemm_skewed: M, N and K must be >= 1";
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const bool vecA = K % 4 == 0 && aligned16(A);
+    const bool vecB = N % 4 == 0 && aligned16(B);
+    const bool vecC = N % 4 == 0 && aligned16(C);
+    switch (config) {
+#define X(i, BM, BN, BK, WM, WN, WNITER, TM, TN, NT, MINB)                                      \
+    case i:                                                                                      \
+        double_buffered<BM, BN, BK, WM, WN, WNITER, TM, TN, NT, MINB, true>                     \
+            <<<tiles(M, N, BM, BN), NT, 0, s>>>(M, N, K, A, B, C, vecA, vecB, vecC);             \
+        break;
+        KILN_SKEWED_CONFIGS(X)
+#undef X
+        default:
+            return "kiln_sgemm_skewed: unknown config";
+    }
+    return kiln::launch_status();
+}
+
 extern "C" const char* kiln_sgemm_warptile(int config, int M, int N, int K, const float* A, const float* B,
                                            float* C, void* stream) {
     if (M <= 0 || N <= 0 || K <= 0) return "kiln_sgemm_warptile: M, N and K must be >= 1";

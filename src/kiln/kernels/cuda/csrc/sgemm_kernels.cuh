@@ -328,7 +328,9 @@ __global__ void __launch_bounds__(NT)
 //    the staging registers (BM*BK/NT + BK*BN/NT floats per thread: 16 for 128 x 128 x 16 on 256
 //    threads) and twice the shared memory. MINB: blocks per SM the register budget is held to (2 at
 //    256 threads: at most 128 registers per thread, so that 16 warps per SM stay resident).
-template <int BM, int BN, int BK, int WM, int WN, int WNITER, int TM, int TN, int NT, int MINB>
+//    SKEW (the skewed kernel, kiln_sgemm_skewed; not yet timed on the H200): the rows of A's transposed
+//    tile are skewed so that its stores are conflict-free, see a_col below.
+template <int BM, int BN, int BK, int WM, int WN, int WNITER, int TM, int TN, int NT, int MINB, bool SKEW = false>
 __global__ void __launch_bounds__(NT, MINB)
     double_buffered(int M, int N, int K, const float* __restrict__ A, const float* __restrict__ B,
                     float* __restrict__ C, bool vecA, bool vecB, bool vecC) {
@@ -343,7 +345,20 @@ __global__ void __launch_bounds__(NT, MINB)
     constexpr int aStride = NT / (BK / 4), bStride = NT / (BN / 4);
     constexpr int A_LOADS = BM / aStride, B_LOADS = BK / bStride;  // float4s per thread per K tile
     static_assert(A_LOADS * aStride == BM && B_LOADS * bStride == BK, "whole tiles per thread");
-    __shared__ __align__(16) float As[2][BK * BM];  // transposed: (BK, BM), two buffers
+    // Where column m of A's transposed tile sits in row k. Unskewed (As[k * BM + m]), a warp's transposed
+    // store (its lanes: BK/4 k-groups x 32/(BK/4) consecutive m, storing one of the 4 floats of their
+    // float4 at a time) puts the BK/4 k-groups on the same banks, since rows are BM = 0 mod 32 floats
+    // apart: a (BK/4)-way conflict (4-way at BK = 16). SKEW shifts row k by (k / 4) * (128 / BK) floats
+    // (8 per k-group at BK = 16), so the k-groups land on different banks: conflict-free. The shift is a
+    // multiple of 4 (16-byte reads stay aligned) and never decreases with k, so row k still ends before
+    // row k + 1 starts (the tile grows by the last shift); in the compute loop k is a compile-time
+    // constant, so the shift is an immediate offset: no extra registers (an XOR swizzle of the float4
+    // groups also removes the conflict, but its per-k address sets made ptxas spill at 128 registers).
+    static_assert(!SKEW || (BK == 8 || BK == 16 || BK == 32), "SKEW: 32/(BK/4) consecutive m per k-group");
+    constexpr int A_SKEW = SKEW ? 128 / BK : 0;             // floats per k-group
+    constexpr int A_BUF = BK * BM + (BK / 4 - 1) * A_SKEW;  // floats per buffer
+    auto a_col = [](int k, int m) -> int { return m + (k >> 2) * A_SKEW; };
+    __shared__ __align__(16) float As[2][A_BUF];    // transposed: (BK, BM), two buffers
     __shared__ __align__(16) float Bs[2][BK * BN];  // (BK, BN)
     const int tid = threadIdx.x;
     const int warp = tid / 32, lane = tid % 32;
@@ -366,10 +381,11 @@ __global__ void __launch_bounds__(NT, MINB)
 #pragma unroll
         for (int i = 0; i < A_LOADS; ++i) {
             const int r = aRow + i * aStride;
-            As[buf][(aCol4 * 4 + 0) * BM + r] = ra[i].x;
-            As[buf][(aCol4 * 4 + 1) * BM + r] = ra[i].y;
-            As[buf][(aCol4 * 4 + 2) * BM + r] = ra[i].z;
-            As[buf][(aCol4 * 4 + 3) * BM + r] = ra[i].w;
+            const int k = aCol4 * 4;  // the 4 k of this float4 share k / 4, hence one shift
+            As[buf][(k + 0) * BM + a_col(k, r)] = ra[i].x;
+            As[buf][(k + 1) * BM + a_col(k, r)] = ra[i].y;
+            As[buf][(k + 2) * BM + a_col(k, r)] = ra[i].z;
+            As[buf][(k + 3) * BM + a_col(k, r)] = ra[i].w;
         }
 #pragma unroll
         for (int i = 0; i < B_LOADS; ++i)
@@ -392,7 +408,7 @@ __global__ void __launch_bounds__(NT, MINB)
 #pragma unroll
                 for (int i = 0; i < TM; i += 4)
                     *reinterpret_cast<float4*>(&regM[wm * TM + i]) = *reinterpret_cast<const float4*>(
-                        &as[d * BM + warpRow * WM + wm * WSUBM + tRow * TM + i]);
+                        &as[d * BM + a_col(d, warpRow * WM + wm * WSUBM + tRow * TM + i)]);
 #pragma unroll
             for (int wn = 0; wn < WNITER; ++wn)
 #pragma unroll
