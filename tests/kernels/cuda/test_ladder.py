@@ -191,3 +191,32 @@ def test_sgemm_skewed_refuses_bad_arguments_before_any_cuda_call():
         sgemm_skewed(a, a, len(SKEWED_CONFIGS))
     with pytest.raises(KilnError, match="CUDA tensors"):
         sgemm_skewed(a, a)
+
+
+def _transposed_store_ways(cfg, skew: int) -> int:
+    """The worst bank conflict of the double-buffered kernel's transposed A stores (stash in
+    csrc/sgemm_kernels.cuh), modelled word by word: lane -> (aRow, aCol4), element j of its float4 goes to
+    word (k + j) * BM + m + (k / 4) * skew. The most distinct words one bank serves in one instruction."""
+    per_row = cfg.bk // 4
+    stride = cfg.threads // per_row  # aStride: rows between one thread's float4s
+    worst = 0
+    for warp in range(cfg.threads // 32):
+        for i in range(cfg.bm // stride):
+            for j in range(4):
+                banks: dict[int, set[int]] = {}
+                for lane in range(32):
+                    tid = warp * 32 + lane
+                    m, k = tid // per_row + i * stride, (tid % per_row) * 4
+                    word = (k + j) * cfg.bm + m + (k >> 2) * skew
+                    banks.setdefault(word % 32, set()).add(word)
+                worst = max(worst, max(len(w) for w in banks.values()))
+    return worst
+
+
+def test_the_skew_makes_the_transposed_store_conflict_free():
+    # unskewed: a (BK/4)-way conflict (4-way at BK = 16, step 7's tile); skewed by 128 / BK floats per k-group: none
+    step7 = WARPTILE_CONFIGS[DOUBLE_BUFFERED_STEP_CONFIG]
+    assert _transposed_store_ways(step7, 0) == 4
+    for cfg in SKEWED_CONFIGS:
+        assert _transposed_store_ways(cfg, 0) == cfg.bk // 4
+        assert _transposed_store_ways(cfg, 128 // cfg.bk) == 1, cfg.name
