@@ -435,6 +435,9 @@ def run(out: str | None, script_file: str) -> Path:
         result["tensor_cores"][key] = bench_tensor_cores(bench, shape)
         bench.log(f"tensor cores {key}")
         print(format_table(result["tensor_cores"][key], [(c, c) for c in result["tensor_cores"][key][0]]))
+    # the mma.sync instruction's own rate: the ceiling of every mma.sync GEMM above on this GPU
+    result["mma_sync_peak"] = probes.mma_sync_peak()
+    bench.log(f"mma.sync peak (registers only): {result['mma_sync_peak']}")
     # last: kernels that could fault or hang run in child processes (a fault would end this one)
     result["wgmma"] = {}
     if torch.cuda.get_device_capability() == (9, 0):
@@ -477,6 +480,13 @@ def goals(result: dict) -> dict:
                      "kernel": best["name"] if best else None, "config": best.get("config") if best else None,
                      "tiles": best.get("tiles") if best else None, "ms": best["ms"] if best else None,
                      "met": bool(best and best[col] >= GOALS[goal])}  # fmt: skip
+    # how far mma.sync itself goes: its rate on registers over cuBLAS bf16's at 4096^3 bounds every
+    # mma.sync GEMM; below the goal, the goal is out of this instruction's reach on this GPU
+    peak = (result.get("mma_sync_peak") or {}).get("TFLOPs")
+    cublas = next((r for r in result["tensor_cores"].get(key, []) if r["name"] == "cublas_bf16"), None)
+    if peak and cublas and cublas.get("TFLOPs"):
+        out["mma_bf16_vs_cublas_bf16"]["instruction_ceiling_TFLOPs"] = peak
+        out["mma_bf16_vs_cublas_bf16"]["instruction_ceiling_vs_cublas"] = round(peak / cublas["TFLOPs"], 3)
     return out
 
 
@@ -489,6 +499,11 @@ def verdict(g: dict) -> str:
         lines.append(
             f"  {goal}: {'MET' if v['met'] else 'MISSED'}  best {best} (goal {v['goal']}x) by {what}"
         )
+        if "instruction_ceiling_vs_cublas" in v:
+            lines.append(
+                f"    mma.sync on registers alone: {v['instruction_ceiling_TFLOPs']} TFLOP/s = "
+                f"{v['instruction_ceiling_vs_cublas']:.3f}x cuBLAS bf16 (no mma.sync GEMM can pass it)"
+            )
     return "\n".join(lines)
 
 

@@ -220,3 +220,10 @@ def test_the_skew_makes_the_transposed_store_conflict_free():
     for cfg in SKEWED_CONFIGS:
         assert _transposed_store_ways(cfg, 0) == cfg.bk // 4
         assert _transposed_store_ways(cfg, 128 // cfg.bk) == 1, cfg.name
+
+
+def test_the_mma_peak_probe_block_matches_the_probes_module():
+    from kiln.kernels.cuda.probes import THREADS
+
+    src = (CSRC / "mma_kernels.cuh").read_text()
+    assert f"constexpr int PEAK_THREADS = {THREADS};" in src

@@ -36,3 +36,9 @@ def test_occupancy_falls_as_registers_rise():
     assert regs == sorted(regs) and regs[-1] > regs[0]
     assert warps == sorted(warps, reverse=True) and warps[-1] < warps[0]
     assert all(r["GBps"] > 0 for r in rows)
+
+
+def test_mma_sync_peak_runs_every_mma():
+    # every thread's sum is exactly chains * 4 * iters * 16 (bf16 1.0 operands, fp32 sums exact here)
+    r = probes.mma_sync_peak(iters=256, blocks_per_sm=2)
+    assert r["exact"] and r["TFLOPs"] > 0 and r["chains"] >= 1

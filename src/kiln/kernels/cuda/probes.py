@@ -5,6 +5,7 @@ one row per point, measured now.
     bank_conflicts(strides)       shared-memory read rate vs stride, and stride 33 (the padded fix of 32)
     latency(sizes)                pointer-chasing latency vs working-set size (L1 -> L2 -> DRAM)
     occupancy()                   streaming bandwidth vs registers per thread (and resident warps per SM)
+    mma_sync_peak()               the bf16 mma.sync instruction's rate on registers (csrc/mma_kernels.cuh)
 
 Times are medians of triton.testing.do_bench (L2 flushed before each call) except the latency probe,
 which counts clock64 cycles inside the kernel and also times two chase lengths with CUDA events (their
@@ -124,3 +125,19 @@ def occupancy(n_bytes: int = 1 << 28) -> list[dict]:
         rows.append({"ballast": ballast, "regs": regs, "spill_bytes": local, "warps_per_sm": warps,
                      "occupancy": round(warps / max_warps, 3), "GBps": round(n_bytes / ms / 1e6, 1)})  # fmt: skip
     return rows
+
+
+def mma_sync_peak(iters: int = 4096, blocks_per_sm: int = 4) -> dict:
+    """TFLOP/s of bf16 mma.sync m16n8k16 with no memory traffic (kernel mma_peak): blocks_per_sm blocks of
+    8 warps on every SM, each warp iters x chains independent mma on registers. The ceiling of the
+    mma.sync GEMMs on this GPU. Checks that every mma ran (each thread's sum is chains * 4 * iters * 16)."""
+    ext = load_extension()
+    chains = ext.mma_peak_chains()
+    grid = _sms() * blocks_per_sm
+    out = torch.empty(grid * THREADS, device="cuda")
+    ms = _ms(lambda: ext.mma_peak(iters, grid, out))
+    expected = float(chains * 4 * iters * 16)
+    exact = bool((out == expected).all())
+    flops = grid * (THREADS // 32) * iters * chains * 2 * 16 * 8 * 16
+    return {"TFLOPs": round(flops / ms / 1e9, 1), "ms": round(ms, 4), "iters": iters, "chains": chains,
+            "warps_per_sm": blocks_per_sm * THREADS // 32, "exact": exact}  # fmt: skip

@@ -58,6 +58,11 @@ const char* kiln_sgemm_skewed(int config, int M, int N, int K, const float* A, c
 int kiln_mma_configs(void);
 const char* kiln_mma_bf16(int config, int M, int N, int K, const void* A, const void* B, void* C, void* stream);
 
+// The mma.sync rate with no memory traffic: grid blocks of 256 threads, each warp iters x
+// kiln_mma_peak_chains() bf16 m16n8k16 on registers; out: grid * 256 floats, each chains * 4 * iters * 16.
+int kiln_mma_peak_chains(void);
+const char* kiln_mma_peak(int iters, int grid, float* out, void* stream);
+
 // ---- mma_fp8.cu: C (M, N) bf16 = scale_a * scale_b * A (M, K) e4m3 @ Bt (N, K) e4m3^T ----
 // mma.sync m16n8k32 e4m3 (sm_89+), the geometry of bf16 config 0; K % 16 == 0; scales are device pointers
 // to one float each.

@@ -123,6 +123,14 @@ void mma_bf16(int64_t config, const at::Tensor& a, const at::Tensor& b, const at
                      stream_of(a)));
 }
 
+void mma_peak(int64_t iters, int64_t grid, const at::Tensor& out) {
+    check(out, "out");
+    TORCH_CHECK(out.scalar_type() == at::kFloat && grid * 256 <= out.numel(),
+                "mma_peak: out must hold grid * 256 floats");
+    c10::cuda::CUDAGuard guard(out.device());
+    ok(kiln_mma_peak((int)iters, (int)grid, f(out), stream_of(out)));
+}
+
 void mma_fp8(const at::Tensor& a, const at::Tensor& bt, const at::Tensor& scale_a, const at::Tensor& scale_b,
              const at::Tensor& c) {
     check(a, "a"), check(bt, "bt"), check(scale_a, "scale_a"), check(scale_b, "scale_b"), check(c, "c");
@@ -178,6 +186,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("mma_configs", &kiln_mma_configs);
     m.def("mma_bf16", &mma_bf16);
     m.def("mma_fp8", &mma_fp8);
+    m.def("mma_peak_chains", &kiln_mma_peak_chains);
+    m.def("mma_peak", &mma_peak);
     m.def("wgmma_configs", &kiln_wgmma_configs);
     m.def("wgmma_bf16", &wgmma_bf16);
     m.def("wgmma_fp8", &wgmma_fp8);

@@ -62,3 +62,11 @@ extern "C" const char* kiln_mma_fp8(int M, int N, int K, const void* A, const vo
     // config 0's geometry (128 x 128, 8 warps of 64 x 32, 3 stages): see KILN_MMA_CONFIGS
     return launch<true, 128, 128, 2, 4, 3, false>(M, N, K, A, Bt, scale_a, scale_b, C, static_cast<cudaStream_t>(stream));
 }
+
+extern "C" int kiln_mma_peak_chains(void) { return mma_gemm::PEAK_CHAINS; }
+
+extern "C" const char* kiln_mma_peak(int iters, int grid, float* out, void* stream) {
+    if (iters <= 0 || grid <= 0) return "kiln_mma_peak: iters and grid must be >= 1";
+    mma_gemm::mma_peak<<<grid, mma_gemm::PEAK_THREADS, 0, static_cast<cudaStream_t>(stream)>>>(iters, out);
+    return kiln::launch_status();
+}

@@ -253,4 +253,28 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
         }
 }
 
+// The mma.sync instruction's own rate, with no memory traffic: the ceiling of every kernel above on this
+// GPU (the benchmark compares it with cuBLAS, whose Hopper kernels use wgmma instead). Each warp issues
+// iters x PEAK_CHAINS bf16 m16n8k16 on register operands, PEAK_CHAINS independent accumulators so that
+// consecutive mma of a warp do not wait on each other's results. Every operand is bf16 1.0, so each
+// accumulator ends at exactly iters * 16 (fp32 holds that exactly up to 2^24): the sums stored per thread
+// let a test check that every mma ran. (Constant operands may draw less power than real data; the rate
+// is then, if anything, flattered.)
+constexpr int PEAK_CHAINS = 8;
+constexpr int PEAK_THREADS = 256;
+
+__global__ void __launch_bounds__(PEAK_THREADS) mma_peak(int iters, float* __restrict__ out) {
+    const uint32_t one = 0x3f803f80u;  // two bf16 1.0
+    const uint32_t a[4] = {one, one, one, one}, b[2] = {one, one};
+    float acc[PEAK_CHAINS][4] = {};
+    for (int it = 0; it < iters; ++it) {
+#pragma unroll
+        for (int c = 0; c < PEAK_CHAINS; ++c) kiln_ptx::mma_bf16_16816(acc[c], a, b);
+    }
+    float sum = 0.f;
+#pragma unroll
+    for (int c = 0; c < PEAK_CHAINS; ++c) sum += acc[c][0] + acc[c][1] + acc[c][2] + acc[c][3];
+    out[(int64_t)blockIdx.x * PEAK_THREADS + threadIdx.x] = sum;
+}
+
 }  // namespace mma_gemm
