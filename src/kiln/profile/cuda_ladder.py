@@ -434,9 +434,14 @@ def run(out: str | None, script_file: str) -> Path:
         key = "x".join(map(str, shape))
         result["tensor_cores"][key] = bench_tensor_cores(bench, shape)
         bench.log(f"tensor cores {key}")
-        print(format_table(result["tensor_cores"][key], [(c, c) for c in result["tensor_cores"][key][0]]))
-    # the mma.sync instruction's own rate: the ceiling of every mma.sync GEMM above on this GPU
-    result["mma_sync_peak"] = probes.mma_sync_peak()
+        tc_cols = ("name", "ms", "TFLOPs", "vs_peer", "max_rel_err", "config", "tiles", "error")
+        print(format_table(result["tensor_cores"][key], [(c, c) for c in tc_cols]))
+    # the mma.sync instruction's own rate: the ceiling of every mma.sync GEMM above on this GPU (new, so an
+    # error is recorded rather than ending the run before the JSON is written)
+    try:
+        result["mma_sync_peak"] = probes.mma_sync_peak()
+    except RuntimeError as e:
+        result["mma_sync_peak"] = {"error": str(e)[-300:]}
     bench.log(f"mma.sync peak (registers only): {result['mma_sync_peak']}")
     # last: kernels that could fault or hang run in child processes (a fault would end this one)
     result["wgmma"] = {}
@@ -480,6 +485,13 @@ def goals(result: dict) -> dict:
                      "kernel": best["name"] if best else None, "config": best.get("config") if best else None,
                      "tiles": best.get("tiles") if best else None, "ms": best["ms"] if best else None,
                      "met": bool(best and best[col] >= GOALS[goal])}  # fmt: skip
+    # configurations that faulted, hung or were wrong (kept in the autotuned rows), by kernel
+    for goal, name, kind in (
+        ("sgemm_vs_cublas_fp32", "skewed_autotuned", "sgemm"),
+        ("mma_bf16_vs_cublas_bf16", "mma_bf16_autotuned", "tensor_cores"),
+    ):
+        row = next((r for r in result[kind].get(key, []) if r["name"] == name), None)
+        out[goal]["failed_configs"] = (row or {}).get("failed_configs") or {}
     # how far mma.sync itself goes: its rate on registers over cuBLAS bf16's at 4096^3 bounds every
     # mma.sync GEMM; below the goal, the goal is out of this instruction's reach on this GPU
     peak = (result.get("mma_sync_peak") or {}).get("TFLOPs")
@@ -499,6 +511,8 @@ def verdict(g: dict) -> str:
         lines.append(
             f"  {goal}: {'MET' if v['met'] else 'MISSED'}  best {best} (goal {v['goal']}x) by {what}"
         )
+        for config, why in v.get("failed_configs", {}).items():
+            lines.append(f"    config {config} failed: {why[:160]}")
         if "instruction_ceiling_vs_cublas" in v:
             lines.append(
                 f"    mma.sync on registers alone: {v['instruction_ceiling_TFLOPs']} TFLOP/s = "

@@ -55,7 +55,14 @@ def test_goals_and_verdict_name_the_fastest_kernel_of_each_kind():
                 {"name": "mma_bf16", "vs_peer": 0.40, "ms": 0.44},
                 {"name": "mma_bf16_config_5", "vs_peer": 0.55, "ms": 0.33},
                 {"name": "mma_bf16_config_7", "vs_peer": None, "ms": None, "error": "worker exited"},
-                {"name": "mma_bf16_autotuned", "vs_peer": 0.55, "ms": 0.33, "config": 5, "tiles": "t5"},
+                {
+                    "name": "mma_bf16_autotuned",
+                    "vs_peer": 0.55,
+                    "ms": 0.33,
+                    "config": 5,
+                    "tiles": "t5",
+                    "failed_configs": {"7": "worker exited with status 1"},
+                },  # fmt: skip
                 {"name": "mma_fp8", "vs_peer": 0.9, "ms": 0.2},  # another kind: not this goal
                 {"name": "cublas_bf16", "vs_peer": 1.0, "ms": 0.18, "TFLOPs": 760.0},
             ]
@@ -75,6 +82,7 @@ def test_goals_and_verdict_name_the_fastest_kernel_of_each_kind():
     assert "sgemm_vs_cublas_fp32: MET  best 0.910x (goal 0.9x) by skewed_autotuned config 1 (t1)" in text
     assert "mma_bf16_vs_cublas_bf16: MISSED  best 0.550x (goal 0.6x)" in text
     assert mma["instruction_ceiling_vs_cublas"] == 0.65 and "494.0 TFLOP/s = 0.650x cuBLAS bf16" in text
+    assert "config 7 failed: worker exited with status 1" in text
     # nothing measured at all (every kernel failed): MISSED, not a crash
     empty = goals({"sgemm": {}, "tensor_cores": {}})
     assert not any(v["met"] for v in empty.values()) and "no kernel measured" in verdict(empty)
