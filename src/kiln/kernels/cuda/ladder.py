@@ -113,7 +113,8 @@ class SkewedConfig(WarptileConfig):
 
 # The order of KILN_SKEWED_CONFIGS in csrc/sgemm.cu (a CPU test compares the two). Not yet timed on the
 # H200: 0 is step 7's tile with the skew; 1 and 3 split a thread's 8 x 8 results into 2 x 2 sub-tiles
-# of 4 x 4; 2 and 3 use BK = 8; 4 and 5 give each thread 128 results (8 x 16) in a 128 x 256 / 256 x 128 tile.
+# of 4 x 4; 2 and 3 use BK = 8; 4 and 5 give each thread 128 results (8 x 16) in a 128 x 256 / 256 x 128 tile,
+# 6 and 7 the same as 2 x 4 sub-tiles of 4 x 4.
 SKEWED_CONFIGS: tuple[SkewedConfig, ...] = (
     SkewedConfig(128, 128, 16, 64, 32, 2, 8, 4, 256, 2),
     SkewedConfig(128, 128, 16, 64, 32, 2, 4, 4, 256, 2),
@@ -121,6 +122,8 @@ SKEWED_CONFIGS: tuple[SkewedConfig, ...] = (
     SkewedConfig(128, 128, 8, 64, 32, 2, 4, 4, 256, 2),
     SkewedConfig(128, 256, 8, 64, 64, 4, 8, 4, 256, 1),
     SkewedConfig(256, 128, 8, 64, 64, 4, 8, 4, 256, 1),
+    SkewedConfig(128, 256, 8, 64, 64, 4, 4, 4, 256, 1),
+    SkewedConfig(256, 128, 8, 64, 64, 4, 4, 4, 256, 1),
 )
 
 

@@ -19,7 +19,9 @@
     X(2, 128, 128, 8, 64, 32, 2, 8, 4, 256, 2)       \
     X(3, 128, 128, 8, 64, 32, 2, 4, 4, 256, 2)       \
     X(4, 128, 256, 8, 64, 64, 4, 8, 4, 256, 1)       \
-    X(5, 256, 128, 8, 64, 64, 4, 8, 4, 256, 1)
+    X(5, 256, 128, 8, 64, 64, 4, 8, 4, 256, 1)       \
+    X(6, 128, 256, 8, 64, 64, 4, 4, 4, 256, 1)       \
+    X(7, 256, 128, 8, 64, 64, 4, 4, 4, 256, 1)
 
 using namespace sgemm_ladder;
 
@@ -71,7 +73,7 @@ int main() {
                 for (int k = 0; k < K; ++k) acc += A[i * K + k] * B[k * N + j];
                 R[i * N + j] = acc;
             }
-        for (int step = 0; step < 22; ++step)
+        for (int step = 0; step < 24; ++step)
             for (int vec = 0; vec < (step >= 5 ? 2 : 1); ++vec) {
                 std::vector<float> C(M * N, 12345.f);
                 run(step, M, N, K, A.data(), B.data(), C.data(), vec);

@@ -61,16 +61,19 @@ extern "C" const char* kiln_sgemm_double_buffered(int config, int M, int N, int 
 // (one shared-memory wavefront) where 8 consecutive rows span 256; 2 and 3 are the same at BK = 8 (half
 // the staging registers and shared memory); 4 and 5 give each of 256 threads 128 results in a 128 x 256
 // or 256 x 128 tile at BK = 8 (one block per SM; the shared-memory reads per FMA of an 8 x 16 thread tile
-// are 3/4 of an 8 x 8's; BK = 16 would pass the 48 KiB of static shared memory with the skew).
+// are 3/4 of an 8 x 8's; BK = 16 would pass the 48 KiB of static shared memory with the skew); 6 and 7 are
+// 4 and 5 with the thread's results as 2 x 4 sub-tiles of 4 x 4 (each A read one wavefront, as in 1).
 #define KILN_SKEWED_CONFIGS(X)                       \
     X(0, 128, 128, 16, 64, 32, 2, 8, 4, 256, 2)      \
     X(1, 128, 128, 16, 64, 32, 2, 4, 4, 256, 2)      \
     X(2, 128, 128, 8, 64, 32, 2, 8, 4, 256, 2)       \
     X(3, 128, 128, 8, 64, 32, 2, 4, 4, 256, 2)       \
     X(4, 128, 256, 8, 64, 64, 4, 8, 4, 256, 1)       \
-    X(5, 256, 128, 8, 64, 64, 4, 8, 4, 256, 1)
+    X(5, 256, 128, 8, 64, 64, 4, 8, 4, 256, 1)       \
+    X(6, 128, 256, 8, 64, 64, 4, 4, 4, 256, 1)       \
+    X(7, 256, 128, 8, 64, 64, 4, 4, 4, 256, 1)
 
-extern "C" int kiln_sgemm_skewed_configs(void) { return 6; }
+extern "C" int kiln_sgemm_skewed_configs(void) { return 8; }
 
 extern "C" const char* kiln_sgemm_skewed(int config, int M, int N, int K, const float* A, const float* B,
                                          float* C, void* stream) {
