@@ -368,7 +368,9 @@ def plot(out_dir: Path, result: dict) -> list[str]:
     for key, rows in result["sgemm"].items():
         # the ladder, then the autotuned kernels (a kernel whose every configuration failed has no bar)
         steps = [r for r in rows if r["name"] != "cublas_fp32" and r.get("GFLOPs") is not None]
-        cublas = next(r for r in rows if r["name"] == "cublas_fp32")["GFLOPs"]
+        cublas = next((r["GFLOPs"] for r in rows if r["name"] == "cublas_fp32"), None)
+        if cublas is None:  # the section failed (an error row): nothing to plot
+            continue
         fig, ax = plt.subplots(figsize=(8, 4))
         ax.bar([r["name"] for r in steps], [r["GFLOPs"] for r in steps], color="tab:blue")
         ax.axhline(cublas, color="tab:red", ls="--", label=f"cuBLAS fp32 {cublas:.0f}")
@@ -425,14 +427,16 @@ def run(out: str | None, script_file: str) -> Path:
         print(format_table(rows, [(c, c) for c in rows[0]]))
     result["sgemm"], result["tensor_cores"] = {}, {}
     cols = ("step", "name", "ms", "GFLOPs", "vs_cublas", "speedup_vs_prev", "max_rel_err")
+    # a section that raises (a kernel fault poisons this process's CUDA context) is recorded as one error
+    # row and the run goes on to write its JSON: the sections before it keep their figures
     for shape in SGEMM_SHAPES:
         key = "x".join(map(str, shape))
-        result["sgemm"][key] = bench_sgemm(bench, shape)
+        result["sgemm"][key] = _section(bench_sgemm, bench, shape)
         bench.log(f"sgemm {key}")
         print(format_table(result["sgemm"][key], [(c, c) for c in cols]))
     for shape in TC_SHAPES:
         key = "x".join(map(str, shape))
-        result["tensor_cores"][key] = bench_tensor_cores(bench, shape)
+        result["tensor_cores"][key] = _section(bench_tensor_cores, bench, shape)
         bench.log(f"tensor cores {key}")
         tc_cols = ("name", "ms", "TFLOPs", "vs_peer", "max_rel_err", "config", "tiles", "error")
         print(format_table(result["tensor_cores"][key], [(c, c) for c in tc_cols]))
@@ -463,6 +467,14 @@ def run(out: str | None, script_file: str) -> Path:
     path = bench.write(**result)
     print(verdict(result["goals"]))
     return path
+
+
+def _section(fn, bench, shape: tuple[int, int, int]) -> list[dict]:
+    """fn(bench, shape)'s rows, or one row naming the error it raised (CUDA errors arrive as RuntimeError)."""
+    try:
+        return fn(bench, shape)
+    except RuntimeError as e:
+        return [{"name": "error", "error": f"{fn.__name__} {shape}: {str(e)[-400:]}"}]
 
 
 def goals(result: dict) -> dict:

@@ -86,3 +86,19 @@ def test_goals_and_verdict_name_the_fastest_kernel_of_each_kind():
     # nothing measured at all (every kernel failed): MISSED, not a crash
     empty = goals({"sgemm": {}, "tensor_cores": {}})
     assert not any(v["met"] for v in empty.values()) and "no kernel measured" in verdict(empty)
+
+
+def test_a_failed_section_is_one_error_row_and_is_not_plotted(tmp_path):
+    from kiln.profile.cuda_ladder import _section, goals
+
+    def faulting(bench, shape):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    rows = _section(faulting, None, (8, 8, 8))
+    assert rows == [
+        {"name": "error", "error": "faulting (8, 8, 8): CUDA error: an illegal memory access was encountered"}
+    ]
+    result = fake_result()
+    result["sgemm"]["4096x4096x4096"] = rows
+    result["tensor_cores"] = {"4096x4096x4096": rows}
+    assert not any(v["met"] for v in goals(result).values())
