@@ -172,6 +172,12 @@ def test_burst_is_one_intake_process_transport(proc_server, monkeypatch):
     # every intake and step message was stamped by the engine process and timed here
     assert reg.get_sample_value("kiln_engine_reply_lag_seconds_count") >= 5
     assert reg.get_sample_value("kiln_engine_reply_lag_seconds_sum") < 60
+    # admission's stages: the command's crossing, the intake, the sender, the pipe and the event loop
+    for stage in ("batch", "command", "intake", "sender", "pipe", "event_loop"):
+        assert reg.get_sample_value("kiln_admission_stage_seconds_count", {"stage": stage}) >= 1, stage
+    assert reg.get_sample_value("kiln_engine_step_seconds_count") == reg.get_sample_value(
+        "kiln_engine_steps_total"
+    )
 
 
 def test_reader_frames_match_connection_send():

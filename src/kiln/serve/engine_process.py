@@ -194,9 +194,10 @@ class ProcessWorker(EngineWorker):
             if kind == "step":
                 for delta in msg[1]:
                     newest[self._decoder.apply(delta)] = (delta[2], delta[5])
-                gauges = msg[2]
-            elif kind == "intake":
-                self.intake(msg[1], msg[2])
+                took = () if gauges is None else gauges[4]  # steps of earlier messages in this run
+                gauges = (*msg[2][:4], took + msg[2][4])
+            elif kind == "intake":  # msg[3]: made, msg[5]: written by the sender thread
+                self.intake(msg[1], msg[2], msg[4], {"sender": msg[5] - msg[3], "pipe": now - msg[5]})
             elif kind == "crashed":
                 flush()
                 self.crashed(msg[1])
@@ -255,8 +256,8 @@ class _Sender:
 
     def _run(self) -> None:
         while (msg := self._items.get()) is not None:
-            try:
-                self._conn.send(msg)
+            try:  # stamped last with the time it is written (the reader times the sender's wait by it)
+                self._conn.send((*msg, time.monotonic()))
             except (OSError, ValueError):
                 self.broken = True
                 return
@@ -273,9 +274,10 @@ class _ChildSink:
     def __init__(self, sender: _Sender):
         self.sender, self.encoder = sender, DeltaEncoder()
         self._gauges = None
+        self._took: tuple[float, ...] = ()  # the wall times of the steps not yet reported
 
-    def intake(self, results: list, steps: int) -> None:
-        self.sender.put(("intake", results, steps, time.monotonic()))
+    def intake(self, results: list, steps: int, timing: tuple) -> None:
+        self.sender.put(("intake", results, steps, time.monotonic(), timing))
 
     def step(self, items: list, gauges: tuple) -> None:
         deltas = []
@@ -287,10 +289,12 @@ class _ChildSink:
             )
             if d is not None:
                 deltas.append(d)
-        if not deltas and gauges[:3] == self._gauges:  # the step count alone travels with the next one
+        self._took += gauges[4]
+        if not deltas and gauges[:3] == self._gauges:  # the step count and time travel with the next one
             return
         self._gauges = gauges[:3]
-        self.sender.put(("step", deltas, gauges, time.monotonic()))
+        took, self._took = self._took, ()
+        self.sender.put(("step", deltas, (*gauges[:4], took), time.monotonic()))
 
     def crashed(self, message: str) -> None:
         self.sender.put(("crashed", message))
