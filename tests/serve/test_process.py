@@ -103,8 +103,12 @@ def test_disconnect_aborts_and_frees_the_blocks(proc_server):
     with httpx.Client(base_url=url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as r:
             # the first chunk, then hang up: it leaves at the first token, while later chunks wait out the
-            # stream interval (20 ms each), long enough on a busy machine for the engine to finish all 200
-            for ln in r.iter_lines():
+            # stream interval (20 ms each), long enough on a busy machine for the engine to finish all 200.
+            # `lines` stays referenced until /metrics is read: a line iterator dropped at the break closes
+            # the connection (httpcore closes it when its byte stream is closed), and the abort can then
+            # reach the engine before the read
+            lines = r.iter_lines()
+            for ln in lines:
                 if ln.startswith("data: {"):
                     break
             text = http.get("/metrics").text

@@ -29,12 +29,14 @@ stops on its own when its parent is gone.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import select
 import signal
 import threading
 import time
@@ -59,16 +61,26 @@ class ProcessWorker(EngineWorker):
         super().__init__(max_waiting, log)
         EngineConfig(**engine)  # bad options are a KilnError here, before a process starts
         ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA state or threads of this one
-        self._commands = ctx.Queue()
+        # commands: written by this process's event loop itself (send), no feeder thread (docs/serve.md)
+        child_commands, self._commands = ctx.Pipe(duplex=False)
+        self._cmd_fd = self._commands.fileno()
+        with contextlib.suppress(AttributeError, OSError):  # Linux: a burst of adds fits at once
+            fcntl.fcntl(self._cmd_fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        os.set_blocking(self._cmd_fd, False)
+        self._out = bytearray()  # framed commands the pipe had no room for yet
+        self._out_lock = threading.Lock()  # send runs in the event loop, and in shutdown's timer thread
+        self._writer_armed = False  # the event loop writes the rest when the pipe has room
+        self._loop_thread: int | None = None
         self._conn, child_conn = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=_engine_main,
-            args=(str(model), dict(engine), engine_log, self._commands, child_conn),
+            args=(str(model), dict(engine), engine_log, child_commands, child_conn),
             name="kiln-engine",
             daemon=True,  # a backstop: multiprocessing terminates it if this process exits without stop()
         )
         self._proc.start()
-        child_conn.close()  # the child's end only: its death is then an EOF here
+        child_conn.close()  # the child's ends only: its death is then an EOF here (and ours one there)
+        child_commands.close()
         self._reader: threading.Thread | None = None
         self._decoder = DeltaDecoder()
         self._stopping = False
@@ -98,11 +110,52 @@ class ProcessWorker(EngineWorker):
 
     # ---- transport ---------------------------------------------------------------------------------------
     def _start(self) -> None:
+        self._loop_thread = threading.get_ident()  # start() runs in the event loop
         self._reader = threading.Thread(target=self._read, name="kiln-engine-reader", daemon=True)
         self._reader.start()
 
     def send(self, command: tuple) -> None:
-        self._commands.put(command)
+        """Frame the command and write it now, from the calling thread (the event loop, usually): no
+        other thread has to get the GIL for it to leave (multiprocessing's Queue hands every put to a
+        feeder thread). The pipe holds PIPE_BYTES; what does not fit is written by the event loop when
+        the engine has read (add_writer), or, from another thread or with no loop, before this returns."""
+        frame = _frame(command)
+        with self._out_lock:
+            self._out += frame
+            self._write_out()
+            if not self._out:
+                return
+            loop = self._loop
+            in_loop = loop is not None and self._loop_thread == threading.get_ident() and loop.is_running()
+            if in_loop and not self._stopping:
+                if not self._writer_armed:
+                    self._writer_armed = True
+                    loop.add_writer(self._cmd_fd, self._on_writable)
+                return
+            # another thread (shutdown's timer), or stop() (which then blocks the loop anyway): wait for room
+            deadline = time.monotonic() + 10.0
+            while self._out and time.monotonic() < deadline:
+                select.select([], [self._cmd_fd], [], max(0.0, deadline - time.monotonic()))
+                self._write_out()
+
+    def _write_out(self) -> None:
+        """Write what fits of the pending commands (the caller holds _out_lock)."""
+        while self._out:
+            try:
+                n = os.write(self._cmd_fd, self._out)
+            except BlockingIOError:
+                return
+            except OSError:  # the engine process is gone: the reader's EOF reports it
+                self._out.clear()
+                return
+            del self._out[:n]
+
+    def _on_writable(self) -> None:
+        with self._out_lock:
+            self._write_out()
+            if not self._out and self._writer_armed:
+                self._writer_armed = False
+                self._loop.remove_writer(self._cmd_fd)
 
     @property
     def healthy(self) -> bool:
@@ -133,8 +186,17 @@ class ProcessWorker(EngineWorker):
         self._close()
 
     def _close(self) -> None:
-        self._commands.close()
-        self._commands.cancel_join_thread()  # a dead engine reads nothing: do not wait to flush at exit
+        with self._out_lock:
+            if self._writer_armed and self._loop is not None and not self._loop.is_closed():
+                if self._loop_thread == threading.get_ident():
+                    self._loop.remove_writer(self._cmd_fd)
+                else:
+                    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                        self._loop.call_soon_threadsafe(self._loop.remove_writer, self._cmd_fd)
+            self._writer_armed = False
+            self._out.clear()  # a dead engine reads nothing
+        if not self._commands.closed:
+            self._commands.close()
         if self._reader is None or not self._reader.is_alive():
             self._conn.close()
 
@@ -208,6 +270,18 @@ class ProcessWorker(EngineWorker):
         return False
 
 
+def _frame(obj) -> bytes:
+    """`obj` pickled and framed as multiprocessing's Connection.send frames it (what `_frames` reads)."""
+    body = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    n = len(body)
+    head = (
+        n.to_bytes(4, "big", signed=True)
+        if n < 0x7FFFFFFF
+        else (-1).to_bytes(4, "big", signed=True) + n.to_bytes(8, "big")
+    )
+    return head + body
+
+
 def _frames(buf: bytearray) -> list:
     """Unpickle the whole messages at the start of `buf` and remove them from it; a partial one stays.
     The framing is multiprocessing.connection's (Connection.send: a 4-byte big-endian signed length, or -1
@@ -239,45 +313,91 @@ def _exit_words(code: int | None) -> str:
 
 
 # ---- the engine process ------------------------------------------------------------------------------------
-class _Sender:
-    """Sends the engine process's messages from a thread of its own: `put` never blocks (a server process
-    that reads slowly grows this buffer instead of stalling the steps). Pickling happens here too, while
-    the engine thread waits on the GPU."""
+class _EngineIO:
+    """The engine process's two pipes, served from its one thread: commands read with one os.read per
+    wake-up (the frames of `_frame`), replies framed and written at once with non-blocking writes. A reply
+    that does not fit (a server process that reads slowly) waits in an unbounded buffer, written before
+    the next command is looked for: the engine never waits on the server process, and no message waits
+    for another thread to get the GIL (a sender thread did: issue 16, docs/serve.md)."""
 
-    def __init__(self, conn):
-        self._conn = conn
-        self._items: queue.SimpleQueue = queue.SimpleQueue()
-        self.broken = False  # the server process is gone
-        self._thread = threading.Thread(target=self._run, name="kiln-engine-sender", daemon=True)
-        self._thread.start()
+    def __init__(self, commands, conn):
+        self._commands, self._conn = commands, conn  # the Connections: they own the two file descriptors
+        self._cmd_fd, self._reply_fd = commands.fileno(), conn.fileno()
+        os.set_blocking(self._reply_fd, False)
+        self._inbuf, self._out = bytearray(), bytearray()
+        self._inbox: collections.deque = collections.deque()
+        self.broken = False  # the server process is gone (its read end closed, or its write end: EOF)
 
     def put(self, msg: tuple) -> None:
-        self._items.put(msg)
+        """Frame `msg` stamped last with the time it was made ready to write (the reader's `pipe` stage
+        starts there) and write what fits now."""
+        if not self.broken:
+            self._out += _frame((*msg, time.monotonic()))
+            self._flush()
 
-    def _run(self) -> None:
-        while (msg := self._items.get()) is not None:
-            try:  # stamped last with the time it is written (the reader times the sender's wait by it)
-                self._conn.send((*msg, time.monotonic()))
-            except (OSError, ValueError):
+    def _flush(self) -> None:
+        while self._out:
+            try:
+                n = os.write(self._reply_fd, self._out)
+            except BlockingIOError:  # the pipe is full: the rest goes before the next command is read
+                return
+            except OSError:  # the server process closed its end
                 self.broken = True
+                self._out.clear()
+                return
+            del self._out[:n]
+
+    def get(self, timeout: float | None) -> tuple:
+        """The next command: timeout None blocks, 0 takes only what is already there; queue.Empty when none
+        came. An EOF (the server process is gone) is ("stop",)."""
+        if not self._inbox:
+            self._fill(timeout)
+        if self._inbox:
+            return self._inbox.popleft()
+        raise queue.Empty
+
+    def _fill(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._inbox:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            writable = [self._reply_fd] if self._out and not self.broken else []
+            readable, writable, _ = select.select([self._cmd_fd], writable, [], wait)
+            if writable:
+                self._flush()
+            if readable:
+                try:
+                    data = os.read(self._cmd_fd, READ_BYTES)
+                except OSError:
+                    data = b""
+                if not data:
+                    self.broken = True
+                    self._inbox.append(("stop",))
+                    return
+                self._inbuf += data
+                self._inbox.extend(_frames(self._inbuf))
+            elif deadline is not None and time.monotonic() >= deadline:
                 return
 
     def close(self, timeout: float = 30.0) -> None:
-        self._items.put(None)
-        self._thread.join(timeout)
+        """Write what is left (for at most `timeout` seconds), then close both pipes."""
+        deadline = time.monotonic() + timeout
+        while self._out and not self.broken and time.monotonic() < deadline:
+            select.select([], [self._reply_fd], [], max(0.0, deadline - time.monotonic()))
+            self._flush()
         self._conn.close()
+        self._commands.close()
 
 
 class _ChildSink:
     """EngineLoop's events as messages: each step's outputs as deltas (deltas.py), in one message."""
 
-    def __init__(self, sender: _Sender):
-        self.sender, self.encoder = sender, DeltaEncoder()
+    def __init__(self, io: _EngineIO):
+        self.io, self.encoder = io, DeltaEncoder()
         self._gauges = None
         self._took: tuple[float, ...] = ()  # the wall times of the steps not yet reported
 
     def intake(self, results: list, steps: int, timing: tuple) -> None:
-        self.sender.put(("intake", results, steps, time.monotonic(), timing))
+        self.io.put(("intake", results, steps, time.monotonic(), timing))
 
     def step(self, items: list, gauges: tuple) -> None:
         deltas = []
@@ -294,19 +414,20 @@ class _ChildSink:
             return
         self._gauges = gauges[:3]
         took, self._took = self._took, ()
-        self.sender.put(("step", deltas, (*gauges[:4], took), time.monotonic()))
+        self.io.put(("step", deltas, (*gauges[:4], took), time.monotonic()))
 
     def crashed(self, message: str) -> None:
-        self.sender.put(("crashed", message))
+        self.io.put(("crashed", message))
 
 
 def _engine_main(model: str, engine: dict, engine_log: bool, commands, conn) -> None:
-    """The engine process: load, report ready, run the loop until "stop" (or the parent is gone)."""
+    """The engine process: load, report ready, run the loop until "stop" (or the parent is gone).
+    commands: the read end of the command pipe; conn: the write end of the reply pipe (Connections)."""
     # Ctrl-C (or a service manager's SIGTERM) reaches the whole process group: the server process decides
     # when the engine stops (its graceful shutdown), and a parent that is gone stops it (`get` below)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sender = _Sender(conn)
+    io = _EngineIO(commands, conn)
     parent = os.getppid()
     try:
         from kiln.infer.engine import LLM
@@ -315,11 +436,11 @@ def _engine_main(model: str, engine: dict, engine_log: bool, commands, conn) -> 
         llm = LLM(model, log=log, **engine)
     except BaseException as e:  # noqa: BLE001 - reported to the parent: `kiln: error: ...`, exit 2
         msg = str(e) if isinstance(e, KilnError) else f"loading the model failed: {type(e).__name__}: {e}"
-        sender.put(("failed", msg))
-        sender.close()
+        io.put(("failed", msg))
+        io.close()
         return
     eng = llm.engine
-    sender.put(
+    io.put(
         (
             "ready",
             {
@@ -331,17 +452,17 @@ def _engine_main(model: str, engine: dict, engine_log: bool, commands, conn) -> 
     )
 
     def get(timeout: float | None) -> tuple:
-        if sender.broken:  # the server process is gone: stop now, even with requests running
+        if io.broken:  # the server process is gone: stop now, even with requests running
             return ("stop",)
         if timeout is not None:
-            return commands.get(block=timeout > 0, timeout=timeout or None)
+            return io.get(timeout)
         while True:
             try:
-                return commands.get(timeout=PARENT_CHECK_S)
+                return io.get(PARENT_CHECK_S)
             except queue.Empty:
-                if os.getppid() != parent or sender.broken:
+                if os.getppid() != parent or io.broken:
                     return ("stop",)
 
-    EngineLoop(eng, _ChildSink(sender), live=True).run(get)
-    sender.put(("stopped",))
-    sender.close()
+    EngineLoop(eng, _ChildSink(io), live=True).run(get)
+    io.put(("stopped",))
+    io.close()
