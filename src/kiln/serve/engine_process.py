@@ -81,7 +81,10 @@ class ProcessWorker(EngineWorker):
         self._proc.start()
         child_conn.close()  # the child's ends only: its death is then an EOF here (and ours one there)
         child_commands.close()
-        self._reader: threading.Thread | None = None
+        self._reply_fd = self._conn.fileno()
+        self._inbuf = bytearray()  # reply bytes read, not yet a whole message
+        self._read_lock = threading.Lock()  # the event loop's reader, or stop() draining after it
+        self._reading = False  # the event loop reads the replies (add_reader) until "stopped" or EOF
         self._decoder = DeltaDecoder()
         self._stopping = False
 
@@ -111,8 +114,11 @@ class ProcessWorker(EngineWorker):
     # ---- transport ---------------------------------------------------------------------------------------
     def _start(self) -> None:
         self._loop_thread = threading.get_ident()  # start() runs in the event loop
-        self._reader = threading.Thread(target=self._read, name="kiln-engine-reader", daemon=True)
-        self._reader.start()
+        with contextlib.suppress(AttributeError, OSError):  # Linux: room for many steps' messages at once
+            fcntl.fcntl(self._reply_fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        os.set_blocking(self._reply_fd, False)
+        self._reading = True
+        self._loop.add_reader(self._reply_fd, self._read_some)
 
     def send(self, command: tuple) -> None:
         """Frame the command and write it now, from the calling thread (the event loop, usually): no
@@ -159,30 +165,26 @@ class ProcessWorker(EngineWorker):
 
     @property
     def healthy(self) -> bool:
-        return (
-            self.error is None
-            and self._proc.is_alive()
-            and self._reader is not None
-            and self._reader.is_alive()
-        )
+        return self.error is None and self._proc.is_alive() and self._reading
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort what is left and end the engine process (killed after `timeout` seconds); no orphan."""
+        """Abort what is left and end the engine process (killed after `timeout` seconds); no orphan. The
+        replies until "stopped" are read here (stop runs in the event loop, whose reader then cannot)."""
         self.accepting = False
         self._stopping = True
         if self._proc.is_alive():
             self.command(("stop",))
-        if self._reader is not None:
-            self._reader.join(timeout)
-        self._proc.join(timeout)
+        deadline = time.monotonic() + timeout
+        while self._reading and time.monotonic() < deadline:
+            select.select([self._reply_fd], [], [], max(0.0, deadline - time.monotonic()))
+            self._read_some()
+        self._proc.join(max(0.0, deadline - time.monotonic()))
         self._kill()
 
     def _kill(self) -> None:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(10)
-        if self._reader is not None:
-            self._reader.join(10)  # the kill is an EOF for it
         self._close()
 
     def _close(self) -> None:
@@ -195,40 +197,61 @@ class ProcessWorker(EngineWorker):
                         self._loop.call_soon_threadsafe(self._loop.remove_writer, self._cmd_fd)
             self._writer_armed = False
             self._out.clear()  # a dead engine reads nothing
-        if not self._commands.closed:
-            self._commands.close()
-        if self._reader is None or not self._reader.is_alive():
-            self._conn.close()
+            if not self._commands.closed:
+                self._commands.close()
+        with self._read_lock:
+            self._stop_reading()
+            if not self._conn.closed:
+                self._conn.close()
 
-    # ---- the reader thread -------------------------------------------------------------------------------
-    def _read(self) -> None:
+    # ---- the reader (in the event loop) -------------------------------------------------------------------------------
+    def _read_some(self) -> None:
         """Take every message already in the pipe with one read (os.read of up to READ_BYTES) and apply
-        them as one run. multiprocessing's Connection.recv makes two or three system calls per message
-        (poll, the 4-byte header, the body), each giving up the GIL, and a thread that gives up the GIL
-        while the event loop's thread computes can wait up to the 5 ms switch interval to get it back;
-        the engine's intake replies (admission) wait behind every step message before them. One read per
-        wake-up takes them all. The frames are multiprocessing's own (_frames)."""
-        fd, buf = self._conn.fileno(), bytearray()
-        with contextlib.suppress(AttributeError, OSError):  # Linux: room for a few steps' messages at once
-            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-        try:
-            while True:
-                try:
-                    data = os.read(fd, READ_BYTES)  # blocks (without the GIL) until bytes come; b"": EOF
-                except OSError:  # the pipe closed under the read: the same as EOF
-                    data = b""
-                if not data:
-                    break
-                buf += data
-                msgs = _frames(buf)
-                if msgs and self._handle(msgs):
-                    return
-        except BaseException as e:  # noqa: BLE001 - a bug here must still answer the waiting requests
-            self.crashed(f"the engine process's reader failed: {type(e).__name__}: {e}")
+        them as one run, in the event loop (add_reader): no reader thread has to get the GIL back while
+        the event loop computes (a thread waits up to the 5 ms switch interval each time, and longer when
+        the loop keeps taking the GIL back after its own system calls; issue 16, docs/serve.md). The
+        frames are multiprocessing's own (_frames)."""
+        # the event loop never waits for the lock: whoever holds it (stop, _close) reads or ends the reading
+        if not self._read_lock.acquire(blocking=threading.get_ident() != self._loop_thread):
             return
-        if self.error is None and not self._stopping:
-            self._proc.join(5)
-            self.crashed(f"the engine process died ({_exit_words(self._proc.exitcode)})")
+        try:
+            if not self._reading:
+                return
+            try:
+                data = os.read(self._reply_fd, READ_BYTES)
+            except BlockingIOError:
+                return
+            except OSError:  # the pipe closed under the read: the same as EOF
+                data = b""
+            if not data:
+                self._stop_reading()
+                if self.error is None and not self._stopping:
+                    self._proc.join(5)  # EOF: the process has exited (the kernel closed its end)
+                    self.crashed(f"the engine process died ({_exit_words(self._proc.exitcode)})")
+                return
+            self._inbuf += data
+            msgs = _frames(self._inbuf)
+            if msgs and self._handle(msgs):
+                self._stop_reading()
+        except BaseException as e:  # noqa: BLE001 - a bug here must still answer the waiting requests
+            self._stop_reading()
+            self.crashed(f"the engine process's reader failed: {type(e).__name__}: {e}")
+        finally:
+            self._read_lock.release()
+
+    def _stop_reading(self) -> None:
+        """No more replies are read (the caller holds _read_lock)."""
+        if not self._reading:
+            return
+        self._reading = False
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        if self._loop_thread == threading.get_ident():
+            loop.remove_reader(self._reply_fd)
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(loop.remove_reader, self._reply_fd)
 
     def _handle(self, msgs: list) -> bool:
         """Apply a run of messages; step outputs are delivered once, each prompt's newest. True: stopped."""
