@@ -127,11 +127,15 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: i
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    stamps, usage, sent = [], None, []
+    stamps, usage, sent, connected = [], None, [], []
 
     async def trace(event: str, info: dict) -> None:  # httpcore's trace extension: when the body was sent
+        # (handed to this side's socket buffer: the server may not have accepted the connection yet) and
+        # when a new connection's TCP handshake completed (as this side sees it)
         if event.endswith("send_request_body.complete"):
             sent.append(time.perf_counter())
+        elif event == "connection.connect_tcp.complete":
+            connected.append(time.perf_counter())
 
     try:
         async with http.stream("POST", "/v1/completions", json=body, extensions={"trace": trace}) as r:
@@ -159,6 +163,7 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: i
         "status": 200,
         "start": t0,
         "sent": sent[0] if sent else None,
+        "connected": connected[0] if connected else None,  # None: a kept-alive connection was reused
         "admitted": admitted,
         "end": end,
         "ttft": stamps[0] - t0 if stamps else None,
@@ -318,6 +323,7 @@ def summarize(results: list[dict], rate, t0: float, t_end: float, before: dict, 
         # the client's own lag (its request written) and admission (the server's headers back), per request
         # and for the phase's last request
         "send_s": percentiles([r["sent"] - r["start"] for r in ok if r["sent"] is not None]),
+        "connect_s": percentiles([r["connected"] - r["start"] for r in ok if r.get("connected") is not None]),
         "admit_s": percentiles([r["admitted"] - r["start"] for r in ok]),
         "all_sent_s": round(max(r["sent"] for r in ok) - t0, 4)
         if ok and all(r["sent"] for r in ok)
@@ -531,6 +537,10 @@ def main() -> None:
     result = {**provenance(), "model": "tiny (smoke)" if args.smoke else "random-init Qwen2.5-1.5B shape"}
     result.update(n=args.n, lengths=[args.min_len, args.max_len], temperature=TEMPERATURE, server=server_kind)
     result["engine"] = engine
+    # the kernel's cap on a listening socket's accept queue (uvicorn asks for 2048): connections beyond it
+    # wait for SYN retransmits (1 s, 3 s, 7 s), a stall the server's own metrics would not see
+    with contextlib.suppress(OSError, ValueError):
+        result["somaxconn"] = int(Path("/proc/sys/net/core/somaxconn").read_text())
     model = build_model(cfg, device=dev, dtype=dtype, seed=0).eval()
     llm = LLM(model, log=lambda *a: None, **engine)
     result["offline"] = offline(llm, reqs, max(1, args.offline_rounds))
@@ -600,6 +610,9 @@ def main() -> None:
             f"engine steps {run['server_engine']['steps']} (offline {result['offline']['engine_steps']}), "
             f"intakes {run['server_engine']['intakes']} of {run['server_engine']['requests_per_intake']} requests"
         )
+        print(f"{key}: client connect p50/p99 {run['connect_s']['p50']}/{run['connect_s']['p99']} s, send "
+              f"p50/p99 {run['send_s']['p50']}/{run['send_s']['p99']} s, admit p50/p99 {run['admit_s']['p50']}/"
+              f"{run['admit_s']['p99']} s (somaxconn {result.get('somaxconn')})")  # fmt: skip
         print(f"{key}: {admission_verdict(run)}")
     save()
 
