@@ -414,8 +414,8 @@ def admission_verdict(run: dict) -> str:
            "command": "the add command's way from the HTTP side to the engine (the server's sending, the "
                       "pipe, or an engine that did not read it: see the step times)",
            "intake": "inside the engine's intake (taking the commands and adding the requests)",
-           "sender": "the engine process's sender thread (the reply waited to be written)",
-           "pipe": "the reply pipe or the server's reader thread",
+           "sender": "the engine process writing the reply (pickling, or a full pipe)",
+           "pipe": "the reply pipe, or the server's event loop reading it",
            "event_loop": "the server's event loop (the reply waited for it)"}[where]  # fmt: skip
     return line + f". VERDICT: the admission stall (up to {worst} s) is in '{where}': {why}"
 

@@ -3,28 +3,42 @@ uvicorn's sends for hundreds of streams) and the engine no longer share one GIL,
 for the event loop's work, nor for the GIL after each CUDA wait (vLLM V1's engine-core process, the same
 reason).
 
-    server process                                         engine process (multiprocessing spawn)
-    ProcessWorker.send -> commands (mp.Queue) ---------->  EngineLoop (engine_loop.py) on the LLMEngine
-                                                           it built from (model path, engine options)
-    reader thread <- replies (a one-way pipe) <- sender thread <- _ChildSink: one message per step
-      DeltaDecoder rebuilds the cumulative RequestOutputs,
-      EngineWorker.step delivers them (one wake-up of the event loop)
+    server process (event loop thread)                    engine process (multiprocessing spawn; one thread)
+    ProcessWorker.send: frame, os.write ---- commands --> _EngineIO.get: one os.read per wake-up, before
+      (non-blocking; add_writer for what       (a pipe)     each step -> EngineLoop (engine_loop.py) on the
+      does not fit)                                         LLMEngine it built from (model, engine options)
+    _read_some (add_reader): one os.read <--- replies ---- _EngineIO.put: frame, non-blocking os.write (a
+      per wake-up; DeltaDecoder rebuilds       (a pipe)     buffer for what does not fit) <- _ChildSink:
+      the RequestOutputs, EngineWorker                      one message per step, one per intake
+      delivers them
+
+No helper thread carries a message either way. On the H200 every one of 256 requests sent at once was
+admitted only ~5-6 s later (issue 16), and at a fixed rate the engine took commands 15 times in 24 s while
+stepping ~45 times a second. Three helper threads were on that way (multiprocessing.Queue's feeder, the
+engine's sender, the server's reader), each needing its process's GIL while that process's main thread
+was busy; the suspected mechanism (not reproduced on the CPU machine): a thread waiting for the GIL asks
+for it only after 5 ms without a switch, so a holder that keeps releasing and retaking it (an event loop's
+system calls, an engine's CUDA launches) can keep it away for long. Now the event loop writes commands
+itself, the engine process's one thread reads them before each step and writes its replies itself, and
+the event loop reads the replies (docs/serve.md, Performance).
 
 Replies: ("ready", engine facts) or ("failed", message) once at start; ("intake", [(key, prompt tokens,
-None | rejection message)], steps, sent) per intake (every add taken before one step: engine_loop.py);
-("step", [deltas.py's delta per output], (running, waiting, KV blocks used, steps), sent) per step that
-produced outputs or moved a gauge (sent: the engine process's time.monotonic() when it made the message,
-the same clock as this process's on Linux: kiln_engine_reply_lag_seconds); ("crashed", message);
-("stopped",) last. Commands arrive as the HTTP side batched them: the adds of one tick of its event loop
-in one message (worker.py).
+None | rejection message)], steps, made, (command_s, intake_s)) per intake (every add taken before one
+step: engine_loop.py); ("step", [deltas.py's delta per output], (running, waiting, KV blocks used, steps,
+step seconds), made) per step that produced outputs or moved a gauge; ("crashed", message); ("stopped",)
+last. Every reply ends with the time it was framed for writing; made is when the engine made it (both the
+engine process's time.monotonic(), the same clock as this process's on Linux: kiln_engine_reply_lag_seconds
+and kiln_admission_stage_seconds). Commands arrive as the HTTP side batched them: the adds of one tick of
+its event loop in one message (worker.py).
 
-The engine never waits on the server process: its messages go through a sender thread's unbounded buffer,
-so a server process that falls behind grows that buffer (and coalesces: the reader takes every message
-already in the pipe and delivers only each prompt's newest output) instead of slowing the steps. The
-server process owns the only read end of the pipe and the engine process the only write end: the engine
-process's death, however it happens, is an EOF for the reader, and every waiting request gets a 500.
-The engine process ignores SIGINT (the server's graceful shutdown stops it with a "stop" command) and
-stops on its own when its parent is gone.
+The engine never waits on the server process: a reply the pipe has no room for waits in an unbounded
+buffer (written before the next command is read), so a server process that falls behind grows that buffer
+(and coalesces: the reader takes every message already in the pipe and delivers only each prompt's newest
+output) instead of slowing the steps. The server process owns the only read end of the reply pipe and the
+only write end of the command pipe, the engine process the other ends: the engine process's death, however
+it happens, is an EOF for the reader (every waiting request gets a 500), and the server process's death
+is an EOF for the engine (it stops). The engine process ignores SIGINT (the server's graceful shutdown
+stops it with a "stop" command).
 """
 
 from __future__ import annotations
@@ -281,7 +295,7 @@ class ProcessWorker(EngineWorker):
                     newest[self._decoder.apply(delta)] = (delta[2], delta[5])
                 took = () if gauges is None else gauges[4]  # steps of earlier messages in this run
                 gauges = (*msg[2][:4], took + msg[2][4])
-            elif kind == "intake":  # msg[3]: made, msg[5]: written by the sender thread
+            elif kind == "intake":  # msg[3]: made, msg[5]: framed for writing
                 self.intake(msg[1], msg[2], msg[4], {"sender": msg[5] - msg[3], "pipe": now - msg[5]})
             elif kind == "crashed":
                 flush()

@@ -19,13 +19,13 @@ kiln_admission_stage_seconds{stage} where an intake's admission time goes, per c
                                     (histogram): batch (a command's oldest add waiting for the end of
                                     the event loop's tick to leave with the others), command (the add command from the HTTP side until the engine takes it),
                                     intake (the engine's first command taken -> its reply made), sender (the
-                                    reply made -> the engine process's sender thread writes it), pipe
-                                    (written -> handled by this process's reader thread), event_loop
-                                    (handed to the event loop -> the requests settled there); sender and
-                                    pipe are the process transport's only
+                                    reply made -> framed for writing in the engine process), pipe (framed
+                                    -> read and handled in this process), event_loop (handled -> the
+                                    requests settled by the event loop); sender and pipe are the process
+                                    transport's only
 kiln_engine_step_seconds            the wall time of each engine step (LLMEngine.step, host and device)
 kiln_engine_reply_lag_seconds       the engine process's message (a step's outputs, an intake's answer) to
-                                    its handling in this process's reader thread (histogram; `kiln serve`'s
+                                    its handling in this process's event loop (histogram; `kiln serve`'s
                                     process transport only)
 """
 

@@ -6,15 +6,14 @@ transports that share everything here:
     engine_process.ProcessWorker      the loop in a child process of its own (`kiln serve`): the engine
                                       does not share a GIL with the event loop's JSON and SSE work
 
-    HTTP handlers (event loop)                     the transport (thread, or the process's reader thread)
+    HTTP handlers (event loop)                     the transport (a thread, or the engine process's pipes)
     submit(prompts, params) --("add", [adds])-->   EngineLoop: add_request for each prompt (all or none)
                             <--intake: accepted / rejected (-> 400), one call_soon_threadsafe per intake--
     handle.abort()          --("abort", key)-->    engine.abort: the sequences' KV blocks are freed at once
                             <--step(items, gauges): one wake-up of the event loop per delivery--
 
 The adds submitted in one tick of the event loop leave as one command (a burst of clients parsed in one
-tick is one message, one pickling and one write for the process transport, whose feeder thread would
-otherwise wait for the GIL once per request while the event loop is busy), and the engine answers each
+tick is one message, one pickling and one write for the process transport), and the engine answers each
 intake with one reply (engine_loop.py: the intake rule). A tick that parses hundreds of requests lasts
 long, so a batch also leaves as soon as an add finds it ADD_BATCH_S old: the engine gets the burst's head
 while the event loop is still parsing its tail.
