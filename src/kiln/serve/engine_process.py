@@ -155,7 +155,7 @@ class ProcessWorker(EngineWorker):
             # another thread (shutdown's timer), or stop() (which then blocks the loop anyway): wait for room
             deadline = time.monotonic() + 10.0
             while self._out and time.monotonic() < deadline:
-                select.select([], [self._cmd_fd], [], max(0.0, deadline - time.monotonic()))
+                _wait({self._cmd_fd: select.POLLOUT}, max(0.0, deadline - time.monotonic()))
                 self._write_out()
 
     def _write_out(self) -> None:
@@ -190,7 +190,7 @@ class ProcessWorker(EngineWorker):
             self.command(("stop",))
         deadline = time.monotonic() + timeout
         while self._reading and time.monotonic() < deadline:
-            select.select([self._reply_fd], [], [], max(0.0, deadline - time.monotonic()))
+            _wait({self._reply_fd: select.POLLIN}, max(0.0, deadline - time.monotonic()))
             self._read_some()
         self._proc.join(max(0.0, deadline - time.monotonic()))
         self._kill()
@@ -307,6 +307,17 @@ class ProcessWorker(EngineWorker):
         return False
 
 
+def _wait(fds: dict[int, int], timeout: float | None) -> set[int]:
+    """The fds of `fds` ({fd: POLLIN or POLLOUT}) that are ready (or hung up / in error) within `timeout`
+    seconds (None: no limit). poll, not select: a server with hundreds of connections can hold fds past
+    select's 1024."""
+    poller = select.poll()
+    for fd, events in fds.items():
+        poller.register(fd, events)
+    ms = None if timeout is None else max(0, int(timeout * 1000 + 0.999))
+    return {fd for fd, _ in poller.poll(ms)}
+
+
 def _frame(obj) -> bytes:
     """`obj` pickled and framed as multiprocessing's Connection.send frames it (what `_frames` reads)."""
     body = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
@@ -397,8 +408,11 @@ class _EngineIO:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._inbox:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            writable = [self._reply_fd] if self._out and not self.broken else []
-            readable, writable, _ = select.select([self._cmd_fd], writable, [], wait)
+            fds = {self._cmd_fd: select.POLLIN}
+            if self._out and not self.broken:
+                fds[self._reply_fd] = select.POLLOUT
+            ready = _wait(fds, wait)
+            readable, writable = self._cmd_fd in ready, self._reply_fd in ready
             if writable:
                 self._flush()
             if readable:
@@ -419,7 +433,7 @@ class _EngineIO:
         """Write what is left (for at most `timeout` seconds), then close both pipes."""
         deadline = time.monotonic() + timeout
         while self._out and not self.broken and time.monotonic() < deadline:
-            select.select([], [self._reply_fd], [], max(0.0, deadline - time.monotonic()))
+            _wait({self._reply_fd: select.POLLOUT}, max(0.0, deadline - time.monotonic()))
             self._flush()
         self._conn.close()
         self._commands.close()
