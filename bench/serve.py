@@ -127,11 +127,15 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: i
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    stamps, usage, sent = [], None, []
+    stamps, usage, sent, connected = [], None, [], []
 
     async def trace(event: str, info: dict) -> None:  # httpcore's trace extension: when the body was sent
+        # (handed to this side's socket buffer: the server may not have accepted the connection yet) and
+        # when a new connection's TCP handshake completed (as this side sees it)
         if event.endswith("send_request_body.complete"):
             sent.append(time.perf_counter())
+        elif event == "connection.connect_tcp.complete":
+            connected.append(time.perf_counter())
 
     try:
         async with http.stream("POST", "/v1/completions", json=body, extensions={"trace": trace}) as r:
@@ -159,6 +163,7 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: i
         "status": 200,
         "start": t0,
         "sent": sent[0] if sent else None,
+        "connected": connected[0] if connected else None,  # None: a kept-alive connection was reused
         "admitted": admitted,
         "end": end,
         "ttft": stamps[0] - t0 if stamps else None,
@@ -293,6 +298,16 @@ def summarize(results: list[dict], rate, t0: float, t_end: float, before: dict, 
     (s0, c0), (s1, c1) = before["intake"], after["intake"]
     engine = {"steps": after["steps"] - before["steps"], "intakes": int(c1 - c0),
               "requests_per_intake": round((s1 - s0) / (c1 - c0), 1) if c1 > c0 else None}  # fmt: skip
+    # the engine's step times (a stall is one long step) and where each intake's admission went
+    engine["step_s"] = histogram_phase(before, after, "step")
+    b0, b1 = before["step_buckets"], after["step_buckets"]
+    slow = [le for le in b1 if le >= SLOW_STEP_S]
+    engine[f"steps_over_{SLOW_STEP_S}s"] = (
+        int((after["step"][1] - before["step"][1]) - (b1[min(slow)] - b0.get(min(slow), 0.0)))
+        if slow
+        else None
+    )
+    stages = {stage: histogram_phase(before, after, f"stage_{stage}") for stage in STAGES}
     ok = [r for r in results if r["status"] == 200]
     n_out = sum(r["tokens"] for r in ok)
     return {
@@ -308,6 +323,7 @@ def summarize(results: list[dict], rate, t0: float, t_end: float, before: dict, 
         # the client's own lag (its request written) and admission (the server's headers back), per request
         # and for the phase's last request
         "send_s": percentiles([r["sent"] - r["start"] for r in ok if r["sent"] is not None]),
+        "connect_s": percentiles([r["connected"] - r["start"] for r in ok if r.get("connected") is not None]),
         "admit_s": percentiles([r["admitted"] - r["start"] for r in ok]),
         "all_sent_s": round(max(r["sent"] for r in ok) - t0, 4)
         if ok and all(r["sent"] for r in ok)
@@ -316,26 +332,93 @@ def summarize(results: list[dict], rate, t0: float, t_end: float, before: dict, 
         # the server's own view of this phase (its /metrics histograms and counters)
         "server_mean_s": server,
         "server_engine": engine,
+        # per intake (means, and the bound of each stage's maximum): where the admission time went
+        "admission_stages_s": stages,
     }
+
+
+# kiln_admission_stage_seconds's stages, in their order on the way
+STAGES = ("batch", "command", "intake", "sender", "pipe", "event_loop")
+SLOW_STEP_S = 0.5  # an engine step this long is a stall (the H200's steps take ~8-60 ms)
+ADMIT_OK_S = 1.0  # a saturation phase whose median admission is this long or longer stalled (issue 16)
 
 
 async def server_metrics(http: httpx.AsyncClient) -> dict:
     """(sum, count) of the server's TTFT, inter-token, end-to-end and admission latency histograms and of
-    its intake sizes; its engine step count (/metrics)."""
-    text = (await http.get("/metrics")).text
-    vals = {}
+    its intake sizes; its engine step count; the buckets of its step-time and admission-stage histograms
+    (/metrics)."""
+    return parse_metrics((await http.get("/metrics")).text)
+
+
+def parse_metrics(text: str) -> dict:
+    vals, buckets = {}, {}
     for line in text.splitlines():
-        name, _, v = line.partition(" ")
-        vals[name] = float(v) if v and not name.startswith("#") else None
+        if line.startswith("#") or " " not in line:
+            continue
+        name, _, v = line.rpartition(" ")
+        if "_bucket{" in name:  # name_bucket{[stage="x",]le="0.5"}: cumulative counts by upper bound
+            base, _, labels = name.partition("{")
+            stage = labels.split('stage="')[1].split('"')[0] if 'stage="' in labels else None
+            le = labels.split('le="')[1].split('"')[0]
+            buckets.setdefault((base, stage), {})[float(le)] = float(v)
+        vals[name] = float(v)
     out = {}
     for key, metric in (("ttft", "kiln_time_to_first_token_seconds"), ("itl", "kiln_inter_token_latency_seconds"),
                         ("e2e", "kiln_e2e_request_latency_seconds"), ("admission", "kiln_admission_latency_seconds"),
                         ("intake", "kiln_engine_intake_requests"), ("loop_lag", "kiln_event_loop_lag_seconds"),
-                        ("reply_lag", "kiln_engine_reply_lag_seconds")):  # fmt: skip
+                        ("reply_lag", "kiln_engine_reply_lag_seconds"),
+                        ("step", "kiln_engine_step_seconds")):  # fmt: skip
         total, count = vals.get(metric + "_sum"), vals.get(metric + "_count")
         out[key] = (total or 0.0, count or 0.0)
+    for stage in STAGES:
+        label = f'{{stage="{stage}"}}'
+        total = vals.get(f"kiln_admission_stage_seconds_sum{label}")
+        count = vals.get(f"kiln_admission_stage_seconds_count{label}")
+        out[f"stage_{stage}"] = (total or 0.0, count or 0.0)
+        out[f"stage_{stage}_buckets"] = buckets.get(("kiln_admission_stage_seconds_bucket", stage), {})
+    out["step_buckets"] = buckets.get(("kiln_engine_step_seconds_bucket", None), {})
     out["steps"] = int(vals.get("kiln_engine_steps_total") or 0)
     return out
+
+
+def histogram_phase(before: dict, after: dict, key: str) -> dict:
+    """A histogram's observations in the phase: count, mean, and max_le (the smallest bucket bound that holds
+    every one of them: the phase's maximum is at most that), from the two reads' differences."""
+    (s0, c0), (s1, c1) = before[key], after[key]
+    n = c1 - c0
+    b0, b1 = before.get(key + "_buckets", {}), after.get(key + "_buckets", {})
+    max_le = None
+    if n > 0:
+        for le in sorted(b1):
+            if b1[le] - b0.get(le, 0.0) >= n:
+                max_le = le
+                break
+    return {"n": int(n), "mean": round((s1 - s0) / n, 5) if n > 0 else None, "max_le": max_le}
+
+
+def admission_verdict(run: dict) -> str:
+    """One line: where a phase's admission time went (the stage whose maximum bound is largest), from the
+    server's per-intake stages and its step times."""
+    stages, eng = run.get("admission_stages_s") or {}, run["server_engine"]
+    parts = [f"{k} {v['mean']}/{v['max_le']}" for k, v in stages.items() if v["n"]]
+    step = eng.get("step_s") or {}
+    line = (f"admission mean {run['server_mean_s'].get('admission')} s; per intake mean/max<= s: "
+            f"{', '.join(parts) or 'none'}; engine step mean {step.get('mean')} s max<= {step.get('max_le')} s, "
+            f"{eng.get(f'steps_over_{SLOW_STEP_S}s')} over {SLOW_STEP_S} s")  # fmt: skip
+    timed = [(v["max_le"], k) for k, v in stages.items() if v["n"] and v["max_le"] is not None]
+    if not timed:
+        return line + ". VERDICT: no admission stages recorded"
+    worst, where = max(timed)
+    if worst <= 0.5:
+        return line + f". VERDICT: no admission stall (every stage of every intake <= {worst} s)"
+    why = {"batch": "the server's event loop holding a tick's adds (a long tick)",
+           "command": "the add command's way from the HTTP side to the engine (the server's sending, the "
+                      "pipe, or an engine that did not read it: see the step times)",
+           "intake": "inside the engine's intake (taking the commands and adding the requests)",
+           "sender": "the engine process writing the reply (pickling, or a full pipe)",
+           "pipe": "the reply pipe, or the server's event loop reading it",
+           "event_loop": "the server's event loop (the reply waited for it)"}[where]  # fmt: skip
+    return line + f". VERDICT: the admission stall (up to {worst} s) is in '{where}': {why}"
 
 
 # ---- the server --------------------------------------------------------------------------------------
@@ -455,6 +538,10 @@ def main() -> None:
     result = {**provenance(), "model": "tiny (smoke)" if args.smoke else "random-init Qwen2.5-1.5B shape"}
     result.update(n=args.n, lengths=[args.min_len, args.max_len], temperature=TEMPERATURE, server=server_kind)
     result["engine"] = engine
+    # the kernel's cap on a listening socket's accept queue (uvicorn asks for 2048): connections beyond it
+    # wait for SYN retransmits (1 s, 3 s, 7 s), a stall the server's own metrics would not see
+    with contextlib.suppress(OSError, ValueError):
+        result["somaxconn"] = int(Path("/proc/sys/net/core/somaxconn").read_text())
     model = build_model(cfg, device=dev, dtype=dtype, seed=0).eval()
     llm = LLM(model, log=lambda *a: None, **engine)
     result["offline"] = offline(llm, reqs, max(1, args.offline_rounds))
@@ -514,6 +601,7 @@ def main() -> None:
         fixed = result["fixed_rate"]
         print(f"rate {args.rate}/s {fixed['output_tok_s']:.1f} tok/s, TTFT p50 {fixed['ttft_s']['p50']} s p99 "
               f"{fixed['ttft_s']['p99']} s, ITL p50 {fixed['itl_s']['p50']} s p99 {fixed['itl_s']['p99']} s")  # fmt: skip
+        print(f"fixed_rate: {admission_verdict(fixed)}")
     for key in done:
         run = result[key]
         print(
@@ -523,6 +611,22 @@ def main() -> None:
             f"engine steps {run['server_engine']['steps']} (offline {result['offline']['engine_steps']}), "
             f"intakes {run['server_engine']['intakes']} of {run['server_engine']['requests_per_intake']} requests"
         )
+        print(f"{key}: client connect p50/p99 {run['connect_s']['p50']}/{run['connect_s']['p99']} s, send "
+              f"p50/p99 {run['send_s']['p50']}/{run['send_s']['p99']} s, admit p50/p99 {run['admit_s']['p50']}/"
+              f"{run['admit_s']['p99']} s (somaxconn {result.get('somaxconn')})")  # fmt: skip
+        print(f"{key}: {admission_verdict(run)}")
+    # issue 16's question in one line: were the saturation phases' requests admitted promptly?
+    stalled = [
+        k for k in done if result[k]["admit_s"]["p50"] is None or result[k]["admit_s"]["p50"] >= ADMIT_OK_S
+    ]
+    if done:
+        admits = ", ".join(f"{k} admit p50 {result[k]['admit_s']['p50']} s" for k in done)
+        word = (
+            f"STALLED in {', '.join(stalled)}"
+            if stalled
+            else f"every saturation phase admitted (p50 < {ADMIT_OK_S} s)"
+        )
+        print(f"VERDICT (issue 16: the H200 at c598f16 admitted at p50 6.47 s / 5.42 s): {admits}: {word}")
     save()
 
 

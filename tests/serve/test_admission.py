@@ -27,10 +27,11 @@ class _Recorder:
     """A sink that records the loop's events."""
 
     def __init__(self, engine):
-        self.engine, self.intakes, self.steps = engine, [], []
+        self.engine, self.intakes, self.steps, self.timings = engine, [], [], []
 
-    def intake(self, results, steps):
+    def intake(self, results, steps, timing):
         self.intakes.append((results, steps))
+        self.timings.append(timing)
 
     def step(self, items, gauges):
         if items:

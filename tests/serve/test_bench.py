@@ -30,6 +30,13 @@ def test_bench_smoke(tmp_path, monkeypatch):
         assert eng["steps"] > 0 and 1 <= eng["intakes"] <= result["n"]
         assert round(eng["intakes"] * eng["requests_per_intake"]) == result["n"]
         assert run["server_mean_s"]["admission"] > 0
+        # where admission went, per intake: every stage timed once per intake (batch and command once
+        # per add command: at least one per intake), and every engine step timed
+        stages = run["admission_stages_s"]
+        assert stages["intake"]["n"] == eng["intakes"] == stages["event_loop"]["n"]
+        assert stages["command"]["n"] >= eng["intakes"] and stages["batch"]["n"] >= eng["intakes"]
+        assert all(v["max_le"] is not None for v in stages.values() if v["n"])
+        assert eng["step_s"]["n"] == eng["steps"] and eng["steps_over_0.5s"] is not None
     assert "overhead_at_saturation" in result and result["commit"]
     assert result["offline"]["engine_steps"] > 0 and "overhead_at_saturation_clients" in result
     assert result["saturation_clients"]["client_processes"] == 2

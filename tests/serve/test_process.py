@@ -103,8 +103,12 @@ def test_disconnect_aborts_and_frees_the_blocks(proc_server):
     with httpx.Client(base_url=url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as r:
             # the first chunk, then hang up: it leaves at the first token, while later chunks wait out the
-            # stream interval (20 ms each), long enough on a busy machine for the engine to finish all 200
-            for ln in r.iter_lines():
+            # stream interval (20 ms each), long enough on a busy machine for the engine to finish all 200.
+            # `lines` stays referenced until /metrics is read: a line iterator dropped at the break closes
+            # the connection (httpcore closes it when its byte stream is closed), and the abort can then
+            # reach the engine before the read
+            lines = r.iter_lines()
+            for ln in lines:
                 if ln.startswith("data: {"):
                     break
             text = http.get("/metrics").text
@@ -172,6 +176,12 @@ def test_burst_is_one_intake_process_transport(proc_server, monkeypatch):
     # every intake and step message was stamped by the engine process and timed here
     assert reg.get_sample_value("kiln_engine_reply_lag_seconds_count") >= 5
     assert reg.get_sample_value("kiln_engine_reply_lag_seconds_sum") < 60
+    # admission's stages: the command's crossing, the intake, the sender, the pipe and the event loop
+    for stage in ("batch", "command", "intake", "sender", "pipe", "event_loop"):
+        assert reg.get_sample_value("kiln_admission_stage_seconds_count", {"stage": stage}) >= 1, stage
+    assert reg.get_sample_value("kiln_engine_step_seconds_count") == reg.get_sample_value(
+        "kiln_engine_steps_total"
+    )
 
 
 def test_reader_frames_match_connection_send():

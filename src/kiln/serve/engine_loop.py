@@ -3,21 +3,28 @@ carries its commands and outputs. It runs in a thread of the server's process (w
 `Server(engine, config)`) or in a child process of its own (engine_process.ProcessWorker: `kiln serve`).
 
 Commands (tuples, picklable: the process transport sends them through a pipe), from the HTTP side:
-    ("add", [(key, prompts, params), ...])   the requests the HTTP side submitted in one tick of its event
-                                    loop; add_request for each prompt of each (all or none per key); key:
-                                    the handle's int id
+    ("add", [(key, prompts, params), ...], sent)   the requests the HTTP side submitted in one tick of
+                                    its event loop; add_request for each prompt of each (all or none per
+                                    key); key: the handle's int id; sent: time.monotonic() when the command
+                                    left the HTTP side (optional; the clock is system-wide on Linux, so the
+                                    engine process can time the command's crossing)
     ("abort", key)                  engine.abort of the handle's prompts: their KV blocks are freed at once
     ("abort_all",)                  every request (shutdown's deadline)
     ("stop",)                       abort what is left, step it out, return
 Events, to the sink (worker.EngineWorker on the HTTP side, or the child's delta sender):
-    intake(results, steps)  once per intake (the adds taken before one step): results [(key, prompt tokens,
-                            None) accepted | (key, 0, message) rejected], one per add; steps: the engine
-                            steps run before this intake
+    intake(results, steps, timing)  once per intake (the adds taken before one step): results [(key,
+                            prompt tokens, None) accepted | (key, 0, message) rejected], one per add; steps:
+                            the engine steps run before this intake; timing: (command_s, intake_s), the
+                            longest time one of its add commands took from leaving the HTTP side to being
+                            taken here (None when no command was stamped), and the time from taking the
+                            first of them to this reply (admission's stages: worker.py)
     step(items, gauges)     items: [(key, prompt index, RequestOutput)] of one step (cumulative outputs);
                             with live=True, the finished requests' RequestOutputs, then every unfinished
                             request's own engine state (key, prompt index, LLMEngine.requests[id]), which
                             the sink reads before the next step (the engine then builds no per-step copies);
-                            gauges: (running, waiting, KV blocks used, steps run), after every pass
+                            gauges: (running, waiting, KV blocks used, steps run, step seconds), after every
+                            pass; step seconds: a tuple with the wall time of the step just run (eng.step,
+                            host and device), empty when none ran
     crashed(message)        the engine raised: the loop ends
 The request id of prompt i of handle `key` is f"{key}-{i}".
 
@@ -65,7 +72,7 @@ class EngineLoop:
                 if eng.has_unfinished() or eng.requests:
                     self._step()
                 else:
-                    self.sink.step([], self._gauges())
+                    self.sink.step([], self._gauges(()))
         except BaseException as e:  # noqa: BLE001 - a crash: the sink fails every waiting request (500)
             self.sink.crashed(f"{type(e).__name__}: {e}")
 
@@ -75,11 +82,15 @@ class EngineLoop:
         results: list[tuple[int, int, str | None]] = []
         timeout: float | None = None if idle else 0.0
         deadline = None
+        first = None  # when the first command of this intake was taken
+        crossing = None  # the longest time an add command took to get here from the HTTP side
         while True:
             try:
                 cmd = get(timeout)
             except queue.Empty:
                 break
+            taken = time.monotonic()
+            first = taken if first is None else first
             if idle:  # the head of a possible burst: wait for its tail a little (module docstring)
                 now = time.monotonic()
                 deadline = deadline if deadline is not None else now + BURST_MAX_S
@@ -88,6 +99,8 @@ class EngineLoop:
                 timeout = 0.0
             kind = cmd[0]
             if kind == "add":
+                if len(cmd) > 2 and cmd[2] is not None:
+                    crossing = max(crossing or 0.0, taken - cmd[2])
                 for key, prompts, params in cmd[1]:
                     results.append(self._add(key, prompts, params))
             elif kind == "abort":
@@ -98,17 +111,17 @@ class EngineLoop:
                     eng.abort(rid)
             elif kind == "stop":
                 if results:
-                    self.sink.intake(results, self.steps)
+                    self.sink.intake(results, self.steps, (crossing, time.monotonic() - first))
                 for rid in list(self._owner):
                     eng.abort(rid)
                 while eng.has_unfinished() or eng.requests:  # the aborted, one last time
                     self._step()
-                self.sink.step([], self._gauges())
+                self.sink.step([], self._gauges(()))
                 return True
             else:
                 raise KilnError(f"unknown engine command {kind!r}")
         if results:  # one reply for the whole intake: the HTTP side wakes once, not once per request
-            self.sink.intake(results, self.steps)
+            self.sink.intake(results, self.steps, (crossing, time.monotonic() - first))
         return False
 
     def _add(self, key: int, prompts: list, params) -> tuple[int, int, str | None]:
@@ -128,7 +141,10 @@ class EngineLoop:
     def _step(self) -> None:
         items = []
         eng = self.engine
-        for out in eng.step(finished_only=True) if self.live else eng.step():
+        t = time.monotonic()
+        outs = eng.step(finished_only=True) if self.live else eng.step()
+        took = time.monotonic() - t
+        for out in outs:
             owner = self._owner.get(out.request_id)
             if owner is None:  # the abort of a rejected add's prompts: nobody waits for them
                 continue
@@ -143,10 +159,10 @@ class EngineLoop:
             reqs = eng.requests
             items.extend((key, i, reqs[rid]) for rid, (key, i) in self._owner.items())
         self.steps += 1
-        self.sink.step(items, self._gauges())
+        self.sink.step(items, self._gauges((took,)))
 
-    def _gauges(self) -> tuple[int, int, int, int]:
+    def _gauges(self, took: tuple[float, ...]) -> tuple[int, int, int, int, tuple[float, ...]]:
         eng = self.engine
         bm = eng.block_manager
         sch = eng.scheduler
-        return len(sch.running), len(sch.waiting), bm.num_blocks - bm.num_free_blocks, self.steps
+        return len(sch.running), len(sch.waiting), bm.num_blocks - bm.num_free_blocks, self.steps, took

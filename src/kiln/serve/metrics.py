@@ -15,8 +15,17 @@ kiln_engine_intake_requests         requests the engine took in one intake, befo
 kiln_engine_steps_total             engine steps run
 kiln_event_loop_lag_seconds         how late the event loop ran a callback due every LOOP_PROBE_S (histogram:
                                     a loop buried under work delays every request's admission by as much)
+kiln_admission_stage_seconds{stage} where an intake's admission time goes, per command or intake
+                                    (histogram): batch (a command's oldest add waiting for the end of
+                                    the event loop's tick to leave with the others), command (the add command from the HTTP side until the engine takes it),
+                                    intake (the engine's first command taken -> its reply made), sender (the
+                                    reply made -> framed for writing in the engine process), pipe (framed
+                                    -> read and handled in this process), event_loop (handled -> the
+                                    requests settled by the event loop); sender and pipe are the process
+                                    transport's only
+kiln_engine_step_seconds            the wall time of each engine step (LLMEngine.step, host and device)
 kiln_engine_reply_lag_seconds       the engine process's message (a step's outputs, an intake's answer) to
-                                    its handling in this process's reader thread (histogram; `kiln serve`'s
+                                    its handling in this process's event loop (histogram; `kiln serve`'s
                                     process transport only)
 """
 
@@ -30,6 +39,9 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 ADMISSION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 INTAKE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+STAGE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+ADMISSION_STAGES = ("batch", "command", "intake", "sender", "pipe", "event_loop")
 E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 
@@ -69,6 +81,17 @@ class ServerMetrics:
             registry=r,
         )
         self.steps = Counter("kiln_engine_steps", "Engine steps run", registry=r)
+        self.step_seconds = Histogram(
+            "kiln_engine_step_seconds", "Wall time of an engine step", buckets=STEP_BUCKETS, registry=r
+        )
+        stage = Histogram(
+            "kiln_admission_stage_seconds",
+            "Where an intake's admission time goes",
+            ["stage"],
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self.stage = {name: stage.labels(stage=name) for name in ADMISSION_STAGES}
         self.loop_lag = Histogram(
             "kiln_event_loop_lag_seconds", "Event loop lateness", buckets=LAG_BUCKETS, registry=r
         )

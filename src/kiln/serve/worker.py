@@ -6,15 +6,14 @@ transports that share everything here:
     engine_process.ProcessWorker      the loop in a child process of its own (`kiln serve`): the engine
                                       does not share a GIL with the event loop's JSON and SSE work
 
-    HTTP handlers (event loop)                     the transport (thread, or the process's reader thread)
+    HTTP handlers (event loop)                     the transport (a thread, or the engine process's pipes)
     submit(prompts, params) --("add", [adds])-->   EngineLoop: add_request for each prompt (all or none)
                             <--intake: accepted / rejected (-> 400), one call_soon_threadsafe per intake--
     handle.abort()          --("abort", key)-->    engine.abort: the sequences' KV blocks are freed at once
                             <--step(items, gauges): one wake-up of the event loop per delivery--
 
 The adds submitted in one tick of the event loop leave as one command (a burst of clients parsed in one
-tick is one message, one pickling and one write for the process transport, whose feeder thread would
-otherwise wait for the GIL once per request while the event loop is busy), and the engine answers each
+tick is one message, one pickling and one write for the process transport), and the engine answers each
 intake with one reply (engine_loop.py: the intake rule). A tick that parses hundreds of requests lasts
 long, so a batch also leaves as soon as an add finds it ADD_BATCH_S old: the engine gets the burst's head
 while the event loop is still parsing its tail.
@@ -189,8 +188,10 @@ class EngineWorker:
     def _flush_adds(self) -> None:
         with self._adds_lock:
             adds, self._adds = self._adds, []
-            if adds:
-                self.send(("add", adds))
+            if adds:  # stamped: the engine times the command's crossing (kiln_admission_stage_seconds)
+                now = time.monotonic()
+                self.metrics.stage["batch"].observe(max(0.0, now - self._adds_since))
+                self.send(("add", adds, now))
 
     def command(self, command: tuple) -> None:
         """Send a command after the adds still waiting for the end of the tick (an abort follows its add)."""
@@ -207,9 +208,17 @@ class EngineWorker:
         self.command(("abort_all",))
 
     # ---- the sink: called from the transport's delivery thread ------------------------------------------
-    def intake(self, results: list[tuple[int, int, str | None]], steps: int) -> None:
+    def intake(
+        self,
+        results: list[tuple[int, int, str | None]],
+        steps: int,
+        timing: tuple[float | None, float] = (None, 0.0),
+        stages: dict[str, float] | None = None,
+    ) -> None:
         """The engine's answer to the adds it took before one step: (key, prompt tokens, None) accepted,
-        (key, 0, message) rejected; `steps`: the engine steps run before them."""
+        (key, 0, message) rejected; `steps`: the engine steps run before them; `timing`: the engine's
+        (command_s, intake_s) (engine_loop.py); `stages`: the transport's own (the process transport's
+        sender and pipe), all observed in kiln_admission_stage_seconds."""
         m = self.metrics
         accepted = sum(1 for r in results if r[2] is None)
         if accepted:
@@ -217,12 +226,21 @@ class EngineWorker:
         tokens = sum(r[1] for r in results)
         if tokens:
             m.prompt_tokens.inc(tokens)
-        self._loop.call_soon_threadsafe(self._settle, results)
+        command_s, intake_s = timing
+        if command_s is not None:
+            m.stage["command"].observe(max(0.0, command_s))
+        m.stage["intake"].observe(max(0.0, intake_s))
+        for name, seconds in (stages or {}).items():
+            m.stage[name].observe(max(0.0, seconds))
+        self._loop.call_soon_threadsafe(self._settle, results, time.monotonic())
 
-    def step(self, items: list[tuple[int, int, RequestOutput]], gauges: tuple[int, int, int, int]) -> None:
+    def step(self, items: list[tuple[int, int, RequestOutput]], gauges: tuple) -> None:
         """Deliver one step's outputs (or several steps' newest ones) in one wake-up of the event loop;
-        gauges: (running, waiting, KV blocks used, engine steps run)."""
+        gauges: (running, waiting, KV blocks used, engine steps run, the wall seconds of each step run
+        since the last delivery)."""
         m = self.metrics
+        for seconds in gauges[4]:
+            m.step_seconds.observe(seconds)
         m.running.set(gauges[0])
         m.waiting.set(gauges[1])
         m.kv_blocks_used.set(gauges[2])
@@ -258,8 +276,9 @@ class EngineWorker:
                 )
 
     # ---- event-loop callbacks --------------------------------------------------------------------------
-    def _settle(self, results: list[tuple[int, int, str | None]]) -> None:
+    def _settle(self, results: list[tuple[int, int, str | None]], handed: float) -> None:
         now = time.monotonic()
+        self.metrics.stage["event_loop"].observe(max(0.0, now - handed))
         for key, _, error in results:
             handle = self._handles.get(key)
             if handle is None or handle.accepted.done():
