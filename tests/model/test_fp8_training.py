@@ -73,8 +73,9 @@ def _cpu_scaled_mm_or_skip(*args, **kw):
 @pytest.mark.parametrize("case", ["tensorwise e4m3", "rowwise e4m3", "tensorwise e5m2 x e4m3"])
 def test_emulation_equals_torch_scaled_mm_on_cpu(case):
     """torch's own FP8 GEMM (its CPU kernel) as the outside reference for the emulated path's conventions:
-    scales multiply (q * s is the value), b is (K, N) column-major, row scales (M, 1) and (1, N)."""
-    from kiln.kernels.fp8_train import _col_major, _mm
+    scales multiply (q * s is the value), b is (K, N) column-major, row scales (M, 1) and (1, N); and the
+    fp8_scaled_mm op (the GPU path's GEMM, here on that CPU kernel) lays a transposed view out as it must."""
+    from kiln.kernels.fp8_train import _mm, fp8_scaled_mm
 
     g = torch.Generator().manual_seed(3)
     a, b = torch.randn(32, 64, generator=g), torch.randn(48, 64, generator=g)  # a (M, K), b (N, K)
@@ -85,10 +86,12 @@ def test_emulation_equals_torch_scaled_mm_on_cpu(case):
     else:
         aq, sa = quantize(a, E5M2 if "e5m2" in case else E4M3, None)
         bq, sb = quantize(b, E4M3, None)
-    want = _cpu_scaled_mm_or_skip(aq, _col_major(bq.t().contiguous()), scale_a=sa, scale_b=sb,
-                                  out_dtype=torch.bfloat16)  # fmt: skip
+    want = _cpu_scaled_mm_or_skip(aq, bq.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
     got = _mm(aq, sa, bq.t(), sb, torch.bfloat16, fast=False, gpu=False)
     assert torch.equal(got, want)
+    # the op from operands laid out the other way round: a column-major copy of a, b row-major (K, N)
+    a_cm = aq.t().contiguous().t()
+    assert torch.equal(fp8_scaled_mm(a_cm, sa, bq.t().contiguous(), sb, torch.bfloat16, False), want)
 
 
 # Relative Frobenius error against float64. Rounding to a format with m mantissa bits errs uniformly within
