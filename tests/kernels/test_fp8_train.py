@@ -106,3 +106,30 @@ def test_compiled_equals_eager(recipe, path):
         assert _rel(a, b) < 1e-2
     errs = [_rel(g, want) for g, want in zip(compiled, _float64(x, w, dy), strict=True)]
     assert all(e <= b for e, b in zip(errs, BOUND[recipe], strict=True)), (recipe, path, errs)
+
+
+@pytest.mark.slow
+def test_fp8_check_smoke(tmp_path):
+    """bench/fp8_check.py (the H200 diagnostic) runs on the CPU: every GEMM variant, eager and compiled
+    (aot_eager), and three eager training runs, ending in a verdict with nothing BAD."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "KILN_COMMIT": "smoke-test"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(root / "bench" / "fp8_check.py"), "--smoke", "--out", str(tmp_path),
+           "--steps", "2", "--runs", "bf16,fp8-eager,fp8-c598f16-eager"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "fp8_check.json").read_text())
+    assert doc["commit"] == "smoke-test" and len(doc["gemms"]) == 12  # 6 eager, 6 compiled
+    assert all(g["ok"] for g in doc["gemms"]), [g for g in doc["gemms"] if not g["ok"]]
+    assert set(doc["runs"]) == {"bf16", "fp8-eager", "fp8-c598f16-eager"}
+    assert not [line for line in doc["verdict"] if line.startswith(("BAD", "GEMM BAD", "ERROR"))], doc[
+        "verdict"
+    ]
+    assert "== VERDICT ==" in proc.stdout
