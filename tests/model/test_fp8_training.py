@@ -332,6 +332,8 @@ def test_compiled_fp8_model_step_on_gpu(linear):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = loss_fn(x, x.roll(-1, 1))
         loss.backward()
+        missing = [n for n, p in model.named_parameters() if p.grad is None]
+        assert not missing, (lin, missing)  # a backward that dropped dX leaves q/k/v and gate/up without one
         out[lin] = (float(loss.detach()), {n: p.grad.float() for n, p in model.named_parameters()})
     (l_ref, g_ref), (l_fp8, g_fp8) = out["torch"], out[linear]
     assert abs(l_fp8 - l_ref) / l_ref < 1e-2, (l_ref, l_fp8)
