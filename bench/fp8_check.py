@@ -195,14 +195,33 @@ def gemm_case(run: Run, impl: str, compiled: bool, recipe: str, shape) -> dict:
         torch._dynamo.reset()
         f = compile_fn(fn, dev) if compiled else fn
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-        with autocast(dev):
-            y = f(xr, wr)
-        y.backward(dy)
+
+        def step():
+            with autocast(dev):
+                y = f(xr, wr)
+            y.backward(dy)
+            return y
+
+        code = []
+        if compiled and dev.type == "cuda":  # inductor's generated code (forward and backward graphs)
+            from torch._inductor.utils import run_and_get_code
+
+            y, code = run_and_get_code(step)
+        else:
+            y = step()
         sync(dev)
     errs = [rel(y.detach(), y64.detach()), rel(xr.grad, x64.grad), rel(wr.grad, w64.grad)]
     ok = all(e <= b for e, b in zip(errs, BOUND[recipe], strict=True))
-    return {"impl": impl, "compiled": compiled, "recipe": recipe, "shape": list(shape),
-            "rel_err_y_dx_dw": [round(e, 4) for e in errs], "ok": ok}  # fmt: skip
+    rec = {"impl": impl, "compiled": compiled, "recipe": recipe, "shape": list(shape),
+           "rel_err_y_dx_dw": [round(e, 4) for e in errs], "ok": ok}  # fmt: skip
+    if code:  # which GEMM kernels inductor chose: cuBLAS (extern _scaled_mm), its templates, or kiln's op
+        src = "\n".join(code)
+        rec["inductor_gemms"] = {
+            "extern_scaled_mm": src.count("extern_kernels._scaled_mm("),  # cuBLAS through inductor
+            "triton_templates": src.count("def triton_tem_"),  # inductor's own GEMM kernels
+            "kiln_op": src.count("kiln.fp8_scaled_mm.default("),  # expected: 3, the others 0
+        }
+    return rec
 
 
 def gemms(run: Run) -> None:
@@ -226,7 +245,8 @@ def gemms(run: Run) -> None:
                    "error": f"{type(e).__name__}: {e}"[:400], "trace": traceback.format_exc()[-800:]}  # fmt: skip
         out.append(rec)
         tag = f"{impl}{'-compiled' if compiled else '-eager'} {recipe} {tuple(shape)}"
-        run.log(f"gemm {tag}: {rec.get('rel_err_y_dx_dw', rec.get('error'))} {'ok' if rec['ok'] else 'BAD'}")
+        res = rec.get("rel_err_y_dx_dw", rec.get("error"))
+        run.log(f"gemm {tag}: {res} {'ok' if rec['ok'] else 'BAD'} {rec.get('inductor_gemms', '')}")
     run.write()
 
 
