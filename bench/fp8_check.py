@@ -228,7 +228,6 @@ def gemms(run: Run) -> None:
     shapes = SMOKE_GEMM_SHAPES if run.smoke else GEMM_SHAPES
     cases = [(impl, False, r, s) for r in ("tensorwise", "rowwise") for s in shapes
              for impl in ("op", "c598f16", "emulated")]  # fmt: skip
-    # compiled: one shape (each compile costs seconds), the failing recipe first
     # compiled: one shape (each compile costs seconds); the c598f16 pair (inductor free, cuBLAS only) on the
     # recipe that failed
     cases += [(impl, True, "tensorwise", shapes[0]) for impl in ("op", "c598f16", "c598f16-aten")]
@@ -372,6 +371,8 @@ def verdict(run: Run) -> list[str]:
             lines.append(
                 f"GEMM BAD   {tag}: {r.get('rel_err_y_dx_dw', r.get('error'))} (bounds {BOUND[r['recipe']]})"
             )
+        if "inductor_gemms" in r:
+            lines.append(f"inductor GEMM kernels, {tag}: {r['inductor_gemms']}")
     bad_gemm = {(r["impl"], r["compiled"]) for r in run.doc.get("gemms", []) if not r.get("ok", True)}
     for impl in ("op", "c598f16", "c598f16-aten", "emulated"):
         for compiled in (False, True):
