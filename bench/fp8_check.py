@@ -119,13 +119,22 @@ class C598Linear(torch.autograd.Function):
         return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None
 
 
+# kiln's FP8Linear as Dynamo traced it at c598f16 (a subclass is not on the allow_in_graph list): the op's
+# GEMMs with Dynamo's own autograd.Function tracing, to tell the two changes apart
+OpTraced = type("OpTraced", (fp8_train.FP8Linear,), {})
+
+
 @contextlib.contextmanager
 def variant(name: str):
-    """Run kiln's fp8_train_linear as `name`: "op" (as it is), "c598f16" (the old Function), "emulated"
-    (the float32 path forced). Module attributes swapped for the block and restored: diagnosis only."""
+    """Run kiln's fp8_train_linear as `name`: "op" (as it is: GEMMs behind the op, the Function
+    allow_in_graph), "op-traced" (the same Function traced by Dynamo), "c598f16" (the old Function:
+    inline _scaled_mm, traced by Dynamo), "emulated" (the float32 path forced). Module attributes swapped
+    for the block and restored: diagnosis only."""
     saved = fp8_train.FP8Linear, fp8_train.use_scaled_mm
     if name == "c598f16":
         fp8_train.FP8Linear = C598Linear
+    elif name == "op-traced":
+        fp8_train.FP8Linear = OpTraced
     elif name == "emulated":
         fp8_train.use_scaled_mm = lambda *tensors: False
     try:
@@ -230,7 +239,9 @@ def gemms(run: Run) -> None:
              for impl in ("op", "c598f16", "emulated")]  # fmt: skip
     # compiled: one shape (each compile costs seconds); the c598f16 pair (inductor free, cuBLAS only) on the
     # recipe that failed
-    cases += [(impl, True, "tensorwise", shapes[0]) for impl in ("op", "c598f16", "c598f16-aten")]
+    cases += [
+        (impl, True, "tensorwise", shapes[0]) for impl in ("op", "c598f16", "c598f16-aten", "op-traced")
+    ]
     cases += [("op", True, "rowwise", shapes[0]), ("c598f16", True, "rowwise", shapes[0])]
     out = run.doc.setdefault("gemms", [])
     for impl, compiled, recipe, shape in cases:
@@ -317,6 +328,7 @@ def curves(run: Run) -> None:
         ("fp8-compiled", "fp8", "op", True, 0, True),
         ("fp8-c598f16-compiled", "fp8", "c598f16", True, 0, True),
         ("fp8-eager", "fp8", "op", False, 0, False),
+        ("fp8-op-traced-compiled", "fp8", "op-traced", True, 0, False),
         ("bf16-seed1", "auto", "op", False, 1, False),
         ("bf16-compiled", "auto", "op", True, 0, False),
         ("fp8-rowwise-compiled", "fp8_rowwise", "op", True, 0, False),
@@ -374,7 +386,7 @@ def verdict(run: Run) -> list[str]:
         if "inductor_gemms" in r:
             lines.append(f"inductor GEMM kernels, {tag}: {r['inductor_gemms']}")
     bad_gemm = {(r["impl"], r["compiled"]) for r in run.doc.get("gemms", []) if not r.get("ok", True)}
-    for impl in ("op", "c598f16", "c598f16-aten", "emulated"):
+    for impl in ("op", "op-traced", "c598f16", "c598f16-aten", "emulated"):
         for compiled in (False, True):
             seen = [r for r in run.doc.get("gemms", []) if r["impl"] == impl and r["compiled"] == compiled
                     and "skipped" not in r]  # fmt: skip

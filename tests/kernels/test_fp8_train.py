@@ -126,7 +126,7 @@ def test_fp8_check_smoke(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "fp8_check.json").read_text())
-    assert doc["commit"] == "smoke-test" and len(doc["gemms"]) == 11  # 6 eager, 5 compiled
+    assert doc["commit"] == "smoke-test" and len(doc["gemms"]) == 12  # 6 eager, 6 compiled
     assert all(g["ok"] for g in doc["gemms"]), [g for g in doc["gemms"] if not g["ok"]]
     assert set(doc["runs"]) == {"bf16", "fp8-eager", "fp8-c598f16-eager"}
     assert not [line for line in doc["verdict"] if line.startswith(("BAD", "GEMM BAD", "ERROR"))], doc[

@@ -28,8 +28,11 @@ Two paths, the same scales and the same quantized values:
   same rounding to the output dtype. The CPU tests run both: the op on torch's CPU _scaled_mm kernel
   (forced), the emulation as is, each against float64, eager and compiled; the GPU tests and
   bench/fp8_check.py run the op on the H200.
-Under torch.compile the Function is traced: inductor fuses the amax, the scaling and the cast to FP8 into
-the neighbouring kernels; the GEMMs stay the op's calls.
+Under torch.compile the Function is `allow_in_graph`: Dynamo puts the call in its graph as it is, and
+AOTAutograd traces its forward and backward (as for torchao's float8 Functions), instead of Dynamo
+speculating both itself, the machinery behind known silent gradient bugs (requires_grad lost on a traced
+Function's outputs: pytorch#129963, #160901). Inductor still fuses the amax, the scaling and the cast to
+FP8 into the neighbouring kernels; the GEMMs stay the op's calls.
 The curve measured on the H200 at c598f16 (compiled, _scaled_mm inlined) did not train (docs/perf/training.md).
 """
 
@@ -113,6 +116,7 @@ def _mm(a_q, s_a, b_q, s_b, out_dtype: torch.dtype, fast: bool, gpu: bool) -> to
     return y.to(_mm_dtype(out_dtype)).to(out_dtype)
 
 
+@torch.compiler.allow_in_graph
 class FP8Linear(torch.autograd.Function):
     """x (M, K), weight (N, K) -> x W^T (M, N) in out_dtype; see the module docstring."""
 
