@@ -397,6 +397,7 @@ def verdict(run: Run) -> list[str]:
                 )
     runs = run.doc.get("runs", {})
     ok_runs = {k: v for k, v in runs.items() if "losses" in v}
+    status = {}  # run label -> True (trains like bf16) / False
     if "bf16" in ok_runs:
         base = statistics.mean(ok_runs["bf16"]["losses"][-10:])
         noise = (
@@ -414,6 +415,7 @@ def verdict(run: Run) -> list[str]:
             worst = max(errs.values()) if errs else math.nan
             grads_ok = not rec["no_grad"] and not rec["zero_grad"] and worst <= GRAD_BOUND
             curve_ok = last - base <= tol
+            status[label] = grads_ok and curve_ok
             lines.append(
                 f"{'OK ' if grads_ok and curve_ok else 'BAD'} {label}: last-10 mean {last:.3f} ({last - base:+.3f}); "
                 f"step-1 grads {'ok' if grads_ok else 'BAD'} (worst rel err {worst:.3f}, missing "
@@ -422,7 +424,30 @@ def verdict(run: Run) -> list[str]:
     for label, rec in runs.items():
         if "error" in rec:
             lines.append(f"ERROR {label}: {rec['error']}")
-    return lines + conclusion(run, bad_gemm)
+    return lines + conclusion(run, bad_gemm) + model_conclusion(run, status)
+
+
+def model_conclusion(run: Run, status: dict) -> list[str]:
+    """What the training runs say about the two changes (the op's GEMMs; allow_in_graph)."""
+    new, old, traced = (
+        status.get(k) for k in ("fp8-compiled", "fp8-c598f16-compiled", "fp8-op-traced-compiled")
+    )
+    if new is None or old is None:
+        return []
+    if new is False:
+        return ["=> MODEL: FP8 compiled still does not train like bf16: the changes do not cover the cause"]
+    if old is True:
+        return [
+            "=> MODEL: the c598f16 formulation trains here too (not reproduced by this short 2-layer run);"
+            " compare the peak memories, then bench/train.py --case fp8-curve --compile at 124M"
+        ]
+    if traced is None:
+        return [
+            "=> MODEL: fixed (c598f16 BAD, now OK); which change did it: --runs bf16,fp8-op-traced-compiled"
+        ]
+    if traced:
+        return ["=> MODEL: fixed by the GEMM op: the inline _scaled_mm under inductor was the cause"]
+    return ["=> MODEL: fixed by allow_in_graph: Dynamo's tracing of the autograd.Function was the cause"]
 
 
 def conclusion(run: Run, bad_gemm: set) -> list[str]:
