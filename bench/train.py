@@ -411,12 +411,16 @@ def curve_run(label: str, cfg: ModelConfig, linear: str, seed: int, data, val, s
     amp = torch.bfloat16 if dev.type == "cuda" else None
     ar = torch.arange(T + 1, device=dev)
     losses = torch.zeros(steps, device=dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     for i in range(steps):
         w = data[starts[i][:, None] + ar].long()  # (B, T + 1) windows
         opt.zero_grad(set_to_none=True)
         with autocast(dev, amp):
             loss = loss_fn(w[:, :-1], w[:, 1:])
         loss.backward()
+        if i == 0:  # a backward that skipped a GEMM's dX leaves the layers below it without gradients
+            no_grad = [n for n, p in model.named_parameters() if p.grad is None or not bool(p.grad.any())]
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
@@ -427,7 +431,10 @@ def curve_run(label: str, cfg: ModelConfig, linear: str, seed: int, data, val, s
             float(model.loss(w[:, :-1], w[:, 1:])) for w in (val[s[:, None] + ar].long() for s in val_starts)
         ]
     del model, opt
-    return losses.cpu().tolist(), statistics.mean(vl)
+    extra = {"params_without_grad_step1": no_grad}
+    if dev.type == "cuda":
+        extra["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
+    return losses.cpu().tolist(), statistics.mean(vl), extra
 
 
 def fp8_curve(run: BenchRun, args) -> None:
@@ -455,15 +462,15 @@ def fp8_curve(run: BenchRun, args) -> None:
             run.log(f"fp8-curve {label}: skipped (budget)")
             continue
         t = time.perf_counter()
-        losses, val_loss = curve_run(label, cfg, linear, seed, data, val, starts, val_starts, T, dev,
-                                     compiled=args.compile)  # fmt: skip
+        losses, val_loss, extra = curve_run(label, cfg, linear, seed, data, val, starts, val_starts, T, dev,
+                                            compiled=args.compile)  # fmt: skip
         last_s = time.perf_counter() - t
         curves[label] = losses
         w = 10  # the curve as the mean of every 10 steps
         means = [statistics.mean(losses[i : i + w]) for i in range(0, len(losses), w)]
         rec = {"run": label, "linear": linear, "seed": seed, "seconds": round(last_s, 1),
                "final_train_loss": round(statistics.mean(losses[-min(50, len(losses)):]), 4),
-               "val_loss": round(val_loss, 4), "curve_every_10": [round(m, 4) for m in means]}  # fmt: skip
+               "val_loss": round(val_loss, 4), "curve_every_10": [round(m, 4) for m in means], **extra}  # fmt: skip
         if label != "bf16" and "bf16" in curves:
             ref = curves["bf16"]
             rm = [statistics.mean(ref[i : i + w]) for i in range(0, len(ref), w)]

@@ -90,7 +90,9 @@ def test_every_bench_script_is_smoke_tested():
     # train: tests/train/test_bench_train.py (its compiled contenders are too slow to compile here)
     # speedrun: tests/train/test_speedrun.py runs its smoke and checks its two runs
     # dist_host_profile: tests/bench/test_dist_host_profile.py (a profile, not a measurement with --smoke)
+    # fp8_check: tests/kernels/test_fp8_train.py runs its smoke (a check with a verdict, not a timing)
     owned_elsewhere = {
+        "fp8_check",
         "tokenizer",
         "compile",
         "serve",

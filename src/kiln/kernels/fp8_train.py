@@ -19,14 +19,21 @@ optimizer never sees FP8. Outputs and gradients leave in the dtype of the call (
 Delayed scaling (an amax history) is not implemented.
 
 Two paths, the same scales and the same quantized values:
-- CUDA sm_89+ with every dimension a multiple of 16 (cuBLASLt's rule): torch._scaled_mm, FP8 tensor cores,
-  float32 accumulation (fast accumulation in the forward only, as torchao: the gradients' long reductions
-  over tokens keep the exact accumulator).
+- CUDA sm_89+ with every dimension a multiple of 16 (cuBLASLt's rule): the `fp8_scaled_mm` op, which is
+  torch._scaled_mm (FP8 tensor cores, float32 accumulation; fast accumulation in the forward only, as
+  torchao: the gradients' long reductions over tokens keep the exact accumulator) behind a custom op, so
+  that torch.compile cannot swap in its own scaled-mm lowering (see the op). Each tensor is quantized in
+  the layout it has; a GEMM that reads it transposed passes a view, and the op lays a and b out for cuBLAS.
 - anywhere else (the CPU, odd shapes): emulated, quantize -> dequantize -> matmul in float32, then the
-  same rounding to the output dtype. The CPU tests check the autograd plumbing there; the GPU test checks
-  the _scaled_mm path against it.
-Under torch.compile the Function is traced: inductor fuses the amax, the scaling and the cast to FP8 into
-the neighbouring kernels (no custom op needed: everything inside is ATen).
+  same rounding to the output dtype. The CPU tests run both: the op on torch's CPU _scaled_mm kernel
+  (forced), the emulation as is, each against float64, eager and compiled; the GPU tests and
+  bench/fp8_check.py run the op on the H200.
+Under torch.compile the Function is `allow_in_graph`: Dynamo puts the call in its graph as it is, and
+AOTAutograd traces its forward and backward (as for torchao's float8 Functions), instead of Dynamo
+speculating both itself, the machinery behind known silent gradient bugs (requires_grad lost on a traced
+Function's outputs: pytorch#129963, #160901). Inductor still fuses the amax, the scaling and the cast to
+FP8 into the neighbouring kernels; the GEMMs stay the op's calls.
+The curve measured on the H200 at c598f16 (compiled, _scaled_mm inlined) did not train (docs/perf/training.md).
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torc
     """t (R, C) float -> (q (R, C) in `dtype`, float32 scale s) with t ~= q * s.
 
     dim None: one scale, shape (); dim 1: one per row, (R, 1); dim 0: one per column, (1, C) (the dim
-    reduced over for the amax, kept as size 1 so the scale broadcasts against t)."""
+    reduced over for the amax, kept as size 1 so the scale broadcasts against t). q keeps t's layout:
+    every tensor is quantized where it lies, and a GEMM that reads it transposed takes a view."""
     tf = t.float()
     amax = tf.abs().amax() if dim is None else tf.abs().amax(dim=dim, keepdim=True)
     s = amax.clamp_min(MIN_AMAX) / FP8_MAX[dtype]
@@ -65,27 +73,50 @@ def use_scaled_mm(*tensors: torch.Tensor) -> bool:
     return _scaled_mm_ok(tensors[0].device.index or 0)
 
 
+def _mm_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    # the row-wise kernel writes bf16 only; a float32 caller gets bf16 rounded then widened (both paths)
+    return torch.bfloat16 if out_dtype == torch.float32 else out_dtype
+
+
+# The FP8 GEMM on torch._scaled_mm as an op opaque to torch.compile. Inlined, inductor lowers _scaled_mm
+# itself: it may autotune its own Triton scaled-mm templates against cuBLAS (even without max-autotune)
+# and it writes the transposed FP8 copies the GEMMs need from its generated Triton kernels, neither of
+# which the eager path (nor any CPU test) exercises. Behind this op the compiled step runs exactly the
+# eager GEMMs: inductor still fuses each amax, scale and cast into the neighbouring kernels, and the
+# operands reach cuBLAS in the layouts laid out here by ATen's copy.
+@torch.library.custom_op("kiln::fp8_scaled_mm", mutates_args=())
+def fp8_scaled_mm(
+    a: torch.Tensor, s_a: torch.Tensor, b: torch.Tensor, s_b: torch.Tensor, out_dtype: torch.dtype, fast: bool
+) -> torch.Tensor:
+    """(a * s_a) (M, K) @ (b * s_b) (K, N) -> (M, N) in out_dtype on torch._scaled_mm. a, b FP8 in any
+    layout (views welcome: a is made row-major and b column-major here, no copy where they already are);
+    s_a () or (M, 1), s_b () or (1, N) float32 dequantization scales (q * s is the value)."""
+    a = a.contiguous()
+    b = b.t().contiguous().t()  # column-major (K, N): stride (1, K)
+    # row scales with unit strides in both dims (a transposed (N, 1) view counts as contiguous but keeps
+    # stride N on its size-1 dim, which _scaled_mm refuses); no copy
+    s_a, s_b = s_a.reshape(-1).view(s_a.shape), s_b.reshape(-1).view(s_b.shape)
+    y = torch._scaled_mm(a, b, scale_a=s_a, scale_b=s_b, out_dtype=_mm_dtype(out_dtype), use_fast_accum=fast)
+    return y.to(out_dtype)
+
+
+@fp8_scaled_mm.register_fake
+def _(a, s_a, b, s_b, out_dtype, fast):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
 def _mm(a_q, s_a, b_q, s_b, out_dtype: torch.dtype, fast: bool, gpu: bool) -> torch.Tensor:
-    """(a_q * s_a) (M, K) @ (b_q * s_b) (K, N) -> (M, N) in out_dtype. a_q row-major; s_a () or (M, 1),
-    s_b () or (1, N). gpu: torch._scaled_mm (b_q must then be column-major); else float32 emulation."""
+    """(a_q * s_a) (M, K) @ (b_q * s_b) (K, N) -> (M, N) in out_dtype, operands in any layout. gpu: the
+    fp8_scaled_mm op (torch._scaled_mm); else the float32 emulation, rounded through bf16 as _scaled_mm's
+    output is."""
     if gpu:
-        a_q = a_q.contiguous()  # row-major a (a no-op for the operands built here)
-        # the row-wise kernel writes bf16 only; a float32 caller gets bf16 rounded then widened, the same
-        # rounding the emulated path applies below
-        mm_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
-        y = torch._scaled_mm(a_q, b_q, scale_a=s_a, scale_b=s_b, out_dtype=mm_dtype, use_fast_accum=fast)
-        return y.to(out_dtype)
+        return fp8_scaled_mm(a_q, s_a, b_q, s_b, out_dtype, fast)
     with torch.autocast(a_q.device.type, enabled=False):  # the emulation's matmul stays float32
         y = (a_q.float() * s_a) @ (b_q.float() * s_b)
-    mm_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
-    return y.to(mm_dtype).to(out_dtype)
+    return y.to(_mm_dtype(out_dtype)).to(out_dtype)
 
 
-def _col_major(t: torch.Tensor) -> torch.Tensor:
-    """The same (R, C) values laid out column-major (stride (1, R)): _scaled_mm's layout for b."""
-    return t.t().contiguous().t()
-
-
+@torch.compiler.allow_in_graph
 class FP8Linear(torch.autograd.Function):
     """x (M, K), weight (N, K) -> x W^T (M, N) in out_dtype; see the module docstring."""
 
@@ -95,7 +126,7 @@ class FP8Linear(torch.autograd.Function):
         rowwise = recipe == "rowwise"
         xq, xs = quantize(x, E4M3, 1 if rowwise else None)  # (M, K), (M, 1) or ()
         wq, ws = quantize(weight, E4M3, 1 if rowwise else None)  # (N, K), (N, 1) or ()
-        # b = W^T (K, N): the transposed view of a row-major (N, K) is column-major as _scaled_mm wants
+        # b = W^T (K, N): a transposed view; its scales, one per output channel, as a row (1, N)
         y = _mm(xq, xs, wq.t(), ws.view(1, -1) if rowwise else ws, out_dtype, fast=True, gpu=gpu)
         if rowwise:  # the backward GEMMs reduce over other dims: they re-quantize the masters
             ctx.save_for_backward(x, weight)
@@ -110,18 +141,20 @@ class FP8Linear(torch.autograd.Function):
         gpu, dt = ctx.gpu, ctx.out_dtype
         if ctx.recipe == "rowwise":
             x, weight = ctx.saved_tensors
-            dyq, dys = quantize(dy, E4M3, 1)  # (M, N), per token: dX reduces over N
-            wq, ws = quantize(weight, E4M3, 0)  # (N, K), per input column (1, K): dX reduces over N
-            dx = _mm(dyq, dys, _col_major(wq) if gpu else wq, ws, dt, fast=False, gpu=gpu)
-            dyq_t, dys_t = quantize(dy.t(), E4M3, 1)  # (N, M) per output channel: dW reduces over M
-            xq, xs = quantize(x, E4M3, 0)  # (M, K), per column (1, K)
-            dyq_t = dyq_t.contiguous()
-            dw = _mm(dyq_t, dys_t, _col_major(xq) if gpu else xq, xs, dt, fast=False, gpu=gpu)
+            # dX (M, K) = dy (M, N) @ W (N, K) reduces over N: dy per token (M, 1), W per input column (1, K)
+            dyq, dys = quantize(dy, E4M3, 1)
+            wq, ws = quantize(weight, E4M3, 0)
+            dx = _mm(dyq, dys, wq, ws, dt, fast=False, gpu=gpu)
+            # dW (N, K) = dy^T (N, M) @ x (M, K) reduces over M: dy per output channel, i.e. per column
+            # of dy (1, N), read transposed as (N, 1); x per input column (1, K)
+            dyq_c, dys_c = quantize(dy, E4M3, 0)
+            xq, xs = quantize(x, E4M3, 0)
+            dw = _mm(dyq_c.t(), dys_c.view(-1, 1), xq, xs, dt, fast=False, gpu=gpu)
         else:
             xq, xs, wq, ws = ctx.saved_tensors
-            dyq, dys = quantize(dy, E5M2, None)
-            dx = _mm(dyq, dys, _col_major(wq) if gpu else wq, ws, dt, fast=False, gpu=gpu)
-            dw = _mm(dyq.t().contiguous(), dys, _col_major(xq) if gpu else xq, xs, dt, fast=False, gpu=gpu)
+            dyq, dys = quantize(dy, E5M2, None)  # (M, N), one scale
+            dx = _mm(dyq, dys, wq, ws, dt, fast=False, gpu=gpu)  # (M, N) @ (N, K)
+            dw = _mm(dyq.t(), dys, xq, xs, dt, fast=False, gpu=gpu)  # (N, M) @ (M, K)
         return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None
 
 
