@@ -2,7 +2,7 @@
 # One batched GPU session: kiln's GPU tests, every benchmark, and the main job on CUDA.
 # Usage (on the H200, from the repo root): bash bench/gpu_suite.sh OUT_DIR [parts...]
 # parts: tests norms gemm_ce attention matmul_decode host_overhead run infer compile, and the measurements
-# the open issues wait for: serve overlap quant fp8curve cuda moe decode decodestep (default: tests norms
+# the open issues wait for: serve overlap quant fp8curve fp8check fp8speed cuda moe decode decodestep (default: tests norms
 # gemm_ce attention run). Each part has its own time cap so one
 # slow part cannot eat the others'; results are JSON/logs in OUT_DIR.
 # At most 7 files land in OUT_DIR (the device tool brings back 8).
@@ -57,6 +57,11 @@ for part in $PARTS; do
                >> "$OUT/bench.log" 2>&1 ;;
     # issue 18: the engine's quantized decode with the swept tables, prefill, the logit error (~1 min)
     quant) timeout 150 python3 bench/quant.py --skip decode --out "$OUT/quant.json" >> "$OUT/bench.log" 2>&1 ;;
+    # issue 23: FP8 training's GEMMs and gradients against float64 and bf16, eager and compiled (<= 150 s)
+    fp8check) timeout 150 python3 bench/fp8_check.py --out "$OUT" --budget 95 >> "$OUT/bench.log" 2>&1 ;;
+    # issue 23: FP8 training's speed through the fixed (custom-op) path against kiln's own bf16 (<= 300 s)
+    fp8speed) timeout 300 python3 bench/train.py --shapes 350m,1b --contenders kiln-compiled,kiln-compiled-fp8 \
+                --out "$OUT/train-fp8-speed.json" >> "$OUT/bench.log" 2>&1 ;;
     # issue 23: bf16 against FP8 loss curves through torch.compile (<= 200 s)
     fp8curve) timeout 230 python3 bench/train.py --case fp8-curve --compile --steps 600 \
                 --out "$OUT/train-fp8-curve.json" >> "$OUT/bench.log" 2>&1 ;;
