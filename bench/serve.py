@@ -440,6 +440,23 @@ def wait_health(url: str, proc=None, timeout: float = 600) -> None:
     raise RuntimeError("kiln serve did not become healthy")
 
 
+class SlowSteps:
+    """The "slow engine step" lines (kiln.serve.engine_loop.slow_step_line: steps over 0.5 s with what they
+    ran) that a `kiln serve` subprocess wrote to its log since the last call; at most MAX of them."""
+
+    MAX = 20
+
+    def __init__(self, log_path: Path):
+        self.path, self.seen = log_path, 0
+
+    def new(self) -> list[str]:
+        if not self.path.exists():
+            return []
+        lines = [ln for ln in self.path.read_text(errors="replace").splitlines() if "slow engine step" in ln]
+        fresh, self.seen = lines[self.seen :], len(lines)
+        return fresh[: self.MAX]
+
+
 @contextlib.contextmanager
 def subprocess_server(model_dir: str, engine: dict, capacity: int, log_path: Path):
     port = free_port()
@@ -566,6 +583,7 @@ def main() -> None:
             ctx = subprocess_server(tmp, engine, capacity, Path(tmp) / "server.log")
         else:
             ctx = thread_server(llm, capacity)
+        slow = SlowSteps(Path(tmp) / "server.log")  # the server's "slow engine step" lines, phase by phase
         try:
             with ctx as url:
                 # saturation as before (each request opens its connection in the phase), then with the
@@ -574,6 +592,7 @@ def main() -> None:
                                               ("saturation_open_connections", None, True)):  # fmt: skip
                     if key in phases:
                         result[key] = asyncio.run(load(url, "bench", reqs, rate, open_first=open_first))
+                        result[key]["slow_steps"] = slow.new()
                         print(key, json.dumps(result[key]), flush=True)
                         save()
                 # and from several client processes (connections opened first): the server's own price
@@ -586,6 +605,7 @@ def main() -> None:
                             "error": f"{type(e).__name__}: {e}",
                             "client_processes": args.client_procs,
                         }
+                    result[key]["slow_steps"] = slow.new()
                     print(key, json.dumps(result[key]), flush=True)
         except Exception:
             log = Path(tmp) / "server.log"

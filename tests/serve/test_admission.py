@@ -153,3 +153,30 @@ def test_adds_leave_at_the_end_of_the_tick_or_when_old(model_dir, monkeypatch):
         monkeypatch.setattr(worker, "ADD_BATCH_S", 0.0)
         assert _burst(s, [GOOD] * 3) == [4] * 3
         assert [len(c[1]) for c in sent if c[0] == "add"] == [1, 1, 1]
+
+
+def test_a_slow_step_is_logged_with_what_it_ran(model_dir, monkeypatch):
+    """A step over SLOW_STEP_S leaves one log line naming its step number, its time and the batch it ran
+    (here: every step, the threshold lowered to 0): the first step is the prefill of both prompts, the
+    later ones decode rows only."""
+    monkeypatch.setattr(engine_loop, "SLOW_STEP_S", 0.0)
+    eng = engine_for(model_dir).engine
+    lines: list[str] = []
+    script = [("add", [(0, [[5, 6, 7], [8, 9, 10, 11]], GOOD)])]
+
+    def get(timeout):  # the add when idle, then nothing while busy; "stop" once idle again
+        if timeout is None:
+            return script.pop(0) if script else ("stop",)
+        raise queue.Empty
+
+    EngineLoop(eng, _Recorder(eng), log=lines.append).run(get)
+    assert lines, "no step was logged"
+    first = lines[0]
+    assert first.startswith("kiln serve: slow engine step 1: ") and " s; " in first
+    assert "2 sequences, 7 tokens (0 decode rows, 2 prefill chunks of 7 tokens, longest 4)" in first
+    assert "mixed/prefill" in first
+    assert any("decode only" in ln and "0 prefill chunks" in ln for ln in lines[1:])
+    # without a log nothing is written (and nothing is formatted)
+    monkeypatch.setattr(engine_loop, "slow_step_line", lambda *a: (_ for _ in ()).throw(AssertionError))
+    script[:] = [("add", [(1, [[5, 6, 7]], GOOD)])]
+    EngineLoop(eng, _Recorder(eng)).run(get)

@@ -37,6 +37,7 @@ def test_bench_smoke(tmp_path, monkeypatch):
         assert stages["command"]["n"] >= eng["intakes"] and stages["batch"]["n"] >= eng["intakes"]
         assert all(v["max_le"] is not None for v in stages.values() if v["n"])
         assert eng["step_s"]["n"] == eng["steps"] and eng["steps_over_0.5s"] is not None
+        assert all("slow engine step" in ln for ln in run["slow_steps"])  # the server log's lines, if any
     assert "overhead_at_saturation" in result and result["commit"]
     assert result["offline"]["engine_steps"] > 0 and "overhead_at_saturation_clients" in result
     assert result["saturation_clients"]["client_processes"] == 2
@@ -52,3 +53,17 @@ def test_bench_phases_subset(tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert "saturation" in result and "fixed_rate" not in result and "saturation_clients" not in result
     assert "overhead_at_saturation" in result and len(result["offline"]["rounds_tok_s"]) == 1
+
+
+def test_slow_steps_reads_each_phase_s_new_lines(tmp_path, monkeypatch):
+    """SlowSteps hands back the server log's "slow engine step" lines written since its last call."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    slow_steps = runpy.run_path(str(BENCH / "serve.py"))["SlowSteps"]
+    log = tmp_path / "server.log"
+    slow = slow_steps(log)
+    assert slow.new() == []  # no log yet
+    log.write_text("kiln serve: ready\nkiln serve: slow engine step 3: 5.01 s; nothing scheduled\n")
+    assert slow.new() == ["kiln serve: slow engine step 3: 5.01 s; nothing scheduled"]
+    with log.open("a") as f:
+        f.write("other\nkiln serve: slow engine step 9: 0.70 s; 1 sequences\n")
+    assert slow.new() == ["kiln serve: slow engine step 9: 0.70 s; 1 sequences"] and slow.new() == []

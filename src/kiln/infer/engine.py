@@ -168,6 +168,9 @@ class LLMEngine:
         self.sampler = Sampler()
         self.async_scheduling = config.resolve_async(self.device)
         self._inflight: _Launched | None = None  # the launched, unresolved step (async scheduling)
+        # the batch the last step() scheduled and launched (None: nothing to run); callers that time steps
+        # read its composition (kiln serve logs the steps that take seconds)
+        self.last_batch: ScheduledBatch | None = None
         # the sampled ids' host copies, reused: two, since step N+1's copy is enqueued before step N's is read
         cuda = self.device.type == "cuda"
         rows = min(config.max_num_seqs, config.max_num_batched_tokens)
@@ -271,6 +274,7 @@ class LLMEngine:
             self._resolve(prev, touched)
             prev = None
         batch = self.scheduler.schedule()
+        self.last_batch = None if batch.is_empty else batch
         launched = None if batch.is_empty else self._launch(batch, prev)
         if prev is not None:
             self._resolve(prev, touched)  # step N, while step N+1 runs

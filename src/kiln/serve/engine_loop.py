@@ -49,6 +49,24 @@ from kiln.infer.engine import LLMEngine
 
 BURST_GAP_S = 0.002  # an idle engine's first intake ends when no command came for this long
 BURST_MAX_S = 0.02  # ... or after this long in all
+SLOW_STEP_S = 0.5  # a step this long is logged with what it ran (a burst waits behind it: docs/serve.md)
+
+
+def slow_step_line(n: int, took: float, engine: LLMEngine) -> str:
+    """One log line for an engine step of `took` seconds: what the step scheduled (with async scheduling,
+    the batch it launched while it finished the previous one), so that a server log tells a step that
+    compiled or autotuned kernels for a new shape (a few sequences, seconds) from one that had much work."""
+    b = engine.last_batch
+    if b is None:
+        what = "nothing scheduled"
+    else:
+        prefill = [n for n in b.num_new_tokens if n > 1]
+        what = (
+            f"{len(b.seqs)} sequences, {b.num_tokens} tokens ({len(b.num_new_tokens) - len(prefill)} decode rows, "
+            f"{len(prefill)} prefill chunks of {sum(prefill)} tokens, longest {max(prefill, default=0)}), "
+            f"{'decode only' if b.is_decode_only else 'mixed/prefill'}, {len(b.preempted)} preempted"
+        )
+    return f"kiln serve: slow engine step {n}: {took:.2f} s; {what}"
 
 
 class EngineLoop:
@@ -56,8 +74,8 @@ class EngineLoop:
     raises queue.Empty when none came) before each step, step while work exists, block when idle; report
     to `sink` (module docstring)."""
 
-    def __init__(self, engine: LLMEngine, sink, live: bool = False):
-        self.engine, self.sink, self.live = engine, sink, live
+    def __init__(self, engine: LLMEngine, sink, live: bool = False, log: Callable[[str], None] | None = None):
+        self.engine, self.sink, self.live, self.log = engine, sink, live, log
         self._owner: dict[str, tuple[int, int]] = {}  # engine request id -> (handle key, prompt index)
         self._rids: dict[int, list[str]] = {}  # handle key -> its live request ids
         self.steps = 0  # engine steps run
@@ -144,6 +162,8 @@ class EngineLoop:
         t = time.monotonic()
         outs = eng.step(finished_only=True) if self.live else eng.step()
         took = time.monotonic() - t
+        if took > SLOW_STEP_S and self.log is not None:
+            self.log(slow_step_line(self.steps + 1, took, eng))
         for out in outs:
             owner = self._owner.get(out.request_id)
             if owner is None:  # the abort of a rejected add's prompts: nobody waits for them

@@ -514,6 +514,6 @@ def _engine_main(model: str, engine: dict, engine_log: bool, commands, conn) -> 
                 if os.getppid() != parent or io.broken:
                     return ("stop",)
 
-    EngineLoop(eng, _ChildSink(io), live=True).run(get)
+    EngineLoop(eng, _ChildSink(io), live=True, log=log).run(get)
     io.put(("stopped",))
     io.close()

@@ -342,7 +342,7 @@ class ThreadWorker(EngineWorker):
         self._thread: threading.Thread | None = None
 
     def _start(self) -> None:
-        loop = EngineLoop(self.engine, self)
+        loop = EngineLoop(self.engine, self, log=self.log)
         self._thread = threading.Thread(target=loop.run, args=(self._get,), name="kiln-engine", daemon=True)
         self._thread.start()
 
