@@ -39,6 +39,7 @@ def test_bench_smoke(tmp_path, monkeypatch):
         assert eng["step_s"]["n"] == eng["steps"] and eng["steps_over_0.5s"] is not None
         assert all("slow engine step" in ln for ln in run["slow_steps"])  # the server log's lines, if any
     assert "overhead_at_saturation" in result and result["commit"]
+    assert result["engine"]["enable_prefix_caching"] is False  # every pass and phase does the same work
     assert result["offline"]["engine_steps"] > 0 and "overhead_at_saturation_clients" in result
     assert result["saturation_clients"]["client_processes"] == 2
     assert len(result["offline"]["rounds_tok_s"]) == 2  # the offline workload twice, the best kept
