@@ -14,8 +14,8 @@
     6. the verdict on issue 21's two open goals at 4096^3 (the fastest SGEMM >= 0.9x cuBLAS fp32, the
        fastest mma.sync bf16 >= 0.6x cuBLAS bf16), printed last and kept in the JSON as "goals".
 
-Kernels not yet timed on the H200 (the skewed SGEMM at every ladder.SKEWED_CONFIGS row, the mma.sync
-configurations from MMA_IN_PROCESS on) also run in child processes, checked before they are timed, each
+The newer kernels (the skewed SGEMM at every ladder.SKEWED_CONFIGS row, the mma.sync configurations
+from MMA_IN_PROCESS on) also run in child processes, checked before they are timed, each
 beside its cuBLAS peer timed in the same child: one that faults, hangs or is wrong is an error entry.
 
 Every GEMM output is checked against cuBLAS fp32 (bf16/FP8: against the fp32 product of the same

@@ -34,16 +34,9 @@ def build_and_run(tmp_path: Path, main_cpp: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.skipif(GXX is None, reason="needs g++")
 def test_sgemm_ladder_emulated(tmp_path):
-    # the emulation carries a copy of sgemm.cu's configuration table: it must be the same
-    def table(text):
-        return text.split("#define KILN_WARPTILE_CONFIGS(X)")[1].split("\n\n")[0]
-
-    assert table((EMU / "sgemm_emu.cpp").read_text()) == table((CSRC / "sgemm.cu").read_text())
-
-    def skewed(text):
-        return text.split("#define KILN_SKEWED_CONFIGS(X)")[1].split("\n\n")[0]
-
-    assert skewed((EMU / "sgemm_emu.cpp").read_text()) == skewed((CSRC / "sgemm.cu").read_text())
+    # the emulation launches from the launchers' own configuration tables (sgemm_kernels.cuh), not a copy
+    emu = (EMU / "sgemm_emu.cpp").read_text()
+    assert "#define KILN_WARPTILE_CONFIGS" not in emu and "#define KILN_SKEWED_CONFIGS" not in emu
     proc = build_and_run(tmp_path, "sgemm_emu.cpp")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # per shape: steps 0-4; then x 2 (vec): steps 5, 6, the 4 other warp-tile configs, the 5 double-buffered,

@@ -46,7 +46,10 @@ def test_step_index():
 
 def test_warptile_configs_match_the_launcher_and_the_first_is_step_6():
     src = (CSRC / "sgemm.cu").read_text()
-    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+)\)", src)
+    table = (
+        (CSRC / "sgemm_kernels.cuh").read_text().split("#define KILN_WARPTILE_CONFIGS(X)")[1].split("\n\n")[0]
+    )
+    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+)\)", table)
     assert [int(r[0]) for r in rows] == list(range(len(WARPTILE_CONFIGS)))
     for r, cfg in zip(rows, WARPTILE_CONFIGS):
         assert tuple(int(v) for v in r[1:]) == (
@@ -151,7 +154,9 @@ def test_mma_configs_match_the_kernel_table():
 
 def test_skewed_configs_match_the_launcher():
     src = (CSRC / "sgemm.cu").read_text()
-    table = src.split("#define KILN_SKEWED_CONFIGS(X)")[1].split("\n\n")[0]
+    table = (
+        (CSRC / "sgemm_kernels.cuh").read_text().split("#define KILN_SKEWED_CONFIGS(X)")[1].split("\n\n")[0]
+    )
     rows = re.findall(r"X\(" + ", ".join([r"(\d+)"] * 11) + r"\)", table)
     assert [int(r[0]) for r in rows] == list(range(len(SKEWED_CONFIGS)))
     for r, cfg in zip(rows, SKEWED_CONFIGS):

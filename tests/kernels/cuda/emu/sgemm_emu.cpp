@@ -1,27 +1,9 @@
 // The SGEMM ladder's kernels (csrc/sgemm_kernels.cuh) under the host emulation, against a double
-// product, on odd shapes, with and without the 16-byte paths. Launch configurations as in csrc/sgemm.cu.
+// product, on odd shapes, with and without the 16-byte paths. Launch configurations as in csrc/sgemm.cu
+// (the tables are sgemm_kernels.cuh's).
 // Integer-valued inputs make every partial sum exact, so the comparison is equality.
 #include "cuda_emu.h"
 #include "sgemm_kernels.cuh"
-
-// the configuration table of csrc/sgemm.cu (the rest of that file is the launchers)
-#define KILN_WARPTILE_CONFIGS(X)                  \
-    X(0, 128, 128, 16, 64, 64, 4, 8, 4, 128)      \
-    X(1, 128, 128, 16, 64, 32, 2, 8, 4, 256)      \
-    X(2, 64, 128, 16, 32, 64, 2, 8, 4, 128)       \
-    X(3, 128, 128, 8, 64, 64, 4, 8, 4, 128)       \
-    X(4, 128, 128, 8, 64, 32, 2, 8, 4, 256)
-
-// the skewed kernel's table of csrc/sgemm.cu
-#define KILN_SKEWED_CONFIGS(X)                       \
-    X(0, 128, 128, 16, 64, 32, 2, 8, 4, 256, 2)      \
-    X(1, 128, 128, 16, 64, 32, 2, 4, 4, 256, 2)      \
-    X(2, 128, 128, 8, 64, 32, 2, 8, 4, 256, 2)       \
-    X(3, 128, 128, 8, 64, 32, 2, 4, 4, 256, 2)       \
-    X(4, 128, 256, 8, 64, 64, 4, 8, 4, 256, 1)       \
-    X(5, 256, 128, 8, 64, 64, 4, 8, 4, 256, 1)       \
-    X(6, 128, 256, 8, 64, 64, 4, 4, 4, 256, 1)       \
-    X(7, 256, 128, 8, 64, 64, 4, 4, 4, 256, 1)
 
 using namespace sgemm_ladder;
 

@@ -1,4 +1,4 @@
-// Launch configurations of the SGEMM ladder (kernels in sgemm_kernels.cuh).
+// Launch configurations of the SGEMM ladder (kernels and their configuration tables in sgemm_kernels.cuh).
 #include "api.h"
 #include "common.cuh"
 #include "sgemm_kernels.cuh"
@@ -16,16 +16,6 @@ dim3 tiles(int M, int N, int BM, int BN) {
 }  // namespace
 
 extern "C" int kiln_sgemm_steps(void) { return 8; }
-
-// The tile configurations of the warp-tiled (step 6) and double-buffered (step 7) kernels, searched by
-// the benchmark (step 6 launches config 0, step 7 config 1: its 256 threads keep 16 warps per SM).
-// Columns: BM BN BK WM WN WNITER TM TN threads, in the order of ladder.WARPTILE_CONFIGS.
-#define KILN_WARPTILE_CONFIGS(X)                  \
-    X(0, 128, 128, 16, 64, 64, 4, 8, 4, 128)      \
-    X(1, 128, 128, 16, 64, 32, 2, 8, 4, 256)      \
-    X(2, 64, 128, 16, 32, 64, 2, 8, 4, 128)       \
-    X(3, 128, 128, 8, 64, 64, 4, 8, 4, 128)       \
-    X(4, 128, 128, 8, 64, 32, 2, 8, 4, 256)
 
 extern "C" int kiln_sgemm_warptile_configs(void) { return 5; }
 
@@ -53,25 +43,6 @@ extern "C" const char* kiln_sgemm_double_buffered(int config, int M, int N, int 
     }
     return kiln::launch_status();
 }
-
-// The skewed kernel (double_buffered with SKEW: A's transposed store conflict-free) and the tiles its
-// sweep adds (not yet timed on the H200). Columns: BM BN BK WM WN WNITER TM TN threads, blocks per SM the
-// registers are held to, in the order of ladder.SKEWED_CONFIGS. 0 is step 7's tile; 1 splits each
-// thread's 8 x 8 results into 2 x 2 sub-tiles of 4 x 4 (WMITER = 2): a warp's A reads then span 128 bytes
-// (one shared-memory wavefront) where 8 consecutive rows span 256; 2 and 3 are the same at BK = 8 (half
-// the staging registers and shared memory); 4 and 5 give each of 256 threads 128 results in a 128 x 256
-// or 256 x 128 tile at BK = 8 (one block per SM; the shared-memory reads per FMA of an 8 x 16 thread tile
-// are 3/4 of an 8 x 8's; BK = 16 would pass the 48 KiB of static shared memory with the skew); 6 and 7 are
-// 4 and 5 with the thread's results as 2 x 4 sub-tiles of 4 x 4 (each A read one wavefront, as in 1).
-#define KILN_SKEWED_CONFIGS(X)                       \
-    X(0, 128, 128, 16, 64, 32, 2, 8, 4, 256, 2)      \
-    X(1, 128, 128, 16, 64, 32, 2, 4, 4, 256, 2)      \
-    X(2, 128, 128, 8, 64, 32, 2, 8, 4, 256, 2)       \
-    X(3, 128, 128, 8, 64, 32, 2, 4, 4, 256, 2)       \
-    X(4, 128, 256, 8, 64, 64, 4, 8, 4, 256, 1)       \
-    X(5, 256, 128, 8, 64, 64, 4, 8, 4, 256, 1)       \
-    X(6, 128, 256, 8, 64, 64, 4, 4, 4, 256, 1)       \
-    X(7, 256, 128, 8, 64, 64, 4, 4, 4, 256, 1)
 
 extern "C" int kiln_sgemm_skewed_configs(void) { return 8; }
 
