@@ -89,52 +89,38 @@ def vector_add(a: torch.Tensor, b: torch.Tensor, variant: str = "float4") -> tor
     return out
 
 
-def sgemm(a: torch.Tensor, b: torch.Tensor, step: str | int = "warptiled") -> torch.Tensor:
-    """a (M, K) @ b (K, N) in fp32 by one kernel of the SGEMM ladder (kiln.kernels.cuda.ladder)."""
-    idx = step_index(step)
+def _sgemm_launch(kernel: str, idx: int, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """c (M, N) = a (M, K) @ b (K, N), fp32, by the extension's `kernel` at index `idx` (a ladder step or a
+    tile configuration, checked by the caller)."""
     _check(a, "a", torch.float32, 2)
     _check(b, "b", torch.float32, 2)
     m, n, _ = _matmul_shapes(a, b)
     c = torch.empty(m, n, dtype=torch.float32, device=a.device)
-    load_extension().sgemm(idx, a, b, c)
+    getattr(load_extension(), kernel)(idx, a, b, c)
     return c
+
+
+def sgemm(a: torch.Tensor, b: torch.Tensor, step: str | int = "warptiled") -> torch.Tensor:
+    """a (M, K) @ b (K, N) in fp32 by one kernel of the SGEMM ladder (kiln.kernels.cuda.ladder)."""
+    return _sgemm_launch("sgemm", step_index(step), a, b)
 
 
 def sgemm_warptile(a: torch.Tensor, b: torch.Tensor, config: int) -> torch.Tensor:
     """a (M, K) @ b (K, N) in fp32 by the warp-tiled kernel at tile configuration
     ladder.WARPTILE_CONFIGS[config] (what the benchmark's autotuning searches)."""
-    if isinstance(config, bool) or not isinstance(config, int) or not 0 <= config < len(WARPTILE_CONFIGS):
-        raise KilnError(f"unknown warp-tile config {config!r}; choose 0..{len(WARPTILE_CONFIGS) - 1}")
-    _check(a, "a", torch.float32, 2)
-    _check(b, "b", torch.float32, 2)
-    m, n, _ = _matmul_shapes(a, b)
-    c = torch.empty(m, n, dtype=torch.float32, device=a.device)
-    load_extension().sgemm_warptile(config, a, b, c)
-    return c
+    return _sgemm_launch("sgemm_warptile", config_index(config, WARPTILE_CONFIGS, "warp-tile"), a, b)
 
 
 def sgemm_double_buffered(a: torch.Tensor, b: torch.Tensor, config: int) -> torch.Tensor:
     """a (M, K) @ b (K, N) in fp32 by the double-buffered kernel (the ladder's last step) at tile
     configuration ladder.WARPTILE_CONFIGS[config]."""
-    idx = config_index(config, WARPTILE_CONFIGS, "warp-tile")
-    _check(a, "a", torch.float32, 2)
-    _check(b, "b", torch.float32, 2)
-    m, n, _ = _matmul_shapes(a, b)
-    c = torch.empty(m, n, dtype=torch.float32, device=a.device)
-    load_extension().sgemm_double_buffered(idx, a, b, c)
-    return c
+    return _sgemm_launch("sgemm_double_buffered", config_index(config, WARPTILE_CONFIGS, "warp-tile"), a, b)
 
 
 def sgemm_skewed(a: torch.Tensor, b: torch.Tensor, config: int = 0) -> torch.Tensor:
     """a (M, K) @ b (K, N) in fp32 by the double-buffered kernel with the rows of A's transposed shared
     tile skewed (conflict-free stores), at tile configuration ladder.SKEWED_CONFIGS[config]."""
-    idx = config_index(config, SKEWED_CONFIGS, "skewed SGEMM")
-    _check(a, "a", torch.float32, 2)
-    _check(b, "b", torch.float32, 2)
-    m, n, _ = _matmul_shapes(a, b)
-    c = torch.empty(m, n, dtype=torch.float32, device=a.device)
-    load_extension().sgemm_skewed(idx, a, b, c)
-    return c
+    return _sgemm_launch("sgemm_skewed", config_index(config, SKEWED_CONFIGS, "skewed SGEMM"), a, b)
 
 
 def _capability_at_least(device: torch.device, need: tuple[int, int], what: str) -> None:
