@@ -397,7 +397,7 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     entry = dict(case="decode", shape=shape, tokens=B, routing=routing, mode="fwd", active_experts=active,
                  pairs_per_active_expert=round(B * k / active, 2), max_tokens_per_expert=int(counts.max()),
                  weight_bytes=nbytes, path="decode" if use_decode(B, k, E) else "grouped",
-                 form=decode_form(B, k, E) if use_decode(B, k, E) else None,
+                 form=decode_form(B) if use_decode(B, k, E) else None,
                  experts_rows=expert_rows(B, b.dtype), max_abs_diff_vs_grouped=float(err.max()),
                  max_abs_diff_experts_vs_pairs=float(err_forms.max()))  # fmt: skip
     b.record(entry, b.time(fns, graph=True), nbytes=nbytes)

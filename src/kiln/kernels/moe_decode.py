@@ -43,7 +43,7 @@ grid (T*k, cdiv(d, BLOCK_N)): k times the pairs form's down programs, each I dee
 The leader needs no sort and no host sync either: the ids are compared on the device, the grid is fixed.
 A token that lists an expert twice (no top-k router does) is served by one pass per occurrence.
 
-Which form: `moe_decode_fwd(..., form=)`, "auto" being `decode_form(T, k, E)` (its docstring has the
+Which form: `moe_decode_fwd(..., form=)`, "auto" being `decode_form(T)` (its docstring has the
 H200 measurement behind it: experts at one token, pairs otherwise; bench/moe.py --case quick times both).
 No host sync, the grids depend on T, k, d and I only: CUDA-graph safe. Tiles: `decode_tiles`, the dense
 gemv's rule measured on the H200 (4 columns, 256-wide steps, 3-stage pipeline; long K: 2 columns,
@@ -451,7 +451,7 @@ FORMS = ("auto", "pairs", "experts")
 DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # tl.dot's inputs (float64 takes FMAs)
 
 
-def decode_form(n_tokens: int, top_k: int, n_experts: int) -> str:
+def decode_form(n_tokens: int) -> str:
     """The form `form="auto"` takes: "experts" at one token, "pairs" otherwise.
 
     Measured on the H200 at c598f16 (bench/moe.py --case quick, both forms as CUDA-graph replays, side
@@ -512,7 +512,7 @@ def moe_decode_fwd(
     if I == 0 or k == 0:
         return out.zero_()
     if form == "auto":
-        form = decode_form(T, k, E)
+        form = decode_form(T)
     idx = expert_idx.reshape(-1)  # (T*k,): views of contiguous (T, k); a strided one is copied
     wts = weights.reshape(-1)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
