@@ -442,9 +442,12 @@ def wait_health(url: str, proc=None, timeout: float = 600) -> None:
 
 class SlowSteps:
     """The "slow engine step" lines (kiln.serve.engine_loop.slow_step_line: steps over 0.5 s with what they
-    ran) that a `kiln serve` subprocess wrote to its log since the last call; at most MAX of them."""
+    ran) that a `kiln serve` subprocess wrote to its log since the last call, with Triton's autotuning
+    reports (TRITON_PRINT_AUTOTUNING=1 is set for the server: a kernel tuned for a new shape in the middle
+    of a phase names itself); at most MAX of them."""
 
     MAX = 20
+    MARKS = ("slow engine step", "autotuning")
 
     def __init__(self, log_path: Path):
         self.path, self.seen = log_path, 0
@@ -452,7 +455,10 @@ class SlowSteps:
     def new(self) -> list[str]:
         if not self.path.exists():
             return []
-        lines = [ln for ln in self.path.read_text(errors="replace").splitlines() if "slow engine step" in ln]
+        text = self.path.read_text(errors="replace").splitlines()
+        # Triton's report spans three lines (function, key, time and config): kept as one
+        lines = [" ".join(text[i : i + 3]) if "autotuning" in ln else ln
+                 for i, ln in enumerate(text) if any(m in ln for m in self.MARKS)]  # fmt: skip
         fresh, self.seen = lines[self.seen :], len(lines)
         return fresh[: self.MAX]
 
@@ -468,6 +474,7 @@ def subprocess_server(model_dir: str, engine: dict, capacity: int, log_path: Pat
         elif v is not None:
             cmd += [f"--{k.replace('_', '-')}", str(v)]
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env["TRITON_PRINT_AUTOTUNING"] = "1"  # SlowSteps reports kernels tuned during a phase
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
