@@ -273,3 +273,20 @@ def test_step_finished_only_reports_each_request_once_when_it_ends(tmp_path):
     assert not eng.has_unfinished()
     (out,) = eng.step(finished_only=True)  # an abort is reported by the next step, even an empty one
     assert out.request_id == rid and out.outputs[0].finish_reason == "abort" and not eng.requests
+
+
+def test_warm_up_runs_every_attention_bucket_and_changes_nothing(tmp_path):
+    # ModelRunner.warm_up (what a CUDA engine runs at start, so no served step stops to autotune): through
+    # the Triton interpreter here, packed prefill at each length bucket with and without a prefix and, with
+    # eager decode, decode attention at each split bucket; the KV cache is untouched and the engine's
+    # tokens are still HF's
+    hf = hf_causal_lm("qwen2", seed=3)
+    hf.save_pretrained(tmp_path)
+    llm = make_llm(tmp_path, max_num_batched_tokens=16, decode_backend="eager")
+    runner = llm.engine.runner
+    assert llm.engine.config.warmup  # on by default (the engine runs it on CUDA only)
+    with use_backend("triton"):
+        assert runner.warm_up() == 1  # one layer kind: no window, no sinks
+        assert all(not c.any() for kv in runner.kv_caches for c in kv)
+        prompts = [PROMPTS[1], PROMPTS[2]]
+        assert tokens(llm.generate(prompts, greedy(5))) == [hf_greedy(hf, p, 5) for p in prompts]

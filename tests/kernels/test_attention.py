@@ -7,6 +7,8 @@ so lengths 17 / 129 / 1000 cross block edges, the causal diagonal and the window
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -307,3 +309,18 @@ def test_gpu_bf16_varlen_cached_prefix():
         q.double(), k.double(), v.double(), sinks=s.double(), cu_seqlens=cu_q, cu_seqlens_k=cu_k
     )
     assert_close(out, ref, name="out")
+
+
+def test_tuning_lengths_and_unspecialized_lengths():
+    from kiln.kernels import attention_fwd as fwd
+
+    # one length per autotuning bucket a call can reach (a warm-up calls each once)
+    assert fwd.tuning_lengths(1) == [1]
+    assert fwd.tuning_lengths(964) == [2**i for i in range(11)]
+    assert fwd.tuning_lengths(10**6)[-1] == 8192 and {fwd._len_key(n) for n in range(1, 20000, 7)} <= set(
+        fwd.tuning_lengths(10**6)
+    )
+    # the per-step lengths are not specialized on (a new value class would compile mid-step): the names
+    # must stay the kernel's parameters
+    params = inspect.signature(fwd._attn_fwd_kernel.fn.fn).parameters
+    assert set(fwd._UNSPECIALIZED) <= set(params)

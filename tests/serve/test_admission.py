@@ -11,6 +11,7 @@ import queue
 import httpx
 
 from kiln.infer.sampling_params import SamplingParams
+from kiln.kernels.compile_watch import CompileWatch
 from kiln.serve import engine_loop, worker
 from kiln.serve.engine_loop import EngineLoop
 from kiln.serve.protocol import APIError
@@ -175,6 +176,11 @@ def test_a_slow_step_is_logged_with_what_it_ran(model_dir, monkeypatch):
     assert first.startswith("kiln serve: slow engine step 1: ") and " s; " in first
     assert "2 sequences, 7 tokens (0 decode rows, 2 prefill chunks of 7 tokens, longest 4)" in first
     assert "mixed/prefill" in first
+    assert "; host s: schedule " in first and ", launch " in first and ", wait+post " in first
+    assert "Triton compiles" not in first  # no CompileWatch given: nothing to report
+    # with one, a step's compiles are named (here: the watch told of two during the step)
+    compiled = CompileWatch.describe([("_k", 1.0), ("_k", 0.25)])
+    assert engine_loop.slow_step_line(3, 1.5, eng, compiled).endswith("; 2 Triton compiles, 1.25 s: _k x2")
     assert any("decode only" in ln and "0 prefill chunks" in ln for ln in lines[1:])
     # without a log nothing is written (and nothing is formatted)
     monkeypatch.setattr(engine_loop, "slow_step_line", lambda *a: (_ for _ in ()).throw(AssertionError))

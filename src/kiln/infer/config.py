@@ -41,6 +41,9 @@ class EngineConfig:
                             the GPU's (kiln.infer.engine): "on", "off", or "auto" (on for CUDA, off on
                             CPU, where the host runs the kernels itself and nothing could overlap); the
                             outputs are the same token for token either way
+    warmup                  on CUDA, tune and compile the attention kernels of every step shape at start
+                            (ModelRunner.warm_up: seconds, once per process; Triton's disk cache shortens
+                            later starts); off: each tunes at its first use, inside a served step
     kernels                 the model's per-op kernel choice (kiln.model.config.KernelConfig)
     """
 
@@ -59,6 +62,7 @@ class EngineConfig:
     decode_backend: str = "graphs"
     max_graph_batch: int = 256
     async_scheduling: str = "auto"
+    warmup: bool = True
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:

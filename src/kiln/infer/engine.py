@@ -171,6 +171,9 @@ class LLMEngine:
         # the batch the last step() scheduled and launched (None: nothing to run); callers that time steps
         # read its composition (kiln serve logs the steps that take seconds)
         self.last_batch: ScheduledBatch | None = None
+        # the last step's host time in seconds: (scheduling, launching its batch, waiting for the step before
+        # it and postprocessing), for the same callers (a launch that compiles kernels shows in the middle)
+        self.last_step_s: tuple[float, float, float] | None = None
         # the sampled ids' host copies, reused: two, since step N+1's copy is enqueued before step N's is read
         cuda = self.device.type == "cuda"
         rows = min(config.max_num_seqs, config.max_num_batched_tokens)
@@ -183,6 +186,12 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._seeds = random.Random(config.seed)
+        if config.warmup and self.device.type == "cuda":
+            t = time.perf_counter()
+            kinds = self.runner.warm_up()
+            if log is not None:
+                log(f"kiln engine: attention kernels tuned for every step shape ({kinds} layer kind(s)) in "
+                    f"{time.perf_counter() - t:.1f} s")  # fmt: skip
         n_tokens = self.runner.num_blocks * config.block_size
         if log is not None:
             log(
@@ -269,13 +278,16 @@ class LLMEngine:
         finished_only: return only the requests that finished, for callers that read nothing else (offline
         generation): the running ones' snapshots (a copy of every output token list) are then not built."""
         touched: dict[str, _Request] = {}
+        t0 = time.perf_counter()
         prev, self._inflight = self._inflight, None
         if prev is not None and prev.needs_host:  # not an overlap case (it is resolved at launch): safety
             self._resolve(prev, touched)
             prev = None
         batch = self.scheduler.schedule()
         self.last_batch = None if batch.is_empty else batch
+        t1 = time.perf_counter()
         launched = None if batch.is_empty else self._launch(batch, prev)
+        t2 = time.perf_counter()
         if prev is not None:
             self._resolve(prev, touched)  # step N, while step N+1 runs
         if launched is not None:
@@ -283,6 +295,7 @@ class LLMEngine:
                 self._inflight = launched
             else:
                 self._resolve(launched, touched)
+        self.last_step_s = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         return self._collect(touched, finished_only)
 
     def _launch(self, batch: ScheduledBatch, prev: _Launched | None) -> _Launched:

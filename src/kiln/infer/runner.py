@@ -106,6 +106,28 @@ class ModelRunner:
             )
             self.graphs.capture()
 
+    def warm_up(self) -> int:
+        """Tune and compile the attention kernels of every step shape the engine can meet, so
+        no served step stops for seconds to do it (at 072ada3 `kiln serve` spent 5-6 s in single steps
+        autotuning the prefill attention for a length bucket it met mid-load): the packed prefill at each
+        length bucket up to a step's budget, with and without a cached prefix, and, where decode steps
+        can run without a graph, decode attention at each split bucket. One pass per distinct layer kind
+        (window, sinks). Returns the number of layer kinds warmed. (It runs on CPU too, through the
+        references or the interpreter, with nothing to tune: the engine calls it on CUDA.)"""
+        max_len = min(self.config.max_num_batched_tokens, self.max_model_len)
+        eager_decode = self.graphs is None or self.config.max_num_seqs > self.config.max_graph_batch
+        kinds = {}
+        for block in self.model.model.layers:
+            attn = block.self_attn
+            kinds.setdefault((attn.window, attn.sinks is not None), attn)
+        for attn in kinds.values():
+            attn.warm_up_packed(max_len, self.device, self.dtype)
+            if eager_decode:
+                attn.warm_up_decode(self.kv_caches[attn.layer_idx])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return len(kinds)
+
     # ---- capacity ----------------------------------------------------------------------------------------
     def _blocks_that_fit(self) -> int:
         """KV pages the budget holds. CUDA: free memory after the weights, times memory_fraction, less

@@ -21,11 +21,19 @@ import math
 import torch
 
 from kiln.kernels.attention_bwd import attention_bwd
-from kiln.kernels.attention_fwd import attention_fwd
+from kiln.kernels.attention_fwd import attention_fwd, tuning_lengths
 from kiln.kernels.attention_ref import HEAD_DIMS, LN2, LOG2E, attention_ref
 from kiln.kernels.dispatch import use_triton
 
-__all__ = ["LOG2E", "FlashAttention", "attention", "attention_bwd", "attention_fwd", "attention_ref"]
+__all__ = [
+    "LOG2E",
+    "FlashAttention",
+    "attention",
+    "attention_bwd",
+    "attention_fwd",
+    "attention_ref",
+    "tuning_lengths",
+]
 
 
 # ------------------------------------------------------------------------------------------ checks

@@ -169,9 +169,16 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, start, end,
     return acc, l_i, m_i
 
 
+# Triton specializes an int argument on its value class (== 1, divisible by 16) and compiles one binary per
+# class. The lengths (and the LSE strides that follow Tq) change with every packed prefill step, so each
+# class would be compiled the first time a served step happens to hit it (seconds, inside a step); they
+# only bound masks and address the (B, Hq, Tq) LSE rows, where the specialization buys nothing.
+_UNSPECIALIZED = ["Tq", "Tk", "window", "stride_lb", "stride_lh"]
+
+
 @triton.autotune(_configs(_FWD_SPACE, (64, 32)), key=_KEY + ["TMA"], prune_configs_by={"early_config_prune": _prune},
                  do_bench=_bench)
-@triton.jit
+@triton.jit(do_not_specialize=_UNSPECIALIZED)
 def _attn_fwd_kernel(
     Q, K, V, O, LSE,  # q (B, Tq, Hq, D); k, v (B, Tk, Hk, D); o like q; lse (B, Hq, Tq) fp32, log2 units
     SINKS, CU_SEQLENS,  # sinks (Hq,) or a dummy; cu_seqlens (B+1,) int32 when VARLEN (then B = documents)
@@ -247,9 +254,19 @@ def _attn_fwd_kernel(
 
 
 # ------------------------------------------------------------------------------------------ launcher
+_LEN_KEY_CAP = 8192
+
+
 def _len_key(n: int) -> int:
     """Autotuning length bucket: the next power of two, capped (long sequences share a config)."""
-    return min(pow2(max(n, 1)), 8192)
+    return min(pow2(max(n, 1)), _LEN_KEY_CAP)
+
+
+def tuning_lengths(max_len: int) -> list[int]:
+    """One query length per autotuning bucket a call of at most `max_len` rows (the longest document) can
+    fall in: calling the forward once at each tunes and compiles every config it will use, e.g. at an
+    inference engine's start rather than in the first served step that reaches a new bucket."""
+    return [1 << i for i in range(_len_key(max_len).bit_length())]
 
 
 def _as_4d(x: torch.Tensor, varlen: bool) -> torch.Tensor:

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kiln.kernels.attention import attention
-from kiln.kernels.decode_attention import decode_attention
+from kiln.kernels.attention import attention, tuning_lengths
+from kiln.kernels.decode_attention import MAX_SPLITS, decode_attention
 from kiln.kernels.layernorm import layernorm
 from kiln.kernels.paged_kv import paged_kv_write
 from kiln.kernels.rmsnorm import rmsnorm
@@ -133,6 +133,37 @@ class Attention(nn.Module):
         if stream is not None:
             return self.o_proj.add_to_stream(y.reshape(N, -1), stream)
         return self.o_proj(y.reshape(N, -1))
+
+    @torch.inference_mode()
+    def warm_up_packed(self, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Run this layer's packed prefill attention (`_flat`'s calls, on zeros) once per autotuning bucket
+        of up to `max_len` query rows, over its own keys and over a cached prefix: Triton tunes and
+        compiles each bucket's kernels at its first call, seconds apiece, which an inference engine pays
+        at start instead of inside the first served step that reaches the bucket."""
+        attn = dict(causal=True, window=self.window, sinks=self.sinks)
+        for n in tuning_lengths(max_len):
+            q = torch.zeros(n, self.n_heads, self.head_dim, device=device, dtype=dtype)
+            kv = torch.zeros(n + 1, self.n_kv_heads, self.head_dim, device=device, dtype=dtype)
+            cu_q = torch.tensor([0, n], dtype=torch.int32, device=device)
+            cu_k = torch.tensor([0, n + 1], dtype=torch.int32, device=device)
+            attention(q, kv[:n], kv[:n], cu_seqlens=cu_q, max_seqlen=n, **attn)
+            attention(q, kv, kv, cu_seqlens=cu_q, max_seqlen=n, cu_seqlens_k=cu_k, **attn)
+
+    @torch.inference_mode()
+    def warm_up_decode(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Run this layer's decode attention once per split-count bucket its autotuner keys on, over its
+        own paged cache (the key holds whether the cache's offsets fit 32 bits): a decode step that runs
+        eagerly (no graph bucket) picks its split count from the step's block table, so any bucket may
+        come up while serving. Reads one page, writes nothing to the cache."""
+        k_cache, v_cache = kv_cache
+        q = torch.zeros(1, self.n_heads, self.head_dim, device=k_cache.device, dtype=k_cache.dtype)
+        table = torch.zeros(1, 1, dtype=torch.int32, device=k_cache.device)
+        lens = torch.ones(1, dtype=torch.int32, device=k_cache.device)
+        splits = 1
+        while splits <= MAX_SPLITS:
+            decode_attention(q, k_cache, v_cache, table, lens, window=self.window, sinks=self.sinks,
+                             num_splits=splits)  # fmt: skip
+            splits *= 2
 
     def _flat(self, q, k, v, rope, meta: AttnMetadata, kv_cache):
         """Packed sequences (AttnMetadata's prefill and decode paths): q (N, Hq, D) -> (N, Hq, D)."""

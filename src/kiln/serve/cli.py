@@ -130,6 +130,7 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         decode_backend=args.decode_backend,
+        warmup=not args.no_warmup,
     )
     # the engine loads the model in its own process while this one loads the tokenizer
     worker = ProcessWorker(args.model, engine_opts, config.max_waiting)
@@ -209,6 +210,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip tuning the attention kernels at start (faster start; the first steps of each new shape stall)",
+    )
     e.add_argument(
         "--decode-backend",
         choices=("graphs", "compile", "eager"),

@@ -46,16 +46,19 @@ from collections.abc import Callable
 
 from kiln.errors import KilnError
 from kiln.infer.engine import LLMEngine
+from kiln.kernels.compile_watch import CompileWatch
 
 BURST_GAP_S = 0.002  # an idle engine's first intake ends when no command came for this long
 BURST_MAX_S = 0.02  # ... or after this long in all
 SLOW_STEP_S = 0.5  # a step this long is logged with what it ran (a burst waits behind it: docs/serve.md)
 
 
-def slow_step_line(n: int, took: float, engine: LLMEngine) -> str:
+def slow_step_line(n: int, took: float, engine: LLMEngine, compiles: str = "") -> str:
     """One log line for an engine step of `took` seconds: what the step scheduled (with async scheduling,
-    the batch it launched while it finished the previous one), so that a server log tells a step that
-    compiled or autotuned kernels for a new shape (a few sequences, seconds) from one that had much work."""
+    the batch it launched while it finished the previous one), where its host time went (scheduling,
+    launching, waiting for the step before it + postprocessing) and the Triton compiles it ran
+    (`compiles`, CompileWatch.describe), so that a server log tells a step that compiled or autotuned
+    kernels for a new shape from one that had much work or waited on the GPU."""
     b = engine.last_batch
     if b is None:
         what = "nothing scheduled"
@@ -66,6 +69,10 @@ def slow_step_line(n: int, took: float, engine: LLMEngine) -> str:
             f"{len(prefill)} prefill chunks of {sum(prefill)} tokens, longest {max(prefill, default=0)}), "
             f"{'decode only' if b.is_decode_only else 'mixed/prefill'}, {len(b.preempted)} preempted"
         )
+    if engine.last_step_s is not None:
+        what += "; host s: schedule {:.3f}, launch {:.3f}, wait+post {:.3f}".format(*engine.last_step_s)
+    if compiles:
+        what += f"; {compiles}"
     return f"kiln serve: slow engine step {n}: {took:.2f} s; {what}"
 
 
@@ -74,8 +81,16 @@ class EngineLoop:
     raises queue.Empty when none came) before each step, step while work exists, block when idle; report
     to `sink` (module docstring)."""
 
-    def __init__(self, engine: LLMEngine, sink, live: bool = False, log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        sink,
+        live: bool = False,
+        log: Callable[[str], None] | None = None,
+        compiles: CompileWatch | None = None,
+    ):
         self.engine, self.sink, self.live, self.log = engine, sink, live, log
+        self.compiles = compiles  # installed by the caller: the slow-step lines name the step's compiles
         self._owner: dict[str, tuple[int, int]] = {}  # engine request id -> (handle key, prompt index)
         self._rids: dict[int, list[str]] = {}  # handle key -> its live request ids
         self.steps = 0  # engine steps run
@@ -160,10 +175,12 @@ class EngineLoop:
         items = []
         eng = self.engine
         t = time.monotonic()
+        mark = self.compiles.mark() if self.compiles is not None else 0
         outs = eng.step(finished_only=True) if self.live else eng.step()
         took = time.monotonic() - t
         if took > SLOW_STEP_S and self.log is not None:
-            self.log(slow_step_line(self.steps + 1, took, eng))
+            compiled = CompileWatch.describe(self.compiles.since(mark)) if self.compiles is not None else ""
+            self.log(slow_step_line(self.steps + 1, took, eng, compiled))
         for out in outs:
             owner = self._owner.get(out.request_id)
             if owner is None:  # the abort of a rejected add's prompts: nobody waits for them

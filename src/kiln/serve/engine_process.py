@@ -58,6 +58,7 @@ import time
 from kiln.errors import KilnError
 from kiln.infer.config import EngineConfig
 from kiln.infer.engine import RequestOutput
+from kiln.kernels.compile_watch import CompileWatch
 from kiln.serve.deltas import DeltaDecoder, DeltaEncoder
 from kiln.serve.engine_loop import EngineLoop
 from kiln.serve.worker import EngineWorker
@@ -514,6 +515,8 @@ def _engine_main(model: str, engine: dict, engine_log: bool, commands, conn) -> 
                 if os.getppid() != parent or io.broken:
                     return ("stop",)
 
-    EngineLoop(eng, _ChildSink(io), live=True, log=log).run(get)
+    # this process is the engine's alone: its Triton compiles are the engine's, named in slow-step lines
+    with CompileWatch() as compiles:
+        EngineLoop(eng, _ChildSink(io), live=True, log=log, compiles=compiles).run(get)
     io.put(("stopped",))
     io.close()
