@@ -447,12 +447,12 @@ class SlowSteps:
     of a phase names itself); at most MAX of them."""
 
     MAX = 20
-    MARKS = ("slow engine step", "autotuning")
+    MARKS = ("slow engine step", "autotuning", "kernels tuned")
 
     def __init__(self, log_path: Path):
         self.path, self.seen = log_path, 0
 
-    def new(self) -> list[str]:
+    def new(self, limit: int = MAX) -> list[str]:
         if not self.path.exists():
             return []
         text = self.path.read_text(errors="replace").splitlines()
@@ -460,7 +460,7 @@ class SlowSteps:
         lines = [" ".join(text[i : i + 3]) if "autotuning" in ln else ln
                  for i, ln in enumerate(text) if any(m in ln for m in self.MARKS)]  # fmt: skip
         fresh, self.seen = lines[self.seen :], len(lines)
-        return fresh[: self.MAX]
+        return fresh[:limit]
 
 
 @contextlib.contextmanager
@@ -602,6 +602,8 @@ def main() -> None:
         slow = SlowSteps(Path(tmp) / "server.log")  # the server's "slow engine step" lines, phase by phase
         try:
             with ctx as url:
+                # the engine's start-up (its kernel warm-up's autotuning), apart from the phases'
+                result["server_startup"] = slow.new(limit=60)
                 # saturation as before (each request opens its connection in the phase), then with the
                 # connections opened in the warm-up: the difference is this client's connection set-up
                 for key, rate, open_first in (("fixed_rate", args.rate, False), ("saturation", None, False),
