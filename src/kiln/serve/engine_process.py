@@ -55,6 +55,8 @@ import signal
 import threading
 import time
 
+import torch
+
 from kiln.errors import KilnError
 from kiln.infer.config import EngineConfig
 from kiln.infer.engine import RequestOutput
@@ -492,6 +494,13 @@ def _engine_main(model: str, engine: dict, engine_log: bool, commands, conn) -> 
         io.close()
         return
     eng = llm.engine
+    if eng.device.type == "cuda":
+        # The host side of a GPU step is small tensor work that gains nothing from torch's intra-op
+        # threads, while this process shares the CPUs with the HTTP process and its clients: at
+        # saturation a thread pool's barriers then wait on descheduled threads. On the H200 (fed6c6e,
+        # bench/serve.py, 16 cores) one thread everywhere gave 20,914 / 22,232 tok/s against 19,491 /
+        # 22,066 with the default pool (one / four client processes). (vLLM's workers do the same.)
+        torch.set_num_threads(1)
     io.put(
         (
             "ready",
