@@ -176,9 +176,11 @@ def test_skewed_config_arithmetic():
     assert SKEWED_CONFIGS[0].smem_bytes == 2 * 4 * (16 * 128 + 24 + 16 * 128) == 32960
     assert SKEWED_CONFIGS[4].smem_bytes == 24704
     assert SKEWED_CONFIGS[0].name == "128x128x16 warp 64x32/2 thread 8x4 256t 2b/SM"
-    # BK = 16 at 128 x 256 passes 48 KiB with the skew; a warp count that does not match; BK = 12
+    # BK = 16 at 128 x 256 passes 48 KiB with the skew: dynamic shared memory (configs 8-10)
+    assert SKEWED_CONFIGS[8].smem_bytes == 2 * 4 * (16 * 128 + 24 + 16 * 256) == 49344 > 48 * 1024
+    # more than 227 KiB; a warp count that does not match; BK = 12
     for bad in (
-        (128, 256, 16, 64, 64, 4, 8, 4, 256, 1),
+        (512, 512, 32, 128, 128, 4, 8, 4, 512, 1),
         (128, 128, 16, 64, 32, 2, 8, 4, 128, 1),
         (128, 128, 12, 64, 32, 2, 8, 4, 256, 2),
     ):
