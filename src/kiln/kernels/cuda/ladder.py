@@ -151,9 +151,10 @@ def step_index(step: str | int) -> int:
 @dataclass(frozen=True)
 class MmaConfig:
     """One configuration of the mma.sync bf16 GEMM (csrc/mma_kernels.cuh): a BM x BN tile of C per block,
-    warps_m x warps_n warps each owning (BM / warps_m) x (BN / warps_n) of it, `stages` K tiles of 64 in
-    flight (cp.async); `pipelined`: the warps' fragments double-buffered in registers (the next k16
-    step's ldmatrix issued before this step's mma)."""
+    warps_m x warps_n warps each owning (BM / warps_m) x (BN / warps_n) of it, `stages` K tiles of
+    `k_bytes` bytes per row (128: 64 bf16; 256: 128 bf16) in flight (cp.async); `pipelined`: the warps'
+    fragments double-buffered in registers (the next k16 step's ldmatrix issued before this step's mma);
+    `smem_epilogue`: C stored through shared memory in 16-byte coalesced chunks."""
 
     bm: int
     bn: int
@@ -161,6 +162,8 @@ class MmaConfig:
     warps_n: int
     stages: int
     pipelined: bool = False
+    k_bytes: int = 128
+    smem_epilogue: bool = False
 
     def __post_init__(self):
         wtm, wtn = self.bm // self.warps_m, self.bn // self.warps_n
@@ -168,6 +171,12 @@ class MmaConfig:
             raise KilnError(f"bad mma config {self}: warp tiles must be whole multiples of 16 x 16")
         if self.smem_bytes > 227 * 1024 or self.stages < 2:
             raise KilnError(f"bad mma config {self}: {self.smem_bytes} bytes of shared memory, >= 2 stages")
+        # the kernel's static_asserts: K tiles of 8 or 16 swizzled chunks per row; the C tile of the
+        # shared-memory epilogue fits in the stages, and its rows have >= 8 chunks (the swizzle)
+        if self.k_bytes not in (128, 256):
+            raise KilnError(f"bad mma config {self}: k_bytes must be 128 or 256")
+        if self.smem_epilogue and (self.bm * self.bn * 2 > self.smem_bytes or self.bn < 64):
+            raise KilnError(f"bad mma config {self}: the C tile does not fit the epilogue's layout")
 
     @property
     def threads(self) -> int:
@@ -175,13 +184,15 @@ class MmaConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.bm + self.bn) * 128
+        return self.stages * (self.bm + self.bn) * self.k_bytes
 
     @property
     def name(self) -> str:
         wtm, wtn = self.bm // self.warps_m, self.bn // self.warps_n
         pipe = " regpipe" if self.pipelined else ""
-        return f"{self.bm}x{self.bn} warps {self.warps_m}x{self.warps_n} of {wtm}x{wtn} {self.stages}st{pipe}"
+        kb = f" k{self.k_bytes // 2}" if self.k_bytes != 128 else ""
+        epi = " smem-epilogue" if self.smem_epilogue else ""
+        return f"{self.bm}x{self.bn} warps {self.warps_m}x{self.warps_n} of {wtm}x{wtn} {self.stages}st{pipe}{kb}{epi}"
 
 
 # The order of KILN_MMA_CONFIGS in csrc/mma_kernels.cuh (a CPU test compares the two); config 0 is the
@@ -198,6 +209,13 @@ MMA_CONFIGS: tuple[MmaConfig, ...] = (
     MmaConfig(256, 128, 4, 2, 4, pipelined=True),
     MmaConfig(128, 128, 2, 2, 3, pipelined=True),
     MmaConfig(128, 128, 2, 2, 3),
+    # not yet timed on the H200: C through shared memory (16-byte coalesced stores) on configs 7, 5 and 6;
+    # then K tiles of 256 bytes (128 bf16: half the barriers per FLOP) with 2 stages (192 KiB)
+    MmaConfig(128, 128, 2, 2, 3, pipelined=True, smem_epilogue=True),
+    MmaConfig(128, 256, 2, 4, 4, pipelined=True, smem_epilogue=True),
+    MmaConfig(256, 128, 4, 2, 4, pipelined=True, smem_epilogue=True),
+    MmaConfig(128, 256, 2, 4, 2, pipelined=True, k_bytes=256, smem_epilogue=True),
+    MmaConfig(256, 128, 4, 2, 2, pipelined=True, k_bytes=256, smem_epilogue=True),
 )
 
 
