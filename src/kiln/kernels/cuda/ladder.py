@@ -111,8 +111,8 @@ class SkewedConfig(WarptileConfig):
         return f"{super().name} {self.threads}t {self.min_blocks}b/SM"
 
 
-# The order of KILN_SKEWED_CONFIGS in csrc/sgemm.cu (a CPU test compares the two). Not yet timed on the
-# H200: 0 is step 7's tile with the skew; 1 and 3 split a thread's 8 x 8 results into 2 x 2 sub-tiles
+# The order of KILN_SKEWED_CONFIGS in csrc/sgemm.cu (a CPU test compares the two). Configs 0-7 timed on the
+# H200 at 072ada3 (4 the fastest, 0.881x cuBLAS fp32): 0 is step 7's tile with the skew; 1 and 3 split a thread's 8 x 8 results into 2 x 2 sub-tiles
 # of 4 x 4; 2 and 3 use BK = 8; 4 and 5 give each thread 128 results (8 x 16) in a 128 x 256 / 256 x 128 tile,
 # 6 and 7 the same as 2 x 4 sub-tiles of 4 x 4.
 SKEWED_CONFIGS: tuple[SkewedConfig, ...] = (
@@ -124,8 +124,9 @@ SKEWED_CONFIGS: tuple[SkewedConfig, ...] = (
     SkewedConfig(256, 128, 8, 64, 64, 4, 8, 4, 256, 1),
     SkewedConfig(128, 256, 8, 64, 64, 4, 4, 4, 256, 1),
     SkewedConfig(256, 128, 8, 64, 64, 4, 4, 4, 256, 1),
-    # not yet timed on the H200: 4 and 5 at BK = 16 (half the barriers and loop iterations per FMA; 49344
-    # bytes of shared memory, so dynamic), 6 at BK = 16, and 128 x 128 x 16 with one 8 x 8 tile per thread
+    # not yet timed on the H200: 8, 9 and 10 are 4, 5 and 6 at BK = 16 (half the barriers and loop
+    # iterations per FMA; 49344 bytes of shared memory, so dynamic); 11 is 128 x 128 x 16 with one 8 x 8
+    # tile per thread (TN = 8)
     SkewedConfig(128, 256, 16, 64, 64, 4, 8, 4, 256, 1),
     SkewedConfig(256, 128, 16, 64, 64, 4, 8, 4, 256, 1),
     SkewedConfig(128, 256, 16, 64, 64, 4, 4, 4, 256, 1),
@@ -203,7 +204,7 @@ MMA_CONFIGS: tuple[MmaConfig, ...] = (
     MmaConfig(128, 256, 2, 4, 4),
     MmaConfig(256, 128, 4, 2, 3),
     MmaConfig(128, 128, 2, 2, 4),
-    # not yet timed on the H200: the register-pipelined fragments on the best earlier tiles, and 128 x 128
+    # timed at 072ada3 (7 the fastest, 0.542x): the register-pipelined fragments on the best earlier tiles, and 128 x 128
     # tiles of 4 warps with 3 stages (96 KiB, <= 255 registers at 128 threads): two blocks per SM
     MmaConfig(128, 256, 2, 4, 4, pipelined=True),
     MmaConfig(256, 128, 4, 2, 4, pipelined=True),

@@ -29,19 +29,19 @@ constexpr int GROUP_M = 8;       // tile rows per group of the block order
 
 // Columns: config, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, in the order of
 // kiln.kernels.cuda.ladder.MMA_CONFIGS (a CPU test compares the two). Shared memory: STAGES x (BM + BN) x
-// KB bytes (KB: bytes of K per row of a K tile). EPI = 1: C is stored through shared memory in 16-byte
-// coalesced chunks (see the end of gemm). PIPE = 1: the warp's fragments are double-buffered in registers (the ldmatrix of k16 step
-// ks + 1, or of the next K tile's step 0, is issued before the mma of step ks; see the main loop).
-// Configs 5-8 (not yet timed on the H200) add that pipeline to the best earlier tiles, and a 128 x 128
-// tile of 4 warps with 3 stages (96 KiB) so that two blocks share an SM. Configs 9-13 (not yet timed on
-// the H200) add the shared-memory epilogue: 9-11 to the register-pipelined configs 7, 5 and 6 (7 was the
-// fastest, 0.542x cuBLAS bf16); 12 and 13 also take K tiles of 256 bytes (128 bf16: half the barriers
-// and cp.async waits per FLOP, 8 k16 steps per tile) with 2 stages at 128 x 256 / 256 x 128 (192 KiB,
-// one block per SM). 4 stages at 128 x 128 with two blocks per SM do not fit: 2 x 128 KiB > 228 KiB.
-// The bf16 kernel takes every
-// configuration; the FP8 kernel config 0 only: with e4m3 fragments the 64 x 64 warp tiles spill
-// registers (ptxas: 255 registers and 36-316 bytes of spills, against none for bf16), and on Hopper the
-// FP8 path that pays is wgmma (wgmma_kernels.cuh).
+// KB bytes (KB: bytes of K per row of a K tile). PIPE = 1: the warp's fragments are double-buffered in
+// registers (the ldmatrix of k16 step ks + 1, or of the next K tile's step 0, is issued before the mma of
+// step ks; see the main loop). EPI = 1: C is stored through shared memory in 16-byte coalesced chunks (see
+// the end of gemm).
+// Configs 5-8 (timed at 072ada3; 7 the fastest, 0.542x cuBLAS bf16) add that pipeline to the best
+// earlier tiles, and a 128 x 128 tile of 4 warps with 3 stages (96 KiB) so that two blocks share an SM.
+// Configs 9-13 (not yet timed on the H200) add the shared-memory epilogue: 9-11 to the register-pipelined
+// configs 7, 5 and 6; 12 and 13 also take K tiles of 256 bytes (128 bf16: 8 k16 steps per tile, half the
+// barriers and cp.async waits per FLOP) with 2 stages at 128 x 256 / 256 x 128 (192 KiB, one block per
+// SM). 4 stages at 128 x 128 with two blocks per SM do not fit: 2 x 128 KiB > 228 KiB.
+// The bf16 kernel takes every configuration; the FP8 kernel config 0 only: with e4m3 fragments the 64 x 64
+// warp tiles spill registers (ptxas: 255 registers and 36-316 bytes of spills, against none for bf16), and
+// on Hopper the FP8 path that pays is wgmma (wgmma_kernels.cuh).
 #define KILN_MMA_CONFIGS(X)               \
     X(0, 128, 128, 2, 4, 3, 0, 128, 0)    \
     X(1, 128, 256, 2, 4, 3, 0, 128, 0)    \
