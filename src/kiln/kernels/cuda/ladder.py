@@ -126,11 +126,14 @@ SKEWED_CONFIGS: tuple[SkewedConfig, ...] = (
     SkewedConfig(256, 128, 8, 64, 64, 4, 4, 4, 256, 1),
     # not yet timed on the H200: 8, 9 and 10 are 4, 5 and 6 at BK = 16 (half the barriers and loop
     # iterations per FMA; 49344 bytes of shared memory, so dynamic); 11 is 128 x 128 x 16 with one 8 x 8
-    # tile per thread (TN = 8)
+    # tile per thread (TN = 8); 12 and 13 are config 4's thread tile (8 x 16) in 128 x 128 tiles of 4 warps,
+    # two blocks per SM (251 / 225 registers), at BK = 16 and 8
     SkewedConfig(128, 256, 16, 64, 64, 4, 8, 4, 256, 1),
     SkewedConfig(256, 128, 16, 64, 64, 4, 8, 4, 256, 1),
     SkewedConfig(128, 256, 16, 64, 64, 4, 4, 4, 256, 1),
     SkewedConfig(128, 128, 16, 64, 32, 1, 8, 8, 256, 2),
+    SkewedConfig(128, 128, 16, 64, 64, 4, 8, 4, 128, 2),
+    SkewedConfig(128, 128, 8, 64, 64, 4, 8, 4, 128, 2),
 )
 
 

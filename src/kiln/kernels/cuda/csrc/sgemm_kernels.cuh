@@ -481,12 +481,15 @@ __global__ void __launch_bounds__(NT, MINB)
 // or 256 x 128 tile at BK = 8 (one block per SM; the shared-memory reads per FMA of an 8 x 16 thread tile
 // are 3/4 of an 8 x 8's; BK = 16 would pass the 48 KiB of static shared memory with the skew); 6 and 7 are
 // 4 and 5 with the thread's results as 2 x 4 sub-tiles of 4 x 4 (each A read one wavefront, as in 1).
-// Configs 8-11 (not yet timed on the H200): 8 and 9 are 4 and 5 at BK = 16 (one barrier and one loop
+// Configs 8-13 (not yet timed on the H200): 8 and 9 are 4 and 5 at BK = 16 (one barrier and one loop
 // iteration per 16 k instead of per 8, and the global loads of a K tile twice as far ahead of their use;
 // 12 more staging registers, 232 / 243 in all, no spills; 49344 bytes of shared memory, past the 48 KiB
 // of static arrays, so the launcher gives it as dynamic shared memory); 10 is 6 at BK = 16; 11 is a
 // 128 x 128 x 16 tile whose 256 threads each hold one 8 x 8 tile (TN = 8, one sub-tile per warp of
-// 64 x 32), two blocks per SM at 128 registers.
+// 64 x 32), two blocks per SM at 128 registers; 12 and 13 split config 4's 8 warps per SM into two
+// blocks of 4 (128 x 128 tiles, each thread 8 x 16 results as in 4; 251 / 225 registers, so two blocks
+// fill the 64K registers), at BK = 16 and 8: one block's barrier then stalls half the SM's warps, not all,
+// as with the mma.sync kernel's fastest configuration (7: two blocks of 4 warps per SM).
 #define KILN_SKEWED_CONFIGS(X)                       \
     X(0, 128, 128, 16, 64, 32, 2, 8, 4, 256, 2)      \
     X(1, 128, 128, 16, 64, 32, 2, 4, 4, 256, 2)      \
@@ -499,4 +502,6 @@ __global__ void __launch_bounds__(NT, MINB)
     X(8, 128, 256, 16, 64, 64, 4, 8, 4, 256, 1)      \
     X(9, 256, 128, 16, 64, 64, 4, 8, 4, 256, 1)      \
     X(10, 128, 256, 16, 64, 64, 4, 4, 4, 256, 1)     \
-    X(11, 128, 128, 16, 64, 32, 1, 8, 8, 256, 2)
+    X(11, 128, 128, 16, 64, 32, 1, 8, 8, 256, 2)     \
+    X(12, 128, 128, 16, 64, 64, 4, 8, 4, 128, 2)     \
+    X(13, 128, 128, 8, 64, 64, 4, 8, 4, 128, 2)
