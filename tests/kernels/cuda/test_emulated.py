@@ -37,6 +37,14 @@ def test_sgemm_ladder_emulated(tmp_path):
     # the emulation launches from the launchers' own configuration tables (sgemm_kernels.cuh), not a copy
     emu = (EMU / "sgemm_emu.cpp").read_text()
     assert "#define KILN_WARPTILE_CONFIGS" not in emu and "#define KILN_SKEWED_CONFIGS" not in emu
+    # the double-buffered kernel's dynamic shared memory (configs past 48 KiB) becomes a static array big
+    # enough for every configuration; the patched header shadows csrc's (tmp_path comes first in -I)
+    src = (CSRC / "sgemm_kernels.cuh").read_text()
+    decl = "extern __shared__ __align__(16) float db_dyn_smem[];"
+    assert src.count(decl) == 1
+    biggest = max(c.smem_bytes for c in SKEWED_CONFIGS) // 4
+    static = f"static float db_dyn_smem[{biggest}] __attribute__((aligned(16)));"
+    (tmp_path / "sgemm_kernels.cuh").write_text(src.replace(decl, static))
     proc = build_and_run(tmp_path, "sgemm_emu.cpp")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # per shape: steps 0-4; then x 2 (vec): steps 5, 6, the 4 other warp-tile configs, the 5 double-buffered,

@@ -128,7 +128,7 @@ def test_wgmma_ops_refuse_bad_arguments_before_any_cuda_call():
 def test_mma_configs_match_the_kernel_table():
     src = (CSRC / "mma_kernels.cuh").read_text()
     table = src.split("#define KILN_MMA_CONFIGS(X)")[1].split("\n\n")[0]
-    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), ([01])\)", table)
+    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), ([01]), (\d+), ([01])\)", table)
     assert [int(r[0]) for r in rows] == list(range(len(MMA_CONFIGS)))
     for r, cfg in zip(rows, MMA_CONFIGS):
         assert tuple(int(v) for v in r[1:]) == (
@@ -138,6 +138,8 @@ def test_mma_configs_match_the_kernel_table():
             cfg.warps_n,
             cfg.stages,
             int(cfg.pipelined),
+            cfg.k_bytes,
+            int(cfg.smem_epilogue),
         )
     # the FP8 mma.sync launcher runs config 0's geometry, without the register pipeline
     c0 = MMA_CONFIGS[0]
@@ -147,7 +149,23 @@ def test_mma_configs_match_the_kernel_table():
     assert MmaConfig(128, 256, 2, 4, 4).smem_bytes == 4 * 384 * 128
     assert MmaConfig(128, 256, 2, 4, 4).name == "128x256 warps 2x4 of 64x64 4st"
     assert MmaConfig(128, 256, 2, 4, 4, True).name == "128x256 warps 2x4 of 64x64 4st regpipe"
-    for bad in ((128, 128, 3, 4, 3), (128, 128, 2, 16, 3), (256, 256, 2, 4, 4)):
+    c12 = MmaConfig(128, 256, 2, 4, 2, True, 256, True)
+    assert (
+        c12.smem_bytes == 2 * 384 * 256
+        and c12.name == "128x256 warps 2x4 of 64x64 2st regpipe k128 smem-epilogue"
+    )
+    # two blocks per SM (<= 228 KiB together): config 7's tile and its smem-epilogue twin, not 4 stages
+    for cfg in MMA_CONFIGS:
+        if cfg.bm == cfg.bn == 128 and cfg.threads == 128 and cfg.stages == 3:
+            assert 2 * cfg.smem_bytes <= 228 * 1024
+    assert 2 * MmaConfig(128, 128, 2, 2, 4).smem_bytes > 228 * 1024
+    for bad in (
+        (128, 128, 3, 4, 3),
+        (128, 128, 2, 16, 3),
+        (256, 256, 2, 4, 4),
+        (128, 128, 2, 2, 3, True, 64),
+        (128, 256, 2, 4, 3, True, 256),
+    ):
         with pytest.raises(KilnError, match="bad mma config"):
             MmaConfig(*bad)
 
@@ -176,9 +194,11 @@ def test_skewed_config_arithmetic():
     assert SKEWED_CONFIGS[0].smem_bytes == 2 * 4 * (16 * 128 + 24 + 16 * 128) == 32960
     assert SKEWED_CONFIGS[4].smem_bytes == 24704
     assert SKEWED_CONFIGS[0].name == "128x128x16 warp 64x32/2 thread 8x4 256t 2b/SM"
-    # BK = 16 at 128 x 256 passes 48 KiB with the skew; a warp count that does not match; BK = 12
+    # BK = 16 at 128 x 256 passes 48 KiB with the skew: dynamic shared memory (configs 8-10)
+    assert SKEWED_CONFIGS[8].smem_bytes == 2 * 4 * (16 * 128 + 24 + 16 * 256) == 49344 > 48 * 1024
+    # more than 227 KiB; a warp count that does not match; BK = 12
     for bad in (
-        (128, 256, 16, 64, 64, 4, 8, 4, 256, 1),
+        (512, 512, 32, 128, 128, 4, 8, 4, 512, 1),
         (128, 128, 16, 64, 32, 2, 8, 4, 128, 1),
         (128, 128, 12, 64, 32, 2, 8, 4, 256, 2),
     ):

@@ -97,8 +97,8 @@ class SkewedConfig(WarptileConfig):
             and self.tn % 4 == 0
             and self.min_blocks in (1, 2)
         )
-        # 48 KiB of static shared memory: two buffers of B and of A plus A's skew
-        if not ok or self.smem_bytes > 48 * 1024:
+        # two buffers of B and of A plus A's skew: static up to 48 KiB, dynamic past it (<= 227 KiB)
+        if not ok or self.smem_bytes > 227 * 1024:
             raise KilnError(f"bad skewed SGEMM config {self}: see KILN_SKEWED_CONFIGS in csrc/sgemm.cu")
 
     @property
@@ -111,8 +111,8 @@ class SkewedConfig(WarptileConfig):
         return f"{super().name} {self.threads}t {self.min_blocks}b/SM"
 
 
-# The order of KILN_SKEWED_CONFIGS in csrc/sgemm.cu (a CPU test compares the two). Not yet timed on the
-# H200: 0 is step 7's tile with the skew; 1 and 3 split a thread's 8 x 8 results into 2 x 2 sub-tiles
+# The order of KILN_SKEWED_CONFIGS in csrc/sgemm.cu (a CPU test compares the two). Configs 0-7 timed on the
+# H200 at 072ada3 (4 the fastest, 0.881x cuBLAS fp32): 0 is step 7's tile with the skew; 1 and 3 split a thread's 8 x 8 results into 2 x 2 sub-tiles
 # of 4 x 4; 2 and 3 use BK = 8; 4 and 5 give each thread 128 results (8 x 16) in a 128 x 256 / 256 x 128 tile,
 # 6 and 7 the same as 2 x 4 sub-tiles of 4 x 4.
 SKEWED_CONFIGS: tuple[SkewedConfig, ...] = (
@@ -124,6 +124,16 @@ SKEWED_CONFIGS: tuple[SkewedConfig, ...] = (
     SkewedConfig(256, 128, 8, 64, 64, 4, 8, 4, 256, 1),
     SkewedConfig(128, 256, 8, 64, 64, 4, 4, 4, 256, 1),
     SkewedConfig(256, 128, 8, 64, 64, 4, 4, 4, 256, 1),
+    # not yet timed on the H200: 8, 9 and 10 are 4, 5 and 6 at BK = 16 (half the barriers and loop
+    # iterations per FMA; 49344 bytes of shared memory, so dynamic); 11 is 128 x 128 x 16 with one 8 x 8
+    # tile per thread (TN = 8); 12 and 13 are config 4's thread tile (8 x 16) in 128 x 128 tiles of 4 warps,
+    # two blocks per SM (251 / 225 registers), at BK = 16 and 8
+    SkewedConfig(128, 256, 16, 64, 64, 4, 8, 4, 256, 1),
+    SkewedConfig(256, 128, 16, 64, 64, 4, 8, 4, 256, 1),
+    SkewedConfig(128, 256, 16, 64, 64, 4, 4, 4, 256, 1),
+    SkewedConfig(128, 128, 16, 64, 32, 1, 8, 8, 256, 2),
+    SkewedConfig(128, 128, 16, 64, 64, 4, 8, 4, 128, 2),
+    SkewedConfig(128, 128, 8, 64, 64, 4, 8, 4, 128, 2),
 )
 
 
@@ -145,9 +155,10 @@ def step_index(step: str | int) -> int:
 @dataclass(frozen=True)
 class MmaConfig:
     """One configuration of the mma.sync bf16 GEMM (csrc/mma_kernels.cuh): a BM x BN tile of C per block,
-    warps_m x warps_n warps each owning (BM / warps_m) x (BN / warps_n) of it, `stages` K tiles of 64 in
-    flight (cp.async); `pipelined`: the warps' fragments double-buffered in registers (the next k16
-    step's ldmatrix issued before this step's mma)."""
+    warps_m x warps_n warps each owning (BM / warps_m) x (BN / warps_n) of it, `stages` K tiles of
+    `k_bytes` bytes per row (128: 64 bf16; 256: 128 bf16) in flight (cp.async); `pipelined`: the warps'
+    fragments double-buffered in registers (the next k16 step's ldmatrix issued before this step's mma);
+    `smem_epilogue`: C stored through shared memory in 16-byte coalesced chunks."""
 
     bm: int
     bn: int
@@ -155,6 +166,8 @@ class MmaConfig:
     warps_n: int
     stages: int
     pipelined: bool = False
+    k_bytes: int = 128
+    smem_epilogue: bool = False
 
     def __post_init__(self):
         wtm, wtn = self.bm // self.warps_m, self.bn // self.warps_n
@@ -162,6 +175,12 @@ class MmaConfig:
             raise KilnError(f"bad mma config {self}: warp tiles must be whole multiples of 16 x 16")
         if self.smem_bytes > 227 * 1024 or self.stages < 2:
             raise KilnError(f"bad mma config {self}: {self.smem_bytes} bytes of shared memory, >= 2 stages")
+        # the kernel's static_asserts: K tiles of 8 or 16 swizzled chunks per row; the C tile of the
+        # shared-memory epilogue fits in the stages, and its rows have >= 8 chunks (the swizzle)
+        if self.k_bytes not in (128, 256):
+            raise KilnError(f"bad mma config {self}: k_bytes must be 128 or 256")
+        if self.smem_epilogue and (self.bm * self.bn * 2 > self.smem_bytes or self.bn < 64):
+            raise KilnError(f"bad mma config {self}: the C tile does not fit the epilogue's layout")
 
     @property
     def threads(self) -> int:
@@ -169,13 +188,15 @@ class MmaConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.bm + self.bn) * 128
+        return self.stages * (self.bm + self.bn) * self.k_bytes
 
     @property
     def name(self) -> str:
         wtm, wtn = self.bm // self.warps_m, self.bn // self.warps_n
         pipe = " regpipe" if self.pipelined else ""
-        return f"{self.bm}x{self.bn} warps {self.warps_m}x{self.warps_n} of {wtm}x{wtn} {self.stages}st{pipe}"
+        kb = f" k{self.k_bytes // 2}" if self.k_bytes != 128 else ""
+        epi = " smem-epilogue" if self.smem_epilogue else ""
+        return f"{self.bm}x{self.bn} warps {self.warps_m}x{self.warps_n} of {wtm}x{wtn} {self.stages}st{pipe}{kb}{epi}"
 
 
 # The order of KILN_MMA_CONFIGS in csrc/mma_kernels.cuh (a CPU test compares the two); config 0 is the
@@ -186,12 +207,19 @@ MMA_CONFIGS: tuple[MmaConfig, ...] = (
     MmaConfig(128, 256, 2, 4, 4),
     MmaConfig(256, 128, 4, 2, 3),
     MmaConfig(128, 128, 2, 2, 4),
-    # not yet timed on the H200: the register-pipelined fragments on the best earlier tiles, and 128 x 128
+    # timed at 072ada3 (7 the fastest, 0.542x): the register-pipelined fragments on the best earlier tiles, and 128 x 128
     # tiles of 4 warps with 3 stages (96 KiB, <= 255 registers at 128 threads): two blocks per SM
     MmaConfig(128, 256, 2, 4, 4, pipelined=True),
     MmaConfig(256, 128, 4, 2, 4, pipelined=True),
     MmaConfig(128, 128, 2, 2, 3, pipelined=True),
     MmaConfig(128, 128, 2, 2, 3),
+    # not yet timed on the H200: C through shared memory (16-byte coalesced stores) on configs 7, 5 and 6;
+    # then K tiles of 256 bytes (128 bf16: half the barriers per FLOP) with 2 stages (192 KiB)
+    MmaConfig(128, 128, 2, 2, 3, pipelined=True, smem_epilogue=True),
+    MmaConfig(128, 256, 2, 4, 4, pipelined=True, smem_epilogue=True),
+    MmaConfig(256, 128, 4, 2, 4, pipelined=True, smem_epilogue=True),
+    MmaConfig(128, 256, 2, 4, 2, pipelined=True, k_bytes=256, smem_epilogue=True),
+    MmaConfig(256, 128, 4, 2, 2, pipelined=True, k_bytes=256, smem_epilogue=True),
 )
 
 

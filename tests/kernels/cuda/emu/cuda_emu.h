@@ -31,6 +31,9 @@ struct alignas(16) float4 {
     float x, y, z, w;
 };
 inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
 
 inline thread_local dim3 threadIdx, blockIdx;
 inline dim3 blockDim, gridDim;

@@ -35,12 +35,12 @@ int main() {
         for (auto& c : C) c.x = 0x7fc0;  // NaN: an element never written fails
         const auto* a8 = reinterpret_cast<const unsigned char*>(A.data());
         const auto* b8 = reinterpret_cast<const unsigned char*>(B.data());
-#define X(CFG, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE)                                                          \
+#define X(CFG, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI)                                                 \
     {                                                                                                       \
         for (auto& c : C) c.x = 0x7fc0; /* NaN: an element never written fails */                         \
         emu_launch(dim3(cdiv(M, BM) * cdiv(N, BN)), dim3(WARPS_M * WARPS_N * 32), [&] {                     \
-            mma_gemm::gemm<false, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE>(M, N, K, a8, b8, nullptr, nullptr,\
-                                                                          C.data());                        \
+            mma_gemm::gemm<false, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI>(M, N, K, a8, b8, nullptr,   \
+                                                                                   nullptr, C.data());      \
         });                                                                                                 \
         int wrong = 0;                                                                                      \
         for (int i = 0; i < M * N; ++i) wrong += emu::bf16(C[i].x) != emu::bf16(emu_f2bf(R[i]));           \

@@ -8,11 +8,12 @@ namespace {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-template <bool FP8, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool PIPE>
+template <bool FP8, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool PIPE, int KB = mma_gemm::TILE_BYTES,
+          bool EPI = false>
 const char* launch(int M, int N, int K, const void* A, const void* B, const float* scale_a, const float* scale_b,
                    void* C, cudaStream_t stream) {
-    constexpr int smem = mma_gemm::smem_bytes<BM, BN, STAGES>();
-    auto kernel = mma_gemm::gemm<FP8, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE>;
+    constexpr int smem = mma_gemm::smem_bytes<BM, BN, STAGES, KB>();
+    auto kernel = mma_gemm::gemm<FP8, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI>;
     // more than 48 KiB of dynamic shared memory must be asked for, per kernel
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return cudaGetErrorString(err);
@@ -26,9 +27,9 @@ const char* launch(int M, int N, int K, const void* A, const void* B, const floa
 const char* dispatch_bf16(int config, int M, int N, int K, const void* A, const void* B, void* C, void* stream) {
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     switch (config) {
-#define X(i, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE) \
-    case i:                                          \
-        return launch<false, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE>(M, N, K, A, B, nullptr, nullptr, C, s);
+#define X(i, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI) \
+    case i:                                                   \
+        return launch<false, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI>(M, N, K, A, B, nullptr, nullptr, C, s);
         KILN_MMA_CONFIGS(X)
 #undef X
         default:
@@ -40,7 +41,7 @@ const char* dispatch_bf16(int config, int M, int N, int K, const void* A, const 
 
 extern "C" int kiln_mma_configs(void) {
     int n = 0;
-#define X(i, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE) ++n;
+#define X(i, ...) ++n;
     KILN_MMA_CONFIGS(X)
 #undef X
     return n;

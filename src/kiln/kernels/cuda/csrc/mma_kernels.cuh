@@ -24,32 +24,43 @@
 
 namespace mma_gemm {
 
-constexpr int TILE_BYTES = 128;  // bytes of K per row of a stage's tiles
+constexpr int TILE_BYTES = 128;  // bytes of K per row of a stage's tiles (KB, configs 0-11; 12-13: 256)
 constexpr int GROUP_M = 8;       // tile rows per group of the block order
 
-// Columns: config, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, in the order of
+// Columns: config, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, in the order of
 // kiln.kernels.cuda.ladder.MMA_CONFIGS (a CPU test compares the two). Shared memory: STAGES x (BM + BN) x
-// 128 bytes. PIPE = 1: the warp's fragments are double-buffered in registers (the ldmatrix of k16 step
-// ks + 1, or of the next K tile's step 0, is issued before the mma of step ks; see the main loop).
-// Configs 5-8 (not yet timed on the H200) add that pipeline to the best earlier tiles, and a 128 x 128
-// tile of 4 warps with 3 stages (96 KiB) so that two blocks share an SM. The bf16 kernel takes every
-// configuration; the FP8 kernel config 0 only: with e4m3 fragments the 64 x 64 warp tiles spill
-// registers (ptxas: 255 registers and 36-316 bytes of spills, against none for bf16), and on Hopper the
-// FP8 path that pays is wgmma (wgmma_kernels.cuh).
-#define KILN_MMA_CONFIGS(X)     \
-    X(0, 128, 128, 2, 4, 3, 0)  \
-    X(1, 128, 256, 2, 4, 3, 0)  \
-    X(2, 128, 256, 2, 4, 4, 0)  \
-    X(3, 256, 128, 4, 2, 3, 0)  \
-    X(4, 128, 128, 2, 2, 4, 0)  \
-    X(5, 128, 256, 2, 4, 4, 1)  \
-    X(6, 256, 128, 4, 2, 4, 1)  \
-    X(7, 128, 128, 2, 2, 3, 1)  \
-    X(8, 128, 128, 2, 2, 3, 0)
+// KB bytes (KB: bytes of K per row of a K tile). PIPE = 1: the warp's fragments are double-buffered in
+// registers (the ldmatrix of k16 step ks + 1, or of the next K tile's step 0, is issued before the mma of
+// step ks; see the main loop). EPI = 1: C is stored through shared memory in 16-byte coalesced chunks (see
+// the end of gemm).
+// Configs 5-8 (timed at 072ada3; 7 the fastest, 0.542x cuBLAS bf16) add that pipeline to the best
+// earlier tiles, and a 128 x 128 tile of 4 warps with 3 stages (96 KiB) so that two blocks share an SM.
+// Configs 9-13 (not yet timed on the H200) add the shared-memory epilogue: 9-11 to the register-pipelined
+// configs 7, 5 and 6; 12 and 13 also take K tiles of 256 bytes (128 bf16: 8 k16 steps per tile, half the
+// barriers and cp.async waits per FLOP) with 2 stages at 128 x 256 / 256 x 128 (192 KiB, one block per
+// SM). 4 stages at 128 x 128 with two blocks per SM do not fit: 2 x 128 KiB > 228 KiB.
+// The bf16 kernel takes every configuration; the FP8 kernel config 0 only: with e4m3 fragments the 64 x 64
+// warp tiles spill registers (ptxas: 255 registers and 36-316 bytes of spills, against none for bf16), and
+// on Hopper the FP8 path that pays is wgmma (wgmma_kernels.cuh).
+#define KILN_MMA_CONFIGS(X)               \
+    X(0, 128, 128, 2, 4, 3, 0, 128, 0)    \
+    X(1, 128, 256, 2, 4, 3, 0, 128, 0)    \
+    X(2, 128, 256, 2, 4, 4, 0, 128, 0)    \
+    X(3, 256, 128, 4, 2, 3, 0, 128, 0)    \
+    X(4, 128, 128, 2, 2, 4, 0, 128, 0)    \
+    X(5, 128, 256, 2, 4, 4, 1, 128, 0)    \
+    X(6, 256, 128, 4, 2, 4, 1, 128, 0)    \
+    X(7, 128, 128, 2, 2, 3, 1, 128, 0)    \
+    X(8, 128, 128, 2, 2, 3, 0, 128, 0)    \
+    X(9, 128, 128, 2, 2, 3, 1, 128, 1)    \
+    X(10, 128, 256, 2, 4, 4, 1, 128, 1)   \
+    X(11, 256, 128, 4, 2, 4, 1, 128, 1)   \
+    X(12, 128, 256, 2, 4, 2, 1, 256, 1)   \
+    X(13, 256, 128, 4, 2, 2, 1, 256, 1)
 
-template <int BM, int BN, int STAGES>
+template <int BM, int BN, int STAGES, int KB = TILE_BYTES>
 constexpr int smem_bytes() {
-    return STAGES * (BM + BN) * TILE_BYTES;
+    return STAGES * (BM + BN) * KB;
 }
 
 // Byte offset of the 16-byte chunk `chunk` of row `row` in a tile with `row_bytes` bytes per row.
@@ -91,23 +102,25 @@ __device__ __forceinline__ void load_tile(unsigned char* dst, const unsigned cha
 // FP8 = true: C = scale_a * scale_b * A (M, K) @ Bt (N, K)^T, A and Bt e4m3 with K contiguous (the layout
 // torch._scaled_mm takes: its second operand column-major). A stage: BM x 128 and BN x 128 bytes. Both
 // operands are K-contiguous, so both come through plain ldmatrix (8-bit data has no .trans).
-template <bool FP8, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool PIPE>
+template <bool FP8, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool PIPE, int KB = TILE_BYTES,
+          bool EPI = false>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     gemm(int M, int N, int K, const unsigned char* __restrict__ A, const unsigned char* __restrict__ B,
          const float* __restrict__ scale_a, const float* __restrict__ scale_b, __nv_bfloat16* __restrict__ C) {
     constexpr int NT = WARPS_M * WARPS_N * 32;
     constexpr int ELEM = FP8 ? 1 : 2;
-    constexpr int BK = TILE_BYTES / ELEM;              // 64 bf16 or 128 e4m3
+    constexpr int BK = KB / ELEM;                      // 64 bf16 or 128 e4m3 (KB = 128); 128 bf16 (KB = 256)
     constexpr int KSTEP = FP8 ? 32 : 16;               // K of one mma
-    constexpr int KS = BK / KSTEP;                     // mma k steps per K tile (4)
-    constexpr int A_BYTES = BM * TILE_BYTES, B_BYTES = BN * TILE_BYTES;
-    constexpr int B_ROW_BYTES = FP8 ? TILE_BYTES : BN * 2;  // Bt rows of 128 bytes / B rows of BN bf16
+    constexpr int KS = BK / KSTEP;                     // mma k steps per K tile (4; 8 at KB = 256)
+    constexpr int A_BYTES = BM * KB, B_BYTES = BN * KB;
+    constexpr int B_ROW_BYTES = FP8 ? KB : BN * 2;  // Bt rows of KB bytes / B rows of BN bf16
+    static_assert(KB == 128 || KB == 256, "K tiles of 8 or 16 swizzled 16-byte chunks per row");
     constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;   // the warp's tile of C
     constexpr int MI = WTM / 16, NI = WTN / 8;              // its mma tiles
     static_assert(WTM % 16 == 0 && WTN % 16 == 0, "whole 16 x 16 fragment pairs per warp");
     static_assert(KS % 2 == 0, "PIPE: the next K tile's step 0 lands in fragment buffer 0");
     extern __shared__ __align__(128) unsigned char smem[];
-    unsigned char* As = smem;                       // STAGES x (BM rows x 128 B)
+    unsigned char* As = smem;                       // STAGES x (BM rows x KB bytes)
     unsigned char* Bs = smem + STAGES * A_BYTES;    // STAGES x B tile
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;  // warp tile rows wm*WTM.., columns wn*WTN..
@@ -122,9 +135,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     float acc[MI][NI][4] = {};  // [mi][ni][fragment]
     const int ktiles = (K + BK - 1) / BK;
     auto load_stage = [&](int stage, int kt) {
-        load_tile<BM, TILE_BYTES, ELEM, NT>(As + stage * A_BYTES, A, m0, kt * BK, M, K, K, tid);
+        load_tile<BM, KB, ELEM, NT>(As + stage * A_BYTES, A, m0, kt * BK, M, K, K, tid);
         if constexpr (FP8)
-            load_tile<BN, TILE_BYTES, 1, NT>(Bs + stage * B_BYTES, B, n0, kt * BK, N, K, K, tid);
+            load_tile<BN, KB, 1, NT>(Bs + stage * B_BYTES, B, n0, kt * BK, N, K, K, tid);
         else
             load_tile<BK, BN * 2, 2, NT>(Bs + stage * B_BYTES, B, kt * BK, n0, K, N, N, tid);
     };
@@ -135,14 +148,15 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     // registers instead of one per (step, tile), which the register-double-buffered configs need.
     const int lo = lane & 7, hi = lane >> 4;
     // A, and Bt for FP8: row wm*WTM + mi*16 + (lane & 15), chunk 2ks + hi -> chunk' = 2ks ^ (hi ^ lo)
-    const int a_row = (wm * WTM + (lane & 15)) * TILE_BYTES, a_x = hi ^ lo;
+    const int a_row = (wm * WTM + (lane & 15)) * KB, a_x = hi ^ lo;
     auto load_frags = [&](uint32_t (&af)[MI][4], uint32_t (&bfrag)[NI][2], const unsigned char* as,
                           const unsigned char* bs, int ks) {
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi) {
             // 16-byte chunks: lanes 0-15 rows 0-15 at chunk 2ks, lanes 16-31 the same at chunk 2ks+1
-            // (bf16: k + 8; e4m3: k + 16) -> a0 a1 a2 a3; == as + swz(r, ch, TILE_BYTES)
-            kiln_ptx::ldmatrix_x4(af[mi], as + a_row + mi * 16 * TILE_BYTES + (((2 * ks) ^ a_x) << 4));
+            // (bf16: k + 8; e4m3: k + 16) -> a0 a1 a2 a3; == as + swz(r, ch, KB) (the XOR by
+            // lo < 8 keeps the chunk in its aligned group of 8, also in KB = 256's 16-chunk rows)
+            kiln_ptx::ldmatrix_x4(af[mi], as + a_row + mi * 16 * KB + (((2 * ks) ^ a_x) << 4));
         }
 #pragma unroll
         for (int nj = 0; nj < NI / 2; ++nj) {
@@ -236,21 +250,61 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     kiln_ptx::cp_async_wait<0>();
 
     const float scale = FP8 ? scale_a[0] * scale_b[0] : 1.f;
+    if constexpr (EPI) {
+        // C through shared memory: the warps write their fragments as bf16 pairs into a BM x BN tile (in
+        // the stages' memory, free once every warp is past its last ldmatrix: the barrier), then the
+        // block copies it out in 16-byte chunks, a warp's 32 chunks one or two whole rows of C: 128-byte
+        // coalesced stores, where the direct stores below write 4 bytes per lane over 8 rows (8 half-used
+        // 32-byte sectors per instruction). The tile's 16-byte chunks are XOR-swizzled by (row % 8) like
+        // the stages: a fragment store's 8 rows (lane >> 2) then hit 8 different 4-bank groups, where
+        // rows of BN * 2 = 0 (mod 128) bytes would put all 8 on the same 4 banks.
+        constexpr int C_ROW = BN * 2;  // bytes per row of the C tile
+        constexpr int CPR = BN / 8;    // 16-byte chunks per row
+        constexpr int RSTEP = NT / CPR;
+        static_assert(BM * C_ROW <= smem_bytes<BM, BN, STAGES, KB>(), "the C tile fits in the stages");
+        static_assert(CPR >= 8 && RSTEP * CPR == NT && BM % RSTEP == 0, "whole rows per pass");
+        __syncthreads();  // every warp's last ldmatrix is done: the stages may be overwritten
+        const int x = lane >> 2;  // (row % 8) of every row this lane writes: the tiles start at multiples of 8
 #pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < NI; ++ni) {
-            const int col = n0 + wn * WTN + ni * 8 + (lane & 3) * 2;  // even; N % 8 == 0 so col + 1 < N too
-            const int row = m0 + wm * WTM + mi * 16 + (lane >> 2);
-            if (col < N) {
-                if (row < M)
-                    *reinterpret_cast<__nv_bfloat162*>(C + (int64_t)row * N + col) =
-                        __floats2bfloat162_rn(acc[mi][ni][0] * scale, acc[mi][ni][1] * scale);
-                if (row + 8 < M)
-                    *reinterpret_cast<__nv_bfloat162*>(C + (int64_t)(row + 8) * N + col) =
-                        __floats2bfloat162_rn(acc[mi][ni][2] * scale, acc[mi][ni][3] * scale);
+            for (int ni = 0; ni < NI; ++ni) {
+                const int r = wm * WTM + mi * 16 + (lane >> 2), ch = (wn * WTN + ni * 8) / 8;
+                unsigned char* p = smem + r * C_ROW + ((ch ^ x) << 4) + (lane & 3) * 4;
+                *reinterpret_cast<__nv_bfloat162*>(p) =
+                    __floats2bfloat162_rn(acc[mi][ni][0] * scale, acc[mi][ni][1] * scale);
+                *reinterpret_cast<__nv_bfloat162*>(p + 8 * C_ROW) =  // row r + 8: the same swizzle
+                    __floats2bfloat162_rn(acc[mi][ni][2] * scale, acc[mi][ni][3] * scale);
+            }
+        __syncthreads();
+        const int c = tid % CPR, r0 = tid / CPR;
+        const int col = n0 + c * 8;  // N % 8 == 0: a chunk is wholly inside C or wholly outside
+        if (col < N) {
+#pragma unroll
+            for (int i = 0; i < BM / RSTEP; ++i) {
+                const int r = r0 + i * RSTEP;
+                if (m0 + r < M)
+                    *reinterpret_cast<uint4*>(C + (int64_t)(m0 + r) * N + col) =
+                        *reinterpret_cast<const uint4*>(smem + r * C_ROW + ((c ^ (r & 7)) << 4));
             }
         }
+    } else {  // each lane stores its bf16 pairs straight from registers
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni) {
+                const int col = n0 + wn * WTN + ni * 8 + (lane & 3) * 2;  // even; N % 8 == 0 so col + 1 < N too
+                const int row = m0 + wm * WTM + mi * 16 + (lane >> 2);
+                if (col < N) {
+                    if (row < M)
+                        *reinterpret_cast<__nv_bfloat162*>(C + (int64_t)row * N + col) =
+                            __floats2bfloat162_rn(acc[mi][ni][0] * scale, acc[mi][ni][1] * scale);
+                    if (row + 8 < M)
+                        *reinterpret_cast<__nv_bfloat162*>(C + (int64_t)(row + 8) * N + col) =
+                            __floats2bfloat162_rn(acc[mi][ni][2] * scale, acc[mi][ni][3] * scale);
+                }
+            }
+    }
 }
 
 // The mma.sync instruction's own rate, with no memory traffic: the ceiling of every kernel above on this

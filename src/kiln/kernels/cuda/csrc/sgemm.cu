@@ -44,7 +44,27 @@ extern "C" const char* kiln_sgemm_double_buffered(int config, int M, int N, int 
     return kiln::launch_status();
 }
 
-extern "C" int kiln_sgemm_skewed_configs(void) { return 8; }
+extern "C" int kiln_sgemm_skewed_configs(void) { return 14; }
+
+namespace {
+
+// Launches the skewed kernel at one configuration; past 48 KiB its buffers are dynamic shared memory,
+// which must be asked for per kernel (configs 8-10: 128 x 256 / 256 x 128 tiles at BK = 16, 49344 bytes).
+template <int BM, int BN, int BK, int WM, int WN, int WNITER, int TM, int TN, int NT, int MINB>
+const char* launch_skewed(int M, int N, int K, const float* A, const float* B, float* C, bool vecA, bool vecB,
+                          bool vecC, cudaStream_t s) {
+    auto kernel = double_buffered<BM, BN, BK, WM, WN, WNITER, TM, TN, NT, MINB, true>;
+    constexpr int bytes = db_smem_bytes<BM, BN, BK, true>();
+    constexpr int dyn = bytes > 48 * 1024 ? bytes : 0;
+    if (dyn) {
+        const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+        if (err != cudaSuccess) return cudaGetErrorString(err);
+    }
+    kernel<<<tiles(M, N, BM, BN), NT, dyn, s>>>(M, N, K, A, B, C, vecA, vecB, vecC);
+    return kiln::launch_status();
+}
+
+}  // namespace
 
 extern "C" const char* kiln_sgemm_skewed(int config, int M, int N, int K, const float* A, const float* B,
                                          float* C, void* stream) {
@@ -54,17 +74,14 @@ extern "C" const char* kiln_sgemm_skewed(int config, int M, int N, int K, const 
     const bool vecB = N % 4 == 0 && aligned16(B);
     const bool vecC = N % 4 == 0 && aligned16(C);
     switch (config) {
-#define X(i, BM, BN, BK, WM, WN, WNITER, TM, TN, NT, MINB)                                      \
-    case i:                                                                                      \
-        double_buffered<BM, BN, BK, WM, WN, WNITER, TM, TN, NT, MINB, true>                     \
-            <<<tiles(M, N, BM, BN), NT, 0, s>>>(M, N, K, A, B, C, vecA, vecB, vecC);             \
-        break;
+#define X(i, BM, BN, BK, WM, WN, WNITER, TM, TN, NT, MINB) \
+    case i:                                                \
+        return launch_skewed<BM, BN, BK, WM, WN, WNITER, TM, TN, NT, MINB>(M, N, K, A, B, C, vecA, vecB, vecC, s);
         KILN_SKEWED_CONFIGS(X)
 #undef X
         default:
             return "kiln_sgemm_skewed: unknown config";
     }
-    return kiln::launch_status();
 }
 
 extern "C" const char* kiln_sgemm_warptile(int config, int M, int N, int K, const float* A, const float* B,

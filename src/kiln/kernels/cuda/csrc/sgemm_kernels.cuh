@@ -319,6 +319,13 @@ __global__ void __launch_bounds__(NT)
         }
 }
 
+// Bytes of shared memory of double_buffered<BM, BN, BK, ..., SKEW>: two buffers of A's transposed tile
+// (with the skew's extra floats, see A_SKEW in the kernel) and two of B's.
+template <int BM, int BN, int BK, bool SKEW>
+constexpr int db_smem_bytes() {
+    return 2 * 4 * (BK * BM + (SKEW ? (BK / 4 - 1) * (128 / BK) : 0) + BK * BN);
+}
+
 // 8. double-buffered shared memory: step 7's tiles with two shared buffers per operand. While the FMAs
 //    run on buffer `cur`, the next K tile's global loads are already in flight into registers (issued
 //    before the FMAs, consumed after them), and are then stored into buffer cur ^ 1: the load latency
@@ -358,8 +365,19 @@ __global__ void __launch_bounds__(NT, MINB)
     constexpr int A_SKEW = SKEW ? 128 / BK : 0;             // floats per k-group
     constexpr int A_BUF = BK * BM + (BK / 4 - 1) * A_SKEW;  // floats per buffer
     auto a_col = [](int k, int m) -> int { return m + (k >> 2) * A_SKEW; };
-    __shared__ __align__(16) float As[2][A_BUF];    // transposed: (BK, BM), two buffers
-    __shared__ __align__(16) float Bs[2][BK * BN];  // (BK, BN)
+    // Two buffers of A's transposed (BK, BM) tile, then two of B's (BK, BN). Up to 48 KiB they are static
+    // arrays; past it (db_smem_bytes, e.g. 128 x 256 x 16 with the skew: 49344 bytes) they live in
+    // dynamic shared memory, which the launcher sizes and opts in to (cudaFuncSetAttribute).
+    constexpr bool DYN = db_smem_bytes<BM, BN, BK, SKEW>() > 48 * 1024;
+    static_assert(db_smem_bytes<BM, BN, BK, SKEW>() == 4 * 2 * (A_BUF + BK * BN) && A_BUF % 4 == 0, "layout");
+    using ABufs = float[2][A_BUF];    // transposed: (BK, BM), two buffers
+    using BBufs = float[2][BK * BN];  // (BK, BN)
+    extern __shared__ __align__(16) float db_dyn_smem[];
+    __shared__ __align__(16) float As_st[DYN ? 1 : 2][DYN ? 4 : A_BUF];  // a placeholder when DYN
+    __shared__ __align__(16) float Bs_st[DYN ? 1 : 2][DYN ? 4 : BK * BN];
+    // A_BUF * 4 bytes is a multiple of 16, so B's buffers stay 16-byte aligned after A's
+    ABufs& As = *reinterpret_cast<ABufs*>(DYN ? db_dyn_smem : &As_st[0][0]);
+    BBufs& Bs = *reinterpret_cast<BBufs*>(DYN ? db_dyn_smem + 2 * A_BUF : &Bs_st[0][0]);
     const int tid = threadIdx.x;
     const int warp = tid / 32, lane = tid % 32;
     const int warpCol = warp % (BN / WN), warpRow = warp / (BN / WN);
@@ -463,6 +481,15 @@ __global__ void __launch_bounds__(NT, MINB)
 // or 256 x 128 tile at BK = 8 (one block per SM; the shared-memory reads per FMA of an 8 x 16 thread tile
 // are 3/4 of an 8 x 8's; BK = 16 would pass the 48 KiB of static shared memory with the skew); 6 and 7 are
 // 4 and 5 with the thread's results as 2 x 4 sub-tiles of 4 x 4 (each A read one wavefront, as in 1).
+// Configs 8-13 (not yet timed on the H200): 8 and 9 are 4 and 5 at BK = 16 (one barrier and one loop
+// iteration per 16 k instead of per 8, and the global loads of a K tile twice as far ahead of their use;
+// 12 more staging registers, 232 / 243 in all, no spills; 49344 bytes of shared memory, past the 48 KiB
+// of static arrays, so the launcher gives it as dynamic shared memory); 10 is 6 at BK = 16; 11 is a
+// 128 x 128 x 16 tile whose 256 threads each hold one 8 x 8 tile (TN = 8, one sub-tile per warp of
+// 64 x 32), two blocks per SM at 128 registers; 12 and 13 split config 4's 8 warps per SM into two
+// blocks of 4 (128 x 128 tiles, each thread 8 x 16 results as in 4; 251 / 225 registers, so two blocks
+// fill the 64K registers), at BK = 16 and 8: one block's barrier then stalls half the SM's warps, not all,
+// as with the mma.sync kernel's fastest configuration (7: two blocks of 4 warps per SM).
 #define KILN_SKEWED_CONFIGS(X)                       \
     X(0, 128, 128, 16, 64, 32, 2, 8, 4, 256, 2)      \
     X(1, 128, 128, 16, 64, 32, 2, 4, 4, 256, 2)      \
@@ -471,4 +498,10 @@ __global__ void __launch_bounds__(NT, MINB)
     X(4, 128, 256, 8, 64, 64, 4, 8, 4, 256, 1)       \
     X(5, 256, 128, 8, 64, 64, 4, 8, 4, 256, 1)       \
     X(6, 128, 256, 8, 64, 64, 4, 4, 4, 256, 1)       \
-    X(7, 256, 128, 8, 64, 64, 4, 4, 4, 256, 1)
+    X(7, 256, 128, 8, 64, 64, 4, 4, 4, 256, 1)       \
+    X(8, 128, 256, 16, 64, 64, 4, 8, 4, 256, 1)      \
+    X(9, 256, 128, 16, 64, 64, 4, 8, 4, 256, 1)      \
+    X(10, 128, 256, 16, 64, 64, 4, 4, 4, 256, 1)     \
+    X(11, 128, 128, 16, 64, 32, 1, 8, 8, 256, 2)     \
+    X(12, 128, 128, 16, 64, 64, 4, 8, 4, 128, 2)     \
+    X(13, 128, 128, 8, 64, 64, 4, 8, 4, 128, 2)
