@@ -108,7 +108,7 @@ class ModelRunner:
 
     def warm_up(self) -> int:
         """Tune and compile the attention kernels of every step shape the engine can meet, so
-        no served step stops for seconds to do it (at 072ada3 `kiln serve` spent 5-6 s in single steps
+        no served step stops for seconds to do it (at a4104d9 `kiln serve` spent 5-6 s in single steps
         autotuning the prefill attention for a length bucket it met mid-load): the packed prefill at each
         length bucket up to a step's budget, with and without a cached prefix, and, where decode steps
         can run without a graph, decode attention at each split bucket. One pass per distinct layer kind

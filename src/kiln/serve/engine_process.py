@@ -496,8 +496,8 @@ def _engine_main(model: str, engine: dict, engine_log: bool, commands, conn) -> 
     eng = llm.engine
     if eng.device.type == "cuda":
         # The host side of a GPU step is small tensor work that gains nothing from torch's intra-op
-        # threads, while this process shares the CPUs with the HTTP process and its clients: at
-        # saturation a thread pool's barriers then wait on descheduled threads. On the H200 (fed6c6e,
+        # threads, while this process shares the CPUs with the HTTP process and its clients, which keep
+        # them busy at saturation (a pool's threads then contend with them). On the H200 (fed6c6e,
         # bench/serve.py, 16 cores) one thread everywhere gave 20,914 / 22,232 tok/s against 19,491 /
         # 22,066 with the default pool (one / four client processes). (vLLM's workers do the same.)
         torch.set_num_threads(1)
