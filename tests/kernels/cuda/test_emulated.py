@@ -65,8 +65,10 @@ def test_tensor_core_gemms_emulated(tmp_path):
     (tmp_path / "mma_kernels_emu.cuh").write_text(src.replace(decl, static))
     proc = build_and_run(tmp_path, "mma_emu.cpp")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # per shape: bf16 at every configuration, e4m3 at config 0's geometry
-    assert proc.stdout.count(": 0 wrong") == 2 * (len(MMA_CONFIGS) + 1), proc.stdout
+    # per shape: bf16 at every configuration, e4m3 at config 0's geometry; a third shape for the persistent ones
+    persistent = sum(c.persistent for c in MMA_CONFIGS)
+    expected = 2 * (len(MMA_CONFIGS) + 1) + persistent
+    assert persistent and proc.stdout.count(": 0 wrong") == expected, proc.stdout
 
 
 @pytest.mark.slow

@@ -170,6 +170,19 @@ def test_mma_bf16_matches_fp32_product(shape, config):
     assert rel_err(c, a @ b) < 1e-2  # and torch's own bf16 matmul
 
 
+@pytest.mark.parametrize("config", [i for i, c in enumerate(MMA_CONFIGS) if c.persistent])
+def test_mma_bf16_persistent_loops_over_tiles(config):
+    # more tiles than an H200 holds blocks at once (132 SMs; 288 tiles of 128 x 256, 576 of 128 x 128 at two
+    # blocks per SM), partial at every edge: each block computes several tiles and its K-tile copies cross
+    # from one tile into the next (TC_SHAPES have fewer tiles than blocks fit, one tile per block)
+    m, n, k = 3001, 3064, 264
+    g = torch.Generator(device="cuda").manual_seed(7)
+    a = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    b = torch.randn(k, n, device="cuda", generator=g).bfloat16()
+    c = mma_bf16(a, b, config)
+    assert rel_err(c, a.float() @ b.float()) < 1e-2
+
+
 def test_mma_bf16_bad_shapes():
     a = torch.randn(16, 12, device="cuda").bfloat16()
     with pytest.raises(KilnError, match="divisible by 8"):

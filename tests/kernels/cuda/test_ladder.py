@@ -128,7 +128,7 @@ def test_wgmma_ops_refuse_bad_arguments_before_any_cuda_call():
 def test_mma_configs_match_the_kernel_table():
     src = (CSRC / "mma_kernels.cuh").read_text()
     table = src.split("#define KILN_MMA_CONFIGS(X)")[1].split("\n\n")[0]
-    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), ([01]), (\d+), ([01])\)", table)
+    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), ([01]), (\d+), ([01]), ([01])\)", table)
     assert [int(r[0]) for r in rows] == list(range(len(MMA_CONFIGS)))
     for r, cfg in zip(rows, MMA_CONFIGS):
         assert tuple(int(v) for v in r[1:]) == (
@@ -140,6 +140,7 @@ def test_mma_configs_match_the_kernel_table():
             int(cfg.pipelined),
             cfg.k_bytes,
             int(cfg.smem_epilogue),
+            int(cfg.persistent),
         )
     # the FP8 mma.sync launcher runs config 0's geometry, without the register pipeline
     c0 = MMA_CONFIGS[0]
@@ -154,9 +155,16 @@ def test_mma_configs_match_the_kernel_table():
         c12.smem_bytes == 2 * 384 * 256
         and c12.name == "128x256 warps 2x4 of 64x64 2st regpipe k128 smem-epilogue"
     )
+    # persistent: the C tile must fit in one stage (A and B of one K tile): 128 x 256 at 128-byte K tiles
+    # does not (64 KiB > 48 KiB), and only the pipelined shared-memory-epilogue kernel has the loop
+    c14 = MmaConfig(128, 256, 2, 4, 2, True, 256, True, True)
+    assert c14.name.endswith("k128 smem-epilogue persistent") and c14.smem_bytes == c12.smem_bytes
+    for bad in ((128, 256, 2, 4, 4, True, 128, True, True), (128, 128, 2, 2, 3, False, 128, True, True)):
+        with pytest.raises(KilnError, match="persistent"):
+            MmaConfig(*bad)
     # two blocks per SM (<= 228 KiB together): config 7's tile and its smem-epilogue twin, not 4 stages
     for cfg in MMA_CONFIGS:
-        if cfg.bm == cfg.bn == 128 and cfg.threads == 128 and cfg.stages == 3:
+        if cfg.bm == cfg.bn == 128 and cfg.threads == 128 and cfg.stages == 3 and cfg.k_bytes == 128:
             assert 2 * cfg.smem_bytes <= 228 * 1024
     assert 2 * MmaConfig(128, 128, 2, 2, 4).smem_bytes > 228 * 1024
     for bad in (

@@ -158,7 +158,10 @@ class MmaConfig:
     warps_m x warps_n warps each owning (BM / warps_m) x (BN / warps_n) of it, `stages` K tiles of
     `k_bytes` bytes per row (128: 64 bf16; 256: 128 bf16) in flight (cp.async); `pipelined`: the warps'
     fragments double-buffered in registers (the next k16 step's ldmatrix issued before this step's mma);
-    `smem_epilogue`: C stored through shared memory in 16-byte coalesced chunks."""
+    `smem_epilogue`: C stored through shared memory in 16-byte coalesced chunks; `persistent`: at most as
+    many blocks as fit on the GPU at once, each looping over tiles, the cp.async copies of the next tile's
+    first K tiles issued during this tile's last ones (stages laid out A-and-B contiguous, the C tile in
+    the stage just read)."""
 
     bm: int
     bn: int
@@ -168,6 +171,7 @@ class MmaConfig:
     pipelined: bool = False
     k_bytes: int = 128
     smem_epilogue: bool = False
+    persistent: bool = False
 
     def __post_init__(self):
         wtm, wtn = self.bm // self.warps_m, self.bn // self.warps_n
@@ -181,6 +185,14 @@ class MmaConfig:
             raise KilnError(f"bad mma config {self}: k_bytes must be 128 or 256")
         if self.smem_epilogue and (self.bm * self.bn * 2 > self.smem_bytes or self.bn < 64):
             raise KilnError(f"bad mma config {self}: the C tile does not fit the epilogue's layout")
+        # persistent: the register-pipelined shared-memory-epilogue kernel, the C tile inside one stage
+        if self.persistent and (
+            not (self.pipelined and self.smem_epilogue)
+            or self.bm * self.bn * 2 > (self.bm + self.bn) * self.k_bytes
+        ):
+            raise KilnError(
+                f"bad mma config {self}: persistent needs pipelined, smem_epilogue, C in one stage"
+            )
 
     @property
     def threads(self) -> int:
@@ -196,7 +208,11 @@ class MmaConfig:
         pipe = " regpipe" if self.pipelined else ""
         kb = f" k{self.k_bytes // 2}" if self.k_bytes != 128 else ""
         epi = " smem-epilogue" if self.smem_epilogue else ""
-        return f"{self.bm}x{self.bn} warps {self.warps_m}x{self.warps_n} of {wtm}x{wtn} {self.stages}st{pipe}{kb}{epi}"
+        persist = " persistent" if self.persistent else ""
+        return (
+            f"{self.bm}x{self.bn} warps {self.warps_m}x{self.warps_n} of {wtm}x{wtn} {self.stages}st{pipe}{kb}{epi}"
+            f"{persist}"
+        )
 
 
 # The order of KILN_MMA_CONFIGS in csrc/mma_kernels.cuh (a CPU test compares the two); config 0 is the
@@ -220,6 +236,13 @@ MMA_CONFIGS: tuple[MmaConfig, ...] = (
     MmaConfig(256, 128, 4, 2, 4, pipelined=True, smem_epilogue=True),
     MmaConfig(128, 256, 2, 4, 2, pipelined=True, k_bytes=256, smem_epilogue=True),
     MmaConfig(256, 128, 4, 2, 2, pipelined=True, k_bytes=256, smem_epilogue=True),
+    # not yet measured: persistent grids (the next tile's first K tiles copied during this tile's last ones
+    # and its epilogue) for configs 12, 9 and 13; and config 9's tile at one block per SM with 3 stages
+    # of 256-byte K tiles (192 KiB; two blocks per SM would need 2 x 128 KiB at 2 stages: no fit)
+    MmaConfig(128, 256, 2, 4, 2, pipelined=True, k_bytes=256, smem_epilogue=True, persistent=True),
+    MmaConfig(128, 128, 2, 2, 3, pipelined=True, smem_epilogue=True, persistent=True),
+    MmaConfig(256, 128, 4, 2, 2, pipelined=True, k_bytes=256, smem_epilogue=True, persistent=True),
+    MmaConfig(128, 128, 2, 2, 3, pipelined=True, k_bytes=256, smem_epilogue=True),
 )
 
 

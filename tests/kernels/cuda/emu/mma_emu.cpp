@@ -15,11 +15,15 @@ static uint8_t to_e4m3(float v) {
 }
 
 int main() {
-    // one block with every edge partial and 7 (bf16) or 4 (e4m3) K tiles through a 3-stage ring; four blocks
-    const int shapes[][3] = {{40, 72, 400}, {136, 136, 16}};
+    // one block with every edge partial and 7 (bf16) or 4 (e4m3) K tiles through a 3-stage ring; four blocks;
+    // and for the persistent configurations only (the emulation is slow), 3 x 2 tiles of 128 x 128 (3 x 1 of
+    // 128 x 256, 2 x 2 of 256 x 128) with partial edges and 3 or 2 K tiles, which their blocks take 2 at a
+    // time: the K-tile stream crosses from one tile into the next mid-ring
+    const int shapes[][3] = {{40, 72, 400}, {136, 136, 16}, {264, 136, 144}};
     int bad = 0;
     for (const auto& s : shapes) {
         const int M = s[0], N = s[1], K = s[2];
+        const bool persistent_only = &s == &shapes[2];
         std::vector<float> Af(M * K), Bf(K * N);
         srand(3);
         for (auto& x : Af) x = rand() % 9 - 4;
@@ -35,12 +39,14 @@ int main() {
         for (auto& c : C) c.x = 0x7fc0;  // NaN: an element never written fails
         const auto* a8 = reinterpret_cast<const unsigned char*>(A.data());
         const auto* b8 = reinterpret_cast<const unsigned char*>(B.data());
-#define X(CFG, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI)                                                 \
-    {                                                                                                       \
+#define X(CFG, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST)                                      \
+    if (PERSIST || !persistent_only) {                                                                      \
         for (auto& c : C) c.x = 0x7fc0; /* NaN: an element never written fails */                         \
-        emu_launch(dim3(cdiv(M, BM) * cdiv(N, BN)), dim3(WARPS_M * WARPS_N * 32), [&] {                     \
-            mma_gemm::gemm<false, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI>(M, N, K, a8, b8, nullptr,   \
-                                                                                   nullptr, C.data());      \
+        /* persistent: about half the tiles' blocks, so that blocks loop over 2 or more tiles */           \
+        const unsigned tiles = cdiv(M, BM) * cdiv(N, BN);                                                   \
+        emu_launch(dim3(PERSIST ? (tiles + 1) / 2 : tiles), dim3(WARPS_M * WARPS_N * 32), [&] {             \
+            mma_gemm::gemm<false, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST>(                \
+                M, N, K, a8, b8, nullptr, nullptr, C.data());                                               \
         });                                                                                                 \
         int wrong = 0;                                                                                      \
         for (int i = 0; i < M * N; ++i) wrong += emu::bf16(C[i].x) != emu::bf16(emu_f2bf(R[i]));           \
@@ -49,6 +55,7 @@ int main() {
     }
         KILN_MMA_CONFIGS(X)
 #undef X
+        if (persistent_only) continue;
 
         std::vector<uint8_t> A8(M * K), Bt8(N * K);
         for (int i = 0; i < M * K; ++i) A8[i] = to_e4m3(Af[i]);

@@ -9,15 +9,24 @@ namespace {
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 template <bool FP8, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool PIPE, int KB = mma_gemm::TILE_BYTES,
-          bool EPI = false>
+          bool EPI = false, bool PERSIST = false>
 const char* launch(int M, int N, int K, const void* A, const void* B, const float* scale_a, const float* scale_b,
                    void* C, cudaStream_t stream) {
     constexpr int smem = mma_gemm::smem_bytes<BM, BN, STAGES, KB>();
-    auto kernel = mma_gemm::gemm<FP8, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI>;
+    auto kernel = mma_gemm::gemm<FP8, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST>;
     // more than 48 KiB of dynamic shared memory must be asked for, per kernel
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return cudaGetErrorString(err);
-    const unsigned blocks = (unsigned)(kiln::ceil_div(M, BM) * kiln::ceil_div(N, BN));
+    const int64_t tiles = kiln::ceil_div(M, BM) * kiln::ceil_div(N, BN);
+    unsigned blocks = (unsigned)tiles;
+    if constexpr (PERSIST) {  // one block per tile slot the GPU holds at once; each loops over its tiles
+        int per_sm = 0;
+        const cudaError_t occ =
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, WARPS_M * WARPS_N * 32, smem);
+        if (occ != cudaSuccess) return cudaGetErrorString(occ);
+        const int64_t slots = (int64_t)kiln::sm_count() * (per_sm > 0 ? per_sm : 1);
+        blocks = (unsigned)(tiles < slots ? tiles : slots);
+    }
     kernel<<<blocks, WARPS_M * WARPS_N * 32, smem, stream>>>(M, N, K, static_cast<const unsigned char*>(A),
                                                              static_cast<const unsigned char*>(B), scale_a, scale_b,
                                                              static_cast<__nv_bfloat16*>(C));
@@ -27,9 +36,10 @@ const char* launch(int M, int N, int K, const void* A, const void* B, const floa
 const char* dispatch_bf16(int config, int M, int N, int K, const void* A, const void* B, void* C, void* stream) {
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     switch (config) {
-#define X(i, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI) \
-    case i:                                                   \
-        return launch<false, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI>(M, N, K, A, B, nullptr, nullptr, C, s);
+#define X(i, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST)                                          \
+    case i:                                                                                                    \
+        return launch<false, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST>(M, N, K, A, B, nullptr, \
+                                                                                        nullptr, C, s);
         KILN_MMA_CONFIGS(X)
 #undef X
         default:

@@ -24,39 +24,47 @@
 
 namespace mma_gemm {
 
-constexpr int TILE_BYTES = 128;  // bytes of K per row of a stage's tiles (KB, configs 0-11; 12-13: 256)
+constexpr int TILE_BYTES = 128;  // bytes of K per row of a stage's tiles (KB; 256 at configs 12-14, 16, 17)
 constexpr int GROUP_M = 8;       // tile rows per group of the block order
 
-// Columns: config, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, in the order of
+// Columns: config, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST, in the order of
 // kiln.kernels.cuda.ladder.MMA_CONFIGS (a CPU test compares the two). Shared memory: STAGES x (BM + BN) x
 // KB bytes (KB: bytes of K per row of a K tile). PIPE = 1: the warp's fragments are double-buffered in
 // registers (the ldmatrix of k16 step ks + 1, or of the next K tile's step 0, is issued before the mma of
 // step ks; see the main loop). EPI = 1: C is stored through shared memory in 16-byte coalesced chunks (see
-// the end of gemm).
+// store_c). PERSIST = 1: a persistent grid whose K-tile copies run on across tiles (see the PERSIST path).
 // Configs 5-8 (timed at 072ada3; 7 the fastest, 0.542x cuBLAS bf16) add that pipeline to the best
 // earlier tiles, and a 128 x 128 tile of 4 warps with 3 stages (96 KiB) so that two blocks share an SM.
 // Configs 9-13 (timed at 5f8741c; 12 the fastest, 0.563x) add the shared-memory epilogue: 9-11 to the register-pipelined
 // configs 7, 5 and 6; 12 and 13 also take K tiles of 256 bytes (128 bf16: 8 k16 steps per tile, half the
 // barriers and cp.async waits per FLOP) with 2 stages at 128 x 256 / 256 x 128 (192 KiB, one block per
 // SM). 4 stages at 128 x 128 with two blocks per SM do not fit: 2 x 128 KiB > 228 KiB.
+// Configs 14-17 (not yet measured): 14, 15 and 16 are 12, 9 and 13 on a persistent grid (one block per tile
+// slot, 132 or 264 on an H200, each looping over tiles; the next tile's first K tiles are copied during this
+// tile's last K tiles and its epilogue); 17 is 9's tile (4 warps) with 3 stages of 256-byte K tiles at one
+// block per SM (192 KiB; 2 stages at two blocks per SM would need 2 x 128 KiB).
 // The bf16 kernel takes every configuration; the FP8 kernel config 0 only: with e4m3 fragments the 64 x 64
 // warp tiles spill registers (ptxas: 255 registers and 36-316 bytes of spills, against none for bf16), and
 // on Hopper the FP8 path that pays is wgmma (wgmma_kernels.cuh).
-#define KILN_MMA_CONFIGS(X)               \
-    X(0, 128, 128, 2, 4, 3, 0, 128, 0)    \
-    X(1, 128, 256, 2, 4, 3, 0, 128, 0)    \
-    X(2, 128, 256, 2, 4, 4, 0, 128, 0)    \
-    X(3, 256, 128, 4, 2, 3, 0, 128, 0)    \
-    X(4, 128, 128, 2, 2, 4, 0, 128, 0)    \
-    X(5, 128, 256, 2, 4, 4, 1, 128, 0)    \
-    X(6, 256, 128, 4, 2, 4, 1, 128, 0)    \
-    X(7, 128, 128, 2, 2, 3, 1, 128, 0)    \
-    X(8, 128, 128, 2, 2, 3, 0, 128, 0)    \
-    X(9, 128, 128, 2, 2, 3, 1, 128, 1)    \
-    X(10, 128, 256, 2, 4, 4, 1, 128, 1)   \
-    X(11, 256, 128, 4, 2, 4, 1, 128, 1)   \
-    X(12, 128, 256, 2, 4, 2, 1, 256, 1)   \
-    X(13, 256, 128, 4, 2, 2, 1, 256, 1)
+#define KILN_MMA_CONFIGS(X)                \
+    X(0, 128, 128, 2, 4, 3, 0, 128, 0, 0)  \
+    X(1, 128, 256, 2, 4, 3, 0, 128, 0, 0)  \
+    X(2, 128, 256, 2, 4, 4, 0, 128, 0, 0)  \
+    X(3, 256, 128, 4, 2, 3, 0, 128, 0, 0)  \
+    X(4, 128, 128, 2, 2, 4, 0, 128, 0, 0)  \
+    X(5, 128, 256, 2, 4, 4, 1, 128, 0, 0)  \
+    X(6, 256, 128, 4, 2, 4, 1, 128, 0, 0)  \
+    X(7, 128, 128, 2, 2, 3, 1, 128, 0, 0)  \
+    X(8, 128, 128, 2, 2, 3, 0, 128, 0, 0)  \
+    X(9, 128, 128, 2, 2, 3, 1, 128, 1, 0)  \
+    X(10, 128, 256, 2, 4, 4, 1, 128, 1, 0) \
+    X(11, 256, 128, 4, 2, 4, 1, 128, 1, 0) \
+    X(12, 128, 256, 2, 4, 2, 1, 256, 1, 0) \
+    X(13, 256, 128, 4, 2, 2, 1, 256, 1, 0) \
+    X(14, 128, 256, 2, 4, 2, 1, 256, 1, 1) \
+    X(15, 128, 128, 2, 2, 3, 1, 128, 1, 1) \
+    X(16, 256, 128, 4, 2, 2, 1, 256, 1, 1) \
+    X(17, 128, 128, 2, 2, 3, 1, 256, 1, 0)
 
 template <int BM, int BN, int STAGES, int KB = TILE_BYTES>
 constexpr int smem_bytes() {
@@ -66,6 +74,20 @@ constexpr int smem_bytes() {
 // Byte offset of the 16-byte chunk `chunk` of row `row` in a tile with `row_bytes` bytes per row.
 __device__ __forceinline__ int swz(int row, int chunk, int row_bytes) {
     return row * row_bytes + ((chunk ^ (row & 7)) << 4);
+}
+
+// The origin in C of tile t of an m_tiles x n_tiles grid of BM x BN tiles, numbered in groups of GROUP_M
+// tile rows walked down M first (see the file comment).
+struct TileOrigin {
+    int m0, n0;
+};
+// (t is unsigned: unsigned division, the first version's code for blockIdx.x.)
+template <int BM, int BN>
+__device__ __forceinline__ TileOrigin tile_origin(unsigned t, int m_tiles, int n_tiles) {
+    const int per_group = GROUP_M * n_tiles, first_m = (int)(t / per_group) * GROUP_M;
+    const int group_rows = m_tiles - first_m < GROUP_M ? m_tiles - first_m : GROUP_M;
+    const int in_group = (int)(t % per_group);
+    return {(first_m + in_group % group_rows) * BM, (in_group / group_rows) * BN};
 }
 
 // Copies one K tile into a stage with cp.async. Each tile is ROWS x ROW_BYTES in chunks of 16 bytes, NT
@@ -103,7 +125,7 @@ __device__ __forceinline__ void load_tile(unsigned char* dst, const unsigned cha
 // torch._scaled_mm takes: its second operand column-major). A stage: BM x 128 and BN x 128 bytes. Both
 // operands are K-contiguous, so both come through plain ldmatrix (8-bit data has no .trans).
 template <bool FP8, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool PIPE, int KB = TILE_BYTES,
-          bool EPI = false>
+          bool EPI = false, bool PERSIST = false>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     gemm(int M, int N, int K, const unsigned char* __restrict__ A, const unsigned char* __restrict__ B,
          const float* __restrict__ scale_a, const float* __restrict__ scale_b, __nv_bfloat16* __restrict__ C) {
@@ -127,10 +149,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 
     // grouped block order (see the file comment)
     const int m_tiles = (M + BM - 1) / BM, n_tiles = (N + BN - 1) / BN;
-    const int per_group = GROUP_M * n_tiles, first_m = (int)(blockIdx.x / per_group) * GROUP_M;
-    const int group_rows = m_tiles - first_m < GROUP_M ? m_tiles - first_m : GROUP_M;
-    const int in_group = (int)(blockIdx.x % per_group);
-    const int m0 = (first_m + in_group % group_rows) * BM, n0 = (in_group / group_rows) * BN;
+    const TileOrigin origin = tile_origin<BM, BN>(blockIdx.x, m_tiles, n_tiles);
+    const int m0 = origin.m0, n0 = origin.n0;
 
     float acc[MI][NI][4] = {};  // [mi][ni][fragment]
     const int ktiles = (K + BK - 1) / BK;
@@ -192,118 +212,198 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
             }
     };
 
+    // Stores the block's C tile at (cm0, cn0); EPI: through shared memory at cs (the stages' memory).
+    auto store_c = [&](unsigned char* cs, int cm0, int cn0) {
+        const float scale = FP8 ? scale_a[0] * scale_b[0] : 1.f;
+        if constexpr (EPI) {
+            // C through shared memory: the warps write their fragments as bf16 pairs into a BM x BN tile (in
+            // the stages' memory, free once every warp is past its last ldmatrix: the barrier), then the
+            // block copies it out in 16-byte chunks, a warp's 32 chunks one or two whole rows of C: 128-byte
+            // coalesced stores, where the direct stores below write 4 bytes per lane over 8 rows (8 half-used
+            // 32-byte sectors per instruction). The tile's 16-byte chunks are XOR-swizzled by (row % 8) like
+            // the stages: a fragment store's 8 rows (lane >> 2) then hit 8 different 4-bank groups, where
+            // rows of BN * 2 = 0 (mod 128) bytes would put all 8 on the same 4 banks.
+            constexpr int C_ROW = BN * 2;  // bytes per row of the C tile
+            constexpr int CPR = BN / 8;    // 16-byte chunks per row
+            constexpr int RSTEP = NT / CPR;
+            static_assert(BM * C_ROW <= smem_bytes<BM, BN, STAGES, KB>(), "the C tile fits in the stages");
+            static_assert(CPR >= 8 && RSTEP * CPR == NT && BM % RSTEP == 0, "whole rows per pass");
+            __syncthreads();  // every warp's last ldmatrix is done: the stages may be overwritten
+            const int x = lane >> 2;  // (row % 8) of every row this lane writes: the tiles start at multiples of 8
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < ktiles) load_stage(s, s);
-        kiln_ptx::cp_async_commit();  // an empty group past the end keeps the group count uniform
-    }
-    if constexpr (!PIPE) {
-        for (int kt = 0; kt < ktiles; ++kt) {
-            kiln_ptx::cp_async_wait<STAGES - 2>();  // tile kt has landed (for this thread's copies)
-            __syncthreads();                        // ... for every thread's; and stage (kt-1) % STAGES is free
-            const int nk = kt + STAGES - 1;
-            if (nk < ktiles) load_stage(nk % STAGES, nk);
-            kiln_ptx::cp_async_commit();
-            const unsigned char* as = As + (kt % STAGES) * A_BYTES;
-            const unsigned char* bs = Bs + (kt % STAGES) * B_BYTES;
+            for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-            for (int ks = 0; ks < KS; ++ks) {
-                uint32_t af[MI][4], bfrag[NI][2];
-                load_frags(af, bfrag, as, bs, ks);
-                mmas(af, bfrag);
-            }
-        }
-    } else {
-        // Fragments double-buffered in registers (CUTLASS's warp-level pipeline): while the tensor cores
-        // run the MI x NI mma of step ks from buffer ks % 2, the ldmatrix of step ks + 1 fill the other
-        // buffer, so no mma waits on a shared-memory load. ldmatrix and mma are `asm volatile` and stay in
-        // program order, which is why the next step's loads are written before this step's mma. At the
-        // last step the next K tile is made visible first (cp.async wait + barrier) and its step 0 loaded.
-        // The stage the cp.async of step 0 overwrites, (kt - 1) % STAGES, was last read by the ldmatrix of
-        // tile kt - 1's last step, issued before the barrier of that tile's last step.
-        uint32_t af[2][MI][4], bfrag[2][NI][2];
-        kiln_ptx::cp_async_wait<STAGES - 2>();  // tile 0 has landed
-        __syncthreads();
-        load_frags(af[0], bfrag[0], As, Bs, 0);
-        for (int kt = 0; kt < ktiles; ++kt) {
-            const unsigned char* as = As + (kt % STAGES) * A_BYTES;
-            const unsigned char* bs = Bs + (kt % STAGES) * B_BYTES;
-#pragma unroll
-            for (int ks = 0; ks < KS; ++ks) {
-                if (ks == 0) {
-                    const int nk = kt + STAGES - 1;
-                    if (nk < ktiles) load_stage(nk % STAGES, nk);
-                    kiln_ptx::cp_async_commit();
+                for (int ni = 0; ni < NI; ++ni) {
+                    const int r = wm * WTM + mi * 16 + (lane >> 2), ch = (wn * WTN + ni * 8) / 8;
+                    unsigned char* p = cs + r * C_ROW + ((ch ^ x) << 4) + (lane & 3) * 4;
+                    *reinterpret_cast<__nv_bfloat162*>(p) =
+                        __floats2bfloat162_rn(acc[mi][ni][0] * scale, acc[mi][ni][1] * scale);
+                    *reinterpret_cast<__nv_bfloat162*>(p + 8 * C_ROW) =  // row r + 8: the same swizzle
+                        __floats2bfloat162_rn(acc[mi][ni][2] * scale, acc[mi][ni][3] * scale);
                 }
-                if (ks + 1 < KS) {
-                    load_frags(af[(ks + 1) % 2], bfrag[(ks + 1) % 2], as, bs, ks + 1);
-                } else if (kt + 1 < ktiles) {  // uniform across the block: the barrier is safe
-                    kiln_ptx::cp_async_wait<STAGES - 2>();  // tile kt + 1 has landed (this thread's copies)
-                    __syncthreads();                        // ... every thread's
-                    const int s1 = (kt + 1) % STAGES;
-                    load_frags(af[0], bfrag[0], As + s1 * A_BYTES, Bs + s1 * B_BYTES, 0);
+            __syncthreads();
+            const int c = tid % CPR, r0 = tid / CPR;
+            const int col = cn0 + c * 8;  // N % 8 == 0: a chunk is wholly inside C or wholly outside
+            if (col < N) {
+#pragma unroll
+                for (int i = 0; i < BM / RSTEP; ++i) {
+                    const int r = r0 + i * RSTEP;
+                    if (cm0 + r < M)
+                        *reinterpret_cast<uint4*>(C + (int64_t)(cm0 + r) * N + col) =
+                            *reinterpret_cast<const uint4*>(cs + r * C_ROW + ((c ^ (r & 7)) << 4));
                 }
-                mmas(af[ks % 2], bfrag[ks % 2]);
             }
+        } else {  // each lane stores its bf16 pairs straight from registers
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni) {
+                    const int col = cn0 + wn * WTN + ni * 8 + (lane & 3) * 2;  // even; N % 8 == 0 so col + 1 < N too
+                    const int row = cm0 + wm * WTM + mi * 16 + (lane >> 2);
+                    if (col < N) {
+                        if (row < M)
+                            *reinterpret_cast<__nv_bfloat162*>(C + (int64_t)row * N + col) =
+                                __floats2bfloat162_rn(acc[mi][ni][0] * scale, acc[mi][ni][1] * scale);
+                        if (row + 8 < M)
+                            *reinterpret_cast<__nv_bfloat162*>(C + (int64_t)(row + 8) * N + col) =
+                                __floats2bfloat162_rn(acc[mi][ni][2] * scale, acc[mi][ni][3] * scale);
+                    }
+                }
         }
-    }
-    kiln_ptx::cp_async_wait<0>();
+    };
 
-    const float scale = FP8 ? scale_a[0] * scale_b[0] : 1.f;
-    if constexpr (EPI) {
-        // C through shared memory: the warps write their fragments as bf16 pairs into a BM x BN tile (in
-        // the stages' memory, free once every warp is past its last ldmatrix: the barrier), then the
-        // block copies it out in 16-byte chunks, a warp's 32 chunks one or two whole rows of C: 128-byte
-        // coalesced stores, where the direct stores below write 4 bytes per lane over 8 rows (8 half-used
-        // 32-byte sectors per instruction). The tile's 16-byte chunks are XOR-swizzled by (row % 8) like
-        // the stages: a fragment store's 8 rows (lane >> 2) then hit 8 different 4-bank groups, where
-        // rows of BN * 2 = 0 (mod 128) bytes would put all 8 on the same 4 banks.
-        constexpr int C_ROW = BN * 2;  // bytes per row of the C tile
-        constexpr int CPR = BN / 8;    // 16-byte chunks per row
-        constexpr int RSTEP = NT / CPR;
-        static_assert(BM * C_ROW <= smem_bytes<BM, BN, STAGES, KB>(), "the C tile fits in the stages");
-        static_assert(CPR >= 8 && RSTEP * CPR == NT && BM % RSTEP == 0, "whole rows per pass");
-        __syncthreads();  // every warp's last ldmatrix is done: the stages may be overwritten
-        const int x = lane >> 2;  // (row % 8) of every row this lane writes: the tiles start at multiples of 8
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < NI; ++ni) {
-                const int r = wm * WTM + mi * 16 + (lane >> 2), ch = (wn * WTN + ni * 8) / 8;
-                unsigned char* p = smem + r * C_ROW + ((ch ^ x) << 4) + (lane & 3) * 4;
-                *reinterpret_cast<__nv_bfloat162*>(p) =
-                    __floats2bfloat162_rn(acc[mi][ni][0] * scale, acc[mi][ni][1] * scale);
-                *reinterpret_cast<__nv_bfloat162*>(p + 8 * C_ROW) =  // row r + 8: the same swizzle
-                    __floats2bfloat162_rn(acc[mi][ni][2] * scale, acc[mi][ni][3] * scale);
-            }
-        __syncthreads();
-        const int c = tid % CPR, r0 = tid / CPR;
-        const int col = n0 + c * 8;  // N % 8 == 0: a chunk is wholly inside C or wholly outside
-        if (col < N) {
-#pragma unroll
-            for (int i = 0; i < BM / RSTEP; ++i) {
-                const int r = r0 + i * RSTEP;
-                if (m0 + r < M)
-                    *reinterpret_cast<uint4*>(C + (int64_t)(m0 + r) * N + col) =
-                        *reinterpret_cast<const uint4*>(smem + r * C_ROW + ((c ^ (r & 7)) << 4));
-            }
-        }
-    } else {  // each lane stores its bf16 pairs straight from registers
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < NI; ++ni) {
-                const int col = n0 + wn * WTN + ni * 8 + (lane & 3) * 2;  // even; N % 8 == 0 so col + 1 < N too
-                const int row = m0 + wm * WTM + mi * 16 + (lane >> 2);
-                if (col < N) {
-                    if (row < M)
-                        *reinterpret_cast<__nv_bfloat162*>(C + (int64_t)row * N + col) =
-                            __floats2bfloat162_rn(acc[mi][ni][0] * scale, acc[mi][ni][1] * scale);
-                    if (row + 8 < M)
-                        *reinterpret_cast<__nv_bfloat162*>(C + (int64_t)(row + 8) * N + col) =
-                            __floats2bfloat162_rn(acc[mi][ni][2] * scale, acc[mi][ni][3] * scale);
+    if constexpr (PERSIST) {
+        // Persistent grid (configs 14-16): the launch has at most as many blocks as fit on the GPU at once,
+        // and block b computes tiles b, b + gridDim.x, ... in the grouped order above. The cp.async copies run
+        // one K-tile stream across tile boundaries: the copies of the next tile's first STAGES - 1 K tiles
+        // are issued during this tile's last K tiles, so they land while this tile's epilogue runs, where a
+        // fresh block would start them only after the previous block on its SM had stored C (one load
+        // latency, ~1-2 us, per tile with one block per SM). A stage is A and B of one K tile, contiguous
+        // (STAGE bytes), so the C tile of the epilogue fits in the one stage nothing is in flight to: the
+        // last K tile's, whose next copy is the next tile's K tile STAGES - 1, issued after the next tile's
+        // first barrier, i.e. after every thread has read C back out of it.
+        static_assert(!FP8 && PIPE && EPI, "persistent: the bf16 register-pipelined shared-memory-epilogue kernel");
+        constexpr int STAGE = A_BYTES + B_BYTES;
+        static_assert(BM * BN * 2 <= STAGE, "the C tile fits in one stage");
+        const int tiles = m_tiles * n_tiles;
+        // the copier's position: K tile ld_kt of tile ld_tile (origin ld_m0, ld_n0), into stage ld_stage
+        int ld_tile = blockIdx.x, ld_kt = 0, ld_stage = 0, ld_m0 = m0, ld_n0 = n0;
+        auto load_next = [&]() {
+            if (ld_tile < tiles) {
+                unsigned char* st = smem + ld_stage * STAGE;
+                load_tile<BM, KB, 2, NT>(st, A, ld_m0, ld_kt * BK, M, K, K, tid);
+                load_tile<BK, BN * 2, 2, NT>(st + A_BYTES, B, ld_kt * BK, ld_n0, K, N, N, tid);
+                ld_stage = ld_stage + 1 == STAGES ? 0 : ld_stage + 1;
+                if (++ld_kt == ktiles) {
+                    ld_kt = 0;
+                    ld_tile += gridDim.x;
+                    if (ld_tile < tiles) {
+                        const TileOrigin o = tile_origin<BM, BN>((unsigned)ld_tile, m_tiles, n_tiles);
+                        ld_m0 = o.m0;
+                        ld_n0 = o.n0;
+                    }
                 }
             }
+            kiln_ptx::cp_async_commit();  // one group per K tile consumed, empty past the last tile
+        };
+        for (int s = 0; s < STAGES - 1; ++s) load_next();
+        uint32_t af[2][MI][4], bfrag[2][NI][2];
+        int stage = 0;  // the stage of the K tile being read
+        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+            const TileOrigin o = tile_origin<BM, BN>((unsigned)tile, m_tiles, n_tiles);
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) acc[mi][ni][j] = 0.f;
+            // the tile's first K tile has landed (every thread's copies); every thread has read the previous
+            // tile's C out of the stage the first copy below overwrites
+            kiln_ptx::cp_async_wait<STAGES - 2>();
+            __syncthreads();
+            load_frags(af[0], bfrag[0], smem + stage * STAGE, smem + stage * STAGE + A_BYTES, 0);
+            int last = stage;
+            for (int kt = 0; kt < ktiles; ++kt) {  // the register pipeline of the PIPE loop below
+                const unsigned char* as = smem + stage * STAGE;
+                const unsigned char* bs = as + A_BYTES;
+                const int next = stage + 1 == STAGES ? 0 : stage + 1;
+#pragma unroll
+                for (int ks = 0; ks < KS; ++ks) {
+                    if (ks == 0) load_next();  // into the stage read by the previous K tile
+                    if (ks + 1 < KS) {
+                        load_frags(af[(ks + 1) % 2], bfrag[(ks + 1) % 2], as, bs, ks + 1);
+                    } else if (kt + 1 < ktiles) {
+                        kiln_ptx::cp_async_wait<STAGES - 2>();
+                        __syncthreads();
+                        load_frags(af[0], bfrag[0], smem + next * STAGE, smem + next * STAGE + A_BYTES, 0);
+                    }
+                    mmas(af[ks % 2], bfrag[ks % 2]);
+                }
+                last = stage;
+                stage = next;
+            }
+            store_c(smem + last * STAGE, o.m0, o.n0);  // its first barrier: every warp's last ldmatrix is done
+        }
+        kiln_ptx::cp_async_wait<0>();
+    } else {
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < ktiles) load_stage(s, s);
+            kiln_ptx::cp_async_commit();  // an empty group past the end keeps the group count uniform
+        }
+        if constexpr (!PIPE) {
+            for (int kt = 0; kt < ktiles; ++kt) {
+                kiln_ptx::cp_async_wait<STAGES - 2>();  // tile kt has landed (for this thread's copies)
+                __syncthreads();                        // ... for every thread's; and stage (kt-1) % STAGES is free
+                const int nk = kt + STAGES - 1;
+                if (nk < ktiles) load_stage(nk % STAGES, nk);
+                kiln_ptx::cp_async_commit();
+                const unsigned char* as = As + (kt % STAGES) * A_BYTES;
+                const unsigned char* bs = Bs + (kt % STAGES) * B_BYTES;
+#pragma unroll
+                for (int ks = 0; ks < KS; ++ks) {
+                    uint32_t af[MI][4], bfrag[NI][2];
+                    load_frags(af, bfrag, as, bs, ks);
+                    mmas(af, bfrag);
+                }
+            }
+        } else {
+            // Fragments double-buffered in registers (CUTLASS's warp-level pipeline): while the tensor cores
+            // run the MI x NI mma of step ks from buffer ks % 2, the ldmatrix of step ks + 1 fill the other
+            // buffer, so no mma waits on a shared-memory load. ldmatrix and mma are `asm volatile` and stay in
+            // program order, which is why the next step's loads are written before this step's mma. At the
+            // last step the next K tile is made visible first (cp.async wait + barrier) and its step 0 loaded.
+            // The stage the cp.async of step 0 overwrites, (kt - 1) % STAGES, was last read by the ldmatrix of
+            // tile kt - 1's last step, issued before the barrier of that tile's last step.
+            uint32_t af[2][MI][4], bfrag[2][NI][2];
+            kiln_ptx::cp_async_wait<STAGES - 2>();  // tile 0 has landed
+            __syncthreads();
+            load_frags(af[0], bfrag[0], As, Bs, 0);
+            for (int kt = 0; kt < ktiles; ++kt) {
+                const unsigned char* as = As + (kt % STAGES) * A_BYTES;
+                const unsigned char* bs = Bs + (kt % STAGES) * B_BYTES;
+#pragma unroll
+                for (int ks = 0; ks < KS; ++ks) {
+                    if (ks == 0) {
+                        const int nk = kt + STAGES - 1;
+                        if (nk < ktiles) load_stage(nk % STAGES, nk);
+                        kiln_ptx::cp_async_commit();
+                    }
+                    if (ks + 1 < KS) {
+                        load_frags(af[(ks + 1) % 2], bfrag[(ks + 1) % 2], as, bs, ks + 1);
+                    } else if (kt + 1 < ktiles) {  // uniform across the block: the barrier is safe
+                        kiln_ptx::cp_async_wait<STAGES - 2>();  // tile kt + 1 has landed (this thread's copies)
+                        __syncthreads();                        // ... every thread's
+                        const int s1 = (kt + 1) % STAGES;
+                        load_frags(af[0], bfrag[0], As + s1 * A_BYTES, Bs + s1 * B_BYTES, 0);
+                    }
+                    mmas(af[ks % 2], bfrag[ks % 2]);
+                }
+            }
+        }
+        kiln_ptx::cp_async_wait<0>();
+
+        store_c(smem, m0, n0);
     }
 }
 
