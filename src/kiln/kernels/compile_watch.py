@@ -54,8 +54,8 @@ class CompileWatch:
         return self.count
 
     def since(self, mark: int) -> list[tuple[str, float]]:
-        n = self.count - mark
-        return self.compiles[len(self.compiles) - min(n, len(self.compiles)) :] if n > 0 else []
+        n = self.count - mark  # of which the list still holds the last `keep`
+        return self.compiles[-n:] if n > 0 else []
 
     @staticmethod
     def describe(compiles: list[tuple[str, float]]) -> str:
