@@ -15,7 +15,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -74,35 +74,6 @@ def decode_norm() -> str:
             "kiln's add + RMSNorm kernel, 'split' to fold it into the decode matmuls"
         )
     return form
-
-
-class DecodePrefetch(NamedTuple):
-    """What a decode-sized step prefetches into L2 (kiln.kernels.l2_prefetch), per dense SwiGLU block:
-    after the qkv projection, o_proj's weight and the first `mlp_mb` MB of gate_up's (read after the
-    attention, which reads almost nothing from HBM); with `next_qkv`, after gate_up the next block's qkv
-    weight. mlp_mb 0 and next_qkv False: nothing."""
-
-    mlp_mb: int = 0
-    next_qkv: bool = False
-
-    @property
-    def on(self) -> bool:
-        return self.mlp_mb > 0 or self.next_qkv
-
-
-@functools.cache
-def decode_prefetch() -> DecodePrefetch:
-    """The decode step's L2 prefetch, from KILN_DECODE_PREFETCH (read once, as KILN_DECODE_NORM is):
-    "off" / "0", or "MB" (o_proj and MB of gate_up after qkv), optionally followed by ",next" (the next
-    block's qkv after gate_up), e.g. "24,next"."""
-    raw = os.environ.get("KILN_DECODE_PREFETCH", "").strip() or "off"
-    head, _, tail = raw.partition(",")
-    if raw == "off" or (head.isdigit() and tail in ("", "next")):
-        return DecodePrefetch(0 if raw == "off" else int(head), tail == "next")
-    raise KilnError(
-        f"KILN_DECODE_PREFETCH={raw!r} is not 'off' or MB[,next]: e.g. '24' prefetches o_proj and 24 MB of "
-        "gate_up after each qkv projection, '24,next' also the next block's qkv after gate_up"
-    )
 
 
 @dataclass

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from kiln.kernels.attention import attention, tuning_lengths
 from kiln.kernels.decode_attention import MAX_SPLITS, decode_attention
-from kiln.kernels.l2_prefetch import l2_prefetch
 from kiln.kernels.layernorm import layernorm
 from kiln.kernels.paged_kv import paged_kv_write
 from kiln.kernels.rmsnorm import rmsnorm
@@ -106,7 +105,6 @@ class Attention(nn.Module):
         *,
         prenorm: tuple[Norm, torch.Tensor] | None = None,
         stream: torch.Tensor | None = None,
-        prefetch: list[tuple[torch.Tensor, int]] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (N, d) -> (N, d). rope = (cos, sin, index) for the N query positions, or None (learned
         positions); kv_cache = this layer's paged (k_cache, v_cache) (num_blocks, block_size, Hk, D);
@@ -115,17 +113,13 @@ class Attention(nn.Module):
         The split add + RMSNorm (decode-sized steps where Linear.decode_fusable holds; Block.forward_split):
         prenorm = (norm, sumsq): x is the residual stream itself and the qkv projection applies `norm` in
         its prologue, its rstd from sumsq (N, n), the partials of the matmul that produced x. stream (N, d):
-        o_proj adds its output to it in its epilogue, and the call returns (new stream, its partials).
-        prefetch: (tensor, bytes) regions to start bringing into L2 once qkv is issued (kiln.kernels.l2_prefetch;
-        Decoder.prefetch_plan chose them), so that HBM works while the attention waits on latency."""
+        o_proj adds its output to it in its epilogue, and the call returns (new stream, its partials)."""
         N = x.shape[0]
         if prenorm is None:
             qkv = self.qkv_proj(x)
         else:
             norm, sumsq = prenorm
             qkv = self.qkv_proj.normed_from_stream(x, sumsq, norm.weight, norm.eps)
-        if prefetch:
-            l2_prefetch(prefetch)
         q, k, v = self.qkv_proj.split(qkv)
         q = q.view(N, self.n_heads, self.head_dim)
         k = k.view(N, self.n_kv_heads, self.head_dim)
@@ -253,19 +247,15 @@ class GatedMLP(nn.Module):
         *,
         prenorm: tuple[Norm, torch.Tensor] | None = None,
         stream: torch.Tensor | None = None,
-        prefetch: list[tuple[torch.Tensor, int]] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (N, d) -> (N, d). The split add + RMSNorm (as Attention.forward's): prenorm = (norm, sumsq):
         x is the stream and gate_up applies `norm` in its prologue; stream: down_proj adds its output to it
-        and the call returns (new stream, its (N, n) partial sums of squares). prefetch: L2 prefetch regions
-        issued after gate_up (as Attention.forward's)."""
+        and the call returns (new stream, its (N, n) partial sums of squares)."""
         if prenorm is None:
             h = self.gate_up_proj(x)  # (N, 2F): [gate | up] in one tensor
         else:
             norm, sumsq = prenorm
             h = self.gate_up_proj.normed_from_stream(x, sumsq, norm.weight, norm.eps)
-        if prefetch:
-            l2_prefetch(prefetch)
         # Not kiln.kernels.swiglu.swiglu_linear (the SwiGLU in the down projection's decode prologue): on
         # the H200 at one row (Qwen2.5-1.5B shape, CUDA graphs) it took 415 us a step for the 28 layers
         # against 287 us for the SwiGLU kernel + the decode matmul, since every column block recomputes

@@ -24,11 +24,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kiln.kernels.l2_prefetch import can_prefetch
 from kiln.kernels.linear_cross_entropy import linear_cross_entropy
 from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.cache import KVCache
-from kiln.model.config import KernelConfig, ModelConfig, decode_norm, decode_prefetch
+from kiln.model.config import KernelConfig, ModelConfig, decode_norm
 from kiln.model.layers import Attention, GatedMLP, GeluMLP, Norm
 from kiln.model.linear import Linear, decode_step_fusable
 from kiln.model.moe import SparseMoE
@@ -51,29 +50,16 @@ class Block(nn.Module):
         else:
             self.mlp = GatedMLP(cfg.d_model, cfg.ffn_hidden, kernels)
 
-    def forward(self, h, residual, rope, meta, kv_cache=None, key_rope=None, prefetch=None):
+    def forward(self, h, residual, rope, meta, kv_cache=None, key_rope=None):
         """h: the previous sublayer's output (N, d); residual: the stream it adds to (None before the
-        first block). Returns (this block's MLP output, the stream before it, the MoE aux loss or None).
-        prefetch: None, or the L2 prefetch regions issued after qkv and after gate_up (Decoder.prefetch_plan)."""
-        after_qkv, after_gate_up = prefetch or (None, None)
+        first block). Returns (this block's MLP output, the stream before it, the MoE aux loss or None)."""
         x, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(x, rope, meta, kv_cache, key_rope, prefetch=after_qkv)
+        h = self.self_attn(x, rope, meta, kv_cache, key_rope)
         x, residual = self.post_attention_layernorm(h, residual)
         if isinstance(self.mlp, SparseMoE):
             h, aux = self.mlp(x)
             return h, residual, aux
-        if after_gate_up:
-            return self.mlp(x, prefetch=after_gate_up), residual, None
         return self.mlp(x), residual, None
-
-    def prefetch_regions(self, x: torch.Tensor, mlp_bytes: int) -> list[tuple[torch.Tensor, int]] | None:
-        """The L2 prefetch issued after this block's qkv projection at a decode step whose stream is x:
-        o_proj's weight and the first mlp_bytes of gate_up's, where both run kiln's decode matmul (a
-        dense SwiGLU block of plain linears); None elsewhere."""
-        attn, mlp = self.self_attn, self.mlp
-        if not (isinstance(mlp, GatedMLP) and _plain(attn.o_proj, x) and _plain(mlp.gate_up_proj, x)):
-            return None
-        return [(attn.o_proj.weight, attn.o_proj.weight.nbytes), (mlp.gate_up_proj.weight, mlp_bytes)]
 
     def splittable(self, x: torch.Tensor) -> tuple[bool, bool, bool]:
         """Which of this block's matmuls can take the split add + RMSNorm at a step whose stream is x (N, d)
@@ -92,9 +78,7 @@ class Block(nn.Module):
         )
         return qkv, post, fusable(mlp.down_proj)
 
-    def forward_split(
-        self, h, residual, sumsq, rope, meta, kv_cache, key_rope, post: bool, out: bool, prefetch=None
-    ):
+    def forward_split(self, h, residual, sumsq, rope, meta, kv_cache, key_rope, post: bool, out: bool):
         """The block on a decode-sized step with some of its norms split across the decode matmuls
         (Decoder.norm_split chose which; nothing else changes).
 
@@ -103,8 +87,7 @@ class Block(nn.Module):
         stream (h unused) and sumsq its partial sums of squares; the qkv projection normalizes it in its
         prologue. post: o_proj adds to the stream and gate_up normalizes it (post_attention_layernorm).
         out: down_proj adds to the stream and the block returns (None, stream, its partials) for the next
-        block's qkv; else (MLP output, stream before it, None) as forward returns. prefetch: as forward's."""
-        after_qkv, after_gate_up = prefetch or (None, None)
+        block's qkv; else (MLP output, stream before it, None) as forward returns."""
         if sumsq is None:
             x, residual = self.input_layernorm(h, residual)
             prenorm = None
@@ -112,17 +95,17 @@ class Block(nn.Module):
             x, prenorm = residual, (self.input_layernorm, sumsq)
         if post:
             residual, sumsq = self.self_attn(
-                x, rope, meta, kv_cache, key_rope, prenorm=prenorm, stream=residual, prefetch=after_qkv
+                x, rope, meta, kv_cache, key_rope, prenorm=prenorm, stream=residual
             )
             x, prenorm = residual, (self.post_attention_layernorm, sumsq)
         else:
-            h = self.self_attn(x, rope, meta, kv_cache, key_rope, prenorm=prenorm, prefetch=after_qkv)
+            h = self.self_attn(x, rope, meta, kv_cache, key_rope, prenorm=prenorm)
             x, residual = self.post_attention_layernorm(h, residual)
             prenorm = None
         if out:
-            residual, sumsq = self.mlp(x, prenorm=prenorm, stream=residual, prefetch=after_gate_up)
+            residual, sumsq = self.mlp(x, prenorm=prenorm, stream=residual)
             return None, residual, sumsq
-        return self.mlp(x, prenorm=prenorm, prefetch=after_gate_up), residual, None
+        return self.mlp(x, prenorm=prenorm), residual, None
 
 
 class Decoder(nn.Module):
@@ -170,16 +153,14 @@ class Decoder(nn.Module):
             h = h + self.embed_positions(positions.reshape(-1))
         residual, sumsq, auxes = None, None, []
         split = self.norm_split(h)
-        prefetch = self.prefetch_plan(h)
         for i, layer in enumerate(self.layers):
             kv = kv_caches[i] if kv_caches is not None else None
-            pf = prefetch[i] if prefetch is not None else None
             if split is not None and any(split[i]):
                 h, residual, sumsq = layer.forward_split(
-                    h, residual, sumsq, rope, meta, kv, key_rope, *split[i][1:], prefetch=pf
+                    h, residual, sumsq, rope, meta, kv, key_rope, *split[i][1:]
                 )
                 continue
-            h, residual, aux = layer(h, residual, rope, meta, kv, key_rope, prefetch=pf)
+            h, residual, aux = layer(h, residual, rope, meta, kv, key_rope)
             if aux is not None:
                 auxes.append(aux)
         h, _ = self.norm(h, residual)
@@ -202,35 +183,6 @@ class Decoder(nn.Module):
         inp = [i > 0 and ready[i - 1][2] and ready[i][0] for i in range(len(ready))]
         plan = [(inp[i], ready[i][1], i + 1 < len(inp) and inp[i + 1]) for i in range(len(ready))]
         return plan if any(any(p) for p in plan) else None
-
-    def prefetch_plan(self, h: torch.Tensor) -> list[tuple[list | None, list | None]] | None:
-        """Per block, the L2 prefetch regions issued after its qkv projection and after its gate_up
-        (KILN_DECODE_PREFETCH, kiln.model.config.decode_prefetch) at a step whose embedded tokens are h
-        (N, d); None when the switch is off, the step is not decode-sized, or the GPU cannot prefetch.
-        Shapes and module types only: fixed for a captured CUDA graph."""
-        setting = decode_prefetch()
-        if not setting.on or not decode_step_fusable(h) or not can_prefetch(h):
-            return None
-        mlp_bytes = setting.mlp_mb * 1_000_000
-        blocks = [b if isinstance(b, Block) else None for b in self.layers]
-        after_qkv = [
-            b.prefetch_regions(h, mlp_bytes) if b is not None and mlp_bytes else None for b in blocks
-        ]
-        after_gate_up: list = [None] * len(blocks)
-        if setting.next_qkv:
-            for i in range(len(blocks) - 1):
-                b, nxt = blocks[i], blocks[i + 1]
-                if (b is not None and nxt is not None and isinstance(b.mlp, GatedMLP)
-                        and _plain(b.mlp.gate_up_proj, h) and _plain(nxt.self_attn.qkv_proj, h)):  # fmt: skip
-                    w = nxt.self_attn.qkv_proj.weight
-                    after_gate_up[i] = [(w, w.nbytes)]
-        return list(zip(after_qkv, after_gate_up))
-
-
-def _plain(lin: nn.Module, x: torch.Tensor) -> bool:
-    """Whether lin runs kiln's decode matmul over one plain contiguous weight at a step whose stream is x
-    (Linear.decode_fusable: no quantized, tensor-parallel or hooked linears), so its bytes can be prefetched."""
-    return isinstance(lin, Linear) and lin.decode_fusable(x) and lin.weight.is_contiguous()
 
 
 class Transformer(nn.Module):
