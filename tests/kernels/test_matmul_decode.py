@@ -82,7 +82,7 @@ def test_decode_gemv_bfloat16_and_out(device):
     [
         (DecodeConfig("gemv", 8, 32, pre_k=64), 100),  # the first 64 of 100 columns preloaded, then 2 steps
         (DecodeConfig("gemv", 8, 32, pre_k=128), 100),  # the preload covers K (masked), the loop runs none
-        (DecodeConfig("gemv", 8, 32, split_k=2, stages=2, pre_k=32), 150),  # each slice preloads its start
+        (DecodeConfig("gemv", 8, 32, split_k=2, stages=2, pre_k=32), 150),  # each slice preloads its own start
         (DecodeConfig("gemv", 8, 32, split_k=3, pre_k=128), 150),  # the preload covers each 64-wide slice
     ],
     ids=str,

@@ -213,7 +213,7 @@ def _gemv_kernel(
         # for its predecessor: their HBM latency passes under the predecessor's tail instead of after it.
         offs_pre = k_lo + tl.arange(0, PRE_K)
         pre_ok = (offs_pre < k_hi)[None, :]
-        w_pre = tl.load(w_rows + offs_pre[None, :] * stride_wk, mask=n_ok & pre_ok, other=0.0)  # (BN, PRE_K)
+        w_pre = tl.load(w_rows + offs_pre[None, :] * stride_wk, mask=n_ok & pre_ok, other=0.0)  # (BLOCK_N, PRE_K)
     if PDL:
         gdc_wait()  # everything the previous kernel wrote (x, the residual stream) is visible after this
     if GRIDDEP:
