@@ -75,12 +75,10 @@ class DecodeConfig(NamedTuple):
     warps: int = 4
     stages: int = 1
     pdl: bool = False
-    pre_k: int = 0  # gemv at one row: W's first pre_k columns (a power of two) loaded before the PDL wait
 
     def __str__(self) -> str:
         pdl = " pdl" if self.pdl else ""
-        pre = f" pre={self.pre_k}" if self.pre_k else ""
-        return f"{self.kernel} BN={self.block_n} BK={self.block_k} SK={self.split_k} w={self.warps} s={self.stages}{pdl}{pre}"
+        return f"{self.kernel} BN={self.block_n} BK={self.block_k} SK={self.split_k} w={self.warps} s={self.stages}{pdl}"
 
 
 @functools.lru_cache(maxsize=256)
@@ -194,10 +192,13 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     STAGES: tl.constexpr,  # > 1: the K loop's loads go through shared memory STAGES - 1 steps ahead (cp.async)
-    PRE_K: tl.constexpr,  # > 0 (one row): W's first PRE_K columns of the K range are loaded before the wait
     PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel here
     GRIDDEP: tl.constexpr,  # sm_90+: let the next kernel (the split-K sum) launch while this one runs
 ):
+    if PDL:
+        gdc_wait()  # everything the previous kernel wrote (x, even W) is visible after this
+    if GRIDDEP:
+        gdc_launch_dependents()  # a dependent waits for this grid's completion itself (gdc_wait)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -207,17 +208,6 @@ def _gemv_kernel(
     n_ok = (offs_n < N)[:, None]
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
-    if PRE_K > 0:
-        # The weight does not depend on the previous kernel (the launcher's contract: decode_matmul's doc),
-        # so its first PRE_K columns are requested now, while a programmatic dependent launch still waits
-        # for its predecessor: their HBM latency passes under the predecessor's tail instead of after it.
-        offs_pre = k_lo + tl.arange(0, PRE_K)
-        pre_ok = (offs_pre < k_hi)[None, :]
-        w_pre = tl.load(w_rows + offs_pre[None, :] * stride_wk, mask=n_ok & pre_ok, other=0.0)  # (BLOCK_N, PRE_K)
-    if PDL:
-        gdc_wait()  # everything the previous kernel wrote (x, the residual stream) is visible after this
-    if GRIDDEP:
-        gdc_launch_dependents()  # a dependent waits for this grid's completion itself (gdc_wait)
     if RMSNORM:  # the row's whole norm statistic, before the K loop: a few KB of partials from L2
         rstd = _row_rstd(SS_ptr, offs_m, M, n_ss, K, eps, BLOCK_M, SS_BLOCK)  # (BLOCK_M,)
     else:
@@ -230,21 +220,14 @@ def _gemv_kernel(
     # elementwise across the loop and are summed over K once at the end: the loop is loads and FMAs.
     if BLOCK_M == 1:  # one row: 2-D tiles in the layout W is loaded in (no shuffle through shared memory)
         r1 = tl.sum(rstd, axis=0)  # the one row's rstd as a scalar
-        k_start = k_lo
-        y_pre = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        if PRE_K > 0:  # the preloaded columns first; the loop takes the rest (none where PRE_K covers K)
-            x_pre = _load_x(X_ptr + offs_pre * stride_xk, offs_pre < k_hi, K * stride_xk, SWIGLU, RMSNORM,
-                            G_ptr + offs_pre, offs_pre < k_hi, r1, norm_offset)  # fmt: skip
-            y_pre = tl.sum(w_pre.to(tl.float32) * x_pre.to(tl.float32)[None, :], axis=1)
-            k_start = k_lo + PRE_K
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok & (offs_k < K)[None, :], other=0.0)
             x = _load_x(X_ptr + offs_k * stride_xk, offs_k < K, K * stride_xk, SWIGLU, RMSNORM, G_ptr + offs_k,
                         offs_k < K, r1, norm_offset)  # fmt: skip
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        y = (tl.sum(acc, axis=1) + y_pre)[None, :]  # (1, BLOCK_N)
+        y = tl.sum(acc, axis=1)[None, :]  # (1, BLOCK_N)
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
@@ -510,12 +493,6 @@ def decode_matmul(
     _check_residual_args(a, N, has_residual, residual, out)
     if config is None:
         config = decode_config(M, N, K, sm_count(a.device), b.stride(0) == 1)
-    if config.pre_k and (config.kernel != "gemv" or M != 1 or config.pre_k % config.block_k
-                         or config.pre_k & (config.pre_k - 1)):  # fmt: skip
-        raise ValueError(
-            f"decode_matmul: pre_k={config.pre_k} needs the gemv kernel at one row and a power of two that is "
-            f"a multiple of block_k={config.block_k} (the K loop resumes at a whole step), got {config} at M={M}"
-        )
     c = torch.empty((M, N), device=a.device, dtype=a.dtype) if out is None else out
     split, k_split, dst = 1, K, c
     if config.split_k > 1:
@@ -543,8 +520,7 @@ def decode_matmul(
     if config.kernel == "gemv":
         _gemv_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, **fused, BLOCK_M=pow2(M),
                            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, STAGES=config.stages,
-                           PRE_K=config.pre_k, PDL=pdl, GRIDDEP=can_signal, num_warps=config.warps,
-                           launch_pdl=pdl)  # fmt: skip
+                           PDL=pdl, GRIDDEP=can_signal, num_warps=config.warps, launch_pdl=pdl)  # fmt: skip
     elif config.kernel == "dot":
         precision = "tf32" if a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
         _dot_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, **fused, PRECISION=precision, BLOCK_M=16,
