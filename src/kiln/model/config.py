@@ -76,6 +76,27 @@ def decode_norm() -> str:
     return form
 
 
+# How a one-token decode step runs its q/k/v projection (decode_qkv): "separate" (the decode matmul, then
+# kiln.kernels.rope.rope_kv_write) or "fused" (kiln.kernels.qkv_rope: RoPE and the K/V write in the
+# projection's epilogue)
+DECODE_QKV = ("separate", "fused")
+
+
+@functools.cache
+def decode_qkv() -> str:
+    """The one-token decode step's q/k/v projection form: "separate" (the default) unless KILN_DECODE_QKV
+    says "fused" (read once, as KILN_DECODE_NORM is), for A/B timing of whole steps. Where the fused form
+    does not apply (q/k norms, more than one token, prefill, the shapes kiln.kernels.qkv_rope does not
+    take), a step runs as with "separate" (kiln.model.layers.Attention)."""
+    form = os.environ.get("KILN_DECODE_QKV", "") or "separate"
+    if form not in DECODE_QKV:
+        raise KilnError(
+            f"KILN_DECODE_QKV={form!r} is not one of {', '.join(DECODE_QKV)}: unset it (or 'separate') for the "
+            "projection then kiln's RoPE + K/V write kernel, 'fused' for the two in one kernel"
+        )
+    return form
+
+
 @dataclass
 class KernelConfig:
     """Which kernel runs each op of the model; it does not change the model (not saved with weights).

@@ -16,12 +16,13 @@ from kiln.kernels.attention import attention, tuning_lengths
 from kiln.kernels.decode_attention import MAX_SPLITS, decode_attention
 from kiln.kernels.layernorm import layernorm
 from kiln.kernels.paged_kv import paged_kv_write
+from kiln.kernels.qkv_rope import qkv_rope, qkv_rope_supported
 from kiln.kernels.rmsnorm import rmsnorm
 from kiln.kernels.rope import apply_rope, rope_kv_write
 from kiln.kernels.swiglu import swiglu
 from kiln.model.attn_metadata import AttnMetadata
-from kiln.model.config import KernelConfig, ModelConfig
-from kiln.model.linear import Linear, MergedLinear
+from kiln.model.config import KernelConfig, ModelConfig, decode_qkv
+from kiln.model.linear import Linear, MergedLinear, decode_step_fusable
 
 
 class Norm(nn.Module):
@@ -115,6 +116,16 @@ class Attention(nn.Module):
         its prologue, its rstd from sumsq (N, n), the partials of the matmul that produced x. stream (N, d):
         o_proj adds its output to it in its epilogue, and the call returns (new stream, its partials)."""
         N = x.shape[0]
+        if prenorm is None and self._fused_qkv(x, rope, meta, kv_cache):
+            # one token: the projection rotates q and k and writes k and v into the cache itself
+            k_cache, v_cache = kv_cache
+            q = qkv_rope(x, self.qkv_proj.weight, self.qkv_proj.bias, rope[0], rope[1], rope[2].reshape(-1),
+                         k_cache, v_cache, meta.slot_mapping, self.n_heads, interleaved=self.rope_interleaved)  # fmt: skip
+            y = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, window=self.window,
+                                 sinks=self.sinks)  # fmt: skip
+            if stream is not None:
+                return self.o_proj.add_to_stream(y.reshape(N, -1), stream)
+            return self.o_proj(y.reshape(N, -1))
         if prenorm is None:
             qkv = self.qkv_proj(x)
         else:
@@ -133,6 +144,23 @@ class Attention(nn.Module):
         if stream is not None:
             return self.o_proj.add_to_stream(y.reshape(N, -1), stream)
         return self.o_proj(y.reshape(N, -1))
+
+    def _fused_qkv(self, x: torch.Tensor, rope, meta: AttnMetadata, kv_cache) -> bool:
+        """Whether this step's q/k/v projection, RoPE and K/V write run as one kernel (kiln.kernels.qkv_rope):
+        KILN_DECODE_QKV=fused, a one-token paged decode step with RoPE and no q/k norm, the projection on
+        kiln's decode matmul (a plain weight, no hooks) at shapes the kernel takes."""
+        return (
+            x.shape[0] == 1
+            and kv_cache is not None
+            and rope is not None
+            and meta.decode
+            and meta.batch_shape is None
+            and self.q_norm is None
+            and decode_qkv() == "fused"
+            and decode_step_fusable(x)
+            and self.qkv_proj.decode_fusable(x)
+            and qkv_rope_supported(x, self.qkv_proj.weight, kv_cache[0], self.n_heads)
+        )
 
     @torch.inference_mode()
     def warm_up_packed(self, max_len: int, device: torch.device, dtype: torch.dtype) -> None:

@@ -1,0 +1,130 @@
+"""The one-token q/k/v projection with RoPE and the paged K/V write in its epilogue (kiln.kernels.qkv_rope):
+against float64 (the projection, then rope_kv_write's reference), both pair layouts, with and without bias,
+a K longer than one step and ragged against it, odd head counts; bit-equal to the two kernels it replaces
+(the one-row decode gemv at the same tiles, then rope_kv_write); a padding slot writes nothing; the shapes
+it does not take are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.kernels.dispatch import use_backend
+from kiln.kernels.matmul_decode import DecodeConfig, decode_matmul
+from kiln.kernels.qkv_rope import BLOCK_K, PAIRS, STAGES, WARPS, qkv_rope, qkv_rope_ref, qkv_rope_supported
+from kiln.kernels.rope import rope_kv_write
+
+from ._tolerance import assert_close
+
+
+def _inputs(K, Hq, Hk, D, page, dtype, device, seed, bias=True, slot=5):
+    g = torch.Generator().manual_seed(seed)
+    N = (Hq + 2 * Hk) * D
+    x = torch.randn(1, K, generator=g).to(device, dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(device, dtype)
+    b = torch.randn(N, generator=g).to(device, dtype) if bias else None
+    ang = torch.rand(7, D // 2, generator=g, dtype=torch.float64) * 6.3
+    cos, sin = ang.cos().float().to(device), ang.sin().float().to(device)
+    rows = torch.tensor([4], device=device)
+    k_cache = torch.randn(3, page, Hk, D, generator=g).to(device, dtype)
+    v_cache = torch.randn(3, page, Hk, D, generator=g).to(device, dtype)
+    slots = torch.tensor([slot], device=device)
+    return x, w, b, cos, sin, rows, k_cache, v_cache, slots
+
+
+CASES = [  # K, Hq, Hk, D, page
+    (300, 3, 1, 8, 4),  # K: one whole 256-wide step and a ragged one
+    (64, 6, 2, 16, 8),
+    (520, 2, 2, 32, 16),
+]
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("K,Hq,Hk,D,page", CASES)
+def test_matches_float64(K, Hq, Hk, D, page, bias, interleaved, device):
+    x, w, b, cos, sin, rows, kc, vc, slots = _inputs(K, Hq, Hk, D, page, torch.float32, device, K + D, bias)
+    want_kc, want_vc = kc.cpu().double(), vc.cpu().double()
+    want_q = qkv_rope_ref(x.cpu().double(), w.cpu().double(), None if b is None else b.cpu().double(),
+                          cos.cpu().double(), sin.cpu().double(), rows.cpu(), want_kc, want_vc, slots.cpu(), Hq,
+                          Hk, interleaved)  # fmt: skip
+    before_kc = kc.clone()
+    with use_backend("triton"):
+        q = qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, Hq, interleaved=interleaved)
+    assert q.shape == (1, Hq, D) and q.dtype == x.dtype
+    assert_close(q, want_q, name="q")
+    assert_close(kc, want_kc, name="k cache")
+    assert_close(vc, want_vc, name="v cache")
+    others = torch.ones(kc.shape[0] * kc.shape[1], dtype=torch.bool)
+    others[slots.cpu()] = False
+    assert torch.equal(kc.view(-1, Hk, D).cpu()[others], before_kc.view(-1, Hk, D).cpu()[others])
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_bit_equal_to_the_two_kernels(dtype, interleaved, device):
+    """The same bits as the decode gemv at the tiles this kernel reproduces, then rope_kv_write (the FMA
+    gemv has no tl.dot, so bf16 runs in the interpreter too)."""
+    K, Hq, Hk, D, page = 300, 6, 2, 16, 4
+    x, w, b, cos, sin, rows, kc, vc, slots = _inputs(K, Hq, Hk, D, page, dtype, device, 3)
+    kc2, vc2 = kc.clone(), vc.clone()
+    with use_backend("triton"):
+        q = qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, Hq, interleaved=interleaved)
+        cfg = DecodeConfig("gemv", 2 * PAIRS, BLOCK_K, 1, WARPS, STAGES)
+        qkv = decode_matmul(x, w.t(), b, config=cfg)
+        qs, ks, vs = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+        q2 = rope_kv_write(qs.view(1, Hq, D), ks.view(1, Hk, D), vs.view(1, Hk, D), cos, sin, rows, kc2, vc2,
+                           slots, interleaved=interleaved)  # fmt: skip
+    assert torch.equal(q, q2)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+def test_padding_slot_writes_nothing(device):
+    x, w, b, cos, sin, rows, kc, vc, slots = _inputs(64, 2, 1, 8, 4, torch.float32, device, 1, slot=-1)
+    before_k, before_v = kc.clone(), vc.clone()
+    with use_backend("triton"):
+        q = qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, 2)
+    assert torch.equal(kc, before_k) and torch.equal(vc, before_v)
+    want = qkv_rope_ref(x, w, b, cos, sin, rows, kc.clone(), vc.clone(), slots, 2, 1)
+    assert_close(q, want, name="q")
+
+
+def test_refuses_what_it_does_not_take(device):
+    x, w, b, cos, sin, rows, kc, vc, slots = _inputs(64, 2, 1, 8, 4, torch.float32, device, 1)
+    assert qkv_rope_supported(x, w, kc, 2)
+    assert not qkv_rope_supported(x.expand(2, -1), w, kc, 2)  # two tokens
+    assert not qkv_rope_supported(x, w, kc, 3)  # rows that are not (Hq + 2 Hk) D
+    assert not qkv_rope_supported(x, w.t().contiguous().t(), kc, 2)  # W not K-contiguous
+    xl = torch.zeros(1, 5000, device=device)
+    assert not qkv_rope_supported(xl, torch.zeros(32, 5000, device=device), kc, 2)  # K past the gemv rule's
+    kc6 = torch.zeros(3, 4, 1, 6, device=device)  # D / 2 = 3: not whole pairs per program
+    assert not qkv_rope_supported(x, torch.zeros(24, 64, device=device), kc6, 2)
+    with pytest.raises(ValueError, match="qkv_rope_supported"):
+        qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_qwen_shape_bf16_on_gpu(interleaved):
+    """Qwen2.5-1.5B's attention (d 1536, 12 / 2 heads of 128, q/k/v bias), bf16, eager and in a CUDA graph:
+    bit-equal to the projection the engine runs without it (the rule's one-row gemv) and rope_kv_write."""
+    K, Hq, Hk, D, page = 1536, 12, 2, 128, 16
+    x, w, b, cos, sin, rows, kc, vc, slots = _inputs(K, Hq, Hk, D, page, torch.bfloat16, "cuda", 0, slot=37)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, Hq, interleaved=interleaved)
+    with use_backend("triton"):
+        qkv = decode_matmul(x, w.t(), b)  # the rule's config at this shape
+    qs, ks, vs = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+    q2 = rope_kv_write(qs.view(1, Hq, D), ks.view(1, Hk, D), vs.view(1, Hk, D), cos, sin, rows, kc2, vc2, slots,
+                       interleaved=interleaved)  # fmt: skip
+    assert torch.equal(q, q2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    want = qkv_rope_ref(x.float(), w.float(), b.float(), cos, sin, rows, kc.float().clone(), vc.float().clone(),
+                        slots, Hq, Hk, interleaved)  # fmt: skip
+    assert_close(q, want, name="q vs float32")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qg = qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, Hq, interleaved=interleaved)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(qg, q)

@@ -1,0 +1,107 @@
+"""The one-token q/k/v projection with RoPE and the K/V write in one kernel in the model (KILN_DECODE_QKV=fused,
+kiln.model.layers.Attention._fused_qkv): a one-token decode step gives the separate form's logits and cache
+writes; the fused kernel runs in every layer and rope_kv_write in none; q/k-normed models (Qwen3), steps of
+several tokens and prefills keep the separate form; a bad switch value is a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kiln.model.layers as layers
+from kiln.errors import KilnError
+from kiln.kernels.dispatch import use_backend
+from kiln.model import ModelConfig, build_model
+from kiln.model.config import KernelConfig, decode_qkv
+from tests.model.test_norm_split import _clones, _decode_step
+
+BASE = dict(vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_hidden=40, max_seq_len=128)
+CFGS = {
+    "qwen2": dict(arch="qwen2", qkv_bias=True, head_dim=16),
+    "llama": dict(arch="llama", head_dim=16),
+    "qwen3": dict(arch="qwen3", head_dim=16, qk_norm=True),
+}
+# float32: the fused kernel sums K in 256-wide steps, the separate projection in the interpreter's 32-wide
+# ones, so the projections differ in the last bits (a few ulps) and the two layers carry that to the logits
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def qkv_form(monkeypatch):
+    def set_form(form: str | None) -> None:
+        if form is None:
+            monkeypatch.delenv("KILN_DECODE_QKV", raising=False)
+        else:
+            monkeypatch.setenv("KILN_DECODE_QKV", form)
+        decode_qkv.cache_clear()
+
+    yield set_form
+    monkeypatch.delenv("KILN_DECODE_QKV", raising=False)
+    decode_qkv.cache_clear()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    n = {"fused": 0, "rope_kv_write": 0}
+    fused, rkw = layers.qkv_rope, layers.rope_kv_write
+
+    def count_fused(*a, **kw):
+        n["fused"] += 1
+        return fused(*a, **kw)
+
+    def count_rkw(*a, **kw):
+        n["rope_kv_write"] += 1
+        return rkw(*a, **kw)
+
+    monkeypatch.setattr(layers, "qkv_rope", count_fused)
+    monkeypatch.setattr(layers, "rope_kv_write", count_rkw)
+
+    def take() -> dict:
+        out = dict(n)
+        n.update(fused=0, rope_kv_write=0)
+        return out
+
+    return take
+
+
+def _step(model, tokens, pos, meta, caches):
+    with torch.no_grad(), use_backend("triton"):
+        h, _ = model.model(tokens, pos, meta, caches)
+        return model.compute_logits(h), caches
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_one_token_fused_equals_separate(name, qkv_form, calls, device):
+    model = build_model(ModelConfig(**{**BASE, **CFGS[name]}), device, seed=1,
+                        kernels=KernelConfig(linear="kiln")).eval()  # fmt: skip
+    tokens, pos, meta, caches = _decode_step(model.config, [9], page=8, seed=2, device=device)
+    qkv_form("separate")
+    want, want_caches = _step(model, tokens, pos, meta, _clones(caches))
+    assert calls() == {"fused": 0, "rope_kv_write": 2}
+    qkv_form("fused")
+    got, got_caches = _step(model, tokens, pos, meta, _clones(caches))
+    assert calls() == {"fused": 2, "rope_kv_write": 0}
+    torch.testing.assert_close(got, want, **TOL)
+    for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
+        torch.testing.assert_close(gk, wk, **TOL)
+        torch.testing.assert_close(gv, wv, **TOL)
+
+
+def test_where_it_does_not_apply(qkv_form, calls, device):
+    qkv_form("fused")
+    qwen3 = build_model(ModelConfig(**{**BASE, **CFGS["qwen3"]}), device, seed=1,
+                        kernels=KernelConfig(linear="kiln")).eval()  # fmt: skip
+    _step(qwen3, *_decode_step(qwen3.config, [9], page=8, seed=2, device=device))
+    assert calls() == {"fused": 0, "rope_kv_write": 2}  # q/k norm between the projection and RoPE
+    qwen2 = build_model(ModelConfig(**{**BASE, **CFGS["qwen2"]}), device, seed=1,
+                        kernels=KernelConfig(linear="kiln")).eval()  # fmt: skip
+    _step(qwen2, *_decode_step(qwen2.config, [3, 9], page=8, seed=2, device=device))
+    assert calls() == {"fused": 0, "rope_kv_write": 2}  # two tokens
+
+
+def test_bad_switch_value(qkv_form):
+    qkv_form("yes")
+    with pytest.raises(KilnError, match="KILN_DECODE_QKV"):
+        decode_qkv()
+    qkv_form(None)
+    assert decode_qkv() == "separate"
