@@ -127,6 +127,7 @@ def qkv_rope_supported(x: torch.Tensor, weight: torch.Tensor, k_cache: torch.Ten
         and weight.shape == ((n_heads + 2 * Hk) * D, x.shape[1])
         and weight.stride(1) == 1
         and D % (2 * PAIRS) == 0
+        and k_cache.stride(-1) == 1
         and x.dtype == weight.dtype == k_cache.dtype
     )
 
@@ -158,6 +159,11 @@ def qkv_rope(
         return qkv_rope_ref(
             x, weight, bias, cos, sin, rows, k_cache, v_cache, slots, n_heads, Hk, interleaved
         )
+    if v_cache.shape != k_cache.shape or v_cache.stride(-1) != 1 or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"qkv_rope: v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)}"
+        )
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))  # rows of D/2 load as vectors
     q = torch.empty((1, n_heads, D), device=x.device, dtype=x.dtype)
     use_pdl = pdl(x)
     grid = ((n_heads + 2 * Hk) * (D // 2) // PAIRS,)
