@@ -76,8 +76,9 @@ def _check(x, b, bias, config, *, bit_equal=True):
 @pytest.mark.parametrize("config", GEMV, ids=str)
 def test_gemv_bit_equal_to_unfused(config, M, dtype, device):
     # the FMA kernel has no tl.dot: bf16 runs through the interpreter too, and its K sum (elementwise
-    # FMAs, then a row sum) is the same sequence for a W row wherever it sits in the block
-    for F, K in SHAPES:
+    # FMAs, then a row sum) is the same sequence for a W row wherever it sits in the block. The narrow
+    # blocks (1-2 features a program: many programs, slow through the interpreter) take one shape.
+    for F, K in SHAPES if config.block_n >= 16 else SHAPES[:1]:
         for bias in (True, False):
             _check(*_inputs(M, F, K, dtype, device, seed=M * F + K, bias=bias), config)
 
