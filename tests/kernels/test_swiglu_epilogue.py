@@ -114,6 +114,24 @@ def test_rule_config_and_out(device):
         assert torch.equal(decode_matmul(x1, b1, epilogue="swiglu"), swiglu(decode_matmul(x1, b1), None))
 
 
+@pytest.mark.parametrize("config", [GEMV[0], DOT[0]], ids=str)
+def test_with_the_rmsnorm_prologue(config, device):
+    """The split norm's prologue (x normalized as it loads) composes with the epilogue: the same bits as the
+    normalizing gate_up followed by the SwiGLU kernel. (The model keeps the separate SwiGLU there.)"""
+    x, b, _ = _inputs(3, 37, 100, torch.float32, device, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    gamma = torch.randn(100, generator=gen).to(device)
+    sumsq = x.square().sum(1, keepdim=True)  # (M, 1): one partial per row
+    norm = dict(prologue="rmsnorm", norm_weight=gamma, sumsq=sumsq, eps=1e-6)
+    y = decode_matmul(x, b, config=config, epilogue="swiglu", **norm)
+    with use_backend("triton"):
+        want = swiglu(decode_matmul(x, b, config=config, **norm), None)
+    if device.type == "cpu" and config.kernel == "dot":  # the interpreter's tl.dot: see the dot test above
+        assert_close(y, want, name=str(config))
+    else:
+        assert torch.equal(y, want)
+
+
 def test_clear_errors(device):
     x, b, bias = _inputs(2, 20, 32, torch.float32, device, seed=3)
     with pytest.raises(ValueError, match=r"epilogue='swiglu' takes b \(K, 2F\).*N = 39 \(odd\)"):
