@@ -66,7 +66,7 @@ for inter in (False, True):
 mm = dict(X_ptr="*bf16", W_ptr="*bf16", Y_ptr="*fp32", Bias_ptr="*bf16", R_ptr="*bf16", SS_ptr="*fp32", G_ptr="*bf16")
 for cfg in (md.decode_config(1, 1536, 8960, 132), md.decode_config(8, 1536, 8960, 132)):
     kernel = md._gemv_kernel if cfg.kernel == "gemv" else md._dot_kernel
-    c = dict(HAS_BIAS=False, ACTIVATION="none", SWIGLU=True, RMSNORM=False, RESIDUAL=False, SS_BLOCK=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    c = dict(HAS_BIAS=False, ACTIVATION="none", SWIGLU=True, RMSNORM=False, RESIDUAL=False, GLU=False, SS_BLOCK=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
              SPLIT_K=cfg.split_k, PDL=True, GRIDDEP=True)
     c.update(dict(BLOCK_M=1, STAGES=cfg.stages) if cfg.kernel == "gemv" else dict(BLOCK_M=16, PRECISION="ieee"))
     out[f"swiglu {cfg}"] = compile_(kernel, mm, c, num_warps=cfg.warps, num_stages=cfg.stages)

@@ -277,7 +277,7 @@ for M in [int(m) for m in sys.argv[1].split(",")]:
             # x and W K-contiguous: a launch specializes the unit strides (Triton's == 1 class), as here
             c = dict(stride_xk=1, stride_wk=1, HAS_BIAS=name == "qkv", ACTIVATION="none", SWIGLU=False,
                      RMSNORM=fused and not producer,
-                     RESIDUAL=fused and producer and cfg.split_k == 1, SS_BLOCK=1, BLOCK_N=cfg.block_n,
+                     RESIDUAL=fused and producer and cfg.split_k == 1, GLU=False, SS_BLOCK=1, BLOCK_N=cfg.block_n,
                      BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, PDL=cfg.pdl, GRIDDEP=True)
             if c["RMSNORM"]:  # the launcher's step for the partials the rule's producer writes at M rows
                 pk = 1536 if name == "qkv" else 8960  # o feeds qkv, down feeds gate_up

@@ -37,6 +37,17 @@ norm kernel's rounding points). The separate norm launch goes; its (M, d) round 
 partials read from L2 by every program of the second matmul. kiln.kernels.rmsnorm.norm_fused_ref is the
 sequence it replaces.
 
+Epilogue "swiglu" (the gated MLP's gate_up projection): W (2F, K) holds the gate rows [0, F) and the up rows
+[F, 2F), and C = swiglu(A @ W.T + bias) (M, F) = silu(gate) * up, recomputing nothing: a program owns
+BLOCK_N / 2 features f and loads both their rows, interleaved (block row r is W row f0 + r // 2 + (r % 2) F),
+so that its (rows, BLOCK_N) result splits into gate and up by a reshape to (..., BLOCK_N / 2, 2). gate and
+up are rounded to C's dtype where the unfused gate_up output is stored (after the bias), then silu(gate) *
+up is computed in float32 and rounded as the separate kiln.kernels.swiglu kernel computes it: the same
+bits as swiglu(decode_matmul(a, b, bias)) with the same config, with one launch and the (M, 2F) round trip
+less. The SwiGLU prologue of the down projection (above) instead recomputes a row's SwiGLU in every column
+block. No split K with it (the sum kernel would have to own a feature's gate and up columns together):
+the rule picks none for it.
+
 Which kernel and tiles: `decode_config`, a fixed rule from a sweep on the H200 (bench/sweep_matmul_decode.py,
 docs/kernels/matmul_decode.md); no autotuner, so a call costs one config lookup and one or two launches.
 Dtypes: float16, bfloat16 (float32 accumulation) and float32. Forward only: `kiln.kernels.matmul`
@@ -82,9 +93,13 @@ class DecodeConfig(NamedTuple):
 
 
 @functools.lru_cache(maxsize=256)
-def decode_config(M: int, N: int, K: int, sms: int, k_major: bool = True) -> DecodeConfig:
+def decode_config(
+    M: int, N: int, K: int, sms: int, k_major: bool = True, split_ok: bool = True
+) -> DecodeConfig:
     """The config a call without an explicit one uses: a pure function of the shape, the SM count and
-    whether W is K-contiguous (the nn.Linear layout; the gemv's 16-byte loads run along K).
+    whether W is K-contiguous (the nn.Linear layout; the gemv's 16-byte loads run along K). split_ok=False
+    (the swiglu epilogue, which takes no split K): the long-K tile over all of K instead of split (the rule
+    splits only there: few column blocks and K > 4096, never at a real gate_up shape, N = 2F >= 64 SMs).
 
     From the H200 sweep (docs/kernels/matmul_decode.md has the numbers), GPU time in CUDA graphs:
     - one row: FMAs over 4 columns per program (N / 4 programs, 3 to 34 per SM at the Qwen2.5-1.5B
@@ -119,7 +134,7 @@ def decode_config(M: int, N: int, K: int, sms: int, k_major: bool = True) -> Dec
             if M == 16
             else DecodeConfig("dot", 16, 128, 1, 4, 3, True)
         )
-    return DecodeConfig("dot", 64, 64, max(2, round(2 * sms / tiles)), 4, 4, True)
+    return DecodeConfig("dot", 64, 64, max(2, round(2 * sms / tiles)) if split_ok else 1, 4, 4, True)
 
 
 @triton.jit
@@ -146,6 +161,43 @@ def _load_x(
 
 
 @triton.jit
+def _w_block_rows(pid_n, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+    """(BLOCK_N,) the W rows a column block loads and (BLOCK_N,) which of them exist. With GLU (the swiglu
+    epilogue) N = 2F and the block holds features f0 .. f0 + BLOCK_N / 2 - 1, gate and up interleaved:
+    block row r is W row f0 + r // 2 + (r % 2) * F, so that the result reshapes to (..., BLOCK_N / 2, 2)."""
+    r = tl.arange(0, BLOCK_N)
+    if GLU:
+        F = N // 2
+        f = pid_n * (BLOCK_N // 2) + r // 2  # the feature of each block row
+        rows = f + (r % 2) * F
+        ok = f < F  # an up row past 2F and a gate row past F alike (F itself is an up row's start)
+    else:
+        rows = pid_n * BLOCK_N + r
+        ok = rows < N
+    return rows, ok
+
+
+@triton.jit
+def _swiglu_epilogue(acc, m, n, n_ok, f, Y_ptr, Bias_ptr, M, F, HAS_BIAS: tl.constexpr, AXIS_N: tl.constexpr):
+    """The swiglu epilogue: acc the float32 product over a block's W rows n (gate, up interleaved along
+    AXIS_N: (BLOCK_M, BLOCK_N) or (BLOCK_N, BLOCK_M)), n_ok which rows exist, broadcastable to acc; m, f
+    the rows and features of the (BLOCK_M, BLOCK_N / 2) or (BLOCK_N / 2, BLOCK_M) output, into Y (M, F).
+    h = round(acc + bias) is what the unfused matmul stores, and silu(gate) * up in float32 of its rounded
+    gate and up, rounded, what kiln.kernels.swiglu's kernel stores."""
+    if HAS_BIAS:
+        acc += tl.load(Bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    h = acc.to(Y_ptr.dtype.element_ty)
+    if AXIS_N == 1:  # (BLOCK_M, BLOCK_N) -> (BLOCK_M, BLOCK_N / 2, 2): (gate, up) pairs on the last axis
+        pairs = tl.reshape(h, (h.shape[0], h.shape[1] // 2, 2))
+    else:  # (BLOCK_N, BLOCK_M) -> (BLOCK_N / 2, 2, BLOCK_M) -> (BLOCK_N / 2, BLOCK_M, 2)
+        pairs = tl.permute(tl.reshape(h, (h.shape[0] // 2, 2, h.shape[1])), (0, 2, 1))
+    gate, up = tl.split(pairs)
+    g = gate.to(tl.float32)
+    y = g * tl.sigmoid(g) * up.to(tl.float32)  # kiln.kernels.swiglu's expression, in its order
+    tl.store(Y_ptr + m * F + f, y.to(Y_ptr.dtype.element_ty), mask=(m < M) & (f < F))
+
+
+@triton.jit
 def _row_rstd(SS_ptr, offs_m, M, n_ss, K, eps, BLOCK_M: tl.constexpr, SS_BLOCK: tl.constexpr):
     """(BLOCK_M,) float32 1 / sqrt(sum(h^2) / K + eps) per row, from the producer's (M, n_ss) partial sums
     of squares: SS_BLOCK partials per step, summed elementwise across steps and then across the tile, a
@@ -165,7 +217,7 @@ def _row_rstd(SS_ptr, offs_m, M, n_ss, K, eps, BLOCK_M: tl.constexpr, SS_BLOCK: 
 def _gemv_kernel(
     X_ptr,  # (M, K): x[m, k] at X_ptr + m * stride_xm + k * stride_xk
     W_ptr,  # (N, K): w[n, k] at W_ptr + n * stride_wn + k * stride_wk (B = W.T)
-    Y_ptr,  # (M, N) contiguous output; with SPLIT_K > 1 a float32 (SPLIT_K, M, N) partial-sum buffer
+    Y_ptr,  # (M, N) contiguous output ((M, N / 2) with GLU); with SPLIT_K > 1 a float32 (SPLIT_K, M, N) buffer
     Bias_ptr,  # (N,), read when HAS_BIAS (and SPLIT_K == 1)
     R_ptr,  # (M, N) contiguous residual, read when RESIDUAL (may be Y_ptr: each element read, then written)
     SS_ptr,  # (M, n_ss) float32: RESIDUAL's output (partial sums of squares), RMSNORM's input
@@ -186,6 +238,7 @@ def _gemv_kernel(
     SWIGLU: tl.constexpr,  # x = silu(X[:, :K]) * X[:, K:2K] (the prologue, module doc)
     RMSNORM: tl.constexpr,  # x = rmsnorm(X) with rstd from SS's partials (the prologue, module doc)
     RESIDUAL: tl.constexpr,  # Y = R + act(X @ W.T + bias), and its partial sums of squares into SS
+    GLU: tl.constexpr,  # Y (M, N / 2) = swiglu(X @ W.T + bias) of W's [gate | up] rows (the epilogue, module doc)
     SS_BLOCK: tl.constexpr,  # RMSNORM: partials per step of the rstd sum (a power of two)
     BLOCK_M: tl.constexpr,  # next power of two >= M (rows of x held per program)
     BLOCK_N: tl.constexpr,
@@ -201,11 +254,11 @@ def _gemv_kernel(
         gdc_launch_dependents()  # a dependent waits for this grid's completion itself (gdc_wait)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, n_in = _w_block_rows(pid_n, N, BLOCK_N, GLU)  # (BLOCK_N,): W rows, and which exist
     offs_m = tl.arange(0, BLOCK_M)
     w_rows = W_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
     x_rows = X_ptr + offs_m[:, None] * stride_xm  # (BLOCK_M, 1)
-    n_ok = (offs_n < N)[:, None]
+    n_ok = n_in[:, None]
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     if RMSNORM:  # the row's whole norm statistic, before the K loop: a few KB of partials from L2
@@ -238,15 +291,20 @@ def _gemv_kernel(
                         rstd[:, None], norm_offset)  # fmt: skip
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # (BLOCK_M, BLOCK_N, BLOCK_K)
         y = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
-    _store_decode(y, offs_m[:, None], offs_n[None, :], pid_n, pid_k, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss,
-                  HAS_BIAS, ACTIVATION, SPLIT_K, RESIDUAL, 1)  # fmt: skip
+    if GLU:  # (BLOCK_M, BLOCK_N / 2) of the (M, N / 2) output
+        offs_f = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        _swiglu_epilogue(y, offs_m[:, None], offs_n[None, :], n_in[None, :], offs_f[None, :], Y_ptr, Bias_ptr, M,
+                         N // 2, HAS_BIAS, 1)  # fmt: skip
+    else:
+        _store_decode(y, offs_m[:, None], offs_n[None, :], pid_n, pid_k, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss,
+                      HAS_BIAS, ACTIVATION, SPLIT_K, RESIDUAL, 1)  # fmt: skip
 
 
 @triton.jit
 def _dot_kernel(
     X_ptr,  # (M, K): x[m, k] at X_ptr + m * stride_xm + k * stride_xk, M <= 16
     W_ptr,  # (N, K): w[n, k] at W_ptr + n * stride_wn + k * stride_wk (B = W.T)
-    Y_ptr,  # (M, N) contiguous output; with SPLIT_K > 1 a float32 (SPLIT_K, M, N) partial-sum buffer
+    Y_ptr,  # (M, N) contiguous output ((M, N / 2) with GLU); with SPLIT_K > 1 a float32 (SPLIT_K, M, N) buffer
     Bias_ptr,  # (N,), read when HAS_BIAS (and SPLIT_K == 1)
     R_ptr,  # (M, N) contiguous residual, read when RESIDUAL (may be Y_ptr: each element read, then written)
     SS_ptr,  # (M, n_ss) float32: RESIDUAL's output (partial sums of squares), RMSNORM's input
@@ -267,6 +325,7 @@ def _dot_kernel(
     SWIGLU: tl.constexpr,  # x = silu(X[:, :K]) * X[:, K:2K] (the prologue, module doc)
     RMSNORM: tl.constexpr,  # x = rmsnorm(X) with rstd from SS's partials (the prologue, module doc)
     RESIDUAL: tl.constexpr,  # Y = R + act(X @ W.T + bias), and its partial sums of squares into SS
+    GLU: tl.constexpr,  # Y (M, N / 2) = swiglu(X @ W.T + bias) of W's [gate | up] rows (the epilogue, module doc)
     SS_BLOCK: tl.constexpr,  # RMSNORM: partials per step of the rstd sum (a power of two)
     PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" or "tf32" (float32 inputs only)
     BLOCK_M: tl.constexpr,  # 16: the narrowest tl.dot side
@@ -282,11 +341,11 @@ def _dot_kernel(
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, n_in = _w_block_rows(pid_n, N, BLOCK_N, GLU)  # (BLOCK_N,): W rows, and which exist
     offs_m = tl.arange(0, BLOCK_M)
     w_rows = W_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
     x_cols = X_ptr + offs_m[None, :] * stride_xm  # (1, BLOCK_M): x.T's columns
-    n_ok = (offs_n < N)[:, None]
+    n_ok = n_in[:, None]
     m_ok = (offs_m < M)[None, :]
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
@@ -304,8 +363,13 @@ def _dot_kernel(
                      RMSNORM, G_ptr + offs_k[:, None], (offs_k < K)[:, None], rstd, norm_offset)  # fmt: skip
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
     # Written as it lies, (n, m) -> C[m, n]: no transpose through shared memory.
-    _store_decode(acc, offs_m[None, :], offs_n[:, None], pid_n, pid_k, Y_ptr, Bias_ptr, r, SS_ptr, M, N, n_ss,
-                  HAS_BIAS, ACTIVATION, SPLIT_K, RESIDUAL, 0)  # fmt: skip
+    if GLU:  # (BLOCK_N / 2, BLOCK_M) of the (M, N / 2) output
+        offs_f = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        _swiglu_epilogue(acc, offs_m[None, :], offs_n[:, None], n_in[:, None], offs_f[:, None], Y_ptr, Bias_ptr,
+                         M, N // 2, HAS_BIAS, 0)  # fmt: skip
+    else:
+        _store_decode(acc, offs_m[None, :], offs_n[:, None], pid_n, pid_k, Y_ptr, Bias_ptr, r, SS_ptr, M, N,
+                      n_ss, HAS_BIAS, ACTIVATION, SPLIT_K, RESIDUAL, 0)  # fmt: skip
 
 
 @triton.jit
@@ -438,7 +502,7 @@ _residual_sum_launch = CachedLaunch(_split_residual_kernel)
 # producers write 96-768 partials a row, so one step covers them at every row count it gives.
 SS_TILE = 4096
 PROLOGUES = ("none", "swiglu", "rmsnorm")
-EPILOGUES = ("none", "residual_sumsq")
+EPILOGUES = ("none", "residual_sumsq", "swiglu")
 
 
 def _residual_sum_tile(M: int) -> int:
@@ -473,6 +537,10 @@ def decode_matmul(
     epilogue "residual_sumsq": returns (h, sumsq) with h = residual + act(a @ b + bias) (M, N) (`out` may
     be `residual` itself: updated in place) and sumsq (M, n) float32 its partial sums of squares per
     column block, for the next matmul's "rmsnorm" prologue.
+    epilogue "swiglu": b (K, 2F) is a gate/up projection (columns [0, F) gate, [F, 2F) up) and the result
+    is swiglu(a @ b + bias) (M, F), the same bits as kiln.kernels.swiglu.swiglu(decode_matmul(a, b, bias),
+    None) with the same config (module doc); no activation, no split K (ValueError), config.block_n
+    counts b's columns (2 per output feature).
     """
     M, K = a.shape
     N = b.shape[1]
@@ -483,6 +551,7 @@ def decode_matmul(
     if epilogue not in EPILOGUES:
         raise ValueError(f"decode_matmul: unknown epilogue {epilogue!r}: one of {', '.join(EPILOGUES)}")
     swiglu, rmsnorm, has_residual = prologue == "swiglu", prologue == "rmsnorm", epilogue == "residual_sumsq"
+    glu = epilogue == "swiglu"
     if swiglu:
         if K != 2 * b.shape[0]:
             raise ValueError(
@@ -492,8 +561,9 @@ def decode_matmul(
     _check_norm_args(a, K, rmsnorm, norm_weight, sumsq, eps)
     _check_residual_args(a, N, has_residual, residual, out)
     if config is None:
-        config = decode_config(M, N, K, sm_count(a.device), b.stride(0) == 1)
-    c = torch.empty((M, N), device=a.device, dtype=a.dtype) if out is None else out
+        config = decode_config(M, N, K, sm_count(a.device), b.stride(0) == 1, split_ok=not glu)
+    _check_swiglu_args(a, N, glu, activation, config, out)
+    c = torch.empty((M, N // 2 if glu else N), device=a.device, dtype=a.dtype) if out is None else out
     split, k_split, dst = 1, K, c
     if config.split_k > 1:
         # Whole BLOCK_K steps per split, so every split but the last covers k_split exactly; a split that
@@ -510,7 +580,9 @@ def decode_matmul(
             float(eps), float(norm_offset))  # fmt: skip  # K: of b
     has_bias = bias is not None and split == 1
     act = activation if split == 1 else "none"
-    fused = dict(SWIGLU=swiglu, RMSNORM=rmsnorm, RESIDUAL=has_residual and split == 1, SS_BLOCK=ss_block)
+    fused = dict(
+        SWIGLU=swiglu, RMSNORM=rmsnorm, RESIDUAL=has_residual and split == 1, GLU=glu, SS_BLOCK=ss_block
+    )
     # Hopper: the main kernel lets its dependents launch early, and the split-K sum is launched as one
     # (programmatic dependent launch), so its launch overlaps the main kernel instead of following it.
     can_signal = a.is_cuda and griddep(a.device.index)
@@ -582,6 +654,38 @@ def _check_norm_args(a, K, rmsnorm, norm_weight, sumsq, eps) -> None:
         )
     if not eps >= 0:
         raise ValueError(f"decode_matmul: eps must be >= 0, got {eps}")
+
+
+def _check_swiglu_args(a, N, glu, activation, config, out) -> None:
+    """The swiglu epilogue's requirements: b's 2F columns in gate/up pairs, a block of whole pairs, one K
+    slice (the split-K sum kernel takes flat runs of columns, not a feature's gate and up), no activation
+    (the SwiGLU is the activation), and `out` (M, F)."""
+    if not glu:
+        return
+    M = a.shape[0]
+    if N % 2:
+        raise ValueError(
+            f"decode_matmul: epilogue='swiglu' takes b (K, 2F) with gate and up columns, got N = {N} (odd)"
+        )
+    if activation != "none":
+        raise ValueError(
+            f"decode_matmul: epilogue='swiglu' takes no activation (it is the activation), got {activation!r}"
+        )
+    if config.split_k > 1:
+        raise ValueError(
+            f"decode_matmul: epilogue='swiglu' does not split K (the split-K sum does not see a feature's gate "
+            f"and up together), got config {config}"
+        )
+    if config.block_n < 2:
+        raise ValueError(
+            f"decode_matmul: epilogue='swiglu' needs block_n >= 2 (a gate and an up row), got {config}"
+        )
+    if out is not None and (out.shape != (M, N // 2) or out.dtype != a.dtype or not out.is_contiguous()
+                            or out.device != a.device):  # fmt: skip
+        raise ValueError(
+            f"decode_matmul: out must be a contiguous ({M}, {N // 2}) {a.dtype} tensor on {a.device} with "
+            f"epilogue='swiglu', got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
 
 
 def _check_residual_args(a, N, has_residual, residual, out) -> None:

@@ -97,6 +97,28 @@ def decode_qkv() -> str:
     return form
 
 
+# How a decode step's SwiGLU runs (decode_swiglu): "separate" (kiln's SwiGLU kernel after the gate_up matmul)
+# or "epilogue" (in the gate_up decode matmul's epilogue, kiln.kernels.matmul_decode)
+DECODE_SWIGLUS = ("separate", "epilogue")
+
+
+@functools.cache
+def decode_swiglu() -> str:
+    """The gated MLP's SwiGLU form at decode-sized steps: "separate" (the default) unless KILN_DECODE_SWIGLU
+    in the environment says "epilogue" (read once, as KILN_DECODE_NORM is), so that
+    `KILN_DECODE_SWIGLU=epilogue python bench/infer_overlap.py ...` times whole decode steps with the SwiGLU
+    in the gate_up projection's epilogue (one launch and the (N, 2F) round trip less a layer; the same bits)
+    without a code change. Where the epilogue does not apply, a step runs as with "separate"
+    (kiln.model.layers.GatedMLP). Off by default until whole steps on the H200 say it pays."""
+    form = os.environ.get("KILN_DECODE_SWIGLU", "") or "separate"
+    if form not in DECODE_SWIGLUS:
+        raise KilnError(
+            f"KILN_DECODE_SWIGLU={form!r} is not one of {', '.join(DECODE_SWIGLUS)}: unset it (or 'separate') "
+            "for kiln's SwiGLU kernel after the gate_up matmul, 'epilogue' to fold it into that matmul"
+        )
+    return form
+
+
 @dataclass
 class KernelConfig:
     """Which kernel runs each op of the model; it does not change the model (not saved with weights).

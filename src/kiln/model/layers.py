@@ -21,7 +21,7 @@ from kiln.kernels.rmsnorm import rmsnorm
 from kiln.kernels.rope import apply_rope, rope_kv_write
 from kiln.kernels.swiglu import swiglu
 from kiln.model.attn_metadata import AttnMetadata
-from kiln.model.config import KernelConfig, ModelConfig, decode_qkv
+from kiln.model.config import KernelConfig, ModelConfig, decode_qkv, decode_swiglu
 from kiln.model.linear import Linear, MergedLinear, decode_step_fusable
 
 
@@ -278,20 +278,43 @@ class GatedMLP(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (N, d) -> (N, d). The split add + RMSNorm (as Attention.forward's): prenorm = (norm, sumsq):
         x is the stream and gate_up applies `norm` in its prologue; stream: down_proj adds its output to it
-        and the call returns (new stream, its (N, n) partial sums of squares)."""
-        if prenorm is None:
-            h = self.gate_up_proj(x)  # (N, 2F): [gate | up] in one tensor
+        and the call returns (new stream, its (N, n) partial sums of squares).
+
+        With KILN_DECODE_SWIGLU=epilogue (kiln.model.config.decode_swiglu), a decode-sized step whose gate_up
+        runs kiln's decode matmul takes the SwiGLU in that matmul's epilogue (MergedLinear.swiglu_decode:
+        the same bits, one launch less); with prenorm (the split norm) it keeps the separate kernel."""
+        if prenorm is None and self._swiglu_in_epilogue(x):
+            a = self.gate_up_proj.swiglu_decode(x)  # (N, F)
         else:
-            norm, sumsq = prenorm
-            h = self.gate_up_proj.normed_from_stream(x, sumsq, norm.weight, norm.eps)
-        # Not kiln.kernels.swiglu.swiglu_linear (the SwiGLU in the down projection's decode prologue): on
-        # the H200 at one row (Qwen2.5-1.5B shape, CUDA graphs) it took 415 us a step for the 28 layers
-        # against 287 us for the SwiGLU kernel + the decode matmul, since every column block recomputes
-        # the SwiGLU of the whole row (docs/perf/inference.md).
-        a = swiglu(h, None)  # (N, F)
+            if prenorm is None:
+                h = self.gate_up_proj(x)  # (N, 2F): [gate | up] in one tensor
+            else:
+                norm, sumsq = prenorm
+                h = self.gate_up_proj.normed_from_stream(x, sumsq, norm.weight, norm.eps)
+            # Not kiln.kernels.swiglu.swiglu_linear (the SwiGLU in the down projection's decode prologue): on
+            # the H200 at one row (Qwen2.5-1.5B shape, CUDA graphs) it took 415 us a step for the 28 layers
+            # against 287 us for the SwiGLU kernel + the decode matmul, since every column block recomputes
+            # the SwiGLU of the whole row (docs/perf/inference.md).
+            a = swiglu(h, None)  # (N, F)
         if stream is not None:
             return self.down_proj.add_to_stream(a, stream)
         return self.down_proj(a)
+
+    def _swiglu_in_epilogue(self, x: torch.Tensor) -> bool:
+        """Whether this call's SwiGLU goes into gate_up's decode epilogue: the switch says so, the step is
+        decode-sized (decode_step_fusable) and gate_up runs kiln's decode matmul as a plain merged linear (not
+        unmerged by tensor parallelism, not quantized, no hooks). Shapes and flags only: fixed for a captured
+        CUDA graph."""
+        # is_compiling first: a traced step keeps the separate kernel, and Dynamo need not trace the
+        # switch's environment read
+        gate_up = self.gate_up_proj
+        return (
+            not torch.compiler.is_compiling()
+            and decode_swiglu() == "epilogue"
+            and isinstance(gate_up, MergedLinear)
+            and decode_step_fusable(x)
+            and gate_up.decode_fusable(x)
+        )
 
 
 class GeluMLP(nn.Module):

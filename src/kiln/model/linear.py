@@ -170,6 +170,16 @@ class MergedLinear(Linear):
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(y.split(list(self.parts.values()), dim=-1))
 
+    def swiglu_decode(self, x: torch.Tensor) -> torch.Tensor:
+        """swiglu(self(x)) (N, F) for a gate/up projection (two parts of F rows each: gate, then up) with
+        the SwiGLU in the decode matmul's epilogue: the bits of self(x) followed by kiln's SwiGLU kernel,
+        without the (N, 2F) output or the second launch. Only where `decode_fusable(x)`; x (N, in) with
+        N <= DECODE_ROWS."""
+        sizes = list(self.parts.values())
+        if len(sizes) != 2 or sizes[0] != sizes[1]:
+            raise ValueError(f"swiglu_decode: needs two parts of one size (gate, up), got {self.parts}")
+        return decode_matmul(x, self.weight.t(), self.bias, epilogue="swiglu")
+
     def slices(self) -> list[tuple[str, int, int]]:
         """(checkpoint name, first row, end row) of each part in the merged weight."""
         out, start = [], 0
