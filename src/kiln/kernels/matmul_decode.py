@@ -98,8 +98,9 @@ def decode_config(
 ) -> DecodeConfig:
     """The config a call without an explicit one uses: a pure function of the shape, the SM count and
     whether W is K-contiguous (the nn.Linear layout; the gemv's 16-byte loads run along K). split_ok=False
-    (the swiglu epilogue, which takes no split K): the long-K tile over all of K instead of split (the rule
-    splits only there: few column blocks and K > 4096, never at a real gate_up shape, N = 2F >= 64 SMs).
+    (the swiglu epilogue, which takes no split K): the long-K tile over all of K instead of split. The rule
+    splits only at 2-16 rows, K > 4096 and fewer 64-wide column blocks than SMs (N < 8448 on the H200): a
+    gate_up with d > 4096 and F < 4224 would take it, which the Llama / Qwen / Mistral shapes (F > 2.5 d) are not.
 
     From the H200 sweep (docs/kernels/matmul_decode.md has the numbers), GPU time in CUDA graphs:
     - one row: FMAs over 4 columns per program (N / 4 programs, 3 to 34 per SM at the Qwen2.5-1.5B
