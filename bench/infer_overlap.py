@@ -71,24 +71,6 @@ def model_config(args, smoke: bool, budget: int) -> ModelConfig:
     return bench.qwen2_1p5b_config(max_seq_len=ctx)
 
 
-def replay_ms(llm: LLM, batch: int, n: int) -> tuple[int | None, float | None]:
-    """(bucket, ms per step) of the batch's graph replayed n times back to back; (None, None) on CPU."""
-    graphs = llm.engine.runner.graphs
-    if n <= 0 or graphs is None or not graphs.use_graphs:
-        return None, None
-    B = graphs.bucket(batch)
-    g = graphs.graphs[B]
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return B, start.elapsed_time(end) / n
-
-
 def agreement(llm: LLM, vocab: int, smoke: bool) -> dict:
     """Tokens with async_scheduling off and on, for greedy and seeded sampled requests (logprobs on)."""
     n, new = (4, 6) if smoke else (16, 48)
@@ -153,7 +135,7 @@ def main() -> int:
                     raise RuntimeError(
                         f"batch {B} {mode}: the engine was not left idle with every block free"
                     )
-        bucket, gpu_ms = replay_ms(llm, B, args.replays)
+        bucket, gpu_ms = bench.graph_replay_ms(llm.engine, B, args.replays)
         row: dict = {"batch": B, "bucket": bucket, "replay_ms": None if gpu_ms is None else round(gpu_ms, 4)}
         for mode, rs in runs.items():
             med = sorted(rs, key=lambda x: x["tok_s"])[(len(rs) - 1) // 2]

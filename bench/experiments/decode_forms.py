@@ -53,22 +53,6 @@ def apply(setting: str) -> None:
             getattr(model_config, fn).cache_clear()
 
 
-def replay_ms(llm: LLM, batch: int, n: int) -> float | None:
-    graphs = llm.engine.runner.graphs
-    if graphs is None or not graphs.use_graphs:
-        return None
-    g = graphs.graphs[graphs.bucket(batch)]
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n
-
-
 def main() -> int:
     ap = bench_parser("decode_forms", __doc__)
     ap.add_argument("--settings", default="base,KILN_DECODE_QKV=fused")
@@ -113,7 +97,7 @@ def main() -> int:
         order = settings if r % 2 == 0 else settings[::-1]
         for s in order:
             for B in batches:
-                ms = replay_ms(engines[s], B, args.replays)
+                ms = bench.graph_replay_ms(engines[s].engine, B, args.replays)[1]
                 if ms is not None:
                     times[(s, B)].append(ms)
     ref = rows[0]["tokens"]

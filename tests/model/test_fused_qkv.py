@@ -13,7 +13,8 @@ from kiln.errors import KilnError
 from kiln.kernels.dispatch import use_backend
 from kiln.model import ModelConfig, build_model
 from kiln.model.config import KernelConfig, decode_qkv
-from tests.model.test_norm_split import _clones, _decode_step
+
+from .test_norm_split import _clones, _decode_step, env_form
 
 BASE = dict(vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_hidden=40, max_seq_len=128)
 CFGS = {
@@ -28,16 +29,9 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.fixture
 def qkv_form(monkeypatch):
-    def set_form(form: str | None) -> None:
-        if form is None:
-            monkeypatch.delenv("KILN_DECODE_QKV", raising=False)
-        else:
-            monkeypatch.setenv("KILN_DECODE_QKV", form)
-        decode_qkv.cache_clear()
-
-    yield set_form
-    monkeypatch.delenv("KILN_DECODE_QKV", raising=False)
-    decode_qkv.cache_clear()
+    """Set KILN_DECODE_QKV for the next forward."""
+    with env_form(monkeypatch, "KILN_DECODE_QKV", decode_qkv) as set_form:
+        yield set_form
 
 
 @pytest.fixture

@@ -6,6 +6,8 @@ LayerNorm, a prefill) run as before; a bad switch value is a clear error."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -35,20 +37,30 @@ CFGS = {
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture
-def norm_form(monkeypatch):
-    """Set KILN_DECODE_NORM for the next forward (decode_norm reads it once: its cache is cleared)."""
+@contextlib.contextmanager
+def env_form(monkeypatch, var: str, read_once):
+    """A setter of the decode-form switch `var` for the next forward (None: unset); `read_once` (e.g.
+    kiln.model.config.decode_norm) caches the switch, so its cache is cleared at every set and at the end,
+    where the switch is unset again for the next test."""
 
     def set_form(form: str | None) -> None:
         if form is None:
-            monkeypatch.delenv("KILN_DECODE_NORM", raising=False)
+            monkeypatch.delenv(var, raising=False)
         else:
-            monkeypatch.setenv("KILN_DECODE_NORM", form)
-        decode_norm.cache_clear()
+            monkeypatch.setenv(var, form)
+        read_once.cache_clear()
 
-    yield set_form
-    monkeypatch.delenv("KILN_DECODE_NORM", raising=False)
-    decode_norm.cache_clear()  # the next test reads the restored environment
+    try:
+        yield set_form
+    finally:
+        set_form(None)
+
+
+@pytest.fixture
+def norm_form(monkeypatch):
+    """Set KILN_DECODE_NORM for the next forward."""
+    with env_form(monkeypatch, "KILN_DECODE_NORM", decode_norm) as set_form:
+        yield set_form
 
 
 @pytest.fixture

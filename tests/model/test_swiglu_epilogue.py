@@ -15,23 +15,14 @@ from kiln.kernels import matmul_decode
 from kiln.kernels.matmul_decode import DecodeConfig
 from kiln.model.config import decode_norm, decode_swiglu
 
-from .test_norm_split import BASE, _clones, _decode_step, _logits, _model
+from .test_norm_split import BASE, _clones, _decode_step, _logits, _model, env_form
 
 
 @pytest.fixture
 def swiglu_form(monkeypatch):
-    """Set KILN_DECODE_SWIGLU for the next forward (decode_swiglu reads it once: its cache is cleared)."""
-
-    def set_form(form: str | None) -> None:
-        if form is None:
-            monkeypatch.delenv("KILN_DECODE_SWIGLU", raising=False)
-        else:
-            monkeypatch.setenv("KILN_DECODE_SWIGLU", form)
-        decode_swiglu.cache_clear()
-
-    yield set_form
-    monkeypatch.delenv("KILN_DECODE_SWIGLU", raising=False)
-    decode_swiglu.cache_clear()  # the next test reads the restored environment
+    """Set KILN_DECODE_SWIGLU for the next forward."""
+    with env_form(monkeypatch, "KILN_DECODE_SWIGLU", decode_swiglu) as set_form:
+        yield set_form
 
 
 @pytest.fixture

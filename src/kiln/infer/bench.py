@@ -24,6 +24,8 @@ from __future__ import annotations
 import random
 import time
 
+import torch
+
 from kiln.infer.engine import LLMEngine
 from kiln.infer.sampling_params import SamplingParams
 from kiln.model.config import ModelConfig
@@ -242,6 +244,26 @@ def steady_decode(
         "tok_s": round(batch * timed_steps / total, 1),
         "step_ms": percentiles([s * 1e3 for s in step_s]),
     }
+
+
+def graph_replay_ms(engine: LLMEngine, batch: int, n: int) -> tuple[int | None, float | None]:
+    """(bucket, ms per step) of the decode graph that serves `batch` sequences, replayed n times back to back
+    on the static inputs the last step left (the GPU's own time for the step, no host work); (None, None)
+    without CUDA graphs (the CPU, decode_backend="eager") or for n <= 0."""
+    graphs = engine.runner.graphs
+    if n <= 0 or graphs is None or not graphs.use_graphs:
+        return None, None
+    B = graphs.bucket(batch)
+    g = graphs.graphs[B]
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return B, start.elapsed_time(end) / n
 
 
 def steady_tokens(batch: int, prompt_len: int, warm_steps: int, timed_steps: int, step_budget: int) -> int:

@@ -53,6 +53,19 @@ HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")
 LINEAR_BACKENDS = ("auto", "torch", "kiln", "fp8", "fp8_rowwise")
 ATTENTION_BACKENDS = ("kiln", "sdpa", "auto")
 MOE_BACKENDS = ("auto", "eager", "kiln")
+
+
+def _env_form(var: str, forms: tuple[str, ...], what: str) -> str:
+    """The decode-form switch `var` from the environment: forms[0] when unset or empty, else one of
+    `forms`; `what` says what each non-default form does, for the error that names the fix."""
+    form = os.environ.get(var, "") or forms[0]
+    if form not in forms:
+        raise KilnError(
+            f"{var}={form!r} is not one of {', '.join(forms)}: unset it (or {forms[0]!r}) for {what}"
+        )
+    return form
+
+
 # How a decode step's add + RMSNorm runs (decode_norm): "separate" (kiln's add + RMSNorm kernel between the
 # matmuls) or "split" (folded into the decode matmuls around it, kiln.kernels.matmul_decode)
 DECODE_NORMS = ("separate", "split")
@@ -67,13 +80,8 @@ def decode_norm() -> str:
     prologue) without a code change. Where the split form does not apply, a step runs as with "separate"
     (kiln.model.transformer.Decoder). Off by default: on the H200 at c598f16 whole decode steps with it ran 15%
     slower at batch 1 and 12% at batch 16 (docs/perf/matmul_decode.md)."""
-    form = os.environ.get("KILN_DECODE_NORM", "") or "separate"
-    if form not in DECODE_NORMS:
-        raise KilnError(
-            f"KILN_DECODE_NORM={form!r} is not one of {', '.join(DECODE_NORMS)}: unset it (or 'separate') for "
-            "kiln's add + RMSNorm kernel, 'split' to fold it into the decode matmuls"
-        )
-    return form
+    what = "kiln's add + RMSNorm kernel, 'split' to fold it into the decode matmuls"
+    return _env_form("KILN_DECODE_NORM", DECODE_NORMS, what)
 
 
 # How a one-token decode step runs its q/k/v projection (decode_qkv): "separate" (the decode matmul, then
@@ -87,14 +95,10 @@ def decode_qkv() -> str:
     """The one-token decode step's q/k/v projection form: "separate" (the default) unless KILN_DECODE_QKV
     says "fused" (read once, as KILN_DECODE_NORM is), for A/B timing of whole steps. Where the fused form
     does not apply (q/k norms, more than one token, prefill, the shapes kiln.kernels.qkv_rope does not
-    take), a step runs as with "separate" (kiln.model.layers.Attention)."""
-    form = os.environ.get("KILN_DECODE_QKV", "") or "separate"
-    if form not in DECODE_QKV:
-        raise KilnError(
-            f"KILN_DECODE_QKV={form!r} is not one of {', '.join(DECODE_QKV)}: unset it (or 'separate') for the "
-            "projection then kiln's RoPE + K/V write kernel, 'fused' for the two in one kernel"
-        )
-    return form
+    take), a step runs as with "separate" (kiln.model.layers.Attention). Off by default: on the H200 at
+    49cfa51 whole decode steps with it tied (0.998x at batch 1, 1.002x at 16; docs/perf/inference.md)."""
+    what = "the projection then kiln's RoPE + K/V write kernel, 'fused' for the two in one kernel"
+    return _env_form("KILN_DECODE_QKV", DECODE_QKV, what)
 
 
 # How a decode step's SwiGLU runs (decode_swiglu): "separate" (kiln's SwiGLU kernel after the gate_up matmul)
@@ -109,14 +113,10 @@ def decode_swiglu() -> str:
     `KILN_DECODE_SWIGLU=epilogue python bench/infer_overlap.py ...` times whole decode steps with the SwiGLU
     in the gate_up projection's epilogue (one launch and the (N, 2F) round trip less a layer; the same bits)
     without a code change. Where the epilogue does not apply, a step runs as with "separate"
-    (kiln.model.layers.GatedMLP). Off by default until whole steps on the H200 say it pays."""
-    form = os.environ.get("KILN_DECODE_SWIGLU", "") or "separate"
-    if form not in DECODE_SWIGLUS:
-        raise KilnError(
-            f"KILN_DECODE_SWIGLU={form!r} is not one of {', '.join(DECODE_SWIGLUS)}: unset it (or 'separate') "
-            "for kiln's SwiGLU kernel after the gate_up matmul, 'epilogue' to fold it into that matmul"
-        )
-    return form
+    (kiln.model.layers.GatedMLP). Off by default: on the H200 at 49cfa51 whole decode steps with it tied
+    (1.014x at batch 1, 1.005x at 16; docs/perf/inference.md)."""
+    what = "kiln's SwiGLU kernel after the gate_up matmul, 'epilogue' to fold it into that matmul"
+    return _env_form("KILN_DECODE_SWIGLU", DECODE_SWIGLUS, what)
 
 
 @dataclass
