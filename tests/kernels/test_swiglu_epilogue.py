@@ -72,7 +72,7 @@ def _check(x, b, bias, config, *, bit_equal=True):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("M", [1, 5])  # one row, and several in a ragged power-of-two block (the CI's time)
 @pytest.mark.parametrize("config", GEMV, ids=str)
 def test_gemv_bit_equal_to_unfused(config, M, dtype, device):
     # the FMA kernel has no tl.dot: bf16 runs through the interpreter too, and its K sum (elementwise
@@ -84,7 +84,7 @@ def test_gemv_bit_equal_to_unfused(config, M, dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("M", [1, 16])
 @pytest.mark.parametrize("config", DOT, ids=str)
 def test_dot_kernel_bit_equal_to_unfused(config, M, dtype, device):
     # fp16 and fp32: the interpreter's bf16 tl.dot is broken (PLATFORM.md). The interpreter's tl.dot is
