@@ -156,8 +156,8 @@ class Attention(nn.Module):
             and meta.decode
             and meta.batch_shape is None
             and self.q_norm is None
+            and decode_step_fusable(x)  # False under torch.compile: Dynamo need not trace the switch's read
             and decode_qkv() == "fused"
-            and decode_step_fusable(x)
             and self.qkv_proj.decode_fusable(x)
             and qkv_rope_supported(x, self.qkv_proj.weight, kv_cache[0], self.n_heads)
         )
