@@ -1,4 +1,4 @@
-"""The one-token q/k/v projection with RoPE and the paged K/V write in its epilogue (kiln.kernels.qkv_rope):
+"""The one-token q/k/v projection with RoPE and the paged K/V write in its epilogue (kiln.kernels.rope.qkv_rope):
 against float64 (the projection, then rope_kv_write's reference), both pair layouts, with and without bias,
 a K longer than one step and ragged against it, odd head counts; bit-equal to the two kernels it replaces
 (the one-row decode gemv at the same tiles, then rope_kv_write); a padding slot writes nothing; the shapes
@@ -11,8 +11,16 @@ import torch
 
 from kiln.kernels.dispatch import use_backend
 from kiln.kernels.matmul_decode import DecodeConfig, decode_matmul
-from kiln.kernels.qkv_rope import BLOCK_K, PAIRS, STAGES, WARPS, qkv_rope, qkv_rope_ref, qkv_rope_supported
-from kiln.kernels.rope import rope_kv_write
+from kiln.kernels.rope import (
+    QKV_BLOCK_K,
+    QKV_PAIRS,
+    QKV_STAGES,
+    QKV_WARPS,
+    qkv_rope,
+    qkv_rope_ref,
+    qkv_rope_supported,
+    rope_kv_write,
+)
 
 from ._tolerance import assert_close
 
@@ -39,8 +47,9 @@ CASES = [  # K, Hq, Hk, D, page
 ]
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize(
+    "bias,interleaved", [(True, False), (False, True)], ids=["bias-half", "nobias-interleaved"]
+)
 @pytest.mark.parametrize("K,Hq,Hk,D,page", CASES)
 def test_matches_float64(K, Hq, Hk, D, page, bias, interleaved, device):
     x, w, b, cos, sin, rows, kc, vc, slots = _inputs(K, Hq, Hk, D, page, torch.float32, device, K + D, bias)
@@ -70,7 +79,7 @@ def test_bit_equal_to_the_two_kernels(dtype, interleaved, device):
     kc2, vc2 = kc.clone(), vc.clone()
     with use_backend("triton"):
         q = qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, Hq, interleaved=interleaved)
-        cfg = DecodeConfig("gemv", 2 * PAIRS, BLOCK_K, 1, WARPS, STAGES)
+        cfg = DecodeConfig("gemv", 2 * QKV_PAIRS, QKV_BLOCK_K, 1, QKV_WARPS, QKV_STAGES)
         qkv = decode_matmul(x, w.t(), b, config=cfg)
         qs, ks, vs = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
         q2 = rope_kv_write(qs.view(1, Hq, D), ks.view(1, Hk, D), vs.view(1, Hk, D), cos, sin, rows, kc2, vc2,

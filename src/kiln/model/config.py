@@ -85,7 +85,7 @@ def decode_norm() -> str:
 
 
 # How a one-token decode step runs its q/k/v projection (decode_qkv): "separate" (the decode matmul, then
-# kiln.kernels.rope.rope_kv_write) or "fused" (kiln.kernels.qkv_rope: RoPE and the K/V write in the
+# kiln.kernels.rope.rope_kv_write) or "fused" (kiln.kernels.rope.qkv_rope: RoPE and the K/V write in the
 # projection's epilogue)
 DECODE_QKV = ("separate", "fused")
 
@@ -94,7 +94,7 @@ DECODE_QKV = ("separate", "fused")
 def decode_qkv() -> str:
     """The one-token decode step's q/k/v projection form: "separate" (the default) unless KILN_DECODE_QKV
     says "fused" (read once, as KILN_DECODE_NORM is), for A/B timing of whole steps. Where the fused form
-    does not apply (q/k norms, more than one token, prefill, the shapes kiln.kernels.qkv_rope does not
+    does not apply (q/k norms, more than one token, prefill, the shapes kiln.kernels.rope.qkv_rope does not
     take), a step runs as with "separate" (kiln.model.layers.Attention). Off by default: on the H200 at
     49cfa51 whole decode steps with it tied (0.998x at batch 1, 1.002x at 16; docs/perf/inference.md)."""
     what = "the projection then kiln's RoPE + K/V write kernel, 'fused' for the two in one kernel"

@@ -16,9 +16,8 @@ from kiln.kernels.attention import attention, tuning_lengths
 from kiln.kernels.decode_attention import MAX_SPLITS, decode_attention
 from kiln.kernels.layernorm import layernorm
 from kiln.kernels.paged_kv import paged_kv_write
-from kiln.kernels.qkv_rope import qkv_rope, qkv_rope_supported
 from kiln.kernels.rmsnorm import rmsnorm
-from kiln.kernels.rope import apply_rope, rope_kv_write
+from kiln.kernels.rope import apply_rope, qkv_rope, qkv_rope_supported, rope_kv_write
 from kiln.kernels.swiglu import swiglu
 from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.config import KernelConfig, ModelConfig, decode_qkv, decode_swiglu
@@ -146,7 +145,7 @@ class Attention(nn.Module):
         return self.o_proj(y.reshape(N, -1))
 
     def _fused_qkv(self, x: torch.Tensor, rope, meta: AttnMetadata, kv_cache) -> bool:
-        """Whether this step's q/k/v projection, RoPE and K/V write run as one kernel (kiln.kernels.qkv_rope):
+        """Whether this step's q/k/v projection, RoPE and K/V write run as one kernel (kiln.kernels.rope.qkv_rope):
         KILN_DECODE_QKV=fused, a one-token paged decode step with RoPE and no q/k norm, the projection on
         kiln's decode matmul (a plain weight, no hooks) at shapes the kernel takes."""
         return (
