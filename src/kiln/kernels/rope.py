@@ -586,9 +586,7 @@ def rope_kv_write(
 
 
 # ================================================================================================
-# The one-token q/k/v projection with RoPE and the K/V write in its epilogue (qkv_rope).
-#
-# The decode step's q/k/v projection with RoPE and the paged K/V write in its epilogue, for one token.
+# qkv_rope: the decode step's q/k/v projection with RoPE and the paged K/V write in its epilogue, one token.
 #
 # Shapes: x (1, d) the normed hidden state; W (N, d) the merged qkv weight, N = (Hq + 2 Hk) D, rows
 # [0, Hq D) q, then k, then v; bias (N,) or None; cos, sin (R, D/2) and rows (1,) the token's table row;
@@ -602,8 +600,8 @@ def rope_kv_write(
 #
 # The kernel: the one-row gemv (same tiles, loads and float32 accumulation order per output as
 # `decode_matmul` with the config it picks at these shapes, so the projection's values are the same bits),
-# over a permuted set of W's rows: program p takes PAIRS rotation pairs (i, i + D/2) of head h (half-rotated
-# layout; (2i, 2i + 1) interleaved), i.e. 2 PAIRS rows of W. Epilogue: + bias, rounded to x's dtype (the
+# over a permuted set of W's rows: program p takes QKV_PAIRS rotation pairs (i, i + D/2) of head h (half-rotated
+# layout; (2i, 2i + 1) interleaved), i.e. 2 QKV_PAIRS rows of W. Epilogue: + bias, rounded to x's dtype (the
 # projection's output rounding), then in float32 (a, b) -> (a cos - b sin, a sin + b cos) for q and k heads
 # (rope_kv_write's math), rounded, stored into q or the caches; v heads are stored as they are.
 # Reference: `qkv_rope_ref` = matmul_ref + split + rope_kv_write_ref, the ops the model runs without it.
