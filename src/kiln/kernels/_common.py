@@ -45,6 +45,14 @@ def pdl(t: torch.Tensor) -> bool:
     return t.is_cuda and not interpreting() and _pdl_on(t.device.index or 0)
 
 
+def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Triton's allocator for kernels that build tensor descriptors on the device (TMA): 128 bytes of
+    global scratch per descriptor per program, allocated at each launch (under a CUDA-graph capture, from
+    the graph's pool). Set with `triton.set_allocator(tma_scratch)` before such a launch (a context
+    variable, per thread)."""
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
     """First statement of a kernel launched with launch_pdl=PDL, in every program before any load or early

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import tma_scratch
 from kiln.kernels.attention_fwd import (
     _BIG,
     _KEY,
@@ -43,7 +44,6 @@ from kiln.kernels.attention_fwd import (
     _len_key,
     _load_rows,
     _prune,
-    _tma_allocator,
     _tma_ok,
     launch,
 )
@@ -357,7 +357,7 @@ def attention_bwd(
     dv = torch.empty(v4.shape, dtype=v.dtype, device=v.device)
     tma = _tma_ok(q4, k4, v4, do4) if tma is None else tma
     if tma and q.is_cuda:
-        triton.set_allocator(_tma_allocator)
+        triton.set_allocator(tma_scratch)
     flags = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=window is not None, VARLEN=varlen, TMA=tma)
     strides = (
         *q4.stride()[:3],

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import tma_scratch
 from kiln.kernels.attention_ref import LOG2E
 from kiln.kernels.dispatch import interpreting
 from kiln.kernels.launch import cdiv, pow2
@@ -274,11 +275,6 @@ def _as_4d(x: torch.Tensor, varlen: bool) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _tma_allocator(size: int, alignment: int, stream) -> torch.Tensor:
-    # Scratch for tensor descriptors built on the device (128 bytes per descriptor per program).
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def _tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether TMA tensor descriptors can address these (B, T, H, D) tensors: Hopper or newer, 16-byte
     aligned base and strides (a descriptor's requirement)."""
@@ -329,7 +325,7 @@ def attention_fwd(
     lse = torch.empty((B, Hq, Tq), dtype=torch.float32, device=q.device)
     tma = _tma_ok(q4, k4, v4, o) if tma is None else tma
     if tma and q.is_cuda:
-        triton.set_allocator(_tma_allocator)
+        triton.set_allocator(tma_scratch)
     n_prog = len(cu_seqlens) - 1 if varlen else B
     rows = max_seqlen if varlen else Tq
     cu = cu_seqlens.to(torch.int32) if varlen else q4  # a dummy pointer when dense

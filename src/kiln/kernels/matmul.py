@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels import matmul_decode
-from kiln.kernels._common import apply_activation, grouped_tile, needs_grad
+from kiln.kernels._common import apply_activation, grouped_tile, needs_grad, tma_scratch
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv
 
@@ -338,11 +338,6 @@ def _tma_ok(t: torch.Tensor, unit_dim: int) -> bool:
     return t.stride(unit_dim) == 1 and other % 16 == 0 and other > 0 and t.data_ptr() % 16 == 0
 
 
-def _tma_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    # Scratch for tensor descriptors built on the device (128 bytes per descriptor per program).
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
 @dataclass(slots=True)
 class _Plan:
     """How matmul_fwd runs one layout of arguments (everything but the tensors' contents and addresses)."""
@@ -418,7 +413,7 @@ def matmul_fwd(
     c = a.new_empty(M, N) if out is None else out
     pre = a.new_empty(M, N) if plan.store_pre else None
     if plan.tma and a.is_cuda:
-        triton.set_allocator(_tma_alloc)  # a context variable in triton, read at launch (per thread)
+        triton.set_allocator(tma_scratch)  # a context variable in triton, read at launch (per thread)
     # Split-K workspace (the kernel leaves it zeroed): M x N partial sums, then one counter per tile (at
     # most cdiv(M, 16) * cdiv(N, 16) tiles, as BLOCK_M and BLOCK_N are at least 16).
     work = torch.zeros(M * N + cdiv(M, 16) * cdiv(N, 16), device=a.device) if plan.split else c

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import needs_grad
+from kiln.kernels._common import needs_grad, tma_scratch
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 
@@ -416,11 +416,6 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, block_k: int) -> bool | None
     return None
 
 
-def _tma_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    # scratch for the descriptors the TMA kernel builds on the device (128 bytes per descriptor per program)
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
 def grouped_mm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -462,7 +457,7 @@ def grouped_mm(
                 "with K a multiple of BLOCK_K, on an sm_90+ GPU: pass a 5-element config instead"
             )
         if a.is_cuda:
-            triton.set_allocator(_tma_alloc)  # a context variable in triton, read at launch
+            triton.set_allocator(tma_scratch)  # a context variable in triton, read at launch
         tiles = m_tiles * cdiv(N, bn)
         programs = min(tiles, sm_count(a.device))
         _mm_tma_launch[(programs,)](
@@ -547,7 +542,7 @@ def grouped_dw(
                 "GPU: pass a 5-element config instead"
             )
         if dy.is_cuda:
-            triton.set_allocator(_tma_alloc)
+            triton.set_allocator(tma_scratch)
         _dw_tma_launch[grid](
             dy, x, dw, offs, N, K, PRECISION=_precision(x.dtype), BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=br,
             num_warps=warps, num_stages=stages,
