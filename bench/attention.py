@@ -386,8 +386,8 @@ def decode_forms(bench: Bench, rec: dict, c: dict, kiln, k_cache) -> None:
             rec["one_pass_speedup" + key.removesuffix("_ms")] = round(two / one, 3)
 
 
-def config_name(n: int, w: int, s: int, addr32: bool) -> str:
-    return f"{n}x{w}w{s}s" + ("_addr32" if addr32 else "")
+def config_name(n: int, w: int, s: int, addr32: bool, tma: bool = False) -> str:
+    return f"{n}x{w}w{s}s" + ("_addr32" if addr32 else "") + ("_tma" if tma else "")
 
 
 def decode_configs(bench: Bench, rec: dict, tensors) -> None:
@@ -401,13 +401,16 @@ def decode_configs(bench: Bench, rec: dict, tensors) -> None:
     q, kc, vc, table, seq_lens = tensors
     scale = q.shape[-1] ** -0.5
     fns = {}
-    for n, w, s, a in dec.SPLIT_CONFIGS:
-        cfg = dict(BLOCK_N=n, num_warps=w, num_stages=s, ADDR32=a)
+    page = kc.shape[1]
+    for n, w, s, a, t in dec.SPLIT_CONFIGS:
+        if t and n != page:  # a TMA tile is one page: the autotuner prunes the others too
+            continue
+        cfg = dict(BLOCK_N=n, num_warps=w, num_stages=s, ADDR32=a, TMA=t)
 
         def call(cfg=cfg):
             return dec.decode_attention_triton(q, kc, vc, table, seq_lens, scale, None, None, None, cfg)
 
-        fns[f"kiln_split_{config_name(n, w, s, a)}_ms"] = call
+        fns[f"kiln_split_{config_name(n, w, s, a, t)}_ms"] = call
     if not bench.cuda:  # the interpreter: every config runs (num_warps / num_stages mean nothing there)
         want = dec.decode_attention_triton(q, kc, vc, table, seq_lens, scale, None, None, None)
         for key, fn in fns.items():

@@ -413,3 +413,87 @@ def test_decode_addr32_guard_and_pruning(monkeypatch, device):
                                       dict(BLOCK_N=32, num_warps=4, num_stages=1, ADDR32=True))  # fmt: skip
     assert seen == [2]
     assert_close(got, _ref64(q, kc, vc, table, seq_lens, softmax_scale=0.25))
+
+
+# --------------------------------------------------------------------- TMA configs: a page a tile, by descriptor
+def _dead_rows_nan(kc, vc, table, seq_lens, page):
+    """NaN in every cache row no sequence holds (the rest of a last page, the spare pages): what a reused
+    page may hold. The pointer forms never load those rows; the TMA form loads whole pages and must zero
+    them before they meet p = 0."""
+    live = torch.zeros(kc.shape[0] * page, dtype=torch.bool, device=kc.device)
+    for b, n in enumerate(seq_lens.tolist()):
+        t = torch.arange(n, device=kc.device)
+        live[table[b, t // page].long() * page + t % page] = True
+    dead = ~live.view(kc.shape[0], page)
+    kc[dead], vc[dead] = float("nan"), float("nan")
+
+
+@pytest.mark.parametrize(
+    "lens,Hq,Hk,D,page,block_n,splits,window,sinks,form",
+    [
+        ([1, 47, 130, 16], 3, 3, 16, 8, 8, 3, None, False, "two_pass"),  # group 1, a tile a page
+        ([200, 9], 8, 1, 32, 16, 16, 5, 37, True, "one_pass"),  # a window: chunks start inside a page
+        ([75, 300], 6, 2, 64, 32, 64, 1, None, True, "two_pass"),  # chunks of 2 pages, one split
+        ([150, 33], 4, 2, 16, 16, 8, 4, None, False, "two_pass"),  # chunks of half a page
+    ],
+    ids=["gqa1-page8", "window-one-pass", "chunk2pages-single", "chunk-half-page"],
+)
+def test_decode_tma_pages_match_the_reference(
+    lens, Hq, Hk, D, page, block_n, splits, window, sinks, form, device
+):
+    # The TMA configs load one page of one KV head a tile through a tensor descriptor over the cache's rows;
+    # a split's keys may start or end inside a page (a window, chunks not a whole page), and the rows of a
+    # page past the live keys hold NaN here (zeroed before the second dot, as a masked load would).
+    from kiln.kernels.decode_attention import decode_attention_triton
+
+    q, kc, vc, table, seq_lens = _paged(lens, Hq, Hk, D, page, torch.float32, device, seed=70)
+    want = _ref64(q, kc, vc, table, seq_lens, softmax_scale=0.3, window=window,
+                  sinks=torch.randn(Hq, generator=torch.Generator().manual_seed(71)) if sinks else None)  # fmt: skip
+    _dead_rows_nan(kc, vc, table, seq_lens, page)
+    s = torch.randn(Hq, generator=torch.Generator().manual_seed(71)).to(device) if sinks else None
+    cfg = dict(BLOCK_N=block_n, num_warps=4, num_stages=1, TMA=True)
+    got = decode_attention_triton(q, kc, vc, table, seq_lens, 0.3, window, s, splits, cfg, form=form)
+    assert not got.isnan().any()
+    assert_close(got, want)
+    _assert_counters_zero(device)
+
+
+def test_decode_tma_guard_and_pruning():
+    import triton
+
+    ok = dec.tma_pages_ok
+    cache = torch.empty(10, 16, 2, 128, dtype=torch.bfloat16, device="meta")
+    assert ok(cache) and ok(cache[:, :, 1:])  # one head of the cache: its rows are still a page apart
+    assert not ok(cache[::2])  # pages not adjacent: a page's rows are not at page x page-size rows
+    assert not ok(torch.empty(10, 12, 2, 128, device="meta"))  # a page size that is no TMA box
+    assert not ok(torch.empty(10, 16, 2, 128, device="meta").transpose(2, 3))  # D not contiguous
+    cfgs = [triton.Config({"BLOCK_N": n, "ADDR32": False, "TMA": t}, num_warps=4, num_stages=3)
+            for n, t in ((64, False), (16, True), (32, True))]  # fmt: skip
+    assert dec._prune_configs(cfgs, {}, TMA_OK=True, PAGE_SIZE=16) == cfgs[:2]  # a tile is one page
+    assert dec._prune_configs(cfgs, {}, TMA_OK=True, PAGE_SIZE=32) == [cfgs[0], cfgs[2]]
+    assert dec._prune_configs(cfgs, {}, TMA_OK=False, PAGE_SIZE=16) == cfgs[:1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [4, 6])
+def test_gpu_bf16_decode_tma_in_a_cuda_graph(stages):
+    # The engine's launch: Qwen2.5-1.5B heads, page 16, a table 4096 wide, 64 sequences of 1-1100 keys, dead
+    # rows NaN; eager and replayed from a CUDA graph (the descriptors' scratch comes from the graph's pool).
+    from kiln.kernels.decode_attention import decode_attention_triton, num_splits_for
+
+    lens = [1 + (i * 37) % 1100 for i in range(64)]
+    q, kc, vc, table, seq_lens = _wide(lens, 12, 2, 128, 16, 256, torch.bfloat16, "cuda", seed=72)
+    want = _ref64(q, kc, vc, table, seq_lens)
+    _dead_rows_nan(kc, vc, table, seq_lens, 16)
+    assert dec.tma_pages_ok(kc)
+    splits = num_splits_for(64, 2, 4096, dec.sm_count(q.device))
+    cfg = dict(BLOCK_N=16, num_warps=4, num_stages=stages, TMA=True)
+    call = lambda: decode_attention_triton(q, kc, vc, table, seq_lens, 128**-0.5, None, None, splits, cfg)  # noqa: E731
+    eager = call()
+    assert_close(eager, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

@@ -77,7 +77,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import pdl, pdl_prologue
+from kiln.kernels._common import griddep, pdl, pdl_prologue, tma_scratch
 from kiln.kernels.attention import LOG2E, attention_ref
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import cdiv, pow2
@@ -122,27 +122,36 @@ def decode_attention_ref(
 
 
 # ------------------------------------------------------------------------------------ Triton kernels
-# The split kernel's autotuned configs: (BLOCK_N, num_warps, num_stages, ADDR32), with the registers a thread
+# The split kernel's autotuned configs: (BLOCK_N, num_warps, num_stages, ADDR32, TMA), with the registers a thread
 # each takes compiled for sm_90a at the Qwen2.5-1.5B launch (12 / 2 heads x 128, page 16, bf16), two_pass /
 # one_pass form (ptxas -v at the launch's own specialization: tests/kernels/test_decode_sm90.py; none spills;
 # the table in docs/perf/attention.md). At <= 128 registers 4 programs of 4 warps fit an SM (PER_SM's aim);
 # 8 warps at <= 80 fit 3 programs instead of 2. The old three stay so that the H200's autotuner chooses by
 # measurement (bench/attention.py times every config side by side).
+# The TMA configs (BLOCK_N = one page: the others are pruned) load each page's K and V rows of the head as
+# one tensor-descriptor copy, which the pipeliner buffers num_stages deep (the pointer forms hold one tile).
 SPLIT_CONFIGS = (
-    (64, 4, 3, False),  # 123 / 126
-    (64, 4, 4, False),  # 123 / 126 (compiles as 3 stages do: K/V are single-buffered either way)
-    (128, 8, 3, False),  # 95 / 93
-    (64, 4, 3, True),  # 112 / 117
-    (128, 8, 3, True),  # 76 / 80
-    (32, 4, 3, True),  # 80 / 112
+    (64, 4, 3, False, False),  # 123 / 126
+    (64, 4, 4, False, False),  # 123 / 126 (compiles as 3 stages do: K/V are single-buffered either way)
+    (128, 8, 3, False, False),  # 95 / 93
+    (64, 4, 3, True, False),  # 112 / 117
+    (128, 8, 3, True, False),  # 76 / 80
+    (32, 4, 3, True, False),  # 80 / 112
+    (16, 4, 4, False, True),
+    (16, 4, 6, False, True),
+    (16, 4, 8, False, True),
+    (16, 2, 6, False, True),
+    (32, 4, 4, False, True),
+    (32, 4, 6, False, True),
 )
 
 
 def _configs():
     if interpreting():  # one config (PLATFORM.md); the int32 form, whose guard the tests exercise both ways
-        return [triton.Config({"BLOCK_N": 32, "ADDR32": True}, num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK_N": 32, "ADDR32": True, "TMA": False}, num_warps=4, num_stages=1)]
     return [
-        triton.Config({"BLOCK_N": n, "ADDR32": a}, num_warps=w, num_stages=s) for n, w, s, a in SPLIT_CONFIGS
+        triton.Config({"BLOCK_N": n, "ADDR32": a, "TMA": t}, num_warps=w, num_stages=s)
+        for n, w, s, a, t in SPLIT_CONFIGS
     ]
 
 
@@ -157,12 +166,37 @@ def offsets_fit_int32(*caches: torch.Tensor) -> bool:
     return True
 
 
+def tma_pages_ok(cache: torch.Tensor) -> bool:
+    """Whether a (pages, page size, Hk, D) cache can be read a page of one head at a time through a tensor
+    descriptor over its (pages x page size, D) rows of that head: pages contiguous in rows, D contiguous,
+    the row stride and the base 16-byte aligned, a power-of-two page size of 8..256 rows (a TMA box)."""
+    p, r, h, d = cache.shape
+    sp, sr, sh, sd = cache.stride()
+    size = cache.element_size()
+    return (
+        sd == 1
+        and sp == r * sr
+        and (sr * size) % 16 == 0
+        and (sh * size) % 16 == 0
+        and cache.data_ptr() % 16 == 0
+        and 8 <= r <= 256
+        and r & (r - 1) == 0
+    )
+
+
 def _prune_configs(configs, named_args, **kwargs):
-    """The ADDR32 configs compile to the int64 form where the offsets do not fit (FITS32 False): drop them
-    rather than time the same kernel twice."""
-    if kwargs.get("FITS32", True):
-        return configs
-    return [c for c in configs if not c.kwargs.get("ADDR32")]
+    """Drop the configs that would compile to another config's kernel or cannot run: ADDR32 where the
+    offsets do not fit (FITS32 False: the int64 form), TMA where the cache is not TMA-readable (TMA_OK) or
+    the tile is not one page."""
+    fits, tma_ok, page = kwargs.get("FITS32", True), kwargs.get("TMA_OK", False), kwargs.get("PAGE_SIZE")
+    kept = []
+    for c in configs:
+        if c.kwargs.get("ADDR32") and not fits:
+            continue
+        if c.kwargs.get("TMA") and not (tma_ok and c.kwargs["BLOCK_N"] == page):
+            continue
+        kept.append(c)
+    return kept or [c for c in configs if not c.kwargs.get("TMA") and not c.kwargs.get("ADDR32")][:1]
 
 
 def _bench(fn, quantiles):
@@ -212,9 +246,23 @@ def _combine_splits(
              mask=g_ok[:, None])
 
 
+@triton.jit
+def _online_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale):
+    """One tile of the online softmax: q (BLOCK_H, D), k and v (N, D) with t_ok (N,) marking live keys;
+    the running max m_i, sum l_i (BLOCK_H,) and output acc (BLOCK_H, D), all in log2 units."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_H, N)
+    s = tl.where(t_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
 @triton.autotune(
     _configs(),
-    key=["HEAD_DIM", "BLOCK_H", "PAGE_SIZE", "SPLIT_KEY", "ONE_PASS", "FITS32"],
+    key=["HEAD_DIM", "BLOCK_H", "PAGE_SIZE", "SPLIT_KEY", "ONE_PASS", "FITS32", "TMA_OK"],
     prune_configs_by={"early_config_prune": _prune_configs},
     do_bench=_bench,
 )
@@ -227,6 +275,7 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_bt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
     group, window, splits, qk_scale,  # splits: the grid's third dim, fixed on the host
+    cache_rows,  # pages x PAGE_SIZE: the rows of the TMA path's per-head descriptors
     SPLIT_KEY,  # autotuning key only (the split count, capped)
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, WINDOW: tl.constexpr,
     SINGLE: tl.constexpr,  # one split: normalize (with the sinks) and write the final output here
@@ -236,10 +285,18 @@ def _decode_split_kernel(
     FITS32: tl.constexpr,  # every cache element offset fits int32 (offsets_fit_int32, on the host)
     BLOCK_N: tl.constexpr,
     ADDR32: tl.constexpr,  # a config's choice: K/V row offsets in int32 where FITS32 (same loads, fewer registers)
+    TMA_OK: tl.constexpr,  # the caches are TMA-readable a page at a time (tma_pages_ok, on the host)
+    TMA: tl.constexpr,  # a config's choice where TMA_OK: a tile is one page, by TMA (pruned unless BLOCK_N is it)
 ):
+    hk = tl.program_id(1)
+    if TMA and TMA_OK:  # built before the wait: they depend on no earlier kernel
+        # (page x PAGE_SIZE rows, D) of this KV head; a page's rows are contiguous (tma_pages_ok)
+        k_desc = tl.make_tensor_descriptor(K_CACHE + hk * stride_kh, [cache_rows, HEAD_DIM], [stride_kt, 1],
+                                           [PAGE_SIZE, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(V_CACHE + hk * stride_vh, [cache_rows, HEAD_DIM], [stride_vt, 1],
+                                           [PAGE_SIZE, HEAD_DIM])
     pdl_prologue(PDL)
     b = tl.program_id(0)
-    hk = tl.program_id(1)
     split = tl.program_id(2)
     n = tl.load(SEQ_LENS + b)
     first = 0
@@ -270,34 +327,39 @@ def _decode_split_kernel(
     m_i = tl.zeros([BLOCK_H], tl.float32) - 1.0e30  # finite, so an empty split gives l = 0, not NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        t = n0 + offs_n  # (BLOCK_N,) token positions; each row found through its page
-        t_ok = t < hi
-        page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0)  # (BLOCK_N,) int32
-        if ADDR32 and FITS32:
-            # (BLOCK_N,) int32 row offsets from the head's base; the (BLOCK_N, D) offsets stay int32 and only
-            # the final address is 64-bit: the pipelined loop holds 32-bit offsets for the next tile, not
-            # 64-bit pointers (sm_90a: 123 -> 112 registers at 64 keys / 4 warps, 95 -> 76 at 128 / 8)
-            k_off = page * stride_kp + (t % PAGE_SIZE) * stride_kt
-            v_off = page * stride_vp + (t % PAGE_SIZE) * stride_vt
-            k_ptrs = K_CACHE + hk * stride_kh + (k_off[:, None] + offs_d[None, :])  # (BLOCK_N, D)
-            v_ptrs = V_CACHE + hk * stride_vh + (v_off[:, None] + offs_d[None, :])
-        else:  # int64 row pointers, any cache size: the kernel as it was before ADDR32 (the old configs)
-            page64 = page.to(tl.int64)
-            k_rows = K_CACHE + page64 * stride_kp + (t % PAGE_SIZE) * stride_kt + hk * stride_kh
-            v_rows = V_CACHE + page64 * stride_vp + (t % PAGE_SIZE) * stride_vt + hk * stride_vh
-            k_ptrs = k_rows[:, None] + offs_d[None, :]
-            v_ptrs = v_rows[:, None] + offs_d[None, :]
-        k = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)  # (BLOCK_N, D)
-        v = tl.load(v_ptrs, mask=t_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_H, BLOCK_N), log2 units
-        s = tl.where(t_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+    if TMA and TMA_OK:  # one page a tile, from the page holding lo (BLOCK_N aligns the chunks only)
+        offs_p = tl.arange(0, PAGE_SIZE)
+        for p in range(lo // PAGE_SIZE, tl.cdiv(hi, PAGE_SIZE)):
+            page = tl.load(table + p)
+            t = p * PAGE_SIZE + offs_p
+            t_ok = (t >= lo) & (t < hi)
+            k = k_desc.load([page * PAGE_SIZE, 0])  # (PAGE_SIZE, D)
+            # rows past the live keys hold whatever the page held (NaN bits too): zero them, as the
+            # pointer forms' masked loads do, so that p = 0 times them stays 0
+            v = tl.where(t_ok[:, None], v_desc.load([page * PAGE_SIZE, 0]), 0.0)
+            m_i, l_i, acc = _online_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale)
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            t = n0 + offs_n  # (BLOCK_N,) token positions; each row found through its page
+            t_ok = t < hi
+            page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0)  # (BLOCK_N,) int32
+            if ADDR32 and FITS32:
+                # (BLOCK_N,) int32 row offsets from the head's base; the (BLOCK_N, D) offsets stay int32 and only
+                # the final address is 64-bit: the pipelined loop holds 32-bit offsets for the next tile, not
+                # 64-bit pointers (sm_90a: 123 -> 112 registers at 64 keys / 4 warps, 95 -> 76 at 128 / 8)
+                k_off = page * stride_kp + (t % PAGE_SIZE) * stride_kt
+                v_off = page * stride_vp + (t % PAGE_SIZE) * stride_vt
+                k_ptrs = K_CACHE + hk * stride_kh + (k_off[:, None] + offs_d[None, :])  # (BLOCK_N, D)
+                v_ptrs = V_CACHE + hk * stride_vh + (v_off[:, None] + offs_d[None, :])
+            else:  # int64 row pointers, any cache size: the kernel as it was before ADDR32 (the old configs)
+                page64 = page.to(tl.int64)
+                k_rows = K_CACHE + page64 * stride_kp + (t % PAGE_SIZE) * stride_kt + hk * stride_kh
+                v_rows = V_CACHE + page64 * stride_vp + (t % PAGE_SIZE) * stride_vt + hk * stride_vh
+                k_ptrs = k_rows[:, None] + offs_d[None, :]
+                v_ptrs = v_rows[:, None] + offs_d[None, :]
+            k = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)  # (BLOCK_N, D)
+            v = tl.load(v_ptrs, mask=t_ok[:, None], other=0.0)
+            m_i, l_i, acc = _online_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale)
     if SINGLE:  # o = acc 2^(m_i - m) / (l_i 2^(m_i - m) + 2^(sink - m)), m = max(m_i, sink)
         denom = l_i
         if SINK:
@@ -425,8 +487,8 @@ def decode_attention_triton(
     config=None,
     form=None,
 ):
-    """config (sweeps): a dict of the split kernel's BLOCK_N, num_warps, num_stages (and ADDR32, False when
-    absent), plus optionally `per_sm` and `align` for the split count, used instead of autotuning and the
+    """config (sweeps): a dict of the split kernel's BLOCK_N, num_warps, num_stages (and ADDR32 and TMA, False
+    when absent; TMA where the caches allow it and BLOCK_N is the page size), plus optionally `per_sm` and `align` for the split count, used instead of autotuning and the
     defaults. form: see
     `decode_attention` (checked there; None: default_form())."""
     B, Hq, D = q.shape
@@ -454,18 +516,24 @@ def decode_attention_triton(
     sink_arg = sinks if sinks is not None else q
     counters = split_counters(q.device, B * Hk) if one_pass else seq_lens  # else a dummy, never touched
     # fmt: off
+    # TMA: Hopper on (sm_90+, as griddepcontrol), or the interpreter (which runs it for the tests)
+    tma_ok = (interpreting() or q.is_cuda and griddep(q.device.index or 0)) and tma_pages_ok(k_cache) and \
+        tma_pages_ok(v_cache)
     if config:  # an explicit config: no autotuning; without ADDR32 the int64 form (the sweeps' kernel)
         config.setdefault("ADDR32", False)
+        config.setdefault("TMA", False)
+    if tma_ok and q.is_cuda:
+        triton.set_allocator(tma_scratch)  # descriptors built on the device (a context variable, read at launch)
     split_kernel = _decode_split_kernel.fn if config else _decode_split_kernel
     split_kernel[(B, Hk, splits)](
         q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, sink_arg, out, counters,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
         *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        group, window or 0, splits, softmax_scale * LOG2E, pow2(splits),
+        group, window or 0, splits, softmax_scale * LOG2E, k_cache.shape[0] * page_size, pow2(splits),
         HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, pow2(group)), WINDOW=window is not None,
         SINGLE=single, ONE_PASS=one_pass, GROUP_P=pow2(group),
         SPLIT_STEP=min(pow2(splits), combine_step(group, D)), SINK=sinks is not None, PDL=use_pdl,
-        FITS32=offsets_fit_int32(k_cache, v_cache), launch_pdl=use_pdl, **config,
+        FITS32=offsets_fit_int32(k_cache, v_cache), TMA_OK=tma_ok, launch_pdl=use_pdl, **config,
     )
     if single or one_pass:
         return out

@@ -1,0 +1,202 @@
+"""Experiment: decode attention's split count and tile config at an engine's decode shapes, as a step runs it.
+
+    python bench/experiments/decode_attn_sweep.py --out /tmp/decode_attn_sweep.json   # H200, ~2 min
+    python bench/experiments/decode_attn_sweep.py --smoke                             # CPU: the plumbing
+
+Qwen2.5-1.5B's attention (12 query / 2 KV heads of 128, bf16, pages of 16, a block table --width tokens
+wide as a captured graph passes) at each batch in --batches, every sequence --context keys long. One
+candidate = a split count (`per_sm` (sequence, KV head, split) programs an SM) x a split-kernel config
+(decode_attention.SPLIT_CONFIGS, the TMA ones included); each is a CUDA graph of --layers calls over as many
+separate caches (a decode step's worth), replayed after a read-only 512 MB flush (the L2 then holds no
+K/V and no dirty lines, as in a step, whose weights stream through L2 between layers), candidates
+interleaved in --rounds rounds in a fresh random order. Beside them, in the same rounds:
+- `autotuned_padding`: the autotuner's pick when it tunes on one key a sequence, as the engine's graph
+  capture runs it today (its padding rows), at the default split count;
+- `autotuned_live`: the autotuner's pick tuned on this workload, at the default split count;
+- `sdpa_dense`: SDPA over dense contiguous (B, Hk, L, D) copies of the same caches (the peer).
+Figures: us a layer, K/V TB/s, and the fraction of the copy bandwidth measured in the run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import random
+import statistics
+
+import torch
+
+from kiln.kernels import decode_attention as dec
+from kiln.kernels.dispatch import use_backend
+from kiln.profile.ceilings import fraction
+from kiln.profile.harness import BenchRun, bench_parser, format_table
+
+HQ, HK, D, PAGE = 12, 2, 128, 16
+
+
+def caches(B: int, L: int, width: int, layers: int, dev, dtype, seed: int = 0):
+    """`layers` (k, v) page pools, one block table (B, width / PAGE) of shuffled pages (the live ones first),
+    the query and the lengths."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    live = -(-L // PAGE)
+    pool = B * live + 1
+    table = torch.zeros(B, width // PAGE, dtype=torch.int32, device=dev)
+    table[:, :live] = (
+        torch.randperm(pool - 1, device=dev, generator=g)[: B * live].view(B, live).to(torch.int32)
+    )
+    kv = [
+        tuple(torch.randn(pool, PAGE, HK, D, device=dev, dtype=dtype, generator=g) for _ in range(2))
+        for _ in range(layers)
+    ]
+    q = torch.randn(B, HQ, D, device=dev, dtype=dtype, generator=g)
+    return q, kv, table, torch.full((B,), L, dtype=torch.int32, device=dev)
+
+
+def name(per_sm: int, cfg: tuple) -> str:
+    n, w, s, a, t = cfg
+    return f"ps{per_sm}_{n}x{w}w{s}s" + ("_addr32" if a else "") + ("_tma" if t else "")
+
+
+def flushed_ms(graphs: dict, rounds: int, reps: int, cuda: bool) -> dict:
+    """{name: median ms} of each graph's replay after a read-only L2 flush, interleaved over rounds."""
+    if not cuda:
+        return {k: None for k in graphs}
+    flush = torch.ones(2**28, dtype=torch.bfloat16, device="cuda")  # 512 MB, read by a sum
+    times = {k: [] for k in graphs}
+    order = list(graphs)
+    rng = random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for k in order:
+            ev = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(reps)
+            ]
+            for a, b in ev:
+                flush.sum()
+                a.record()
+                graphs[k].replay()
+                b.record()
+            torch.cuda.synchronize()
+            times[k] += [a.elapsed_time(b) for a, b in ev]
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def capture(calls: list, cuda: bool):
+    for c in calls:
+        c()
+    if not cuda:
+        return None
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    return graph
+
+
+def sweep_batch(run, args, B: int, per_sms: list, configs: list, copy, dtype) -> list[dict]:
+    """Every candidate at batch B (module doc), timed interleaved: one row each."""
+    dev, cuda = run.device, run.device.type == "cuda"
+    scale = D**-0.5
+    rows = []
+    q, kv, table, lens = caches(B, args.context, args.width, args.layers, dev, dtype)
+    kv_bytes = 2 * B * args.context * HK * D * q.element_size()  # a layer's K and V
+    graphs, meta = {}, {}
+    for per_sm in per_sms:
+        splits = dec.num_splits_for(B, HK, args.width, dec.sm_count(dev), per_sm)
+        for cfg in configs:
+            n, w, s, a, t = cfg
+            if t and n != PAGE:
+                continue
+            c = dict(BLOCK_N=n, num_warps=w, num_stages=s, ADDR32=a, TMA=t)
+            calls = [
+                lambda k=k, v=v, c=c, sp=splits: dec.decode_attention_triton(
+                    q, k, v, table, lens, scale, None, None, sp, c
+                )
+                for k, v in kv
+            ]
+            key = name(per_sm, cfg)
+            try:
+                graphs[key] = capture(calls, cuda)
+                meta[key] = dict(per_sm=per_sm, splits=splits, config=c)
+            except Exception as e:  # noqa: BLE001 - one failing candidate must not end the run
+                run.log(f"  B={B} {key}: {type(e).__name__}: {str(e)[:200]}")
+    default_splits = dec.num_splits_for(B, HK, args.width, dec.sm_count(dev))
+    pad = torch.ones_like(lens)  # the engine's graph-capture padding: one key a sequence
+    for key, tune_lens in (("autotuned_padding", pad), ("autotuned_live", lens)):
+        dec._decode_split_kernel.cache.clear()
+        with use_backend("triton"):
+            dec.decode_attention(q, *kv[0], table, tune_lens)  # tunes on these lengths
+        calls = [lambda k=k, v=v: dec.decode_attention(q, k, v, table, lens) for k, v in kv]
+        with use_backend("triton"):
+            graphs[key] = capture(calls, cuda)
+        meta[key] = dict(
+            splits=default_splits, config=str(getattr(dec._decode_split_kernel, "best_config", ""))
+        )
+    if cuda:
+        dense = [
+            tuple(c[table[:, : -(-args.context // PAGE)].long()].reshape(B, -1, HK, D)[:, : args.context]
+                  .transpose(1, 2).contiguous() for c in pair)
+            for pair in kv
+        ]  # fmt: skip
+        qd = q[:, :, None]
+        sdpa = [lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(qd, k, v, enable_gqa=True)
+                for k, v in dense]  # fmt: skip
+        graphs["sdpa_dense"] = capture(sdpa, cuda)
+        meta["sdpa_dense"] = {}
+    ms = flushed_ms(graphs, args.rounds, args.reps, cuda)
+    for key, t in ms.items():
+        us = t * 1e3 / args.layers if t else None
+        tbps = kv_bytes / (us * 1e-6) / 1e12 if us else None
+        rows.append(dict(B=B, context=args.context, candidate=key, **meta[key],
+                         us_per_layer=round(us, 2) if us else None, TBps=round(tbps, 3) if tbps else None,
+                         frac_copy=fraction(tbps, copy)))  # fmt: skip
+    best = min(
+        (r for r in rows if r["B"] == B and r["us_per_layer"]),
+        key=lambda r: r["us_per_layer"],
+        default=None,
+    )
+    run.log(f"B={B}: best {best and best['candidate']} {best and best['us_per_layer']} us/layer; "
+            f"padding-tuned {ms.get('autotuned_padding')}, live-tuned {ms.get('autotuned_live')}, "
+            f"sdpa {ms.get('sdpa_dense')} ms for {args.layers} layers")  # fmt: skip
+    return rows
+
+
+def main() -> int:
+    ap = bench_parser("decode_attn_sweep", __doc__)
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--per-sm", default="1,2,3,4,6,8")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    run = BenchRun("decode_attn_sweep", __file__, args)
+    cuda = run.device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    batches = [int(b) for b in args.batches.split(",")]
+    per_sms = [int(p) for p in args.per_sm.split(",")]
+    configs = list(dec.SPLIT_CONFIGS)
+    if run.smoke:
+        batches, per_sms, args.layers, args.context, args.width = [2], [1, 4], 2, 40, 128
+        configs = [c for c in configs if c[0] in (16, 32)][:2]
+    copy = run.ceilings.get("copy_TBps")
+    rows = []
+    for B in batches:
+        rows += sweep_batch(run, args, B, per_sms, configs, copy, dtype)
+        if cuda:
+            torch.cuda.empty_cache()
+    cols = [(c, c) for c in ("B", "candidate", "splits", "us_per_layer", "TBps", "frac_copy")]
+    print(format_table([r for r in rows if not r["candidate"].startswith("ps") or r["us_per_layer"]], cols))
+    run.write(rows=rows, args=vars(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
