@@ -4,7 +4,7 @@
     python bench/experiments/decode_attn_sweep.py --smoke                             # CPU: the plumbing
 
 Qwen2.5-1.5B's attention (12 query / 2 KV heads of 128, bf16, pages of 16, a block table --width tokens
-wide as a captured graph passes) at each batch in --batches, every sequence --context keys long. One
+wide as a captured graph passes) at each batch in --batches, every sequence --contexts keys long. One
 candidate = a split count (`per_sm` (sequence, KV head, split) programs an SM) x a split-kernel config
 (decode_attention.SPLIT_CONFIGS, the TMA ones included); each is a CUDA graph of --layers calls over as many
 separate caches (a decode step's worth), replayed after a read-only 512 MB flush (the L2 then holds no
@@ -25,6 +25,7 @@ import sys
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import itertools
 import random
 import statistics
 
@@ -99,33 +100,35 @@ def capture(calls: list, cuda: bool):
     return graph
 
 
-def sweep_batch(run, args, B: int, per_sms: list, configs: list, copy, dtype) -> list[dict]:
-    """Every candidate at batch B (module doc), timed interleaved: one row each."""
+def sweep_batch(run, args, B: int, L: int, per_sms: list, configs: list, copy, dtype) -> list[dict]:
+    """Every candidate at batch B, L keys a sequence (module doc), timed interleaved: one row each."""
     dev, cuda = run.device, run.device.type == "cuda"
     scale = D**-0.5
     rows = []
-    q, kv, table, lens = caches(B, args.context, args.width, args.layers, dev, dtype)
-    kv_bytes = 2 * B * args.context * HK * D * q.element_size()  # a layer's K and V
+    q, kv, table, lens = caches(B, L, args.width, args.layers, dev, dtype)
+    kv_bytes = 2 * B * L * HK * D * q.element_size()  # a layer's K and V
     graphs, meta = {}, {}
-    for per_sm in per_sms:
+    layouts = {"": kv}
+    if args.head_major:  # the same values in (pages, Hk, page, D) buffers, viewed as (pages, page, Hk, D)
+        layouts["hm_"] = [tuple(c.transpose(1, 2).contiguous().transpose(1, 2) for c in pair) for pair in kv]
+    for (prefix, kvs), per_sm, cfg in itertools.product(layouts.items(), per_sms, configs):
         splits = dec.num_splits_for(B, HK, args.width, dec.sm_count(dev), per_sm)
-        for cfg in configs:
-            n, w, s, a, t = cfg
-            if t and n != PAGE:
-                continue
-            c = dict(BLOCK_N=n, num_warps=w, num_stages=s, ADDR32=a, TMA=t)
-            calls = [
-                lambda k=k, v=v, c=c, sp=splits: dec.decode_attention_triton(
-                    q, k, v, table, lens, scale, None, None, sp, c
-                )
-                for k, v in kv
-            ]
-            key = name(per_sm, cfg)
-            try:
-                graphs[key] = capture(calls, cuda)
-                meta[key] = dict(per_sm=per_sm, splits=splits, config=c)
-            except Exception as e:  # noqa: BLE001 - one failing candidate must not end the run
-                run.log(f"  B={B} {key}: {type(e).__name__}: {str(e)[:200]}")
+        n, w, s, a, t = cfg
+        if (t and n != PAGE) or (prefix and t):
+            continue
+        c = dict(BLOCK_N=n, num_warps=w, num_stages=s, ADDR32=a, TMA=t)
+        calls = [
+            lambda k=k, v=v, c=c, sp=splits: dec.decode_attention_triton(
+                q, k, v, table, lens, scale, None, None, sp, c
+            )
+            for k, v in kvs
+        ]
+        key = prefix + name(per_sm, cfg)
+        try:
+            graphs[key] = capture(calls, cuda)
+            meta[key] = dict(per_sm=per_sm, splits=splits, config=c)
+        except Exception as e:  # noqa: BLE001 - one failing candidate must not end the run
+            run.log(f"  B={B} {key}: {type(e).__name__}: {str(e)[:200]}")
     default_splits = dec.num_splits_for(B, HK, args.width, dec.sm_count(dev))
     pad = torch.ones_like(lens)  # the engine's graph-capture padding: one key a sequence
     for key, tune_lens in (("autotuned_padding", pad), ("autotuned_live", lens)):
@@ -140,7 +143,7 @@ def sweep_batch(run, args, B: int, per_sms: list, configs: list, copy, dtype) ->
         )
     if cuda:
         dense = [
-            tuple(c[table[:, : -(-args.context // PAGE)].long()].reshape(B, -1, HK, D)[:, : args.context]
+            tuple(c[table[:, : -(-L // PAGE)].long()].reshape(B, -1, HK, D)[:, : L]
                   .transpose(1, 2).contiguous() for c in pair)
             for pair in kv
         ]  # fmt: skip
@@ -153,7 +156,7 @@ def sweep_batch(run, args, B: int, per_sms: list, configs: list, copy, dtype) ->
     for key, t in ms.items():
         us = t * 1e3 / args.layers if t else None
         tbps = kv_bytes / (us * 1e-6) / 1e12 if us else None
-        rows.append(dict(B=B, context=args.context, candidate=key, **meta[key],
+        rows.append(dict(B=B, context=L, candidate=key, **meta[key],
                          us_per_layer=round(us, 2) if us else None, TBps=round(tbps, 3) if tbps else None,
                          frac_copy=fraction(tbps, copy)))  # fmt: skip
     best = min(
@@ -161,7 +164,7 @@ def sweep_batch(run, args, B: int, per_sms: list, configs: list, copy, dtype) ->
         key=lambda r: r["us_per_layer"],
         default=None,
     )
-    run.log(f"B={B}: best {best and best['candidate']} {best and best['us_per_layer']} us/layer; "
+    run.log(f"B={B} L={L}: best {best and best['candidate']} {best and best['us_per_layer']} us/layer; "
             f"padding-tuned {ms.get('autotuned_padding')}, live-tuned {ms.get('autotuned_live')}, "
             f"sdpa {ms.get('sdpa_dense')} ms for {args.layers} layers")  # fmt: skip
     return rows
@@ -170,11 +173,14 @@ def sweep_batch(run, args, B: int, per_sms: list, configs: list, copy, dtype) ->
 def main() -> int:
     ap = bench_parser("decode_attn_sweep", __doc__)
     ap.add_argument("--batches", default="1,8,32,64,128")
-    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--contexts", default="1024", help="live keys a sequence, comma-separated")
+    ap.add_argument("--configs", default="", help="config names to keep (e.g. 32x4w3s_addr32); all if empty")
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--per-sm", default="1,2,3,4,6,8")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--max-tokens", type=int, default=262144, help="skip batch x context above this")
+    ap.add_argument("--head-major", action="store_true", help="also time each candidate on head-major pages")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     run = BenchRun("decode_attn_sweep", __file__, args)
@@ -183,13 +189,18 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     per_sms = [int(p) for p in args.per_sm.split(",")]
     configs = list(dec.SPLIT_CONFIGS)
+    if args.configs:
+        keep = args.configs.split(",")
+        configs = [c for c in configs if name(0, c).split("_", 1)[1] in keep]
+    contexts = [int(c) for c in args.contexts.split(",")]
     if run.smoke:
-        batches, per_sms, args.layers, args.context, args.width = [2], [1, 4], 2, 40, 128
+        batches, per_sms, args.layers, contexts, args.width = [2], [1, 4], 2, [40], 128
         configs = [c for c in configs if c[0] in (16, 32)][:2]
     copy = run.ceilings.get("copy_TBps")
     rows = []
-    for B in batches:
-        rows += sweep_batch(run, args, B, per_sms, configs, copy, dtype)
+    for L in contexts:
+        for B in [b for b in batches if b * L <= args.max_tokens]:
+            rows += sweep_batch(run, args, B, L, per_sms, configs, copy, dtype)
         if cuda:
             torch.cuda.empty_cache()
     cols = [(c, c) for c in ("B", "candidate", "splits", "us_per_layer", "TBps", "frac_copy")]
