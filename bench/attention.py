@@ -23,8 +23,8 @@ that leaves it clean (Bench.clean_ms); the eager time is recorded too. Decode's 
 side by side on every decode row, their graphs replayed interleaved (kiln_two_pass_* / kiln_one_pass_*,
 one_pass_speedup* = two_pass time / one_pass time), and on the Qwen rows also as a graph of 28 calls over 28
 separate caches, a decode step's worth of layers (kiln_<form>_stack_us_per_call). kiln_* is the default form.
-The split kernel's autotuned configs (old int64 addressing and the ADDR32 ones) are also timed one by one,
-side by side (kiln_split_<config>_TBps; the "decode split configs" table).
+The split kernel's configs (decode_attention.SPLIT_CONFIGS: int64 and int32 addressing, TMA pages) are also
+timed one by one, side by side (kiln_split_<config>_TBps; the "decode split configs" table).
 
 Every case is independent: an error is recorded in the JSON for that case and the run continues.
 """
@@ -309,8 +309,9 @@ def decode_case(bench: Bench, c: dict, rec: dict, dev: str, dtype) -> None:
     ms = bench.measure(rec, "kiln_ms", kiln, graph=True)
     from kiln.kernels import decode_attention as dec
 
-    rec["kiln_config"] = str(getattr(dec._decode_split_kernel, "best_config", None))
-    rec["kiln_splits"] = dec.num_splits_for(B, Hk, table.shape[1] * page, dec.sm_count(q.device))
+    rec["kiln_splits"], rec["kiln_config"] = dec.split_plan(
+        B, Hk, table.shape[1] * page, dec.sm_count(q.device)
+    )
     if ms:
         rec["kiln_TBps"] = round(kv_bytes / ms / 1e9, 3)
         rec["kiln_frac_copy"] = fraction(rec["kiln_TBps"], bench.copy_tbps)

@@ -10,9 +10,9 @@ candidate = a split count (`per_sm` (sequence, KV head, split) programs an SM) x
 separate caches (a decode step's worth), replayed after a read-only 512 MB flush (the L2 then holds no
 K/V and no dirty lines, as in a step, whose weights stream through L2 between layers), candidates
 interleaved in --rounds rounds in a fresh random order. Beside them, in the same rounds:
-- `autotuned_padding`: the autotuner's pick when it tunes on one key a sequence, as the engine's graph
-  capture runs it today (its padding rows), at the default split count;
-- `autotuned_live`: the autotuner's pick tuned on this workload, at the default split count;
+- `default`: decode_attention as the engine calls it (decode_attention.split_plan's count and config; until
+  the rule, an autotuner's pick, timed on the engine's one-key padding rows: `autotuned_padding` in the
+  results of that code, and `autotuned_live` tuned on the workload);
 - `sdpa_dense`: SDPA over dense contiguous (B, Hk, L, D) copies of the same caches (the peer).
 Figures: us a layer, K/V TB/s, and the fraction of the copy bandwidth measured in the run.
 """
@@ -129,18 +129,11 @@ def sweep_batch(run, args, B: int, L: int, per_sms: list, configs: list, copy, d
             meta[key] = dict(per_sm=per_sm, splits=splits, config=c)
         except Exception as e:  # noqa: BLE001 - one failing candidate must not end the run
             run.log(f"  B={B} {key}: {type(e).__name__}: {str(e)[:200]}")
-    default_splits = dec.num_splits_for(B, HK, args.width, dec.sm_count(dev))
-    pad = torch.ones_like(lens)  # the engine's graph-capture padding: one key a sequence
-    for key, tune_lens in (("autotuned_padding", pad), ("autotuned_live", lens)):
-        dec._decode_split_kernel.cache.clear()
-        with use_backend("triton"):
-            dec.decode_attention(q, *kv[0], table, tune_lens)  # tunes on these lengths
-        calls = [lambda k=k, v=v: dec.decode_attention(q, k, v, table, lens) for k, v in kv]
-        with use_backend("triton"):
-            graphs[key] = capture(calls, cuda)
-        meta[key] = dict(
-            splits=default_splits, config=str(getattr(dec._decode_split_kernel, "best_config", ""))
-        )
+    splits, plan = dec.split_plan(B, HK, args.width, dec.sm_count(dev))
+    calls = [lambda k=k, v=v: dec.decode_attention(q, k, v, table, lens) for k, v in kv]
+    with use_backend("triton"):
+        graphs["default"] = capture(calls, cuda)
+    meta["default"] = dict(splits=splits, config=plan)
     if cuda:
         dense = [
             tuple(c[table[:, : -(-L // PAGE)].long()].reshape(B, -1, HK, D)[:, : L]
@@ -165,7 +158,7 @@ def sweep_batch(run, args, B: int, L: int, per_sms: list, configs: list, copy, d
         default=None,
     )
     run.log(f"B={B} L={L}: best {best and best['candidate']} {best and best['us_per_layer']} us/layer; "
-            f"padding-tuned {ms.get('autotuned_padding')}, live-tuned {ms.get('autotuned_live')}, "
+            f"default {ms.get('default')}, "
             f"sdpa {ms.get('sdpa_dense')} ms for {args.layers} layers")  # fmt: skip
     return rows
 

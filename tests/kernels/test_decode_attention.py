@@ -196,6 +196,20 @@ def test_decode_live_chunks_on_a_wide_table(num_splits, window, sinks, form, dev
     _assert_counters_zero(device)
 
 
+def test_split_plan_regimes():
+    # The measured rule (module doc): below FILL x SMs (sequence, KV head) pairs, ~4 programs an SM in 32-key
+    # tiles; from there ~1 an SM in 64-key tiles, int32 offsets in both; plan_batches has one batch of each.
+    plan = dec.split_plan
+    assert plan(1, 2, 4096, 132) == (32, dict(BLOCK_N=32, num_warps=4, num_stages=3, ADDR32=True, TMA=False))
+    assert plan(48, 2, 4096, 132)[0] == 6  # 96 pairs < 0.9 x 132: cdiv(4 x 132, 96)
+    assert plan(64, 2, 4096, 132) == (2, dict(BLOCK_N=64, num_warps=4, num_stages=3, ADDR32=True, TMA=False))
+    assert plan(128, 2, 4096, 132)[0] == 1  # 256 pairs fill the SMs: one split, no reduction
+    assert plan(64, 2, 100, 132)[0] == 1  # one chunk of capacity
+    few, fill = dec.plan_batches(2, 132)
+    assert plan(few, 2, 4096, 132)[1]["BLOCK_N"] == 32 and plan(fill, 2, 4096, 132)[1]["BLOCK_N"] == 64
+    assert plan(fill - 1, 2, 4096, 132)[1]["BLOCK_N"] == 32
+
+
 def test_decode_split_count_follows_the_gpu_and_capacity():
     from kiln.kernels.decode_attention import num_splits_for
 
@@ -391,21 +405,16 @@ def test_decode_addr32_is_bitwise_the_int64_form(
     _assert_counters_zero(device)
 
 
-def test_decode_addr32_guard_and_pruning(monkeypatch, device):
-    import triton
-
+def test_decode_addr32_guard(monkeypatch, device):
     # offsets_fit_int32 is shape/stride arithmetic (meta tensors: no memory): the largest element offset of a
-    # cache must be below 2^31. Where it is not, the autotuner drops the ADDR32 configs, and an explicit
-    # ADDR32 config runs the int64 form (FITS32 False reaches the kernel).
+    # cache must be below 2^31. Where it is not, an ADDR32 config (split_plan's, or an explicit one) runs
+    # the int64 form (FITS32 False reaches the kernel).
     fits = dec.offsets_fit_int32
     pages = 2**31 // (16 * 2 * 128)  # offsets up to 2^31 - 1 exactly
     assert fits(torch.empty(pages, 16, 2, 128, device="meta"))
     big = torch.empty(pages + 1, 16, 2, 128, device="meta")
     assert not fits(big) and not fits(torch.empty(4, 16, 2, 128, device="meta"), big)  # every cache counts
     assert not fits(big[:, :, :1])  # a view: its strides count, not its size
-    cfgs = [triton.Config({"BLOCK_N": 64, "ADDR32": a}, num_warps=4, num_stages=3) for a in (False, True)]
-    assert dec._prune_configs(cfgs, {}, FITS32=True) == cfgs
-    assert dec._prune_configs(cfgs, {}, FITS32=False) == cfgs[:1]
     seen = []
     monkeypatch.setattr(dec, "offsets_fit_int32", lambda *c: seen.append(len(c)) or False)
     q, kc, vc, table, seq_lens = _paged([70, 3], 4, 2, 16, 8, torch.float32, device, seed=62)
@@ -458,20 +467,13 @@ def test_decode_tma_pages_match_the_reference(
     _assert_counters_zero(device)
 
 
-def test_decode_tma_guard_and_pruning():
-    import triton
-
+def test_decode_tma_guard():
     ok = dec.tma_pages_ok
     cache = torch.empty(10, 16, 2, 128, dtype=torch.bfloat16, device="meta")
     assert ok(cache) and ok(cache[:, :, 1:])  # one head of the cache: its rows are still a page apart
     assert not ok(cache[::2])  # pages not adjacent: a page's rows are not at page x page-size rows
     assert not ok(torch.empty(10, 12, 2, 128, device="meta"))  # a page size that is no TMA box
     assert not ok(torch.empty(10, 16, 2, 128, device="meta").transpose(2, 3))  # D not contiguous
-    cfgs = [triton.Config({"BLOCK_N": n, "ADDR32": False, "TMA": t}, num_warps=4, num_stages=3)
-            for n, t in ((64, False), (16, True), (32, True))]  # fmt: skip
-    assert dec._prune_configs(cfgs, {}, TMA_OK=True, PAGE_SIZE=16) == cfgs[:2]  # a tile is one page
-    assert dec._prune_configs(cfgs, {}, TMA_OK=True, PAGE_SIZE=32) == [cfgs[0], cfgs[2]]
-    assert dec._prune_configs(cfgs, {}, TMA_OK=False, PAGE_SIZE=16) == cfgs[:1]
 
 
 @pytest.mark.gpu

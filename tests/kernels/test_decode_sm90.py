@@ -105,7 +105,7 @@ class Caught(Exception):
 
 def launch_args(cfg, form, B=64, Hq=12, Hk=2, D=128, page=16, width=256, L=1100):
     # the H200's launch: B x 1100 live keys in a table 4096 wide, 5 splits (num_splits_for at 132 SMs), PDL
-    fn, got = da._decode_split_kernel.fn, {}
+    fn, got = da._decode_split_kernel, {}
 
     def run(*args, grid, warmup, **kw):
         got.update(args=args, kw=kw)
@@ -130,7 +130,7 @@ def launch_args(cfg, form, B=64, Hq=12, Hk=2, D=128, page=16, width=256, L=1100)
 
 def resources(args, kw):
     # Triton's own launch path (triton/runtime/jit.py: the binder, then _pack_args), compiled for sm_90a
-    fn = da._decode_split_kernel.fn
+    fn = da._decode_split_kernel
     backend = make_backend(TARGET)
     bound, spec, opts = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kw)
     options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, spec, opts)

@@ -58,8 +58,17 @@ empty (H200: 7.6 us a layer at batch 1, 16.4 us at batch 64, docs/perf/inference
 Where one split suffices (B x Hk programs fill the GPU, or the capacity is a single chunk), the split
 kernel writes the final output itself (sinks included) and the reduction is not launched.
 
+The split count and the tile config come from one measured rule (`split_plan`), not from an autotuner: the
+engine captures its decode graphs with padding rows of one key each, so a tuner timing those launches chose
+among configs by noise (on the H200 that pick ran 0.65-0.89x as fast as the rule's at 64-256 sequences,
+bench/results/decode_attn_sweep.json). The rule, from a sweep of split counts x configs at 1-256 sequences
+of 256-4096 keys (Qwen2.5-1.5B's 12 / 2 heads, 28-layer graphs): while the (sequence, KV head) pairs
+number fewer than the SMs, about 4 programs an SM with 32-key tiles; once they fill the SMs, about one
+program per SM holding each split's keys in 64-key tiles (fewer, longer chunks: 0.65-0.89x the time of 4
+an SM at 64-128 sequences of 256-1024 keys), both with int32 row offsets.
+
 Measured on the H200 and not kept (bench/sweep_attention.py, batch 1 x 64k): split counts of 1-8
-programs per SM (4 is best; fewer cannot keep enough loads in flight per SM), page indices loaded a
+programs per SM (4 is best there; fewer cannot keep enough loads in flight per SM), page indices loaded a
 tile ahead (up to 16% slower: the compiler already pipelines the table load with the K/V loads), and
 the reduction as a programmatic dependent launch (no gain within noise at that 80-us size; PDL on every
 decode kernel later took the batch-1 step from 1.43 to 1.34 ms, docs/perf/inference.md). The reduction in
@@ -122,37 +131,31 @@ def decode_attention_ref(
 
 
 # ------------------------------------------------------------------------------------ Triton kernels
-# The split kernel's autotuned configs: (BLOCK_N, num_warps, num_stages, ADDR32, TMA), with the registers a thread
-# each takes compiled for sm_90a at the Qwen2.5-1.5B launch (12 / 2 heads x 128, page 16, bf16), two_pass /
-# one_pass form (ptxas -v at the launch's own specialization: tests/kernels/test_decode_sm90.py; none spills;
-# the table in docs/perf/attention.md). At <= 128 registers 4 programs of 4 warps fit an SM (PER_SM's aim);
-# 8 warps at <= 80 fit 3 programs instead of 2. The old three stay so that the H200's autotuner chooses by
-# measurement (bench/attention.py times every config side by side).
-# The TMA configs (BLOCK_N = one page: the others are pruned) load each page's K and V rows of the head as
-# one tensor-descriptor copy, which the pipeliner buffers num_stages deep (the pointer forms hold one tile).
+# The split kernel's configs that the sweeps time (bench/attention.py, bench/experiments/decode_attn_sweep.py):
+# (BLOCK_N, num_warps, num_stages, ADDR32, TMA), with the registers a thread each takes compiled for sm_90a at
+# the Qwen2.5-1.5B launch (12 / 2 heads x 128, page 16, bf16), two_pass / one_pass form (ptxas -v at the
+# launch's own specialization: tests/kernels/test_decode_sm90.py; none spills; the table in
+# docs/perf/attention.md). At <= 128 registers 4 programs of 4 warps fit an SM; 8 warps at <= 80 fit 3.
+# The TMA configs (a tile is one page; used where BLOCK_N is the page size) load each page's K and V rows of
+# the head as one tensor-descriptor copy, which the pipeliner buffers (num_stages - 2) deep where the pointer
+# forms hold one tile: measured slower on the H200 at every point of the sweep (16-key tiles; 0.6-0.9x).
 SPLIT_CONFIGS = (
     (64, 4, 3, False, False),  # 123 / 126
     (64, 4, 4, False, False),  # 123 / 126 (compiles as 3 stages do: K/V are single-buffered either way)
     (128, 8, 3, False, False),  # 95 / 93
-    (64, 4, 3, True, False),  # 112 / 117
+    (64, 4, 3, True, False),  # 112 / 117: split_plan's tiles once the pairs fill the SMs
     (128, 8, 3, True, False),  # 76 / 80
-    (32, 4, 3, True, False),  # 80 / 112
-    (16, 4, 4, False, True),
-    (16, 4, 6, False, True),
-    (16, 4, 8, False, True),
-    (16, 2, 6, False, True),
-    (32, 4, 4, False, True),
-    (32, 4, 6, False, True),
+    (32, 4, 3, True, False),  # 80 / 112: split_plan's tiles below that
+    (16, 4, 4, False, True),  # 80 / 128
+    (16, 4, 6, False, True),  # 85 / 108
+    (16, 4, 8, False, True),  # 85
+    (16, 2, 6, False, True),  # 123 / 196
+    (32, 4, 6, False, True),  # (page 32)
 )
-
-
-def _configs():
-    if interpreting():  # one config (PLATFORM.md); the int32 form, whose guard the tests exercise both ways
-        return [triton.Config({"BLOCK_N": 32, "ADDR32": True, "TMA": False}, num_warps=4, num_stages=1)]
-    return [
-        triton.Config({"BLOCK_N": n, "ADDR32": a, "TMA": t}, num_warps=w, num_stages=s)
-        for n, w, s, a, t in SPLIT_CONFIGS
-    ]
+# split_plan's two regimes (module doc): (BLOCK_N, num_warps, num_stages) with int32 offsets, programs an SM
+PLAN_FEW = (32, 4, 3, PER_SM)  # fewer (sequence, KV head) pairs than FILL x SMs
+PLAN_FILL = (64, 4, 3, 1)  # at least that many
+FILL = 0.9  # 96 pairs (48 sequences at 2 KV heads) measured best at 4 an SM, 128 pairs at 1 (132 SMs)
 
 
 def offsets_fit_int32(*caches: torch.Tensor) -> bool:
@@ -182,25 +185,6 @@ def tma_pages_ok(cache: torch.Tensor) -> bool:
         and 8 <= r <= 256
         and r & (r - 1) == 0
     )
-
-
-def _prune_configs(configs, named_args, **kwargs):
-    """Drop the configs that would compile to another config's kernel or cannot run: ADDR32 where the
-    offsets do not fit (FITS32 False: the int64 form), TMA where the cache is not TMA-readable (TMA_OK) or
-    the tile is not one page."""
-    fits, tma_ok, page = kwargs.get("FITS32", True), kwargs.get("TMA_OK", False), kwargs.get("PAGE_SIZE")
-    kept = []
-    for c in configs:
-        if c.kwargs.get("ADDR32") and not fits:
-            continue
-        if c.kwargs.get("TMA") and not (tma_ok and c.kwargs["BLOCK_N"] == page):
-            continue
-        kept.append(c)
-    return kept or [c for c in configs if not c.kwargs.get("TMA") and not c.kwargs.get("ADDR32")][:1]
-
-
-def _bench(fn, quantiles):
-    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
 # fmt: off
@@ -260,12 +244,6 @@ def _online_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale):
     return m_new, l_i, acc
 
 
-@triton.autotune(
-    _configs(),
-    key=["HEAD_DIM", "BLOCK_H", "PAGE_SIZE", "SPLIT_KEY", "ONE_PASS", "FITS32", "TMA_OK"],
-    prune_configs_by={"early_config_prune": _prune_configs},
-    do_bench=_bench,
-)
 @triton.jit
 def _decode_split_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS,  # q (B, Hq, D); caches (pages, PAGE_SIZE, Hk, D); see paged_kv
@@ -276,7 +254,6 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
     group, window, splits, qk_scale,  # splits: the grid's third dim, fixed on the host
     cache_rows,  # pages x PAGE_SIZE: the rows of the TMA path's per-head descriptors
-    SPLIT_KEY,  # autotuning key only (the split count, capped)
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, WINDOW: tl.constexpr,
     SINGLE: tl.constexpr,  # one split: normalize (with the sinks) and write the final output here
     ONE_PASS: tl.constexpr,  # several splits, the last to finish per (b, kv head) combines them (module doc)
@@ -286,7 +263,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     ADDR32: tl.constexpr,  # a config's choice: K/V row offsets in int32 where FITS32 (same loads, fewer registers)
     TMA_OK: tl.constexpr,  # the caches are TMA-readable a page at a time (tma_pages_ok, on the host)
-    TMA: tl.constexpr,  # a config's choice where TMA_OK: a tile is one page, by TMA (pruned unless BLOCK_N is it)
+    TMA: tl.constexpr,  # a config's choice where TMA_OK: a tile is one page, by TMA (BLOCK_N aligns chunks only)
 ):
     hk = tl.program_id(1)
     if TMA and TMA_OK:  # built before the wait: they depend on no earlier kernel
@@ -436,6 +413,22 @@ def num_splits_for(
     return max(1, min(want, cdiv(max(capacity, 1), align)))
 
 
+def split_plan(
+    batch: int, kv_heads: int, capacity: int, sm_count: int, align: int = CHUNK_ALIGN
+) -> tuple[int, dict]:
+    """(split count, split-kernel config) of a launch: the measured rule of the module doc. Fewer (sequence,
+    KV head) pairs than FILL x SMs: about PER_SM programs an SM in 32-key tiles; more: about one an SM, in
+    64-key tiles. Host values only (fixed for a captured graph)."""
+    n, warps, stages, per_sm = PLAN_FILL if batch * kv_heads >= FILL * sm_count else PLAN_FEW
+    splits = num_splits_for(batch, kv_heads, capacity, sm_count, per_sm, align)
+    return splits, dict(BLOCK_N=n, num_warps=warps, num_stages=stages, ADDR32=True, TMA=False)
+
+
+def plan_batches(kv_heads: int, sm_count: int) -> tuple[int, int]:
+    """A batch size in each of split_plan's two regimes (their kernels compile differently): for warm-ups."""
+    return 1, max(2, math.ceil(FILL * sm_count / kv_heads))
+
+
 @functools.cache
 def default_form() -> str:
     """The form of a call that names none: DEFAULT_FORM, or KILN_DECODE_FORM from the environment (read
@@ -462,7 +455,7 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
         raise ValueError(
             f"decode_attention(form='one_pass'): its {n} split counters on {device} do not exist yet, and "
             "a CUDA-graph capture cannot allocate and zero them; run the same call once before capturing "
-            "(a warm-up: it also autotunes the kernel)"
+            "(a warm-up: it also compiles the kernel)"
         )
     kept.append(torch.zeros(max(1024, pow2(n)), dtype=torch.int32, device=device))
     return kept[-1]
@@ -487,18 +480,21 @@ def decode_attention_triton(
     config=None,
     form=None,
 ):
-    """config (sweeps): a dict of the split kernel's BLOCK_N, num_warps, num_stages (and ADDR32 and TMA, False
-    when absent; TMA where the caches allow it and BLOCK_N is the page size), plus optionally `per_sm` and `align` for the split count, used instead of autotuning and the
-    defaults. form: see
-    `decode_attention` (checked there; None: default_form())."""
+    """config (sweeps): a dict of the split kernel's BLOCK_N, num_warps, num_stages (ADDR32 and TMA False where
+    absent; ADDR32 compiles the int64 form where the offsets do not fit, TMA the pointer form where the caches
+    are not TMA-readable), and/or `per_sm` and `align` for the split count, each used instead of split_plan's.
+    form: see `decode_attention` (checked there; None: default_form())."""
     B, Hq, D = q.shape
     _, page_size, Hk, _ = k_cache.shape
     capacity = block_table.shape[1] * page_size
     if window is not None:
         capacity = min(capacity, window)
     config = dict(config or {})
-    per_sm, align = config.pop("per_sm", PER_SM), config.pop("align", CHUNK_ALIGN)
-    splits = num_splits_for(B, Hk, capacity, sm_count(q.device), per_sm, align)
+    per_sm, align = config.pop("per_sm", None), config.pop("align", CHUNK_ALIGN)
+    splits, plan = split_plan(B, Hk, capacity, sm_count(q.device), align)
+    if per_sm is not None:
+        splits = num_splits_for(B, Hk, capacity, sm_count(q.device), per_sm, align)
+    config = dict(dict(ADDR32=False, TMA=False), **config) if "BLOCK_N" in config else plan
     if num_splits is not None:  # an explicit count (tests use it to exercise the reduction)
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"decode_attention: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
@@ -519,17 +515,13 @@ def decode_attention_triton(
     # TMA: Hopper on (sm_90+, as griddepcontrol), or the interpreter (which runs it for the tests)
     tma_ok = (interpreting() or q.is_cuda and griddep(q.device.index or 0)) and tma_pages_ok(k_cache) and \
         tma_pages_ok(v_cache)
-    if config:  # an explicit config: no autotuning; without ADDR32 the int64 form (the sweeps' kernel)
-        config.setdefault("ADDR32", False)
-        config.setdefault("TMA", False)
-    if tma_ok and q.is_cuda:
+    if tma_ok and config["TMA"] and q.is_cuda:
         triton.set_allocator(tma_scratch)  # descriptors built on the device (a context variable, read at launch)
-    split_kernel = _decode_split_kernel.fn if config else _decode_split_kernel
-    split_kernel[(B, Hk, splits)](
+    _decode_split_kernel[(B, Hk, splits)](
         q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, sink_arg, out, counters,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
         *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        group, window or 0, splits, softmax_scale * LOG2E, k_cache.shape[0] * page_size, pow2(splits),
+        group, window or 0, splits, softmax_scale * LOG2E, k_cache.shape[0] * page_size,
         HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, pow2(group)), WINDOW=window is not None,
         SINGLE=single, ONE_PASS=one_pass, GROUP_P=pow2(group),
         SPLIT_STEP=min(pow2(splits), combine_step(group, D)), SINK=sinks is not None, PDL=use_pdl,
@@ -549,7 +541,7 @@ def decode_attention_triton(
 
 # ------------------------------------------------------------------------------------------ public op
 # ------------------------------------------------------------------------------ torch.compile: custom op
-# Under torch.compile the public op calls this (Dynamo cannot trace the autotuned launches): opaque to the
+# Under torch.compile the public op calls this (Dynamo cannot trace the Triton launches): opaque to the
 # compiler, a fake function for the output's shape. Inference only: no gradient.
 @torch.library.custom_op("kiln::decode_attention", mutates_args=())
 def decode_attention_op(
