@@ -28,29 +28,33 @@ import torch
 from kiln.infer import bench
 from kiln.infer.engine import LLM
 from kiln.infer.sampling_params import SamplingParams
+from kiln.kernels import decode_attention
 from kiln.model import config as model_config
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import build_model
 from kiln.profile.harness import BenchRun, bench_parser, format_table
 
 BLOCK = 16
+# switch -> (module, its read-once function)
 SWITCHES = {
-    "KILN_DECODE_QKV": "decode_qkv",
-    "KILN_DECODE_NORM": "decode_norm",
-    "KILN_DECODE_SWIGLU": "decode_swiglu",
+    "KILN_DECODE_QKV": (model_config, "decode_qkv"),
+    "KILN_DECODE_NORM": (model_config, "decode_norm"),
+    "KILN_DECODE_SWIGLU": (model_config, "decode_swiglu"),
+    "KILN_DECODE_PLAN": (decode_attention, "plan_form"),
+    "KILN_DECODE_FORM": (decode_attention, "default_form"),
 }
 
 
 def apply(setting: str) -> None:
     """Set the switches of `setting` (every other known one unset) and clear their read-once caches."""
     pairs = dict(p.split("=", 1) for p in setting.split("+")) if setting != "base" else {}
-    for name, fn in SWITCHES.items():
+    for name, (module, fn) in SWITCHES.items():
         if name in pairs:
             os.environ[name] = pairs[name]
         else:
             os.environ.pop(name, None)
-        if hasattr(model_config, fn):
-            getattr(model_config, fn).cache_clear()
+        if hasattr(module, fn):
+            getattr(module, fn).cache_clear()
 
 
 def main() -> int:

@@ -210,6 +210,22 @@ def test_split_plan_regimes():
     assert plan(fill - 1, 2, 4096, 132)[1]["BLOCK_N"] == 32
 
 
+def test_split_plan_few_from_the_environment(monkeypatch):
+    # KILN_DECODE_PLAN=few keeps the few-pairs regime at every batch (A/B timing of whole steps); a bad value
+    # is an error naming the switch.
+    try:
+        monkeypatch.setenv("KILN_DECODE_PLAN", "few")
+        dec.plan_form.cache_clear()
+        assert dec.split_plan(64, 2, 4096, 132) == (5, dec.split_plan(1, 2, 4096, 132)[1])
+        monkeypatch.setenv("KILN_DECODE_PLAN", "autotune")
+        dec.plan_form.cache_clear()
+        with pytest.raises(ValueError, match="KILN_DECODE_PLAN must be"):
+            dec.split_plan(64, 2, 4096, 132)
+    finally:
+        monkeypatch.undo()
+        dec.plan_form.cache_clear()
+
+
 def test_decode_split_count_follows_the_gpu_and_capacity():
     from kiln.kernels.decode_attention import num_splits_for
 

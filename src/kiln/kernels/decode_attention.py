@@ -419,9 +419,21 @@ def split_plan(
     """(split count, split-kernel config) of a launch: the measured rule of the module doc. Fewer (sequence,
     KV head) pairs than FILL x SMs: about PER_SM programs an SM in 32-key tiles; more: about one an SM, in
     64-key tiles. Host values only (fixed for a captured graph)."""
-    n, warps, stages, per_sm = PLAN_FILL if batch * kv_heads >= FILL * sm_count else PLAN_FEW
+    fill = batch * kv_heads >= FILL * sm_count and plan_form() == "rule"
+    n, warps, stages, per_sm = PLAN_FILL if fill else PLAN_FEW
     splits = num_splits_for(batch, kv_heads, capacity, sm_count, per_sm, align)
     return splits, dict(BLOCK_N=n, num_warps=warps, num_stages=stages, ADDR32=True, TMA=False)
+
+
+@functools.cache
+def plan_form() -> str:
+    """split_plan's rule ("rule"), or its few-pairs regime at every batch ("few": ~4 programs an SM, the
+    split count used before the rule) where KILN_DECODE_PLAN says so (read once, as KILN_DECODE_FORM is),
+    for A/B timing of whole decode steps."""
+    form = os.environ.get("KILN_DECODE_PLAN", "") or "rule"
+    if form not in ("rule", "few"):
+        raise ValueError(f"KILN_DECODE_PLAN must be 'rule' or 'few', got {form!r}")
+    return form
 
 
 def plan_batches(kv_heads: int, sm_count: int) -> tuple[int, int]:
