@@ -40,7 +40,6 @@ SWITCHES = {
     "KILN_DECODE_QKV": (model_config, "decode_qkv"),
     "KILN_DECODE_NORM": (model_config, "decode_norm"),
     "KILN_DECODE_SWIGLU": (model_config, "decode_swiglu"),
-    "KILN_DECODE_PLAN": (decode_attention, "plan_form"),
     "KILN_DECODE_FORM": (decode_attention, "default_form"),
 }
 

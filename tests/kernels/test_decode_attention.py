@@ -196,34 +196,12 @@ def test_decode_live_chunks_on_a_wide_table(num_splits, window, sinks, form, dev
     _assert_counters_zero(device)
 
 
-def test_split_plan_regimes():
-    # The measured rule (module doc): below FILL x SMs (sequence, KV head) pairs, ~4 programs an SM in 32-key
-    # tiles; from there ~1 an SM in 64-key tiles, int32 offsets in both; plan_batches has one batch of each.
-    plan = dec.split_plan
-    assert plan(1, 2, 4096, 132) == (32, dict(BLOCK_N=32, num_warps=4, num_stages=3, ADDR32=True, TMA=False))
-    assert plan(48, 2, 4096, 132)[0] == 6  # 96 pairs < 0.9 x 132: cdiv(4 x 132, 96)
-    assert plan(64, 2, 4096, 132) == (2, dict(BLOCK_N=64, num_warps=4, num_stages=3, ADDR32=True, TMA=False))
-    assert plan(128, 2, 4096, 132)[0] == 1  # 256 pairs fill the SMs: one split, no reduction
-    assert plan(64, 2, 100, 132)[0] == 1  # one chunk of capacity
-    few, fill = dec.plan_batches(2, 132)
-    assert plan(few, 2, 4096, 132)[1]["BLOCK_N"] == 32 and plan(fill, 2, 4096, 132)[1]["BLOCK_N"] == 64
-    assert plan(fill - 1, 2, 4096, 132)[1]["BLOCK_N"] == 32
-
-
-def test_split_plan_few_from_the_environment(monkeypatch):
-    # KILN_DECODE_PLAN=few keeps the few-pairs regime at every batch (A/B timing of whole steps); a bad value
-    # is an error naming the switch.
-    try:
-        monkeypatch.setenv("KILN_DECODE_PLAN", "few")
-        dec.plan_form.cache_clear()
-        assert dec.split_plan(64, 2, 4096, 132) == (5, dec.split_plan(1, 2, 4096, 132)[1])
-        monkeypatch.setenv("KILN_DECODE_PLAN", "autotune")
-        dec.plan_form.cache_clear()
-        with pytest.raises(ValueError, match="KILN_DECODE_PLAN must be"):
-            dec.split_plan(64, 2, 4096, 132)
-    finally:
-        monkeypatch.undo()
-        dec.plan_form.cache_clear()
+def test_split_plan():
+    # The fixed plan (module doc): ~4 programs an SM (num_splits_for), 32-key tiles with int32 offsets.
+    cfg = dict(BLOCK_N=32, num_warps=4, num_stages=3, ADDR32=True, TMA=False)
+    assert dec.split_plan(1, 2, 4096, 132) == (32, cfg)
+    assert dec.split_plan(64, 2, 4096, 132) == (5, cfg)
+    assert dec.split_plan(64, 2, 100, 132) == (1, cfg)  # one chunk of capacity
 
 
 def test_decode_split_count_follows_the_gpu_and_capacity():

@@ -58,14 +58,14 @@ empty (H200: 7.6 us a layer at batch 1, 16.4 us at batch 64, docs/perf/inference
 Where one split suffices (B x Hk programs fill the GPU, or the capacity is a single chunk), the split
 kernel writes the final output itself (sinks included) and the reduction is not launched.
 
-The split count and the tile config come from one measured rule (`split_plan`), not from an autotuner: the
-engine captures its decode graphs with padding rows of one key each, so a tuner timing those launches chose
-among configs by noise (on the H200 that pick ran 0.65-0.89x as fast as the rule's at 64-256 sequences,
-bench/results/decode_attn_sweep.json). The rule, from a sweep of split counts x configs at 1-256 sequences
-of 256-4096 keys (Qwen2.5-1.5B's 12 / 2 heads, 28-layer graphs): while the (sequence, KV head) pairs
-number fewer than the SMs, about 4 programs an SM with 32-key tiles; once they fill the SMs, about one
-program per SM holding each split's keys in 64-key tiles (fewer, longer chunks: 0.65-0.89x the time of 4
-an SM at 64-128 sequences of 256-1024 keys), both with int32 row offsets.
+The split count and the tile config are fixed (`split_plan`), not autotuned: the engine captures its
+decode graphs with padding rows of one key each, so a tuner timing those launches chose among configs by
+noise. 32-key tiles with int32 offsets at about 4 programs an SM were the best or within a few percent of
+it at 1-48 sequences of 256-4096 keys, timed in isolation (Qwen2.5-1.5B's 12 / 2 heads, 28-layer graphs,
+bench/experiments/decode_attn_sweep.py). From 64 sequences on, fewer and longer chunks (about one program
+an SM, 64-key tiles) ran 0.65-0.89x the time there, but in whole decode steps they were 5% slower at 96-128
+sequences and even at 64 (docs/perf/attention.md, "Split count and tiles"): the kept rule is the one
+measured in the step.
 
 Measured on the H200 and not kept (bench/sweep_attention.py, batch 1 x 64k): split counts of 1-8
 programs per SM (4 is best there; fewer cannot keep enough loads in flight per SM), page indices loaded a
@@ -143,19 +143,17 @@ SPLIT_CONFIGS = (
     (64, 4, 3, False, False),  # 123 / 126
     (64, 4, 4, False, False),  # 123 / 126 (compiles as 3 stages do: K/V are single-buffered either way)
     (128, 8, 3, False, False),  # 95 / 93
-    (64, 4, 3, True, False),  # 112 / 117: split_plan's tiles once the pairs fill the SMs
+    (64, 4, 3, True, False),  # 112 / 117
     (128, 8, 3, True, False),  # 76 / 80
-    (32, 4, 3, True, False),  # 80 / 112: split_plan's tiles below that
+    (32, 4, 3, True, False),  # 80 / 112: split_plan's (PLAN_CONFIG)
     (16, 4, 4, False, True),  # 80 / 128
     (16, 4, 6, False, True),  # 85 / 108
     (16, 4, 8, False, True),  # 85
     (16, 2, 6, False, True),  # 123 / 196
     (32, 4, 6, False, True),  # (page 32)
 )
-# split_plan's two regimes (module doc): (BLOCK_N, num_warps, num_stages) with int32 offsets, programs an SM
-PLAN_FEW = (32, 4, 3, PER_SM)  # fewer (sequence, KV head) pairs than FILL x SMs
-PLAN_FILL = (64, 4, 3, 1)  # at least that many
-FILL = 0.9  # 96 pairs (48 sequences at 2 KV heads) measured best at 4 an SM, 128 pairs at 1 (132 SMs)
+# split_plan's config (module doc): int32 row offsets where they fit, 32-key tiles, 4 warps, 3 stages
+PLAN_CONFIG = dict(BLOCK_N=32, num_warps=4, num_stages=3, ADDR32=True, TMA=False)
 
 
 def offsets_fit_int32(*caches: torch.Tensor) -> bool:
@@ -416,29 +414,9 @@ def num_splits_for(
 def split_plan(
     batch: int, kv_heads: int, capacity: int, sm_count: int, align: int = CHUNK_ALIGN
 ) -> tuple[int, dict]:
-    """(split count, split-kernel config) of a launch: the measured rule of the module doc. Fewer (sequence,
-    KV head) pairs than FILL x SMs: about PER_SM programs an SM in 32-key tiles; more: about one an SM, in
-    64-key tiles. Host values only (fixed for a captured graph)."""
-    fill = batch * kv_heads >= FILL * sm_count and plan_form() == "rule"
-    n, warps, stages, per_sm = PLAN_FILL if fill else PLAN_FEW
-    splits = num_splits_for(batch, kv_heads, capacity, sm_count, per_sm, align)
-    return splits, dict(BLOCK_N=n, num_warps=warps, num_stages=stages, ADDR32=True, TMA=False)
-
-
-@functools.cache
-def plan_form() -> str:
-    """split_plan's rule ("rule"), or its few-pairs regime at every batch ("few": ~4 programs an SM, the
-    split count used before the rule) where KILN_DECODE_PLAN says so (read once, as KILN_DECODE_FORM is),
-    for A/B timing of whole decode steps."""
-    form = os.environ.get("KILN_DECODE_PLAN", "") or "rule"
-    if form not in ("rule", "few"):
-        raise ValueError(f"KILN_DECODE_PLAN must be 'rule' or 'few', got {form!r}")
-    return form
-
-
-def plan_batches(kv_heads: int, sm_count: int) -> tuple[int, int]:
-    """A batch size in each of split_plan's two regimes (their kernels compile differently): for warm-ups."""
-    return 1, max(2, math.ceil(FILL * sm_count / kv_heads))
+    """(split count, split-kernel config) of a launch (module doc): about PER_SM programs an SM, in
+    PLAN_CONFIG's tiles. Host values only (fixed for a captured graph)."""
+    return num_splits_for(batch, kv_heads, capacity, sm_count, PER_SM, align), dict(PLAN_CONFIG)
 
 
 @functools.cache

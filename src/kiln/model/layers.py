@@ -13,8 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kiln.kernels.attention import attention, tuning_lengths
-from kiln.kernels.decode_attention import MAX_SPLITS, decode_attention, plan_batches
-from kiln.kernels.dispatch import sm_count
+from kiln.kernels.decode_attention import MAX_SPLITS, decode_attention
 from kiln.kernels.layernorm import layernorm
 from kiln.kernels.paged_kv import paged_kv_write
 from kiln.kernels.rmsnorm import rmsnorm
@@ -179,23 +178,20 @@ class Attention(nn.Module):
 
     @torch.inference_mode()
     def warm_up_decode(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Compile this layer's decode attention for every launch form a step may need, over its own paged
-        cache (whether its offsets fit 32 bits is part of the kernel): both tile configs of the split rule
-        (a batch in each of its regimes) at each power-of-two split count (one split normalizes in the
-        kernel; the reduction's tile follows the count). A decode step that runs eagerly (no graph bucket)
-        picks both from its batch and block table, so any of them may come up while serving. Reads one
-        page, writes nothing to the cache."""
+        """Compile this layer's decode attention at each power-of-two split count (one split normalizes in
+        the kernel; the reduction's tile follows the count), over its own paged cache (whether its offsets
+        fit 32 bits is part of the kernel): a decode step that runs eagerly (no graph bucket) picks its
+        split count from the step's batch and block table, so any count may come up while serving. Reads
+        one page, writes nothing to the cache."""
         k_cache, v_cache = kv_cache
-        dev = k_cache.device
-        for batch in plan_batches(k_cache.shape[2], sm_count(dev)):
-            q = torch.zeros(batch, self.n_heads, self.head_dim, device=dev, dtype=k_cache.dtype)
-            table = torch.zeros(batch, 1, dtype=torch.int32, device=dev)
-            lens = torch.ones(batch, dtype=torch.int32, device=dev)
-            splits = 1
-            while splits <= MAX_SPLITS:
-                decode_attention(q, k_cache, v_cache, table, lens, window=self.window, sinks=self.sinks,
-                                 num_splits=splits)  # fmt: skip
-                splits *= 2
+        q = torch.zeros(1, self.n_heads, self.head_dim, device=k_cache.device, dtype=k_cache.dtype)
+        table = torch.zeros(1, 1, dtype=torch.int32, device=k_cache.device)
+        lens = torch.ones(1, dtype=torch.int32, device=k_cache.device)
+        splits = 1
+        while splits <= MAX_SPLITS:
+            decode_attention(q, k_cache, v_cache, table, lens, window=self.window, sinks=self.sinks,
+                             num_splits=splits)  # fmt: skip
+            splits *= 2
 
     def _flat(self, q, k, v, rope, meta: AttnMetadata, kv_cache):
         """Packed sequences (AttnMetadata's prefill and decode paths): q (N, Hq, D) -> (N, Hq, D)."""
