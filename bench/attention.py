@@ -387,8 +387,13 @@ def decode_forms(bench: Bench, rec: dict, c: dict, kiln, k_cache) -> None:
             rec["one_pass_speedup" + key.removesuffix("_ms")] = round(two / one, 3)
 
 
-def config_name(n: int, w: int, s: int, addr32: bool, tma: bool = False) -> str:
-    return f"{n}x{w}w{s}s" + ("_addr32" if addr32 else "") + ("_tma" if tma else "")
+def config_name(n: int, w: int, s: int, addr32: bool, tma: bool = False, preload: bool = False) -> str:
+    return (
+        f"{n}x{w}w{s}s"
+        + ("_addr32" if addr32 else "")
+        + ("_tma" if tma else "")
+        + ("_preload" if preload else "")
+    )
 
 
 def decode_configs(bench: Bench, rec: dict, tensors) -> None:
@@ -403,15 +408,15 @@ def decode_configs(bench: Bench, rec: dict, tensors) -> None:
     scale = q.shape[-1] ** -0.5
     fns = {}
     page = kc.shape[1]
-    for n, w, s, a, t in dec.SPLIT_CONFIGS:
+    for n, w, s, a, t, pl in dec.SPLIT_CONFIGS:
         if t and n != page:  # a TMA tile is one page: the autotuner prunes the others too
             continue
-        cfg = dict(BLOCK_N=n, num_warps=w, num_stages=s, ADDR32=a, TMA=t)
+        cfg = dict(BLOCK_N=n, num_warps=w, num_stages=s, ADDR32=a, TMA=t, PRELOAD=pl)
 
         def call(cfg=cfg):
             return dec.decode_attention_triton(q, kc, vc, table, seq_lens, scale, None, None, None, cfg)
 
-        fns[f"kiln_split_{config_name(n, w, s, a, t)}_ms"] = call
+        fns[f"kiln_split_{config_name(n, w, s, a, t, pl)}_ms"] = call
     if not bench.cuda:  # the interpreter: every config runs (num_warps / num_stages mean nothing there)
         want = dec.decode_attention_triton(q, kc, vc, table, seq_lens, scale, None, None, None)
         for key, fn in fns.items():

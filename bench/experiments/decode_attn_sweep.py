@@ -58,8 +58,13 @@ def caches(B: int, L: int, width: int, layers: int, dev, dtype, seed: int = 0):
 
 
 def name(per_sm: int, cfg: tuple) -> str:
-    n, w, s, a, t = cfg
-    return f"ps{per_sm}_{n}x{w}w{s}s" + ("_addr32" if a else "") + ("_tma" if t else "")
+    n, w, s, a, t, pl = cfg
+    return (
+        f"ps{per_sm}_{n}x{w}w{s}s"
+        + ("_addr32" if a else "")
+        + ("_tma" if t else "")
+        + ("_preload" if pl else "")
+    )
 
 
 def flushed_ms(graphs: dict, rounds: int, reps: int, cuda: bool) -> dict:
@@ -113,10 +118,10 @@ def sweep_batch(run, args, B: int, L: int, per_sms: list, configs: list, copy, d
         layouts["hm_"] = [tuple(c.transpose(1, 2).contiguous().transpose(1, 2) for c in pair) for pair in kv]
     for (prefix, kvs), per_sm, cfg in itertools.product(layouts.items(), per_sms, configs):
         splits = dec.num_splits_for(B, HK, args.width, dec.sm_count(dev), per_sm)
-        n, w, s, a, t = cfg
+        n, w, s, a, t, pl = cfg
         if (t and n != PAGE) or (prefix and t):
             continue
-        c = dict(BLOCK_N=n, num_warps=w, num_stages=s, ADDR32=a, TMA=t)
+        c = dict(BLOCK_N=n, num_warps=w, num_stages=s, ADDR32=a, TMA=t, PRELOAD=pl)
         calls = [
             lambda k=k, v=v, c=c, sp=splits: dec.decode_attention_triton(
                 q, k, v, table, lens, scale, None, None, sp, c

@@ -198,10 +198,25 @@ def test_decode_live_chunks_on_a_wide_table(num_splits, window, sinks, form, dev
 
 def test_split_plan():
     # The fixed plan (module doc): ~4 programs an SM (num_splits_for), 32-key tiles with int32 offsets.
-    cfg = dict(BLOCK_N=32, num_warps=4, num_stages=3, ADDR32=True, TMA=False)
+    cfg = dict(BLOCK_N=32, num_warps=4, num_stages=3, ADDR32=True, TMA=False, PRELOAD=False)
     assert dec.split_plan(1, 2, 4096, 132) == (32, cfg)
     assert dec.split_plan(64, 2, 4096, 132) == (5, cfg)
     assert dec.split_plan(64, 2, 100, 132) == (1, cfg)  # one chunk of capacity
+
+
+def test_split_plan_preload_from_the_environment(monkeypatch):
+    # KILN_DECODE_PRELOAD=on gives split_plan PLAN_PRELOAD (A/B timing of whole steps); a bad value is an error.
+    try:
+        monkeypatch.setenv("KILN_DECODE_PRELOAD", "on")
+        dec._preload_switch.cache_clear()
+        assert dec.split_plan(8, 2, 4096, 132)[1] == dict(dec.PLAN_CONFIG, num_stages=4, PRELOAD=True)
+        monkeypatch.setenv("KILN_DECODE_PRELOAD", "yes")
+        dec._preload_switch.cache_clear()
+        with pytest.raises(ValueError, match="KILN_DECODE_PRELOAD must be"):
+            dec.split_plan(8, 2, 4096, 132)
+    finally:
+        monkeypatch.undo()
+        dec._preload_switch.cache_clear()
 
 
 def test_decode_split_count_follows_the_gpu_and_capacity():
@@ -380,7 +395,7 @@ def test_gpu_one_pass_capture_without_warm_up_is_an_error(monkeypatch):
     ],
     ids=["gqa1-page8", "gqa8-window-one-pass", "gqa3-D64-single"],
 )
-def test_decode_addr32_is_bitwise_the_int64_form(
+def test_decode_addr32_and_preload_are_bitwise_the_int64_form(
     lens, Hq, Hk, D, page, block_n, splits, window, sinks, form, device
 ):
     # The ADDR32 configs only move the K/V address math to int32 offsets: same loads, same math, same bits.
@@ -395,6 +410,11 @@ def test_decode_addr32_is_bitwise_the_int64_form(
     old = decode_attention_triton(*args, dict(cfg, ADDR32=False), form=form)
     new = decode_attention_triton(*args, dict(cfg, ADDR32=True), form=form)
     assert torch.equal(new, old)
+    # PRELOAD: the chunk's page indices loaded once before the loop (gathered per tile): the same pages,
+    # loads and math, so the same bits, with either addressing (the window starts chunks inside a page)
+    for addr32 in (False, True):
+        pre = decode_attention_triton(*args, dict(cfg, ADDR32=addr32, PRELOAD=True), form=form)
+        assert torch.equal(pre, old)
     assert_close(new, _ref64(q, kc, vc, table, seq_lens, softmax_scale=0.3, window=window, sinks=s))
     _assert_counters_zero(device)
 
@@ -471,10 +491,16 @@ def test_decode_tma_guard():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [4, 6])
-def test_gpu_bf16_decode_tma_in_a_cuda_graph(stages):
+@pytest.mark.parametrize(
+    "cfg",
+    [dict(BLOCK_N=16, num_stages=4, TMA=True), dict(BLOCK_N=16, num_stages=6, TMA=True),
+     dict(BLOCK_N=32, num_stages=4, ADDR32=True, PRELOAD=True), dict(BLOCK_N=64, num_stages=4, PRELOAD=True)],
+    ids=["tma-4", "tma-6", "preload-32-addr32", "preload-64"],
+)  # fmt: skip
+def test_gpu_bf16_decode_configs_in_a_cuda_graph(cfg):
     # The engine's launch: Qwen2.5-1.5B heads, page 16, a table 4096 wide, 64 sequences of 1-1100 keys, dead
-    # rows NaN; eager and replayed from a CUDA graph (the descriptors' scratch comes from the graph's pool).
+    # rows NaN; eager and replayed from a CUDA graph (TMA: the descriptors' scratch comes from the graph's
+    # pool; PRELOAD: the chunk's pages gathered from registers, K/V buffered 3 deep).
     from kiln.kernels.decode_attention import decode_attention_triton, num_splits_for
 
     lens = [1 + (i * 37) % 1100 for i in range(64)]
@@ -483,7 +509,7 @@ def test_gpu_bf16_decode_tma_in_a_cuda_graph(stages):
     _dead_rows_nan(kc, vc, table, seq_lens, 16)
     assert dec.tma_pages_ok(kc)
     splits = num_splits_for(64, 2, 4096, dec.sm_count(q.device))
-    cfg = dict(BLOCK_N=16, num_warps=4, num_stages=stages, TMA=True)
+    cfg = dict(cfg, num_warps=4)
     call = lambda: decode_attention_triton(q, kc, vc, table, seq_lens, 128**-0.5, None, None, splits, cfg)  # noqa: E731
     eager = call()
     assert_close(eager, want)

@@ -53,7 +53,8 @@ for single, one_pass, addr32 in ((False, False, False), (False, False, True), (T
     ptrs = dict(Q="*bf16", K_CACHE="*bf16", V_CACHE="*bf16", BLOCK_TABLE="*i32", SEQ_LENS="*i32", O_PART=part,
                 LSE_PART=part, SINKS="*fp32", OUT="*bf16", COUNTERS="*i32")
     c = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=16, WINDOW=True, SINGLE=single, ONE_PASS=one_pass, GROUP_P=8,
-             SPLIT_STEP=8, SINK=True, PDL=True, BLOCK_N=64, FITS32=True, ADDR32=addr32, TMA_OK=True, TMA=False)
+             SPLIT_STEP=8, SINK=True, PDL=True, BLOCK_N=64, FITS32=True, ADDR32=addr32, TMA_OK=True, TMA=False,
+             PRELOAD=addr32, MAX_PAGES=64)
     out[f"split single={single} one_pass={one_pass} addr32={addr32}"] = compile_(da._decode_split_kernel, ptrs, c, ("qk_scale",),
                                                                  num_warps=4, num_stages=3)
 out["reduce"] = compile_(da._decode_reduce_kernel, dict(O_PART="*fp32", LSE_PART="*fp32", SINKS="*fp32", OUT="*bf16"),
@@ -147,10 +148,10 @@ def resources(args, kw):
 
 
 out = []
-for n, w, s, a, t in da.SPLIT_CONFIGS:
+for n, w, s, a, t, pl in da.SPLIT_CONFIGS:
     for form in json.loads(sys.argv[1]):
         if (a or t or json.loads(sys.argv[2])) and not (t and n != 16):  # TMA: tiles of a page (16) only
-            cfg = dict(BLOCK_N=n, num_warps=w, num_stages=s, ADDR32=a, TMA=t)
+            cfg = dict(BLOCK_N=n, num_warps=w, num_stages=s, ADDR32=a, TMA=t, PRELOAD=pl)
             out.append(dict(cfg, form=form, **resources(*launch_args(cfg, form))))
 print(json.dumps(out))
 """
@@ -173,10 +174,16 @@ def split_kernel_resources(forms=("two_pass", "one_pass"), old=False) -> list[di
 
 @pytest.mark.slow  # 6 compiles and ptxas runs: ~20 s on the shared 2-core machine
 def test_split_kernel_addr32_configs_do_not_spill_at_the_launch():
-    # Every ADDR32 config in both forms: no spill; 4 warps at <= 128 registers a thread (4 programs an SM,
+    # Every ADDR32 (and PRELOAD) and TMA config in both forms: no spill; 4 warps at <= 128 registers a thread (4 programs an SM,
     # PER_SM's aim: 65536 / (4 x 128 threads)), 8 warps at <= 80 (3 programs, 2 at the old config's 95).
     res = split_kernel_resources()
-    assert len(res) == 2 * sum((a or t) and not (t and n != 16) for n, _, _, a, t in dec.SPLIT_CONFIGS), res
+    assert len(res) == 2 * sum((a or t) and not (t and n != 16) for n, _, _, a, t, _ in dec.SPLIT_CONFIGS), (
+        res
+    )
     for r in res:
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
-        assert r["regs"] <= {2: 255, 4: 128, 8: 80}[r["num_warps"]], r
+        if r["PRELOAD"]:  # no table load in the loop: K and V tiles buffered num_stages - 1 deep
+            assert r["smem"] >= (r["num_stages"] - 1) * 2 * r["BLOCK_N"] * 128 * 2, r
+        # 8 warps: <= 80 registers fit 3 programs an SM; with PRELOAD its shared memory (2 x 64 KB of K/V at
+        # 128-key tiles) fits one program whatever the registers, so only the 4-warp bound applies
+        assert r["regs"] <= {2: 255, 4: 128, 8: 128 if r["PRELOAD"] else 80}[r["num_warps"]], r

@@ -132,7 +132,7 @@ def decode_attention_ref(
 
 # ------------------------------------------------------------------------------------ Triton kernels
 # The split kernel's configs that the sweeps time (bench/attention.py, bench/experiments/decode_attn_sweep.py):
-# (BLOCK_N, num_warps, num_stages, ADDR32, TMA), with the registers a thread each takes compiled for sm_90a at
+# (BLOCK_N, num_warps, num_stages, ADDR32, TMA, PRELOAD), with the registers a thread each takes compiled for sm_90a at
 # the Qwen2.5-1.5B launch (12 / 2 heads x 128, page 16, bf16), two_pass / one_pass form (ptxas -v at the
 # launch's own specialization: tests/kernels/test_decode_sm90.py; none spills; the table in
 # docs/perf/attention.md). At <= 128 registers 4 programs of 4 warps fit an SM; 8 warps at <= 80 fit 3.
@@ -140,20 +140,37 @@ def decode_attention_ref(
 # the head as one tensor-descriptor copy, which the pipeliner buffers (num_stages - 2) deep where the pointer
 # forms hold one tile: measured slower on the H200 at every point of the sweep (16-key tiles; 0.6-0.9x).
 SPLIT_CONFIGS = (
-    (64, 4, 3, False, False),  # 123 / 126
-    (64, 4, 4, False, False),  # 123 / 126 (compiles as 3 stages do: K/V are single-buffered either way)
-    (128, 8, 3, False, False),  # 95 / 93
-    (64, 4, 3, True, False),  # 112 / 117
-    (128, 8, 3, True, False),  # 76 / 80
-    (32, 4, 3, True, False),  # 80 / 112: split_plan's (PLAN_CONFIG)
-    (16, 4, 4, False, True),  # 80 / 128
-    (16, 4, 6, False, True),  # 85 / 108
-    (16, 4, 8, False, True),  # 85
-    (16, 2, 6, False, True),  # 123 / 196
-    (32, 4, 6, False, True),  # (page 32)
+    (64, 4, 3, False, False, False),  # 123 / 126
+    (
+        64,
+        4,
+        4,
+        False,
+        False,
+        False,
+    ),  # 123 / 126 (compiles as 3 stages do: K/V are single-buffered either way)
+    (128, 8, 3, False, False, False),  # 95 / 93
+    (64, 4, 3, True, False, False),  # 112 / 117
+    (128, 8, 3, True, False, False),  # 76 / 80
+    (32, 4, 3, True, False, False),  # 80 / 112: split_plan's (PLAN_CONFIG)
+    (16, 4, 4, False, True, False),  # 80 / 128
+    (16, 4, 6, False, True, False),  # 85 / 108
+    (16, 4, 8, False, True, False),  # 85
+    (16, 2, 6, False, True, False),  # 123 / 196
+    (32, 4, 6, False, True, False),  # (page 32)
+    (32, 4, 3, True, False, True),
+    (32, 4, 4, True, False, True),
+    (32, 4, 5, True, False, True),
+    (64, 4, 3, True, False, True),
+    (64, 4, 4, True, False, True),
+    (128, 8, 3, True, False, True),
 )
 # split_plan's config (module doc): int32 row offsets where they fit, 32-key tiles, 4 warps, 3 stages
-PLAN_CONFIG = dict(BLOCK_N=32, num_warps=4, num_stages=3, ADDR32=True, TMA=False)
+PLAN_CONFIG = dict(BLOCK_N=32, num_warps=4, num_stages=3, ADDR32=True, TMA=False, PRELOAD=False)
+# KILN_DECODE_PRELOAD=on (plan_config): the same tiles with the chunk's page indices loaded before the loop,
+# 4 stages (3 K/V tiles in flight, 54 KB of shared memory: 4 programs an SM)
+PLAN_PRELOAD = dict(PLAN_CONFIG, num_stages=4, PRELOAD=True)
+MAX_PRELOAD_PAGES = 256  # PRELOAD's page vector, at most (a longer chunk loads the table per tile)
 
 
 def offsets_fit_int32(*caches: torch.Tensor) -> bool:
@@ -262,6 +279,8 @@ def _decode_split_kernel(
     ADDR32: tl.constexpr,  # a config's choice: K/V row offsets in int32 where FITS32 (same loads, fewer registers)
     TMA_OK: tl.constexpr,  # the caches are TMA-readable a page at a time (tma_pages_ok, on the host)
     TMA: tl.constexpr,  # a config's choice where TMA_OK: a tile is one page, by TMA (BLOCK_N aligns chunks only)
+    PRELOAD: tl.constexpr,  # a config's choice: the chunk's page indices loaded before the K/V loop (not TMA)
+    MAX_PAGES: tl.constexpr,  # PRELOAD: a power of two >= the pages one chunk spans
 ):
     hk = tl.program_id(1)
     if TMA and TMA_OK:  # built before the wait: they depend on no earlier kernel
@@ -314,10 +333,20 @@ def _decode_split_kernel(
             v = tl.where(t_ok[:, None], v_desc.load([page * PAGE_SIZE, 0]), 0.0)
             m_i, l_i, acc = _online_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale)
     else:
+        if PRELOAD:
+            # the chunk's page indices, loaded once: the K/V addresses then depend on no load inside the
+            # loop, so the pipeliner can keep num_stages - 1 tiles of K and V in flight (with the table
+            # loaded per tile it spends its stages on that load and holds one K/V tile)
+            p0 = lo // PAGE_SIZE
+            offs_p = tl.arange(0, MAX_PAGES)  # MAX_PAGES >= the pages a chunk spans (host)
+            chunk_pages = tl.load(table + p0 + offs_p, mask=p0 + offs_p < tl.cdiv(hi, PAGE_SIZE), other=0)
         for n0 in range(lo, hi, BLOCK_N):
             t = n0 + offs_n  # (BLOCK_N,) token positions; each row found through its page
             t_ok = t < hi
-            page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0)  # (BLOCK_N,) int32
+            if PRELOAD:
+                page = tl.gather(chunk_pages, tl.where(t_ok, t // PAGE_SIZE - p0, 0), 0)  # (BLOCK_N,) int32
+            else:
+                page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0)  # (BLOCK_N,) int32
             if ADDR32 and FITS32:
                 # (BLOCK_N,) int32 row offsets from the head's base; the (BLOCK_N, D) offsets stay int32 and only
                 # the final address is 64-bit: the pipelined loop holds 32-bit offsets for the next tile, not
@@ -416,7 +445,21 @@ def split_plan(
 ) -> tuple[int, dict]:
     """(split count, split-kernel config) of a launch (module doc): about PER_SM programs an SM, in
     PLAN_CONFIG's tiles. Host values only (fixed for a captured graph)."""
-    return num_splits_for(batch, kv_heads, capacity, sm_count, PER_SM, align), dict(PLAN_CONFIG)
+    return num_splits_for(batch, kv_heads, capacity, sm_count, PER_SM, align), plan_config()
+
+
+@functools.cache
+def _preload_switch() -> bool:
+    form = os.environ.get("KILN_DECODE_PRELOAD", "") or "off"
+    if form not in ("off", "on"):
+        raise ValueError(f"KILN_DECODE_PRELOAD must be 'off' or 'on', got {form!r}")
+    return form == "on"
+
+
+def plan_config() -> dict:
+    """split_plan's config: PLAN_CONFIG, or PLAN_PRELOAD where KILN_DECODE_PRELOAD=on (read once, as
+    KILN_DECODE_FORM is), for A/B timing of whole decode steps."""
+    return dict(PLAN_PRELOAD if _preload_switch() else PLAN_CONFIG)
 
 
 @functools.cache
@@ -484,11 +527,17 @@ def decode_attention_triton(
     splits, plan = split_plan(B, Hk, capacity, sm_count(q.device), align)
     if per_sm is not None:
         splits = num_splits_for(B, Hk, capacity, sm_count(q.device), per_sm, align)
-    config = dict(dict(ADDR32=False, TMA=False), **config) if "BLOCK_N" in config else plan
+    config = dict(dict(ADDR32=False, TMA=False, PRELOAD=False), **config) if "BLOCK_N" in config else plan
     if num_splits is not None:  # an explicit count (tests use it to exercise the reduction)
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"decode_attention: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
         splits = num_splits
+    # the pages a chunk spans, at most: chunks are whole tiles of at most the capacity / splits keys, plus
+    # one page where a window starts a chunk inside a page
+    max_pages = pow2(
+        cdiv(cdiv(cdiv(max(capacity, 1), splits), config["BLOCK_N"]) * config["BLOCK_N"], page_size) + 1
+    )
+    config["PRELOAD"] = config["PRELOAD"] and max_pages <= MAX_PRELOAD_PAGES
     single = splits == 1
     one_pass = (default_form() if form is None else form) == "one_pass" and not single
     group = Hq // Hk
@@ -515,7 +564,8 @@ def decode_attention_triton(
         HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, pow2(group)), WINDOW=window is not None,
         SINGLE=single, ONE_PASS=one_pass, GROUP_P=pow2(group),
         SPLIT_STEP=min(pow2(splits), combine_step(group, D)), SINK=sinks is not None, PDL=use_pdl,
-        FITS32=offsets_fit_int32(k_cache, v_cache), TMA_OK=tma_ok, launch_pdl=use_pdl, **config,
+        FITS32=offsets_fit_int32(k_cache, v_cache), TMA_OK=tma_ok, MAX_PAGES=max_pages, launch_pdl=use_pdl,
+        **config,
     )
     if single or one_pass:
         return out
