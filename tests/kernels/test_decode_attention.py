@@ -13,6 +13,7 @@ from kiln.kernels import decode_attention as dec
 from kiln.kernels.attention import attention_ref
 from kiln.kernels.decode_attention import FORMS, decode_attention, decode_attention_ref, gather_kv
 from kiln.kernels.dispatch import use_backend
+from kiln.kernels.launch import cdiv
 from kiln.kernels.paged_kv import paged_kv_write, paged_kv_write_ref, slot_mapping
 
 from ._tolerance import assert_close
@@ -205,11 +206,13 @@ def test_split_plan():
 
 
 def test_split_plan_preload_from_the_environment(monkeypatch):
-    # KILN_DECODE_PRELOAD=on gives split_plan PLAN_PRELOAD (A/B timing of whole steps); a bad value is an error.
+    # KILN_DECODE_PRELOAD=on gives split_plan PLAN_PRELOAD at PRELOAD_PER_SM (A/B timing of whole steps); a bad
+    # value is an error.
     try:
         monkeypatch.setenv("KILN_DECODE_PRELOAD", "on")
         dec._preload_switch.cache_clear()
-        assert dec.split_plan(8, 2, 4096, 132)[1] == dict(dec.PLAN_CONFIG, num_stages=4, PRELOAD=True)
+        cfg = dict(dec.PLAN_CONFIG, BLOCK_N=64, PRELOAD=True)
+        assert dec.split_plan(8, 2, 4096, 132) == (cdiv(132, 16), cfg)  # about one program an SM
         monkeypatch.setenv("KILN_DECODE_PRELOAD", "yes")
         dec._preload_switch.cache_clear()
         with pytest.raises(ValueError, match="KILN_DECODE_PRELOAD must be"):

@@ -65,7 +65,10 @@ it at 1-48 sequences of 256-4096 keys, timed in isolation (Qwen2.5-1.5B's 12 / 2
 bench/experiments/decode_attn_sweep.py). From 64 sequences on, fewer and longer chunks (about one program
 an SM, 64-key tiles) ran 0.65-0.89x the time there, but in whole decode steps they were 5% slower at 96-128
 sequences and even at 64 (docs/perf/attention.md, "Split count and tiles"): the kept rule is the one
-measured in the step.
+measured in the step. The PRELOAD configs load a chunk's page indices once before its loop (gathered from
+registers per tile), so that no load in the loop feeds the K/V addresses and the pipeliner keeps
+num_stages - 1 tiles of K and V in flight where the per-tile table load leaves it one; bitwise the same
+output. Off by default until whole steps say otherwise (KILN_DECODE_PRELOAD=on, docs/perf/attention.md).
 
 Measured on the H200 and not kept (bench/sweep_attention.py, batch 1 x 64k): split counts of 1-8
 programs per SM (4 is best there; fewer cannot keep enough loads in flight per SM), page indices loaded a
@@ -167,9 +170,12 @@ SPLIT_CONFIGS = (
 )
 # split_plan's config (module doc): int32 row offsets where they fit, 32-key tiles, 4 warps, 3 stages
 PLAN_CONFIG = dict(BLOCK_N=32, num_warps=4, num_stages=3, ADDR32=True, TMA=False, PRELOAD=False)
-# KILN_DECODE_PRELOAD=on (plan_config): the same tiles with the chunk's page indices loaded before the loop,
-# 4 stages (3 K/V tiles in flight, 54 KB of shared memory: 4 programs an SM)
-PLAN_PRELOAD = dict(PLAN_CONFIG, num_stages=4, PRELOAD=True)
+# KILN_DECODE_PRELOAD=on (split_plan): about one program an SM (PRELOAD_PER_SM) in 64-key tiles with the
+# chunk's page indices loaded before the loop, 3 stages (2 K/V tiles in flight, 72 KB of shared memory): the
+# best paged form at 8-128 sequences of 1k-4k keys in isolation (decode_preload_sweep.json), not yet timed in
+# whole steps; 4 an SM in 32-key tiles with 4 stages measured 0.97-1.03x in whole steps (docs/perf/attention.md)
+PLAN_PRELOAD = dict(PLAN_CONFIG, BLOCK_N=64, PRELOAD=True)
+PRELOAD_PER_SM = 1
 MAX_PRELOAD_PAGES = 256  # PRELOAD's page vector, at most (a longer chunk loads the table per tile)
 
 
@@ -444,8 +450,10 @@ def split_plan(
     batch: int, kv_heads: int, capacity: int, sm_count: int, align: int = CHUNK_ALIGN
 ) -> tuple[int, dict]:
     """(split count, split-kernel config) of a launch (module doc): about PER_SM programs an SM, in
-    PLAN_CONFIG's tiles. Host values only (fixed for a captured graph)."""
-    return num_splits_for(batch, kv_heads, capacity, sm_count, PER_SM, align), plan_config()
+    PLAN_CONFIG's tiles (with KILN_DECODE_PRELOAD=on, PRELOAD_PER_SM in PLAN_PRELOAD's). Host values only
+    (fixed for a captured graph)."""
+    per_sm = PRELOAD_PER_SM if _preload_switch() else PER_SM
+    return num_splits_for(batch, kv_heads, capacity, sm_count, per_sm, align), plan_config()
 
 
 @functools.cache
