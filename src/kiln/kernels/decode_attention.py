@@ -144,14 +144,7 @@ def decode_attention_ref(
 # forms hold one tile: measured slower on the H200 at every point of the sweep (16-key tiles; 0.6-0.9x).
 SPLIT_CONFIGS = (
     (64, 4, 3, False, False, False),  # 123 / 126
-    (
-        64,
-        4,
-        4,
-        False,
-        False,
-        False,
-    ),  # 123 / 126 (compiles as 3 stages do: K/V are single-buffered either way)
+    (64, 4, 4, False, False, False),  # 123 / 126 (as 3 stages: K/V are single-buffered either way)
     (128, 8, 3, False, False, False),  # 95 / 93
     (64, 4, 3, True, False, False),  # 112 / 117
     (128, 8, 3, True, False, False),  # 76 / 80
@@ -161,12 +154,12 @@ SPLIT_CONFIGS = (
     (16, 4, 8, False, True, False),  # 85
     (16, 2, 6, False, True, False),  # 123 / 196
     (32, 4, 6, False, True, False),  # (page 32)
-    (32, 4, 3, True, False, True),
-    (32, 4, 4, True, False, True),
+    (32, 4, 3, True, False, True),  # 72 (two_pass; 38 KB of shared memory: 2 K/V tiles)
+    (32, 4, 4, True, False, True),  # 72 (54 KB: 3 tiles)
     (32, 4, 5, True, False, True),
-    (64, 4, 3, True, False, True),
-    (64, 4, 4, True, False, True),
-    (128, 8, 3, True, False, True),
+    (64, 4, 3, True, False, True),  # 95 (72 KB: 2 tiles): PLAN_PRELOAD
+    (64, 4, 4, True, False, True),  # 95 (104 KB: 3 tiles)
+    (128, 8, 3, True, False, True),  # 90 (140 KB)
 )
 # split_plan's config (module doc): int32 row offsets where they fit, 32-key tiles, 4 warps, 3 stages
 PLAN_CONFIG = dict(BLOCK_N=32, num_warps=4, num_stages=3, ADDR32=True, TMA=False, PRELOAD=False)
