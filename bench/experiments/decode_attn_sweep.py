@@ -6,13 +6,14 @@
 Qwen2.5-1.5B's attention (12 query / 2 KV heads of 128, bf16, pages of 16, a block table --width tokens
 wide as a captured graph passes) at each batch in --batches, every sequence --contexts keys long. One
 candidate = a split count (`per_sm` (sequence, KV head, split) programs an SM) x a split-kernel config
-(decode_attention.SPLIT_CONFIGS, the TMA ones included); each is a CUDA graph of --layers calls over as many
+(decode_attention.SPLIT_CONFIGS, the TMA and PRELOAD ones included; --configs keeps some by name, e.g.
+64x4w3s_addr32_preload; --head-major also times each on head-major pages); each is a CUDA graph of --layers calls over as many
 separate caches (a decode step's worth), replayed after a read-only 512 MB flush (the L2 then holds no
 K/V and no dirty lines, as in a step, whose weights stream through L2 between layers), candidates
 interleaved in --rounds rounds in a fresh random order. Beside them, in the same rounds:
-- `default`: decode_attention as the engine calls it (decode_attention.split_plan's count and config; until
-  the rule, an autotuner's pick, timed on the engine's one-key padding rows: `autotuned_padding` in the
-  results of that code, and `autotuned_live` tuned on the workload);
+- `default`: decode_attention as the engine calls it (decode_attention.split_plan's count and config; before
+  the fixed plan, an autotuner's pick, tuned on the engine's one-key padding rows: `autotuned_padding` in
+  the results of that code, and `autotuned_live` tuned on the workload);
 - `sdpa_dense`: SDPA over dense contiguous (B, Hk, L, D) copies of the same caches (the peer).
 Figures: us a layer, K/V TB/s, and the fraction of the copy bandwidth measured in the run.
 """
