@@ -222,6 +222,28 @@ def test_split_plan_preload_from_the_environment(monkeypatch):
         dec._preload_switch.cache_clear()
 
 
+def test_decode_default_launch_does_not_specialize_on_capacity(monkeypatch):
+    # The engine's warm-up compiles decode attention once per split count on a one-page table; a served step
+    # with a wider table must reuse those kernels, so without PRELOAD the launch passes one MAX_PAGES value.
+    seen = []
+    kernel = dec._decode_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["MAX_PAGES"])
+                return kernel[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(dec, "_decode_split_kernel", Spy())
+    for width in (1, 8, 64):
+        q, kc, vc, table, seq_lens = _wide([5, 9], 4, 2, 16, 16, width, torch.float32, "cpu", seed=80)
+        with use_backend("triton"):
+            decode_attention(q, kc, vc, table, seq_lens, num_splits=2)
+    assert seen == [1, 1, 1]
+
+
 def test_decode_split_count_follows_the_gpu_and_capacity():
     from kiln.kernels.decode_attention import num_splits_for
 

@@ -539,6 +539,8 @@ def decode_attention_triton(
         cdiv(cdiv(cdiv(max(capacity, 1), splits), config["BLOCK_N"]) * config["BLOCK_N"], page_size) + 1
     )
     config["PRELOAD"] = config["PRELOAD"] and max_pages <= MAX_PRELOAD_PAGES
+    if not config["PRELOAD"]:  # a constexpr: without PRELOAD one value, so no capacity compiles a new kernel
+        max_pages = 1
     single = splits == 1
     one_pass = (default_form() if form is None else form) == "one_pass" and not single
     group = Hq // Hk
