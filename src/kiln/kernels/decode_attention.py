@@ -276,7 +276,7 @@ def _decode_split_kernel(
     FITS32: tl.constexpr,  # every cache element offset fits int32 (offsets_fit_int32, on the host)
     BLOCK_N: tl.constexpr,
     ADDR32: tl.constexpr,  # a config's choice: K/V row offsets in int32 where FITS32 (same loads, fewer registers)
-    TMA_OK: tl.constexpr,  # the caches are TMA-readable a page at a time (tma_pages_ok, on the host)
+    TMA_OK: tl.constexpr,  # TMA asked for and the caches TMA-readable a page at a time (tma_pages_ok, on the host)
     TMA: tl.constexpr,  # a config's choice where TMA_OK: a tile is one page, by TMA (BLOCK_N aligns chunks only)
     PRELOAD: tl.constexpr,  # a config's choice: the chunk's page indices loaded before the K/V loop (not TMA)
     MAX_PAGES: tl.constexpr,  # PRELOAD: a power of two >= the pages one chunk spans
@@ -554,10 +554,11 @@ def decode_attention_triton(
     sink_arg = sinks if sinks is not None else q
     counters = split_counters(q.device, B * Hk) if one_pass else seq_lens  # else a dummy, never touched
     # fmt: off
-    # TMA: Hopper on (sm_90+, as griddepcontrol), or the interpreter (which runs it for the tests)
-    tma_ok = (interpreting() or q.is_cuda and griddep(q.device.index or 0)) and tma_pages_ok(k_cache) and \
-        tma_pages_ok(v_cache)
-    if tma_ok and config["TMA"] and q.is_cuda:
+    # TMA, where a config asks for it: Hopper on (sm_90+, as griddepcontrol), or the interpreter (which runs it
+    # for the tests); checked only then, so the default launch pays nothing and compiles one TMA_OK value
+    tma_ok = config["TMA"] and (interpreting() or q.is_cuda and griddep(q.device.index or 0)) and \
+        tma_pages_ok(k_cache) and tma_pages_ok(v_cache)
+    if tma_ok and q.is_cuda:
         triton.set_allocator(tma_scratch)  # descriptors built on the device (a context variable, read at launch)
     _decode_split_kernel[(B, Hk, splits)](
         q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, sink_arg, out, counters,
