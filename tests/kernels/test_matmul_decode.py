@@ -1,6 +1,7 @@
-"""The decode matmul (M <= 16 rows) against float64: both kernels (FMA "gemv" and swapped "dot"), split K
-with its deterministic second pass, bias and every activation, odd N and K, M from 1 to 16, strided x and
-both weight layouts; that kiln's matmul/linear route decode shapes here (and nothing else); the rule."""
+"""The decode matmul (M <= 16 rows, and the dot kernel's wide tiles up to 128) against float64: both kernels
+(FMA "gemv" and swapped "dot"), split K with its deterministic second pass, bias and every activation, odd N
+and K, M from 1 to 128, strided x and both weight layouts; that kiln's matmul/linear route decode shapes here
+(and nothing else); the rule."""
 
 from __future__ import annotations
 
@@ -114,10 +115,38 @@ def test_cached_launch_keys_tell_configs_apart(monkeypatch, device):
     assert len(keys["_sum_launch"]) == 4 and len(set(keys["_sum_launch"])) == 2, "SPLIT_K 2 and 3 share a key"
 
 
+@pytest.mark.parametrize(
+    "config", [DecodeConfig("dot", 16, 32), DecodeConfig("dot", 32, 16, split_k=3, stages=3)], ids=str
+)
+@pytest.mark.parametrize("M,K,N", [(17, 72, 37), (40, 50, 24), (128, 33, 19)])
+def test_decode_wide_rows_match_float64(config, M, K, N, device):
+    """17-128 rows (x.T padded to M's next power of two, from 32 to 128 wide): bias, activation, split K,
+    ragged column blocks and K steps."""
+    x, b, bias = _inputs(M, K, N, torch.float16, device, seed=M + K)
+    c = decode_matmul(x, b, bias, "gelu_tanh", config=config)
+    assert c.shape == (M, N)
+    assert_close(c, matmul_ref(x.double(), b.double(), bias.double(), "gelu_tanh"), name=f"{M} rows {config}")
+
+
+def test_decode_wide_rule_and_residual_epilogue(device):
+    """The rule's config past 16 rows, and the residual_sumsq epilogue at 33 rows (its sum kernel's
+    (rows, columns) tile at a wide M)."""
+    x, b, bias = _inputs(33, 64, 40, torch.float32, device, seed=12)
+    assert_close(decode_matmul(x, b, bias), matmul_ref(x.double(), b.double(), bias.double()), name="rule")
+    r = torch.randn(33, 40, dtype=torch.float32).to(device)
+    h, ss = decode_matmul(x, b, bias, epilogue="residual_sumsq", residual=r.clone(),
+                          config=DecodeConfig("dot", 16, 16, split_k=2))  # fmt: skip
+    want = r.double() + matmul_ref(x.double(), b.double(), bias.double())
+    assert_close(h, want, name="residual")
+    assert_close(ss.sum(1), h.double().square().sum(1), name="sum of squares")
+
+
 def test_decode_rejects_too_many_rows(device):
-    x, b, _ = _inputs(17, 16, 8, torch.float32, device, seed=7)
-    with pytest.raises(ValueError, match="at most 16 rows"):
+    x, b, _ = _inputs(129, 16, 8, torch.float32, device, seed=7)
+    with pytest.raises(ValueError, match="at most 128 rows"):
         decode_matmul(x, b)
+    with pytest.raises(ValueError, match="gemv decode kernel takes at most 16 rows"):
+        decode_matmul(x[:17], b, config=DecodeConfig("gemv", 16, 16))
     with pytest.raises(ValueError, match="unknown decode kernel"):
         decode_matmul(x[:2], b, config=DecodeConfig("wgmma", 16, 16))
 
@@ -175,6 +204,13 @@ def test_decode_config_rule(monkeypatch):
             assert programs >= 132 // 2, (M, K, N, cfg)
             assert cfg.kernel == "dot" or M * cfg.block_n * cfg.block_k <= 64 * 32 * cfg.warps, (M, cfg)
             assert rule(M, N, K, 132, k_major=False).kernel == "dot"  # row-major B: no 16-byte loads along K
+    for M in (17, 32, 64, 100, 128):  # the wide tiles: the dot kernel, and whole K steps in every split
+        for K, N in [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536), (1536, 151936)]:
+            cfg = rule(M, N, K, 132)
+            assert cfg.kernel == "dot", cfg
+            assert -(-N // cfg.block_n) * cfg.split_k >= 132 // 2, (M, K, N, cfg)
+            assert -(-K // cfg.block_k) >= 2 * cfg.split_k or cfg.split_k == 1, (M, K, N, cfg)
+            assert rule(M, N, K, 132, split_ok=False).split_k == 1
 
 
 QWEN_DECODE = [
@@ -214,3 +250,22 @@ def test_decode_bf16_explicit_configs(config):
     x, b, bias = _inputs(16 if config.kernel == "dot" else 1, 1536, 2048, torch.bfloat16, "cuda", seed=9)
     y = decode_matmul(x, b, bias, "gelu_tanh", config=config)
     assert_close(y, matmul_ref(x.double(), b.double(), bias.double(), "gelu_tanh"), name=str(config))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "M,K,N", [(M, K, N) for M in (32, 64, 128) for K, N in [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536)]]
+)
+def test_decode_bf16_wide_rows(M, K, N):
+    """The wide tiles' rule at the engine's 32-128 sequence buckets, bf16 with bias, eager and in a CUDA
+    graph (the split-K buffer allocated in the graph's pool)."""
+    x, b, bias = _inputs(M, K, N, torch.bfloat16, "cuda", seed=M + N)
+    want = matmul_ref(x.double(), b.double(), bias.double())
+    y = decode_matmul(x, b, bias)
+    assert_close(y, want, name=f"bf16 {decode_config(M, N, K, 132)}")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = decode_matmul(x, b, bias)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, y)

@@ -1,7 +1,11 @@
-"""Decode-sized matmul (M <= 16 rows): C = act(A @ B + bias), read as one stream of B.
+"""Decode-sized matmul (M <= 16 rows, and up to 128 in the dot form): C = act(A @ B + bias), read as one
+stream of B.
 
-Shapes: A (M, K) with M <= DECODE_MAX_M, B (K, N), bias (N,) or None -> C (M, N) in A's dtype. B is
-usually an nn.Linear weight W (N, K) seen as W.T (K-contiguous), but any strides work.
+Shapes: A (M, K) with M <= DECODE_WIDE_M, B (K, N), bias (N,) or None -> C (M, N) in A's dtype. B is
+usually an nn.Linear weight W (N, K) seen as W.T (K-contiguous), but any strides work. kiln's matmul routes
+M <= DECODE_MAX_M here; wider calls (the engine's 32-128 sequence decode buckets, where cuBLAS streams the
+weights at 1.1-3.3 TB/s: docs/perf/matmul_decode.md) come from the model's Linear when KILN_DECODE_ROWS
+says so.
 
 At decode the weight is read once and each of its elements used M times: qkv of Qwen2.5-1.5B at M = 1 is
 6.3 MB for 6.3 MFLOP. Such a GEMM is bound by how fast the weight streams in, and at a few microseconds by
@@ -15,7 +19,8 @@ latency: what counts is spreading W over every SM with many loads in flight, not
 - "dot" (the swapped form): W is the tensor-core M side, x.T the 16-wide N side:
       acc (BLOCK_N, 16) += W tile (BLOCK_N, BLOCK_K) @ x.T (BLOCK_K, 16)
   and the tile is written back transposed into C (M, N). For M up to 16, where FMAs would cost M times
-  the work of one row.
+  the work of one row, and for 17-128 rows with x.T as wide as M's next power of two: W stays the
+  128-row-or-fewer M side, so every W element is still loaded once, and the batch rides the wgmma N side.
 With SPLIT_K > 1 each of SPLIT_K programs per column block sums one slice of K into a float32
 (SPLIT_K, M, N) buffer (no atomics, no zeroed workspace), and a second kernel adds the slices in a fixed
 order (deterministic), adds the bias and applies the activation.
@@ -69,7 +74,8 @@ from kiln.kernels._common import pdl as use_pdl
 from kiln.kernels.dispatch import interpreting, sm_count
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 
-DECODE_MAX_M = 16  # the dot kernel's x.T tile is 16 wide: one column block covers every row
+DECODE_MAX_M = 16  # kiln's matmul routes up to this many rows here (the gemv and 16-wide dot tiles)
+DECODE_WIDE_M = 128  # the dot kernel's x.T tile is at most this wide: one column block covers every row
 
 
 class DecodeConfig(NamedTuple):
@@ -118,6 +124,8 @@ def decode_config(
     """
     if interpreting():  # small tiles: the CPU tests cover ragged tiles and several K steps
         return DecodeConfig("gemv" if M == 1 and k_major else "dot", 16, 32)
+    if M > DECODE_MAX_M:
+        return wide_config(M, N, K, sms, split_ok)
     if M == 1 and k_major:
         return (
             DecodeConfig("gemv", 4, 256, 1, 2, 3, True)
@@ -137,6 +145,18 @@ def decode_config(
         )
     return DecodeConfig("dot", 64, 64, max(2, round(2 * sms / tiles)) if split_ok else 1, 4, 4, True)
 
+
+
+def wide_config(M: int, N: int, K: int, sms: int, split_ok: bool = True) -> DecodeConfig:
+    """decode_config's rule past DECODE_MAX_M rows (17-128): the dot kernel, W's 64-row blocks as the wgmma
+    M side and x.T (K, pow2(M)) as its N side, 4 warps. K is split so that about two programs run per SM
+    where the 64-row blocks alone are fewer than the SMs (qkv, o, down at the Qwen2.5-1.5B shapes),
+    the slices summed by the second kernel; a deeper K step where x.T is narrower."""
+    block_k = 128 if M <= 64 else 64
+    tiles = cdiv(N, 64)
+    steps = cdiv(K, block_k)
+    split = 1 if tiles >= sms or not split_ok else max(1, min(steps // 2, round(2 * sms / tiles)))
+    return DecodeConfig("dot", 64, block_k, split, 4, 3 if block_k == 128 else 4, True)
 
 @triton.jit
 def _load_x(
@@ -545,8 +565,8 @@ def decode_matmul(
     """
     M, K = a.shape
     N = b.shape[1]
-    if M > DECODE_MAX_M:
-        raise ValueError(f"decode_matmul takes at most {DECODE_MAX_M} rows, got {M}")
+    if M > DECODE_WIDE_M:
+        raise ValueError(f"decode_matmul takes at most {DECODE_WIDE_M} rows, got {M}")
     if prologue not in PROLOGUES:
         raise ValueError(f"decode_matmul: unknown prologue {prologue!r}: one of {', '.join(PROLOGUES)}")
     if epilogue not in EPILOGUES:
@@ -564,6 +584,8 @@ def decode_matmul(
     if config is None:
         config = decode_config(M, N, K, sm_count(a.device), b.stride(0) == 1, split_ok=not glu)
     _check_swiglu_args(a, N, glu, activation, config, out)
+    if config.kernel == "gemv" and M > DECODE_MAX_M:
+        raise ValueError(f"the gemv decode kernel takes at most {DECODE_MAX_M} rows, got {M}: use 'dot'")
     c = torch.empty((M, N // 2 if glu else N), device=a.device, dtype=a.dtype) if out is None else out
     split, k_split, dst = 1, K, c
     if config.split_k > 1:
@@ -596,7 +618,7 @@ def decode_matmul(
                            PDL=pdl, GRIDDEP=can_signal, num_warps=config.warps, launch_pdl=pdl)  # fmt: skip
     elif config.kernel == "dot":
         precision = "tf32" if a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
-        _dot_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, **fused, PRECISION=precision, BLOCK_M=16,
+        _dot_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, **fused, PRECISION=precision, BLOCK_M=max(16, pow2(M)),
                           BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, PDL=pdl, GRIDDEP=can_signal,
                           num_warps=config.warps, num_stages=config.stages, launch_pdl=pdl)  # fmt: skip
     else:

@@ -101,6 +101,20 @@ def decode_qkv() -> str:
     return _env_form("KILN_DECODE_QKV", DECODE_QKV, what)
 
 
+# How many rows of a decode-sized step take kiln's decode matmul rather than cuBLAS (decode_rows): up to 16
+# (the gemv and 16-wide dot tiles) or up to 32 / 64 / 128 (the dot kernel's wide tiles)
+DECODE_ROWS = ("16", "32", "64", "128")
+
+
+@functools.cache
+def decode_rows() -> int:
+    """The most rows a no-gradient CUDA linear sends to kiln.kernels.matmul_decode (past it: cuBLAS): 16
+    (the default) unless KILN_DECODE_ROWS says 32, 64 or 128 (read once, as KILN_DECODE_NORM is), so that
+    whole decode steps at the engine's 32-128 sequence buckets can be timed with the wide dot tiles
+    against cuBLAS without a code change (kiln.model.linear.Linear)."""
+    what = "cuBLAS past 16 rows; 32, 64 or 128 for kiln's wide decode tiles up to that many rows"
+    return int(_env_form("KILN_DECODE_ROWS", DECODE_ROWS, what))
+
 # How a decode step's SwiGLU runs (decode_swiglu): "separate" (kiln's SwiGLU kernel after the gate_up matmul)
 # or "epilogue" (in the gate_up decode matmul's epilogue, kiln.kernels.matmul_decode)
 DECODE_SWIGLUS = ("separate", "epilogue")

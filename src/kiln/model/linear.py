@@ -5,7 +5,8 @@ by `KernelConfig.linear` (kiln.model.config):
 - "torch": F.linear (cuBLAS on CUDA);
 - "kiln": kiln.kernels.matmul.linear (kiln's Triton tile kernel, and its decode kernels for <= 16 rows);
 - "auto" (default): kiln's decode kernels where they won on the H200 (CUDA, <= 16 rows, inference:
-  1.1-2.5x cuBLAS at the Qwen2.5-1.5B decode shapes, docs/kernels/matmul_decode.md), F.linear elsewhere;
+  1.1-2.5x cuBLAS at the Qwen2.5-1.5B decode shapes, docs/kernels/matmul_decode.md; up to 32, 64 or 128
+  rows with KILN_DECODE_ROWS, kiln.model.config.decode_rows), F.linear elsewhere;
 - "fp8" / "fp8_rowwise": FP8 training, the forward and both gradient GEMMs in FP8 with tensorwise /
   rowwise scales from the current step (kiln.kernels.fp8_train), the weight kept in its own dtype.
 The choice reads only shapes and flags, so it is fixed for a captured decode step.
@@ -30,6 +31,7 @@ from kiln.kernels.dispatch import use_triton
 from kiln.kernels.fp8_train import fp8_train_linear
 from kiln.kernels.matmul import linear as kiln_linear
 from kiln.kernels.matmul_decode import DECODE_MAX_M, decode_matmul
+from kiln.model.config import decode_rows
 
 DECODE_ROWS = DECODE_MAX_M  # kiln.kernels.matmul_decode handles up to this many rows
 DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what kiln's matmul takes
@@ -49,14 +51,24 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend in FP8_RECIPES:
             return fp8_train_linear(x, self.weight, self.bias, FP8_RECIPES[self.backend])
-        if self.backend == "kiln" or (self.backend == "auto" and self._decode_rows(x)):
+        rows = self._decode_rows(x)
+        if rows > DECODE_ROWS:  # past kiln's matmul's decode rows: the wide tiles (KILN_DECODE_ROWS)
+            y = decode_matmul(x.reshape(rows, x.shape[-1]), self.weight.t(), self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
+        if self.backend == "kiln" or rows:
             return kiln_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def _decode_rows(self, x: torch.Tensor) -> bool:
+    def _decode_rows(self, x: torch.Tensor) -> int:
+        """x's rows where they take kiln's decode matmul: a no-gradient call of at most decode_rows() rows
+        in the weight's dtype, on CUDA ("auto") or wherever kiln's kernels run ("kiln"); else 0."""
+        if self.backend not in ("auto", "kiln"):
+            return 0
         rows = x.numel() // max(x.shape[-1], 1)
         training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        return x.is_cuda and 0 < rows <= DECODE_ROWS and not training
+        where = x.is_cuda if self.backend == "auto" else use_triton(x)
+        ok = where and 0 < rows <= decode_rows() and not training and x.dtype == self.weight.dtype
+        return rows if ok else 0
 
     # ---- the split add + RMSNorm (KILN_DECODE_NORM=split; kiln.model.transformer.Decoder decides per call)
     def decode_fusable(self, x: torch.Tensor) -> bool:
