@@ -80,7 +80,10 @@ def flushed_ms(graphs: dict, rounds: int, reps: int, cuda: bool) -> dict:
     for _ in range(rounds):
         rng.shuffle(order)
         for k in order:
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+            ev = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(reps)
+            ]
             for a, b in ev:
                 flush.sum()
                 a.record()

@@ -254,7 +254,8 @@ def test_decode_bf16_explicit_configs(config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "M,K,N", [(M, K, N) for M in (32, 64, 128) for K, N in [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536)]]
+    "M,K,N",
+    [(M, K, N) for M in (32, 64, 128) for K, N in [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536)]],
 )
 def test_decode_bf16_wide_rows(M, K, N):
     """The wide tiles' rule at the engine's 32-128 sequence buckets, bf16 with bias, eager and in a CUDA

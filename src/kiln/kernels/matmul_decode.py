@@ -146,7 +146,6 @@ def decode_config(
     return DecodeConfig("dot", 64, 64, max(2, round(2 * sms / tiles)) if split_ok else 1, 4, 4, True)
 
 
-
 def wide_config(M: int, N: int, K: int, sms: int, split_ok: bool = True) -> DecodeConfig:
     """decode_config's rule past DECODE_MAX_M rows (17-128): the dot kernel, W's 64-row blocks as the wgmma
     M side and x.T (K, pow2(M)) as its N side, 4 warps. K is split so that about two programs run per SM
@@ -157,6 +156,7 @@ def wide_config(M: int, N: int, K: int, sms: int, split_ok: bool = True) -> Deco
     steps = cdiv(K, block_k)
     split = 1 if tiles >= sms or not split_ok else max(1, min(steps // 2, round(2 * sms / tiles)))
     return DecodeConfig("dot", 64, block_k, split, 4, 3 if block_k == 128 else 4, True)
+
 
 @triton.jit
 def _load_x(

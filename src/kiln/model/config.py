@@ -115,6 +115,7 @@ def decode_rows() -> int:
     what = "cuBLAS past 16 rows; 32, 64 or 128 for kiln's wide decode tiles up to that many rows"
     return int(_env_form("KILN_DECODE_ROWS", DECODE_ROWS, what))
 
+
 # How a decode step's SwiGLU runs (decode_swiglu): "separate" (kiln's SwiGLU kernel after the gate_up matmul)
 # or "epilogue" (in the gate_up decode matmul's epilogue, kiln.kernels.matmul_decode)
 DECODE_SWIGLUS = ("separate", "epilogue")
