@@ -197,22 +197,23 @@ def test_decode_live_chunks_on_a_wide_table(num_splits, window, sinks, form, dev
     _assert_counters_zero(device)
 
 
-def test_split_plan():
-    # The fixed plan (module doc): ~4 programs an SM (num_splits_for), 32-key tiles with int32 offsets.
-    cfg = dict(BLOCK_N=32, num_warps=4, num_stages=3, ADDR32=True, TMA=False, PRELOAD=False)
-    assert dec.split_plan(1, 2, 4096, 132) == (32, cfg)
-    assert dec.split_plan(64, 2, 4096, 132) == (5, cfg)
-    assert dec.split_plan(64, 2, 100, 132) == (1, cfg)  # one chunk of capacity
-
-
-def test_split_plan_preload_from_the_environment(monkeypatch):
-    # KILN_DECODE_PRELOAD=on gives split_plan PLAN_PRELOAD at PRELOAD_PER_SM (A/B timing of whole steps); a bad
-    # value is an error.
+def test_split_plan(monkeypatch):
+    # The fixed plan (module doc): about one program an SM (num_splits_for) in PRELOAD's 64-key tiles with
+    # int32 offsets; KILN_DECODE_PRELOAD=off gives the plan before it (~4 programs an SM, 32-key tiles, the
+    # table read per tile; A/B timing of whole steps); a bad value is an error.
     try:
-        monkeypatch.setenv("KILN_DECODE_PRELOAD", "on")
+        monkeypatch.delenv("KILN_DECODE_PRELOAD", raising=False)
         dec._preload_switch.cache_clear()
-        cfg = dict(dec.PLAN_CONFIG, BLOCK_N=64, PRELOAD=True)
-        assert dec.split_plan(8, 2, 4096, 132) == (cdiv(132, 16), cfg)  # about one program an SM
+        cfg = dict(BLOCK_N=64, num_warps=4, num_stages=3, ADDR32=True, TMA=False, PRELOAD=True)
+        assert dec.split_plan(1, 2, 4096, 132) == (32, cfg)  # at most one split per 128 keys
+        assert dec.split_plan(1, 2, 32768, 132) == (66, cfg)
+        assert dec.split_plan(8, 2, 4096, 132) == (cdiv(132, 16), cfg)
+        assert dec.split_plan(64, 2, 100, 132) == (1, cfg)  # one chunk of capacity
+        monkeypatch.setenv("KILN_DECODE_PRELOAD", "off")
+        dec._preload_switch.cache_clear()
+        cfg = dict(BLOCK_N=32, num_warps=4, num_stages=3, ADDR32=True, TMA=False, PRELOAD=False)
+        assert dec.split_plan(1, 2, 4096, 132) == (32, cfg)
+        assert dec.split_plan(64, 2, 4096, 132) == (5, cfg)
         monkeypatch.setenv("KILN_DECODE_PRELOAD", "yes")
         dec._preload_switch.cache_clear()
         with pytest.raises(ValueError, match="KILN_DECODE_PRELOAD must be"):
@@ -224,7 +225,8 @@ def test_split_plan_preload_from_the_environment(monkeypatch):
 
 def test_decode_default_launch_does_not_specialize_on_capacity(monkeypatch):
     # The engine's warm-up compiles decode attention once per split count on a one-page table; a served step
-    # with a wider table must reuse those kernels, so without PRELOAD the launch passes one MAX_PAGES value.
+    # with a wider table must reuse those kernels, so the launch passes one MAX_PAGES value whatever the
+    # table (PRELOAD, the default, loads fixed windows of page indices).
     seen = []
     kernel = dec._decode_split_kernel
 
@@ -241,7 +243,7 @@ def test_decode_default_launch_does_not_specialize_on_capacity(monkeypatch):
         q, kc, vc, table, seq_lens = _wide([5, 9], 4, 2, 16, 16, width, torch.float32, "cpu", seed=80)
         with use_backend("triton"):
             decode_attention(q, kc, vc, table, seq_lens, num_splits=2)
-    assert seen == [1, 1, 1]
+    assert seen == [dec.PRELOAD_PAGES] * 3
 
 
 def test_decode_split_count_follows_the_gpu_and_capacity():
@@ -442,6 +444,29 @@ def test_decode_addr32_and_preload_are_bitwise_the_int64_form(
         assert torch.equal(pre, old)
     assert_close(new, _ref64(q, kc, vc, table, seq_lens, softmax_scale=0.3, window=window, sinks=s))
     _assert_counters_zero(device)
+
+
+@pytest.mark.parametrize(
+    "lens,page,block_n,splits,window",
+    [([200, 47], 8, 32, 1, None), ([300, 90], 16, 16, 2, 170)],
+    ids=["page8-one-split", "page16-window"],
+)
+def test_decode_preload_windows_are_bitwise_the_plain_loop(
+    lens, page, block_n, splits, window, monkeypatch, device
+):
+    # A chunk longer than one PRELOAD window (made small here: 96 and 48 keys) is walked window by window,
+    # each window's page indices loaded before its tiles: the tiles, masks and sums are the plain loop's.
+    from kiln.kernels.decode_attention import decode_attention_triton
+
+    monkeypatch.setattr(dec, "PRELOAD_PAGES", 4)
+    q, kc, vc, table, seq_lens = _paged(lens, 4, 2, 16, page, torch.float32, device, seed=62)
+    cfg = dict(BLOCK_N=block_n, num_warps=4, num_stages=1, ADDR32=True)
+    args = (q, kc, vc, table, seq_lens, 0.3, window, None, splits)
+    assert (dec.preload_pages(block_n, page) - 1) * page < max(lens) // splits  # several windows a chunk
+    old = decode_attention_triton(*args, dict(cfg, PRELOAD=False))
+    pre = decode_attention_triton(*args, dict(cfg, PRELOAD=True))
+    assert torch.equal(pre, old)
+    assert_close(pre, _ref64(q, kc, vc, table, seq_lens, softmax_scale=0.3, window=window))
 
 
 def test_decode_addr32_guard(monkeypatch, device):

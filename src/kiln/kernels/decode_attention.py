@@ -60,15 +60,14 @@ kernel writes the final output itself (sinks included) and the reduction is not 
 
 The split count and the tile config are fixed (`split_plan`), not autotuned: the engine captures its
 decode graphs with padding rows of one key each, so a tuner timing those launches chose among configs by
-noise. 32-key tiles with int32 offsets at about 4 programs an SM were the best or within a few percent of
-it at 1-48 sequences of 256-4096 keys, timed in isolation (Qwen2.5-1.5B's 12 / 2 heads, 28-layer graphs,
-bench/experiments/decode_attn_sweep.py). From 64 sequences on, fewer and longer chunks (about one program
-an SM, 64-key tiles) ran 0.65-0.89x the time there, but in whole decode steps they were 5% slower at 96-128
-sequences and even at 64 (docs/perf/attention.md, "Split count and tiles"): the kept rule is the one
-measured in the step. The PRELOAD configs load a chunk's page indices once before its loop (gathered from
-registers per tile), so that no load in the loop feeds the K/V addresses and the pipeliner keeps
-num_stages - 1 tiles of K and V in flight where the per-tile table load leaves it one; bitwise the same
-output. Off by default until whole steps say otherwise (KILN_DECODE_PRELOAD=on, docs/perf/attention.md).
+noise. The plan: about one program an SM in 64-key tiles whose chunk's page indices are loaded once before
+its loop (PRELOAD: gathered from registers per tile), so that no load in the loop feeds the K/V addresses
+and the pipeliner keeps num_stages - 1 tiles of K and V in flight where a per-tile table load leaves it
+one (bitwise the same output as the per-tile loads). In whole decode steps on the H200 (Qwen2.5-1.5B,
+1k-token contexts, docs/perf/attention.md) it ran 1.03-1.065x the steps of the plan before it (about 4
+programs an SM in 32-key tiles with per-tile table loads, KILN_DECODE_PRELOAD=off) at 16-128 sequences and
+tied at one. Fewer and longer chunks without PRELOAD had won in isolation at 64-256 sequences and lost 5% in
+whole steps: only whole steps decide the plan.
 
 Measured on the H200 and not kept (bench/sweep_attention.py, batch 1 x 64k): split counts of 1-8
 programs per SM (4 is best there; fewer cannot keep enough loads in flight per SM), page indices loaded a
@@ -163,13 +162,20 @@ SPLIT_CONFIGS = (
 )
 # split_plan's config (module doc): int32 row offsets where they fit, 32-key tiles, 4 warps, 3 stages
 PLAN_CONFIG = dict(BLOCK_N=32, num_warps=4, num_stages=3, ADDR32=True, TMA=False, PRELOAD=False)
-# KILN_DECODE_PRELOAD=on (split_plan): about one program an SM (PRELOAD_PER_SM) in 64-key tiles with the
-# chunk's page indices loaded before the loop, 3 stages (2 K/V tiles in flight, 72 KB of shared memory): the
-# best paged form at 8-128 sequences of 1k-4k keys in isolation (decode_preload_sweep.json), not yet timed in
-# whole steps; 4 an SM in 32-key tiles with 4 stages measured 0.97-1.03x in whole steps (docs/perf/attention.md)
+# split_plan's default: about one program an SM (PRELOAD_PER_SM) in 64-key tiles with the chunk's page indices
+# loaded before the loop, 3 stages (2 K/V tiles in flight, 72 KB of shared memory): the best paged form at
+# 8-128 sequences of 1k-4k keys in isolation (decode_preload_sweep.json) and 1.03-1.065x whole steps at 16-128
+# sequences (decode_forms_wide.json); 4 an SM in 32-key tiles with 4 stages measured 0.97-1.03x
+# (docs/perf/attention.md). KILN_DECODE_PRELOAD=off: PLAN_CONFIG at PER_SM, the plan before it.
 PLAN_PRELOAD = dict(PLAN_CONFIG, BLOCK_N=64, PRELOAD=True)
 PRELOAD_PER_SM = 1
-MAX_PRELOAD_PAGES = 256  # PRELOAD's page vector, at most (a longer chunk loads the table per tile)
+PRELOAD_PAGES = 64  # PRELOAD's page vector: one window of up to 63 pages (1008 keys of 16-key pages)
+
+
+def preload_pages(block_n: int, page_size: int) -> int:
+    """The page indices a PRELOAD window loads at once: PRELOAD_PAGES, or more where a window of those
+    would hold fewer than two tiles (small pages); a power of two."""
+    return max(PRELOAD_PAGES, pow2(2 * cdiv(block_n, page_size) + 1))
 
 
 def offsets_fit_int32(*caches: torch.Tensor) -> bool:
@@ -258,6 +264,30 @@ def _online_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale):
     return m_new, l_i, acc
 
 
+
+@triton.jit
+def _paged_tile(q, K_CACHE, V_CACHE, page, t, t_ok, offs_d, hk, m_i, l_i, acc, qk_scale, stride_kp, stride_kt,
+                stride_kh, stride_vp, stride_vt, stride_vh, PAGE_SIZE: tl.constexpr, ADDR32: tl.constexpr):  # fmt: skip
+    """One tile of keys t (BLOCK_N,) found through their pages (BLOCK_N,) int32: load K and V, fold them
+    into the running (m_i, l_i, acc)."""
+    if ADDR32:
+        # (BLOCK_N,) int32 row offsets from the head's base; the (BLOCK_N, D) offsets stay int32 and only the
+        # final address is 64-bit: the pipelined loop holds 32-bit offsets for the next tile, not 64-bit
+        # pointers (sm_90a: 123 -> 112 registers at 64 keys / 4 warps, 95 -> 76 at 128 / 8)
+        k_off = page * stride_kp + (t % PAGE_SIZE) * stride_kt
+        v_off = page * stride_vp + (t % PAGE_SIZE) * stride_vt
+        k_ptrs = K_CACHE + hk * stride_kh + (k_off[:, None] + offs_d[None, :])  # (BLOCK_N, D)
+        v_ptrs = V_CACHE + hk * stride_vh + (v_off[:, None] + offs_d[None, :])
+    else:  # int64 row pointers, any cache size: the kernel as it was before ADDR32 (the old configs)
+        page64 = page.to(tl.int64)
+        k_rows = K_CACHE + page64 * stride_kp + (t % PAGE_SIZE) * stride_kt + hk * stride_kh
+        v_rows = V_CACHE + page64 * stride_vp + (t % PAGE_SIZE) * stride_vt + hk * stride_vh
+        k_ptrs = k_rows[:, None] + offs_d[None, :]
+        v_ptrs = v_rows[:, None] + offs_d[None, :]
+    k = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)  # (BLOCK_N, D)
+    v = tl.load(v_ptrs, mask=t_ok[:, None], other=0.0)
+    return _online_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale)
+
 @triton.jit
 def _decode_split_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS,  # q (B, Hq, D); caches (pages, PAGE_SIZE, Hk, D); see paged_kv
@@ -278,8 +308,8 @@ def _decode_split_kernel(
     ADDR32: tl.constexpr,  # a config's choice: K/V row offsets in int32 where FITS32 (same loads, fewer registers)
     TMA_OK: tl.constexpr,  # TMA asked for and the caches TMA-readable a page at a time (tma_pages_ok, on the host)
     TMA: tl.constexpr,  # a config's choice where TMA_OK: a tile is one page, by TMA (BLOCK_N aligns chunks only)
-    PRELOAD: tl.constexpr,  # a config's choice: the chunk's page indices loaded before the K/V loop (not TMA)
-    MAX_PAGES: tl.constexpr,  # PRELOAD: a power of two >= the pages one chunk spans
+    PRELOAD: tl.constexpr,  # a config's choice: a window's page indices loaded before its K/V loop (not TMA)
+    MAX_PAGES: tl.constexpr,  # PRELOAD: the page indices loaded at once (preload_pages: fixed per config)
 ):
     hk = tl.program_id(1)
     if TMA and TMA_OK:  # built before the wait: they depend on no earlier kernel
@@ -333,36 +363,33 @@ def _decode_split_kernel(
             m_i, l_i, acc = _online_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale)
     else:
         if PRELOAD:
-            # the chunk's page indices, loaded once: the K/V addresses then depend on no load inside the
-            # loop, so the pipeliner can keep num_stages - 1 tiles of K and V in flight (with the table
-            # loaded per tile it spends its stages on that load and holds one K/V tile)
-            p0 = lo // PAGE_SIZE
-            offs_p = tl.arange(0, MAX_PAGES)  # MAX_PAGES >= the pages a chunk spans (host)
-            chunk_pages = tl.load(table + p0 + offs_p, mask=p0 + offs_p < tl.cdiv(hi, PAGE_SIZE), other=0)
-        for n0 in range(lo, hi, BLOCK_N):
-            t = n0 + offs_n  # (BLOCK_N,) token positions; each row found through its page
-            t_ok = t < hi
-            if PRELOAD:
-                page = tl.gather(chunk_pages, tl.where(t_ok, t // PAGE_SIZE - p0, 0), 0)  # (BLOCK_N,) int32
-            else:
+            # the page indices of a window of the chunk, loaded once: the K/V addresses then depend on no
+            # load inside the window's loop, so the pipeliner keeps num_stages - 1 tiles of K and V in flight
+            # (with the table loaded per tile it spends its stages on that load and holds one K/V tile).
+            # Windows are whole tiles spanning at most MAX_PAGES pages, so the tiles, their masks and the
+            # sums are those of the plain loop: the same bits. One window covers a chunk of up to
+            # (MAX_PAGES - 1) pages; a longer one restarts the pipeline once a window.
+            WINDOW_KEYS = (MAX_PAGES - 1) * PAGE_SIZE // BLOCK_N * BLOCK_N
+            offs_p = tl.arange(0, MAX_PAGES)
+            for w0 in range(lo, hi, WINDOW_KEYS):
+                w_hi = tl.minimum(w0 + WINDOW_KEYS, hi)
+                p0 = w0 // PAGE_SIZE
+                pages = tl.load(table + p0 + offs_p, mask=p0 + offs_p < tl.cdiv(w_hi, PAGE_SIZE), other=0)
+                for n0 in range(w0, w_hi, BLOCK_N):
+                    t = n0 + offs_n  # (BLOCK_N,) token positions
+                    t_ok = t < w_hi
+                    page = tl.gather(pages, tl.where(t_ok, t // PAGE_SIZE - p0, 0), 0)  # (BLOCK_N,) int32
+                    m_i, l_i, acc = _paged_tile(q, K_CACHE, V_CACHE, page, t, t_ok, offs_d, hk, m_i, l_i, acc,
+                                                qk_scale, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                                stride_vh, PAGE_SIZE, ADDR32 and FITS32)  # fmt: skip
+        else:
+            for n0 in range(lo, hi, BLOCK_N):
+                t = n0 + offs_n  # (BLOCK_N,) token positions; each row found through its page
+                t_ok = t < hi
                 page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0)  # (BLOCK_N,) int32
-            if ADDR32 and FITS32:
-                # (BLOCK_N,) int32 row offsets from the head's base; the (BLOCK_N, D) offsets stay int32 and only
-                # the final address is 64-bit: the pipelined loop holds 32-bit offsets for the next tile, not
-                # 64-bit pointers (sm_90a: 123 -> 112 registers at 64 keys / 4 warps, 95 -> 76 at 128 / 8)
-                k_off = page * stride_kp + (t % PAGE_SIZE) * stride_kt
-                v_off = page * stride_vp + (t % PAGE_SIZE) * stride_vt
-                k_ptrs = K_CACHE + hk * stride_kh + (k_off[:, None] + offs_d[None, :])  # (BLOCK_N, D)
-                v_ptrs = V_CACHE + hk * stride_vh + (v_off[:, None] + offs_d[None, :])
-            else:  # int64 row pointers, any cache size: the kernel as it was before ADDR32 (the old configs)
-                page64 = page.to(tl.int64)
-                k_rows = K_CACHE + page64 * stride_kp + (t % PAGE_SIZE) * stride_kt + hk * stride_kh
-                v_rows = V_CACHE + page64 * stride_vp + (t % PAGE_SIZE) * stride_vt + hk * stride_vh
-                k_ptrs = k_rows[:, None] + offs_d[None, :]
-                v_ptrs = v_rows[:, None] + offs_d[None, :]
-            k = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)  # (BLOCK_N, D)
-            v = tl.load(v_ptrs, mask=t_ok[:, None], other=0.0)
-            m_i, l_i, acc = _online_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale)
+                m_i, l_i, acc = _paged_tile(q, K_CACHE, V_CACHE, page, t, t_ok, offs_d, hk, m_i, l_i, acc,
+                                            qk_scale, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                            stride_vh, PAGE_SIZE, ADDR32 and FITS32)  # fmt: skip
     if SINGLE:  # o = acc 2^(m_i - m) / (l_i 2^(m_i - m) + 2^(sink - m)), m = max(m_i, sink)
         denom = l_i
         if SINK:
@@ -442,23 +469,23 @@ def num_splits_for(
 def split_plan(
     batch: int, kv_heads: int, capacity: int, sm_count: int, align: int = CHUNK_ALIGN
 ) -> tuple[int, dict]:
-    """(split count, split-kernel config) of a launch (module doc): about PER_SM programs an SM, in
-    PLAN_CONFIG's tiles (with KILN_DECODE_PRELOAD=on, PRELOAD_PER_SM in PLAN_PRELOAD's). Host values only
-    (fixed for a captured graph)."""
+    """(split count, split-kernel config) of a launch (module doc): about PRELOAD_PER_SM programs an SM in
+    PLAN_PRELOAD's tiles (with KILN_DECODE_PRELOAD=off, PER_SM in PLAN_CONFIG's). Host values only (fixed
+    for a captured graph)."""
     per_sm = PRELOAD_PER_SM if _preload_switch() else PER_SM
     return num_splits_for(batch, kv_heads, capacity, sm_count, per_sm, align), plan_config()
 
 
 @functools.cache
 def _preload_switch() -> bool:
-    form = os.environ.get("KILN_DECODE_PRELOAD", "") or "off"
+    form = os.environ.get("KILN_DECODE_PRELOAD", "") or "on"
     if form not in ("off", "on"):
         raise ValueError(f"KILN_DECODE_PRELOAD must be 'off' or 'on', got {form!r}")
     return form == "on"
 
 
 def plan_config() -> dict:
-    """split_plan's config: PLAN_CONFIG, or PLAN_PRELOAD where KILN_DECODE_PRELOAD=on (read once, as
+    """split_plan's config: PLAN_PRELOAD, or PLAN_CONFIG where KILN_DECODE_PRELOAD=off (read once, as
     KILN_DECODE_FORM is), for A/B timing of whole decode steps."""
     return dict(PLAN_PRELOAD if _preload_switch() else PLAN_CONFIG)
 
@@ -533,14 +560,9 @@ def decode_attention_triton(
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"decode_attention: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
         splits = num_splits
-    # the pages a chunk spans, at most: chunks are whole tiles of at most the capacity / splits keys, plus
-    # one page where a window starts a chunk inside a page
-    max_pages = pow2(
-        cdiv(cdiv(cdiv(max(capacity, 1), splits), config["BLOCK_N"]) * config["BLOCK_N"], page_size) + 1
-    )
-    config["PRELOAD"] = config["PRELOAD"] and max_pages <= MAX_PRELOAD_PAGES
-    if not config["PRELOAD"]:  # a constexpr: without PRELOAD one value, so no capacity compiles a new kernel
-        max_pages = 1
+    # a constexpr of the config and page size only: no block table or capacity compiles a new kernel (a
+    # served step must reuse what the engine's warm-up and graph capture compiled)
+    max_pages = preload_pages(config["BLOCK_N"], page_size) if config["PRELOAD"] else 1
     single = splits == 1
     one_pass = (default_form() if form is None else form) == "one_pass" and not single
     group = Hq // Hk

@@ -148,14 +148,20 @@ def decode_config(
 
 def wide_config(M: int, N: int, K: int, sms: int, split_ok: bool = True) -> DecodeConfig:
     """decode_config's rule past DECODE_MAX_M rows (17-128): the dot kernel, W's 64-row blocks as the wgmma
-    M side and x.T (K, pow2(M)) as its N side, 4 warps. K is split so that about two programs run per SM
-    where the 64-row blocks alone are fewer than the SMs (qkv, o, down at the Qwen2.5-1.5B shapes),
-    the slices summed by the second kernel; a deeper K step where x.T is narrower."""
-    block_k = 128 if M <= 64 else 64
-    tiles = cdiv(N, 64)
-    steps = cdiv(K, block_k)
-    split = 1 if tiles >= sms or not split_ok else max(1, min(steps // 2, round(2 * sms / tiles)))
-    return DecodeConfig("dot", 64, block_k, split, 4, 3 if block_k == 128 else 4, True)
+    M side and x.T (K, pow2(M)) as its N side, 4 warps, from the H200 sweep at 32, 64 and 128 rows
+    (bench/experiments/decode_wide_sweep.py, docs/perf/matmul_decode.md). With a block per SM or more
+    (gate_up) all of K in 128-deep steps, 64-deep past 32 rows (x.T's tile doubles); with fewer blocks than
+    SMs (qkv, o, down) K split 4 ways, 128-deep steps through 4 stages, the slices summed by the second
+    kernel. At 32-64 rows this ran 1.0-1.13x cuBLAS; at 128 cuBLAS was faster everywhere (1.09-1.30x), which
+    is why the model takes it only up to KILN_DECODE_ROWS rows."""
+    if cdiv(N, 64) >= sms:
+        return (
+            DecodeConfig("dot", 64, 128, 1, 4, 3, True)
+            if M <= 32
+            else DecodeConfig("dot", 64, 64, 1, 4, 4, True)
+        )
+    split = max(1, min(4, cdiv(K, 128) // 2)) if split_ok else 1
+    return DecodeConfig("dot", 64, 128, split, 4, 4, True)
 
 
 @triton.jit
