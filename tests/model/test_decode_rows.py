@@ -1,7 +1,7 @@
-"""KILN_DECODE_ROWS (kiln.model.config.decode_rows): a no-gradient linear of 17 up to 32 / 64 / 128 rows takes
-the decode matmul's wide tiles instead of the tile kernel or cuBLAS, with the same logits (float32, to the
-sums' order); by default, during training, and past the switch's rows, nothing changes; a bad value is one
-clear error."""
+"""KILN_DECODE_ROWS (kiln.model.config.decode_rows): a no-gradient linear of 17 up to 64 rows (the default; 32 /
+128 with the switch) takes the decode matmul's wide tiles instead of the tile kernel or cuBLAS, with the same
+logits (float32, to the sums' order); with 16, during training, and past the switch's rows, nothing changes;
+a bad value is one clear error."""
 
 from __future__ import annotations
 
@@ -43,14 +43,14 @@ def test_wide_rows_switch(rows_form, wide_calls, device):
     model = build_model(CFG, device, seed=1, kernels=KernelConfig(linear="kiln")).eval()
     ids = torch.randint(0, CFG.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0)).to(device)
     with use_backend("triton"), torch.no_grad():
-        rows_form(None)
-        assert decode_rows() == 16
+        rows_form("16")
         want = model(ids)
         assert wide_calls == []  # 40 rows: the tile kernel
         rows_form("32")
         model(ids)
         assert wide_calls == []  # past the switch's 32 rows
-        rows_form("64")
+        rows_form(None)
+        assert decode_rows() == 64
         got = model(ids)
         # every block linear (qkv, o, gate_up, down): 40 rows each through the wide tiles (the head is
         # F.linear in compute_logits, as at every row count)
@@ -65,5 +65,5 @@ def test_wide_rows_switch(rows_form, wide_calls, device):
 
 def test_bad_rows_value_is_a_clear_error(rows_form):
     rows_form("48")
-    with pytest.raises(KilnError, match="KILN_DECODE_ROWS='48' is not one of 16, 32, 64, 128"):
+    with pytest.raises(KilnError, match="KILN_DECODE_ROWS='48' is not one of 64, 16, 32, 128"):
         decode_rows()

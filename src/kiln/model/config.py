@@ -101,18 +101,21 @@ def decode_qkv() -> str:
     return _env_form("KILN_DECODE_QKV", DECODE_QKV, what)
 
 
-# How many rows of a decode-sized step take kiln's decode matmul rather than cuBLAS (decode_rows): up to 16
-# (the gemv and 16-wide dot tiles) or up to 32 / 64 / 128 (the dot kernel's wide tiles)
-DECODE_ROWS = ("16", "32", "64", "128")
+# How many rows of a decode-sized step take kiln's decode matmul rather than cuBLAS (decode_rows): up to 64
+# (the default: the gemv and 16-wide dot tiles to 16 rows, the dot kernel's wide tiles past them), or up to
+# 16 / 32 / 128
+DECODE_ROWS = ("64", "16", "32", "128")
 
 
 @functools.cache
 def decode_rows() -> int:
-    """The most rows a no-gradient CUDA linear sends to kiln.kernels.matmul_decode (past it: cuBLAS): 16
-    (the default) unless KILN_DECODE_ROWS says 32, 64 or 128 (read once, as KILN_DECODE_NORM is), so that
-    whole decode steps at the engine's 32-128 sequence buckets can be timed with the wide dot tiles
-    against cuBLAS without a code change (kiln.model.linear.Linear)."""
-    what = "cuBLAS past 16 rows; 32, 64 or 128 for kiln's wide decode tiles up to that many rows"
+    """The most rows a no-gradient CUDA linear sends to kiln.kernels.matmul_decode (past it: cuBLAS): 64 (the
+    default) unless KILN_DECODE_ROWS says 16, 32 or 128 (read once, as KILN_DECODE_NORM is), for A/B timing
+    of whole decode steps without a code change (kiln.model.linear.Linear). On the H200 (Qwen2.5-1.5B, CUDA
+    graphs, 1k-token contexts; docs/perf/inference.md) the wide tiles up to 64 rows ran whole steps at 1.095x
+    (32 sequences) and 1.074x (64) the cuBLAS projections, and tied at 1-16 and 128; at 128 rows cuBLAS's
+    kernels were faster than the wide tiles (bench/experiments/decode_wide_sweep.py)."""
+    what = "kiln's decode tiles up to 64 rows; 16, 32 or 128 to move cuBLAS's share"
     return int(_env_form("KILN_DECODE_ROWS", DECODE_ROWS, what))
 
 
@@ -138,7 +141,7 @@ def decode_swiglu() -> str:
 class KernelConfig:
     """Which kernel runs each op of the model; it does not change the model (not saved with weights).
 
-    linear     "auto" (kiln's decode-row kernels for <= 16 rows at inference on CUDA, cuBLAS elsewhere),
+    linear     "auto" (kiln's decode-row kernels for <= 64 rows at inference on CUDA, cuBLAS elsewhere),
                "torch" (F.linear / cuBLAS), "kiln" (kiln's Triton matmul everywhere), or for training
                "fp8" / "fp8_rowwise" (every GEMM of the layer in FP8 with tensorwise / rowwise current
                scaling, master weights untouched; kiln.kernels.fp8_train); kiln.model.linear

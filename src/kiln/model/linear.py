@@ -3,10 +3,12 @@
 `Linear` is y = x W^T + b like nn.Linear (same attribute names, same init hooks), with the matmul taken
 by `KernelConfig.linear` (kiln.model.config):
 - "torch": F.linear (cuBLAS on CUDA);
-- "kiln": kiln.kernels.matmul.linear (kiln's Triton tile kernel, and its decode kernels for <= 16 rows);
-- "auto" (default): kiln's decode kernels where they won on the H200 (CUDA, <= 16 rows, inference:
-  1.1-2.5x cuBLAS at the Qwen2.5-1.5B decode shapes, docs/kernels/matmul_decode.md; up to 32, 64 or 128
-  rows with KILN_DECODE_ROWS, kiln.model.config.decode_rows), F.linear elsewhere;
+- "kiln": kiln.kernels.matmul.linear (kiln's Triton tile kernel, and its decode kernels for <= 16 rows),
+  and at inference the decode kernels' wide tiles for 17-64 rows;
+- "auto" (default): kiln's decode kernels where they won on the H200 (CUDA, inference, <= 64 rows: 1.1-2.5x
+  cuBLAS at the Qwen2.5-1.5B decode shapes up to 16 rows, docs/perf/matmul_decode.md, and whole decode
+  steps 1.07-1.10x at 32-64 sequences with the wide tiles; KILN_DECODE_ROWS moves the bound:
+  kiln.model.config.decode_rows), F.linear elsewhere;
 - "fp8" / "fp8_rowwise": FP8 training, the forward and both gradient GEMMs in FP8 with tensorwise /
   rowwise scales from the current step (kiln.kernels.fp8_train), the weight kept in its own dtype.
 The choice reads only shapes and flags, so it is fixed for a captured decode step.
