@@ -3,6 +3,7 @@ and a nanoGPT-style model + compile, at 124M, 350M and ~1B Llama shapes, sequenc
 
     python bench/train.py                                 # the default cases, ~480 s -> bench/results/train.json
     python bench/train.py --profile                       # + the top CUDA ops of one step, kiln vs HF at 350M
+                                                          #   (and kiln's FP8 contenders where they run)
     python bench/train.py --shapes 1b --contenders kiln-compiled,kiln-compiled-fp8
     python bench/train.py --case fp8-curve --steps 1000   # bf16 vs FP8 loss curves, <= 200 s -> train-fp8-curve.json
     python bench/train.py --smoke                         # the CPU, tiny shapes, seconds
@@ -96,6 +97,12 @@ DEFAULT_CASES = [
     ("124m", "kiln-compiled-fp8"), ("124m", "kiln-eager"),
 ]  # fmt: skip
 PROFILE_SHAPE = "350m"
+PROFILED = (
+    "kiln-compiled",
+    "hf-compiled",
+    "kiln-compiled-fp8",
+    "kiln-compiled-fp8-rowwise",
+)  # with --profile
 
 
 class KilnLoss(torch.nn.Module):
@@ -238,7 +245,7 @@ class Contender:
         return loss.detach()
 
 
-def top_ops(prof, n: int = 25) -> list[dict]:
+def top_ops(prof, n: int = 40) -> list[dict]:
     """The n events of a torch.profiler run with the most self device time (kernels, mostly)."""
 
     def dev(e, total: bool) -> float:
@@ -299,7 +306,7 @@ def run_case(run: BenchRun, shape: str, name: str, cfg: ModelConfig, B: int, arg
         "peak_mem_gib": round(torch.cuda.max_memory_allocated(dev) / GIB, 2) if dev.type == "cuda" else None,
         **c.info,
     }  # fmt: skip
-    if args.profile and shape == args.profile_shape and name in ("kiln-compiled", "hf-compiled"):
+    if args.profile and shape == args.profile_shape and name in PROFILED:
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -500,7 +507,7 @@ def main() -> None:
                    "(default 1000)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile", action="store_true",
-                   help="also profile one step of kiln-compiled and hf-compiled at --profile-shape")  # fmt: skip
+                   help="also profile one step of kiln-compiled, hf-compiled and the FP8 contenders at --profile-shape")  # fmt: skip
     p.add_argument("--profile-shape", default=PROFILE_SHAPE, choices=tuple(SHAPES))
     p.add_argument("--compile", action="store_true", help="fp8-curve: train through torch.compile "
                    "(as the throughput cases do) instead of eagerly")  # fmt: skip
