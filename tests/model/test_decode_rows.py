@@ -63,6 +63,16 @@ def test_wide_rows_switch(rows_form, wide_calls, device):
         assert wide_calls == []
 
 
+def test_no_wide_rows_under_torch_compile(rows_form, monkeypatch, device):
+    # torch.compile traces kiln's matmul (<= 16 rows) but not the wide tiles' launcher, and reads no switch
+    lin = linear.Linear(48, 40, bias=False, backend="kiln").to(device)
+    x = torch.randn(40, 48, device=device)
+    with use_backend("triton"), torch.no_grad():
+        assert lin._decode_rows(x) == 40 and lin._decode_rows(x[:16]) == 16
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert lin._decode_rows(x) == 0 and lin._decode_rows(x[:16]) == 16
+
+
 def test_bad_rows_value_is_a_clear_error(rows_form):
     rows_form("48")
     with pytest.raises(KilnError, match="KILN_DECODE_ROWS='48' is not one of 64, 16, 32, 128"):

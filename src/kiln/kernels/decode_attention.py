@@ -264,7 +264,6 @@ def _online_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale):
     return m_new, l_i, acc
 
 
-
 @triton.jit
 def _paged_tile(q, K_CACHE, V_CACHE, page, t, t_ok, offs_d, hk, m_i, l_i, acc, qk_scale, stride_kp, stride_kt,
                 stride_kh, stride_vp, stride_vt, stride_vh, PAGE_SIZE: tl.constexpr, ADDR32: tl.constexpr):  # fmt: skip
@@ -287,6 +286,7 @@ def _paged_tile(q, K_CACHE, V_CACHE, page, t, t_ok, offs_d, hk, m_i, l_i, acc, q
     k = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)  # (BLOCK_N, D)
     v = tl.load(v_ptrs, mask=t_ok[:, None], other=0.0)
     return _online_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale)
+
 
 @triton.jit
 def _decode_split_kernel(

@@ -327,7 +327,10 @@ def _gemv_kernel(
                       HAS_BIAS, ACTIVATION, SPLIT_K, RESIDUAL, 1)  # fmt: skip
 
 
-@triton.jit
+# M only bounds masks (and, times N, the split slices' offsets): as a specialized int, every row count
+# that is not a multiple of 16 would compile its own binary, e.g. the first 20-token prefill on the wide
+# tiles, whose 32- and 64-row buckets the engine's graph capture compiled at start
+@triton.jit(do_not_specialize=["M"])
 def _dot_kernel(
     X_ptr,  # (M, K): x[m, k] at X_ptr + m * stride_xm + k * stride_xk, M <= 16
     W_ptr,  # (N, K): w[n, k] at W_ptr + n * stride_wn + k * stride_wk (B = W.T)

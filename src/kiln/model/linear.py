@@ -63,14 +63,17 @@ class Linear(nn.Module):
 
     def _decode_rows(self, x: torch.Tensor) -> int:
         """x's rows where they take kiln's decode matmul: a no-gradient call of at most decode_rows() rows
-        in the weight's dtype, on CUDA ("auto") or wherever kiln's kernels run ("kiln"); else 0."""
+        (DECODE_ROWS under torch.compile, which traces kiln's matmul but not the wide tiles' launcher) in
+        the weight's dtype, on CUDA ("auto") or wherever kiln's kernels run ("kiln"); else 0."""
         if self.backend not in ("auto", "kiln"):
             return 0
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):  # training
+            return 0
+        if not (x.is_cuda if self.backend == "auto" else use_triton(x)) or x.dtype != self.weight.dtype:
+            return 0
         rows = x.numel() // max(x.shape[-1], 1)
-        training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        where = x.is_cuda if self.backend == "auto" else use_triton(x)
-        ok = where and 0 < rows <= decode_rows() and not training and x.dtype == self.weight.dtype
-        return rows if ok else 0
+        limit = DECODE_ROWS if torch.compiler.is_compiling() else decode_rows()
+        return rows if 0 < rows <= limit else 0
 
     # ---- the split add + RMSNorm (KILN_DECODE_NORM=split; kiln.model.transformer.Decoder decides per call)
     def decode_fusable(self, x: torch.Tensor) -> bool:
