@@ -16,7 +16,10 @@ same run (kiln.profile.ceilings). Method and results: docs/perf/inference.md.
 3. throughput (nano-vllm's benchmark): 256 requests, input and output lengths uniform in 100-1024 (seed 0),
    EOS ignored, temperature 0.6, all submitted at once: output tok/s, TTFT / ITL / TPOT p50 and p99, peak
    memory, on Qwen3-0.6B and Qwen2.5-1.5B shapes; graphs and eager engines run one after the other, each
-   alone on the GPU with the model's weights (so the peak is its own).
+   alone on the GPU with the model's weights (so the peak is its own). The static-batch peers
+   (--throughput-peers) take the same requests as one left-padded batch decoded to the longest output: the
+   gpt-fast-style decoder all of them, transformers' `generate` the first --hf-requests (its eager steps
+   are slow), beside the engine on the same first requests.
 4. peers: kiln with decode_backend="eager" and "compile" (the compile engine captures every bucket up to
    --compile-batch with a torch.compile each, so it runs at batch 1 unless asked); the gpt-fast-style
    decoder (bench/peers/gptfast.py, batch 1, a copy of the same weights); transformers' `generate` (eager,
@@ -56,6 +59,7 @@ from peers import hf as hf_peer
 from peers.gptfast import GptFastDecoder
 
 PARTS = ("latency", "steady", "throughput")
+THROUGHPUT_PEERS = ("gpt-fast", "hf")  # static-batch peers of the throughput part
 BLOCK = 16
 
 
@@ -79,6 +83,10 @@ class Plan:
     agree_steps: int = 8
     step_budget: int = 8192  # the engine's max_num_batched_tokens (its default)
     throughput_models: tuple[str, ...] = ("qwen3-0.6b", "qwen2.5-1.5b")
+    throughput_peers: tuple[str, ...] = ("gpt-fast", "hf")
+    hf_requests: int = (
+        64  # transformers' static batch: the workload's first requests (its eager steps are slow)
+    )
 
 
 def make_plan(args, smoke: bool) -> Plan:
@@ -95,8 +103,14 @@ def make_plan(args, smoke: bool) -> Plan:
         args.rounds = 1
         return Plan(models=models, main="tiny-qwen2", latency_prompt=8, latency_new=4, steady_batches=(1, 3),
                     steady_prompt=12, warm_steps=1, timed_steps=2, hf_steps=2, hf_latency_new=4, requests=4, min_len=4,
-                    max_len=8, agree_steps=4, step_budget=64, throughput_models=("tiny-qwen3",))  # fmt: skip
+                    max_len=8, agree_steps=4, step_budget=64, throughput_models=("tiny-qwen3",),
+                    hf_requests=3)  # fmt: skip
     names = [n.strip() for n in args.throughput_models.split(",") if n.strip()]
+    peers = [n.strip() for n in args.throughput_peers.split(",") if n.strip()]
+    if set(peers) - set(THROUGHPUT_PEERS):
+        raise SystemExit(
+            f"bench/infer.py: --throughput-peers takes {', '.join(THROUGHPUT_PEERS)}, got {peers}"
+        )
     unknown = [n for n in names if n not in bench.SHAPES]
     if unknown:
         raise SystemExit(
@@ -105,7 +119,8 @@ def make_plan(args, smoke: bool) -> Plan:
     plan = Plan(models={}, main="qwen2.5-1.5b", steady_batches=tuple(args.steady_batches),
                 steady_prompt=args.steady_prompt, warm_steps=args.warm_steps, timed_steps=args.timed_steps,
                 hf_steps=args.hf_steps, requests=args.requests, min_len=args.min_len,
-                max_len=args.max_len, throughput_models=tuple(names))  # fmt: skip
+                max_len=args.max_len, throughput_models=tuple(names), throughput_peers=tuple(peers),
+                hf_requests=args.hf_requests)  # fmt: skip
     ctx = max(
         plan.latency_prompt + plan.latency_new, 2 * plan.max_len, plan.steady_prompt + _steady_new(plan)
     )
@@ -297,14 +312,16 @@ def steady_part(name, cfg, engines, compile_batch, gf, hf, plan, ceil, args, ski
     return rows
 
 
-def throughput_part(name, cfg, plan, dev, dtype, log) -> list[dict]:
-    """The workload through a graphs engine, then an eager one, each alone with the model on the device."""
+def throughput_part(name, cfg, plan, dev, dtype, errors, log) -> list[dict]:
+    """The workload through a graphs engine, then an eager one, each alone with the model on the device; then
+    the static-batch peers (static_peer_rows)."""
     model = build_model(cfg, device=dev, dtype=dtype, seed=0).eval()
     reqs = bench.workload(plan.requests, plan.min_len, plan.max_len, cfg.vocab_size, seed=0)
     warm = bench.workload(min(16, plan.requests), plan.min_len, plan.max_len, cfg.vocab_size, seed=1)
     warm = [(p, min(m, 8)) for p, m in warm]  # prefill shapes like the run's, a few decode steps
     blocks = bench.blocks_needed(reqs, BLOCK) + plan.requests
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    k_hf = min(plan.hf_requests, len(reqs)) if "hf" in plan.throughput_peers else 0
     rows = []
     for backend, cname in (("graphs", "kiln"), ("eager", "kiln-eager")):
         llm, startup = make_engine(model, dev, backend, plan.requests, blocks, plan, log)
@@ -325,12 +342,64 @@ def throughput_part(name, cfg, plan, dev, dtype, log) -> list[dict]:
         })  # fmt: skip
         log(f"throughput {name} {cname}: {r['output_tok_s']} output tok/s, TTFT p50 {r['ttft_s']['p50']} s, "
             f"ITL p50 {r['itl_s']['p50']} s")  # fmt: skip
+        if cname == "kiln" and 0 < k_hf < len(reqs):  # the engine on transformers' share of the workload
+            r = bench.throughput(llm.engine, reqs[:k_hf], bench.NANO_VLLM["temperature"])
+            rows.append({"part": "throughput", "model": name, "config": cname, **r})
+            log(f"throughput {name} {cname}, first {k_hf} requests: {r['output_tok_s']} output tok/s")
         del llm
         free()
-    kiln = rows[0]["output_tok_s"]
+    for peer in plan.throughput_peers:
+        sub = reqs[:k_hf] if peer == "hf" else reqs
+        row = attempt(f"throughput/{name}/{peer}", lambda p=peer, q=sub: static_peer_row(p, model, q, dev, log),
+                      errors, log)  # fmt: skip
+        if row is not None:
+            rows.append({"part": "throughput", "model": name, **row})
+        free(compiled=peer == "gpt-fast")
+    kiln = {row["requests"]: row["output_tok_s"] for row in rows if row["config"] == "kiln"}
     for row in rows:
-        row["kiln_over_this"] = ratio(kiln, row["output_tok_s"])
+        row["kiln_over_this"] = ratio(kiln.get(row["requests"]), row["output_tok_s"])
     return rows
+
+
+def static_peer_row(peer: str, model, reqs: list[tuple[list[int], int]], dev, log) -> dict:
+    """A static-batch peer on `reqs` as one batch: the prompts left-padded to the longest, every row decoded
+    for the longest output (greedy; the sampled engine's tokens do not change its work). Output tok/s counts
+    each request's own output tokens over the batch's whole time (the extra steps of the shorter requests
+    are what static batching costs: `padded_tokens`); every request's first token comes after the one
+    prefill (TTFT), and each later one after a step of the batch (ITL)."""
+    prompts = [p for p, _ in reqs]
+    n = max(m for _, m in reqs)
+    own = sum(m for _, m in reqs)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    if peer == "gpt-fast":
+        dec = GptFastDecoder.from_kiln(model, batch=len(reqs), max_len=max(map(len, prompts)) + n)
+        if dev.type == "cuda":
+            dec.compile_decode()
+            dec.generate_padded(prompts, 4, chunk=64)  # the compile and graph capture, outside the timing
+        startup = time.perf_counter() - t
+        _, times = dec.generate_padded(prompts, n, chunk=64)
+        ttft, total = times["ttft_s"], times["ttft_s"] + times["decode_s"]
+        config = "gpt-fast-static"
+    else:
+        hf = hf_peer.hf_from_kiln(model)
+        startup = time.perf_counter() - t
+        _, times = hf_peer.static_batch(hf, prompts, n)
+        ttft, total = times["ttft_s"], times["total_s"]
+        config = "hf-static"
+    itl = (total - ttft) / max(n - 1, 1)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
+    row = {
+        "config": config, "startup_s": round(startup, 1), "requests": len(reqs),
+        "input_tokens": sum(map(len, prompts)), "output_tokens": own, "padded_tokens": len(reqs) * n - own,
+        "steps": n, "time_s": round(total, 3), "output_tok_s": round(own / total, 1),
+        "ttft_s": bench.percentiles([ttft] * len(reqs)), "itl_s": bench.percentiles([itl] * (n - 1)),
+        "peak_GiB": round(peak, 2) if peak else None,
+    }  # fmt: skip
+    log(f"throughput {config} ({len(reqs)} requests, one static batch): {row['output_tok_s']} output tok/s")
+    return row
 
 
 def agreement(model, engines, gf, hf, cfg, plan, dev, strict: bool) -> dict:
@@ -398,6 +467,10 @@ def parse_args():
     ap.add_argument("--min-len", type=int, default=100)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--throughput-models", default="qwen3-0.6b,qwen2.5-1.5b")
+    ap.add_argument("--throughput-peers", default=",".join(THROUGHPUT_PEERS),
+                    help="static-batch peers of the throughput workload (comma-separated; '' for none)")  # fmt: skip
+    ap.add_argument("--hf-requests", type=int, default=64,
+                    help="transformers' static batch: this many of the workload's first requests, beside kiln on them")  # fmt: skip
     ap.add_argument("--compile-batch", type=int, default=1,
                     help="largest batch of the compile engine (one torch.compile per bucket 1, 2, 4, ...)")  # fmt: skip
     ap.add_argument("--no-gptfast", action="store_true")
@@ -537,14 +610,13 @@ def main() -> int:
         del engines, gf, hf, model
         free(compiled=True)
     if "throughput" in args.parts:
-        skipped["throughput/peers"] = (
-            "kiln-compile, gpt-fast and transformers are not run on the throughput workload: the compile engine "
-            "would compile 9 buckets, the other two have no continuous batching (their static-batch decode "
-            "rates are in the steady part)"
+        skipped["throughput/kiln-compile"] = (
+            "the compile engine is not run on the throughput workload: it would compile 9 buckets"
         )
         for name in plan.throughput_models:  # each model alone on the device: its peak memory is its own
             part(
-                f"throughput/{name}", lambda n=name: throughput_part(n, plan.models[n], plan, dev, dtype, log)
+                f"throughput/{name}",
+                lambda n=name: throughput_part(n, plan.models[n], plan, dev, dtype, skipped, log),
             )
             free()
     print_tables(rows)
@@ -579,7 +651,8 @@ def print_tables(rows: list[dict]) -> None:
     if tp:
         flat = [{**r, **{f"{m}_{p}": (r[m + "_s"][p] * 1e3 if r[m + "_s"][p] is not None else None)
                          for m in ("ttft", "itl") for p in ("p50", "p99")}} for r in tp]  # fmt: skip
-        print(format_table(flat, [("model", "model"), ("config", "config"), ("output_tok_s", "output tok/s"),
+        print(format_table(flat, [("model", "model"), ("config", "config"), ("requests", "requests"),
+                                  ("output_tok_s", "output tok/s"),
                                   ("ttft_p50", "TTFT p50 ms"), ("ttft_p99", "TTFT p99 ms"),
                                   ("itl_p50", "ITL p50 ms"), ("itl_p99", "ITL p99 ms"), ("peak_GiB", "peak GiB"),
                                   ("kiln_over_this", "kiln / this")]))  # fmt: skip

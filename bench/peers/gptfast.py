@@ -8,6 +8,10 @@ kiln Transformer (copied from its state dict, so both models compute the same fu
 - the one-token decode step (forward + greedy argmax) under torch.compile(mode="reduce-overhead",
   fullgraph=True): Inductor fuses the elementwise glue and CUDA graphs remove the per-kernel launches;
 - the prompt's prefill runs eagerly (its shape changes with the prompt length).
+A static batch of prompts of different lengths (`generate_padded`, bench/infer.py's throughput peer) is
+left-padded to the longest: row b's first pads[b] cache slots hold padding, which no real query attends to,
+and its RoPE positions start at 0 on its first real token; every row decodes as many steps as the longest
+request asks for (static batching: the shorter requests' extra steps are the cost of having no scheduler).
 The layers follow gpt-fast's model.py: one fused q/k/v projection (wqkv), one fused gate/up (w13),
 RMSNorm in float32 then cast back, residual adds in the model dtype, RoPE in float32 on half-rotated pairs
 (HF's layout, kiln's default).
@@ -57,7 +61,8 @@ class _Layer(nn.Module):
         self.register_buffer("v_cache", torch.zeros(batch, cfg.n_kv_heads, max_len, cfg.head_dim, **kw))
 
     def forward(self, x, pos, cos, sin, mask):
-        """x (B, T, d) at positions pos (T,); mask (1, 1, T, max_len) -> (B, T, d)."""
+        """x (B, T, d) at cache slots pos (T,); cos / sin (T, hd/2) or per row (B, 1, T, hd/2); mask
+        (1 or B, 1, T, max_len) -> (B, T, d)."""
         B, T, _ = x.shape
         q_w, kv_w = self.n_heads * self.hd, self.n_kv * self.hd
         q, k, v = self.wqkv(_rms_norm(x, self.attn_norm, self.eps)).split([q_w, kv_w, kv_w], dim=-1)
@@ -133,19 +138,31 @@ class GptFastDecoder(nn.Module):
                 layer.k_norm.copy_(sd[a + "k_norm.weight"])
         return peer.eval()
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """ids (B, T) at positions pos (T,) -> logits (B, T, V); their K/V go into the static cache."""
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, pads: torch.Tensor | None = None) -> torch.Tensor:
+        """ids (B, T) at cache slots pos (T,) -> logits (B, T, V); their K/V go into the static cache.
+        pads (B,) int64: row b's first pads[b] slots are left padding (module doc); None: no padding."""
         x = F.embedding(ids, self.embed)
-        cos, sin = self.cos[pos], self.sin[pos]  # (T, hd/2) float32
         mask = self.causal[pos][None, None]  # (1, 1, T, max_len): keys up to each query's position
+        if pads is None:
+            cos, sin = self.cos[pos], self.sin[pos]  # (T, hd/2) float32
+        else:
+            rope_pos = (pos[None, :] - pads[:, None]).clamp_min(0)  # (B, T): 0 at each row's first real token
+            cos, sin = self.cos[rope_pos][:, None], self.sin[rope_pos][:, None]  # (B, 1, T, hd/2)
+            slots = torch.arange(self.max_len, device=ids.device)
+            real = slots[None, :] >= pads[:, None]  # (B, max_len): keys that are not padding
+            # a padding query attends to itself only (finite rows, no NaN written into the cache)
+            own = slots[None, :] == pos[:, None]  # (T, max_len)
+            mask = mask & (real[:, None, None, :] | own[None, None])  # (B, 1, T, max_len)
         for layer in self.layers:
             x = layer(x, pos, cos, sin, mask)
         head = self.embed if self.head is None else self.head
         return F.linear(_rms_norm(x, self.norm, self.cfg.norm_eps), head)
 
-    def decode_step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """tok (B, 1) at position pos (1,) -> the greedy next ids (B, 1)."""
-        return self(tok, pos)[:, -1:].argmax(dim=-1)
+    def decode_step(
+        self, tok: torch.Tensor, pos: torch.Tensor, pads: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """tok (B, 1) at cache slot pos (1,) (rows left-padded by pads) -> the greedy next ids (B, 1)."""
+        return self(tok, pos, pads)[:, -1:].argmax(dim=-1)
 
     def compile_decode(self) -> None:
         """gpt-fast's decode: the one-token step compiled with CUDA graphs (first calls compile it)."""
@@ -171,6 +188,40 @@ class GptFastDecoder(nn.Module):
         for i in range(P, P + n - 1):
             # a CUDA-graph output is overwritten by the next replay: keep a copy
             tok = self._step(tok, positions[i : i + 1]).clone()
+            out.append(tok)
+        _sync(dev)
+        t2 = time.perf_counter()
+        return torch.cat(out, dim=1), {"ttft_s": t1 - t0, "decode_s": t2 - t1}
+
+    @torch.no_grad()
+    def generate_padded(
+        self, prompts: list[list[int]], n: int, chunk: int = 128
+    ) -> tuple[torch.Tensor, dict]:
+        """Greedy, one static batch: `batch` prompts of any lengths, left-padded to the longest (module doc),
+        then n new ids each -> (ids (B, n), timings: ttft_s, decode_s as `generate`). The prefill runs in
+        slices of `chunk` positions, so that attention over the padded batch never holds a (B, heads,
+        longest prompt, max_len) score tensor at once."""
+        B, P = len(prompts), max(len(p) for p in prompts)
+        if B != self.batch or P + n > self.max_len:
+            raise ValueError(f"{B} prompts of up to {P} tokens + {n} do not fit batch {self.batch}, "
+                             f"max_len {self.max_len}")  # fmt: skip
+        dev = self.embed.device
+        ids = torch.zeros(B, P, dtype=torch.int64)
+        for b, p in enumerate(prompts):
+            ids[b, P - len(p) :] = torch.tensor(p)
+        ids = ids.to(dev)
+        pads = torch.tensor([P - len(p) for p in prompts], device=dev)
+        positions = torch.arange(P + n, device=dev)
+        _sync(dev)
+        t0 = time.perf_counter()
+        for c0 in range(0, P, chunk):
+            logits = self(ids[:, c0 : c0 + chunk], positions[c0 : min(c0 + chunk, P)], pads)
+        tok = logits[:, -1:].argmax(dim=-1)  # (B, 1)
+        out = [tok]
+        _sync(dev)
+        t1 = time.perf_counter()
+        for i in range(P, P + n - 1):
+            tok = self._step(tok, positions[i : i + 1], pads).clone()  # a CUDA-graph output: copy it
             out.append(tok)
         _sync(dev)
         t2 = time.perf_counter()

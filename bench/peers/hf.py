@@ -6,7 +6,8 @@ the peer computes the function kiln computes (SDPA attention, transformers' defa
 times greedy generation with a fixed number of new tokens (min_new_tokens = max_new_tokens: no early
 stop); the decode rate comes from two runs, one of 1 token (the prefill) and one of 1 + n.
 `static=True` asks generate for a static cache, which transformers compiles automatically
-(torch.compile of the decoding forward) on CUDA.
+(torch.compile of the decoding forward) on CUDA. `static_batch` runs prompts of different lengths as one
+left-padded batch (bench/infer.py's throughput peer).
 """
 
 from __future__ import annotations
@@ -56,6 +57,30 @@ def decode_rate(hf, prompt: torch.Tensor, n: int, static: bool = False) -> dict:
     _, total = timed_generate(hf, prompt, 1 + n, static)
     B = prompt.shape[0]
     return {"ttft_s": round(ttft, 5), "tok_s": round(B * n / (total - ttft), 1) if total > ttft else None}
+
+
+@torch.no_grad()
+def static_batch(hf, prompts: list[list[int]], n: int) -> tuple[torch.Tensor, dict]:
+    """Greedy, one static batch: prompts of any lengths left-padded to the longest (attention mask zero on
+    the padding: generate derives each row's positions from it), n new ids each -> (ids (B, n), timings:
+    ttft_s of a 1-token generate of the same batch, total_s of the n-token one)."""
+    P = max(len(p) for p in prompts)
+    dev = hf.device
+    ids = torch.zeros(len(prompts), P, dtype=torch.int64)
+    mask = torch.zeros(len(prompts), P, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p) :] = torch.tensor(p)
+        mask[b, P - len(p) :] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    kw = dict(do_sample=False, pad_token_id=0, attention_mask=mask)
+    times = []
+    for steps in (1, n):
+        _sync(dev)
+        t = time.perf_counter()
+        out = hf.generate(ids, max_new_tokens=steps, min_new_tokens=steps, **kw)
+        _sync(dev)
+        times.append(time.perf_counter() - t)
+    return out[:, P:], {"ttft_s": times[0], "total_s": times[1]}
 
 
 def _sync(dev: torch.device) -> None:

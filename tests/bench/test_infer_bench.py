@@ -142,6 +142,24 @@ def test_gptfast_peer_computes_kilns_function(arch, extra, one_thread):
     assert timings["ttft_s"] > 0 and timings["decode_s"] > 0
 
 
+def test_gptfast_peer_static_batch_of_padded_prompts(one_thread):
+    # left-padded prompts of three lengths in one static batch, prefilled in slices shorter than the longest:
+    # each row's greedy ids are those kiln's model gives its prompt alone
+    gptfast = _load("bench_peers_gptfast", BENCH / "peers" / "gptfast.py")
+    cfg = ModelConfig(arch="qwen3", qk_norm=True, head_dim=16, tie_embeddings=True, **TINY)
+    model = build_model(cfg, seed=2).eval()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 13, 9)]
+    peer = gptfast.GptFastDecoder.from_kiln(model, batch=3, max_len=24)
+    got, timings = peer.generate_padded(prompts, 6, chunk=4)
+    for row, prompt in zip(got, prompts, strict=True):
+        want = model.generate(torch.tensor([prompt]), 6, temperature=0.0)[0, len(prompt) :]
+        assert torch.equal(row, want)
+    assert timings["ttft_s"] > 0 and timings["decode_s"] > 0
+    with pytest.raises(ValueError, match="do not fit"):
+        peer.generate_padded(prompts, 12)
+
+
 def test_gptfast_peer_refuses_what_it_does_not_model():
     gptfast = _load("bench_peers_gptfast", BENCH / "peers" / "gptfast.py")
     model = build_model(ModelConfig(arch="mistral", sliding_window=8, **TINY))

@@ -55,7 +55,8 @@ def test_bench_script_smoke(script, tmp_path):
     if script == "infer":  # every part and peer ran without error, and the float32 decoders agreed
         ran = {(c["part"], c["config"]) for c in cases}
         for part, config in [("latency", "kiln-compile"), ("latency", "gpt-fast"), ("latency", "hf"),
-                             ("steady", "kiln-eager"), ("steady", "hf"), ("throughput", "kiln-eager")]:  # fmt: skip
+                             ("steady", "kiln-eager"), ("steady", "hf"), ("throughput", "kiln-eager"),
+                             ("throughput", "gpt-fast-static"), ("throughput", "hf-static")]:  # fmt: skip
             assert (part, config) in ran, f"infer: no {config} figure in the {part} part"
         assert not [c for c in cases if c.get("error")], [c["error"] for c in cases if c.get("error")]
         agree = doc["agreement"]
