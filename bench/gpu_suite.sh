@@ -43,7 +43,7 @@ for part in $PARTS; do
     host_overhead) timeout 90 python3 bench/host_overhead.py --out "$OUT/host_overhead.json" >> "$OUT/bench.log" 2>&1 ;;
     attention) timeout 130 python3 bench/attention.py --out "$OUT/attention.json" >> "$OUT/bench.log" 2>&1 ;;
     compile) timeout 400 python3 bench/compile.py --preset gpu --out "$OUT/compile.json" >> "$OUT/bench.log" 2>&1 ;;
-    infer) timeout 540 python3 bench/infer.py --out "$OUT/infer.json" >> "$OUT/bench.log" 2>&1 ;;
+    infer) timeout 590 python3 bench/infer.py --out "$OUT/infer.json" >> "$OUT/bench.log" 2>    infer) timeout 540 python3 bench/infer.py --out "$OUT/infer.json" >> "$OUT/bench.log" 2>&1 ;;1 ;;
     run) timeout 75 python3 -m kiln.cli run --no-progress --out /tmp/kiln-gpu-run --data.max_bytes=12000000 \
            --tokenizer.train_bytes=3000000 --train.steps=150 --train.eval_interval=50 --train.ckpt_interval=150 \
            > "$OUT/run_gpu.log" 2>&1 ;;

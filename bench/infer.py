@@ -3,7 +3,7 @@ a gpt-fast-style compiled static-cache decoder and transformers' `generate`, on 
 and Qwen3-0.6B shapes, in one process on the H200, with the copy bandwidth and matmul rate measured in the
 same run (kiln.profile.ceilings). Method and results: docs/perf/inference.md.
 
-    python bench/infer.py                    # H200, ~6-7 min (estimated) -> bench/results/infer.json
+    python bench/infer.py                    # H200, ~9 min (4.5 without --throughput-peers) -> bench/results/infer.json
     python bench/infer.py --parts latency    # one part (latency, steady, throughput; comma-separated)
     python bench/infer.py --smoke            # CPU, tiny models, every part and peer end to end (CI)
 
