@@ -27,8 +27,6 @@ if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import itertools
-import random
-import statistics
 
 import torch
 
@@ -36,6 +34,7 @@ from kiln.kernels import decode_attention as dec
 from kiln.kernels.dispatch import use_backend
 from kiln.profile.ceilings import fraction
 from kiln.profile.harness import BenchRun, bench_parser, format_table
+from kiln.profile.timing import capture_graph, flushed_graph_ms
 
 HQ, HK, D, PAGE = 12, 2, 128, 16
 
@@ -68,44 +67,6 @@ def name(per_sm: int, cfg: tuple) -> str:
     )
 
 
-def flushed_ms(graphs: dict, rounds: int, reps: int, cuda: bool) -> dict:
-    """{name: median ms} of each graph's replay after a read-only L2 flush, interleaved over rounds."""
-    if not cuda:
-        return {k: None for k in graphs}
-    flush = torch.ones(2**28, dtype=torch.bfloat16, device="cuda")  # 512 MB, read by a sum
-    times = {k: [] for k in graphs}
-    order = list(graphs)
-    rng = random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for k in order:
-            ev = [
-                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                for _ in range(reps)
-            ]
-            for a, b in ev:
-                flush.sum()
-                a.record()
-                graphs[k].replay()
-                b.record()
-            torch.cuda.synchronize()
-            times[k] += [a.elapsed_time(b) for a, b in ev]
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def capture(calls: list, cuda: bool):
-    for c in calls:
-        c()
-    if not cuda:
-        return None
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    return graph
-
-
 def sweep_batch(run, args, B: int, L: int, per_sms: list, configs: list, copy, dtype) -> list[dict]:
     """Every candidate at batch B, L keys a sequence (module doc), timed interleaved: one row each."""
     dev, cuda = run.device, run.device.type == "cuda"
@@ -131,14 +92,14 @@ def sweep_batch(run, args, B: int, L: int, per_sms: list, configs: list, copy, d
         ]
         key = prefix + name(per_sm, cfg)
         try:
-            graphs[key] = capture(calls, cuda)
+            graphs[key] = capture_graph(calls, cuda)
             meta[key] = dict(per_sm=per_sm, splits=splits, config=c)
         except Exception as e:  # noqa: BLE001 - one failing candidate must not end the run
             run.log(f"  B={B} {key}: {type(e).__name__}: {str(e)[:200]}")
     splits, plan = dec.split_plan(B, HK, args.width, dec.sm_count(dev))
     calls = [lambda k=k, v=v: dec.decode_attention(q, k, v, table, lens) for k, v in kv]
     with use_backend("triton"):
-        graphs["default"] = capture(calls, cuda)
+        graphs["default"] = capture_graph(calls, cuda)
     meta["default"] = dict(splits=splits, config=plan)
     if cuda:
         dense = [
@@ -149,9 +110,9 @@ def sweep_batch(run, args, B: int, L: int, per_sms: list, configs: list, copy, d
         qd = q[:, :, None]
         sdpa = [lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(qd, k, v, enable_gqa=True)
                 for k, v in dense]  # fmt: skip
-        graphs["sdpa_dense"] = capture(sdpa, cuda)
+        graphs["sdpa_dense"] = capture_graph(sdpa, cuda)
         meta["sdpa_dense"] = {}
-    ms = flushed_ms(graphs, args.rounds, args.reps, cuda)
+    ms = flushed_graph_ms(graphs, args.rounds, args.reps, cuda)
     for key, t in ms.items():
         us = t * 1e3 / args.layers if t else None
         tbps = kv_bytes / (us * 1e-6) / 1e12 if us else None

@@ -22,8 +22,6 @@ import sys
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import random
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +31,7 @@ from kiln.kernels.launch import cdiv
 from kiln.kernels.matmul_decode import DecodeConfig, decode_config, decode_matmul
 from kiln.profile.ceilings import fraction
 from kiln.profile.harness import BenchRun, bench_parser, format_table
+from kiln.profile.timing import capture_graph, flushed_graph_ms
 
 SHAPES = {"qkv": (1536, 2048, True), "o": (1536, 1536, False), "gate_up": (1536, 17920, False),
           "down": (8960, 1536, False)}  # fmt: skip  # name: (K, N, bias)
@@ -56,44 +55,6 @@ def grid(M: int, K: int, N: int, sms: int) -> list[DecodeConfig]:
     return out
 
 
-def capture(calls: list, cuda: bool):
-    for c in calls:
-        c()
-    if not cuda:
-        return None
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    return graph
-
-
-def flushed_ms(graphs: dict, rounds: int, reps: int, cuda: bool) -> dict:
-    """{name: median ms} of each graph's replay after a read-only L2 flush, interleaved over rounds."""
-    if not cuda:
-        return {k: None for k in graphs}
-    flush = torch.ones(2**28, dtype=torch.bfloat16, device="cuda")  # 512 MB, read by a sum
-    times = {k: [] for k in graphs}
-    order = list(graphs)
-    rng = random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for k in order:
-            ev = [
-                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                for _ in range(reps)
-            ]
-            for a, b in ev:
-                flush.sum()
-                a.record()
-                graphs[k].replay()
-                b.record()
-            torch.cuda.synchronize()
-            times[k] += [a.elapsed_time(b) for a, b in ev]
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def sweep_shape(run, args, name: str, K: int, N: int, has_bias: bool, M: int, copy, dtype) -> list[dict]:
     dev, cuda = run.device, run.device.type == "cuda"
     g = torch.Generator(device=dev).manual_seed(M + N)
@@ -114,11 +75,11 @@ def sweep_shape(run, args, name: str, K: int, N: int, has_bias: bool, M: int, co
             calls = [lambda w=w, c=cfg: decode_matmul(x, w.t(), bias, config=c) for w in ws]
         try:
             err = float((calls[0]().float() - want).abs().max())
-            graphs[key] = capture(calls, cuda)
+            graphs[key] = capture_graph(calls, cuda)
             meta[key] = dict(config=str(cfg) if cfg else "cuBLAS", max_abs_err=err)
         except Exception as e:  # noqa: BLE001 - one failing candidate must not end the run
             run.log(f"  {name} M={M} {key}: {type(e).__name__}: {str(e)[:200]}")
-    ms = flushed_ms(graphs, args.rounds, args.reps, cuda)
+    ms = flushed_graph_ms(graphs, args.rounds, args.reps, cuda)
     rows = []
     for key, t in ms.items():
         us = t * 1e3 / args.layers if t else None

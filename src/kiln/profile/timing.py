@@ -96,3 +96,50 @@ def ratio(peer_ms: float | None, kiln_ms: float | None) -> float | None:
     if not peer_ms or not kiln_ms:
         return None
     return round(peer_ms / kiln_ms, 4)
+
+
+def capture_graph(calls: list[Callable[[], object]], cuda: bool):
+    """Run `calls` once (compiles, allocations), then capture them in order into one CUDA graph; None off
+    CUDA (the calls have run once, which is what a smoke run checks)."""
+    for c in calls:
+        c()
+    if not cuda:
+        return None
+    import torch
+
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    return graph
+
+
+def flushed_graph_ms(graphs: dict, rounds: int, reps: int, cuda: bool, seed: int = 0) -> dict:
+    """{name: median ms} of each graph's replay, each replay after a read-only 512 MB L2 flush (the L2 then
+    holds none of the replay's data and no dirty lines, as in a step whose other kernels stream through it),
+    the graphs interleaved over `rounds` in a fresh random order, `reps` replays each a round. Off CUDA
+    every figure is None."""
+    if not cuda:
+        return {k: None for k in graphs}
+    import torch
+
+    flush = torch.ones(2**28, dtype=torch.bfloat16, device="cuda")  # 512 MB, read by a sum
+    times: dict = {k: [] for k in graphs}
+    order = list(graphs)
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for k in order:
+            ev = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(reps)
+            ]
+            for a, b in ev:
+                flush.sum()
+                a.record()
+                graphs[k].replay()
+                b.record()
+            torch.cuda.synchronize()
+            times[k] += [a.elapsed_time(b) for a, b in ev]
+    return {k: statistics.median(v) for k, v in times.items()}
