@@ -73,6 +73,20 @@ def test_no_wide_rows_under_torch_compile(rows_form, monkeypatch, device):
         assert lin._decode_rows(x) == 0 and lin._decode_rows(x[:16]) == 16
 
 
+def test_no_decode_kernels_for_a_tensor_subclass_weight(device):
+    # a DTensor weight (tensor parallel, FSDP) takes F.linear, whose sharded matmul DTensor implements;
+    # a plain subclass stands in for it here (a DTensor needs a process group)
+    class Sharded(torch.Tensor):
+        pass
+
+    lin = linear.Linear(48, 40, bias=False, backend="kiln").to(device)
+    x = torch.randn(40, 48, device=device)
+    with use_backend("triton"), torch.no_grad():
+        assert lin._decode_rows(x) == 40
+        lin.weight = torch.nn.Parameter(lin.weight.detach().as_subclass(Sharded), requires_grad=False)
+        assert lin._decode_rows(x) == 0 and lin._decode_rows(x[:4]) == 0
+
+
 def test_bad_rows_value_is_a_clear_error(rows_form):
     rows_form("48")
     with pytest.raises(KilnError, match="KILN_DECODE_ROWS='48' is not one of 64, 16, 32, 128"):

@@ -64,12 +64,18 @@ class Linear(nn.Module):
     def _decode_rows(self, x: torch.Tensor) -> int:
         """x's rows where they take kiln's decode matmul: a no-gradient call of at most decode_rows() rows
         (DECODE_ROWS under torch.compile, which traces kiln's matmul but not the wide tiles' launcher) in
-        the weight's dtype, on CUDA ("auto") or wherever kiln's kernels run ("kiln"); else 0."""
+        the weight's dtype, on CUDA ("auto") or wherever kiln's kernels run ("kiln"), with a plain weight
+        (a DTensor's matmul is torch's, sharded); else 0."""
         if self.backend not in ("auto", "kiln"):
             return 0
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):  # training
             return 0
         if not (x.is_cuda if self.backend == "auto" else use_triton(x)) or x.dtype != self.weight.dtype:
+            return 0
+        if type(self.weight) not in (
+            nn.Parameter,
+            torch.Tensor,
+        ):  # a DTensor (tensor parallel, FSDP): F.linear
             return 0
         rows = x.numel() // max(x.shape[-1], 1)
         limit = DECODE_ROWS if torch.compiler.is_compiling() else decode_rows()
