@@ -160,6 +160,22 @@ def test_gptfast_peer_static_batch_of_padded_prompts(one_thread):
         peer.generate_padded(prompts, 12)
 
 
+def test_hf_peer_static_batch_of_padded_prompts(one_thread):
+    # transformers' generate over left-padded prompts (attention mask zero on the padding): each row's
+    # greedy ids are those kiln's model gives its prompt alone
+    pytest.importorskip("transformers")
+    hf_peer = _load("bench_peers_hf", BENCH / "peers" / "hf.py")
+    cfg = ModelConfig(arch="qwen3", qk_norm=True, head_dim=16, tie_embeddings=True, **TINY)
+    model = build_model(cfg, seed=2).eval()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 13, 9)]
+    got, timings = hf_peer.static_batch(hf_peer.hf_from_kiln(model), prompts, 6)
+    for row, prompt in zip(got, prompts, strict=True):
+        want = model.generate(torch.tensor([prompt]), 6, temperature=0.0)[0, len(prompt) :]
+        assert torch.equal(row, want)
+    assert 0 < timings["ttft_s"] and 0 < timings["total_s"]
+
+
 def test_gptfast_peer_refuses_what_it_does_not_model():
     gptfast = _load("bench_peers_gptfast", BENCH / "peers" / "gptfast.py")
     model = build_model(ModelConfig(arch="mistral", sliding_window=8, **TINY))
