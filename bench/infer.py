@@ -84,9 +84,8 @@ class Plan:
     step_budget: int = 8192  # the engine's max_num_batched_tokens (its default)
     throughput_models: tuple[str, ...] = ("qwen3-0.6b", "qwen2.5-1.5b")
     throughput_peers: tuple[str, ...] = ("gpt-fast", "hf")
-    hf_requests: int = (
-        64  # transformers' static batch: the workload's first requests (its eager steps are slow)
-    )
+    # transformers' static batch takes the workload's first requests only: its eager steps are slow
+    hf_requests: int = 64
 
 
 def make_plan(args, smoke: bool) -> Plan:
@@ -314,7 +313,7 @@ def steady_part(name, cfg, engines, compile_batch, gf, hf, plan, ceil, args, ski
 
 def throughput_part(name, cfg, plan, dev, dtype, errors, log) -> list[dict]:
     """The workload through a graphs engine, then an eager one, each alone with the model on the device; then
-    the static-batch peers (static_peer_rows)."""
+    the static-batch peers (static_peer_row)."""
     model = build_model(cfg, device=dev, dtype=dtype, seed=0).eval()
     reqs = bench.workload(plan.requests, plan.min_len, plan.max_len, cfg.vocab_size, seed=0)
     warm = bench.workload(min(16, plan.requests), plan.min_len, plan.max_len, cfg.vocab_size, seed=1)
