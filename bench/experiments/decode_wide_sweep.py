@@ -22,7 +22,6 @@ import sys
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
 import torch
 import torch.nn.functional as F
 

@@ -104,7 +104,7 @@ def decode_qkv() -> str:
 # How many rows of a decode-sized step take kiln's decode matmul rather than cuBLAS (decode_rows): up to 64
 # (the default: the gemv and 16-wide dot tiles to 16 rows, the dot kernel's wide tiles past them), or up to
 # 16 / 32 / 128
-DECODE_ROWS = ("64", "16", "32", "128")
+DECODE_ROWS_FORMS = ("64", "16", "32", "128")
 
 
 @functools.cache
@@ -116,7 +116,7 @@ def decode_rows() -> int:
     (32 sequences) and 1.074x (64) the cuBLAS projections, and tied at 1-16 and 128; at 128 rows cuBLAS's
     kernels were faster than the wide tiles (bench/experiments/decode_wide_sweep.py)."""
     what = "kiln's decode tiles up to 64 rows; 16, 32 or 128 to move cuBLAS's share"
-    return int(_env_form("KILN_DECODE_ROWS", DECODE_ROWS, what))
+    return int(_env_form("KILN_DECODE_ROWS", DECODE_ROWS_FORMS, what))
 
 
 # How a decode step's SwiGLU runs (decode_swiglu): "separate" (kiln's SwiGLU kernel after the gate_up matmul)

@@ -72,10 +72,7 @@ class Linear(nn.Module):
             return 0
         if not (x.is_cuda if self.backend == "auto" else use_triton(x)) or x.dtype != self.weight.dtype:
             return 0
-        if type(self.weight) not in (
-            nn.Parameter,
-            torch.Tensor,
-        ):  # a DTensor (tensor parallel, FSDP): F.linear
+        if not _plain(self.weight):  # a DTensor (tensor parallel, FSDP): F.linear
             return 0
         rows = x.numel() // max(x.shape[-1], 1)
         limit = DECODE_ROWS if torch.compiler.is_compiling() else decode_rows()
@@ -92,7 +89,7 @@ class Linear(nn.Module):
         grad = torch.is_grad_enabled() and (w.requires_grad or (b is not None and b.requires_grad))
         return (
             (self.backend == "kiln" or (self.backend == "auto" and x.is_cuda))
-            and type(w) in (nn.Parameter, torch.Tensor)
+            and _plain(w)
             and w.dtype == x.dtype
             and w.device == x.device
             and not (self._forward_hooks or self._forward_pre_hooks)
@@ -126,6 +123,12 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, backend={self.backend}"
+
+
+def _plain(w: torch.Tensor) -> bool:
+    """Whether a weight is a plain tensor (not a DTensor of tensor parallelism or FSDP, whose matmul is
+    torch's, sharded): the decode kernels take only those."""
+    return type(w) in (nn.Parameter, torch.Tensor)
 
 
 def decode_step_fusable(x: torch.Tensor) -> bool:
