@@ -43,6 +43,15 @@ def path(request, monkeypatch) -> str:
     return request.param
 
 
+@pytest.fixture(params=["copy", "one_pass"])
+def cast(request, monkeypatch) -> str:
+    """The tensorwise cast's form (kiln.kernels.fp8_cast): "copy", or a kernel form, which on the CPU runs
+    the kiln::fp8_cast_dual op's reference: the contiguous transposed operands the kernels hand the GEMMs
+    (the kernels' own bytes are tests/kernels/test_fp8_cast.py's)."""
+    monkeypatch.setenv("KILN_FP8_CAST", request.param)
+    return request.param
+
+
 def _inputs(seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g)
@@ -70,15 +79,15 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_each_gemm_against_float64(recipe, path):
+def test_each_gemm_against_float64(recipe, path, cast):
     x, w, dy = _inputs()
     got = _fp8_step(lambda a, b: fp8_train_linear(a, b, None, recipe), x, w, dy)
     errs = [_rel(g, want) for g, want in zip(got, _float64(x, w, dy), strict=True)]
-    assert all(e <= b for e, b in zip(errs, BOUND[recipe], strict=True)), (recipe, path, errs)
+    assert all(e <= b for e, b in zip(errs, BOUND[recipe], strict=True)), (recipe, path, cast, errs)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_scaled_mm_path_equals_the_emulation(recipe, monkeypatch):
+def test_scaled_mm_path_equals_the_emulation(recipe, monkeypatch, cast):
     """The same quantized operands: the GPU path's op on torch's CPU kernel and the float32 emulation
     differ only in accumulation order (both round the result to bf16 once)."""
     _cpu_scaled_mm_or_skip()
@@ -92,7 +101,7 @@ def test_scaled_mm_path_equals_the_emulation(recipe, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_compiled_equals_eager(recipe, path):
+def test_compiled_equals_eager(recipe, path, cast):
     """Inductor (CPU) traces the Function: the compiled forward and both gradients are the eager ones up
     to float32 reassociation inside fused kernels, and stay within the float64 bounds."""
     x, w, dy = _inputs(seed=3)
@@ -105,7 +114,7 @@ def test_compiled_equals_eager(recipe, path):
         # across an FP8 rounding boundary: far below the FP8 error itself (0.04-0.06), far above nothing
         assert _rel(a, b) < 1e-2
     errs = [_rel(g, want) for g, want in zip(compiled, _float64(x, w, dy), strict=True)]
-    assert all(e <= b for e, b in zip(errs, BOUND[recipe], strict=True)), (recipe, path, errs)
+    assert all(e <= b for e, b in zip(errs, BOUND[recipe], strict=True)), (recipe, path, cast, errs)
 
 
 @pytest.mark.slow

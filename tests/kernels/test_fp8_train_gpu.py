@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kiln.kernels.fp8_train as fp8_train
+from kiln.kernels.fp8_cast import CAST_FORMS
 from kiln.kernels.fp8_train import fp8_train_linear, use_scaled_mm
 
 from .test_fp8_train import BOUND
@@ -49,9 +50,14 @@ def _rel(got, want) -> float:
     return float((got.double() - want).norm() / want.norm())
 
 
+# the rowwise recipe casts no transposed operand; tensorwise in each form of kiln.kernels.fp8_cast
+RECIPE_CASTS = [("rowwise", "copy")] + [("tensorwise", form) for form in CAST_FORMS]
+
+
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_scaled_mm_gemms_against_float64(recipe, compiled):
+@pytest.mark.parametrize("recipe,cast", RECIPE_CASTS)
+def test_scaled_mm_gemms_against_float64(recipe, cast, compiled, monkeypatch):
+    monkeypatch.setenv("KILN_FP8_CAST", cast)
     x, w, dy = _inputs()
     assert use_scaled_mm(x, w)
     fn = lambda a, b: fp8_train_linear(a, b, None, recipe)  # noqa: E731
@@ -59,11 +65,12 @@ def test_scaled_mm_gemms_against_float64(recipe, compiled):
     got = _step(torch.compile(fn, fullgraph=True, dynamic=False) if compiled else fn, x, w, dy)
     # FP8's rounding plus one bf16 rounding of each output (0.004): the CPU-derived bounds hold
     errs = [_rel(g, want) for g, want in zip(got, _float64(x, w, dy), strict=True)]
-    assert all(e <= b for e, b in zip(errs, BOUND[recipe], strict=True)), (recipe, compiled, errs)
+    assert all(e <= b for e, b in zip(errs, BOUND[recipe], strict=True)), (recipe, cast, compiled, errs)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_scaled_mm_equals_the_emulation_on_the_gpu(recipe, monkeypatch):
+@pytest.mark.parametrize("recipe,cast", RECIPE_CASTS)
+def test_scaled_mm_equals_the_emulation_on_the_gpu(recipe, cast, monkeypatch):
+    monkeypatch.setenv("KILN_FP8_CAST", cast)
     x, w, dy = _inputs(seed=1)
     fn = lambda a, b: fp8_train_linear(a, b, None, recipe)  # noqa: E731
     op = _step(fn, x, w, dy)
@@ -72,4 +79,4 @@ def test_scaled_mm_equals_the_emulation_on_the_gpu(recipe, monkeypatch):
     for a, b in zip(op, emulated, strict=True):
         # the same quantized operands; accumulation order (the forward's fast accumulation) and one bf16
         # rounding differ: within about 2 bf16 steps relative
-        assert _rel(a, b) < 1e-2
+        assert _rel(a, b) < 1e-2, (recipe, cast, _rel(a, b))

@@ -6,8 +6,9 @@ Math (current scaling: every scale comes from the tensor it scales, in this step
     dW        dW (N, K) = q(dy)^T (N, M) @ q(x) (M, K)
 q(t) = fp8(t / s) with s = amax / fp8_max (448 for e4m3, 57344 for e5m2), and the value stood for is
 q(t) * s. Two granularities:
-- "tensorwise": one s per tensor; each tensor is quantized once and its FP8 copy reused (transposed)
-  by the GEMMs that read it. Gradients in e5m2 (wider range, 2 mantissa bits), as TorchTitan/torchao's
+- "tensorwise": one s per tensor; each tensor is quantized once, into both layouts the two GEMMs that
+  read it want (`cast_both`, kiln.kernels.fp8_cast: by a kernel that writes q and its transpose, or as
+  a transposed view the GEMM op copies). Gradients in e5m2 (wider range, 2 mantissa bits), as TorchTitan/torchao's
   tensorwise recipe.
 - "rowwise": one s per row of the reduction, i.e. every GEMM operand is scaled along the dimension the
   GEMM sums over (x per token for the forward, per channel of K for dW; dy per token for dX, per output
@@ -40,8 +41,8 @@ from __future__ import annotations
 
 import torch
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+from kiln.kernels.fp8_cast import E4M3, E5M2, FP8_MAX, cast_form, fp8_cast_dual
+
 MIN_AMAX = 1e-12  # an all-zero tensor or row gets a tiny scale (its q is 0 either way), never 0 / 0
 RECIPES = ("tensorwise", "rowwise")
 
@@ -57,6 +58,19 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torc
     s = amax.clamp_min(MIN_AMAX) / FP8_MAX[dtype]
     fmax = FP8_MAX[dtype]
     return (tf / s).clamp(-fmax, fmax).to(dtype), s
+
+
+def cast_both(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q (R, C), qt (C, R), s ()): t quantized tensorwise into both layouts, the values of
+    quantize(t, dtype, None). qt is contiguous from the cast kernel, or a transposed view of q in the
+    "copy" form (kiln.kernels.fp8_cast; the GEMM op then lays it out)."""
+    form = cast_form()
+    if form == "copy":
+        q, s = quantize(t, dtype, None)
+        return q, q.t(), s
+    s = t.float().abs().amax().clamp_min(MIN_AMAX) / FP8_MAX[dtype]  # as quantize's, dim None
+    q, qt = fp8_cast_dual(t, s, dtype == E5M2, form)
+    return q, qt, s
 
 
 @torch.compiler.assume_constant_result
@@ -123,15 +137,19 @@ class FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, recipe: str, out_dtype: torch.dtype):
         gpu = use_scaled_mm(x, weight)
-        rowwise = recipe == "rowwise"
-        xq, xs = quantize(x, E4M3, 1 if rowwise else None)  # (M, K), (M, 1) or ()
-        wq, ws = quantize(weight, E4M3, 1 if rowwise else None)  # (N, K), (N, 1) or ()
-        # b = W^T (K, N): a transposed view; its scales, one per output channel, as a row (1, N)
-        y = _mm(xq, xs, wq.t(), ws.view(1, -1) if rowwise else ws, out_dtype, fast=True, gpu=gpu)
-        if rowwise:  # the backward GEMMs reduce over other dims: they re-quantize the masters
-            ctx.save_for_backward(x, weight)
-        else:  # tensorwise: the FP8 copies serve again, half the bytes kept for backward
-            ctx.save_for_backward(xq, xs, wq, ws)
+        if recipe == "rowwise":
+            xq, xs = quantize(x, E4M3, 1)  # (M, K), (M, 1)
+            wq, ws = quantize(weight, E4M3, 1)  # (N, K), (N, 1)
+            # b = W^T (K, N): a transposed view; its scales, one per output channel, as a row (1, N)
+            y = _mm(xq, xs, wq.t(), ws.view(1, -1), out_dtype, fast=True, gpu=gpu)
+            ctx.save_for_backward(x, weight)  # the backward GEMMs reduce over other dims: re-quantized there
+        else:
+            # x (M, K) for this GEMM and x^T (K, M) for dW; W (N, K), read here as the column-major W^T,
+            # and W^T (K, N), read by dX as the column-major W
+            xq, xq_t, xs = cast_both(x, E4M3)
+            wq, wq_t, ws = cast_both(weight, E4M3)
+            y = _mm(xq, xs, wq.t(), ws, out_dtype, fast=True, gpu=gpu)
+            ctx.save_for_backward(xq_t, xs, wq_t, ws)  # FP8: half the bytes of x and W kept for backward
         ctx.recipe, ctx.gpu, ctx.x_dtype, ctx.w_dtype = recipe, gpu, x.dtype, weight.dtype
         ctx.out_dtype = out_dtype
         return y
@@ -151,10 +169,10 @@ class FP8Linear(torch.autograd.Function):
             xq, xs = quantize(x, E4M3, 0)
             dw = _mm(dyq_c.t(), dys_c.view(-1, 1), xq, xs, dt, fast=False, gpu=gpu)
         else:
-            xq, xs, wq, ws = ctx.saved_tensors
-            dyq, dys = quantize(dy, E5M2, None)  # (M, N), one scale
-            dx = _mm(dyq, dys, wq, ws, dt, fast=False, gpu=gpu)  # (M, N) @ (N, K)
-            dw = _mm(dyq.t(), dys, xq, xs, dt, fast=False, gpu=gpu)  # (N, M) @ (M, K)
+            xq_t, xs, wq_t, ws = ctx.saved_tensors  # (K, M), (K, N)
+            dyq, dyq_t, dys = cast_both(dy, E5M2)  # (M, N), (N, M), one scale
+            dx = _mm(dyq, dys, wq_t.t(), ws, dt, fast=False, gpu=gpu)  # (M, N) @ (N, K)
+            dw = _mm(dyq_t, dys, xq_t.t(), xs, dt, fast=False, gpu=gpu)  # (N, M) @ (M, K)
         return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None
 
 

@@ -55,4 +55,8 @@ def provenance() -> dict:
         "dirty": git_dirty(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "argv": sys.argv[1:],
+        # the kernel-form switches in force (KILN_DECODE_FORM, KILN_FP8_CAST, ...), so a figure names them
+        "switches": {
+            k: v for k, v in sorted(os.environ.items()) if k.startswith("KILN_") and k != "KILN_COMMIT"
+        },
     }

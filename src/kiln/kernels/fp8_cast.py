@@ -1,0 +1,164 @@
+"""FP8 cast of a 2-D tensor into both layouts its two GEMMs read: q = fp8(sat(t / s)) and its transpose.
+
+    t (R, C) float, s () float32  ->  q (R, C) and qt (C, R), both contiguous, in e4m3 or e5m2
+    q[r, c] = qt[c, r] = fp8(clamp(t[r, c] / s, -fmax, fmax))     (t / s and the cast rounded to nearest even)
+
+Why: FP8 training (kiln.kernels.fp8_train) feeds each quantized tensor to two GEMMs that want it in two
+layouts. torch._scaled_mm takes its first operand row-major and its second column-major, so x (tokens, K)
+is read as is by the forward and transposed by the weight gradient, and the output gradient likewise by dX
+and dW. Made by a copy after the cast, those transposes are ATen's byte-wise transposing copies: 68.7 ms of
+a 241 ms step at the 1.1B shape on the H200 (bench/train.py --profile), more than the FP8 GEMMs themselves
+(66.2 ms). Here the cast writes both layouts itself.
+
+Forms (`CAST_FORMS`, `KILN_FP8_CAST`), the same bytes (tests/kernels/test_fp8_cast.py):
+- "copy": no kernel: q by the reference, qt a transposed *view* of q, which the GEMM op lays out with
+  ATen's copy (the path verified first on the H200).
+- "one_pass": one kernel; a (BLOCK_R, BLOCK_C) tile is loaded, divided, saturated and cast, and its bytes
+  stored twice, the second store at transposed addresses (Triton moves the tile through shared memory).
+- "trans": one kernel; the float32 tile is transposed with tl.trans before its second cast and store, so
+  both stores are row-major and the shared-memory transpose moves 4-byte values, not FP8 bytes.
+- "two_pass": two launches of the one-layout kernel, the second on t's transposed view: t read twice.
+The H200 decides the default (docs/perf/training.md); the CPU interpreter checks every form.
+
+Triton hazards stepped around: tiles are stored as their bytes (bitcast to uint8), never transposed as FP8
+tensors (tl.trans of FP8 tiles has miscompiled, mlc-ai/pith-train#74); the saturation is two selects, not
+min/max (min.NaN / max.NaN next to a transposed 1-byte store miscompiled, triton-lang/triton#11111); and
+t / s is `div_rn`, IEEE division as torch's, since Triton's `/` on float32 is the approximate div.full
+(2 ulp), which moves a value across an FP8 rounding boundary now and then.
+
+Shapes: any 2-D t with any strides and a float dtype; s a one-element float32 tensor. `fp8_cast_dual` is
+a torch.library custom op (`kiln::fp8_cast_dual`), so torch.compile keeps the kernel as it is (no inductor
+codegen of the transposed store) and fuses the amax that makes s into the neighbouring kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.dispatch import use_triton
+from kiln.kernels.launch import CachedLaunch, cdiv
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+CAST_FORMS = ("copy", "one_pass", "trans", "two_pass")
+DEFAULT_FORM = "copy"
+BLOCK_R, BLOCK_C = 64, 64  # a tile: 4096 values, 8 KB of bf16 in, 2 x 4 KB out
+
+
+def cast_form() -> str:
+    """The form in force: $KILN_FP8_CAST, else DEFAULT_FORM (module doc)."""
+    form = os.environ.get("KILN_FP8_CAST", "") or DEFAULT_FORM
+    if form not in CAST_FORMS:
+        raise ValueError(f"KILN_FP8_CAST must be one of {', '.join(CAST_FORMS)}, got {form!r}")
+    return form
+
+
+def cast_ref(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The reference: q (R, C) contiguous in `dtype`, cast as kiln.kernels.fp8_train.quantize."""
+    fmax = FP8_MAX[dtype]
+    return (t.float() / s.float().reshape(())).clamp(-fmax, fmax).to(dtype).contiguous()
+
+
+def cast_dual_ref(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of both layouts: (q (R, C), qt (C, R)) contiguous."""
+    q = cast_ref(t, s, dtype)
+    return q, q.t().contiguous()
+
+
+@triton.jit
+def _fp8_bytes(v, FMAX: tl.constexpr, E5M2: tl.constexpr):
+    """float32 tile -> its FP8 bytes (uint8): saturated by selects (module doc), cast to nearest even."""
+    v = tl.where(v > FMAX, FMAX, v)  # NaN stays NaN, as torch's clamp
+    v = tl.where(v < -FMAX, -FMAX, v)
+    if E5M2:
+        return v.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _cast_kernel(
+    T_ptr,  # (R, C) float: t[r, c] at T_ptr + r * stride_tr + c * stride_tc
+    S_ptr,  # (1,) float32: the scale
+    Q_ptr,  # (R, C) uint8 (the FP8 bytes), contiguous; written when STORE_Q
+    QT_ptr,  # (C, R) uint8, contiguous; written when QT is "bytes" (transposed addresses) or "trans"
+    R,
+    C,
+    stride_tr,
+    stride_tc,
+    FMAX: tl.constexpr,
+    E5M2: tl.constexpr,  # e5m2, else e4m3
+    QT: tl.constexpr,  # "none", "bytes" (one_pass) or "trans"
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    mask = (r < R)[:, None] & (c < C)[None, :]
+    t = tl.load(T_ptr + r[:, None] * stride_tr + c[None, :] * stride_tc, mask=mask, other=0.0).to(tl.float32)
+    v = tl.math.div_rn(t, tl.load(S_ptr))  # (BLOCK_R, BLOCK_C) float32
+    q = _fp8_bytes(v, FMAX, E5M2)
+    tl.store(Q_ptr + r[:, None] * C + c[None, :], q, mask=mask)
+    if QT == "bytes":
+        tl.store(QT_ptr + c[None, :] * R + r[:, None], q, mask=mask)
+    elif QT == "trans":  # (BLOCK_C, BLOCK_R): row c of qt holds column c of the tile
+        qt = _fp8_bytes(tl.trans(v), FMAX, E5M2)
+        tl.store(QT_ptr + c[:, None] * R + r[None, :], qt, mask=(c < C)[:, None] & (r < R)[None, :])
+
+
+_cast_launch = CachedLaunch(_cast_kernel)
+
+
+def _launch(
+    t: torch.Tensor, s: torch.Tensor, q: torch.Tensor, qt: torch.Tensor | None, dtype, qt_form: str
+) -> None:
+    R, C = t.shape
+    if R and C:
+        _cast_launch[(cdiv(R, BLOCK_R), cdiv(C, BLOCK_C))](
+            t, s, q.view(torch.uint8), q.view(torch.uint8) if qt is None else qt.view(torch.uint8), R, C,
+            t.stride(0), t.stride(1), FMAX=FP8_MAX[dtype], E5M2=dtype == E5M2, QT=qt_form,
+            BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4,
+        )  # fmt: skip
+
+
+def cast_dual_triton(
+    t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, form: str = "one_pass"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher: (q (R, C), qt (C, R)) contiguous in `dtype`, by the kernel form `form` (module doc)."""
+    R, C = t.shape
+    s = s.float().reshape(1)
+    q = torch.empty((R, C), dtype=dtype, device=t.device)
+    qt = torch.empty((C, R), dtype=dtype, device=t.device)
+    if form == "two_pass":
+        _launch(t, s, q, None, dtype, "none")
+        _launch(t.t(), s, qt, None, dtype, "none")
+    elif form in ("one_pass", "trans"):
+        _launch(t, s, q, qt, dtype, "bytes" if form == "one_pass" else "trans")
+    else:
+        raise ValueError(f"cast_dual_triton: form must be one_pass, trans or two_pass, got {form!r}")
+    return q, qt
+
+
+@torch.library.custom_op("kiln::fp8_cast_dual", mutates_args=())
+def fp8_cast_dual(
+    t: torch.Tensor, s: torch.Tensor, e5m2: bool, form: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """t (R, C) float, s one float32 -> (q (R, C), qt (C, R)) contiguous FP8 (e5m2, else e4m3) with
+    q = qt^T = fp8(sat(t / s)); the Triton kernel form `form` where kiln's kernels run, else the reference."""
+    if t.dim() != 2 or s.numel() != 1:
+        raise ValueError(
+            f"fp8_cast_dual: t must be 2-D and s one value, got {tuple(t.shape)} and {tuple(s.shape)}"
+        )
+    dtype = E5M2 if e5m2 else E4M3
+    if use_triton(t):
+        return cast_dual_triton(t, s, dtype, form)
+    return cast_dual_ref(t, s, dtype)
+
+
+@fp8_cast_dual.register_fake
+def _(t, s, e5m2, form):
+    dtype = E5M2 if e5m2 else E4M3
+    return t.new_empty(t.shape, dtype=dtype), t.new_empty((t.shape[1], t.shape[0]), dtype=dtype)
