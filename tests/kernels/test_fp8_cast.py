@@ -71,7 +71,7 @@ def test_cast_dual_op(device):
     t = _exact((48, 80), E4M3, 0.5, seed=3).to(device)
     s = torch.tensor(0.5, device=device)
     with use_backend("triton"):
-        q, qt = fp8_cast_dual(t, s, False, "trans")
+        q, qt = fp8_cast_dual(t, s, False, "two_pass")
     assert _bytes_equal(q, cast_dual_ref(t, s, E4M3)[0]) and _bytes_equal(qt, q.t().contiguous())
     torch.library.opcheck(fp8_cast_dual, (t.cpu(), s.cpu(), True, "one_pass"))  # the reference path, the fake
     with pytest.raises(ValueError, match="must be 2-D"):

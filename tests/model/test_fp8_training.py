@@ -26,7 +26,7 @@ def _dq(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> torch.Tensor:
     tf = t.float()
     amax = tf.abs().amax() if dim is None else tf.abs().amax(dim=dim, keepdim=True)
     s = amax.clamp_min(1e-12) / FP8_MAX[dtype]
-    return (tf / s).clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype).float() * s
+    return (tf * (1.0 / s)).clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype).float() * s
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:

@@ -64,10 +64,10 @@ def test_interleaved_visits_every_candidate_each_round_in_a_fresh_order(monkeypa
 
 def test_provenance_and_cpu_ceilings(monkeypatch, tmp_path):
     monkeypatch.setenv("KILN_COMMIT", "abc1234")
-    monkeypatch.setenv("KILN_FP8_CAST", "trans")
+    monkeypatch.setenv("KILN_FP8_CAST", "one_pass")
     meta = provenance()
     assert meta["commit"] == "abc1234" and meta["dirty"] is None
-    assert meta["switches"]["KILN_FP8_CAST"] == "trans" and "KILN_COMMIT" not in meta["switches"]
+    assert meta["switches"]["KILN_FP8_CAST"] == "one_pass" and "KILN_COMMIT" not in meta["switches"]
     assert meta["torch"] == torch.__version__ and meta["date"].endswith("Z")
     monkeypatch.delenv("KILN_COMMIT")
     monkeypatch.chdir(tmp_path)  # not a git checkout

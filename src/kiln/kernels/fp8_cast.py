@@ -1,7 +1,7 @@
 """FP8 cast of a 2-D tensor into both layouts its two GEMMs read: q = fp8(sat(t / s)) and its transpose.
 
     t (R, C) float, s () float32  ->  q (R, C) and qt (C, R), both contiguous, in e4m3 or e5m2
-    q[r, c] = qt[c, r] = fp8(clamp(t[r, c] / s, -fmax, fmax))     (t / s and the cast rounded to nearest even)
+    q[r, c] = qt[c, r] = fp8(clamp(t[r, c] * (1 / s), -fmax, fmax))     (each step rounded to nearest even)
 
 Why: FP8 training (kiln.kernels.fp8_train) feeds each quantized tensor to two GEMMs that want it in two
 layouts. torch._scaled_mm takes its first operand row-major and its second column-major, so x (tokens, K)
@@ -10,21 +10,26 @@ and dW. Made by a copy after the cast, those transposes are ATen's byte-wise tra
 a 241 ms step at the 1.1B shape on the H200 (bench/train.py --profile), more than the FP8 GEMMs themselves
 (66.2 ms). Here the cast writes both layouts itself.
 
+The scale is applied as a product with its reciprocal (one IEEE division per thread, `div_rn`, as
+torch's `1 / s`), the same math as kiln.kernels.fp8_train.quantize: bit-exact against torch, and cheap. A
+per-element division is either Triton's approximate `div.full` (2 ulp: a value moves across an FP8
+rounding boundary now and then) or the IEEE sequence, which made the casts ALU-bound on the H200.
+
 Forms (`CAST_FORMS`, `KILN_FP8_CAST`), the same bytes (tests/kernels/test_fp8_cast.py):
 - "copy": no kernel: q by the reference, qt a transposed *view* of q, which the GEMM op lays out with
   ATen's copy (the path verified first on the H200).
-- "one_pass": one kernel; a (BLOCK_R, BLOCK_C) tile is loaded, divided, saturated and cast, and its bytes
+- "one_pass": one kernel; a (BLOCK_R, BLOCK_C) tile is loaded, scaled, saturated and cast, and its bytes
   stored twice, the second store at transposed addresses (Triton moves the tile through shared memory).
-- "trans": one kernel; the float32 tile is transposed with tl.trans before its second cast and store, so
-  both stores are row-major and the shared-memory transpose moves 4-byte values, not FP8 bytes.
+  Only for 16-bit inputs: from a float32 tile, Triton 3.6 on sm_90 wrote about a quarter of the
+  transposed bytes wrong, every time, both as a byte store at transposed addresses and after a tl.trans of
+  the float32 tile (bench/experiments/fp8_cast_probe.py at af0a30b); float32 inputs (the master weights,
+  the small tensors) take the two passes below.
 - "two_pass": two launches of the one-layout kernel, the second on t's transposed view: t read twice.
 The H200 decides the default (docs/perf/training.md); the CPU interpreter checks every form.
 
 Triton hazards stepped around: tiles are stored as their bytes (bitcast to uint8), never transposed as FP8
 tensors (tl.trans of FP8 tiles has miscompiled, mlc-ai/pith-train#74); the saturation is two selects, not
-min/max (min.NaN / max.NaN next to a transposed 1-byte store miscompiled, triton-lang/triton#11111); and
-t / s is `div_rn`, IEEE division as torch's, since Triton's `/` on float32 is the approximate div.full
-(2 ulp), which moves a value across an FP8 rounding boundary now and then.
+min/max (min.NaN / max.NaN next to a transposed 1-byte store miscompiled, triton-lang/triton#11111).
 
 Shapes: any 2-D t with any strides and a float dtype; s a one-element float32 tensor. `fp8_cast_dual` is
 a torch.library custom op (`kiln::fp8_cast_dual`), so torch.compile keeps the kernel as it is (no inductor
@@ -44,7 +49,7 @@ from kiln.kernels.launch import CachedLaunch, cdiv
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
-CAST_FORMS = ("copy", "one_pass", "trans", "two_pass")
+CAST_FORMS = ("copy", "one_pass", "two_pass")
 DEFAULT_FORM = "copy"
 BLOCK_R, BLOCK_C = 64, 64  # a tile: 4096 values, 8 KB of bf16 in, 2 x 4 KB out
 
@@ -60,7 +65,7 @@ def cast_form() -> str:
 def cast_ref(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The reference: q (R, C) contiguous in `dtype`, cast as kiln.kernels.fp8_train.quantize."""
     fmax = FP8_MAX[dtype]
-    return (t.float() / s.float().reshape(())).clamp(-fmax, fmax).to(dtype).contiguous()
+    return (t.float() * (1.0 / s.float().reshape(()))).clamp(-fmax, fmax).to(dtype).contiguous()
 
 
 def cast_dual_ref(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,14 +89,14 @@ def _cast_kernel(
     T_ptr,  # (R, C) float: t[r, c] at T_ptr + r * stride_tr + c * stride_tc
     S_ptr,  # (1,) float32: the scale
     Q_ptr,  # (R, C) uint8 (the FP8 bytes), contiguous; written when STORE_Q
-    QT_ptr,  # (C, R) uint8, contiguous; written when QT is "bytes" (transposed addresses) or "trans"
+    QT_ptr,  # (C, R) uint8, contiguous; written at transposed addresses when QT
     R,
     C,
     stride_tr,
     stride_tc,
     FMAX: tl.constexpr,
     E5M2: tl.constexpr,  # e5m2, else e4m3
-    QT: tl.constexpr,  # "none", "bytes" (one_pass) or "trans"
+    QT: tl.constexpr,  # also store the transpose (one_pass), else only q
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -99,27 +104,22 @@ def _cast_kernel(
     c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     mask = (r < R)[:, None] & (c < C)[None, :]
     t = tl.load(T_ptr + r[:, None] * stride_tr + c[None, :] * stride_tc, mask=mask, other=0.0).to(tl.float32)
-    v = tl.math.div_rn(t, tl.load(S_ptr))  # (BLOCK_R, BLOCK_C) float32
-    q = _fp8_bytes(v, FMAX, E5M2)
+    q = _fp8_bytes(t * tl.math.div_rn(1.0, tl.load(S_ptr)), FMAX, E5M2)  # (BLOCK_R, BLOCK_C)
     tl.store(Q_ptr + r[:, None] * C + c[None, :], q, mask=mask)
-    if QT == "bytes":
+    if QT:
         tl.store(QT_ptr + c[None, :] * R + r[:, None], q, mask=mask)
-    elif QT == "trans":  # (BLOCK_C, BLOCK_R): row c of qt holds column c of the tile
-        qt = _fp8_bytes(tl.trans(v), FMAX, E5M2)
-        tl.store(QT_ptr + c[:, None] * R + r[None, :], qt, mask=(c < C)[:, None] & (r < R)[None, :])
 
 
 _cast_launch = CachedLaunch(_cast_kernel)
 
 
-def _launch(
-    t: torch.Tensor, s: torch.Tensor, q: torch.Tensor, qt: torch.Tensor | None, dtype, qt_form: str
-) -> None:
+def _launch(t: torch.Tensor, s: torch.Tensor, q: torch.Tensor, qt: torch.Tensor | None, dtype) -> None:
+    """q (R, C) and, when given, qt (C, R) from t (R, C) in one launch."""
     R, C = t.shape
     if R and C:
         _cast_launch[(cdiv(R, BLOCK_R), cdiv(C, BLOCK_C))](
             t, s, q.view(torch.uint8), q.view(torch.uint8) if qt is None else qt.view(torch.uint8), R, C,
-            t.stride(0), t.stride(1), FMAX=FP8_MAX[dtype], E5M2=dtype == E5M2, QT=qt_form,
+            t.stride(0), t.stride(1), FMAX=FP8_MAX[dtype], E5M2=dtype == E5M2, QT=qt is not None,
             BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4,
         )  # fmt: skip
 
@@ -132,13 +132,13 @@ def cast_dual_triton(
     s = s.float().reshape(1)
     q = torch.empty((R, C), dtype=dtype, device=t.device)
     qt = torch.empty((C, R), dtype=dtype, device=t.device)
-    if form == "two_pass":
-        _launch(t, s, q, None, dtype, "none")
-        _launch(t.t(), s, qt, None, dtype, "none")
-    elif form in ("one_pass", "trans"):
-        _launch(t, s, q, qt, dtype, "bytes" if form == "one_pass" else "trans")
-    else:
-        raise ValueError(f"cast_dual_triton: form must be one_pass, trans or two_pass, got {form!r}")
+    if form not in ("one_pass", "two_pass"):
+        raise ValueError(f"cast_dual_triton: form must be one_pass or two_pass, got {form!r}")
+    if form == "one_pass" and t.element_size() <= 2:
+        _launch(t, s, q, qt, dtype)
+    else:  # two_pass, or a float32 t (module doc)
+        _launch(t, s, q, None, dtype)
+        _launch(t.t(), s, qt, None, dtype)
     return q, qt
 
 

@@ -4,7 +4,7 @@ Math (current scaling: every scale comes from the tensor it scales, in this step
     forward   y  (M, N) = q(x) (M, K)  @ q(W)^T (K, N)        x, W in e4m3
     dX        dx (M, K) = q(dy) (M, N) @ q(W) (N, K)           dy in e5m2 (tensorwise) or e4m3 (rowwise)
     dW        dW (N, K) = q(dy)^T (N, M) @ q(x) (M, K)
-q(t) = fp8(t / s) with s = amax / fp8_max (448 for e4m3, 57344 for e5m2), and the value stood for is
+q(t) = fp8(t * (1 / s)) with s = amax / fp8_max (448 for e4m3, 57344 for e5m2), and the value stood for is
 q(t) * s. Two granularities:
 - "tensorwise": one s per tensor; each tensor is quantized once, into both layouts the two GEMMs that
   read it want (`cast_both`, kiln.kernels.fp8_cast: by a kernel that writes q and its transpose, or as
@@ -57,7 +57,8 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torc
     amax = tf.abs().amax() if dim is None else tf.abs().amax(dim=dim, keepdim=True)
     s = amax.clamp_min(MIN_AMAX) / FP8_MAX[dtype]
     fmax = FP8_MAX[dtype]
-    return (tf / s).clamp(-fmax, fmax).to(dtype), s
+    # times the reciprocal, not / s: the cast kernels' math (kiln.kernels.fp8_cast), one division per scale
+    return (tf * (1.0 / s)).clamp(-fmax, fmax).to(dtype), s
 
 
 def cast_both(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
