@@ -88,7 +88,7 @@ def _fp8_bytes(v, FMAX: tl.constexpr, E5M2: tl.constexpr):
 def _cast_kernel(
     T_ptr,  # (R, C) float: t[r, c] at T_ptr + r * stride_tr + c * stride_tc
     S_ptr,  # (1,) float32: the scale
-    Q_ptr,  # (R, C) uint8 (the FP8 bytes), contiguous; written when STORE_Q
+    Q_ptr,  # (R, C) uint8 (the FP8 bytes), contiguous
     QT_ptr,  # (C, R) uint8, contiguous; written at transposed addresses when QT
     R,
     C,
@@ -147,7 +147,7 @@ def fp8_cast_dual(
     t: torch.Tensor, s: torch.Tensor, e5m2: bool, form: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """t (R, C) float, s one float32 -> (q (R, C), qt (C, R)) contiguous FP8 (e5m2, else e4m3) with
-    q = qt^T = fp8(sat(t / s)); the Triton kernel form `form` where kiln's kernels run, else the reference."""
+    q = qt^T = fp8(sat(t * (1 / s))); the Triton kernel form `form` where kiln's kernels run, else the reference."""
     if t.dim() != 2 or s.numel() != 1:
         raise ValueError(
             f"fp8_cast_dual: t must be 2-D and s one value, got {tuple(t.shape)} and {tuple(s.shape)}"

@@ -47,6 +47,12 @@ MIN_AMAX = 1e-12  # an all-zero tensor or row gets a tiny scale (its q is 0 eith
 RECIPES = ("tensorwise", "rowwise")
 
 
+def _scale(tf: torch.Tensor, dtype: torch.dtype, dim: int | None) -> torch.Tensor:
+    """The float32 scale(s) of tf for `dtype`: amax / fp8_max over all of tf (dim None) or along dim."""
+    amax = tf.abs().amax() if dim is None else tf.abs().amax(dim=dim, keepdim=True)
+    return amax.clamp_min(MIN_AMAX) / FP8_MAX[dtype]
+
+
 def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """t (R, C) float -> (q (R, C) in `dtype`, float32 scale s) with t ~= q * s.
 
@@ -54,8 +60,7 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torc
     reduced over for the amax, kept as size 1 so the scale broadcasts against t). q keeps t's layout:
     every tensor is quantized where it lies, and a GEMM that reads it transposed takes a view."""
     tf = t.float()
-    amax = tf.abs().amax() if dim is None else tf.abs().amax(dim=dim, keepdim=True)
-    s = amax.clamp_min(MIN_AMAX) / FP8_MAX[dtype]
+    s = _scale(tf, dtype, dim)
     fmax = FP8_MAX[dtype]
     # times the reciprocal, not / s: the cast kernels' math (kiln.kernels.fp8_cast), one division per scale
     return (tf * (1.0 / s)).clamp(-fmax, fmax).to(dtype), s
@@ -69,7 +74,7 @@ def cast_both(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     if form == "copy":
         q, s = quantize(t, dtype, None)
         return q, q.t(), s
-    s = t.float().abs().amax().clamp_min(MIN_AMAX) / FP8_MAX[dtype]  # as quantize's, dim None
+    s = _scale(t.float(), dtype, None)
     q, qt = fp8_cast_dual(t, s, dtype == E5M2, form)
     return q, qt, s
 
