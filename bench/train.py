@@ -492,6 +492,36 @@ def fp8_curve(run: BenchRun, args) -> None:
         run.write(case="fp8-curve", shape=dataclasses.asdict(cfg), batch=B, steps=steps, lr=1e-3, compiled=args.compile,
                   data="bytes of the bundled corpus (Python stdlib + pydoc_data), last 5% held out",
                   runs=out)  # fmt: skip
+        plot_curves(
+            run.out.with_suffix(".png"), out, f"{steps} steps, {'compiled' if args.compile else 'eager'}"
+        )
+
+
+def plot_curves(path: Path, runs: list[dict], title: str) -> Path:
+    """The fp8-curve runs' training loss (means of 10 steps) against the step, one line a run, as a PNG
+    (written to a temporary name, then moved into place)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for rec in runs:
+        if "curve_every_10" in rec:
+            curve = rec["curve_every_10"]
+            ax.plot(
+                [10 * i + 5 for i in range(len(curve))], curve, label=f"{rec['run']} (val {rec['val_loss']})"
+            )
+    ax.set(xlabel="step", ylabel="training loss (nats per byte, mean of 10 steps)", yscale="log",
+           title=f"kiln 124M shape, bf16 vs FP8 training: {title}")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
 
 
 def main() -> None:

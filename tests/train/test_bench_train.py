@@ -44,3 +44,4 @@ def test_fp8_curve_smoke(tmp_path):
     assert all(len(r["curve_every_10"]) == 1 and r["val_loss"] > 0 for r in runs.values())
     assert runs["fp8"]["mean_abs_diff_vs_bf16"] < 0.1  # 4 steps: the curves have barely moved apart
     assert all(r["params_without_grad_step1"] == [] for r in runs.values())  # every parameter learns
+    assert (tmp_path / "train.png").read_bytes()[:4] == b"\x89PNG"  # the curves drawn beside the JSON
