@@ -141,3 +141,9 @@ def test_quant_quality_smoke(tmp_path):
     assert {"bf16", "int8", "int4-g128", "int4-g128-gptq", "int4-g128-gptq-act-order", "fp8"} <= set(ppl)
     assert all(1.0 < p < 2 * tok.n_vocab for p in ppl.values()), ppl  # finite, no worse than chance by 2x
     assert abs(ppl["int8"] / ppl["bf16"] - 1) < 0.01, ppl  # int8 per channel: within 1% of float
+
+
+def test_gpu_suite_parses():
+    """bench/gpu_suite.sh (the H200 command) is valid bash: a broken line there costs a device run."""
+    proc = subprocess.run(["bash", "-n", str(BENCH / "gpu_suite.sh")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
