@@ -3,43 +3,31 @@ for every input dtype and shape FP8 training gives it?
 
     python bench/experiments/fp8_cast_probe.py --out OUT.json     # CUDA GPU, ~30 s
 
-At 866b723 the one-pass kernel failed three of twelve GPU tests (the tensorwise recipe's GEMMs against
-the emulation among them). Per (form, FP8 dtype, input dtype, shape): whether q and qt equal the
-reference's bytes, how many bytes differ, whether two calls agree (a byte left unwritten differs between
-calls), and the kernel's time (CUDA events, median of 20) beside the "copy" path's (torch's cast, then
-ATen's transposing copy). `best` in the JSON: the fastest form that was right in every case, or "copy".
+Per (form, FP8 dtype, input dtype, shape): whether q and qt equal the reference's bytes, how many bytes
+differ, whether two calls agree (a byte left unwritten differs between calls), and the kernel's time
+(do_bench, L2 flushed) beside the "copy" path's (torch's cast, then ATen's transposing copy). `best` in the
+JSON: the fastest form that was right in every case, else "copy". At af0a30b it found the one-pass store
+wrong for float32 inputs (docs/PLATFORM-NOTES.md); bench/results/fp8_cast_probe.json (2315234, which timed
+CUDA events around each call, host launch included) has every form right.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 
 from kiln.kernels.fp8_cast import CAST_FORMS, E4M3, E5M2, FP8_MAX, cast_dual_ref, cast_dual_triton
 from kiln.profile.provenance import provenance
+from kiln.profile.timing import Timer
 
 # the 1.1B training shape's tensors: x and dy (16k tokens by 2048 / 5632), W (float32 masters), and the
 # 350M shape's; plus an odd one
 CASES = [((16384, 2048), torch.bfloat16), ((16384, 5632), torch.bfloat16), ((5632, 2048), torch.float32),
          ((2048, 2048), torch.float32), ((8192, 1024), torch.bfloat16), ((2816, 1024), torch.float32),
          ((1000, 2816), torch.bfloat16)]  # fmt: skip
-
-
-def _ms(fn, reps: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -51,6 +39,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
+    _ms = Timer(smoke=False).ms
     forms = [f for f in CAST_FORMS if f != "copy"]
     rows, right = [], {f: True for f in forms}
     for dtype in (E4M3, E5M2):
