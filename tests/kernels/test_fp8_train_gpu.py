@@ -50,8 +50,8 @@ def _rel(got, want) -> float:
     return float((got.double() - want).norm() / want.norm())
 
 
-# the rowwise recipe casts no transposed operand; tensorwise in each form of kiln.kernels.fp8_cast
-RECIPE_CASTS = [("rowwise", "copy")] + [("tensorwise", form) for form in CAST_FORMS]
+# each recipe in each form of kiln.kernels.fp8_cast (the rowwise recipe has one kernel form: one_pass)
+RECIPE_CASTS = [("rowwise", "copy"), ("rowwise", "one_pass")] + [("tensorwise", form) for form in CAST_FORMS]
 
 
 @pytest.mark.parametrize("compiled", [False, True])

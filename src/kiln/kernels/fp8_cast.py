@@ -31,9 +31,15 @@ Triton hazards stepped around: tiles are stored as their bytes (bitcast to uint8
 tensors (tl.trans of FP8 tiles has miscompiled, mlc-ai/pith-train#74); the saturation is two selects, not
 min/max (min.NaN / max.NaN next to a transposed 1-byte store miscompiled, triton-lang/triton#11111).
 
-Shapes: any 2-D t with any strides and a float dtype; s a one-element float32 tensor. `fp8_cast_dual` is
-a torch.library custom op (`kiln::fp8_cast_dual`), so torch.compile keeps the kernel as it is (no inductor
-codegen of the transposed store) and fuses the amax that makes s into the neighbouring kernels.
+The row-wise recipe needs one layout at a time, scaled per row of what is written: `fp8_cast(t, s)` writes
+q (R, C) contiguous from any strided t, with s () or one scale per row (R, 1); handed t's transposed view and
+the view's row scales, it writes the transposed layout with the scales along t's columns, so that GEMM
+operand needs no copy either (the one-layout kernel the two-pass form runs).
+
+Shapes: any 2-D t with any strides and a float dtype; s a one-element float32 tensor (both ops), or one per
+row (`fp8_cast`). `fp8_cast_dual` and `fp8_cast` are torch.library custom ops (`kiln::fp8_cast_dual`,
+`kiln::fp8_cast`), so torch.compile keeps the kernels as they are (no inductor codegen of the transposed
+store) and fuses the amax that makes s into the neighbouring kernels.
 """
 
 from __future__ import annotations
@@ -63,9 +69,11 @@ def cast_form() -> str:
 
 
 def cast_ref(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The reference: q (R, C) contiguous in `dtype`, cast as kiln.kernels.fp8_train.quantize."""
+    """The reference: q (R, C) contiguous in `dtype`, cast as kiln.kernels.fp8_train.quantize; s () or one
+    per row (R, 1)."""
     fmax = FP8_MAX[dtype]
-    return (t.float() * (1.0 / s.float().reshape(()))).clamp(-fmax, fmax).to(dtype).contiguous()
+    s = s.float().reshape(()) if s.numel() == 1 else s.float().reshape(-1, 1)
+    return (t.float() * (1.0 / s)).clamp(-fmax, fmax).to(dtype).contiguous()
 
 
 def cast_dual_ref(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +95,7 @@ def _fp8_bytes(v, FMAX: tl.constexpr, E5M2: tl.constexpr):
 @triton.jit
 def _cast_kernel(
     T_ptr,  # (R, C) float: t[r, c] at T_ptr + r * stride_tr + c * stride_tc
-    S_ptr,  # (1,) float32: the scale
+    S_ptr,  # float32: the scale (1,), or one per row (R,) when ROW_SCALE
     Q_ptr,  # (R, C) uint8 (the FP8 bytes), contiguous
     QT_ptr,  # (C, R) uint8, contiguous; written at transposed addresses when QT
     R,
@@ -97,6 +105,7 @@ def _cast_kernel(
     FMAX: tl.constexpr,
     E5M2: tl.constexpr,  # e5m2, else e4m3
     QT: tl.constexpr,  # also store the transpose (one_pass), else only q
+    ROW_SCALE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -104,7 +113,11 @@ def _cast_kernel(
     c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     mask = (r < R)[:, None] & (c < C)[None, :]
     t = tl.load(T_ptr + r[:, None] * stride_tr + c[None, :] * stride_tc, mask=mask, other=0.0).to(tl.float32)
-    q = _fp8_bytes(t * tl.math.div_rn(1.0, tl.load(S_ptr)), FMAX, E5M2)  # (BLOCK_R, BLOCK_C)
+    if ROW_SCALE:  # one IEEE reciprocal per row of the tile, then products
+        inv = tl.math.div_rn(1.0, tl.load(S_ptr + r, mask=r < R, other=1.0))[:, None]
+    else:
+        inv = tl.math.div_rn(1.0, tl.load(S_ptr))
+    q = _fp8_bytes(t * inv, FMAX, E5M2)  # (BLOCK_R, BLOCK_C)
     tl.store(Q_ptr + r[:, None] * C + c[None, :], q, mask=mask)
     if QT:
         tl.store(QT_ptr + c[None, :] * R + r[:, None], q, mask=mask)
@@ -114,12 +127,12 @@ _cast_launch = CachedLaunch(_cast_kernel)
 
 
 def _launch(t: torch.Tensor, s: torch.Tensor, q: torch.Tensor, qt: torch.Tensor | None, dtype) -> None:
-    """q (R, C) and, when given, qt (C, R) from t (R, C) in one launch."""
+    """q (R, C) and, when given, qt (C, R) from t (R, C) in one launch; s (1,) or (R,) float32."""
     R, C = t.shape
     if R and C:
         _cast_launch[(cdiv(R, BLOCK_R), cdiv(C, BLOCK_C))](
             t, s, q.view(torch.uint8), q.view(torch.uint8) if qt is None else qt.view(torch.uint8), R, C,
-            t.stride(0), t.stride(1), FMAX=FP8_MAX[dtype], E5M2=dtype == E5M2, QT=qt is not None,
+            t.stride(0), t.stride(1), FMAX=FP8_MAX[dtype], E5M2=dtype == E5M2, QT=qt is not None, ROW_SCALE=s.numel() > 1,
             BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4,
         )  # fmt: skip
 
@@ -142,16 +155,41 @@ def cast_dual_triton(
     return q, qt
 
 
+def cast_triton(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Launcher: q (R, C) contiguous in `dtype` from t (R, C) of any strides; s () or one per row (R, 1)."""
+    q = torch.empty(t.shape, dtype=dtype, device=t.device)
+    _launch(t, s.float().reshape(-1), q, None, dtype)
+    return q
+
+
+def _check(name: str, t: torch.Tensor, s: torch.Tensor, rows: bool) -> None:
+    if t.dim() != 2 or not (s.numel() == 1 or (rows and s.numel() == t.shape[0])):
+        want = "one value or one per row" if rows else "one value"
+        raise ValueError(f"{name}: t must be 2-D and s {want}, got {tuple(t.shape)} and {tuple(s.shape)}")
+
+
+@torch.library.custom_op("kiln::fp8_cast", mutates_args=())
+def fp8_cast(t: torch.Tensor, s: torch.Tensor, e5m2: bool) -> torch.Tensor:
+    """t (R, C) float of any strides, s () or (R, 1) float32 -> q (R, C) contiguous FP8 (e5m2, else e4m3),
+    q = fp8(sat(t * (1 / s))) with s per row where given so; the Triton kernel where kiln's kernels run,
+    else the reference."""
+    _check("fp8_cast", t, s, rows=True)
+    dtype = E5M2 if e5m2 else E4M3
+    return cast_triton(t, s, dtype) if use_triton(t) else cast_ref(t, s, dtype)
+
+
+@fp8_cast.register_fake
+def _(t, s, e5m2):
+    return t.new_empty(t.shape, dtype=E5M2 if e5m2 else E4M3)
+
+
 @torch.library.custom_op("kiln::fp8_cast_dual", mutates_args=())
 def fp8_cast_dual(
     t: torch.Tensor, s: torch.Tensor, e5m2: bool, form: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """t (R, C) float, s one float32 -> (q (R, C), qt (C, R)) contiguous FP8 (e5m2, else e4m3) with
     q = qt^T = fp8(sat(t * (1 / s))); the Triton kernel form `form` where kiln's kernels run, else the reference."""
-    if t.dim() != 2 or s.numel() != 1:
-        raise ValueError(
-            f"fp8_cast_dual: t must be 2-D and s one value, got {tuple(t.shape)} and {tuple(s.shape)}"
-        )
+    _check("fp8_cast_dual", t, s, rows=False)
     dtype = E5M2 if e5m2 else E4M3
     if use_triton(t):
         return cast_dual_triton(t, s, dtype, form)

@@ -23,8 +23,10 @@ Two paths, the same scales and the same quantized values:
 - CUDA sm_89+ with every dimension a multiple of 16 (cuBLASLt's rule): the `fp8_scaled_mm` op, which is
   torch._scaled_mm (FP8 tensor cores, float32 accumulation; fast accumulation in the forward only, as
   torchao: the gradients' long reductions over tokens keep the exact accumulator) behind a custom op, so
-  that torch.compile cannot swap in its own scaled-mm lowering (see the op). Each tensor is quantized in
-  the layout it has; a GEMM that reads it transposed passes a view, and the op lays a and b out for cuBLAS.
+  that torch.compile cannot swap in its own scaled-mm lowering (see the op). Every operand is quantized
+  into the layout its GEMM reads (kiln.kernels.fp8_cast's kernels write the transposed layouts), except in
+  the "copy" form (KILN_FP8_CAST=copy): there each tensor is quantized in the layout it has, a GEMM that
+  reads it transposed passes a view, and the op lays a and b out for cuBLAS with ATen's copy.
 - anywhere else (the CPU, odd shapes): emulated, quantize -> dequantize -> matmul in float32, then the
   same rounding to the output dtype. The CPU tests run both: the op on torch's CPU _scaled_mm kernel
   (forced), the emulation as is, each against float64, eager and compiled; the GPU tests and
@@ -41,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.kernels.fp8_cast import E4M3, E5M2, FP8_MAX, cast_form, fp8_cast_dual
+from kiln.kernels.fp8_cast import E4M3, E5M2, FP8_MAX, cast_form, fp8_cast, fp8_cast_dual
 
 MIN_AMAX = 1e-12  # an all-zero tensor or row gets a tiny scale (its q is 0 either way), never 0 / 0
 RECIPES = ("tensorwise", "rowwise")
@@ -77,6 +79,13 @@ def cast_both(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     s = _scale(t.float(), dtype, None)
     q, qt = fp8_cast_dual(t, s, dtype == E5M2, form)
     return q, qt, s
+
+
+def quantize_rows(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q (R, C) contiguous, s (R, 1)): t (R, C), of any strides, quantized per row, the values of
+    quantize(t, dtype, 1). On t.t() it writes the transposed layout scaled along t's columns."""
+    s = _scale(t.float(), dtype, 1)
+    return fp8_cast(t, s, dtype == E5M2), s
 
 
 @torch.compiler.assume_constant_result
@@ -163,7 +172,7 @@ class FP8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         gpu, dt = ctx.gpu, ctx.out_dtype
-        if ctx.recipe == "rowwise":
+        if ctx.recipe == "rowwise" and cast_form() == "copy":
             x, weight = ctx.saved_tensors
             # dX (M, K) = dy (M, N) @ W (N, K) reduces over N: dy per token (M, 1), W per input column (1, K)
             dyq, dys = quantize(dy, E4M3, 1)
@@ -174,6 +183,17 @@ class FP8Linear(torch.autograd.Function):
             dyq_c, dys_c = quantize(dy, E4M3, 0)
             xq, xs = quantize(x, E4M3, 0)
             dw = _mm(dyq_c.t(), dys_c.view(-1, 1), xq, xs, dt, fast=False, gpu=gpu)
+        elif ctx.recipe == "rowwise":
+            x, weight = ctx.saved_tensors
+            # the same GEMMs and scales, each operand written in the layout its GEMM reads: W^T (K, N) per
+            # row of it (W per input column), read by dX as the column-major W (N, K) with scales (1, K)
+            dyq, dys = quantize(dy, E4M3, 1)  # (M, N), (M, 1)
+            wq_t, ws_t = quantize_rows(weight.t(), E4M3)  # (K, N), (K, 1)
+            dx = _mm(dyq, dys, wq_t.t(), ws_t.view(1, -1), dt, fast=False, gpu=gpu)
+            # dW: dy^T (N, M) per row (dy per output channel), x^T (K, M) per row read as the column-major x
+            dyq_t, dys_t = quantize_rows(dy.t(), E4M3)  # (N, M), (N, 1)
+            xq_t, xs_t = quantize_rows(x.t(), E4M3)  # (K, M), (K, 1)
+            dw = _mm(dyq_t, dys_t, xq_t.t(), xs_t.view(1, -1), dt, fast=False, gpu=gpu)
         else:
             xq_t, xs, wq_t, ws = ctx.saved_tensors  # (K, M), (K, N)
             dyq, dyq_t, dys = cast_both(dy, E5M2)  # (M, N), (N, M), one scale
