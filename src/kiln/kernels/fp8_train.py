@@ -172,28 +172,24 @@ class FP8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         gpu, dt = ctx.gpu, ctx.out_dtype
-        if ctx.recipe == "rowwise" and cast_form() == "copy":
+        if ctx.recipe == "rowwise":
             x, weight = ctx.saved_tensors
-            # dX (M, K) = dy (M, N) @ W (N, K) reduces over N: dy per token (M, 1), W per input column (1, K)
+            # dX (M, K) = dy (M, N) @ W (N, K) reduces over N: dy per token (M, 1), W per input column (1, K).
+            # dW (N, K) = dy^T (N, M) @ x (M, K) reduces over M: dy per output channel, x per input column.
             dyq, dys = quantize(dy, E4M3, 1)
-            wq, ws = quantize(weight, E4M3, 0)
-            dx = _mm(dyq, dys, wq, ws, dt, fast=False, gpu=gpu)
-            # dW (N, K) = dy^T (N, M) @ x (M, K) reduces over M: dy per output channel, i.e. per column
-            # of dy (1, N), read transposed as (N, 1); x per input column (1, K)
-            dyq_c, dys_c = quantize(dy, E4M3, 0)
-            xq, xs = quantize(x, E4M3, 0)
-            dw = _mm(dyq_c.t(), dys_c.view(-1, 1), xq, xs, dt, fast=False, gpu=gpu)
-        elif ctx.recipe == "rowwise":
-            x, weight = ctx.saved_tensors
-            # the same GEMMs and scales, each operand written in the layout its GEMM reads: W^T (K, N) per
-            # row of it (W per input column), read by dX as the column-major W (N, K) with scales (1, K)
-            dyq, dys = quantize(dy, E4M3, 1)  # (M, N), (M, 1)
-            wq_t, ws_t = quantize_rows(weight.t(), E4M3)  # (K, N), (K, 1)
-            dx = _mm(dyq, dys, wq_t.t(), ws_t.view(1, -1), dt, fast=False, gpu=gpu)
-            # dW: dy^T (N, M) per row (dy per output channel), x^T (K, M) per row read as the column-major x
-            dyq_t, dys_t = quantize_rows(dy.t(), E4M3)  # (N, M), (N, 1)
-            xq_t, xs_t = quantize_rows(x.t(), E4M3)  # (K, M), (K, 1)
-            dw = _mm(dyq_t, dys_t, xq_t.t(), xs_t.view(1, -1), dt, fast=False, gpu=gpu)
+            # "copy": each quantized where it lies, and the op copies b (and dW's a) into its layout
+            if cast_form() == "copy":
+                wq, ws = quantize(weight, E4M3, 0)
+                dx = _mm(dyq, dys, wq, ws, dt, fast=False, gpu=gpu)
+                dyq_c, dys_c = quantize(dy, E4M3, 0)  # per column of dy (1, N), read transposed as (N, 1)
+                xq, xs = quantize(x, E4M3, 0)
+                dw = _mm(dyq_c.t(), dys_c.view(-1, 1), xq, xs, dt, fast=False, gpu=gpu)
+            else:  # each cast from the transposed view, per row of it, into the layout its GEMM reads
+                wq_t, ws_t = quantize_rows(weight.t(), E4M3)  # (K, N), (K, 1): read as the column-major W
+                dx = _mm(dyq, dys, wq_t.t(), ws_t.view(1, -1), dt, fast=False, gpu=gpu)
+                dyq_t, dys_t = quantize_rows(dy.t(), E4M3)  # (N, M), (N, 1)
+                xq_t, xs_t = quantize_rows(x.t(), E4M3)  # (K, M), (K, 1): read as the column-major x
+                dw = _mm(dyq_t, dys_t, xq_t.t(), xs_t.view(1, -1), dt, fast=False, gpu=gpu)
         else:
             xq_t, xs, wq_t, ws = ctx.saved_tensors  # (K, M), (K, N)
             dyq, dyq_t, dys = cast_both(dy, E5M2)  # (M, N), (N, M), one scale
