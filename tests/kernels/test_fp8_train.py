@@ -45,9 +45,9 @@ def path(request, monkeypatch) -> str:
 
 @pytest.fixture(params=["copy", "one_pass"])
 def cast(request, monkeypatch) -> str:
-    """The tensorwise cast's form (kiln.kernels.fp8_cast): "copy", or a kernel form, which on the CPU runs
-    the kiln::fp8_cast_dual op's reference: the contiguous transposed operands the kernels hand the GEMMs
-    (the kernels' own bytes are tests/kernels/test_fp8_cast.py's)."""
+    """The casts' form (kiln.kernels.fp8_cast): "copy", or a kernel form, which on the CPU runs the
+    kiln::fp8_cast_dual (tensorwise) and kiln::fp8_cast (rowwise) ops' references: the contiguous transposed
+    operands the kernels hand the GEMMs (the kernels' own bytes are tests/kernels/test_fp8_cast.py's)."""
     monkeypatch.setenv("KILN_FP8_CAST", request.param)
     return request.param
 
