@@ -1,4 +1,5 @@
-"""FP8 cast of a 2-D tensor into both layouts its two GEMMs read: q = fp8(sat(t / s)) and its transpose.
+"""FP8 casts for training's GEMMs: a 2-D tensor into both layouts its two GEMMs read (q and its transpose),
+or into one layout with a scale per row.
 
     t (R, C) float, s () float32  ->  q (R, C) and qt (C, R), both contiguous, in e4m3 or e5m2
     q[r, c] = qt[c, r] = fp8(clamp(t[r, c] * (1 / s), -fmax, fmax))     (each step rounded to nearest even)
@@ -10,10 +11,11 @@ and dW. Made by a copy after the cast, those transposes are ATen's byte-wise tra
 a 241 ms step at the 1.1B shape on the H200 (bench/train.py --profile), more than the FP8 GEMMs themselves
 (66.2 ms). Here the cast writes both layouts itself.
 
-The scale is applied as a product with its reciprocal (one IEEE division per thread, `div_rn`, as
+The scale is applied as a product with its reciprocal (an IEEE `div_rn` per scale a thread holds, as
 torch's `1 / s`), the same math as kiln.kernels.fp8_train.quantize: bit-exact against torch, and cheap. A
 per-element division is either Triton's approximate `div.full` (2 ulp: a value moves across an FP8
-rounding boundary now and then) or the IEEE sequence, which made the casts ALU-bound on the H200.
+rounding boundary now and then) or the IEEE sequence, which cost the two-pass form's 1.1B training step
+2.5% on the H200.
 
 Forms (`CAST_FORMS`, `KILN_FP8_CAST`), the same bytes (tests/kernels/test_fp8_cast.py):
 - "copy": no kernel: q by the reference, qt a transposed *view* of q, which the GEMM op lays out with
@@ -25,7 +27,8 @@ Forms (`CAST_FORMS`, `KILN_FP8_CAST`), the same bytes (tests/kernels/test_fp8_ca
   the float32 tile (bench/experiments/fp8_cast_probe.py at af0a30b); float32 inputs (the master weights,
   the small tensors) take the two passes below.
 - "two_pass": two launches of the one-layout kernel, the second on t's transposed view: t read twice.
-The default is the H200's fastest whole training step (docs/perf/training.md); the CPU interpreter checks every form.
+The default is the H200's fastest whole training step (docs/perf/training.md); the CPU interpreter checks
+every form.
 
 Triton hazards stepped around: tiles are stored as their bytes (bitcast to uint8), never transposed as FP8
 tensors (tl.trans of FP8 tiles has miscompiled, mlc-ai/pith-train#74); the saturation is two selects, not
