@@ -51,6 +51,7 @@ if "--smoke" in sys.argv:  # before anything imports triton (kiln.profile.harnes
 import contextlib
 import dataclasses
 import gc
+import io
 import math
 import statistics
 import time
@@ -63,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/peers
 
 from kiln.dist.memory import GIB, estimate
 from kiln.dist.parallel_dims import ParallelConfig, ParallelDims
+from kiln.io.atomic import atomic_write_bytes
 from kiln.model import ModelConfig, build_model
 from kiln.model.config import KernelConfig
 from kiln.profile.harness import BenchRun, bench_parser, format_table
@@ -498,8 +500,7 @@ def fp8_curve(run: BenchRun, args) -> None:
 
 
 def plot_curves(path: Path, runs: list[dict], title: str) -> Path:
-    """The fp8-curve runs' training loss (means of 10 steps) against the step, one line a run, as a PNG
-    (written to a temporary name, then moved into place)."""
+    """The fp8-curve runs' training loss (means of 10 steps) against the step, one line a run, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -517,10 +518,10 @@ def plot_curves(path: Path, runs: list[dict], title: str) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, dpi=120, format="png")
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=120, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, buf.getvalue())
     return path
 
 

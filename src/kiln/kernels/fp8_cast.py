@@ -71,12 +71,17 @@ def cast_form() -> str:
     return form
 
 
-def cast_ref(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The reference: q (R, C) contiguous in `dtype`, cast as kiln.kernels.fp8_train.quantize; s () or one
-    per row (R, 1)."""
+def scaled_cast(tf: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8(sat(tf * (1 / s))) for float32 tf and a float32 s that broadcasts against it: the math of every
+    FP8 cast in training (kiln.kernels.fp8_train.quantize's too)."""
     fmax = FP8_MAX[dtype]
+    return (tf * (1.0 / s)).clamp(-fmax, fmax).to(dtype)
+
+
+def cast_ref(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The reference: q (R, C) contiguous in `dtype`; s () or one per row (R, 1)."""
     s = s.float().reshape(()) if s.numel() == 1 else s.float().reshape(-1, 1)
-    return (t.float() * (1.0 / s)).clamp(-fmax, fmax).to(dtype).contiguous()
+    return scaled_cast(t.float(), s, dtype).contiguous()
 
 
 def cast_dual_ref(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,8 +140,8 @@ def _launch(t: torch.Tensor, s: torch.Tensor, q: torch.Tensor, qt: torch.Tensor 
     if R and C:
         _cast_launch[(cdiv(R, BLOCK_R), cdiv(C, BLOCK_C))](
             t, s, q.view(torch.uint8), q.view(torch.uint8) if qt is None else qt.view(torch.uint8), R, C,
-            t.stride(0), t.stride(1), FMAX=FP8_MAX[dtype], E5M2=dtype == E5M2, QT=qt is not None, ROW_SCALE=s.numel() > 1,
-            BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4,
+            t.stride(0), t.stride(1), FMAX=FP8_MAX[dtype], E5M2=dtype == E5M2, QT=qt is not None,
+            ROW_SCALE=s.numel() > 1, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4,
         )  # fmt: skip
 
 
@@ -144,12 +149,12 @@ def cast_dual_triton(
     t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, form: str = "one_pass"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: (q (R, C), qt (C, R)) contiguous in `dtype`, by the kernel form `form` (module doc)."""
+    if form not in ("one_pass", "two_pass"):
+        raise ValueError(f"cast_dual_triton: form must be one_pass or two_pass, got {form!r}")
     R, C = t.shape
     s = s.float().reshape(1)
     q = torch.empty((R, C), dtype=dtype, device=t.device)
     qt = torch.empty((C, R), dtype=dtype, device=t.device)
-    if form not in ("one_pass", "two_pass"):
-        raise ValueError(f"cast_dual_triton: form must be one_pass or two_pass, got {form!r}")
     if form == "one_pass" and t.element_size() <= 2:
         _launch(t, s, q, qt, dtype)
     else:  # two_pass, or a float32 t (module doc)
@@ -191,7 +196,8 @@ def fp8_cast_dual(
     t: torch.Tensor, s: torch.Tensor, e5m2: bool, form: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """t (R, C) float, s one float32 -> (q (R, C), qt (C, R)) contiguous FP8 (e5m2, else e4m3) with
-    q = qt^T = fp8(sat(t * (1 / s))); the Triton kernel form `form` where kiln's kernels run, else the reference."""
+    q = qt^T = fp8(sat(t * (1 / s))); the Triton kernel form `form` where kiln's kernels run, else the
+    reference."""
     _check("fp8_cast_dual", t, s, rows=False)
     dtype = E5M2 if e5m2 else E4M3
     if use_triton(t):

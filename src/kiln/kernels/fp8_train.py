@@ -8,8 +8,8 @@ q(t) = fp8(t * (1 / s)) with s = amax / fp8_max (448 for e4m3, 57344 for e5m2), 
 q(t) * s. Two granularities:
 - "tensorwise": one s per tensor; each tensor is quantized once, into both layouts the two GEMMs that
   read it want (`cast_both`, kiln.kernels.fp8_cast: by a kernel that writes q and its transpose, or as
-  a transposed view the GEMM op copies). Gradients in e5m2 (wider range, 2 mantissa bits), as TorchTitan/torchao's
-  tensorwise recipe.
+  a transposed view the GEMM op copies). Gradients in e5m2 (wider range, 2 mantissa bits), as
+  TorchTitan/torchao's tensorwise recipe.
 - "rowwise": one s per row of the reduction, i.e. every GEMM operand is scaled along the dimension the
   GEMM sums over (x per token for the forward, per channel of K for dW; dy per token for dX, per output
   channel for dW; W per output row for the forward, per input column for dX), so a tensor is quantized
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.kernels.fp8_cast import E4M3, E5M2, FP8_MAX, cast_form, fp8_cast, fp8_cast_dual
+from kiln.kernels.fp8_cast import E4M3, E5M2, FP8_MAX, cast_form, fp8_cast, fp8_cast_dual, scaled_cast
 
 MIN_AMAX = 1e-12  # an all-zero tensor or row gets a tiny scale (its q is 0 either way), never 0 / 0
 RECIPES = ("tensorwise", "rowwise")
@@ -63,9 +63,7 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torc
     every tensor is quantized where it lies, and a GEMM that reads it transposed takes a view."""
     tf = t.float()
     s = _scale(tf, dtype, dim)
-    fmax = FP8_MAX[dtype]
-    # times the reciprocal, not / s: the cast kernels' math (kiln.kernels.fp8_cast), one division per scale
-    return (tf * (1.0 / s)).clamp(-fmax, fmax).to(dtype), s
+    return scaled_cast(tf, s, dtype), s  # times 1 / s, the cast kernels' math
 
 
 def cast_both(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
