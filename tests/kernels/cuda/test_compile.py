@@ -53,11 +53,13 @@ def test_tensor_core_assembly_assembles(name, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
-def test_hopper_kernels_compile_for_ampere_too(tmp_path):
-    # the extension is built for the GPU in use: wgmma.cu must still compile for sm_80 (its kernels trap
-    # there, and the launchers refuse first), or the whole extension would fail to build on an A100
+@pytest.mark.parametrize("name", ["wgmma.cu", "mma.cu"])
+def test_hopper_kernels_compile_for_ampere_too(name, tmp_path):
+    # the extension is built for the GPU in use: the files with Hopper kernels (wgmma, and mma.cu's TMA-fed
+    # configurations) must still compile for sm_80 (those kernels trap there, and the launchers refuse
+    # first), or the whole extension would fail to build on an A100
     cmd = [NVCC, "-std=c++17", *TORCH_NVCC_FLAGS, "-O3", "-gencode=arch=compute_80,code=sm_80", "--cubin",
-           "-o", str(tmp_path / "x.cubin"), str(build.CSRC / "wgmma.cu")]  # fmt: skip
+           "-o", str(tmp_path / "x.cubin"), str(build.CSRC / name)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
 

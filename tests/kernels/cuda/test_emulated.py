@@ -60,8 +60,12 @@ def test_tensor_core_gemms_emulated(tmp_path):
     src = (CSRC / "mma_kernels.cuh").read_text()
     decl = "extern __shared__ __align__(128) unsigned char smem[];"
     assert src.count(decl) == 1
-    biggest = max(c.smem_bytes for c in MMA_CONFIGS)
+    biggest = max(c.smem_bytes for c in MMA_CONFIGS if not c.tma)
     static = f"static unsigned char smem[{biggest}] __attribute__((aligned(128)));"
+    # the TMA kernel's becomes the emulation's block memory (emu_smem, hopper_emu.h), as in the wgmma test
+    decl_tma = "extern __shared__ unsigned char smem_tma[];"
+    assert src.count(decl_tma) == 1 and any(c.tma for c in MMA_CONFIGS)
+    src = src.replace(decl_tma, "unsigned char* smem_tma = emu_smem;")
     (tmp_path / "mma_kernels_emu.cuh").write_text(src.replace(decl, static))
     proc = build_and_run(tmp_path, "mma_emu.cpp")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -128,7 +128,7 @@ def test_wgmma_ops_refuse_bad_arguments_before_any_cuda_call():
 def test_mma_configs_match_the_kernel_table():
     src = (CSRC / "mma_kernels.cuh").read_text()
     table = src.split("#define KILN_MMA_CONFIGS(X)")[1].split("\n\n")[0]
-    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), ([01]), (\d+), ([01]), ([01])\)", table)
+    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), ([01]), (\d+), ([01]), ([01]), ([01])\)", table)
     assert [int(r[0]) for r in rows] == list(range(len(MMA_CONFIGS)))
     for r, cfg in zip(rows, MMA_CONFIGS):
         assert tuple(int(v) for v in r[1:]) == (
@@ -141,6 +141,7 @@ def test_mma_configs_match_the_kernel_table():
             cfg.k_bytes,
             int(cfg.smem_epilogue),
             int(cfg.persistent),
+            int(cfg.tma),
         )
     # the FP8 mma.sync launcher runs config 0's geometry, without the register pipeline
     c0 = MMA_CONFIGS[0]
@@ -167,6 +168,23 @@ def test_mma_configs_match_the_kernel_table():
         if cfg.bm == cfg.bn == 128 and cfg.threads == 128 and cfg.stages == 3 and cfg.k_bytes == 128:
             assert 2 * cfg.smem_bytes <= 228 * 1024
     assert 2 * MmaConfig(128, 128, 2, 2, 4).smem_bytes > 228 * 1024
+    # TMA-fed (gemm_tma): a producer warpgroup beside the consumers, the stages plus alignment slack and
+    # two mbarriers a stage; two blocks per SM where both fit 228 KiB with the 1 KiB reserved for each
+    t18 = MmaConfig(128, 256, 2, 4, 4, True, 128, True, tma=True)
+    assert t18.threads == 384 and t18.smem_bytes == 4 * 384 * 128 + 1024 + 64 and t18.blocks_per_sm == 1
+    assert t18.name.endswith("4st regpipe smem-epilogue tma warp-specialized")
+    t19 = MmaConfig(128, 128, 2, 2, 3, True, 128, True, tma=True)
+    assert t19.threads == 256 and t19.blocks_per_sm == 2 and MmaConfig(128, 128, 2, 2, 3).blocks_per_sm is None
+    for bad in (
+        dict(pipelined=False, smem_epilogue=True),
+        dict(pipelined=True, smem_epilogue=False),
+        dict(pipelined=True, smem_epilogue=True, k_bytes=256),
+        dict(pipelined=True, smem_epilogue=True, persistent=True),
+    ):
+        with pytest.raises(KilnError, match="bad mma config"):
+            MmaConfig(128, 128, 2, 2, 2, tma=True, **bad)
+    with pytest.raises(KilnError, match="whole warpgroups"):  # 2 warps: not a warpgroup
+        MmaConfig(128, 128, 2, 1, 3, True, 128, True, tma=True)
     for bad in (
         (128, 128, 3, 4, 3),
         (128, 128, 2, 16, 3),

@@ -161,7 +161,10 @@ class MmaConfig:
     `smem_epilogue`: C stored through shared memory in 16-byte coalesced chunks; `persistent`: at most as
     many blocks as fit on the GPU at once, each looping over tiles, the cp.async copies of the next tile's
     first K tiles issued during this tile's last ones (stages laid out A-and-B contiguous, the C tile in
-    the stage just read)."""
+    the stage just read); `tma`: the warp-specialized kernel (gemm_tma), the stages filled by TMA from a
+    producer warpgroup and handed over through mbarriers, no block-wide barrier in the main loop (Hopper
+    only; register-pipelined, shared-memory epilogue, 128-byte K tiles; the consumer warps whole
+    warpgroups)."""
 
     bm: int
     bn: int
@@ -172,6 +175,7 @@ class MmaConfig:
     k_bytes: int = 128
     smem_epilogue: bool = False
     persistent: bool = False
+    tma: bool = False
 
     def __post_init__(self):
         wtm, wtn = self.bm // self.warps_m, self.bn // self.warps_n
@@ -193,14 +197,37 @@ class MmaConfig:
             raise KilnError(
                 f"bad mma config {self}: persistent needs pipelined, smem_epilogue, C in one stage"
             )
+        # TMA: the kernel's one form (its static_asserts): whole consumer warpgroups, 64-column B boxes,
+        # boxes of <= 256 rows
+        if self.tma and (
+            not (self.pipelined and self.smem_epilogue) or self.persistent or self.k_bytes != 128
+            or (self.warps_m * self.warps_n) % 4 or self.bn % 64 or self.bm > 256
+        ):  # fmt: skip
+            raise KilnError(
+                f"bad mma config {self}: tma needs pipelined, smem_epilogue, 128-byte K tiles, whole "
+                "warpgroups, BN % 64 == 0, BM <= 256, not persistent"
+            )
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n
+        """Threads per block: the warps owning C, and with tma the producer warpgroup."""
+        return 32 * self.warps_m * self.warps_n + (128 if self.tma else 0)
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.bm + self.bn) * self.k_bytes
+        """Dynamic shared memory per block: the stages; with tma 1024 bytes of alignment slack and the
+        two mbarriers per stage (TmaSmem in csrc/mma_kernels.cuh)."""
+        stages = self.stages * (self.bm + self.bn) * self.k_bytes
+        return stages + 1024 + 16 * self.stages if self.tma else stages
+
+    @property
+    def blocks_per_sm(self) -> int | None:
+        """Blocks per SM the tma kernel is compiled for (two where two blocks' shared memory, with the 1 KiB
+        the hardware reserves for each, fits the SM's 228 KiB); None for the cp.async kernel (the
+        occupancy follows its registers)."""
+        if not self.tma:
+            return None
+        return 2 if 2 * (self.smem_bytes + 1024) <= 228 * 1024 else 1
 
     @property
     def name(self) -> str:
@@ -209,9 +236,10 @@ class MmaConfig:
         kb = f" k{self.k_bytes // 2}" if self.k_bytes != 128 else ""
         epi = " smem-epilogue" if self.smem_epilogue else ""
         persist = " persistent" if self.persistent else ""
+        tma = " tma warp-specialized" if self.tma else ""
         return (
             f"{self.bm}x{self.bn} warps {self.warps_m}x{self.warps_n} of {wtm}x{wtn} {self.stages}st{pipe}{kb}{epi}"
-            f"{persist}"
+            f"{persist}{tma}"
         )
 
 
@@ -236,13 +264,17 @@ MMA_CONFIGS: tuple[MmaConfig, ...] = (
     MmaConfig(256, 128, 4, 2, 4, pipelined=True, smem_epilogue=True),
     MmaConfig(128, 256, 2, 4, 2, pipelined=True, k_bytes=256, smem_epilogue=True),
     MmaConfig(256, 128, 4, 2, 2, pipelined=True, k_bytes=256, smem_epilogue=True),
-    # not yet measured: persistent grids (the next tile's first K tiles copied during this tile's last ones
-    # and its epilogue) for configs 12, 9 and 13; and config 9's tile at one block per SM with 3 stages
-    # of 256-byte K tiles (192 KiB; two blocks per SM would need 2 x 128 KiB at 2 stages: no fit)
+    # timed at 2cc8a3e (no gain; 9 the fastest, 0.572x): persistent grids (the next tile's first K tiles
+    # copied during this tile's last ones and its epilogue) for configs 12, 9 and 13; and config 9's tile at
+    # one block per SM with 3 stages of 256-byte K tiles (192 KiB; two blocks per SM would need 2 x 128 KiB)
     MmaConfig(128, 256, 2, 4, 2, pipelined=True, k_bytes=256, smem_epilogue=True, persistent=True),
     MmaConfig(128, 128, 2, 2, 3, pipelined=True, smem_epilogue=True, persistent=True),
     MmaConfig(256, 128, 4, 2, 2, pipelined=True, k_bytes=256, smem_epilogue=True, persistent=True),
     MmaConfig(128, 128, 2, 2, 3, pipelined=True, k_bytes=256, smem_epilogue=True),
+    # not yet measured: the tiles of configs 10, 9 and 11 fed by TMA from a producer warpgroup (gemm_tma)
+    MmaConfig(128, 256, 2, 4, 4, pipelined=True, smem_epilogue=True, tma=True),
+    MmaConfig(128, 128, 2, 2, 3, pipelined=True, smem_epilogue=True, tma=True),
+    MmaConfig(256, 128, 4, 2, 4, pipelined=True, smem_epilogue=True, tma=True),
 )
 
 

@@ -133,8 +133,8 @@ def _capability_at_least(device: torch.device, need: tuple[int, int], what: str)
 
 def mma_bf16(a: torch.Tensor, b: torch.Tensor, config: int = 0) -> torch.Tensor:
     """a (M, K) @ b (K, N) in bf16 on tensor cores (mma.sync, ldmatrix, swizzled shared memory,
-    cp.async pipeline) at tile configuration ladder.MMA_CONFIGS[config]; fp32 accumulation, bf16 result
-    (what torch's bf16 matmul returns)."""
+    cp.async pipeline, or TMA from a producer warpgroup where the config says tma) at tile configuration
+    ladder.MMA_CONFIGS[config]; fp32 accumulation, bf16 result (what torch's bf16 matmul returns)."""
     idx = config_index(config, MMA_CONFIGS, "mma")
     _check(a, "a", torch.bfloat16, 2)
     _check(b, "b", torch.bfloat16, 2)
@@ -144,6 +144,12 @@ def mma_bf16(a: torch.Tensor, b: torch.Tensor, config: int = 0) -> torch.Tensor:
             f"mma_bf16 needs K and N divisible by 8 (16-byte rows for cp.async), got K={k} N={n}: pad them"
         )
     _capability_at_least(a.device, (8, 0), "mma_bf16 (bf16 mma.sync)")
+    if MMA_CONFIGS[idx].tma and torch.cuda.get_device_capability(a.device) != (9, 0):
+        cap = torch.cuda.get_device_capability(a.device)
+        raise KilnError(
+            f"mma config {idx} is fed by TMA (Hopper only, compute capability 9.0); this GPU is {cap[0]}.{cap[1]}: "
+            "choose a config without tma"
+        )
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if not _aligned16(a, b, c):
         raise KilnError("mma_bf16 needs 16-byte aligned tensors (a slice may not be): use .clone()")

@@ -1,5 +1,5 @@
 // Host versions of csrc/hopper_ptx.cuh (included first, it takes that file's include guard): mbarriers
-// with arrival and transaction counts and phase parity, TMA 2D box loads with zero fill and the 128-byte
+// with arrival and transaction counts and phase parity, named barriers, TMA 2D box loads with zero fill and the 128-byte
 // swizzle, wgmma reading its operands through shared-memory descriptors. Every operation is
 // synchronous (a valid ordering of the asynchronous hardware), and the swizzle is one function used by
 // both the TMA writer and the wgmma reader: this checks the kernel's own offsets, stage ring and barrier
@@ -90,6 +90,34 @@ inline void mbar_wait(uint64_t* bar, uint32_t parity) {
                 threadIdx.x, smem_u32(bar), parity);
         abort();
     }
+}
+
+// try_wait.parity returns whether the phase is done, after suspending the thread for a while in hardware;
+// here it blocks until the phase is done (or aborts as a deadlock, as mbar_wait does): a kernel's spin on
+// it then never spins on the host's two cores
+inline bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+    mbar_wait(bar, parity);
+    return true;
+}
+
+// bar.sync id, count: a barrier among `count` threads of the block (barrier 0 is __syncthreads'). The
+// std::barrier of an id is made at its first use with that count, and resets itself after every phase;
+// a launch with another count (another kernel: launches run one after another, so nothing waits on the
+// old one then) replaces it.
+inline std::barrier<>* g_named_barriers[16] = {};
+inline uint32_t g_named_counts[16] = {};
+inline void named_barrier_sync(uint32_t id, uint32_t count) {
+    std::barrier<>* b;
+    {
+        std::lock_guard<std::mutex> lk(g_mu);
+        if (g_named_barriers[id] == nullptr || g_named_counts[id] != count) {
+            delete g_named_barriers[id];
+            g_named_barriers[id] = new std::barrier<>(count);
+            g_named_counts[id] = count;
+        }
+        b = g_named_barriers[id];
+    }
+    b->arrive_and_wait();
 }
 
 // box (box[0] elements x box[1] rows) at element c0 of row c1; outside the tensor reads 0

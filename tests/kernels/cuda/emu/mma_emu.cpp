@@ -1,9 +1,10 @@
-// The tensor-core kernels (csrc/mma_kernels.cuh, with its dynamic shared memory made a static array by
-// the test) under the host emulation, bf16 at every configuration of KILN_MMA_CONFIGS and e4m3 at the
-// one it launches, against an fp32 product of the same values: partial tiles in M,
+// The tensor-core kernels (csrc/mma_kernels.cuh, with the cp.async kernel's dynamic shared memory made a
+// static array and the TMA kernel's pointed at emu_smem by the test) under the host emulation, bf16 at
+// every configuration of KILN_MMA_CONFIGS (the TMA ones with their tensor maps) and e4m3 at the one it
+// launches, against an fp32 product of the same values: partial tiles in M,
 // N and K, several K tiles (the stage ring wraps), bf16 and e4m3. Small integers are exact in both
 // formats and in every partial sum, so results compare exactly after the same bf16 rounding.
-#include "ptx_emu.h"
+#include "hopper_emu.h"  // mbarriers, TMA and named barriers for gemm_tma; includes ptx_emu.h
 #include "mma_kernels_emu.cuh"
 
 static unsigned cdiv(int a, int b) { return (a + b - 1) / b; }
@@ -39,15 +40,24 @@ int main() {
         for (auto& c : C) c.x = 0x7fc0;  // NaN: an element never written fails
         const auto* a8 = reinterpret_cast<const unsigned char*>(A.data());
         const auto* b8 = reinterpret_cast<const unsigned char*>(B.data());
-#define X(CFG, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST)                                      \
+#define X(CFG, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST, TMA)                                 \
     if (PERSIST || !persistent_only) {                                                                      \
         for (auto& c : C) c.x = 0x7fc0; /* NaN: an element never written fails */                         \
         /* persistent: about half the tiles' blocks, so that blocks loop over 2 or more tiles */           \
         const unsigned tiles = cdiv(M, BM) * cdiv(N, BN);                                                   \
-        emu_launch(dim3(PERSIST ? (tiles + 1) / 2 : tiles), dim3(WARPS_M * WARPS_N * 32), [&] {             \
-            mma_gemm::gemm<false, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST>(                \
-                M, N, K, a8, b8, nullptr, nullptr, C.data());                                               \
-        });                                                                                                 \
+        if constexpr (TMA) {                                                                                \
+            /* A: M rows of K in boxes of BM rows; B: K rows of N in boxes of 64 rows (64 columns) */       \
+            const CUtensorMap ta{a8, {(uint64_t)K, (uint64_t)M}, (uint64_t)K * 2, {64, BM}, 2};             \
+            const CUtensorMap tb{b8, {(uint64_t)N, (uint64_t)K}, (uint64_t)N * 2, {64, 64}, 2};             \
+            emu_launch(dim3(tiles), dim3(WARPS_M * WARPS_N * 32 + 128), [&] {                               \
+                mma_gemm::gemm_tma<BM, BN, WARPS_M, WARPS_N, STAGES, 1>(ta, tb, M, N, K, C.data());         \
+            });                                                                                             \
+        } else {                                                                                            \
+            emu_launch(dim3(PERSIST ? (tiles + 1) / 2 : tiles), dim3(WARPS_M * WARPS_N * 32), [&] {         \
+                mma_gemm::gemm<false, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST>(            \
+                    M, N, K, a8, b8, nullptr, nullptr, C.data());                                           \
+            });                                                                                             \
+        }                                                                                                   \
         int wrong = 0;                                                                                      \
         for (int i = 0; i < M * N; ++i) wrong += emu::bf16(C[i].x) != emu::bf16(emu_f2bf(R[i]));           \
         printf("bf16 config %d %dx%dx%d: %d wrong\n", CFG, M, N, K, wrong);                                 \

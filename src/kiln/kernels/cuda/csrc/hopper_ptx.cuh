@@ -1,5 +1,6 @@
 // Hopper (sm_90a) PTX used by the wgmma GEMMs (wgmma_kernels.cuh), one wrapper per instruction:
-// mbarriers, TMA tile loads, warpgroup MMA (wgmma) and its shared-memory descriptors, setmaxnreg.
+// mbarriers, named barriers, TMA tile loads, warpgroup MMA (wgmma) and its shared-memory descriptors,
+// setmaxnreg (also used by the TMA-fed mma.sync GEMM of mma_kernels.cuh).
 //
 // The wgmma wrappers list every accumulator register as an asm operand (64 for N = 128, 128 for N = 256):
 // an instruction that writes 128 registers has no shorter spelling in inline PTX. The lists were written
@@ -54,6 +55,12 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
     const long long start = clock64();
     while (!mbar_try_wait(bar, parity))
         if (clock64() - start > (1ll << 34)) __trap();
+}
+
+// ---- named barrier: a barrier among `count` threads of the block (a multiple of 32), not all of them ----
+// (barrier 0 is __syncthreads'; a kernel whose producer warps have left syncs its consumers on another id)
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
 // ---- TMA: one 2D box of a tensor map, global -> shared, completion counted in bytes on `bar` ----

@@ -1,8 +1,9 @@
 // Launchers of the tensor-core GEMMs (kernels in mma_kernels.cuh), one per configuration of
-// KILN_MMA_CONFIGS.
+// KILN_MMA_CONFIGS: the cp.async kernel, or the TMA-fed one where the TMA column is 1.
 #include "api.h"
 #include "common.cuh"
 #include "mma_kernels.cuh"
+#include "tma_map.cuh"
 
 namespace {
 
@@ -33,13 +34,40 @@ const char* launch(int M, int N, int K, const void* A, const void* B, const floa
     return kiln::launch_status();
 }
 
+// The TMA-fed configurations (gemm_tma): tensor maps of A (M rows of K, boxes of BM rows) and B (K rows of
+// N, boxes of 64 rows), built on the host per call, passed as __grid_constant__ parameters.
+template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES>
+const char* launch_tma(int M, int N, int K, const void* A, const void* B, void* C, cudaStream_t stream) {
+    if (!kiln::is_sm90()) return "kiln_mma_bf16: the TMA configurations need a Hopper GPU (compute capability 9.0)";
+    CUtensorMap tm_a, tm_b;
+    if (const char* e = kiln::make_tma_map(&tm_a, A, M, K, 2, BM)) return e;
+    if (const char* e = kiln::make_tma_map(&tm_b, B, K, N, 2, 64)) return e;
+    constexpr int smem = mma_gemm::TmaSmem<BM, BN, STAGES>::BYTES;
+    constexpr int minb = mma_gemm::tma_blocks_per_sm<BM, BN, STAGES>();
+    auto kernel = mma_gemm::gemm_tma<BM, BN, WARPS_M, WARPS_N, STAGES, minb>;
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return cudaGetErrorString(err);
+    const unsigned blocks = (unsigned)(kiln::ceil_div(M, BM) * kiln::ceil_div(N, BN));
+    kernel<<<blocks, WARPS_M * WARPS_N * 32 + 128, smem, stream>>>(tm_a, tm_b, M, N, K, static_cast<__nv_bfloat16*>(C));
+    return kiln::launch_status();
+}
+
+// One configuration's launcher (a template, so that the kernel a row does not use is never instantiated).
+template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool PIPE, int KB, bool EPI, bool PERSIST, bool TMA>
+const char* launch_bf16(int M, int N, int K, const void* A, const void* B, void* C, cudaStream_t s) {
+    if constexpr (TMA)
+        return launch_tma<BM, BN, WARPS_M, WARPS_N, STAGES>(M, N, K, A, B, C, s);
+    else
+        return launch<false, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST>(M, N, K, A, B, nullptr, nullptr,
+                                                                                        C, s);
+}
+
 const char* dispatch_bf16(int config, int M, int N, int K, const void* A, const void* B, void* C, void* stream) {
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     switch (config) {
-#define X(i, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST)                                          \
+#define X(i, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST, TMA)                                     \
     case i:                                                                                                    \
-        return launch<false, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST>(M, N, K, A, B, nullptr, \
-                                                                                        nullptr, C, s);
+        return launch_bf16<BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST, TMA>(M, N, K, A, B, C, s);
         KILN_MMA_CONFIGS(X)
 #undef X
         default:

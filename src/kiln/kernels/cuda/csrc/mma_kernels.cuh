@@ -20,6 +20,9 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include <cuda.h>  // CUtensorMap (the TMA-fed kernel's parameters)
+
+#include "hopper_ptx.cuh"
 #include "ptx.cuh"
 
 namespace mma_gemm {
@@ -27,7 +30,7 @@ namespace mma_gemm {
 constexpr int TILE_BYTES = 128;  // bytes of K per row of a stage's tiles (KB; 256 at configs 12-14, 16, 17)
 constexpr int GROUP_M = 8;       // tile rows per group of the block order
 
-// Columns: config, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST, in the order of
+// Columns: config, BM, BN, WARPS_M, WARPS_N, STAGES, PIPE, KB, EPI, PERSIST, TMA, in the order of
 // kiln.kernels.cuda.ladder.MMA_CONFIGS (a CPU test compares the two). Shared memory: STAGES x (BM + BN) x
 // KB bytes (KB: bytes of K per row of a K tile). PIPE = 1: the warp's fragments are double-buffered in
 // registers (the ldmatrix of k16 step ks + 1, or of the next K tile's step 0, is issued before the mma of
@@ -39,32 +42,38 @@ constexpr int GROUP_M = 8;       // tile rows per group of the block order
 // configs 7, 5 and 6; 12 and 13 also take K tiles of 256 bytes (128 bf16: 8 k16 steps per tile, half the
 // barriers and cp.async waits per FLOP) with 2 stages at 128 x 256 / 256 x 128 (192 KiB, one block per
 // SM). 4 stages at 128 x 128 with two blocks per SM do not fit: 2 x 128 KiB > 228 KiB.
-// Configs 14-17 (not yet measured): 14, 15 and 16 are 12, 9 and 13 on a persistent grid (one block per tile
+// Configs 14-17: 14, 15 and 16 are 12, 9 and 13 on a persistent grid (one block per tile
 // slot, 132 or 264 on an H200, each looping over tiles; the next tile's first K tiles are copied during this
 // tile's last K tiles and its epilogue); 17 is 9's tile (4 warps) with 3 stages of 256-byte K tiles at one
-// block per SM (192 KiB; 2 stages at two blocks per SM would need 2 x 128 KiB).
+// block per SM (192 KiB; 2 stages at two blocks per SM would need 2 x 128 KiB); timed at 2cc8a3e, no gain
+// (9 the fastest of all configurations, 0.572x).
+// Configs 18-20 (TMA = 1): gemm_tma below, the tiles of 10, 9 and 11 fed by TMA from a producer warpgroup
+// through mbarriers, with no block-wide barrier in the main loop; 19 (99 KiB) runs two blocks per SM.
 // The bf16 kernel takes every configuration; the FP8 kernel config 0 only: with e4m3 fragments the 64 x 64
 // warp tiles spill registers (ptxas: 255 registers and 36-316 bytes of spills, against none for bf16), and
 // on Hopper the FP8 path that pays is wgmma (wgmma_kernels.cuh).
-#define KILN_MMA_CONFIGS(X)                \
-    X(0, 128, 128, 2, 4, 3, 0, 128, 0, 0)  \
-    X(1, 128, 256, 2, 4, 3, 0, 128, 0, 0)  \
-    X(2, 128, 256, 2, 4, 4, 0, 128, 0, 0)  \
-    X(3, 256, 128, 4, 2, 3, 0, 128, 0, 0)  \
-    X(4, 128, 128, 2, 2, 4, 0, 128, 0, 0)  \
-    X(5, 128, 256, 2, 4, 4, 1, 128, 0, 0)  \
-    X(6, 256, 128, 4, 2, 4, 1, 128, 0, 0)  \
-    X(7, 128, 128, 2, 2, 3, 1, 128, 0, 0)  \
-    X(8, 128, 128, 2, 2, 3, 0, 128, 0, 0)  \
-    X(9, 128, 128, 2, 2, 3, 1, 128, 1, 0)  \
-    X(10, 128, 256, 2, 4, 4, 1, 128, 1, 0) \
-    X(11, 256, 128, 4, 2, 4, 1, 128, 1, 0) \
-    X(12, 128, 256, 2, 4, 2, 1, 256, 1, 0) \
-    X(13, 256, 128, 4, 2, 2, 1, 256, 1, 0) \
-    X(14, 128, 256, 2, 4, 2, 1, 256, 1, 1) \
-    X(15, 128, 128, 2, 2, 3, 1, 128, 1, 1) \
-    X(16, 256, 128, 4, 2, 2, 1, 256, 1, 1) \
-    X(17, 128, 128, 2, 2, 3, 1, 256, 1, 0)
+#define KILN_MMA_CONFIGS(X)                   \
+    X(0, 128, 128, 2, 4, 3, 0, 128, 0, 0, 0)  \
+    X(1, 128, 256, 2, 4, 3, 0, 128, 0, 0, 0)  \
+    X(2, 128, 256, 2, 4, 4, 0, 128, 0, 0, 0)  \
+    X(3, 256, 128, 4, 2, 3, 0, 128, 0, 0, 0)  \
+    X(4, 128, 128, 2, 2, 4, 0, 128, 0, 0, 0)  \
+    X(5, 128, 256, 2, 4, 4, 1, 128, 0, 0, 0)  \
+    X(6, 256, 128, 4, 2, 4, 1, 128, 0, 0, 0)  \
+    X(7, 128, 128, 2, 2, 3, 1, 128, 0, 0, 0)  \
+    X(8, 128, 128, 2, 2, 3, 0, 128, 0, 0, 0)  \
+    X(9, 128, 128, 2, 2, 3, 1, 128, 1, 0, 0)  \
+    X(10, 128, 256, 2, 4, 4, 1, 128, 1, 0, 0) \
+    X(11, 256, 128, 4, 2, 4, 1, 128, 1, 0, 0) \
+    X(12, 128, 256, 2, 4, 2, 1, 256, 1, 0, 0) \
+    X(13, 256, 128, 4, 2, 2, 1, 256, 1, 0, 0) \
+    X(14, 128, 256, 2, 4, 2, 1, 256, 1, 1, 0) \
+    X(15, 128, 128, 2, 2, 3, 1, 128, 1, 1, 0) \
+    X(16, 256, 128, 4, 2, 2, 1, 256, 1, 1, 0) \
+    X(17, 128, 128, 2, 2, 3, 1, 256, 1, 0, 0) \
+    X(18, 128, 256, 2, 4, 4, 1, 128, 1, 0, 1) \
+    X(19, 128, 128, 2, 2, 3, 1, 128, 1, 0, 1) \
+    X(20, 256, 128, 4, 2, 4, 1, 128, 1, 0, 1)
 
 template <int BM, int BN, int STAGES, int KB = TILE_BYTES>
 constexpr int smem_bytes() {
@@ -118,6 +127,134 @@ __device__ __forceinline__ void load_tile(unsigned char* dst, const unsigned cha
     }
 }
 
+// The warp's fragments of k step ks of the stage at as / bs: MI A tiles (16 x 16, 4 registers) and NI B
+// tiles (16 x 8, 2 registers), for a warp in column wn of the block's warps (WTN columns of C each). Every row
+// an ldmatrix lane addresses is lane & 7 modulo 8 (the tiles start at multiples of 8 rows), so the swizzle's
+// XOR is by lane & 7, and the per-thread offsets below are swz's with the compile-time parts (mi, ks, nj
+// rows) left as immediate offsets: a handful of address registers instead of one per (step, tile), which the
+// register-double-buffered configs need. a_row / a_x: the thread's A row offset (wm * WTM + (lane & 15)) *
+// KB and chunk XOR (lane >> 4) ^ (lane & 7), computed once by the caller.
+// B_ROW: bytes per row of the B tile (bf16: BN * 2 in the cp.async layout, 128 in TMA boxes; FP8: Bt rows
+// of KB bytes). B_BOX (bf16): bytes from one 64-column group of B (8 chunks) to the next: 128 where a row of
+// the tile is one swizzled row (the cp.async layout: chunk ch at (ch ^ (row & 7)), the XOR inside its aligned
+// group of 8), a whole box (64 rows x 128 bytes) where TMA wrote the tile as boxes of 64 columns.
+template <bool FP8, int MI, int NI, int KB, int WTN, int B_ROW, int B_BOX = 128>
+__device__ __forceinline__ void load_frags(uint32_t (&af)[MI][4], uint32_t (&bfrag)[NI][2], const unsigned char* as,
+                                           const unsigned char* bs, int ks, int a_row, int a_x, int wn, int lane) {
+    const int lo = lane & 7, hi = lane >> 4;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+        // 16-byte chunks: lanes 0-15 rows 0-15 at chunk 2ks, lanes 16-31 the same at chunk 2ks+1
+        // (bf16: k + 8; e4m3: k + 16) -> a0 a1 a2 a3; == as + swz(r, ch, KB) (the XOR by
+        // lo < 8 keeps the chunk in its aligned group of 8, also in KB = 256's 16-chunk rows)
+        kiln_ptx::ldmatrix_x4(af[mi], as + a_row + mi * 16 * KB + (((2 * ks) ^ a_x) << 4));
+    }
+#pragma unroll
+    for (int nj = 0; nj < NI / 2; ++nj) {
+        uint32_t t[4];
+        if constexpr (FP8) {
+            // matrices: (n 0-7, k 0-15) (n 0-7, k 16-31) (n 8-15, k 0-15) (n 8-15, k 16-31); row
+            // wn*WTN + nj*16 + lo + hi*8, chunk 2ks + ((lane >> 3) & 1)
+            const int r = wn * WTN + lo + hi * 8;
+            const int x = ((lane >> 3) & 1) ^ lo;
+            kiln_ptx::ldmatrix_x4(t, bs + (r + nj * 16) * B_ROW + (((2 * ks) ^ x) << 4));
+        } else {
+            // lanes 0-15: k rows 0-15 at columns n..n+7, lanes 16-31: the same at n+8..n+15; row
+            // ks*16 + (lane & 15), chunk (wn*WTN + nj*16)/8 + hi
+            const int ch = (wn * WTN + nj * 16) / 8 + hi;
+            const unsigned char* row = bs + (ks * 16 + (lane & 15)) * B_ROW;
+            if constexpr (B_BOX == 128)
+                kiln_ptx::ldmatrix_x4_trans(t, row + ((ch ^ lo) << 4));
+            else
+                kiln_ptx::ldmatrix_x4_trans(t, row + (ch >> 3) * B_BOX + (((ch & 7) ^ lo) << 4));
+        }
+        bfrag[2 * nj][0] = t[0];
+        bfrag[2 * nj][1] = t[1];
+        bfrag[2 * nj + 1][0] = t[2];
+        bfrag[2 * nj + 1][1] = t[3];
+    }
+}
+
+// The warp's MI x NI mma of one k step on the fragments af / bfrag.
+template <bool FP8, int MI, int NI>
+__device__ __forceinline__ void warp_mmas(float (&acc)[MI][NI][4], const uint32_t (&af)[MI][4],
+                                          const uint32_t (&bfrag)[NI][2]) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+            if constexpr (FP8)
+                kiln_ptx::mma_e4m3_16832(acc[mi][ni], af[mi], bfrag[ni]);
+            else
+                kiln_ptx::mma_bf16_16816(acc[mi][ni], af[mi], bfrag[ni]);
+        }
+}
+
+// Stores a block's BM x BN tile of C at (cm0, cn0), times `scale`, from the accumulators of NT threads
+// (tid: the thread's index among them; warp (wm, wn) of them owns WTM x WTN). sync() is a barrier over the
+// NT threads. EPI: through shared memory at cs (BM * BN * 2 bytes), C stored in 16-byte chunks.
+template <int BM, int BN, int WTM, int WTN, int NT, bool EPI, class Sync>
+__device__ __forceinline__ void store_c(float (&acc)[WTM / 16][WTN / 8][4], unsigned char* cs,
+                                        __nv_bfloat16* __restrict__ C, int M, int N, int cm0, int cn0, int wm,
+                                        int wn, int tid, float scale, Sync sync) {
+    constexpr int MI = WTM / 16, NI = WTN / 8;
+    const int lane = tid % 32;
+    if constexpr (EPI) {
+        // C through shared memory: the warps write their fragments as bf16 pairs into a BM x BN tile (in
+        // the stages' memory, free once every warp is past its last ldmatrix: the barrier), then the
+        // threads copy it out in 16-byte chunks, a warp's 32 chunks one or two whole rows of C: 128-byte
+        // coalesced stores, where the direct stores below write 4 bytes per lane over 8 rows (8 half-used
+        // 32-byte sectors per instruction). The tile's 16-byte chunks are XOR-swizzled by (row % 8) like
+        // the stages: a fragment store's 8 rows (lane >> 2) then hit 8 different 4-bank groups, where
+        // rows of BN * 2 = 0 (mod 128) bytes would put all 8 on the same 4 banks.
+        constexpr int C_ROW = BN * 2;  // bytes per row of the C tile
+        constexpr int CPR = BN / 8;    // 16-byte chunks per row
+        constexpr int RSTEP = NT / CPR;
+        static_assert(CPR >= 8 && RSTEP * CPR == NT && BM % RSTEP == 0, "whole rows per pass");
+        sync();  // every warp's last ldmatrix is done: the stages may be overwritten
+        const int x = lane >> 2;  // (row % 8) of every row this lane writes: the tiles start at multiples of 8
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni) {
+                const int r = wm * WTM + mi * 16 + (lane >> 2), ch = (wn * WTN + ni * 8) / 8;
+                unsigned char* p = cs + r * C_ROW + ((ch ^ x) << 4) + (lane & 3) * 4;
+                *reinterpret_cast<__nv_bfloat162*>(p) =
+                    __floats2bfloat162_rn(acc[mi][ni][0] * scale, acc[mi][ni][1] * scale);
+                *reinterpret_cast<__nv_bfloat162*>(p + 8 * C_ROW) =  // row r + 8: the same swizzle
+                    __floats2bfloat162_rn(acc[mi][ni][2] * scale, acc[mi][ni][3] * scale);
+            }
+        sync();
+        const int c = tid % CPR, r0 = tid / CPR;
+        const int col = cn0 + c * 8;  // N % 8 == 0: a chunk is wholly inside C or wholly outside
+        if (col < N) {
+#pragma unroll
+            for (int i = 0; i < BM / RSTEP; ++i) {
+                const int r = r0 + i * RSTEP;
+                if (cm0 + r < M)
+                    *reinterpret_cast<uint4*>(C + (int64_t)(cm0 + r) * N + col) =
+                        *reinterpret_cast<const uint4*>(cs + r * C_ROW + ((c ^ (r & 7)) << 4));
+            }
+        }
+    } else {  // each lane stores its bf16 pairs straight from registers
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni) {
+                const int col = cn0 + wn * WTN + ni * 8 + (lane & 3) * 2;  // even; N % 8 == 0 so col + 1 < N too
+                const int row = cm0 + wm * WTM + mi * 16 + (lane >> 2);
+                if (col < N) {
+                    if (row < M)
+                        *reinterpret_cast<__nv_bfloat162*>(C + (int64_t)row * N + col) =
+                            __floats2bfloat162_rn(acc[mi][ni][0] * scale, acc[mi][ni][1] * scale);
+                    if (row + 8 < M)
+                        *reinterpret_cast<__nv_bfloat162*>(C + (int64_t)(row + 8) * N + col) =
+                            __floats2bfloat162_rn(acc[mi][ni][2] * scale, acc[mi][ni][3] * scale);
+                }
+            }
+    }
+}
+
 // FP8 = false: C (M, N) bf16 = A (M, K) @ B (K, N), bf16 row-major. A stage: A tile BM x 64 (128-byte
 // rows), B tile 64 x BN (BN * 2-byte rows); B's fragments come through ldmatrix.trans (B is N-contiguous,
 // mma wants K-pairs per register).
@@ -161,115 +298,20 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
         else
             load_tile<BK, BN * 2, 2, NT>(Bs + stage * B_BYTES, B, kt * BK, n0, K, N, N, tid);
     };
-    // The warp's fragments of k step ks of the stage at as / bs: MI A tiles (16 x 16, 4 registers) and NI
-    // B tiles (16 x 8, 2 registers). Every row an ldmatrix lane addresses is lane & 7 modulo 8 (the tiles
-    // start at multiples of 8 rows), so swz's XOR is by lane & 7, and the per-thread offsets below are
-    // swz's with the compile-time parts (mi, ks, nj rows) left as immediate offsets: a handful of address
-    // registers instead of one per (step, tile), which the register-double-buffered configs need.
-    const int lo = lane & 7, hi = lane >> 4;
-    // A, and Bt for FP8: row wm*WTM + mi*16 + (lane & 15), chunk 2ks + hi -> chunk' = 2ks ^ (hi ^ lo)
-    const int a_row = (wm * WTM + (lane & 15)) * KB, a_x = hi ^ lo;
+    const int a_row = (wm * WTM + (lane & 15)) * KB, a_x = (lane >> 4) ^ (lane & 7);  // see load_frags
     auto load_frags = [&](uint32_t (&af)[MI][4], uint32_t (&bfrag)[NI][2], const unsigned char* as,
                           const unsigned char* bs, int ks) {
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-            // 16-byte chunks: lanes 0-15 rows 0-15 at chunk 2ks, lanes 16-31 the same at chunk 2ks+1
-            // (bf16: k + 8; e4m3: k + 16) -> a0 a1 a2 a3; == as + swz(r, ch, KB) (the XOR by
-            // lo < 8 keeps the chunk in its aligned group of 8, also in KB = 256's 16-chunk rows)
-            kiln_ptx::ldmatrix_x4(af[mi], as + a_row + mi * 16 * KB + (((2 * ks) ^ a_x) << 4));
-        }
-#pragma unroll
-        for (int nj = 0; nj < NI / 2; ++nj) {
-            uint32_t t[4];
-            if constexpr (FP8) {
-                // matrices: (n 0-7, k 0-15) (n 0-7, k 16-31) (n 8-15, k 0-15) (n 8-15, k 16-31); row
-                // wn*WTN + nj*16 + lo + hi*8, chunk 2ks + ((lane >> 3) & 1)
-                const int r = wn * WTN + lo + hi * 8;
-                const int x = ((lane >> 3) & 1) ^ lo;
-                kiln_ptx::ldmatrix_x4(t, bs + (r + nj * 16) * B_ROW_BYTES + (((2 * ks) ^ x) << 4));
-            } else {
-                // lanes 0-15: k rows 0-15 at columns n..n+7, lanes 16-31: the same at n+8..n+15; row
-                // ks*16 + (lane & 15), chunk (wn*WTN + nj*16)/8 + hi
-                const int ch = (wn * WTN + nj * 16) / 8 + hi;
-                kiln_ptx::ldmatrix_x4_trans(
-                    t, bs + (ks * 16 + (lane & 15)) * B_ROW_BYTES + ((ch ^ lo) << 4));
-            }
-            bfrag[2 * nj][0] = t[0];
-            bfrag[2 * nj][1] = t[1];
-            bfrag[2 * nj + 1][0] = t[2];
-            bfrag[2 * nj + 1][1] = t[3];
-        }
+        mma_gemm::load_frags<FP8, MI, NI, KB, WTN, B_ROW_BYTES>(af, bfrag, as, bs, ks, a_row, a_x, wn, lane);
     };
     auto mmas = [&](const uint32_t (&af)[MI][4], const uint32_t (&bfrag)[NI][2]) {
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < NI; ++ni) {
-                if constexpr (FP8)
-                    kiln_ptx::mma_e4m3_16832(acc[mi][ni], af[mi], bfrag[ni]);
-                else
-                    kiln_ptx::mma_bf16_16816(acc[mi][ni], af[mi], bfrag[ni]);
-            }
+        warp_mmas<FP8, MI, NI>(acc, af, bfrag);
     };
-
     // Stores the block's C tile at (cm0, cn0); EPI: through shared memory at cs (the stages' memory).
     auto store_c = [&](unsigned char* cs, int cm0, int cn0) {
+        static_assert(!EPI || BM * BN * 2 <= smem_bytes<BM, BN, STAGES, KB>(), "the C tile fits in the stages");
         const float scale = FP8 ? scale_a[0] * scale_b[0] : 1.f;
-        if constexpr (EPI) {
-            // C through shared memory: the warps write their fragments as bf16 pairs into a BM x BN tile (in
-            // the stages' memory, free once every warp is past its last ldmatrix: the barrier), then the
-            // block copies it out in 16-byte chunks, a warp's 32 chunks one or two whole rows of C: 128-byte
-            // coalesced stores, where the direct stores below write 4 bytes per lane over 8 rows (8 half-used
-            // 32-byte sectors per instruction). The tile's 16-byte chunks are XOR-swizzled by (row % 8) like
-            // the stages: a fragment store's 8 rows (lane >> 2) then hit 8 different 4-bank groups, where
-            // rows of BN * 2 = 0 (mod 128) bytes would put all 8 on the same 4 banks.
-            constexpr int C_ROW = BN * 2;  // bytes per row of the C tile
-            constexpr int CPR = BN / 8;    // 16-byte chunks per row
-            constexpr int RSTEP = NT / CPR;
-            static_assert(BM * C_ROW <= smem_bytes<BM, BN, STAGES, KB>(), "the C tile fits in the stages");
-            static_assert(CPR >= 8 && RSTEP * CPR == NT && BM % RSTEP == 0, "whole rows per pass");
-            __syncthreads();  // every warp's last ldmatrix is done: the stages may be overwritten
-            const int x = lane >> 2;  // (row % 8) of every row this lane writes: the tiles start at multiples of 8
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int ni = 0; ni < NI; ++ni) {
-                    const int r = wm * WTM + mi * 16 + (lane >> 2), ch = (wn * WTN + ni * 8) / 8;
-                    unsigned char* p = cs + r * C_ROW + ((ch ^ x) << 4) + (lane & 3) * 4;
-                    *reinterpret_cast<__nv_bfloat162*>(p) =
-                        __floats2bfloat162_rn(acc[mi][ni][0] * scale, acc[mi][ni][1] * scale);
-                    *reinterpret_cast<__nv_bfloat162*>(p + 8 * C_ROW) =  // row r + 8: the same swizzle
-                        __floats2bfloat162_rn(acc[mi][ni][2] * scale, acc[mi][ni][3] * scale);
-                }
-            __syncthreads();
-            const int c = tid % CPR, r0 = tid / CPR;
-            const int col = cn0 + c * 8;  // N % 8 == 0: a chunk is wholly inside C or wholly outside
-            if (col < N) {
-#pragma unroll
-                for (int i = 0; i < BM / RSTEP; ++i) {
-                    const int r = r0 + i * RSTEP;
-                    if (cm0 + r < M)
-                        *reinterpret_cast<uint4*>(C + (int64_t)(cm0 + r) * N + col) =
-                            *reinterpret_cast<const uint4*>(cs + r * C_ROW + ((c ^ (r & 7)) << 4));
-                }
-            }
-        } else {  // each lane stores its bf16 pairs straight from registers
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int ni = 0; ni < NI; ++ni) {
-                    const int col = cn0 + wn * WTN + ni * 8 + (lane & 3) * 2;  // even; N % 8 == 0 so col + 1 < N too
-                    const int row = cm0 + wm * WTM + mi * 16 + (lane >> 2);
-                    if (col < N) {
-                        if (row < M)
-                            *reinterpret_cast<__nv_bfloat162*>(C + (int64_t)row * N + col) =
-                                __floats2bfloat162_rn(acc[mi][ni][0] * scale, acc[mi][ni][1] * scale);
-                        if (row + 8 < M)
-                            *reinterpret_cast<__nv_bfloat162*>(C + (int64_t)(row + 8) * N + col) =
-                                __floats2bfloat162_rn(acc[mi][ni][2] * scale, acc[mi][ni][3] * scale);
-                    }
-                }
-        }
+        mma_gemm::store_c<BM, BN, WTM, WTN, NT, EPI>(acc, cs, C, M, N, cm0, cn0, wm, wn, tid, scale,
+                                                     [] { __syncthreads(); });
     };
 
     if constexpr (PERSIST) {
@@ -405,6 +447,154 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 
         store_c(smem, m0, n0);
     }
+}
+
+// ---- The TMA-fed, warp-specialized kernel (configs with TMA = 1; sm_90a) ----
+// The same warp tiles, fragments, register pipeline and shared-memory epilogue as the kernel above, fed
+// the way the wgmma kernel (wgmma_kernels.cuh) is, with no block-wide barrier in the main loop:
+//   * a producer warpgroup (128 threads, whose thread 0 alone works) walks the K tiles: it waits until
+//     stage s = kt % STAGES is released (mbarrier `empty[s]`, one arrival per consumer warp), announces the
+//     stage's bytes on `full[s]` and issues the TMA box copies: A, BM rows x 128 bytes (64 bf16 of K); B
+//     (K, N row-major), BN / 64 boxes of 64 K rows x 128 bytes (64 columns), one after another. TMA writes
+//     each box with the 128-byte swizzle (chunk c of row r at chunk c ^ (r % 8)), which is the layout the
+//     ldmatrix addressing of load_frags reads (A: swz(row, chunk, 128); B: B_BOX = one box);
+//   * the consumer warps (WARPS_M x WARPS_N, whole warpgroups) each wait on `full[s]` by themselves, run
+//     the k16 steps of the tile with the fragments double-buffered in registers (the PIPE loop above), and
+//     release the stage once the mma of its last step have read their fragments (lane 0 of each warp).
+// What this removes against the cp.async kernel: the __syncthreads of every K tile (a slow warp no
+// longer holds the others), the cp.async address arithmetic and issue in the consumer warps' instruction
+// stream, and the cp.async wait. setmaxnreg moves registers from the producer (24) to the consumers
+// (CONSUMER_REGS: what MINB blocks per SM leave). Edges: TMA zero-fills boxes past M, N and K, and stores
+// past C's edges are skipped, so M is arbitrary; K % 8 == 0 and N % 8 == 0 (16-byte rows for TMA).
+template <int BM, int BN, int STAGES>
+struct TmaSmem {
+    static constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128, STAGE = A_BYTES + B_BYTES;
+    static constexpr int BAR_OFFSET = STAGES * STAGE;
+    // 1024 bytes of slack to align the stages to the swizzle atom (TMA's 128-byte swizzle is a function
+    // of the address bits, so the ldmatrix addresses agree with it only on 1024-byte aligned boxes)
+    static constexpr int BYTES = 1024 + BAR_OFFSET + 2 * STAGES * 8;
+    static_assert(A_BYTES % 1024 == 0 && B_BYTES % 1024 == 0, "boxes stay 1024-byte aligned");
+    static_assert(BYTES <= 227 * 1024, "at most 227 KiB of shared memory per block on Hopper");
+};
+
+// Registers a consumer thread may take (setmaxnreg: a multiple of 8, at most 240): the block's share of the
+// SM's 65536 (MINB blocks per SM) less the producer warpgroup's 128 x 24 (setmaxnreg's least; its one
+// working thread needs no more), over the nt consumer threads: 240 at 8 consumer warps, 232 at 4 and two
+// blocks per SM (216 with a 40-register producer, where the 64 x 64 warp tile spilled).
+constexpr int consumer_regs(int minb, int nt) {
+    const int r = (65536 / minb - 128 * 24) / nt / 8 * 8;
+    return r < 240 ? r : 240;
+}
+
+// Blocks per SM a TMA configuration runs at: two where two blocks' shared memory (and the 1 KiB the
+// hardware reserves for each) fits the SM's 228 KiB.
+template <int BM, int BN, int STAGES>
+constexpr int tma_blocks_per_sm() {
+    return 2 * (TmaSmem<BM, BN, STAGES>::BYTES + 1024) <= 228 * 1024 ? 2 : 1;
+}
+
+template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, int MINB>
+__global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 128, MINB)
+    gemm_tma(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b, int M, int N,
+             int K, __nv_bfloat16* __restrict__ C) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // TMA, mbarrier waits and setmaxnreg: sm_90a
+    using S = TmaSmem<BM, BN, STAGES>;
+    constexpr int NW = WARPS_M * WARPS_N, NT = NW * 32;  // consumer warps and threads
+    constexpr int BK = 64, KS = BK / 16;                 // bf16 of K per stage; k16 steps per stage
+    constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N, MI = WTM / 16, NI = WTN / 8;
+    constexpr int CONSUMER_REGS = consumer_regs(MINB, NT);
+    static_assert(NW % 4 == 0, "setmaxnreg acts on whole warpgroups: the consumers are whole warpgroups");
+    static_assert(WTM % 16 == 0 && WTN % 16 == 0 && BN % 64 == 0, "whole fragments, whole 64-column B boxes");
+    static_assert(BM <= 256 && BM * BN * 2 <= S::BAR_OFFSET, "a TMA box has <= 256 rows; C fits in the stages");
+
+    extern __shared__ unsigned char smem_tma[];
+    unsigned char* smem = smem_tma + ((1024 - (kiln_hopper::smem_u32(smem_tma) & 1023)) & 1023);
+    uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::BAR_OFFSET);  // STAGES: the stage's bytes landed
+    uint64_t* empty = full + STAGES;                                      // STAGES: every consumer warp is done
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            kiln_hopper::mbar_init(&full[s], 1);    // the producer's arrive.expect_tx
+            kiln_hopper::mbar_init(&empty[s], NW);  // lane 0 of every consumer warp
+        }
+        kiln_hopper::mbar_fence_init();
+    }
+    __syncthreads();  // the only block-wide barrier: the mbarriers are initialized
+
+    // The tile's origin and K tiles are computed on each side of the split, not before it: a value live
+    // into both would have to fit the producer's 24 registers as well, and ptxas spills it.
+    auto tile = [&] { return tile_origin<BM, BN>(blockIdx.x, (M + BM - 1) / BM, (N + BN - 1) / BN); };
+    const int ktiles = (K + BK - 1) / BK;
+
+    if (threadIdx.x < 128) {  // ---- producer ----
+        kiln_hopper::setmaxnreg_dec<24>();
+        const TileOrigin origin = tile();
+        const int m0 = origin.m0, n0 = origin.n0;
+        if (threadIdx.x == 0) {
+            for (int kt = 0; kt < ktiles; ++kt) {
+                const int s = kt % STAGES;
+                // round r = kt / STAGES of stage s needs round r - 1's release: the r-th completion of
+                // empty[s], parity (r - 1) & 1
+                if (kt >= STAGES) kiln_hopper::mbar_wait(&empty[s], ((kt / STAGES) + 1) & 1);
+                unsigned char* a_tile = smem + s * S::STAGE;
+                kiln_hopper::mbar_arrive_expect_tx(&full[s], S::STAGE);
+                kiln_hopper::tma_load_2d(a_tile, &tm_a, &full[s], kt * BK, m0);
+#pragma unroll
+                for (int j = 0; j < BN / 64; ++j) {
+                    unsigned char* b_box = a_tile + S::A_BYTES + j * 64 * 128;
+                    kiln_hopper::tma_load_2d(b_box, &tm_b, &full[s], n0 + 64 * j, kt * BK);
+                }
+            }
+        }
+        return;
+    }
+
+    // ---- consumers ----
+    kiln_hopper::setmaxnreg_inc<CONSUMER_REGS>();
+    const TileOrigin origin = tile();
+    const int m0 = origin.m0, n0 = origin.n0;
+    const int tid = threadIdx.x - 128, lane = tid % 32, warp = tid / 32;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+    const int a_row = (wm * WTM + (lane & 15)) * 128, a_x = (lane >> 4) ^ (lane & 7);  // see load_frags
+    float acc[MI][NI][4] = {};
+    uint32_t af[2][MI][4], bfrag[2][NI][2];
+    auto frags = [&](int buf, int stage, int ks) {
+        const unsigned char* as = smem + stage * S::STAGE;
+        load_frags<false, MI, NI, 128, WTN, 128, 64 * 128>(af[buf], bfrag[buf], as, as + S::A_BYTES, ks, a_row,
+                                                           a_x, wn, lane);
+    };
+    // The consumers' waits spin on try_wait without mbar_wait's deadlock trap: a trap path inside the main
+    // loop makes ptxas spill the accumulators around it (440 bytes at 128 x 256). A stall that holds the
+    // producer still traps there (mbar_wait on `empty`); the ring's parities are checked by the host
+    // emulation, where a wrong one deadlocks and aborts (tests/kernels/cuda/test_emulated.py).
+    auto wait_full = [&](int s, int parity) {
+        while (!kiln_hopper::mbar_try_wait(&full[s], parity)) {
+        }
+    };
+    wait_full(0, 0);
+    frags(0, 0, 0);
+    for (int kt = 0; kt < ktiles; ++kt) {
+        const int s = kt % STAGES;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            if (ks + 1 < KS) {
+                frags((ks + 1) % 2, s, ks + 1);
+            } else if (kt + 1 < ktiles) {  // the next stage's step 0, once its bytes have landed
+                const int s1 = (kt + 1) % STAGES;
+                wait_full(s1, ((kt + 1) / STAGES) & 1);
+                frags(0, s1, 0);
+            }
+            warp_mmas<false, MI, NI>(acc, af[ks % 2], bfrag[ks % 2]);
+        }
+        // the mma above consumed the stage's last fragments, so the warp's ldmatrix reads of it are done
+        if (lane == 0) kiln_hopper::mbar_arrive(&empty[s]);
+    }
+    // every stage's bytes landed (each consumer waited on every full[s]); C goes through the stages'
+    // memory, behind a barrier of the consumer warps alone (the producer warpgroup has left)
+    store_c<BM, BN, WTM, WTN, NT, true>(acc, smem, C, M, N, m0, n0, wm, wn, tid, 1.f,
+                                        [] { kiln_hopper::named_barrier_sync(1, NT); });
+#else
+    __trap();  // not sm_90a: the launcher refuses before launching, this is the backstop
+#endif
 }
 
 // The mma.sync instruction's own rate, with no memory traffic: the ceiling of every kernel above on this
