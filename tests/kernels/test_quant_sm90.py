@@ -71,13 +71,14 @@ def compile_(fn, ptrs, consts, divisible, **opts):
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
     return {"wgmma": "wgmma" in ptx, "int_to_float": len(re.findall(r"cvt\.rn\.f(16|32)\.[su](8|16|32)", ptx)),
-            "async": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx))}
+            "async": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)),
+            "lop3": len(re.findall(r"lop3\.b32 [^;]*, 0xea;", ptx))}
 
 ptrs = dict(X_ptr="*bf16", W_ptr="*i32", S_ptr="*bf16", Z_ptr="*u8", Y_ptr="*bf16", Bias_ptr="*bf16")
 ints = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sn", "k_split"]
 tiles = dict(stride_xk=1, HAS_ZERO=True, HAS_BIAS=False, SPLIT_K=1, STAGES=3)
-out = {"int4 fma": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, BLOCK_N=8, BLOCK_K=256), ints,
-                            num_warps=2, num_stages=3),
+out = {"int4 fma": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, BLOCK_N=8, BLOCK_K=256, ASM=True),
+                            ints, num_warps=2, num_stages=3),
        "int4 mma": compile_(qd._wq_mma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, MAGIC=0x4300, SH=0,
                             PRECISION="ieee", BLOCK_N=64, BLOCK_K=128), ints, num_warps=4, num_stages=3),
        "int8 mma": compile_(qd._wq_mma_kernel, ptrs, dict(tiles, BITS=8, GROUP=1, MAGIC=0x4300, SH=0,
@@ -91,7 +92,8 @@ print(json.dumps(out))
 def test_word_kernels_convert_nothing(tmp_path):
     """kernels/quant_decode.py's point: weights become floats by bit operations, so the PTX of its int4
     kernels holds no integer-to-float conversion (the first kernels' I2F ran at an eighth of the FP32 rate),
-    streams the words through cp.async, and the mma form uses wgmma."""
+    streams the words through cp.async, the mma form uses wgmma, and the fma form ORs each nibble under its
+    exponent with one lop3."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
     env["TRITON_CACHE_DIR"] = str(tmp_path)
@@ -104,6 +106,8 @@ def test_word_kernels_convert_nothing(tmp_path):
         assert r["int_to_float"] == 0, f"{name}: integer-to-float conversions in its PTX: {r}"
         assert r["async"] > 0, f"{name}: no cp.async in its PTX: {r}"
     assert res["int4 mma"]["wgmma"] and res["int8 mma"]["wgmma"], res
+    # each nibble's AND-OR is one inline lop3 (LUT 0xea: (a & b) | c): 8 nibbles x the thread's words a K step
+    assert res["int4 fma"]["lop3"] >= 8, res
 
 
 @pytest.mark.slow  # ~15-20 s of compiling on 2 cores

@@ -23,7 +23,14 @@ Two forms, both over a grid (cdiv(N, BLOCK_N), SPLIT_K) with matmul_decode's det
   P values (P = 8 nibbles or 4 bytes per word, shifted out in the thread that loaded it), multiplied
   by x's matching columns and summed over P in the thread: a per-word partial (BLOCK_N, BLOCK_W) that
   takes its word's scale once (one multiply per 8 int4 weights instead of one per weight), accumulated
-  across K and summed over words at the end. Per int4 weight: shift, and-or, subtract, FMA.
+  across K and summed over words at the end. A field is not shifted down to the units place: it is OR-ed
+  in place under the exponent that makes its lowest bit worth 1 (2**(23 - 4p) for nibble p,
+  `_nibble_times_x`), so per int4 weight: one LOP3 (an inline `lop3.b32`), one subtraction and one FMA,
+  and one shift per word for the three nibbles past bit 22; the products are added one at a time (FMAs).
+  Compiled for sm_90 at the 8 x 256 tile: 8.0 SASS instructions a weight in the loop, from 9.7 (shift,
+  sign-extend and OR per nibble, and pairs of products as a multiply, an FMA and an add; 8.8 with the
+  AND-OR as two LOP3); most of the rest is x's bf16 -> float32 conversion, which Triton repeats for every
+  row a thread holds.
 - "mma" (M <= 16): W is the tensor-core M side as in matmul_decode's "dot" form, dequantized in x's
   dtype by the magic. int4: v = bits(MAGIC | q << SH) = 128 + q, w = v - (128 + z) = q - z, exact in
   bf16/fp16/float32 (small integers); acc_g (BLOCK_N, 16) = w @ x.T per K step inside one group, then
@@ -56,17 +63,33 @@ def _magic_128(u, MAGIC: tl.constexpr, SH: tl.constexpr, OUT: tl.constexpr):
 
 
 @triton.jit
-def _int4_times_x(w, i: tl.constexpr, off, x):
-    """Nibble i of every word of w (BLOCK_N, BLOCK_W) as float32 q - z (2**23 + q - off, exact), times
-    x (BLOCK_W,): the float32 x at each word's column 8j + i."""
-    q = (((w >> (4 * i)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - off
+def _int8_times_x(w, i: tl.constexpr, x):
+    """Byte i of every word of w as float32 q (its sign bit flipped: q + 128, then 2**23 + 128 removed)."""
+    q = ((((w >> (8 * i)) & 255) ^ 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
     return q * x[None, :]
 
 
 @triton.jit
-def _int8_times_x(w, i: tl.constexpr, x):
-    """Byte i of every word of w as float32 q (its sign bit flipped: q + 128, then 2**23 + 128 removed)."""
-    q = ((((w >> (8 * i)) & 255) ^ 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+def _nibble_times_x(w, p: tl.constexpr, off, x, ASM: tl.constexpr):
+    """Nibble p (0-4) of every word of w (BLOCK_N, BLOCK_W): bits 4p .. 4p + 3, left where they are, OR-ed
+    under the exponent of 2**(23 - 4p), whose mantissa's last place is 2**(-4p): the float32 2**(23 - 4p) +
+    u, u the nibble's value, with no shift (the nibble must lie in the mantissa, bits 0-22). Minus off
+    (2**(23 - 4p) + the zero point) it is the exact integer q - z; times x (BLOCK_W,), the float32 x at each
+    word's column of that nibble. ASM: the AND-OR as one `lop3.b32` (mask and exponent passed as registers,
+    so ptxas keeps one as its immediate and the other in a register hoisted out of the loop; written as
+    `(w & mask) | exp`, both constants are immediates and a LOP3 takes one, so it emits two); the
+    interpreter, which runs no PTX, takes that spelling, with the same bits."""
+    mask: tl.constexpr = 15 << (4 * p)
+    exp: tl.constexpr = (150 - 4 * p) << 23
+    if ASM:
+        m = tl.full(w.shape, mask, tl.int32)
+        e = tl.full(w.shape, exp, tl.int32)
+        f = tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, $2, $3, 0xea;", "=r,r,r,r", [w, m, e], dtype=tl.int32, is_pure=True, pack=1
+        )  # 0xea: (a & b) | c
+    else:
+        f = (w & mask) | exp
+    q = f.to(tl.float32, bitcast=True) - off
     return q * x[None, :]
 
 
@@ -94,6 +117,7 @@ def _wq_fma_kernel(
     BLOCK_K: tl.constexpr,  # columns per K step: BLOCK_W = BLOCK_K / P words
     SPLIT_K: tl.constexpr,
     STAGES: tl.constexpr,
+    ASM: tl.constexpr,  # int4: each nibble's AND-OR as one lop3.b32 (not under the interpreter)
 ):
     P: tl.constexpr = 32 // BITS  # values per word
     BLOCK_W: tl.constexpr = BLOCK_K // P
@@ -108,9 +132,10 @@ def _wq_fma_kernel(
     k_hi = tl.minimum(k_lo + k_split, K)
     KW = K // P  # words per row
     # Every tensor is (BLOCK_N, BLOCK_W) words or (BLOCK_W,) x values: a word's P values are taken apart
-    # by shifts in the thread that loaded it, and x's column 8j + i (4j + i) reaches that thread as the
+    # by masks in the thread that loaded it, and x's column 8j + i (4j + i) reaches that thread as the
     # i-th piece of x split in registers (tl.split of its contiguous (BLOCK_W, P) load): no dimension of
-    # size P that the compiler could spread across threads.
+    # size P that the compiler could spread across threads. (P loads of x strided into the words' column
+    # layout instead compiled to one 2-byte load per weight: Triton sank them past the row broadcast.)
     acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         wcol = k0 // P + tl.arange(0, BLOCK_W)  # (BLOCK_W,) word columns of this step
@@ -129,21 +154,35 @@ def _wq_fma_kernel(
             x3, x7 = tl.split(o1)
             g = wcol // (GROUP // 8)  # (BLOCK_W,) group of each word (a word never spans two groups)
             ws = tl.load(s_rows + g[None, :], mask=w_ok, other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_W)
-            if HAS_ZERO:
+            # nibbles 0-4 read in place; 5-7 (bits 20-31, past the mantissa) from w >> 12, at fields 2-4
+            # (the arithmetic shift's sign bits land above bit 19, outside every mask)
+            h = w >> 12
+            if HAS_ZERO:  # off_p = 2**(23 - 4p) + z, exact; z from its bits as 2**23 + z - 2**23
                 z = tl.load(z_rows + g[None, :], mask=w_ok, other=0).to(tl.int32)
-                off = (z | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + z
-            else:
-                off = tl.full((BLOCK_N, BLOCK_W), 8388616.0, tl.float32)  # 2**23 + 8
-            t = _int4_times_x(w, 0, off, x0) + _int4_times_x(w, 1, off, x1)
-            t += _int4_times_x(w, 2, off, x2) + _int4_times_x(w, 3, off, x3)
-            t += _int4_times_x(w, 4, off, x4) + _int4_times_x(w, 5, off, x5)
-            t += _int4_times_x(w, 6, off, x6) + _int4_times_x(w, 7, off, x7)
+                zf = (z | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                c0, c1, c2, c3, c4 = zf + 8388608.0, zf + 524288.0, zf + 32768.0, zf + 2048.0, zf + 128.0
+            else:  # off_p = 2**(23 - 4p) + 8: constants
+                c0, c1, c2, c3, c4 = 8388616.0, 524296.0, 32776.0, 2056.0, 136.0
+            # one product added at a time, so that each is one FMA (pairs of products cost a multiply,
+            # an FMA and an add per two)
+            t = _nibble_times_x(w, 0, c0, x0, ASM)
+            t += _nibble_times_x(w, 1, c1, x1, ASM)
+            t += _nibble_times_x(w, 2, c2, x2, ASM)
+            t += _nibble_times_x(w, 3, c3, x3, ASM)
+            t += _nibble_times_x(w, 4, c4, x4, ASM)
+            t += _nibble_times_x(h, 2, c2, x5, ASM)
+            t += _nibble_times_x(h, 3, c3, x6, ASM)
+            t += _nibble_times_x(h, 4, c4, x7, ASM)
             acc += t * ws  # one multiply per word: its group's scale
         else:
             e, o = tl.split(xx.reshape(BLOCK_W, 2, 2))  # column 4j + 2a + b at [j, a, b]
             x0, x2 = tl.split(e)
             x1, x3 = tl.split(o)
-            acc += _int8_times_x(w, 0, x0) + _int8_times_x(w, 1, x1) + _int8_times_x(w, 2, x2)
+            # bytes shifted down (ptxas makes each extraction and OR one PRMT, which beat the in-place
+            # fields here: 6.7 against 6.9 SASS instructions a weight at 8 x 256)
+            acc += _int8_times_x(w, 0, x0)
+            acc += _int8_times_x(w, 1, x1)
+            acc += _int8_times_x(w, 2, x2)
             acc += _int8_times_x(w, 3, x3)  # the per-channel scale is applied once, at the end
     y = tl.sum(acc, axis=1)  # (BLOCK_N,)
     if BITS == 8:

@@ -510,7 +510,7 @@ def _plan(x, qweight, scales, zeros, bits, group_size, bias, config) -> _Plan:
                      num_warps=config.warps)  # fmt: skip
         if form == "fma":
             meta = dict(BITS=bits, GROUP=common["GROUP"], HAS_ZERO=zeros is not None, HAS_BIAS=has_bias,
-                        **tiles)  # fmt: skip
+                        ASM=not interpreting(), **tiles)  # fmt: skip
         elif form == "mma":
             magic, sh = MAGIC[x.dtype]
             meta = dict(BITS=bits, GROUP=common["GROUP"], HAS_ZERO=zeros is not None, HAS_BIAS=has_bias,
