@@ -2,8 +2,8 @@
 # One batched GPU session: kiln's GPU tests, every benchmark, and the main job on CUDA.
 # Usage (on the H200, from the repo root): bash bench/gpu_suite.sh OUT_DIR [parts...]
 # parts: tests norms gemm_ce attention matmul_decode host_overhead run infer compile, and the measurements
-# the open issues wait for: serve overlap quant fp8curve fp8check fp8speed cuda moe decode decodestep (default: tests norms
-# gemm_ce attention run). Each part has its own time cap so one
+# the open issues wait for: serve overlap quant quantsweep fp8curve fp8check fp8speed fp8rowwise speedrun cuda
+# moe decode decodestep (default: tests norms gemm_ce attention run). Each part has its own time cap so one
 # slow part cannot eat the others'; results are JSON/logs in OUT_DIR.
 # At most 7 files land in OUT_DIR (the device tool brings back 8).
 set -u
@@ -68,7 +68,22 @@ for part in $PARTS; do
     # run needs ~100 s more than that budget)
     fp8curve) timeout 330 python3 bench/train.py --case fp8-curve --compile --steps 1000 --budget 250 \
                 --out "$OUT/train-fp8-curve.json" >> "$OUT/bench.log" 2>&1 ;;
-    # issue 21: the CUDA kernels' GPU tests (wgmma included), then the ladder
+    # issue 23: the row-wise recipe's casts from transposed views: the FP8 GPU tests, then its speed at 1.1B
+    # beside bf16 and tensorwise (<= 470 s)
+    fp8rowwise) timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fp8_cast.py \
+                  tests/kernels/test_fp8_train_gpu.py tests/model/test_fp8_training.py >> "$OUT/bench.log" 2>&1
+                timeout 270 python3 bench/train.py --shapes 1b \
+                  --contenders kiln-compiled,kiln-compiled-fp8,kiln-compiled-fp8-rowwise \
+                  --out "$OUT/train-fp8-rowwise.json" >> "$OUT/bench.log" 2>&1 ;;
+    # issue 18: the decode config sweep (the fma form's new loop, its multi-row tiles), then the engine's
+    # quantized decode with the tables in the tree (<= 300 s)
+    quantsweep) timeout 150 python3 bench/quant.py --case decode-sweep --budget 105 --out "$OUT/quant_sweep.json" \
+                  >> "$OUT/bench.log" 2>&1
+                timeout 150 python3 bench/quant.py --skip decode,prefill,logits --out "$OUT/quant-engine.json" \
+                  >> "$OUT/bench.log" 2>&1 ;;
+    # issue 23: the speed run, kiln's recipe against the compiled HF baseline to the target bpb (<= 595 s)
+    speedrun) timeout 595 python3 bench/speedrun.py --out "$OUT/speedrun.json" >> "$OUT/bench.log" 2>&1 ;;
+    # issue 21: the CUDA kernels' GPU tests (wgmma and the TMA-fed mma.sync included), then the ladder
     cuda) timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/cuda >> "$OUT/bench.log" 2>&1
           timeout 200 python3 bench/cuda_ladder.py --out "$OUT/cuda_ladder.json" >> "$OUT/bench.log" 2>&1 ;;
     # issue 19: decode batch 1-64 and prefill against torch._grouped_mm (~90 s)
