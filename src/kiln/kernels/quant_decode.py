@@ -20,7 +20,7 @@ and one float subtraction removes the offset and the zero point at once: (2**23 
 
 Two forms, both over a grid (cdiv(N, BLOCK_N), SPLIT_K) with matmul_decode's deterministic split-K sum:
 - "fma" (M = 1): float32 FMAs, no tensor cores. A (BLOCK_N, BLOCK_W) tile of words is unpacked into its
-  P values (P = 8 nibbles or 4 bytes per word, shifted out in the thread that loaded it), multiplied
+  P values (P = 8 nibbles or 4 bytes per word, taken apart in the thread that loaded it), multiplied
   by x's matching columns and summed over P in the thread: a per-word partial (BLOCK_N, BLOCK_W) that
   takes its word's scale once (one multiply per 8 int4 weights instead of one per weight), accumulated
   across K and summed over words at the end. A field is not shifted down to the units place: it is OR-ed
@@ -154,7 +154,8 @@ def _wq_fma_kernel(
             x3, x7 = tl.split(o1)
             g = wcol // (GROUP // 8)  # (BLOCK_W,) group of each word (a word never spans two groups)
             ws = tl.load(s_rows + g[None, :], mask=w_ok, other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_W)
-            # nibbles 0-4 read in place; 5-7 (bits 20-31, past the mantissa) from w >> 12, at fields 2-4
+            # nibbles 0-4 read in place; 5-7 (bits 20-31: bit 23 is past the mantissa) from w >> 12, where
+            # they sit at nibble positions 2-4
             # (the arithmetic shift's sign bits land above bit 19, outside every mask)
             h = w >> 12
             if HAS_ZERO:  # off_p = 2**(23 - 4p) + z, exact; z from its bits as 2**23 + z - 2**23
@@ -178,8 +179,8 @@ def _wq_fma_kernel(
             e, o = tl.split(xx.reshape(BLOCK_W, 2, 2))  # column 4j + 2a + b at [j, a, b]
             x0, x2 = tl.split(e)
             x1, x3 = tl.split(o)
-            # bytes shifted down (ptxas makes each extraction and OR one PRMT, which beat the in-place
-            # fields here: 6.7 against 6.9 SASS instructions a weight at 8 x 256)
+            # bytes shifted down (ptxas makes an extraction and its OR one PRMT; bytes OR-ed in place under
+            # their exponents, as the nibbles are, took 6.9 SASS instructions a weight at 8 x 256, this 6.4)
             acc += _int8_times_x(w, 0, x0)
             acc += _int8_times_x(w, 1, x1)
             acc += _int8_times_x(w, 2, x2)

@@ -221,15 +221,6 @@ class MmaConfig:
         return stages + 1024 + 16 * self.stages if self.tma else stages
 
     @property
-    def blocks_per_sm(self) -> int | None:
-        """Blocks per SM the tma kernel is compiled for (two where two blocks' shared memory, with the 1 KiB
-        the hardware reserves for each, fits the SM's 228 KiB); None for the cp.async kernel (the
-        occupancy follows its registers)."""
-        if not self.tma:
-            return None
-        return 2 if 2 * (self.smem_bytes + 1024) <= 228 * 1024 else 1
-
-    @property
     def name(self) -> str:
         wtm, wtn = self.bm // self.warps_m, self.bn // self.warps_n
         pipe = " regpipe" if self.pipelined else ""

@@ -1,6 +1,6 @@
 // Host versions of csrc/hopper_ptx.cuh (included first, it takes that file's include guard): mbarriers
-// with arrival and transaction counts and phase parity, named barriers, TMA 2D box loads with zero fill and the 128-byte
-// swizzle, wgmma reading its operands through shared-memory descriptors. Every operation is
+// with arrival and transaction counts and phase parity, named barriers, TMA 2D box loads with zero fill
+// and the 128-byte swizzle, wgmma reading its operands through shared-memory descriptors. Every operation is
 // synchronous (a valid ordering of the asynchronous hardware), and the swizzle is one function used by
 // both the TMA writer and the wgmma reader: this checks the kernel's own offsets, stage ring and barrier
 // protocol (a wrong parity deadlocks here too: the wait gives up after 20 s and aborts), not the
