@@ -128,7 +128,9 @@ def test_wgmma_ops_refuse_bad_arguments_before_any_cuda_call():
 def test_mma_configs_match_the_kernel_table():
     src = (CSRC / "mma_kernels.cuh").read_text()
     table = src.split("#define KILN_MMA_CONFIGS(X)")[1].split("\n\n")[0]
-    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), ([01]), (\d+), ([01]), ([01]), ([01])\)", table)
+    rows = re.findall(
+        r"X\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), ([01]), (\d+), ([01]), ([01]), ([01])\)", table
+    )
     assert [int(r[0]) for r in rows] == list(range(len(MMA_CONFIGS)))
     for r, cfg in zip(rows, MMA_CONFIGS):
         assert tuple(int(v) for v in r[1:]) == (

@@ -24,6 +24,7 @@
 
 #include "hopper_ptx.cuh"
 #include "ptx.cuh"
+#include "tma_ring.cuh"
 
 namespace mma_gemm {
 
@@ -511,13 +512,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 128, MINB)
     unsigned char* smem = smem_tma + ((1024 - (kiln_hopper::smem_u32(smem_tma) & 1023)) & 1023);
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::BAR_OFFSET);  // STAGES: the stage's bytes landed
     uint64_t* empty = full + STAGES;                                      // STAGES: every consumer warp is done
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            kiln_hopper::mbar_init(&full[s], 1);    // the producer's arrive.expect_tx
-            kiln_hopper::mbar_init(&empty[s], NW);  // lane 0 of every consumer warp
-        }
-        kiln_hopper::mbar_fence_init();
-    }
+    if (threadIdx.x == 0) kiln_hopper::ring_init<STAGES>(full, empty, NW);  // lane 0 of every consumer warp
     __syncthreads();  // the only block-wide barrier: the mbarriers are initialized
 
     // The tile's origin and K tiles are computed on each side of the split, not before it: a value live
@@ -531,12 +526,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 128, MINB)
         const int m0 = origin.m0, n0 = origin.n0;
         if (threadIdx.x == 0) {
             for (int kt = 0; kt < ktiles; ++kt) {
-                const int s = kt % STAGES;
-                // round r = kt / STAGES of stage s needs round r - 1's release: the r-th completion of
-                // empty[s], parity (r - 1) & 1
-                if (kt >= STAGES) kiln_hopper::mbar_wait(&empty[s], ((kt / STAGES) + 1) & 1);
+                const int s = kiln_hopper::ring_acquire<STAGES>(full, empty, kt, S::STAGE);
                 unsigned char* a_tile = smem + s * S::STAGE;
-                kiln_hopper::mbar_arrive_expect_tx(&full[s], S::STAGE);
                 kiln_hopper::tma_load_2d(a_tile, &tm_a, &full[s], kt * BK, m0);
 #pragma unroll
                 for (int j = 0; j < BN / 64; ++j) {

@@ -28,6 +28,7 @@
 #include <stdint.h>
 
 #include "hopper_ptx.cuh"
+#include "tma_ring.cuh"
 
 namespace wgmma_gemm {
 
@@ -83,13 +84,7 @@ __global__ void __launch_bounds__((NC + 1) * 128, 1)
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::BAR_OFFSET);  // STAGES: tile landed
     uint64_t* empty = full + STAGES;                                      // STAGES: stage released
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            kiln_hopper::mbar_init(&full[s], 1);            // the producer's arrive.expect_tx
-            kiln_hopper::mbar_init(&empty[s], NC * 4);      // lane 0 of every consumer warp
-        }
-        kiln_hopper::mbar_fence_init();
-    }
+    if (threadIdx.x == 0) kiln_hopper::ring_init<STAGES>(full, empty, NC * 4);  // lane 0 of every consumer warp
     __syncthreads();
 
     // grouped block order: GROUP_M tile rows, walked down M first, then along N
@@ -105,12 +100,8 @@ __global__ void __launch_bounds__((NC + 1) * 128, 1)
         if constexpr (NC > 1) kiln_hopper::setmaxnreg_dec<40>();
         if (tid == 0) {
             for (int kt = 0; kt < ktiles; ++kt) {
-                const int s = kt % STAGES;
-                // round r = kt / STAGES of stage s needs round r - 1's release: the r-th completion of
-                // empty[s], parity (r - 1) & 1
-                if (kt >= STAGES) kiln_hopper::mbar_wait(&empty[s], ((kt / STAGES) + 1) & 1);
+                const int s = kiln_hopper::ring_acquire<STAGES>(full, empty, kt, S::STAGE_BYTES);
                 unsigned char* a_tile = smem + s * S::STAGE_BYTES;
-                kiln_hopper::mbar_arrive_expect_tx(&full[s], S::STAGE_BYTES);
                 kiln_hopper::tma_load_2d(a_tile, &tm_a, &full[s], kt * BK, m0);
                 kiln_hopper::tma_load_2d(a_tile + S::A_BYTES, &tm_b, &full[s], kt * BK, n0);
             }
