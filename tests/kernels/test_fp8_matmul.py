@@ -78,6 +78,56 @@ def test_decode_kernel_through_the_interpreter(per_row, M, config, device):
     assert_close(c, want)
 
 
+def _grid_activations(M: int, K: int, peaks: list[int], seed: int) -> torch.Tensor:
+    """x (M, K) whose every value is an e4m3 value times 2**k (k per row) and whose columns `peaks` hold
+    +-448 * 2**k: every K slice holding a peak has the scale 2**k exactly, so quantizing it is exact (the
+    interpreter's float32 -> FP8 conversion errs only where rounding carries, PLATFORM-NOTES.md)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(M, K, generator=g).mul(60).clamp(-448, 448).to(FP8).float()
+    q[:, peaks] = 448.0 * torch.where(torch.rand(M, len(peaks), generator=g) < 0.5, -1.0, 1.0)
+    return q * 2.0 ** torch.randint(-6, 4, (M, 1), generator=g).float()
+
+
+@pytest.mark.parametrize(
+    "M,config", [(1, DecodeConfig("dot", 16, 32)), (5, DecodeConfig("dot", 16, 32, split_k=3))], ids=str
+)
+def test_decode_kernel_quantizes_activations_itself(M, config, device):
+    """QUANT_A: the decode kernel takes float x and quantizes it per (row, K slice) as it loads it. With x
+    on the e4m3 grid and a +-448 peak in each slice (K = 100: slices [0, 64) and [64, 100) at split_k=3),
+    the quantization is exact, so the result is x @ W^T in float32 sums."""
+    from kiln.kernels.fp8_matmul import _fp8_decode
+
+    N, K = 37, 100
+    x = _grid_activations(M, K, [5, 70], seed=M)
+    b_q, b_s = quantize_fp8_ref(torch.randn(N, K, generator=torch.Generator().manual_seed(9)), per_row=True)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(2))
+    x, b_q, b_s, bias = (t.to(device) for t in (x, b_q, b_s, bias))
+    c = torch.empty(M, N, device=device)
+    with use_backend("triton"):
+        _fp8_decode(x, None, b_q, b_s, bias, c, config, quant_a=True)
+    assert_close(c, x.double() @ (b_q.double() * b_s.double()).T + bias.double())
+
+
+def test_linear_quantizes_inside_the_decode_kernel_where_a_config_is_swept(device, monkeypatch):
+    """fp8_linear at decode sizes with an FP8_DECODE_TABLE entry: one launch that quantizes x itself, the
+    same numbers as quantize + matmul where K is not split (x on the e4m3 grid: exact on the CPU too)."""
+    from kiln.kernels import fp8_matmul as fm
+
+    N, K = 24, 64
+    monkeypatch.setitem(fm.FP8_DECODE_TABLE, (1, N, K), DecodeConfig("dot", 16, 32))
+    x = _grid_activations(1, K, [3], seed=4).to(device, torch.float16)
+    w_q, w_s = quantize_fp8_ref(torch.randn(N, K, generator=torch.Generator().manual_seed(1)), per_row=True)
+    w_q, w_s = w_q.to(device), w_s.to(device)
+    launched = []
+    real = fm._fp8_decode
+    monkeypatch.setattr(fm, "_fp8_decode", lambda *a, **k: launched.append(k) or real(*a, **k))
+    with use_backend("triton"):
+        y = fp8_linear(x, w_q, w_s)
+    a_q, a_s = quantize_fp8_ref(x.float(), per_row=True)
+    assert launched == [{"quant_a": True}] and y.dtype == torch.float16
+    assert_close(y, fp8_matmul_ref(a_q, a_s, w_q, w_s, None, torch.float64))
+
+
 def test_linear_reference_and_errors():
     x = torch.randn(3, 5, 64)
     w_q, w_s = quantize_fp8_ref(torch.randn(16, 64), per_row=True)
@@ -123,3 +173,31 @@ def test_matmul_matches_scaled_mm(per_row, M, N, K):
     if M <= 16:  # the decode form, K split in 4
         c = fp8_matmul(a_q, a_s, b_q, b_s, config=DecodeConfig("dot", 64, 128, 4, 4, 3))
         assert_close(c, want.double(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4, 16])
+@pytest.mark.parametrize("N,K", [(2048, 1536), (17920, 1536), (1536, 8960)])
+def test_linear_at_decode_quantizes_in_the_kernel(M, N, K):
+    """fp8_linear at the swept decode shapes (Qwen2.5-1.5B's projections) quantizes x inside the decode
+    kernel: where K is not split, the bits of quantize_fp8 + the same kernel; where it is, one scale per
+    (row, K slice), against that quantization's float64 product."""
+    from kiln.kernels.fp8_matmul import FP8_DECODE_TABLE
+    from kiln.kernels.launch import cdiv
+
+    config = FP8_DECODE_TABLE[(1 if M == 1 else 4 if M <= 4 else 16, N, K)]
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * 3
+    w_q, w_s = quantize_fp8(torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5, per_row=True)
+    y = fp8_linear(x, w_q, w_s)
+    a_q, a_s = quantize_fp8(x, per_row=True)
+    if config.split_k == 1:
+        assert torch.equal(y, fp8_matmul(a_q, a_s, w_q, w_s, config=config))
+        return
+    k_split = cdiv(cdiv(K, config.split_k), config.block_k) * config.block_k  # as _fp8_decode slices K
+    want = torch.zeros(M, N, dtype=torch.float64, device="cuda")
+    for k0 in range(0, K, k_split):
+        q, s = quantize_fp8_ref(x[:, k0 : k0 + k_split], per_row=True)
+        want += (q.double() * s.double()) @ (w_q[:, k0 : k0 + k_split].double() * w_s.double()).T
+    # x * (1 / s) in the kernel, x / s in the reference: now and then a value lands on the other side of a
+    # rounding boundary (test_quantize_kernel_equals_reference), within bf16 output rounding here
+    assert_close(y, want, torch.bfloat16)

@@ -53,6 +53,11 @@ c = dict(ROW_A=True, ROW_B=True, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_
 fp8_ptrs = dict(A_ptr="*fp8e4nv", B_ptr="*fp8e4nv", SA_ptr="*fp32", SB_ptr="*bf16", C_ptr="*bf16", Bias_ptr="*bf16")
 out["fp8 tile"] = compile_(f8._fp8_tile_kernel, fp8_ptrs, c, ["M", "N", "K", "stride_am", "stride_bn"], num_warps=4,
                            num_stages=4)
+# the decode kernel quantizing bf16 activations itself (QUANT_A), K split in two
+c = dict(ROW_A=False, ROW_B=True, HAS_BIAS=False, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, STAGES=3, QUANT_A=True)
+out["fp8 decode, x quantized inside"] = compile_(f8._fp8_decode_kernel, {**fp8_ptrs, "A_ptr": "*bf16"}, c,
+                                                ["M", "N", "K", "stride_am", "stride_bn", "k_split"], num_warps=4,
+                                                num_stages=3)
 print(json.dumps(out))
 """
 

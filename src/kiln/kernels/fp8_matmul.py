@@ -16,6 +16,9 @@ SMs at decode, each walking all of K.
 
 `fp8_linear(x, w_q, w_scale, bias)` quantizes the activations per row on the fly and runs the matmul:
 FP8 weight + activation inference (the tile config is a fixed rule, no autotuner: safe in CUDA graphs).
+At decode sizes with a swept decode config the decode kernel quantizes x itself (QUANT_A: one scale per
+row and K slice, the per-row scale where K is not split), so a decode step's projection is one launch
+(two with a K split), not a quantize launch more.
 FP8 needs sm_89+; Triton's CPU interpreter does not run these kernels, so CPU tests check the quantize
 math through the reference and the kernels run in the GPU tests (against torch._scaled_mm).
 """
@@ -144,9 +147,9 @@ def _fp8_tile_kernel(
 
 @triton.jit
 def _fp8_decode_kernel(
-    A_ptr,  # (M, K) float8e4nv activations, M <= 16, row stride stride_am, K-contiguous
+    A_ptr,  # (M, K) activations, M <= 16, row stride stride_am, K-contiguous: float8e4nv, or float (QUANT_A)
     B_ptr,  # (N, K) float8e4nv weight, row stride stride_bn, K-contiguous
-    SA_ptr,  # scales of A: (M,) when ROW_A, else (1,)
+    SA_ptr,  # scales of A: (M,) when ROW_A, else (1,); not read with QUANT_A
     SB_ptr,  # scales of B: (N,) when ROW_B, else (1,)
     C_ptr,  # (M, N) contiguous output; with SPLIT_K > 1 a float32 (SPLIT_K, M, N) partial-sum buffer
     Bias_ptr,  # (N,), read when HAS_BIAS (and SPLIT_K == 1)
@@ -163,9 +166,15 @@ def _fp8_decode_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     STAGES: tl.constexpr,
+    QUANT_A: tl.constexpr,
 ):
     """Decode (M <= 16): the weight is the tensor-core M side, acc (BLOCK_N, 16) = B tile @ A tile.T
-    (both K-major, as FP8 wgmma takes them), over a grid (cdiv(N, BLOCK_N), SPLIT_K) that K splits fill."""
+    (both K-major, as FP8 wgmma takes them), over a grid (cdiv(N, BLOCK_N), SPLIT_K) that K splits fill.
+    QUANT_A: A is the float activations, quantized here as _quantize_kernel does per row, but over this
+    program's K range: a first pass takes each row's amax there, and each tile is scaled, clamped and cast
+    as it is loaded. One scale per (row, K slice), applied to the slice's partial sum; with one slice it is
+    the per-row scale, and the result is the bits of quantize_fp8 + this kernel. This saves the quantize
+    launch (and its pass over x) at every decode step's projection; x is a few KB, read twice from L2."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -176,14 +185,26 @@ def _fp8_decode_kernel(
     a_rows = A_ptr + offs_m[:, None] * stride_am  # (16, 1)
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
+    if QUANT_A:  # this K range's amax per row, hence its scale (as _quantize_kernel's)
+        amax = tl.zeros((16,), dtype=tl.float32)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
+        sa = tl.maximum(amax / 448.0, 1e-12)  # (16,)
+        inv = 1.0 / sa
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         b = tl.load(b_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         a = tl.load(a_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if QUANT_A:
+            a = tl.minimum(tl.maximum(a.to(tl.float32) * inv[:, None], -448.0), 448.0).to(tl.float8e4nv)
         acc = tl.dot(b, a.T, acc)  # (BLOCK_N, 16)
-    if ROW_A:
+    if QUANT_A:
+        acc *= sa[None, :]
+    elif ROW_A:
         acc *= tl.load(SA_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[None, :]
     else:
         acc *= tl.load(SA_ptr).to(tl.float32)
@@ -308,8 +329,11 @@ def fp8_matmul(
     return c
 
 
-def _fp8_decode(a_q, a_scale, b_q, b_scale, bias, c, config: DecodeConfig) -> torch.Tensor:
-    """fp8_matmul through _fp8_decode_kernel into c (M, N): checks and launches."""
+def _fp8_decode(
+    a_q, a_scale, b_q, b_scale, bias, c, config: DecodeConfig, quant_a: bool = False
+) -> torch.Tensor:
+    """fp8_matmul through _fp8_decode_kernel into c (M, N): checks and launches. quant_a: a_q is the float
+    activations, quantized in the kernel per (row, K slice) (its docstring); a_scale is not read."""
     M, K = a_q.shape
     N = b_q.shape[0]
     if config.kernel != "dot" or M > DECODE_MAX_M or config.block_k < 32 or config.block_n < 16:
@@ -324,10 +348,10 @@ def _fp8_decode(a_q, a_scale, b_q, b_scale, bias, c, config: DecodeConfig) -> to
     dst = torch.empty((split, M, N), device=c.device, dtype=torch.float32) if split > 1 else c
     b = c if bias is None else bias
     _decode_launch[(cdiv(N, config.block_n), split)](
-        a_q, b_q, a_scale, b_scale, dst, b, M, N, K, a_q.stride(0), b_q.stride(0), k_split,
-        ROW_A=a_scale.numel() == M and M > 1, ROW_B=b_scale.numel() == N and N > 1,
+        a_q, b_q, b_scale if quant_a else a_scale, b_scale, dst, b, M, N, K, a_q.stride(0), b_q.stride(0),
+        k_split, ROW_A=not quant_a and a_scale.numel() == M and M > 1, ROW_B=b_scale.numel() == N and N > 1,
         HAS_BIAS=bias is not None and split == 1, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT_K=split, STAGES=config.stages, num_warps=config.warps,
+        SPLIT_K=split, STAGES=config.stages, QUANT_A=quant_a, num_warps=config.warps,
     )  # fmt: skip
     if split > 1:
         _sum_launch[(cdiv(M * N, 1024),)](dst, c, b, M * N, N, HAS_BIAS=bias is not None, ACTIVATION="none",
@@ -335,13 +359,27 @@ def _fp8_decode(a_q, a_scale, b_q, b_scale, bias, c, config: DecodeConfig) -> to
     return c
 
 
+def _fp8_linear_2d(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x (M, K) -> (M, N) through FP8 activations: at decode sizes with a swept decode config, quantized
+    inside the decode kernel (per row and K slice, no quantize launch); else quantize_fp8 per row, then
+    fp8_matmul."""
+    M, K = x.shape
+    config = FP8_DECODE_TABLE.get((1 if M == 1 else 4 if M <= 4 else 16, w_q.shape[0], K))
+    if 0 < M <= DECODE_MAX_M and isinstance(config, DecodeConfig) and use_triton(x, w_q) and x.stride(1) == 1:
+        c = torch.empty((M, w_q.shape[0]), device=x.device, dtype=x.dtype)
+        return _fp8_decode(x, None, w_q, w_scale, bias, c, config, quant_a=True)
+    a_q, a_scale = quantize_fp8(x, per_row=True)
+    return fp8_matmul(a_q, a_scale, w_q, w_scale, bias, x.dtype)
+
+
 @torch.library.custom_op("kiln::fp8_linear", mutates_args=())
 def fp8_linear_op(
     x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x (M, K) -> (M, N) through per-row FP8 activations; opaque to torch.compile, forward only."""
-    a_q, a_scale = quantize_fp8(x, per_row=True)
-    return fp8_matmul(a_q, a_scale, w_q, w_scale, bias, x.dtype)
+    return _fp8_linear_2d(x, w_q, w_scale, bias)
 
 
 @fp8_linear_op.register_fake
@@ -359,6 +397,5 @@ def fp8_linear(
     if torch.compiler.is_compiling():
         y = fp8_linear_op(x2, w_q, w_scale, bias)
     else:
-        a_q, a_scale = quantize_fp8(x2, per_row=True)
-        y = fp8_matmul(a_q, a_scale, w_q, w_scale, bias, x.dtype)
+        y = _fp8_linear_2d(x2, w_q, w_scale, bias)
     return y.view(*lead, w_q.shape[0])
