@@ -19,8 +19,10 @@ FP8 weight + activation inference (the tile config is a fixed rule, no autotuner
 At decode sizes with a swept decode config the decode kernel quantizes x itself (QUANT_A: one scale per
 row and K slice, the per-row scale where K is not split), so a decode step's projection is one launch
 (two with a K split), not a quantize launch more.
-FP8 needs sm_89+; Triton's CPU interpreter does not run these kernels, so CPU tests check the quantize
-math through the reference and the kernels run in the GPU tests (against torch._scaled_mm).
+FP8 needs sm_89+. Triton's CPU interpreter converts float32 to FP8 wrongly where rounding carries, so CPU
+tests check the quantize math through the reference, run the matmul kernels in the interpreter on operands
+quantized by torch (the decode kernel's own quantization on activations on the e4m3 grid, exact), and the
+GPU tests compare with torch._scaled_mm and with quantize + matmul.
 """
 
 from __future__ import annotations
