@@ -38,6 +38,7 @@ from kiln.infer.engine import LLM
 from kiln.kernels.dispatch import sm_count, use_backend
 from kiln.kernels.fp8_matmul import (
     FP8,
+    fp8_decode_linear,
     fp8_linear,
     fp8_matmul,
     fp8_matmul_ref,
@@ -417,16 +418,20 @@ def _sweep_weights(fmt: str, w: torch.Tensor) -> dict:
 
 def _sweep_call(fmt: str, x: torch.Tensor, q: dict, config) -> torch.Tensor:
     kind, group, _ = SWEEP_FORMATS[fmt]
-    if kind == "fp8":
-        a8, a_s = quantize_fp8(x, per_row=True)  # as fp8_linear (the engine's path), with a chosen tile
-        return fp8_matmul(a8, a_s, q["qweight"].view(FP8), q["scales"], None, x.dtype, config=config)
+    if kind == "fp8":  # as fp8_linear (the engine's path), with a chosen config
+        w8 = q["qweight"].view(FP8)
+        if isinstance(config, DecodeConfig):  # the decode kernel quantizes x itself
+            return fp8_decode_linear(x, w8, q["scales"], None, config)
+        a8, a_s = quantize_fp8(x, per_row=True)
+        return fp8_matmul(a8, a_s, w8, q["scales"], None, x.dtype, config=config)
     bits = 4 if kind == "int4" else 8
     return wq_matmul_fwd(x, q["qweight"], q["scales"], q["zeros"], bits, group, config=config)
 
 
 def _sweep_ref(fmt: str, x: torch.Tensor, q: dict) -> torch.Tensor:
     kind, group, _ = SWEEP_FORMATS[fmt]
-    if kind == "fp8":  # what the kernel computes: x quantized per row, then the float32 product
+    if kind == "fp8":  # x quantized per row, then the float32 product (the decode kernel's per-slice
+        # quantization, where K is split, differs from it by far less than the check's 5%)
         a8, a_s = quantize_fp8_ref(x, per_row=True)
         return fp8_matmul_ref(a8, a_s, q["qweight"].view(FP8), q["scales"], None, torch.float32)
     return wq_matmul_ref(x.float(), q["qweight"], q["scales"], q["zeros"], 4 if kind == "int4" else 8, group)

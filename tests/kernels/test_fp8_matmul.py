@@ -95,16 +95,16 @@ def test_decode_kernel_quantizes_activations_itself(M, config, device):
     """QUANT_A: the decode kernel takes float x and quantizes it per (row, K slice) as it loads it. With x
     on the e4m3 grid and a +-448 peak in each slice (K = 100: slices [0, 64) and [64, 100) at split_k=3),
     the quantization is exact, so the result is x @ W^T in float32 sums."""
-    from kiln.kernels.fp8_matmul import _fp8_decode
+    from kiln.kernels.fp8_matmul import fp8_decode_linear
 
     N, K = 37, 100
     x = _grid_activations(M, K, [5, 70], seed=M)
     b_q, b_s = quantize_fp8_ref(torch.randn(N, K, generator=torch.Generator().manual_seed(9)), per_row=True)
     bias = torch.randn(N, generator=torch.Generator().manual_seed(2))
     x, b_q, b_s, bias = (t.to(device) for t in (x, b_q, b_s, bias))
-    c = torch.empty(M, N, device=device)
     with use_backend("triton"):
-        _fp8_decode(x, None, b_q, b_s, bias, c, config, quant_a=True)
+        c = fp8_decode_linear(x, b_q, b_s, bias, config)
+    assert c.dtype == x.dtype
     assert_close(c, x.double() @ (b_q.double() * b_s.double()).T + bias.double())
 
 
@@ -119,12 +119,12 @@ def test_linear_quantizes_inside_the_decode_kernel_where_a_config_is_swept(devic
     w_q, w_s = quantize_fp8_ref(torch.randn(N, K, generator=torch.Generator().manual_seed(1)), per_row=True)
     w_q, w_s = w_q.to(device), w_s.to(device)
     launched = []
-    real = fm._fp8_decode
-    monkeypatch.setattr(fm, "_fp8_decode", lambda *a, **k: launched.append(k) or real(*a, **k))
+    real = fm.fp8_decode_linear
+    monkeypatch.setattr(fm, "fp8_decode_linear", lambda *a: launched.append(a[-1]) or real(*a))
     with use_backend("triton"):
         y = fp8_linear(x, w_q, w_s)
     a_q, a_s = quantize_fp8_ref(x.float(), per_row=True)
-    assert launched == [{"quant_a": True}] and y.dtype == torch.float16
+    assert launched == [DecodeConfig("dot", 16, 32)] and y.dtype == torch.float16
     assert_close(y, fp8_matmul_ref(a_q, a_s, w_q, w_s, None, torch.float64))
 
 

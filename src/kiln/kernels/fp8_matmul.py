@@ -361,17 +361,26 @@ def _fp8_decode(
     return c
 
 
+def fp8_decode_linear(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, config: DecodeConfig
+) -> torch.Tensor:
+    """x (M, K) float, M <= 16 -> (M, N) in x's dtype: the decode kernel at `config`, quantizing x itself
+    per (row, K slice) as it loads it (_fp8_decode_kernel's QUANT_A), so there is no quantize launch."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"fp8_decode_linear takes x (M, K) with unit stride along K, got {tuple(x.shape)}")
+    c = torch.empty((x.shape[0], w_q.shape[0]), device=x.device, dtype=x.dtype)
+    return _fp8_decode(x, None, w_q, w_scale, bias, c, config, quant_a=True)
+
+
 def _fp8_linear_2d(
     x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x (M, K) -> (M, N) through FP8 activations: at decode sizes with a swept decode config, quantized
-    inside the decode kernel (per row and K slice, no quantize launch); else quantize_fp8 per row, then
-    fp8_matmul."""
+    """x (M, K) -> (M, N) through FP8 activations: at decode sizes with a swept decode config,
+    fp8_decode_linear (no quantize launch); else quantize_fp8 per row, then fp8_matmul."""
     M, K = x.shape
     config = FP8_DECODE_TABLE.get((1 if M == 1 else 4 if M <= 4 else 16, w_q.shape[0], K))
     if 0 < M <= DECODE_MAX_M and isinstance(config, DecodeConfig) and use_triton(x, w_q) and x.stride(1) == 1:
-        c = torch.empty((M, w_q.shape[0]), device=x.device, dtype=x.dtype)
-        return _fp8_decode(x, None, w_q, w_scale, bias, c, config, quant_a=True)
+        return fp8_decode_linear(x, w_q, w_scale, bias, config)
     a_q, a_scale = quantize_fp8(x, per_row=True)
     return fp8_matmul(a_q, a_scale, w_q, w_scale, bias, x.dtype)
 
