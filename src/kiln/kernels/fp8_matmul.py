@@ -34,7 +34,7 @@ import triton.language as tl
 from kiln.kernels._common import grouped_tile
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
-from kiln.kernels.matmul_decode import DECODE_MAX_M, DecodeConfig, _split_sum_kernel, _store
+from kiln.kernels.matmul_decode import DECODE_MAX_M, DecodeConfig, _split_sum_kernel, _store, table_rows
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -318,7 +318,7 @@ def fp8_matmul(
     if M == 0 or N == 0:
         return c
     if config is None and M <= DECODE_MAX_M and FP8_DECODE_TABLE:
-        config = FP8_DECODE_TABLE.get((1 if M == 1 else 4 if M <= 4 else 16, N, K))
+        config = FP8_DECODE_TABLE.get((table_rows(M), N, K))
     if isinstance(config, DecodeConfig):
         return _fp8_decode(a_q, a_scale, b_q, b_scale, bias, c, config)
     bm, bn, bk, stages, warps = config or fp8_tile_config(M, N)
@@ -378,7 +378,7 @@ def _fp8_linear_2d(
     """x (M, K) -> (M, N) through FP8 activations: at decode sizes with a swept decode config,
     fp8_decode_linear (no quantize launch); else quantize_fp8 per row, then fp8_matmul."""
     M, K = x.shape
-    config = FP8_DECODE_TABLE.get((1 if M == 1 else 4 if M <= 4 else 16, w_q.shape[0], K))
+    config = FP8_DECODE_TABLE.get((table_rows(M), w_q.shape[0], K))
     if 0 < M <= DECODE_MAX_M and isinstance(config, DecodeConfig) and use_triton(x, w_q) and x.stride(1) == 1:
         return fp8_decode_linear(x, w_q, w_scale, bias, config)
     a_q, a_scale = quantize_fp8(x, per_row=True)

@@ -78,6 +78,12 @@ DECODE_MAX_M = 16  # kiln's matmul routes up to this many rows here (the gemv an
 DECODE_WIDE_M = 128  # the dot kernel's x.T tile is at most this wide: one column block covers every row
 
 
+def table_rows(M: int) -> int:
+    """The row count a swept decode table (quant_matmul.DECODE_TABLE, fp8_matmul.FP8_DECODE_TABLE) keys M
+    by: 1, 4 for 2-4 rows, 16 for 5-16."""
+    return 1 if M == 1 else 4 if M <= 4 else 16
+
+
 class DecodeConfig(NamedTuple):
     """A launch config: kernel ("gemv" or "dot"), tiles, K split, warps, pipeline stages, and `pdl`: launch
     the main kernel with programmatic dependent launch (Hopper+), so that it may start while the kernel

@@ -42,7 +42,7 @@ import triton.language as tl
 from kiln.kernels._common import grouped_tile
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv
-from kiln.kernels.matmul_decode import DECODE_MAX_M, DecodeConfig, _split_sum_kernel, _store
+from kiln.kernels.matmul_decode import DECODE_MAX_M, DecodeConfig, _split_sum_kernel, _store, table_rows
 from kiln.kernels.quant_decode import MAGIC, _wq_fma_kernel, _wq_mma_kernel, word_view
 
 BITS = (4, 8)
@@ -366,9 +366,7 @@ def wq_decode_config(
     quantized kernels; `bench/quant.py --case decode-sweep` measures it against every form."""
     if interpreting():  # small tiles: ragged tiles and several K steps in the CPU tests
         return DecodeConfig("gemv", 16, 64 if bits == 4 else 32) if M == 1 else DecodeConfig("dot", 16, 32)
-    swept = DECODE_TABLE.get(
-        (decode_format(bits, group, asymmetric), 1 if M == 1 else 4 if M <= 4 else 16, N, K)
-    )
+    swept = DECODE_TABLE.get((decode_format(bits, group, asymmetric), table_rows(M), N, K))
     if swept is not None:
         return swept
     if M == 1:

@@ -216,7 +216,7 @@ class MmaConfig:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory per block: the stages; with tma 1024 bytes of alignment slack and the
-        two mbarriers per stage (TmaSmem in csrc/mma_kernels.cuh)."""
+        two mbarriers per stage (RingSmem in csrc/tma_ring.cuh)."""
         stages = self.stages * (self.bm + self.bn) * self.k_bytes
         return stages + 1024 + 16 * self.stages if self.tma else stages
 

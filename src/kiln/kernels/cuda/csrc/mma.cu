@@ -42,7 +42,7 @@ const char* launch_tma(int M, int N, int K, const void* A, const void* B, void* 
     CUtensorMap tm_a, tm_b;
     if (const char* e = kiln::make_tma_map(&tm_a, A, M, K, 2, BM)) return e;
     if (const char* e = kiln::make_tma_map(&tm_b, B, K, N, 2, 64)) return e;
-    constexpr int smem = mma_gemm::TmaSmem<BM, BN, STAGES>::BYTES;
+    constexpr int smem = kiln_hopper::RingSmem<BM, BN, STAGES>::BYTES;
     constexpr int minb = mma_gemm::tma_blocks_per_sm<BM, BN, STAGES>();
     auto kernel = mma_gemm::gemm_tma<BM, BN, WARPS_M, WARPS_N, STAGES, minb>;
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

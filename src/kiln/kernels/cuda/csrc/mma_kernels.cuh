@@ -467,17 +467,6 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 // stream, and the cp.async wait. setmaxnreg moves registers from the producer (24) to the consumers
 // (CONSUMER_REGS: what MINB blocks per SM leave). Edges: TMA zero-fills boxes past M, N and K, and stores
 // past C's edges are skipped, so M is arbitrary; K % 8 == 0 and N % 8 == 0 (16-byte rows for TMA).
-template <int BM, int BN, int STAGES>
-struct TmaSmem {
-    static constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128, STAGE = A_BYTES + B_BYTES;
-    static constexpr int BAR_OFFSET = STAGES * STAGE;
-    // 1024 bytes of slack to align the stages to the swizzle atom (TMA's 128-byte swizzle is a function
-    // of the address bits, so the ldmatrix addresses agree with it only on 1024-byte aligned boxes)
-    static constexpr int BYTES = 1024 + BAR_OFFSET + 2 * STAGES * 8;
-    static_assert(A_BYTES % 1024 == 0 && B_BYTES % 1024 == 0, "boxes stay 1024-byte aligned");
-    static_assert(BYTES <= 227 * 1024, "at most 227 KiB of shared memory per block on Hopper");
-};
-
 // Registers a consumer thread may take (setmaxnreg: a multiple of 8, at most 240): the block's share of the
 // SM's 65536 (MINB blocks per SM) less the producer warpgroup's 128 x 24 (setmaxnreg's least; its one
 // working thread needs no more), over the nt consumer threads: 240 at 8 consumer warps, 232 at 4 and two
@@ -491,7 +480,7 @@ constexpr int consumer_regs(int minb, int nt) {
 // hardware reserves for each) fits the SM's 228 KiB.
 template <int BM, int BN, int STAGES>
 constexpr int tma_blocks_per_sm() {
-    return 2 * (TmaSmem<BM, BN, STAGES>::BYTES + 1024) <= 228 * 1024 ? 2 : 1;
+    return 2 * (kiln_hopper::RingSmem<BM, BN, STAGES>::BYTES + 1024) <= 228 * 1024 ? 2 : 1;
 }
 
 template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, int MINB>
@@ -499,7 +488,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 128, MINB)
     gemm_tma(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b, int M, int N,
              int K, __nv_bfloat16* __restrict__ C) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // TMA, mbarrier waits and setmaxnreg: sm_90a
-    using S = TmaSmem<BM, BN, STAGES>;
+    using S = kiln_hopper::RingSmem<BM, BN, STAGES>;
     constexpr int NW = WARPS_M * WARPS_N, NT = NW * 32;  // consumer warps and threads
     constexpr int BK = 64, KS = BK / 16;                 // bf16 of K per stage; k16 steps per stage
     constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N, MI = WTM / 16, NI = WTN / 8;
@@ -509,7 +498,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 128, MINB)
     static_assert(BM <= 256 && BM * BN * 2 <= S::BAR_OFFSET, "a TMA box has <= 256 rows; C fits in the stages");
 
     extern __shared__ unsigned char smem_tma[];
-    unsigned char* smem = smem_tma + ((1024 - (kiln_hopper::smem_u32(smem_tma) & 1023)) & 1023);
+    unsigned char* smem = kiln_hopper::ring_smem(smem_tma);
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::BAR_OFFSET);  // STAGES: the stage's bytes landed
     uint64_t* empty = full + STAGES;                                      // STAGES: every consumer warp is done
     if (threadIdx.x == 0) kiln_hopper::ring_init<STAGES>(full, empty, NW);  // lane 0 of every consumer warp
@@ -526,8 +515,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 128, MINB)
         const int m0 = origin.m0, n0 = origin.n0;
         if (threadIdx.x == 0) {
             for (int kt = 0; kt < ktiles; ++kt) {
-                const int s = kiln_hopper::ring_acquire<STAGES>(full, empty, kt, S::STAGE);
-                unsigned char* a_tile = smem + s * S::STAGE;
+                const int s = kiln_hopper::ring_acquire<STAGES>(full, empty, kt, S::STAGE_BYTES);
+                unsigned char* a_tile = smem + s * S::STAGE_BYTES;
                 kiln_hopper::tma_load_2d(a_tile, &tm_a, &full[s], kt * BK, m0);
 #pragma unroll
                 for (int j = 0; j < BN / 64; ++j) {
@@ -549,7 +538,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 128, MINB)
     float acc[MI][NI][4] = {};
     uint32_t af[2][MI][4], bfrag[2][NI][2];
     auto frags = [&](int buf, int stage, int ks) {
-        const unsigned char* as = smem + stage * S::STAGE;
+        const unsigned char* as = smem + stage * S::STAGE_BYTES;
         load_frags<false, MI, NI, 128, WTN, 128, 64 * 128>(af[buf], bfrag[buf], as, as + S::A_BYTES, ks, a_row,
                                                            a_x, wn, lane);
     };

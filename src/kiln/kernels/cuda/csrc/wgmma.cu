@@ -15,7 +15,7 @@ const char* launch(int M, int N, int K, const void* A, const void* Bt, const flo
     CUtensorMap tm_a, tm_b;
     if (const char* e = kiln::make_tma_map(&tm_a, A, M, K, elem, BM)) return e;
     if (const char* e = kiln::make_tma_map(&tm_b, Bt, N, K, elem, BN)) return e;
-    constexpr int smem = wgmma_gemm::Smem<BM, BN, STAGES>::BYTES;
+    constexpr int smem = kiln_hopper::RingSmem<BM, BN, STAGES>::BYTES;
     auto kernel = wgmma_gemm::gemm<FP8, BM, BN, NC, STAGES>;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return cudaGetErrorString(err);

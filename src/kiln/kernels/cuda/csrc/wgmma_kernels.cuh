@@ -44,20 +44,6 @@ constexpr int GROUP_M = 8;      // tile rows per group of the block order
     X(3, 256, 128, 2, 4)      \
     X(4, 128, 128, 2, 5)
 
-// Shared memory of one configuration: STAGES x (A tile, B tile), then the 2 x STAGES mbarriers, plus
-// 1024 bytes of slack to align the tiles to the swizzle atom (the 128-byte swizzle is a function of the
-// address bits, so TMA and wgmma agree only on 1024-byte aligned tiles).
-template <int BM, int BN, int STAGES>
-struct Smem {
-    static constexpr int A_BYTES = BM * ROW_BYTES;
-    static constexpr int B_BYTES = BN * ROW_BYTES;
-    static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-    static constexpr int BAR_OFFSET = STAGES * STAGE_BYTES;
-    static constexpr int BYTES = 1024 + BAR_OFFSET + 2 * STAGES * 8;
-    static_assert(A_BYTES % 1024 == 0 && B_BYTES % 1024 == 0, "tiles stay 1024-byte aligned");
-    static_assert(BYTES <= 227 * 1024, "at most 227 KiB of shared memory per block on Hopper");
-};
-
 template <bool FP8, int N>
 __device__ __forceinline__ void mma_step(float (&d)[N / 2], uint64_t da, uint64_t db) {
     if constexpr (FP8)
@@ -71,7 +57,7 @@ __global__ void __launch_bounds__((NC + 1) * 128, 1)
     gemm(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b, int M, int N, int K,
          __nv_bfloat16* __restrict__ C, const float* __restrict__ scale_a, const float* __restrict__ scale_b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma, TMA and setmaxnreg exist on sm_90a only
-    using S = Smem<BM, BN, STAGES>;
+    using S = kiln_hopper::RingSmem<BM, BN, STAGES>;
     constexpr int BK = FP8 ? 128 : 64;  // K elements per stage (128 bytes)
     constexpr int WG_ROWS = BM / NC;    // rows of C per consumer warpgroup
     constexpr int SLICES = WG_ROWS / 64;
@@ -80,7 +66,7 @@ __global__ void __launch_bounds__((NC + 1) * 128, 1)
     static_assert(SLICES * BN / 2 <= 128, "at most 128 fp32 accumulators per thread");
 
     extern __shared__ unsigned char smem_raw[];
-    unsigned char* smem = smem_raw + ((1024 - (kiln_hopper::smem_u32(smem_raw) & 1023)) & 1023);
+    unsigned char* smem = kiln_hopper::ring_smem(smem_raw);
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::BAR_OFFSET);  // STAGES: tile landed
     uint64_t* empty = full + STAGES;                                      // STAGES: stage released
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
