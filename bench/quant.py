@@ -39,6 +39,7 @@ from kiln.kernels.dispatch import sm_count, use_backend
 from kiln.kernels.fp8_matmul import (
     FP8,
     fp8_decode_linear,
+    fp8_decode_linear_ref,
     fp8_linear,
     fp8_matmul,
     fp8_matmul_ref,
@@ -428,10 +429,11 @@ def _sweep_call(fmt: str, x: torch.Tensor, q: dict, config) -> torch.Tensor:
     return wq_matmul_fwd(x, q["qweight"], q["scales"], q["zeros"], bits, group, config=config)
 
 
-def _sweep_ref(fmt: str, x: torch.Tensor, q: dict) -> torch.Tensor:
+def _sweep_ref(fmt: str, x: torch.Tensor, q: dict, config=None) -> torch.Tensor:
     kind, group, _ = SWEEP_FORMATS[fmt]
-    if kind == "fp8":  # x quantized per row, then the float32 product (the decode kernel's per-slice
-        # quantization, where K is split, differs from it by far less than the check's 5%)
+    if kind == "fp8" and isinstance(config, DecodeConfig):  # x quantized per (row, K slice) of the split
+        return fp8_decode_linear_ref(x, q["qweight"].view(FP8), q["scales"], None, config, torch.float32)
+    if kind == "fp8":  # x quantized per row, then the float32 product
         a8, a_s = quantize_fp8_ref(x, per_row=True)
         return fp8_matmul_ref(a8, a_s, q["qweight"].view(FP8), q["scales"], None, torch.float32)
     return wq_matmul_ref(x.float(), q["qweight"], q["scales"], q["zeros"], 4 if kind == "int4" else 8, group)
@@ -597,7 +599,10 @@ def sweep_section(
                 for lab, cfg in configs.items():
                     try:
                         got = _sweep_call(fmt, x, q0, cfg)
-                        errs[lab] = float((got.float() - want).abs().max()) / scale
+                        # against the candidate's own quantization (a split FP8 one quantizes x per K
+                        # slice), relative to the output's max
+                        ref = _sweep_ref(fmt, x, q0, cfg) if fmt == "fp8" else want
+                        errs[lab] = float((got.float() - ref).abs().max()) / scale
                         if not errs[lab] < 0.05:  # a wrong kernel is a failure, never a winner
                             raise AssertionError(f"max error {errs[lab]:.4g} of the output's max")
                         if not smoke:

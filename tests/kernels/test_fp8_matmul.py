@@ -12,6 +12,7 @@ from kiln.kernels.dispatch import use_backend
 from kiln.kernels.fp8_matmul import (
     FP8,
     FP8_MAX,
+    fp8_decode_linear_ref,
     fp8_linear,
     fp8_matmul,
     fp8_matmul_ref,
@@ -108,6 +109,19 @@ def test_decode_kernel_quantizes_activations_itself(M, config, device):
     assert_close(c, x.double() @ (b_q.double() * b_s.double()).T + bias.double())
 
 
+def test_decode_linear_reference_quantizes_per_k_slice():
+    """fp8_decode_linear_ref: one slice is quantize per row + the FP8 product; at split_k=3 each slice
+    [0, 64) and [64, 100) has its own scale, so grid activations with a peak in each are exact."""
+    M, N, K = 3, 11, 100
+    x = _grid_activations(M, K, [5, 70], seed=1)
+    w_q, w_s = quantize_fp8_ref(torch.randn(N, K, generator=torch.Generator().manual_seed(3)), per_row=True)
+    a_q, a_s = quantize_fp8_ref(x, per_row=True)
+    one = fp8_decode_linear_ref(x, w_q, w_s, None, DecodeConfig("dot", 16, 32))
+    assert torch.equal(one, (a_q.double() * a_s.double()) @ (w_q.double() * w_s.double()).T)
+    split = fp8_decode_linear_ref(x, w_q, w_s, None, DecodeConfig("dot", 16, 32, split_k=3))
+    torch.testing.assert_close(split, x.double() @ (w_q.double() * w_s.double()).T, rtol=1e-12, atol=1e-12)
+
+
 def test_linear_quantizes_inside_the_decode_kernel_where_a_config_is_swept(device, monkeypatch):
     """fp8_linear at decode sizes with an FP8_DECODE_TABLE entry: one launch that quantizes x itself, the
     same numbers as quantize + matmul where K is not split (x on the e4m3 grid: exact on the CPU too)."""
@@ -183,7 +197,6 @@ def test_linear_at_decode_quantizes_in_the_kernel(M, N, K):
     kernel: where K is not split, the bits of quantize_fp8 + the same kernel; where it is, one scale per
     (row, K slice), against that quantization's float64 product."""
     from kiln.kernels.fp8_matmul import FP8_DECODE_TABLE
-    from kiln.kernels.launch import cdiv
 
     config = FP8_DECODE_TABLE[(1 if M == 1 else 4 if M <= 4 else 16, N, K)]
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * 3
@@ -193,11 +206,7 @@ def test_linear_at_decode_quantizes_in_the_kernel(M, N, K):
     if config.split_k == 1:
         assert torch.equal(y, fp8_matmul(a_q, a_s, w_q, w_s, config=config))
         return
-    k_split = cdiv(cdiv(K, config.split_k), config.block_k) * config.block_k  # as _fp8_decode slices K
-    want = torch.zeros(M, N, dtype=torch.float64, device="cuda")
-    for k0 in range(0, K, k_split):
-        q, s = quantize_fp8_ref(x[:, k0 : k0 + k_split], per_row=True)
-        want += (q.double() * s.double()) @ (w_q[:, k0 : k0 + k_split].double() * w_s.double()).T
+    want = fp8_decode_linear_ref(x, w_q, w_s, None, config)
     # x * (1 / s) in the kernel, x / s in the reference: now and then a value lands on the other side of a
     # rounding boundary (test_quantize_kernel_equals_reference), within bf16 output rounding here
     assert_close(y, want, torch.bfloat16)

@@ -66,6 +66,36 @@ def fp8_matmul_ref(
     return c.to(out_dtype)
 
 
+def decode_k_split(K: int, split_k: int, block_k: int) -> int:
+    """The K range of one slice of the FP8 decode kernel at split_k: whole BLOCK_K steps (K when not split);
+    cdiv(K, result) slices run, so a slice that would find no K is dropped."""
+    return K if split_k <= 1 else cdiv(cdiv(K, split_k), block_k) * block_k
+
+
+def fp8_decode_linear_ref(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: DecodeConfig,
+    out_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """What fp8_decode_linear computes: x (M, K) quantized per (row, K slice) of `config`'s split, each
+    slice's float64 product with the dequantized weight, summed (+ bias). With one slice this is
+    quantize_fp8_ref per row + fp8_matmul_ref; with several, a finer quantization, which differs from the
+    per-row one by the two roundings' noise (a few % of the output's max at K = 8960), not by bf16's."""
+    K = x.shape[1]
+    k_split = decode_k_split(K, config.split_k, config.block_k)
+    w = w_q.double() * w_scale.double()
+    y = torch.zeros(x.shape[0], w_q.shape[0], dtype=torch.float64, device=x.device)
+    for k0 in range(0, K, k_split):
+        q, s = quantize_fp8_ref(x[:, k0 : k0 + k_split], per_row=True)
+        y += (q.double() * s.double()) @ w[:, k0 : k0 + k_split].T
+    if bias is not None:
+        y += bias.double()
+    return y.to(out_dtype)
+
+
 # ------------------------------------------------------------------------------------------ kernels
 @triton.jit
 def _quantize_kernel(
@@ -255,21 +285,22 @@ def quantize_fp8(
 # Measured winners of `bench/quant.py --case decode-sweep` on the H200 at 1, 4 (2-4) and 16 (5-16) rows, by
 # (rows, N, K): a tile tuple or a DecodeConfig for the decode kernel. The sweep prints these entries where a
 # candidate beat fp8_tile_config by more than 2%; other shapes take fp8_tile_config.
-# Swept at 3963b92 (bench/results/quant_sweep.json).
+# Swept at 3963b92; the entries the sweep at 9ddd50d printed (the decode kernel quantizing x itself)
+# merged in (bench/results/quant_sweep.json).
 FP8_DECODE_TABLE: dict[tuple[int, int, int], tuple[int, int, int, int, int] | DecodeConfig] = {
-    (1, 1536, 1536): DecodeConfig("dot", 64, 256, 2, 4, 3),
+    (1, 1536, 1536): DecodeConfig("dot", 64, 128, 4, 4, 3),
     (1, 1536, 8960): DecodeConfig("dot", 64, 256, 8, 4, 3),
-    (1, 2048, 1536): DecodeConfig("dot", 64, 256, 2, 4, 3),
+    (1, 2048, 1536): DecodeConfig("dot", 64, 128, 4, 4, 3),
     (1, 17920, 1536): DecodeConfig("dot", 64, 256, 1, 4, 3),
     (1, 151936, 1536): DecodeConfig("dot", 64, 256, 1, 4, 3),
-    (4, 1536, 1536): DecodeConfig("dot", 64, 256, 2, 4, 3),
+    (4, 1536, 1536): DecodeConfig("dot", 64, 128, 4, 4, 3),
     (4, 1536, 8960): DecodeConfig("dot", 64, 256, 8, 4, 3),
-    (4, 2048, 1536): DecodeConfig("dot", 64, 256, 2, 4, 3),
+    (4, 2048, 1536): DecodeConfig("dot", 64, 128, 4, 4, 3),
     (4, 17920, 1536): DecodeConfig("dot", 64, 256, 1, 4, 3),
     (4, 151936, 1536): DecodeConfig("dot", 64, 128, 1, 4, 3),
     (16, 1536, 1536): DecodeConfig("dot", 64, 128, 4, 4, 3),
     (16, 1536, 8960): DecodeConfig("dot", 64, 256, 8, 4, 3),
-    (16, 2048, 1536): DecodeConfig("dot", 64, 256, 2, 4, 3),
+    (16, 2048, 1536): DecodeConfig("dot", 64, 128, 4, 4, 3),
     (16, 17920, 1536): DecodeConfig("dot", 64, 256, 1, 4, 3),
     (16, 151936, 1536): DecodeConfig("dot", 64, 128, 1, 4, 3),
 }
@@ -343,10 +374,8 @@ def _fp8_decode(
             f"the FP8 decode kernel takes DecodeConfig('dot', BLOCK_N >= 16, BLOCK_K >= 32, ...) and at most "
             f"{DECODE_MAX_M} rows, got {config} for {M} rows"
         )
-    split, k_split = 1, K
-    if config.split_k > 1:  # whole BLOCK_K steps per slice; a slice that would find no K is dropped
-        k_split = cdiv(cdiv(K, config.split_k), config.block_k) * config.block_k
-        split = cdiv(K, k_split)
+    k_split = decode_k_split(K, config.split_k, config.block_k)
+    split = cdiv(K, k_split)
     dst = torch.empty((split, M, N), device=c.device, dtype=torch.float32) if split > 1 else c
     b = c if bias is None else bias
     _decode_launch[(cdiv(N, config.block_n), split)](
