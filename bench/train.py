@@ -87,6 +87,13 @@ SHAPES: dict[str, tuple[ModelConfig, int]] = {
 }  # fmt: skip
 SMOKE_SHAPE = (ModelConfig(arch="llama", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                            ffn_hidden=128, max_seq_len=64), 2)  # fmt: skip
+# the fp8-curve runs: (label, --kernels.linear, init seed); bf16 first, the reference the others are read against
+CURVE_RUNS = (
+    ("bf16", "auto", 0),
+    ("bf16-seed1", "auto", 1),
+    ("fp8", "fp8", 0),
+    ("fp8-rowwise", "fp8_rowwise", 0),
+)
 CONTENDERS = ("kiln-eager", "kiln-compiled", "kiln-compiled-fp8", "kiln-compiled-fp8-rowwise", "hf-compiled",
               "nanogpt-compiled")  # fmt: skip
 PEERS = ("hf-compiled", "nanogpt-compiled")
@@ -458,12 +465,7 @@ def fp8_curve(run: BenchRun, args) -> None:
     gen = torch.Generator().manual_seed(0)
     starts = torch.randint(0, len(data) - T - 1, (steps, B), generator=gen).to(dev)
     val_starts = torch.randint(0, len(val) - T - 1, (8 if not run.smoke else 2, B), generator=gen).to(dev)
-    runs = [
-        ("bf16", "auto", 0),
-        ("bf16-seed1", "auto", 1),
-        ("fp8", "fp8", 0),
-        ("fp8-rowwise", "fp8_rowwise", 0),
-    ]
+    runs = [run_ for run_ in CURVE_RUNS if args.curve_runs is None or run_[0] in args.curve_runs.split(",")]
     curves, out, last_s = {}, [], 0.0
     for label, linear, seed in runs:
         if run.elapsed() + last_s > args.budget:
@@ -542,7 +544,13 @@ def main() -> None:
     p.add_argument("--profile-shape", default=PROFILE_SHAPE, choices=tuple(SHAPES))
     p.add_argument("--compile", action="store_true", help="fp8-curve: train through torch.compile "
                    "(as the throughput cases do) instead of eagerly")  # fmt: skip
+    p.add_argument("--curve-runs", help="fp8-curve: comma-separated subset of "
+                   f"{', '.join(r[0] for r in CURVE_RUNS)} (default all; bf16 is the reference)")  # fmt: skip
     args = p.parse_args()
+    unknown = set((args.curve_runs or "").split(",")) - {"", *(r[0] for r in CURVE_RUNS)}
+    if unknown:
+        p.error(f"--curve-runs: unknown run(s) {', '.join(sorted(unknown))}; choose from "
+                f"{', '.join(r[0] for r in CURVE_RUNS)}")  # fmt: skip
     if args.case == "fp8-curve":
         args.budget = 200.0 if args.budget is None else args.budget
         if args.out is None and not args.smoke:

@@ -45,3 +45,13 @@ def test_fp8_curve_smoke(tmp_path):
     assert runs["fp8"]["mean_abs_diff_vs_bf16"] < 0.1  # 4 steps: the curves have barely moved apart
     assert all(r["params_without_grad_step1"] == [] for r in runs.values())  # every parameter learns
     assert (tmp_path / "train.png").read_bytes()[:4] == b"\x89PNG"  # the curves drawn beside the JSON
+
+
+def test_curve_runs_refuses_an_unknown_run(tmp_path):
+    """--curve-runs names runs of the fp8-curve case; a name that is none of them is one clear error."""
+    cmd = [sys.executable, str(ROOT / "bench" / "train.py"), "--smoke", "--case", "fp8-curve",
+           "--curve-runs", "bf16,fp8-colwise", "--out", str(tmp_path / "t.json")]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "unknown run(s) fp8-colwise" in proc.stderr
+    assert not (tmp_path / "t.json").exists()
