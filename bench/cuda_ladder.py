@@ -5,6 +5,7 @@ its torch/cuBLAS peer (the measurement is kiln.profile.cuda_ladder; `kiln bench 
 
     python bench/cuda_ladder.py      # H200: under 3 minutes with a cold build -> bench/results/cuda_ladder.json
                                      # and bench/results/cuda_ladder/*.png
+    python bench/cuda_ladder.py --replot bench/results/cuda_ladder.json   # the PNGs again, from the JSON (CPU)
 
 There is no --smoke: the kernels are CUDA C++ and do not run on the CPU. Without a CUDA toolchain the
 script says what is missing and exits with status 2 (tests/kernels/cuda tests that path).

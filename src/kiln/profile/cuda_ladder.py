@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from kiln.errors import KilnError
+
 SGEMM_SHAPES = ((4096, 4096, 4096), (1000, 1027, 999))
 TC_SHAPES = ((4096, 4096, 4096), (1000, 1024, 1008))
 WGMMA_SHAPES = ((4096, 4096, 4096), (1000, 1024, 1008))
@@ -348,6 +350,29 @@ def bench_wgmma(
     return rows
 
 
+def _tensor_core_bars(key: str, rows: list[dict], wgmma: dict) -> list[tuple[str, float, bool]]:
+    """(label, TFLOP/s, is_peer) for one shape's tensor-core rungs: mma.sync bf16 as first written and its
+    fastest configuration, wgmma's fastest in bf16 and FP8 (their own sections), the FP8 mma.sync, and the
+    peers. A kernel that was not measured has no bar."""
+    by = {r.get("name"): r for r in rows if r.get("TFLOPs") is not None}
+
+    def best(section: str) -> float | None:
+        ts = [
+            r["TFLOPs"] for r in wgmma.get(section, []) if r.get("TFLOPs") and r.get("name") != "cublas_bf16"
+        ]
+        return max(ts) if ts else None
+
+    tuned = by.get("mma_bf16_autotuned", {})
+    bars = [("mma.sync bf16", by.get("mma_bf16", {}).get("TFLOPs"), False),
+            (f"mma.sync bf16 best (config {tuned.get('config')})", tuned.get("TFLOPs"), False),
+            ("wgmma bf16 best", best(f"bf16 {key}"), False),
+            ("cuBLAS bf16", by.get("cublas_bf16", {}).get("TFLOPs"), True),
+            ("mma.sync FP8", by.get("mma_fp8", {}).get("TFLOPs"), False),
+            ("wgmma FP8 best", best(f"fp8 {key}"), False),
+            ("_scaled_mm FP8", by.get("scaled_mm_fp8", {}).get("TFLOPs"), True)]  # fmt: skip
+    return [(label, t, peer) for label, t, peer in bars if t is not None]
+
+
 def plot(out_dir: Path, result: dict) -> list[str]:
     """The PNGs: the ladder (GFLOP/s per step against cuBLAS) and one per probe."""
     import matplotlib
@@ -379,6 +404,17 @@ def plot(out_dir: Path, result: dict) -> list[str]:
         ax.legend()
         ax.tick_params(axis="x", rotation=30)
         save(fig, f"sgemm_{key}")
+    for key, rows in result.get("tensor_cores", {}).items():
+        bars = _tensor_core_bars(key, rows, result.get("wgmma", {}))
+        if not bars:
+            continue
+        fig, ax = plt.subplots(figsize=(8, 4))
+        colors = ["tab:red" if peer else "tab:blue" for _, _, peer in bars]
+        ax.bar([name for name, _, _ in bars], [t for _, t, _ in bars], color=colors)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"tensor cores, {key} (red: cuBLAS bf16 / torch._scaled_mm)")
+        ax.tick_params(axis="x", rotation=30)
+        save(fig, f"tensor_cores_{key}")
     p = result["probes"]
     series = [("strided_reads", "stride", "GBps", "global read GB/s (useful bytes)", False),
               ("bank_conflicts", "stride", "slowdown", "shared-memory time vs stride 1", False),
@@ -537,7 +573,20 @@ def main(argv: list[str] | None = None, script_file: str | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/cuda_ladder.py", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/cuda_ladder.json", help="the result JSON (PNGs beside it)")
     p.add_argument("--worker", nargs=3, metavar=("KIND", "MxNxK", "CONFIGS"), help=argparse.SUPPRESS)
+    p.add_argument("--replot", metavar="JSON", help="redraw the PNGs beside a result JSON from its figures "
+                   "(no GPU; e.g. when a run's PNGs did not come back) and exit")  # fmt: skip
     args = p.parse_args(argv)
+    if args.replot:
+        path = Path(args.replot)
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise KilnError(
+                f"--replot {path}: cannot read a result JSON ({e}); give the file bench/cuda_ladder.py wrote"
+            ) from None
+        for png in plot(path.parent / path.stem, result):
+            print(png)
+        return 0
     if args.worker:  # the child process of _run_isolated
         kind, shape, configs = args.worker
         return isolated_worker(kind, shape, [int(v) for v in configs.split(",")])

@@ -102,3 +102,36 @@ def test_a_failed_section_is_one_error_row_and_is_not_plotted(tmp_path):
     result["sgemm"]["4096x4096x4096"] = rows
     result["tensor_cores"] = {"4096x4096x4096": rows}
     assert not any(v["met"] for v in goals(result).values())
+
+
+def test_tensor_core_bars_take_each_kinds_fastest_and_skip_what_was_not_measured():
+    from kiln.profile.cuda_ladder import _tensor_core_bars
+
+    rows = [{"name": "mma_bf16", "TFLOPs": 300.0}, {"name": "mma_bf16_autotuned", "TFLOPs": 480.0, "config": 18},
+            {"name": "cublas_bf16", "TFLOPs": 780.0}, {"name": "mma_fp8", "TFLOPs": None, "error": "fault"},
+            {"name": "scaled_mm_fp8", "TFLOPs": 1290.0}]  # fmt: skip
+    wgmma = {"bf16 64x64x64": [{"name": "wgmma_bf16", "TFLOPs": 600.0}, {"name": "wgmma_bf16", "TFLOPs": 640.0},
+                               {"name": "cublas_bf16", "TFLOPs": 700.0}]}  # fmt: skip
+    assert _tensor_core_bars("64x64x64", rows, wgmma) == [
+        ("mma.sync bf16", 300.0, False),
+        ("mma.sync bf16 best (config 18)", 480.0, False),
+        ("wgmma bf16 best", 640.0, False),
+        ("cuBLAS bf16", 780.0, True),
+        ("_scaled_mm FP8", 1290.0, True),
+    ]
+
+
+def test_replot_redraws_from_a_result_json_and_refuses_a_bad_one(tmp_path):
+    import json
+
+    from kiln.errors import KilnError
+    from kiln.profile.cuda_ladder import main
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(KilnError, match="cannot read a result JSON"):
+        main(["--replot", str(bad)])
+    good = tmp_path / "ladder.json"
+    good.write_text(json.dumps(fake_result()))
+    assert main(["--replot", str(good)]) == 0
+    assert (tmp_path / "ladder" / "sgemm_4096x4096x4096.png").read_bytes()[:4] == b"\x89PNG"
