@@ -41,6 +41,7 @@ from kiln.kernels.fp8_matmul import (
     fp8_decode_linear,
     fp8_decode_linear_ref,
     fp8_linear,
+    fp8_linear_decode_config,
     fp8_matmul,
     fp8_matmul_ref,
     quantize_fp8,
@@ -421,6 +422,8 @@ def _sweep_call(fmt: str, x: torch.Tensor, q: dict, config) -> torch.Tensor:
     kind, group, _ = SWEEP_FORMATS[fmt]
     if kind == "fp8":  # as fp8_linear (the engine's path), with a chosen config
         w8 = q["qweight"].view(FP8)
+        if config is None:  # the rule: fp8_linear itself, as the engine calls it
+            return fp8_linear(x, w8, q["scales"])
         if isinstance(config, DecodeConfig):  # the decode kernel quantizes x itself
             return fp8_decode_linear(x, w8, q["scales"], None, config)
         a8, a_s = quantize_fp8(x, per_row=True)
@@ -430,7 +433,11 @@ def _sweep_call(fmt: str, x: torch.Tensor, q: dict, config) -> torch.Tensor:
 
 
 def _sweep_ref(fmt: str, x: torch.Tensor, q: dict, config=None) -> torch.Tensor:
+    """The product a candidate computes, in float32; for FP8, with x quantized as that candidate (the rule:
+    as fp8_linear) quantizes it."""
     kind, group, _ = SWEEP_FORMATS[fmt]
+    if kind == "fp8" and config is None:  # the rule is fp8_linear, which may take a decode config itself
+        config = fp8_linear_decode_config(x.shape[0], q["qweight"].shape[0], x.shape[1])
     if kind == "fp8" and isinstance(config, DecodeConfig):  # x quantized per (row, K slice) of the split
         return fp8_decode_linear_ref(x, q["qweight"].view(FP8), q["scales"], None, config, torch.float32)
     if kind == "fp8":  # x quantized per row, then the float32 product

@@ -210,3 +210,14 @@ def test_linear_at_decode_quantizes_in_the_kernel(M, N, K):
     # x * (1 / s) in the kernel, x / s in the reference: now and then a value lands on the other side of a
     # rounding boundary (test_quantize_kernel_equals_reference), within bf16 output rounding here
     assert_close(y, want, torch.bfloat16)
+
+
+def test_linear_decode_config_is_the_swept_entry_at_decode_rows_only():
+    """fp8_linear_decode_config: the FP8_DECODE_TABLE entry for the rows' bucket (1, 2-4, 5-16) and the
+    weight's (N, K); none past 16 rows or for a shape the sweep did not cover."""
+    from kiln.kernels.fp8_matmul import FP8_DECODE_TABLE, fp8_linear_decode_config
+
+    (rows, N, K), config = next((k, v) for k, v in FP8_DECODE_TABLE.items() if k[0] == 4)
+    assert fp8_linear_decode_config(3, N, K) == config and fp8_linear_decode_config(2, N, K) == config
+    assert fp8_linear_decode_config(17, N, K) is None and fp8_linear_decode_config(0, N, K) is None
+    assert fp8_linear_decode_config(1, N + 1, K) is None

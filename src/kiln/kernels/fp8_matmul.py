@@ -401,14 +401,21 @@ def fp8_decode_linear(
     return _fp8_decode(x, None, w_q, w_scale, bias, c, config, quant_a=True)
 
 
+def fp8_linear_decode_config(M: int, N: int, K: int) -> DecodeConfig | None:
+    """The swept decode config with which fp8_linear quantizes x (M, K) inside the decode kernel for an
+    (N, K) weight (on Triton, x K-contiguous), or None: then it quantizes per row and calls fp8_matmul."""
+    config = FP8_DECODE_TABLE.get((table_rows(M), N, K)) if 0 < M <= DECODE_MAX_M else None
+    return config if isinstance(config, DecodeConfig) else None
+
+
 def _fp8_linear_2d(
     x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x (M, K) -> (M, N) through FP8 activations: at decode sizes with a swept decode config,
     fp8_decode_linear (no quantize launch); else quantize_fp8 per row, then fp8_matmul."""
     M, K = x.shape
-    config = FP8_DECODE_TABLE.get((table_rows(M), w_q.shape[0], K))
-    if 0 < M <= DECODE_MAX_M and isinstance(config, DecodeConfig) and use_triton(x, w_q) and x.stride(1) == 1:
+    config = fp8_linear_decode_config(M, w_q.shape[0], K)
+    if config is not None and use_triton(x, w_q) and x.stride(1) == 1:
         return fp8_decode_linear(x, w_q, w_scale, bias, config)
     a_q, a_scale = quantize_fp8(x, per_row=True)
     return fp8_matmul(a_q, a_scale, w_q, w_scale, bias, x.dtype)

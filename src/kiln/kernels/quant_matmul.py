@@ -305,8 +305,8 @@ _sum_launch = CachedLaunch(_split_sum_kernel)
 # of "int8", "int4-g<G>", "int4-g<G>-asym"; rows 1, 4 (for 2-4 rows) or 16 (for 5-16). The sweep prints
 # these entries ("table" in bench/results/quant_sweep.json) where a candidate beat the rule below by more
 # than 2%; a shape not listed takes the rule.
-# Swept at 3963b92; the entries the sweep at 9ddd50d printed (the fma loop's new form) merged in
-# (bench/results/quant_sweep.json).
+# Swept at 3963b92; the entries the sweeps at 9ddd50d (the fma loop's new form) and 465e463 printed merged in
+# (bench/results/quant_sweep.json, the 9ddd50d one in bench/results/archive/).
 DECODE_TABLE: dict[tuple[str, int, int, int], DecodeConfig] = {
     ("int4-g128", 1, 17920, 1536): DecodeConfig("fma", 8, 256, 1, 2, 3),
     ("int4-g128", 1, 151936, 1536): DecodeConfig("fma", 8, 256, 1, 2, 3),
@@ -336,7 +336,7 @@ DECODE_TABLE: dict[tuple[str, int, int, int], DecodeConfig] = {
     ("int4-g128-asym", 16, 17920, 1536): DecodeConfig("mma", 32, 128, 1, 4, 3),
     ("int4-g128-asym", 16, 151936, 1536): DecodeConfig("mma", 64, 64, 1, 4, 4),
     ("int4-g128-asym", 16, 1536, 8960): DecodeConfig("mma", 32, 128, 8, 4, 3),
-    ("int8", 1, 17920, 1536): DecodeConfig("fma", 8, 256, 1, 2, 3),
+    ("int8", 1, 17920, 1536): DecodeConfig("fma", 16, 256, 1, 2, 3),
     ("int8", 1, 151936, 1536): DecodeConfig("fma", 16, 256, 1, 2, 3),
     ("int8", 4, 1536, 1536): DecodeConfig("dot", 32, 128, 4, 4, 3),
     ("int8", 4, 2048, 1536): DecodeConfig("dot", 32, 128, 4, 4, 3),
