@@ -283,8 +283,9 @@ def quantize_fp8(
 
 
 # Measured winners of `bench/quant.py --case decode-sweep` on the H200 at 1, 4 (2-4) and 16 (5-16) rows, by
-# (rows, N, K): a tile tuple or a DecodeConfig for the decode kernel. The sweep prints these entries where a
-# candidate beat fp8_tile_config by more than 2%; other shapes take fp8_tile_config.
+# (rows, N, K): a tile tuple or a DecodeConfig for the decode kernel (with which fp8_linear quantizes x inside
+# it). The sweep prints these entries where a candidate beat the rule (fp8_linear's own choice) by more than
+# 2%; other shapes take fp8_tile_config.
 # Swept at 3963b92; the entries the sweep at 9ddd50d printed (the decode kernel quantizing x itself)
 # merged in (bench/results/quant_sweep.json).
 FP8_DECODE_TABLE: dict[tuple[int, int, int], tuple[int, int, int, int, int] | DecodeConfig] = {

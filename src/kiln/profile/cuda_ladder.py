@@ -374,7 +374,8 @@ def _tensor_core_bars(key: str, rows: list[dict], wgmma: dict) -> list[tuple[str
 
 
 def plot(out_dir: Path, result: dict) -> list[str]:
-    """The PNGs: the ladder (GFLOP/s per step against cuBLAS) and one per probe."""
+    """The PNGs: the SGEMM ladder (GFLOP/s per step against cuBLAS fp32) and the tensor-core rungs (TFLOP/s
+    against cuBLAS bf16 and torch._scaled_mm) per shape, and one per probe."""
     import matplotlib
 
     matplotlib.use("Agg")
