@@ -287,7 +287,7 @@ def quantize_fp8(
 # it). The sweep prints these entries where a candidate beat the rule (fp8_linear's own choice) by more than
 # 2%; other shapes take fp8_tile_config.
 # Swept at 3963b92; the entries the sweep at 9ddd50d printed (the decode kernel quantizing x itself)
-# merged in (bench/results/quant_sweep.json).
+# merged in (bench/results/archive/quant_sweep-9ddd50d.json; the 465e463 sweep in quant_sweep.json agrees).
 FP8_DECODE_TABLE: dict[tuple[int, int, int], tuple[int, int, int, int, int] | DecodeConfig] = {
     (1, 1536, 1536): DecodeConfig("dot", 64, 128, 4, 4, 3),
     (1, 1536, 8960): DecodeConfig("dot", 64, 256, 8, 4, 3),
