@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.data.pysources import held_out, load_python_corpus, source_files
+from kiln.data.pysources import held_out, load_python_corpus, source_files, zlib_bits_per_byte
 from kiln.errors import KilnError
 from kiln.train.config import resolve_config
 from kiln.train.run import run
@@ -28,6 +28,27 @@ def test_corpus_is_named_files_in_a_fixed_order_with_a_fixed_held_out_set():
     frac = sum(held_out(n, 0.1) for n in files) / len(files)
     assert 0.07 < frac < 0.13  # about val_fraction of the files
     assert "jinja2/__init__.py" in files and "stdlib/json/__init__.py" in files
+
+
+def test_the_repetition_filter_leaves_out_exactly_the_files_zlib_compresses_below_the_bound():
+    names, docs, fp = load_python_corpus(["jinja2"], max_bytes=3_000_000)
+    kept, kept_docs, kfp = load_python_corpus(["jinja2"], max_bytes=3_000_000, min_zlib_bpb=1.2)
+    assert "min_zlib_bpb" not in fp  # off: the fingerprint reads as before the option existed
+    rate = {n: zlib_bits_per_byte(d.encode("utf-8")) for n, d in zip(names, docs)}
+    low = {n for n, r in rate.items() if r < 1.2}
+    assert low and len(low) < len(names) / 2  # a few files at this bound (~4%), not most of them
+    # the same order with the repetitive files taken out (and, under max_bytes, more files after them)
+    assert [n for n in names if n not in low] == kept[: len(names) - len(low)]
+    assert all(zlib_bits_per_byte(d.encode("utf-8")) >= 1.2 for d in kept_docs)
+    assert kfp["min_zlib_bpb"] == 1.2 and kfp["dropped_files"] >= len(low) and kfp["dropped_bytes"] > 0
+    # a table of repeated rows compresses far below hand-written code
+    assert zlib_bits_per_byte(b"'aten::add': ['Tensor', 'Tensor'],\n" * 2000) < 0.1
+    assert 1.2 < zlib_bits_per_byte(Path(__file__).read_bytes()) < 3.5
+    with pytest.raises(KilnError, match="min_zlib_bpb must be in"):
+        resolve_config("speedrun", overrides=["--data.min_zlib_bpb=9"])
+    with pytest.raises(KilnError, match="set data.packages too"):
+        resolve_config("cpu", overrides=["--data.min_zlib_bpb=0.8"])
+    assert resolve_config("speedrun").data.min_zlib_bpb == 0.8
 
 
 def test_a_missing_package_is_a_clear_error():

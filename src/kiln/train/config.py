@@ -33,6 +33,9 @@ class DataConfig:
     # a list (even empty): the Python-sources corpus instead (kiln.data.pysources): the stdlib, pydoc_data
     # and these installed packages' .py files, held out by a hash of each file's name (seed unused)
     packages: list[str] | None = None
+    # the Python-sources corpus only: leave out files zlib compresses below this many bits per byte
+    # (generated tables a model learns to copy; kiln.data.pysources); 0 keeps every file
+    min_zlib_bpb: float = 0.0
 
     def __post_init__(self) -> None:
         _require(
@@ -43,6 +46,14 @@ class DataConfig:
             0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}"
         )
         _require(self.max_bytes is None or self.max_bytes > 0, "data.max_bytes must be positive or null")
+        _require(
+            0.0 <= self.min_zlib_bpb < 8.0,
+            f"data.min_zlib_bpb must be in [0, 8) bits per byte (0: keep every file), got {self.min_zlib_bpb}",
+        )
+        _require(
+            self.min_zlib_bpb == 0.0 or self.packages is not None,
+            "data.min_zlib_bpb filters the Python-sources corpus: set data.packages too, or leave it at 0",
+        )
 
 
 @dataclass

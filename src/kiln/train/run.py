@@ -61,7 +61,10 @@ def prepare_tokenizer_and_data(
     tokenizer is an error, never a rebuild.
     """
     env = DistEnv()
-    stages = {"data": to_dict(cfg.data), "tokenizer": to_dict(cfg.tokenizer)}
+    data = to_dict(cfg.data)
+    if not data.get("min_zlib_bpb"):  # added later: off, it must not make older runs' stages differ
+        data.pop("min_zlib_bpb", None)
+    stages = {"data": data, "tokenizer": to_dict(cfg.tokenizer)}
     stages_path = run_dir / "stages.json"
     tok_dir, data_dir = run_dir / "tokenizer", run_dir / "data"
     done = (
@@ -87,7 +90,7 @@ def prepare_tokenizer_and_data(
             env,
             f"[1/5] reading Python sources: the stdlib, pydoc_data, {', '.join(cfg.data.packages) or '-'}",
         )
-        names, docs, corpus = load_python_corpus(cfg.data.packages, cfg.data.max_bytes)
+        names, docs, corpus = load_python_corpus(cfg.data.packages, cfg.data.max_bytes, cfg.data.min_zlib_bpb)
         is_val = [held_out(n, cfg.data.val_fraction) for n in names]
         if all(is_val) or not any(is_val):
             raise KilnError(
@@ -98,6 +101,12 @@ def prepare_tokenizer_and_data(
             env,
             f"      corpus list sha256 {corpus['list_sha256'][:16]}, text sha256 {corpus['text_sha256'][:16]}",
         )
+        if "dropped_files" in corpus:
+            _say(
+                env,
+                f"      left out {corpus['dropped_files']} files ({corpus['dropped_bytes'] / 1e6:.1f} MB) that zlib "
+                f"compresses below data.min_zlib_bpb={corpus['min_zlib_bpb']} bits per byte",
+            )
     else:
         src = cfg.data.path or "the bundled corpus (Python stdlib sources + pydoc_data)"
         _say(env, f"[1/5] reading {src}")
