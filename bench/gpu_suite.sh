@@ -86,8 +86,12 @@ for part in $PARTS; do
     # issue 21: the CUDA kernels' GPU tests (wgmma and the TMA-fed mma.sync included), then the ladder
     cuda) timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/cuda >> "$OUT/bench.log" 2>&1
           timeout 200 python3 bench/cuda_ladder.py --out "$OUT/cuda_ladder.json" >> "$OUT/bench.log" 2>&1 ;;
-    # issue 19: decode batch 1-64 and prefill against torch._grouped_mm (~90 s)
-    moe) timeout 180 python3 bench/moe.py --case quick --out "$OUT/moe_quick.json" >> "$OUT/bench.log" 2>&1 ;;
+    # issue 19: the decode kernels' GPU tests, then decode batch 1-64, prefill against torch._grouped_mm and
+    # the tile sweeps (<= 400 s; ~130 s without the sweeps at c598f16)
+    moe) timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_moe_decode.py \
+           >> "$OUT/bench.log" 2>&1
+         timeout 280 python3 bench/moe.py --case quick --budget 240 --out "$OUT/moe_quick.json" \
+           >> "$OUT/bench.log" 2>&1 ;;
     # issues 15 and 19: the decode forms built without a GPU, each against the form in use, side by side.
     # decode: kernel level (decode attention's one-launch form and split configs; add + RMSNorm split over
     # the decode matmuls) and the GPU tests of every new form (<= 530 s; attention alone took ~130 s at c598f16)

@@ -54,11 +54,14 @@ import torch.nn.functional as F
 from kiln.kernels.dispatch import use_backend
 from kiln.kernels.moe_decode import (
     DecodeTiles,
+    add_shared_slots,
     decode_form,
     decode_tiles,
     expert_rows,
     expert_tiles,
     moe_decode_fwd,
+    shared_mlp_as_experts,
+    stack_shared_experts,
     use_decode,
 )
 from kiln.kernels.moe_gemm import (
@@ -384,6 +387,15 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     if not quick:
         impls |= {"kiln_fused": kiln_fused_experts, "loop": loop_experts}
     fns = {n: fwd(with_shared(f, shared), [x, idx, w, w1, w2]) for n, f in impls.items()}
+    fused_err = None
+    if shared is not None:  # the shared expert as one more slot of the routed kernels (moe_decode's docs)
+        W1, W2 = stack_shared_experts(w1, w2, *shared_mlp_as_experts(*shared, inter))
+        n_sh = W1.shape[0] - E
+        ids, ws = add_shared_slots(idx, w, E, n_sh)
+        fns["kiln_shared_fused"] = fwd(kiln_experts, [x, ids, ws, W1, W2])
+        with torch.no_grad():
+            fused_err = float((kiln_experts(x, ids, ws, W1, W2).float()
+                               - with_shared(kiln_experts, shared)(x, idx, w, w1, w2).float()).abs().max())  # fmt: skip
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=b.dev)
     dst = torch.empty_like(src)
     fns["copy"] = lambda: dst.copy_(src)
@@ -400,6 +412,8 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
                  form=decode_form(B) if use_decode(B, k, E) else None,
                  experts_rows=expert_rows(B, b.dtype), max_abs_diff_vs_grouped=float(err.max()),
                  max_abs_diff_experts_vs_pairs=float(err_forms.max()))  # fmt: skip
+    if fused_err is not None:  # the fused sum rounds once, the unfused one adds two bf16 outputs
+        entry["max_abs_diff_shared_fused_vs_unfused"] = fused_err
     b.record(entry, b.time(fns, graph=True), nbytes=nbytes)
     # > 1: the experts form is faster than the pairs form at this batch and routing
     ms = {n: _best_ms(entry["results"].get(n, {})) for n in ("kiln_decode_pairs", "kiln_decode_experts")}
@@ -535,10 +549,10 @@ SWEEP_DECODE_UP = [DecodeTiles(8, 256, 4, 3), DecodeTiles(4, 512, 4, 2), DecodeT
                    DecodeTiles(16, 128, 4, 3), DecodeTiles(2, 1024, 4, 1)]  # fmt: skip
 SWEEP_DECODE_DOWN = [DecodeTiles(4, 256, 2, 3), DecodeTiles(2, 1024, 4, 1), DecodeTiles(8, 256, 4, 3),
                      DecodeTiles(2, 256, 1, 3), DecodeTiles(1, 1024, 2, 2)]  # fmt: skip
-# the experts form's tl.dot tiles (batch > 1; block_n and block_k >= 16): wider column blocks (fewer
-# programs, more rows per x tile read), longer K steps, fewer warps, deeper pipelines
-SWEEP_EXPERTS_DOT = [DecodeTiles(32, 128, 4, 3), DecodeTiles(64, 128, 4, 3), DecodeTiles(16, 256, 4, 3),
-                     DecodeTiles(16, 64, 4, 4), DecodeTiles(16, 128, 1, 4), DecodeTiles(16, 256, 2, 3)]  # fmt: skip
+# the experts form's tl.dot tiles (batch > 1; block_n and block_k >= 16) around expert_tiles' 64-column
+# default: the 16-column rule it replaced, 32 and 128 columns, 8 warps, shorter and longer K steps
+SWEEP_EXPERTS_DOT = [DecodeTiles(16, 128, 4, 3), DecodeTiles(32, 128, 4, 3), DecodeTiles(128, 128, 4, 3),
+                     DecodeTiles(64, 128, 8, 3), DecodeTiles(64, 64, 4, 4), DecodeTiles(64, 256, 4, 2)]  # fmt: skip
 
 
 def gemm_sweep_case(b: Bench, shape: str, N: int, weights):
@@ -753,11 +767,12 @@ def quick(args) -> int:
         go(gemm_sweep_case, shapes[0], prefill[0], weights[shapes[0]])
         for shape in shapes[:2]:
             go(decode_sweep_case, shape, 1 if not b.smoke else 2, weights[shape])
-        # the experts form: its one-token FMA tiles where decode_form takes it (DeepSeek-like batch 1), its
-        # tl.dot tiles where tokens share experts most (Qwen3-like batch 16, Zipf)
+        # the experts form: its one-token FMA tiles where decode_form takes it (DeepSeek-like and Qwen3-like
+        # batch 1, I 1408 and 768), its tl.dot tiles where tokens share experts most (Qwen3-like 16, Zipf)
+        qwen = shapes[1 if len(shapes) > 1 else 0]
         go(decode_sweep_case, shapes[-1], 1, weights[shapes[-1]], "experts")
-        go(decode_sweep_case, shapes[1 if len(shapes) > 1 else 0], 16 if not b.smoke else 2,
-           weights[shapes[1 if len(shapes) > 1 else 0]], "experts", "zipf")  # fmt: skip
+        go(decode_sweep_case, qwen, 1, weights[qwen], "experts")
+        go(decode_sweep_case, qwen, 16 if not b.smoke else 2, weights[qwen], "experts", "zipf")
     run.meta["skipped_for_time"] = skipped
     run.write(cases=b.cases, case="quick", hard_budget_s=budget)
     return 0

@@ -17,12 +17,15 @@ import torch
 from kiln.kernels.dispatch import use_backend
 from kiln.kernels.moe_decode import (
     DecodeTiles,
+    add_shared_slots,
     decode_form,
     expert_rows,
     moe_decode,
     moe_decode_fwd,
     moe_decode_op,
     moe_decode_ref,
+    shared_mlp_as_experts,
+    stack_shared_experts,
     use_decode,
 )
 from kiln.model.moe import Experts
@@ -184,6 +187,36 @@ def test_moe_decode_experts_tiles_fp16_and_determinism():
     assert_close(got16, _loop(x16, idx, wts, w116, w216), torch.float16, scale=2.0)
 
 
+@pytest.mark.parametrize("form", ["pairs", "experts"])
+@pytest.mark.parametrize("T, n_groups, gated", [(1, 2, False), (3, 1, True), (2, 3, False)])
+def test_moe_decode_shared_experts_fused_as_slots(T, n_groups, gated, form):
+    """A shared SwiGLU MLP of n_groups * I features, split into experts of I and run as more slots of the
+    routed kernels, equals the routed experts plus the MLP computed on its own (float64), with a weight of
+    1 (DeepSeek) or a per-token gate (Qwen2-MoE's sigmoid gate)."""
+    k, E, d, I = 2, 6, 24, 10
+    x, idx, wts, w1, w2 = _case(T, k, E, d, I, seed=7 + T)
+    g = torch.Generator().manual_seed(T)
+    F = n_groups * I
+    s_gate_up = torch.randn(2 * F, d, generator=g) / d**0.5
+    s_down = torch.randn(d, F, generator=g) / F**0.5
+    gate = torch.sigmoid(torch.randn(T, 1, generator=g)) if gated else None
+    s1, s2 = shared_mlp_as_experts(s_gate_up, s_down, I)
+    assert s1.shape == (n_groups, 2 * I, d) and s2.shape == (n_groups, d, I)
+    W1, W2 = stack_shared_experts(w1, w2, s1, s2)
+    ids, ws = add_shared_slots(idx, wts, E, n_groups, None if gate is None else gate.expand(T, n_groups))
+    assert ids.shape == (T, k + n_groups) and (ids[:, k:] == torch.arange(E, E + n_groups)).all()
+    with use_backend("triton"):
+        got = moe_decode_fwd(x, ids, ws, W1, W2, form=form)
+    h = s_gate_up.double() @ x.double().T  # (2F, T)
+    shared = (torch.nn.functional.silu(h[:F]) * h[F:]).T @ s_down.double().T
+    want = _loop(x, idx, wts, w1, w2) + (shared if gate is None else gate.double() * shared)
+    assert_close(got, want)
+    with pytest.raises(ValueError, match="multiple of the routed experts' 10 features"):
+        shared_mlp_as_experts(s_gate_up[:-2], s_down[:, :-1], I)
+    with pytest.raises(ValueError, match="must have the routed experts' shapes"):
+        stack_shared_experts(w1, w2, s1[:, :-2], s2)
+
+
 def test_moe_decode_forms_errors_and_rules():
     x, idx, wts, w1, w2 = _case(2, 2, 4, 16, 8)
     with use_backend("triton"):
@@ -248,7 +281,7 @@ def ptx(fn, ptrs, consts, t, nodiv=()):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=attrs)
     p = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.warps, num_stages=t.stages)).asm["ptx"]
-    return {f: p.count(f) for f in ("mma.sync", "cp.async.cg", "griddepcontrol.wait")}
+    return {f: p.count(f) for f in ("mma.sync", "wgmma.mma_async", "cp.async.cg", "griddepcontrol.wait")}
 
 k, d, I, T = 8, 2048, 768, 16
 rows = md.expert_rows(T, torch.bfloat16)
@@ -283,10 +316,11 @@ def test_moe_decode_experts_form_compiles_for_sm90(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    # the deduped kernels on the tensor cores (mma.sync at 16 rows) fed by 16-byte cp.async loads through
-    # the pipeline; the per-pair down kernel's FMA loop on cp.async loads too
-    assert res["up"]["mma.sync"] > 0 and res["up"]["cp.async.cg"] > 0, res
-    assert res["down"]["mma.sync"] > 0 and res["down"]["cp.async.cg"] > 0, res
-    assert res["down_pair"]["mma.sync"] == 0 and res["down_pair"]["cp.async.cg"] > 0, res
+    # the deduped kernels on the tensor cores (64-column W tiles: wgmma, one warpgroup's M) fed by 16-byte
+    # cp.async loads through the pipeline; the per-pair down kernel's FMA loop on cp.async loads too
+    for kern in ("up", "down"):
+        assert res[kern]["wgmma.mma_async"] + res[kern]["mma.sync"] > 0 and res[kern]["cp.async.cg"] > 0, res
+    tc = res["down_pair"]["mma.sync"] + res["down_pair"]["wgmma.mma_async"]
+    assert tc == 0 and res["down_pair"]["cp.async.cg"] > 0, res
     # launched with programmatic dependent launch on sm_90: each waits for its predecessor in its prologue
     assert all(r["griddepcontrol.wait"] > 0 for r in res.values()), res

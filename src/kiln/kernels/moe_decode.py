@@ -475,14 +475,63 @@ def expert_rows(n_tokens: int, dtype: torch.dtype) -> int:
 
 def expert_tiles(K: int, rows: int) -> DecodeTiles:
     """The experts form's tiles for a weight stream of depth K: the pairs form's at one row; with tl.dot
-    kernels/matmul_decode.py's H200 rule for 2-16 rows with few columns and a short K (16-wide column
-    blocks, 128-wide K steps, 4 warps, 3 stages). Interpreted: small tiles (ragged columns, several K
+    64-wide column blocks, 128-wide K steps, 4 warps, 3 stages. The H200 sweep at c598f16 (bench/moe.py
+    --case quick, Qwen3-like batch 16 under Zipf routing, CUDA-graph replays) measured 64 columns at 0.762
+    (up) and 0.801 (down) of the copy rate against 0.666 for kernels/matmul_decode.py's 16-column rule,
+    which this form first borrowed: a weight tile meets up to 16 rows of x, so wider blocks cost no extra
+    x traffic and halve the programs' ramp-up per byte. Interpreted: small tiles (ragged columns, several K
     steps)."""
     if rows == 1:
         return decode_tiles(K)
     if interpreting():
         return DecodeTiles(16, 16, 1, 1)
-    return DecodeTiles(16, 128, 4, 3)
+    return DecodeTiles(64, 128, 4, 3)
+
+
+def shared_mlp_as_experts(gate_up: torch.Tensor, down: torch.Tensor, inter: int):
+    """A shared SwiGLU MLP, gate_up (2F, d) (gate rows then up rows, the model's layout) and down (d, F),
+    as F / inter experts of `inter` features: (n, 2 * inter, d) and (n, d, inter). SwiGLU acts feature by
+    feature, so feature group j's down projection is a partial sum of the MLP's output: the n experts at
+    weight 1 sum to it."""
+    F2, d = gate_up.shape
+    F = F2 // 2
+    if F2 % 2 or F % inter or down.shape != (d, F):
+        raise ValueError(
+            f"shared_mlp_as_experts: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} must be "
+            f"(2F, d) and (d, F) with F a multiple of the routed experts' {inter} features"
+        )
+    n = F // inter
+    gate, up = gate_up.view(2, n, inter, d).unbind(0)
+    return torch.cat([gate, up], 1).contiguous(), down.view(d, n, inter).permute(1, 0, 2).contiguous()
+
+
+def stack_shared_experts(w1: torch.Tensor, w2: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor):
+    """(w1, w2) with S shared experts appended as experts E .. E+S-1: the shared-experts fusion of SGLang's
+    DeepSeek path, done once when weights are loaded. s1 (S, 2I, d) / s2 (S, d, I) (or one expert without
+    the leading dim) must have the routed experts' I; a shared MLP of n * I features is n experts of I (its
+    gate/up rows and down columns split into n groups: the n partial outputs sum to the whole). Then
+    `add_shared_slots` routes every token to them and a decode step streams them in the same launches."""
+    if s1.dim() == 2:
+        s1, s2 = s1[None], s2[None]
+    if s1.shape[1:] != w1.shape[1:] or s2.shape[1:] != w2.shape[1:]:
+        raise ValueError(
+            f"stack_shared_experts: shared experts {tuple(s1.shape)} / {tuple(s2.shape)} must have the routed "
+            f"experts' shapes {tuple(w1.shape[1:])} / {tuple(w2.shape[1:])} (split a wider shared MLP into "
+            "experts of the routed I)"
+        )
+    return torch.cat([w1, s1.to(w1.dtype)]), torch.cat([w2, s2.to(w2.dtype)])
+
+
+def add_shared_slots(
+    expert_idx: torch.Tensor, weights: torch.Tensor, n_routed: int, n_shared: int, shared_weights=None
+):
+    """Each token's (T, k) routing with the S shared experts (ids n_routed .. n_routed+S-1, stacked by
+    `stack_shared_experts`) as S more slots: (T, k+S) ids and weights. shared_weights (T, S): a per-token
+    gate (Qwen2-MoE's sigmoid shared-expert gate); None: 1 (DeepSeek's shared experts)."""
+    T = expert_idx.shape[0]
+    ids = torch.arange(n_routed, n_routed + n_shared, device=expert_idx.device, dtype=expert_idx.dtype)
+    sw = weights.new_ones(T, n_shared) if shared_weights is None else shared_weights.to(weights.dtype)
+    return torch.cat([expert_idx, ids.expand(T, n_shared)], 1), torch.cat([weights, sw], 1)
 
 
 def moe_decode_fwd(
