@@ -3,8 +3,8 @@
 # Usage (on the H200, from the repo root): bash bench/gpu_suite.sh OUT_DIR [parts...]
 # parts: tests norms gemm_ce attention matmul_decode host_overhead run infer compile, and the measurements
 # the open issues wait for: serve overlap quant quantsweep fp8curve fp8check fp8speed fp8rowwise speedrun cuda
-# moe decode decodestep (default: tests norms gemm_ce attention run). Each part has its own time cap so one
-# slow part cannot eat the others'; results are JSON/logs in OUT_DIR.
+# moe imbalance decode decodestep (default: tests norms gemm_ce attention run). Each part has its own time
+# cap so one slow part cannot eat the others'; results are JSON/logs in OUT_DIR.
 # At most 7 files land in OUT_DIR (the device tool brings back 8).
 set -u
 OUT=${1:?usage: gpu_suite.sh OUT_DIR [parts...]}
@@ -92,6 +92,9 @@ for part in $PARTS; do
            >> "$OUT/bench.log" 2>&1
          timeout 280 python3 bench/moe.py --case quick --budget 240 --out "$OUT/moe_quick.json" \
            >> "$OUT/bench.log" 2>&1 ;;
+    # issue 19: tokens and GPU time per expert (Zipf vs balanced), each expert's work alone against the
+    # grouped layer's one launch per GEMM, every shape at 4k tokens: moe_imbalance.json and .png (~60-90 s)
+    imbalance) timeout 150 python3 bench/moe_imbalance.py --out "$OUT/moe_imbalance.json" >> "$OUT/bench.log" 2>&1 ;;
     # issues 15 and 19: the decode forms built without a GPU, each against the form in use, side by side.
     # decode: kernel level (decode attention's one-launch form and split configs; add + RMSNorm split over
     # the decode matmuls) and the GPU tests of every new form (<= 530 s; attention alone took ~130 s at c598f16)

@@ -92,6 +92,7 @@ def test_every_bench_script_is_smoke_tested():
     # speedrun: tests/train/test_speedrun.py runs its smoke and checks its two runs
     # dist_host_profile: tests/bench/test_dist_host_profile.py (a profile, not a measurement with --smoke)
     # fp8_check: tests/kernels/test_fp8_train.py runs its smoke (a check with a verdict, not a timing)
+    # moe_imbalance: tests/bench/test_moe_imbalance.py runs its smoke and checks its figures and --replot
     owned_elsewhere = {
         "fp8_check",
         "tokenizer",
@@ -101,6 +102,7 @@ def test_every_bench_script_is_smoke_tested():
         "train",
         "speedrun",
         "dist_host_profile",
+        "moe_imbalance",
     }
     scripts = {p.stem for p in BENCH.glob("*.py")} - owned_elsewhere
     assert scripts == set(SCRIPTS), f"bench scripts without a smoke test: {scripts - set(SCRIPTS)}"
