@@ -43,6 +43,16 @@ grid (T*k, cdiv(d, BLOCK_N)): k times the pairs form's down programs, each I dee
 The leader needs no sort and no host sync either: the ids are compared on the device, the grid is fixed.
 A token that lists an expert twice (no top-k router does) is served by one pass per occurrence.
 
+The "fused" form, two kernels, one pass over each pair's expert weights with up, SwiGLU and down in it:
+- `_fused_kernel`, grid (T*k pairs, cdiv(I, BLOCK_I)): a program computes h over its BLOCK_I features
+  (the up kernel's gemv, rounded as h is stored), then their share of the pair's down projection over all
+  d outputs, w_pair * (h_c @ w2[e][:, c].T), into its own float32 row of partials (T*k*CHUNKS, d).
+- the combine above, over each token's k * CHUNKS rows in order (deterministic, no atomics).
+Where the other forms split a pair's weights between two launches (up, then down after h exists), this
+one streams gate, up and down columns of a feature block together, so one token's layer is one weight
+pass plus a combine over partials that sit in L2 (1.5 MB for Qwen3-like batch 1 at 16 features a
+program). `fused_tiles` picks BLOCK_I: programs enough to fill the SMs twice.
+
 Which form: `moe_decode_fwd(..., form=)`, "auto" being `decode_form(T)` (its docstring has the
 H200 measurement behind it: experts at one token, pairs otherwise; bench/moe.py --case quick times both).
 No host sync, the grids depend on T, k, d and I only: CUDA-graph safe. Tiles: `decode_tiles`, the dense
@@ -428,15 +438,78 @@ def _combine_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[t] = sum_j P[t*k + j], j = 0 .. k-1 in that order: deterministic, no atomics."""
+    """out[t] = sum_j P[t*k + j], j = 0 .. k-1 in that order: deterministic, no atomics. (The fused form
+    passes k * CHUNKS as TOPK: hundreds of rows, so a loop, not unrolled.)"""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < D
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in tl.static_range(TOPK):
+    for j in tl.range(0, TOPK):
         acc += tl.load(P_ptr + (t * TOPK + j) * D + offs, mask=ok, other=0.0)
     tl.store(Y_ptr + t * D + offs, acc.to(Y_ptr.dtype.element_ty), mask=ok)
+
+
+# ------------------------------------------------------------------- the "fused" form (one weight pass)
+@triton.jit
+def _fused_kernel(
+    X_ptr,  # (T, d): x[t, c] at X_ptr + t * stride_xt + c * stride_xc
+    Idx_ptr,  # (T * TOPK,) contiguous expert ids
+    Wt_ptr,  # (T * TOPK,) contiguous routing weights
+    W1_ptr,  # (E, 2I, d): w1[e, n, c] at W1_ptr + e * stride_1e + n * stride_1n + c * stride_1c
+    W2_ptr,  # (E, d, I): w2[e, n, i] at W2_ptr + e * stride_2e + n * stride_2n + i * stride_2i
+    P_ptr,  # (T * TOPK * CHUNKS, d) float32 out, contiguous: row (t * TOPK + j) * CHUNKS + c
+    I,
+    D,
+    CHUNKS,  # cdiv(I, BLOCK_I)
+    stride_xt,
+    stride_xc,
+    stride_1e,
+    stride_1n,
+    stride_1c,
+    stride_2e,
+    stride_2n,
+    stride_2i,
+    TOPK: tl.constexpr,
+    BLOCK_I: tl.constexpr,  # features of the pair's expert per program
+    BLOCK_K: tl.constexpr,  # the step of both streams: d-wide up rows, then d-long down columns
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (pair, feature block c): h over its BLOCK_I features (the up kernel's gemv, rounded as it
+    stores h), then at once their share of the pair's down projection, w_pair * (h_c @ w2[e][:, c].T)
+    over all d outputs, into its own float32 row of P. Up, SwiGLU and down are one pass over the
+    expert's weights; the combine sums each token's TOPK * CHUNKS rows after."""
+    pdl_prologue(PDL)
+    p = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs_i = c * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = offs_i < I
+    e = tl.load(Idx_ptr + p).to(tl.int64)
+    x_row = X_ptr + (p // TOPK) * stride_xt
+    g_rows = W1_ptr + e * stride_1e + offs_i.to(tl.int64)[:, None] * stride_1n  # (BLOCK_I, 1)
+    u_rows = g_rows + I * stride_1n
+    acc_g = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, D, BLOCK_K, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < D
+        x = tl.load(x_row + offs_k * stride_xc, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        m = i_ok[:, None] & k_ok[None, :]
+        acc_g += tl.load(g_rows + offs_k[None, :] * stride_1c, mask=m, other=0.0).to(tl.float32) * x
+        acc_u += tl.load(u_rows + offs_k[None, :] * stride_1c, mask=m, other=0.0).to(tl.float32) * x
+    g = tl.sum(acc_g, axis=1).to(X_ptr.dtype.element_ty).to(tl.float32)  # (BLOCK_I,) rounded as stored
+    u = tl.sum(acc_u, axis=1).to(X_ptr.dtype.element_ty).to(tl.float32)
+    h = (g * tl.sigmoid(g) * u).to(X_ptr.dtype.element_ty).to(tl.float32)  # h as the other forms store it
+    wt = tl.load(Wt_ptr + p).to(tl.float32)
+    w_cols = W2_ptr + e * stride_2e + offs_i.to(tl.int64)[None, :] * stride_2i  # (1, BLOCK_I)
+    out = P_ptr + (p * CHUNKS + c) * D
+    for n0 in tl.range(0, D, BLOCK_K, num_stages=STAGES):
+        offs_n = n0 + tl.arange(0, BLOCK_K)
+        n_ok = offs_n < D
+        w = tl.load(w_cols + offs_n.to(tl.int64)[:, None] * stride_2n, mask=n_ok[:, None] & i_ok[None, :],
+                    other=0.0)  # fmt: skip
+        tl.store(out + offs_n, tl.sum(w.to(tl.float32) * h[None, :], axis=1) * wt, mask=n_ok)
 
 
 _up_launch = CachedLaunch(_up_kernel)
@@ -445,9 +518,10 @@ _up_experts_launch = CachedLaunch(_up_experts_kernel)
 _down_experts_launch = CachedLaunch(_down_experts_kernel)
 _down_pair_launch = CachedLaunch(_down_pair_kernel)
 _combine_launch = CachedLaunch(_combine_kernel)
+_fused_launch = CachedLaunch(_fused_kernel)
 
 
-FORMS = ("auto", "pairs", "experts")
+FORMS = ("auto", "pairs", "experts", "fused")
 DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # tl.dot's inputs (float64 takes FMAs)
 
 
@@ -486,6 +560,20 @@ def expert_tiles(K: int, rows: int) -> DecodeTiles:
     if interpreting():
         return DecodeTiles(16, 16, 1, 1)
     return DecodeTiles(64, 128, 4, 3)
+
+
+def fused_tiles(pairs: int, I: int) -> DecodeTiles:
+    """The fused form's tiles: BLOCK_I features per program, the largest power of two in [16, 128] that
+    still gives at least two programs an SM on the H200 (264 over all pairs), so one token's few experts
+    spread over every SM; 128-wide steps (a (BLOCK_I, 128) tile of each stream per step), 4 warps, 3
+    stages. The partials it leaves for the combine: pairs * cdiv(I, BLOCK_I) rows of d floats (1.5 MB for
+    Qwen3-like batch 1), in L2. Interpreted: small tiles (several feature blocks, ragged ones)."""
+    if interpreting():
+        return DecodeTiles(4, 16, 1, 1)
+    block_i = 16
+    while block_i < 128 and pairs * cdiv(I, 2 * block_i) >= 264:
+        block_i *= 2
+    return DecodeTiles(block_i, 128, 4, 3)
 
 
 def shared_mlp_as_experts(gate_up: torch.Tensor, down: torch.Tensor, inter: int):
@@ -545,8 +633,9 @@ def moe_decode_fwd(
     rows: int | None = None,
 ) -> torch.Tensor:
     """Launcher: out (T, d) in x's dtype. form: "pairs" (two kernels, each (token, expert) pair streams
-    its expert), "experts" (each distinct expert streamed once for all its tokens: three kernels) or
-    "auto" (`decode_form`). config: (up tiles, down tiles), default `decode_tiles` of d and I (pairs) or
+    its expert), "experts" (each distinct expert streamed once for all its tokens: three kernels), "fused"
+    (up, SwiGLU and down in one pass per (pair, feature block), then the combine: two kernels; config is
+    one DecodeTiles, default `fused_tiles`) or "auto" (`decode_form`). config: (up tiles, down tiles), default `decode_tiles` of d and I (pairs) or
     `expert_tiles` (experts). rows: the experts form's tokens per pass (default `expert_rows`; 1 or a
     power of two >= 16 for tl.dot)."""
     _check(x, expert_idx, weights, w1, w2)
@@ -564,12 +653,15 @@ def moe_decode_fwd(
         form = decode_form(T)
     idx = expert_idx.reshape(-1)  # (T*k,): views of contiguous (T, k); a strided one is copied
     wts = weights.reshape(-1)
+    if rows is not None and form != "experts":
+        raise ValueError("moe_decode: rows applies to form='experts' only")
+    if form == "fused":
+        _fused(x, idx, wts, w1, w2, out, T, k, config)
+        return out
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     if form == "experts":
         _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows)
         return out
-    if rows is not None:
-        raise ValueError("moe_decode: rows applies to form='experts' only")
     up, down = config or (decode_tiles(d), decode_tiles(I))
     _up_launch[(T * k, cdiv(I, up.block_n))](
         x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
@@ -580,6 +672,27 @@ def moe_decode_fwd(
         BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, num_warps=down.warps,
     )  # fmt: skip
     return out
+
+
+def _fused(x, idx, wts, w1, w2, out, T, k, config) -> None:
+    """The fused form's two launches: up + SwiGLU + down per (pair, feature block) into float32 partial
+    rows, then the combine. config: one DecodeTiles (BLOCK_I, BLOCK_K, warps, stages), or a pair whose
+    first is used (the other forms' (up, down) shape)."""
+    d, I = x.shape[1], w1.shape[1] // 2
+    t = fused_tiles(T * k, I) if config is None else (config[0] if isinstance(config[0], tuple) else config)
+    chunks = cdiv(I, t.block_n)
+    part = torch.empty(T * k * chunks, d, dtype=torch.float32, device=x.device)  # every row written once
+    use_pdl = pdl(x)
+    _fused_launch[(T * k, chunks)](
+        x, idx, wts, w1, w2, part, I, d, chunks, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1),
+        w1.stride(2), w2.stride(0), w2.stride(1), w2.stride(2), TOPK=k, BLOCK_I=t.block_n, BLOCK_K=t.block_k,
+        STAGES=t.stages, PDL=use_pdl, num_warps=t.warps, launch_pdl=use_pdl,
+    )  # fmt: skip
+    # 64 columns a program: the rows to sum are many (k * chunks, e.g. 384), so spread the columns wide
+    block = min(64, pow2(d))
+    _combine_launch[(T, cdiv(d, block))](
+        part, out, d, TOPK=k * chunks, BLOCK=block, PDL=use_pdl, num_warps=2, launch_pdl=use_pdl
+    )
 
 
 def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows) -> None:
@@ -664,7 +777,7 @@ def moe_decode(
 ) -> torch.Tensor:
     """The routed experts' weighted sum for a few tokens (forward only: gradients are not tracked; the
     model calls it without autograd). x (T, d), expert_idx / weights (T, k), w1 (E, 2I, d), w2 (E, d, I);
-    form "auto" / "pairs" / "experts" (`moe_decode_fwd`; the reference ignores it: one math)."""
+    form "auto" / "pairs" / "experts" / "fused" (`moe_decode_fwd`; the reference ignores it: one math)."""
     if needs_grad(x, weights, w1, w2):
         raise RuntimeError(
             "moe_decode is forward only (inference): call it under torch.no_grad(), or take the grouped "
