@@ -783,6 +783,18 @@ def quick(args) -> int:
             for B in decode:  # Zipf from batch 2: tokens share hot experts, which the experts form dedupes
                 for routing in routings if B >= 2 or b.smoke else routings[:1]:
                     go(decode_case, shape, B, routing, weights[shape], True)
+        # the tile sweeps, newest first (past the budget the rest is skipped): the fused form's feature block
+        # at batch 1; the experts form's one-token FMA tiles where decode_form takes it (DeepSeek-like and
+        # Qwen3-like batch 1, I 1408 and 768) and its tl.dot tiles where tokens share experts most
+        # (Qwen3-like 16, Zipf); the pairs form's at batch 1
+        qwen = shapes[1 if len(shapes) > 1 else 0]
+        for shape in (qwen, shapes[-1]):
+            go(decode_sweep_case, shape, 1, weights[shape], "fused")
+        go(decode_sweep_case, qwen, 16 if not b.smoke else 2, weights[qwen], "experts", "zipf")
+        go(decode_sweep_case, shapes[-1], 1, weights[shapes[-1]], "experts")
+        go(decode_sweep_case, qwen, 1, weights[qwen], "experts")
+        for shape in shapes[:2]:
+            go(decode_sweep_case, shape, 1 if not b.smoke else 2, weights[shape])
         for shape in prefill_shapes:
             for routing in routings:
                 go(experts_case, shape, prefill[0], routing, weights[shape], ("fwd", "fwd+bwd"), True)
@@ -791,16 +803,6 @@ def quick(args) -> int:
                 for routing in routings:
                     go(experts_case, shape, N, routing, weights[shape], ("fwd", "fwd+bwd"), True)
         go(gemm_sweep_case, shapes[0], prefill[0], weights[shapes[0]])
-        for shape in shapes[:2]:
-            go(decode_sweep_case, shape, 1 if not b.smoke else 2, weights[shape])
-        # the experts form: its one-token FMA tiles where decode_form takes it (DeepSeek-like and Qwen3-like
-        # batch 1, I 1408 and 768), its tl.dot tiles where tokens share experts most (Qwen3-like 16, Zipf)
-        qwen = shapes[1 if len(shapes) > 1 else 0]
-        go(decode_sweep_case, shapes[-1], 1, weights[shapes[-1]], "experts")
-        go(decode_sweep_case, qwen, 1, weights[qwen], "experts")
-        go(decode_sweep_case, qwen, 16 if not b.smoke else 2, weights[qwen], "experts", "zipf")
-        for shape in (qwen, shapes[-1]):  # the fused form's feature block where it is new: batch 1
-            go(decode_sweep_case, shape, 1, weights[shape], "fused")
     run.meta["skipped_for_time"] = skipped
     run.write(cases=b.cases, case="quick", hard_budget_s=budget)
     return 0
