@@ -59,7 +59,6 @@ from kiln.kernels.moe_decode import (
     decode_tiles,
     expert_rows,
     expert_tiles,
-    fused_tiles,
     moe_decode_fwd,
     shared_mlp_as_experts,
     stack_shared_experts,
@@ -110,8 +109,8 @@ def make_routing(N: int, E: int, k: int, kind: str, device, gen: torch.Generator
 
 # ------------------------------------------------------------------------------------- implementations
 def kiln_experts(x, idx, w, w1, w2):
-    """The model's dispatch (Experts.grouped): the decode kernels at inference when pairs <= experts."""
-    if use_decode(idx.shape[0], idx.shape[1], w1.shape[0]) and not torch.is_grad_enabled():
+    """The model's dispatch (Experts.grouped): the decode kernels at inference up to 16 tokens."""
+    if use_decode(idx.shape[0]) and not torch.is_grad_enabled():
         return moe_decode_fwd(x, idx, w, w1, w2)
     return kiln_grouped_experts(x, idx, w, w1, w2)
 
@@ -369,15 +368,10 @@ def decode_experts(x, idx, w, w1, w2):
     return moe_decode_fwd(x, idx, w, w1, w2, form="experts")
 
 
-def decode_fused(x, idx, w, w1, w2):
-    """The decode kernels' fused form: up, SwiGLU and down in one pass per (pair, feature block)."""
-    return moe_decode_fwd(x, idx, w, w1, w2, form="fused")
-
-
 def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool = False):
-    """kiln (the model's dispatch: the decode kernels when B*k <= E, in decode_form's form),
+    """kiln (the model's dispatch: the decode kernels up to 16 tokens, in decode_form's form),
     kiln_decode_pairs and kiln_decode_experts (the decode kernels' two forms at every batch, past
-    use_decode's B*k <= E too: which form wins where, and where the grouped path takes over),
+    use_decode's 16 tokens too: which form wins where, and where the grouped path takes over),
     kiln_grouped (the grouped path), torch._grouped_mm, and "copy": a device copy moving the same number
     of bytes (half read, half written) at this size, the bandwidth reachable by a kernel this short.
     Quick: no loop, no fused."""
@@ -389,20 +383,18 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     elem = torch.finfo(b.dtype).bits // 8
     nbytes = active * 3 * inter * d * elem + (3 * (sh // 2) * d * elem if sh else 0)
     impls = {"kiln": kiln_experts, "kiln_grouped": kiln_grouped_experts, "grouped_mm": grouped_mm_experts}
-    impls |= {"kiln_decode_pairs": decode_pairs, "kiln_decode_experts": decode_experts,
-              "kiln_decode_fused": decode_fused}  # fmt: skip
+    impls |= {"kiln_decode_pairs": decode_pairs, "kiln_decode_experts": decode_experts}
     if not quick:
         impls |= {"kiln_fused": kiln_fused_experts, "loop": loop_experts}
     fns = {n: fwd(with_shared(f, shared), [x, idx, w, w1, w2]) for n, f in impls.items()}
-    fused_err = None
+    slots_err = None
     if shared is not None:  # the shared expert as one more slot of the routed kernels (moe_decode's docs)
         W1, W2 = stack_shared_experts(w1, w2, *shared_mlp_as_experts(*shared, inter))
         n_sh = W1.shape[0] - E
         ids, ws = add_shared_slots(idx, w, E, n_sh)
         fns["kiln_shared_slots"] = fwd(kiln_experts, [x, ids, ws, W1, W2])  # the model's dispatch
-        fns["kiln_fused_shared_slots"] = fwd(decode_fused, [x, ids, ws, W1, W2])
         with torch.no_grad():
-            fused_err = float((kiln_experts(x, ids, ws, W1, W2).float()
+            slots_err = float((kiln_experts(x, ids, ws, W1, W2).float()
                                - with_shared(kiln_experts, shared)(x, idx, w, w1, w2).float()).abs().max())  # fmt: skip
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=b.dev)
     dst = torch.empty_like(src)
@@ -416,23 +408,18 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     counts = torch.bincount(idx.reshape(-1), minlength=E)
     entry = dict(case="decode", shape=shape, tokens=B, routing=routing, mode="fwd", active_experts=active,
                  pairs_per_active_expert=round(B * k / active, 2), max_tokens_per_expert=int(counts.max()),
-                 weight_bytes=nbytes, path="decode" if use_decode(B, k, E) else "grouped",
-                 form=decode_form(B) if use_decode(B, k, E) else None,
+                 weight_bytes=nbytes, path="decode" if use_decode(B) else "grouped",
+                 form=decode_form(B) if use_decode(B) else None,
                  experts_rows=expert_rows(B, b.dtype), max_abs_diff_vs_grouped=float(err.max()),
                  max_abs_diff_experts_vs_pairs=float(err_forms.max()))  # fmt: skip
-    if fused_err is not None:  # the fused sum rounds once, the unfused one adds two bf16 outputs
-        entry["max_abs_diff_shared_slots_vs_separate"] = fused_err
+    if slots_err is not None:  # the slots' sum rounds once, the separate MLP's adds two bf16 outputs
+        entry["max_abs_diff_shared_slots_vs_separate"] = slots_err
     b.record(entry, b.time(fns, graph=True), nbytes=nbytes)
     # > 1: the experts form is faster than the pairs form at this batch and routing
-    forms = ("kiln_decode_pairs", "kiln_decode_experts", "kiln_decode_fused")
-    ms = {n: _best_ms(entry["results"].get(n, {})) for n in forms}
+    ms = {n: _best_ms(entry["results"].get(n, {})) for n in ("kiln_decode_pairs", "kiln_decode_experts")}
     if all(ms.values()):
         entry["experts_vs_pairs"] = round(ms["kiln_decode_pairs"] / ms["kiln_decode_experts"], 3)
-        # > 1: the fused form is faster than the faster of the other two
-        entry["fused_vs_best_other"] = round(min(ms["kiln_decode_pairs"], ms["kiln_decode_experts"])
-                                             / ms["kiln_decode_fused"], 3)  # fmt: skip
-        b.run.log(f"        experts / pairs {entry['experts_vs_pairs']}, fused / best other "
-                  f"{entry['fused_vs_best_other']}")  # fmt: skip
+        b.run.log(f"        experts form / pairs form speedup {entry['experts_vs_pairs']}")
 
 
 def _best_ms(v: dict) -> float | None:
@@ -564,10 +551,6 @@ SWEEP_DECODE_DOWN = [DecodeTiles(4, 256, 2, 3), DecodeTiles(2, 1024, 4, 1), Deco
                      DecodeTiles(2, 256, 1, 3), DecodeTiles(1, 1024, 2, 2)]  # fmt: skip
 # the experts form's tl.dot tiles (batch > 1; block_n and block_k >= 16) around expert_tiles' 64-column
 # default: the 16-column rule it replaced, 32 and 128 columns, 8 warps, shorter and longer K steps
-# the fused form's (BLOCK_I, BLOCK_K, warps, stages) around fused_tiles' rule (16-32 features at batch 1)
-SWEEP_FUSED = [DecodeTiles(16, 128, 4, 3), DecodeTiles(32, 128, 4, 3), DecodeTiles(64, 128, 4, 3),
-               DecodeTiles(16, 256, 4, 3), DecodeTiles(16, 64, 4, 4), DecodeTiles(16, 128, 2, 3),
-               DecodeTiles(32, 256, 8, 3)]  # fmt: skip
 SWEEP_EXPERTS_DOT = [DecodeTiles(16, 128, 4, 3), DecodeTiles(32, 128, 4, 3), DecodeTiles(128, 128, 4, 3),
                      DecodeTiles(64, 128, 8, 3), DecodeTiles(64, 64, 4, 4), DecodeTiles(64, 256, 4, 2)]  # fmt: skip
 
@@ -632,8 +615,7 @@ def decode_sweep_case(b: Bench, shape: str, B: int, weights, form: str = "pairs"
     """The decode kernels' tiles (kernels/moe_decode.py) in one form: each sweep up tile with the default
     down tile and each down tile with the default up tile; GB/s over the active experts' weights,
     CUDA-graph replay. The pairs form (and the experts form at one token, the same FMA loops) sweeps
-    SWEEP_DECODE_UP / _DOWN; the experts form's tl.dot tiles (batch > 1) sweep SWEEP_EXPERTS_DOT; the
-    fused form, one kernel, sweeps SWEEP_FUSED."""
+    SWEEP_DECODE_UP / _DOWN; the experts form's tl.dot tiles (batch > 1) sweep SWEEP_EXPERTS_DOT."""
     E, k, d, inter, _ = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
     w1, w2, _ = weights
     x = b.randn(B, d)
@@ -644,21 +626,13 @@ def decode_sweep_case(b: Bench, shape: str, B: int, weights, form: str = "pairs"
         up0, down0 = expert_tiles(d, rows), expert_tiles(inter, rows)
     else:
         up0, down0 = decode_tiles(d), decode_tiles(inter)
-    if form == "fused":  # one kernel: its tiles alone (the combine has none to sweep)
-        t0 = fused_tiles(B * k, inter)
-        cfgs = {"default": t0} | {
-            f"fused{tuple(t)}": t for t in (SWEEP_FUSED[:1] if b.smoke else SWEEP_FUSED)
-        }
-        up0 = down0 = t0
-        ups = downs = []
-    elif form == "experts" and rows > 1:
+    if form == "experts" and rows > 1:
         ups = downs = SWEEP_EXPERTS_DOT[:1] if b.smoke else SWEEP_EXPERTS_DOT
     else:
         ups = SWEEP_DECODE_UP[:1] if b.smoke else SWEEP_DECODE_UP
         downs = SWEEP_DECODE_DOWN[:1] if b.smoke else SWEEP_DECODE_DOWN
-    if form != "fused":
-        cfgs = {"default": (up0, down0)} | {f"up{tuple(t)}": (t, down0) for t in ups} | {
-            f"down{tuple(t)}": (up0, t) for t in downs}  # fmt: skip
+    cfgs = {"default": (up0, down0)} | {f"up{tuple(t)}": (t, down0) for t in ups} | {
+        f"down{tuple(t)}": (up0, t) for t in downs}  # fmt: skip
     fns = {n: (lambda c=c: moe_decode_fwd(x, idx, w, w1, w2, config=c, form=form)) for n, c in cfgs.items()}
     res = b.time(fns, graph=True)
     for v in res.values():
@@ -783,13 +757,10 @@ def quick(args) -> int:
             for B in decode:  # Zipf from batch 2: tokens share hot experts, which the experts form dedupes
                 for routing in routings if B >= 2 or b.smoke else routings[:1]:
                     go(decode_case, shape, B, routing, weights[shape], True)
-        # the tile sweeps, newest first (past the budget the rest is skipped): the fused form's feature block
-        # at batch 1; the experts form's one-token FMA tiles where decode_form takes it (DeepSeek-like and
-        # Qwen3-like batch 1, I 1408 and 768) and its tl.dot tiles where tokens share experts most
-        # (Qwen3-like 16, Zipf); the pairs form's at batch 1
+        # the tile sweeps (past the budget the rest is skipped): the experts form's tl.dot tiles where tokens
+        # share experts most (Qwen3-like 16, Zipf) and its one-token FMA tiles (DeepSeek-like and Qwen3-like
+        # batch 1, I 1408 and 768); the pairs form's at batch 1
         qwen = shapes[1 if len(shapes) > 1 else 0]
-        for shape in (qwen, shapes[-1]):
-            go(decode_sweep_case, shape, 1, weights[shape], "fused")
         go(decode_sweep_case, qwen, 16 if not b.smoke else 2, weights[qwen], "experts", "zipf")
         go(decode_sweep_case, shapes[-1], 1, weights[shapes[-1]], "experts")
         go(decode_sweep_case, qwen, 1, weights[qwen], "experts")

@@ -108,8 +108,8 @@ def test_moe_decode_empty_and_errors():
         moe_decode_ref(x, idx, wts[:, :1], w1, w2)
     with pytest.raises(TypeError, match="int32 or int64"):
         moe_decode_ref(x, idx.float(), wts, w1, w2)
-    assert use_decode(1, 8, 128) and use_decode(16, 8, 128) and not use_decode(17, 8, 128)
-    assert use_decode(4, 2, 8) and not use_decode(8, 2, 8) and not use_decode(0, 2, 8)
+    # measured on the H200: the decode kernels up to 16 tokens, past T*k > E too (the experts form)
+    assert use_decode(1) and use_decode(16) and not use_decode(17) and not use_decode(0)
 
 
 def test_moe_decode_opcheck():
@@ -145,7 +145,7 @@ def test_moe_decode_forms_match_loop(T, k, E, d, I, hot):
     x, idx, wts, w1, w2 = _routed(T, k, E, d, I, seed=T * 7 + k, hot=hot)
     want = _loop(x, idx, wts, w1, w2)
     with use_backend("triton"):
-        got = {form: moe_decode(x, idx, wts, w1, w2, form=form) for form in ("pairs", "experts", "fused")}
+        got = {form: moe_decode(x, idx, wts, w1, w2, form=form) for form in ("pairs", "experts")}
         for out in got.values():
             assert_close(out, want)
         if T == 1:  # the default (decode_form) takes the experts form at one token with k >= 4
@@ -187,30 +187,7 @@ def test_moe_decode_experts_tiles_fp16_and_determinism():
     assert_close(got16, _loop(x16, idx, wts, w116, w216), torch.float16, scale=2.0)
 
 
-def test_moe_decode_fused_tiles_rule_fp16_and_determinism():
-    # explicit tiles: 8 features a program over I = 19 (a ragged last block), 16-wide steps over d = 37
-    # for the up rows and the down columns alike; the partials of a token are k * 3 rows, summed in order
-    x, idx, wts, w1, w2 = _routed(3, 2, 5, 37, 19, seed=9, hot=2)
-    with use_backend("triton"):
-        got = moe_decode_fwd(x, idx, wts, w1, w2, config=DecodeTiles(8, 16, 1, 2), form="fused")
-        again = moe_decode_fwd(x, idx, wts, w1, w2, config=DecodeTiles(8, 16, 1, 2), form="fused")
-        got16 = moe_decode(x.half(), idx, wts, w1.half(), w2.half(), form="fused")
-    assert_close(got, _loop(x, idx, wts, w1, w2))
-    assert torch.equal(got, again)  # fixed order, no atomics
-    assert_close(got16, _loop(x.half(), idx, wts, w1.half(), w2.half()), torch.float16, scale=2.0)
-    # the rule (on the GPU): the widest feature block that leaves >= 264 programs, within 16-128
-    from kiln.kernels import moe_decode as md
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(md, "interpreting", lambda: False)
-        assert md.fused_tiles(8, 768) == DecodeTiles(16, 128, 4, 3)  # Qwen3-like batch 1: 384 programs
-        assert md.fused_tiles(7, 1408) == DecodeTiles(32, 128, 4, 3)  # DeepSeek-like + shared: 308
-        assert md.fused_tiles(2, 14336) == DecodeTiles(64, 128, 4, 3)  # Mixtral-like batch 1: 448
-        assert md.fused_tiles(64, 14336) == DecodeTiles(128, 128, 4, 3)  # capped
-        assert md.fused_tiles(1, 64) == DecodeTiles(16, 128, 4, 3)  # floored
-
-
-@pytest.mark.parametrize("form", ["pairs", "experts", "fused"])
+@pytest.mark.parametrize("form", ["pairs", "experts"])
 @pytest.mark.parametrize("T, n_groups, gated", [(1, 2, False), (3, 1, True), (2, 3, False)])
 def test_moe_decode_shared_experts_fused_as_slots(T, n_groups, gated, form):
     """A shared SwiGLU MLP of n_groups * I features, split into experts of I and run as more slots of the
@@ -251,16 +228,16 @@ def test_moe_decode_forms_errors_and_rules():
             moe_decode_fwd(x, idx, wts, w1, w2, form="pairs", rows=16)
         with pytest.raises(ValueError, match="tl.dot tiles need block_n and block_k >= 16"):
             moe_decode_fwd(x, idx, wts, w1, w2, form="experts", config=(DecodeTiles(4, 16, 1, 1),) * 2)
-    # the default (measured on the H200): experts at one token, whatever k, pairs elsewhere
-    assert decode_form(1) == "experts"
-    assert decode_form(2) == "pairs" and decode_form(16) == "pairs"
+    # the default (measured on the H200): experts at one token and at 4-16, pairs at 2-3
+    assert decode_form(1) == "experts" and decode_form(4) == "experts" and decode_form(16) == "experts"
+    assert decode_form(2) == "pairs" and decode_form(3) == "pairs"
     assert expert_rows(1, torch.bfloat16) == 1 and expert_rows(3, torch.bfloat16) == 16
     assert expert_rows(40, torch.float16) == 64 and expert_rows(200, torch.float32) == 64
     assert expert_rows(4, torch.float64) == 1  # no tl.dot in float64: FMAs, one token per pass
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["pairs", "experts", "fused"])
+@pytest.mark.parametrize("form", ["pairs", "experts"])
 @pytest.mark.parametrize(
     "T, k, E, d, I",
     [(1, 2, 8, 4096, 14336), (4, 2, 8, 4096, 14336), (1, 8, 128, 2048, 768), (16, 8, 128, 2048, 768),
@@ -319,16 +296,6 @@ out = {
                      dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", P_ptr="*fp32"),
                      dict(stride_wi=1), md.expert_tiles(I, 1)),
 }
-t = md.fused_tiles(k, I)  # Qwen3-like batch 1: 16 features a program
-names = [p.name for p in md._fused_kernel.params]
-consts = dict(TOPK=k, BLOCK_I=t.block_n, BLOCK_K=t.block_k, STAGES=t.stages, PDL=True, stride_xc=1, stride_1c=1,
-              stride_2i=1)
-ptrs = dict(X_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W1_ptr="*bf16", W2_ptr="*bf16", P_ptr="*fp32")
-src = ASTSource(fn=md._fused_kernel, signature={n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names},
-                constexprs={(names.index(a),): v for a, v in consts.items()},
-                attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in consts})
-p = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.warps, num_stages=t.stages)).asm["ptx"]
-out["fused"] = {f: p.count(f) for f in ("mma.sync", "wgmma.mma_async", "cp.async.cg", "griddepcontrol.wait")}
 names = [p.name for p in md._combine_kernel.params]
 consts = dict(TOPK=k, BLOCK=256, PDL=True)
 src = ASTSource(fn=md._combine_kernel, signature={n: "constexpr" if n in consts else {"P_ptr": "*fp32", "Y_ptr": "*bf16"}.get(n, "i32") for n in names},
@@ -353,11 +320,7 @@ def test_moe_decode_experts_form_compiles_for_sm90(tmp_path):
     # cp.async loads through the pipeline; the per-pair down kernel's FMA loop on cp.async loads too
     for kern in ("up", "down"):
         assert res[kern]["wgmma.mma_async"] + res[kern]["mma.sync"] > 0 and res[kern]["cp.async.cg"] > 0, res
-    for kern in (
-        "down_pair",
-        "fused",
-    ):  # FMA loops over pipelined 16-byte loads (the fused form: both streams)
-        tc = res[kern]["mma.sync"] + res[kern]["wgmma.mma_async"]
-        assert tc == 0 and res[kern]["cp.async.cg"] > 0, res
+    tc = res["down_pair"]["mma.sync"] + res["down_pair"]["wgmma.mma_async"]
+    assert tc == 0 and res["down_pair"]["cp.async.cg"] > 0, res
     # launched with programmatic dependent launch on sm_90: each waits for its predecessor in its prologue
     assert all(r["griddepcontrol.wait"] > 0 for r in res.values()), res

@@ -43,25 +43,13 @@ grid (T*k, cdiv(d, BLOCK_N)): k times the pairs form's down programs, each I dee
 The leader needs no sort and no host sync either: the ids are compared on the device, the grid is fixed.
 A token that lists an expert twice (no top-k router does) is served by one pass per occurrence.
 
-The "fused" form, two kernels, one pass over each pair's expert weights with up, SwiGLU and down in it:
-- `_fused_kernel`, grid (T*k pairs, cdiv(I, BLOCK_I)): a program computes h over its BLOCK_I features
-  (the up kernel's gemv, rounded as h is stored), then their share of the pair's down projection over all
-  d outputs, w_pair * (h_c @ w2[e][:, c].T), into its own float32 row of partials (T*k*CHUNKS, d).
-- the combine above, over each token's k * CHUNKS rows in order (deterministic, no atomics).
-Where the other forms split a pair's weights between two launches (up, then down after h exists), this
-one streams gate, up and down columns of a feature block together, so one token's layer is one weight
-pass plus a combine over partials that sit in L2 (1.5 MB for Qwen3-like batch 1 at 16 features a
-program). `fused_tiles` picks BLOCK_I: programs enough to fill the SMs twice.
-
 Which form: `moe_decode_fwd(..., form=)`, "auto" being `decode_form(T)` (its docstring has the
 H200 measurement behind it: experts at one token, pairs otherwise; bench/moe.py --case quick times both).
 No host sync, the grids depend on T, k, d and I only: CUDA-graph safe. Tiles: `decode_tiles`, the dense
 gemv's rule measured on the H200 (4 columns, 256-wide steps, 3-stage pipeline; long K: 2 columns,
 1024-wide steps), and for the experts form's tl.dot kernels `expert_tiles`; bench/moe.py sweeps others.
-Forward only (inference): the model takes this path when no gradient is needed and there are no more
-pairs than experts (`use_decode`); with more pairs the pairs form would stream the same weights once per
-pair, and the grouped GEMM wins (at Mixtral-like 8-16 tokens the experts form measured 0.812-0.829 ms
-against the grouped GEMM's 0.730-0.737 on the H200: the line stays).
+Forward only (inference): the model takes this path when no gradient is needed and there are at most 16
+tokens (`use_decode`, measured against the grouped GEMM: its docstring).
 float32 accumulation; float32 / float16 / bfloat16 (the CPU tests run float32 and float16 through the
 interpreter). Differences to the prefill path: out is summed in float32 without rounding each pair's down
 projection to x's dtype first (one rounding less). Expert ids must lie in [0, E): not checked (a check is
@@ -101,12 +89,18 @@ def decode_tiles(K: int) -> DecodeTiles:
     return DecodeTiles(4, 256, 2, 3) if K <= 4096 else DecodeTiles(2, 1024, 4, 1)
 
 
-def use_decode(n_tokens: int, top_k: int, n_experts: int) -> bool:
-    """Whether the model's MoE block takes this path (with no gradient needed): when the T*k pairs are no
-    more than the experts. In the pairs form each pair streams its expert's weights, so pairs sharing an
-    expert cost L2 reads the grouped GEMM would not make; below E pairs most pairs have an expert of their
-    own. The experts form reads each expert once and may move this line: not before the H200 says so."""
-    return 0 < n_tokens * top_k <= n_experts
+DECODE_MAX_TOKENS = 16  # the most tokens the model sends through these kernels (use_decode)
+
+
+def use_decode(n_tokens: int) -> bool:
+    """Whether the model's MoE block takes this path (with no gradient needed): up to 16 tokens. Measured
+    on the H200 at 4b6649a (bench/moe.py --case quick, CUDA-graph replays, docs/perf/moe.md): with the
+    experts form reading each distinct expert once, the decode kernels beat the grouped GEMM past T*k > E
+    too: Mixtral-like 8 and 16 tokens 1.01-1.04 of the copy rate against 0.94-0.96, DeepSeek-like 16
+    tokens 0.87-0.94 against 0.73-0.85 (Zipf and balanced routing); at 64 tokens the grouped GEMM wins at
+    every shape (Qwen3-like 0.76-0.82 against 0.72-0.74, Mixtral-like 0.87-0.92 against 0.83-0.86). Until
+    that run the line was T*k <= E, set when only the pairs form existed."""
+    return 0 < n_tokens <= DECODE_MAX_TOKENS
 
 
 def moe_decode_ref(
@@ -438,78 +432,15 @@ def _combine_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[t] = sum_j P[t*k + j], j = 0 .. k-1 in that order: deterministic, no atomics. (The fused form
-    passes k * CHUNKS as TOPK: hundreds of rows, so a loop, not unrolled.)"""
+    """out[t] = sum_j P[t*k + j], j = 0 .. k-1 in that order: deterministic, no atomics."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < D
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in tl.range(0, TOPK):
+    for j in tl.static_range(TOPK):
         acc += tl.load(P_ptr + (t * TOPK + j) * D + offs, mask=ok, other=0.0)
     tl.store(Y_ptr + t * D + offs, acc.to(Y_ptr.dtype.element_ty), mask=ok)
-
-
-# ------------------------------------------------------------------- the "fused" form (one weight pass)
-@triton.jit
-def _fused_kernel(
-    X_ptr,  # (T, d): x[t, c] at X_ptr + t * stride_xt + c * stride_xc
-    Idx_ptr,  # (T * TOPK,) contiguous expert ids
-    Wt_ptr,  # (T * TOPK,) contiguous routing weights
-    W1_ptr,  # (E, 2I, d): w1[e, n, c] at W1_ptr + e * stride_1e + n * stride_1n + c * stride_1c
-    W2_ptr,  # (E, d, I): w2[e, n, i] at W2_ptr + e * stride_2e + n * stride_2n + i * stride_2i
-    P_ptr,  # (T * TOPK * CHUNKS, d) float32 out, contiguous: row (t * TOPK + j) * CHUNKS + c
-    I,
-    D,
-    CHUNKS,  # cdiv(I, BLOCK_I)
-    stride_xt,
-    stride_xc,
-    stride_1e,
-    stride_1n,
-    stride_1c,
-    stride_2e,
-    stride_2n,
-    stride_2i,
-    TOPK: tl.constexpr,
-    BLOCK_I: tl.constexpr,  # features of the pair's expert per program
-    BLOCK_K: tl.constexpr,  # the step of both streams: d-wide up rows, then d-long down columns
-    STAGES: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Program (pair, feature block c): h over its BLOCK_I features (the up kernel's gemv, rounded as it
-    stores h), then at once their share of the pair's down projection, w_pair * (h_c @ w2[e][:, c].T)
-    over all d outputs, into its own float32 row of P. Up, SwiGLU and down are one pass over the
-    expert's weights; the combine sums each token's TOPK * CHUNKS rows after."""
-    pdl_prologue(PDL)
-    p = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    offs_i = c * BLOCK_I + tl.arange(0, BLOCK_I)
-    i_ok = offs_i < I
-    e = tl.load(Idx_ptr + p).to(tl.int64)
-    x_row = X_ptr + (p // TOPK) * stride_xt
-    g_rows = W1_ptr + e * stride_1e + offs_i.to(tl.int64)[:, None] * stride_1n  # (BLOCK_I, 1)
-    u_rows = g_rows + I * stride_1n
-    acc_g = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, D, BLOCK_K, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < D
-        x = tl.load(x_row + offs_k * stride_xc, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        m = i_ok[:, None] & k_ok[None, :]
-        acc_g += tl.load(g_rows + offs_k[None, :] * stride_1c, mask=m, other=0.0).to(tl.float32) * x
-        acc_u += tl.load(u_rows + offs_k[None, :] * stride_1c, mask=m, other=0.0).to(tl.float32) * x
-    g = tl.sum(acc_g, axis=1).to(X_ptr.dtype.element_ty).to(tl.float32)  # (BLOCK_I,) rounded as stored
-    u = tl.sum(acc_u, axis=1).to(X_ptr.dtype.element_ty).to(tl.float32)
-    h = (g * tl.sigmoid(g) * u).to(X_ptr.dtype.element_ty).to(tl.float32)  # h as the other forms store it
-    wt = tl.load(Wt_ptr + p).to(tl.float32)
-    w_cols = W2_ptr + e * stride_2e + offs_i.to(tl.int64)[None, :] * stride_2i  # (1, BLOCK_I)
-    out = P_ptr + (p * CHUNKS + c) * D
-    for n0 in tl.range(0, D, BLOCK_K, num_stages=STAGES):
-        offs_n = n0 + tl.arange(0, BLOCK_K)
-        n_ok = offs_n < D
-        w = tl.load(w_cols + offs_n.to(tl.int64)[:, None] * stride_2n, mask=n_ok[:, None] & i_ok[None, :],
-                    other=0.0)  # fmt: skip
-        tl.store(out + offs_n, tl.sum(w.to(tl.float32) * h[None, :], axis=1) * wt, mask=n_ok)
 
 
 _up_launch = CachedLaunch(_up_kernel)
@@ -518,25 +449,25 @@ _up_experts_launch = CachedLaunch(_up_experts_kernel)
 _down_experts_launch = CachedLaunch(_down_experts_kernel)
 _down_pair_launch = CachedLaunch(_down_pair_kernel)
 _combine_launch = CachedLaunch(_combine_kernel)
-_fused_launch = CachedLaunch(_fused_kernel)
 
 
-FORMS = ("auto", "pairs", "experts", "fused")
+FORMS = ("auto", "pairs", "experts")
 DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # tl.dot's inputs (float64 takes FMAs)
 
 
 def decode_form(n_tokens: int) -> str:
-    """The form `form="auto"` takes: "experts" at one token, "pairs" otherwise.
+    """The form `form="auto"` takes: "pairs" at 2-3 tokens, "experts" otherwise.
 
-    Measured on the H200 at c598f16 (bench/moe.py --case quick, both forms as CUDA-graph replays, side
-    by side; docs/perf/moe.md), experts time / pairs time at one token: Mixtral-like 1.094x faster,
-    Qwen3-like 1.036x, DeepSeek-like 1.051x: at one token each pair is its expert's only one, and the
-    experts form's down kernel has k times the programs, each I deep instead of k * I (more loads in
-    flight), for a third launch (the combine, k * d * 4 bytes). At 2-4 tokens the pairs form wins at every
-    shape and routing (experts 0.67-0.96x); at 8-16 tokens it depends on the routing (Qwen3-like 16
-    tokens: 0.70x balanced, 1.12x Zipf), which the host cannot see without a sync, so pairs stays.
-    (Mixtral-like shapes past 4 tokens have more pairs than experts and take the grouped GEMM.)"""
-    return "experts" if n_tokens == 1 else "pairs"
+    Measured on the H200 (bench/moe.py --case quick, both forms as CUDA-graph replays, side by side;
+    docs/perf/moe.md). One token, at c598f16: experts time / pairs time Mixtral-like 1.094x faster,
+    Qwen3-like 1.036x, DeepSeek-like 1.051x: each pair is its expert's only one, and the experts form's
+    down kernel has k times the programs, each I deep instead of k * I (more loads in flight), for a third
+    launch (the combine, k * d * 4 bytes). 4-16 tokens, at 4b6649a with the experts form's 64-column
+    tiles: the experts form wins under Zipf routing at every shape (1.08-1.56x: several tokens on a hot
+    expert read it once) and gives up 0-9% under balanced routing, so it has the better worst case at
+    every point, and the host cannot see the routing without a sync. 2 tokens: balanced routing favours
+    the pairs form (Qwen3-like 0.91x for experts), Zipf is a tie or better (1.00-1.06x): pairs stays."""
+    return "pairs" if 2 <= n_tokens <= 3 else "experts"
 
 
 def expert_rows(n_tokens: int, dtype: torch.dtype) -> int:
@@ -560,20 +491,6 @@ def expert_tiles(K: int, rows: int) -> DecodeTiles:
     if interpreting():
         return DecodeTiles(16, 16, 1, 1)
     return DecodeTiles(64, 128, 4, 3)
-
-
-def fused_tiles(pairs: int, I: int) -> DecodeTiles:
-    """The fused form's tiles: BLOCK_I features per program, the largest power of two in [16, 128] that
-    still gives at least two programs an SM on the H200 (264 over all pairs), so one token's few experts
-    spread over every SM; 128-wide steps (a (BLOCK_I, 128) tile of each stream per step), 4 warps, 3
-    stages. The partials it leaves for the combine: pairs * cdiv(I, BLOCK_I) rows of d floats (1.5 MB for
-    Qwen3-like batch 1), in L2. Interpreted: small tiles (several feature blocks, ragged ones)."""
-    if interpreting():
-        return DecodeTiles(4, 16, 1, 1)
-    block_i = 16
-    while block_i < 128 and pairs * cdiv(I, 2 * block_i) >= 264:
-        block_i *= 2
-    return DecodeTiles(block_i, 128, 4, 3)
 
 
 def shared_mlp_as_experts(gate_up: torch.Tensor, down: torch.Tensor, inter: int):
@@ -633,9 +550,8 @@ def moe_decode_fwd(
     rows: int | None = None,
 ) -> torch.Tensor:
     """Launcher: out (T, d) in x's dtype. form: "pairs" (two kernels, each (token, expert) pair streams
-    its expert), "experts" (each distinct expert streamed once for all its tokens: three kernels), "fused"
-    (up, SwiGLU and down in one pass per (pair, feature block), then the combine: two kernels; config is
-    one DecodeTiles, default `fused_tiles`) or "auto" (`decode_form`). config: (up tiles, down tiles), default `decode_tiles` of d and I (pairs) or
+    its expert), "experts" (each distinct expert streamed once for all its tokens: three kernels) or
+    "auto" (`decode_form`). config: (up tiles, down tiles), default `decode_tiles` of d and I (pairs) or
     `expert_tiles` (experts). rows: the experts form's tokens per pass (default `expert_rows`; 1 or a
     power of two >= 16 for tl.dot)."""
     _check(x, expert_idx, weights, w1, w2)
@@ -653,15 +569,12 @@ def moe_decode_fwd(
         form = decode_form(T)
     idx = expert_idx.reshape(-1)  # (T*k,): views of contiguous (T, k); a strided one is copied
     wts = weights.reshape(-1)
-    if rows is not None and form != "experts":
-        raise ValueError("moe_decode: rows applies to form='experts' only")
-    if form == "fused":
-        _fused(x, idx, wts, w1, w2, out, T, k, config)
-        return out
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     if form == "experts":
         _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows)
         return out
+    if rows is not None:
+        raise ValueError("moe_decode: rows applies to form='experts' only")
     up, down = config or (decode_tiles(d), decode_tiles(I))
     _up_launch[(T * k, cdiv(I, up.block_n))](
         x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
@@ -672,27 +585,6 @@ def moe_decode_fwd(
         BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, num_warps=down.warps,
     )  # fmt: skip
     return out
-
-
-def _fused(x, idx, wts, w1, w2, out, T, k, config) -> None:
-    """The fused form's two launches: up + SwiGLU + down per (pair, feature block) into float32 partial
-    rows, then the combine. config: one DecodeTiles (BLOCK_I, BLOCK_K, warps, stages), or a pair whose
-    first is used (the other forms' (up, down) shape)."""
-    d, I = x.shape[1], w1.shape[1] // 2
-    t = fused_tiles(T * k, I) if config is None else (config[0] if isinstance(config[0], tuple) else config)
-    chunks = cdiv(I, t.block_n)
-    part = torch.empty(T * k * chunks, d, dtype=torch.float32, device=x.device)  # every row written once
-    use_pdl = pdl(x)
-    _fused_launch[(T * k, chunks)](
-        x, idx, wts, w1, w2, part, I, d, chunks, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1),
-        w1.stride(2), w2.stride(0), w2.stride(1), w2.stride(2), TOPK=k, BLOCK_I=t.block_n, BLOCK_K=t.block_k,
-        STAGES=t.stages, PDL=use_pdl, num_warps=t.warps, launch_pdl=use_pdl,
-    )  # fmt: skip
-    # 64 columns a program: the rows to sum are many (k * chunks, e.g. 384), so spread the columns wide
-    block = min(64, pow2(d))
-    _combine_launch[(T, cdiv(d, block))](
-        part, out, d, TOPK=k * chunks, BLOCK=block, PDL=use_pdl, num_warps=2, launch_pdl=use_pdl
-    )
 
 
 def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows) -> None:
@@ -777,7 +669,7 @@ def moe_decode(
 ) -> torch.Tensor:
     """The routed experts' weighted sum for a few tokens (forward only: gradients are not tracked; the
     model calls it without autograd). x (T, d), expert_idx / weights (T, k), w1 (E, 2I, d), w2 (E, d, I);
-    form "auto" / "pairs" / "experts" / "fused" (`moe_decode_fwd`; the reference ignores it: one math)."""
+    form "auto" / "pairs" / "experts" (`moe_decode_fwd`; the reference ignores it: one math)."""
     if needs_grad(x, weights, w1, w2):
         raise RuntimeError(
             "moe_decode is forward only (inference): call it under torch.no_grad(), or take the grouped "

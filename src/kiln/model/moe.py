@@ -80,8 +80,8 @@ class Experts(nn.Module):
         if torch.is_autocast_enabled(dev):
             dt = torch.get_autocast_dtype(dev)
             x, w1, w2 = x.to(dt), w1.to(dt), w2.to(dt)
-        if use_decode(x.shape[0], expert_idx.shape[1], E) and not needs_grad(x, weights, w1, w2):
-            # a few tokens at inference: two weight-streaming kernels, no sort (kernels/moe_decode.py)
+        if use_decode(x.shape[0]) and not needs_grad(x, weights, w1, w2):
+            # up to 16 tokens at inference: weight-streaming kernels, no sort (kernels/moe_decode.py)
             return moe_decode(x, expert_idx, weights, w1, w2)
         plan = routing_plan(expert_idx, E, counts=counts)  # dropless
         xs = permute(x, plan)  # (N*k, d) expert-sorted
