@@ -368,6 +368,12 @@ def decode_experts(x, idx, w, w1, w2):
     return moe_decode_fwd(x, idx, w, w1, w2, form="experts")
 
 
+def decode_experts_no_preload(x, idx, w, w1, w2):
+    """The experts form at one token with its down kernel waiting for the up kernel before any load (the
+    form before `preload_down`): the A/B of the preload."""
+    return moe_decode_fwd(x, idx, w, w1, w2, form="experts", preload=False)
+
+
 def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool = False):
     """kiln (the model's dispatch: the decode kernels up to 16 tokens, in decode_form's form),
     kiln_decode_pairs and kiln_decode_experts (the decode kernels' two forms at every batch, past
@@ -384,6 +390,8 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     nbytes = active * 3 * inter * d * elem + (3 * (sh // 2) * d * elem if sh else 0)
     impls = {"kiln": kiln_experts, "kiln_grouped": kiln_grouped_experts, "grouped_mm": grouped_mm_experts}
     impls |= {"kiln_decode_pairs": decode_pairs, "kiln_decode_experts": decode_experts}
+    if B == 1:
+        impls["kiln_decode_experts_no_preload"] = decode_experts_no_preload
     if not quick:
         impls |= {"kiln_fused": kiln_fused_experts, "loop": loop_experts}
     fns = {n: fwd(with_shared(f, shared), [x, idx, w, w1, w2]) for n, f in impls.items()}
@@ -420,6 +428,10 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     if all(ms.values()):
         entry["experts_vs_pairs"] = round(ms["kiln_decode_pairs"] / ms["kiln_decode_experts"], 3)
         b.run.log(f"        experts form / pairs form speedup {entry['experts_vs_pairs']}")
+    no_pre = _best_ms(entry["results"].get("kiln_decode_experts_no_preload", {}))
+    if no_pre and ms["kiln_decode_experts"]:  # > 1: the preload pays
+        entry["preload_speedup"] = round(no_pre / ms["kiln_decode_experts"], 3)
+        b.run.log(f"        down kernel preload speedup {entry['preload_speedup']}")
 
 
 def _best_ms(v: dict) -> float | None:
@@ -733,7 +745,7 @@ def quick(args) -> int:
     b = Bench(run)
     shapes = list(SMOKE_SHAPES if b.smoke else SHAPES)
     prefill_shapes = shapes[:2]  # Mixtral, Qwen3
-    decode = (2,) if b.smoke else QUICK_DECODE
+    decode = (1, 2) if b.smoke else QUICK_DECODE
     prefill = (12,) if b.smoke else (4096, 16384)
     routings = ("zipf",) if b.smoke else ("balanced", "zipf")
     budget = args.budget if args.budget != HARD_BUDGET_S else QUICK_BUDGET_S

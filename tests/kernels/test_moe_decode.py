@@ -24,6 +24,7 @@ from kiln.kernels.moe_decode import (
     moe_decode_fwd,
     moe_decode_op,
     moe_decode_ref,
+    preload_down,
     shared_mlp_as_experts,
     stack_shared_experts,
     use_decode,
@@ -170,6 +171,18 @@ def test_moe_decode_experts_expert_twice_in_a_token_and_passes():
     assert_close(got, _loop(x, idx, wts, w1, w2))
 
 
+@pytest.mark.parametrize("I", [24, 37])
+def test_moe_decode_one_row_down_preload(I):
+    # one token, the experts form: the down kernel reading its whole weight slice before the wait (I not a
+    # power of two: the slice is masked) or walking it in K steps; both the float64 loop's sums
+    x, idx, wts, w1, w2 = _case(1, 3, 7, 40, I, seed=I)
+    want = _loop(x, idx, wts, w1, w2)
+    with use_backend("triton"):
+        for preload in (True, False):
+            assert_close(moe_decode_fwd(x, idx, wts, w1, w2, form="experts", preload=preload), want)
+    assert preload_down(2048) and not preload_down(2049)  # where the slice fits a program's registers
+
+
 def test_moe_decode_experts_tiles_fp16_and_determinism():
     # explicit tiles: a ragged 16-column tile over d = 37 and I = 19, several 16-wide K steps, 2 stages
     x, idx, wts, w1, w2 = _routed(3, 2, 5, 37, 19, seed=8, hot=2)
@@ -294,7 +307,10 @@ out = {
                 dict(meta, stride_wi=1), md.expert_tiles(I, rows), ("T",)),
     "down_pair": ptx(md._down_pair_kernel,
                      dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", P_ptr="*fp32"),
-                     dict(stride_wi=1), md.expert_tiles(I, 1)),
+                     dict(stride_wi=1, PRELOAD=False, I_P2=1024), md.expert_tiles(I, 1)),
+    "down_pair_preload": ptx(md._down_pair_kernel,
+                             dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", P_ptr="*fp32"),
+                             dict(stride_wi=1, PRELOAD=True, I_P2=1024), md.expert_tiles(I, 1)),
 }
 names = [p.name for p in md._combine_kernel.params]
 consts = dict(TOPK=k, BLOCK=256, PDL=True)
@@ -322,5 +338,7 @@ def test_moe_decode_experts_form_compiles_for_sm90(tmp_path):
         assert res[kern]["wgmma.mma_async"] + res[kern]["mma.sync"] > 0 and res[kern]["cp.async.cg"] > 0, res
     tc = res["down_pair"]["mma.sync"] + res["down_pair"]["wgmma.mma_async"]
     assert tc == 0 and res["down_pair"]["cp.async.cg"] > 0, res
+    # the preloading form: plain 16-byte loads (nothing to pipeline), the wait after them
+    assert res["down_pair_preload"]["griddepcontrol.wait"] > 0, res
     # launched with programmatic dependent launch on sm_90: each waits for its predecessor in its prologue
     assert all(r["griddepcontrol.wait"] > 0 for r in res.values()), res

@@ -171,7 +171,9 @@ def _up_kernel(
     BLOCK_N: tl.constexpr,  # rows of gate (and of up) per program
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,  # > 1: the K loop's loads go through shared memory STAGES - 1 steps ahead
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (the experts form, one row)
 ):
+    pdl_prologue(PDL)
     p = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < I)[:, None]
@@ -402,24 +404,42 @@ def _down_pair_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
+    PRELOAD: tl.constexpr = False,  # read the whole (BLOCK_N, I) weight slice before waiting for h
+    I_P2: tl.constexpr = 16,  # pow2 >= I (PRELOAD's slice width)
 ):
     """One row per pass (one token, or a dtype without tl.dot): program (pair, column block) computes its
     pair's weighted down projection over I alone, the FMA gemv of the pairs form's kernels: k times the
-    pairs form's down programs, each k times shorter."""
-    pdl_prologue(PDL)
+    pairs form's down programs, each k times shorter. PRELOAD: the expert id and the weights are not
+    written by the up kernel, so the program loads its whole weight slice before its programmatic-launch
+    wait, while the up kernel still streams gate/up (it must then be launched with PDL itself, so that
+    this one is scheduled before it ends); only h waits."""
     p = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < D)[:, None]
-    e = tl.load(Idx_ptr + p).to(tl.int64)
-    w_rows = W_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    if PRELOAD:
+        # the router that wrote the ids ran before the up kernel, which waited for it before letting
+        # this kernel be scheduled: reading them (and the weights) before our own wait is safe
+        e = tl.load(Idx_ptr + p).to(tl.int64)
+        offs_k = tl.arange(0, I_P2)
         k_ok = offs_k < I
-        h = tl.load(H_ptr + p * I + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        w_rows = W_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
         w = tl.load(w_rows + offs_k[None, :] * stride_wi, mask=n_ok & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * h[None, :]
-    y = tl.sum(acc, axis=1) * tl.load(Wt_ptr + p).to(tl.float32)  # (BLOCK_N,)
+        pdl_prologue(PDL)
+        h = tl.load(H_ptr + p * I + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        y = tl.sum(w.to(tl.float32) * h[None, :], axis=1)
+    else:
+        pdl_prologue(PDL)
+        e = tl.load(Idx_ptr + p).to(tl.int64)
+        w_rows = W_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < I
+            h = tl.load(H_ptr + p * I + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + offs_k[None, :] * stride_wi, mask=n_ok & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * h[None, :]
+        y = tl.sum(acc, axis=1)
+    y = y * tl.load(Wt_ptr + p).to(tl.float32)  # (BLOCK_N,)
     tl.store(P_ptr + p * D + offs_n, y, mask=offs_n < D)
 
 
@@ -548,12 +568,14 @@ def moe_decode_fwd(
     config: tuple[DecodeTiles, DecodeTiles] | None = None,
     form: str = "auto",
     rows: int | None = None,
+    preload: bool | None = None,
 ) -> torch.Tensor:
     """Launcher: out (T, d) in x's dtype. form: "pairs" (two kernels, each (token, expert) pair streams
     its expert), "experts" (each distinct expert streamed once for all its tokens: three kernels) or
     "auto" (`decode_form`). config: (up tiles, down tiles), default `decode_tiles` of d and I (pairs) or
     `expert_tiles` (experts). rows: the experts form's tokens per pass (default `expert_rows`; 1 or a
-    power of two >= 16 for tl.dot)."""
+    power of two >= 16 for tl.dot). preload: the experts form at one row reads the down weights before
+    waiting for the up kernel (default `preload_down`)."""
     _check(x, expert_idx, weights, w1, w2)
     if form not in FORMS:
         raise ValueError(f"moe_decode: form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
@@ -571,7 +593,7 @@ def moe_decode_fwd(
     wts = weights.reshape(-1)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     if form == "experts":
-        _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows)
+        _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload)
         return out
     if rows is not None:
         raise ValueError("moe_decode: rows applies to form='experts' only")
@@ -587,7 +609,14 @@ def moe_decode_fwd(
     return out
 
 
-def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows) -> None:
+def preload_down(I: int) -> bool:
+    """Whether the experts form's one-row down kernel loads its whole weight slice before waiting for the
+    up kernel (`_down_pair_kernel`'s PRELOAD): where the slice fits a program's registers, I <= 2048
+    (BLOCK_N x I / threads values each: 4 x 2048 / 64 = 128 at the default tiles)."""
+    return I <= 2048
+
+
+def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload) -> None:
     """The experts form's three launches (module docstring): up into h, down into float32 partials per
     pair, the combine into out. One row per pass (one token, or float64): the pairs form's up kernel (at
     one token each pair is its own expert's only one) and a down kernel per pair."""
@@ -606,13 +635,17 @@ def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows) -> None:
     # KILN_PDL=0 turns it off (A/B timing).
     use_pdl = pdl(x)
     if rows == 1:
+        preload = preload_down(I) if preload is None else preload
+        up_pdl = use_pdl and preload  # the down kernel's preload needs it scheduled before the up kernel ends
         _up_launch[(T * k, cdiv(I, up.block_n))](
             x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
-            BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, num_warps=up.warps,
+            BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, PDL=up_pdl, num_warps=up.warps,
+            launch_pdl=up_pdl,
         )  # fmt: skip
         _down_pair_launch[(T * k, cdiv(d, down.block_n))](
             h, idx, wts, w2, part, I, d, w2.stride(0), w2.stride(1), w2.stride(2), BLOCK_N=down.block_n,
-            BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, num_warps=down.warps, launch_pdl=use_pdl,
+            BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, PRELOAD=preload, I_P2=max(16, pow2(I)),
+            num_warps=down.warps, launch_pdl=use_pdl,
         )  # fmt: skip
     else:
         if min(up.block_n, up.block_k, down.block_n, down.block_k) < 16:
