@@ -692,7 +692,7 @@ def main() -> int:
 
     def go(f, *a):
         if b.over_budget(args.budget):
-            skipped.append(f"{f.__name__}{a[:3]}")
+            skipped.append(f.__name__ + repr(tuple(v for v in a if isinstance(v, (str, int, float)))))
             return
         try:
             f(b, *a)
@@ -753,7 +753,7 @@ def quick(args) -> int:
 
     def go(f, *a):
         if b.over_budget(budget):
-            skipped.append(f"{f.__name__}{a[:3]}")
+            skipped.append(f.__name__ + repr(tuple(v for v in a if isinstance(v, (str, int, float)))))
             return
         try:
             f(b, *a)

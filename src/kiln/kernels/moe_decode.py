@@ -40,6 +40,9 @@ The "experts" form, three kernels, each distinct expert's weights streamed once 
 At one token (and in float64, which tl.dot does not take) a pass holds one row: the pairs form's up
 kernel (at one token each pair is its expert's only one under a top-k router) and `_down_pair_kernel`,
 grid (T*k, cdiv(d, BLOCK_N)): k times the pairs form's down programs, each I deep instead of k * I.
+Up to I = 2048 (`preload_down`) that kernel loads its whole weight slice before its programmatic-launch
+wait and the up kernel is launched with PDL too, so the down weights stream while gate/up finishes: on
+the H200 at 109775b Qwen3-like one token went from 0.729 to 0.801 of the copy rate.
 The leader needs no sort and no host sync either: the ids are compared on the device, the grid is fixed.
 A token that lists an expert twice (no top-k router does) is served by one pass per occurrence.
 
