@@ -30,7 +30,6 @@ numbers mean nothing; the script runs end to end).
 from __future__ import annotations
 
 import functools
-import io
 import json
 import os
 import sys
@@ -41,7 +40,7 @@ if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is imp
 
 import torch
 
-from kiln.io.atomic import atomic_write_bytes
+from kiln.io.atomic import atomic_write_png
 from kiln.kernels.dispatch import use_backend
 from kiln.kernels.moe_gemm import grouped_linear
 from kiln.kernels.moe_permute import permute, routing_plan
@@ -167,10 +166,7 @@ def plot(path: Path, doc: dict) -> Path:
     commit = (doc.get("commit") or "unknown")[:12]
     fig.suptitle(f"MoE load imbalance: {doc.get('gpu')}, commit {commit}, {doc.get('date', '')}", fontsize=11)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=110, format="png")
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_png(path, fig, dpi=110)
     return path
 
 

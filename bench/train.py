@@ -51,7 +51,6 @@ if "--smoke" in sys.argv:  # before anything imports triton (kiln.profile.harnes
 import contextlib
 import dataclasses
 import gc
-import io
 import math
 import statistics
 import time
@@ -64,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/peers
 
 from kiln.dist.memory import GIB, estimate
 from kiln.dist.parallel_dims import ParallelConfig, ParallelDims
-from kiln.io.atomic import atomic_write_bytes
+from kiln.io.atomic import atomic_write_png
 from kiln.model import ModelConfig, build_model
 from kiln.model.config import KernelConfig
 from kiln.profile.harness import BenchRun, bench_parser, format_table
@@ -520,10 +519,7 @@ def plot_curves(path: Path, runs: list[dict], title: str) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=120, format="png")
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_png(path, fig)
     return path
 
 

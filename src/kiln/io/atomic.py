@@ -63,6 +63,19 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def atomic_write_png(path: str | Path, fig, dpi: int = 120) -> None:
+    """Render a matplotlib figure to PNG in memory and replace `path` with it at once; the figure is closed
+    (a plot half-written by a crash would otherwise replace a good one)."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, format="png")
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
 def append_text(path: str | Path, text: str) -> None:
     """Append `text` whole or not at all: a failed append (a full disk) is cut back to the old length."""
     path = Path(path)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import resource
 import sys
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.io.atomic import append_text, atomic_write_bytes, atomic_write_text
+from kiln.io.atomic import append_text, atomic_write_png, atomic_write_text
 
 
 class MetricsLog:
@@ -86,7 +85,4 @@ def plot_losses(metrics_path: Path, png_path: Path, title: str = "kiln run") -> 
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    atomic_write_bytes(png_path, buf.getvalue())
+    atomic_write_png(png_path, fig, dpi=fig.dpi)
