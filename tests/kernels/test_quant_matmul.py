@@ -187,6 +187,7 @@ def test_swept_decode_tables_pass_the_launch_checks():
     """Every entry the H200 sweep wrote into DECODE_TABLE / FP8_DECODE_TABLE is a config the launchers accept
     for its own shape and row count (the checks run without a launch: the weights are never read)."""
     from kiln.kernels.fp8_matmul import FP8_DECODE_TABLE
+    from kiln.kernels.matmul_decode import DecodeConfig
     from kiln.kernels.quant_matmul import DECODE_TABLE, _plan
 
     assert DECODE_TABLE and FP8_DECODE_TABLE
@@ -203,6 +204,13 @@ def test_swept_decode_tables_pass_the_launch_checks():
         x = torch.empty((rows, K), dtype=torch.bfloat16)
         plan = _plan(x, q, s, z, bits, group, None, config)
         assert plan.decode and plan.form == config.kernel, (fmt, rows, N, K)
-    for (rows, N, K), config in FP8_DECODE_TABLE.items():  # the FP8 decode kernel's own launch rule
-        assert rows in (1, 4, 16) and config.kernel == "dot", (rows, N, K, config)
+    for (rows, N, K), config in FP8_DECODE_TABLE.items():
+        assert rows in (1, 4, 16), (rows, N, K, config)
+        if not isinstance(config, DecodeConfig):  # a tile of the prefill kernel
+            bm, bn, bk, stages, warps = config  # (fp8_linear quantizes x, then fp8_matmul launches it)
+            assert bm >= rows and min(bm, bn, bk) >= 16 and stages >= 1 and warps in (4, 8), config
+            assert all(v & (v - 1) == 0 for v in (bm, bn, bk)), config  # tl.arange needs powers of two
+            continue
+        # the FP8 decode kernel's own launch rule
+        assert config.kernel == "dot", (rows, N, K, config)
         assert config.block_k >= 32 and config.block_n >= 16, (rows, N, K, config)
