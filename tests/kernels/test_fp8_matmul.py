@@ -212,6 +212,25 @@ def test_linear_at_decode_quantizes_in_the_kernel(M, N, K):
     assert_close(y, want, torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [3, 4, 16])
+def test_linear_head_at_decode_rows_takes_the_swept_tile(M):
+    """The tied head (1536 -> 151936) at 2-16 rows: the sweep's entry is a tile of the prefill kernel, so
+    fp8_linear quantizes x per row and fp8_matmul launches that tile: the same bits as asking for it, and
+    the float64 product of the quantized operands within bf16 output rounding."""
+    from kiln.kernels.fp8_matmul import FP8_DECODE_TABLE
+
+    N, K = 151936, 1536
+    tile = FP8_DECODE_TABLE[(4 if M <= 4 else 16, N, K)]
+    assert not isinstance(tile, DecodeConfig)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * 3
+    w_q, w_s = quantize_fp8(torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5, per_row=True)
+    y = fp8_linear(x, w_q, w_s)
+    a_q, a_s = quantize_fp8(x, per_row=True)
+    assert torch.equal(y, fp8_matmul(a_q, a_s, w_q, w_s, config=tile))
+    assert_close(y, fp8_matmul_ref(a_q, a_s, w_q, w_s, None, torch.float64), torch.bfloat16)
+
+
 def test_linear_decode_config_is_the_swept_entry_at_decode_rows_only():
     """fp8_linear_decode_config: the FP8_DECODE_TABLE entry for the rows' bucket (1, 2-4, 5-16) and the
     weight's (N, K); none past 16 rows or for a shape the sweep did not cover."""
