@@ -11,7 +11,7 @@ import pytest
 from kiln.data.pysources import held_out, load_python_corpus, source_files, zlib_bits_per_byte
 from kiln.errors import KilnError
 from kiln.train.config import resolve_config
-from kiln.train.run import run
+from kiln.train.run import run, stage_settings
 
 
 def test_corpus_is_named_files_in_a_fixed_order_with_a_fixed_held_out_set():
@@ -49,6 +49,9 @@ def test_the_repetition_filter_leaves_out_exactly_the_files_zlib_compresses_belo
     with pytest.raises(KilnError, match="set data.packages too"):
         resolve_config("cpu", overrides=["--data.min_zlib_bpb=0.8"])
     assert resolve_config("speedrun").data.min_zlib_bpb == 0.8
+    # off, the reuse check reads a run's stages.json as written before the option existed
+    assert "min_zlib_bpb" not in stage_settings(resolve_config("cpu"))["data"]
+    assert stage_settings(resolve_config("speedrun"))["data"]["min_zlib_bpb"] == 0.8
 
 
 def test_a_missing_package_is_a_clear_error():

@@ -52,6 +52,14 @@ def _say(env: DistEnv, msg: str) -> None:
         print(msg, flush=True)
 
 
+def stage_settings(cfg: RunConfig) -> dict:
+    """The settings the tokenizer and shards depend on, as stages.json records them (the reuse check)."""
+    data = to_dict(cfg.data)
+    if not data.get("min_zlib_bpb"):  # added later: off, it must not make older runs' stages differ
+        data.pop("min_zlib_bpb", None)
+    return {"data": data, "tokenizer": to_dict(cfg.tokenizer)}
+
+
 def prepare_tokenizer_and_data(
     cfg: RunConfig, run_dir: Path, progress: bool = True, resume: bool = False
 ) -> None:
@@ -61,10 +69,7 @@ def prepare_tokenizer_and_data(
     tokenizer is an error, never a rebuild.
     """
     env = DistEnv()
-    data = to_dict(cfg.data)
-    if not data.get("min_zlib_bpb"):  # added later: off, it must not make older runs' stages differ
-        data.pop("min_zlib_bpb", None)
-    stages = {"data": data, "tokenizer": to_dict(cfg.tokenizer)}
+    stages = stage_settings(cfg)
     stages_path = run_dir / "stages.json"
     tok_dir, data_dir = run_dir / "tokenizer", run_dir / "data"
     done = (
