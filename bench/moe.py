@@ -368,6 +368,12 @@ def decode_experts(x, idx, w, w1, w2):
     return moe_decode_fwd(x, idx, w, w1, w2, form="experts")
 
 
+def decode_experts_one_row(x, idx, w, w1, w2):
+    """The experts form with one row a pass at a few tokens: the per-pair kernels of one token (up, the
+    preloading down, the combine) for every pair, as the pairs form streams them, but with the preload."""
+    return moe_decode_fwd(x, idx, w, w1, w2, form="experts", rows=1)
+
+
 def decode_experts_no_preload(x, idx, w, w1, w2):
     """The experts form at one token with its down kernel waiting for the up kernel before any load (the
     form before `preload_down`): the A/B of the preload."""
@@ -392,6 +398,8 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     impls |= {"kiln_decode_pairs": decode_pairs, "kiln_decode_experts": decode_experts}
     if B == 1:
         impls["kiln_decode_experts_no_preload"] = decode_experts_no_preload
+    elif B <= 4:  # where the pairs form runs: its streams with the one-row down kernel's preload
+        impls["kiln_decode_experts_one_row"] = decode_experts_one_row
     if not quick:
         impls |= {"kiln_fused": kiln_fused_experts, "loop": loop_experts}
     fns = {n: fwd(with_shared(f, shared), [x, idx, w, w1, w2]) for n, f in impls.items()}
