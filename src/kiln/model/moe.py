@@ -18,8 +18,8 @@ Two dispatches, chosen by `KernelConfig.moe` (backend "auto": kernels on CUDA, t
 - "kiln": kernels/moe_router.py (top-k, weights, counts, aux loss in one pass), kernels/moe_permute.py
   (expert-sorted rows and the weighted combine back), kernels/moe_gemm.py (one grouped GEMM launch per
   projection over the stacked weights as they are) with kernels/swiglu.py between them; at inference with
-  no more (token, expert) pairs than experts (decode), kernels/moe_decode.py instead: two weight-streaming
-  kernels, gate/up + SwiGLU and down + weighted combine, no sort. No host sync and
+  up to 16 tokens (decode), kernels/moe_decode.py instead: weight-streaming kernels (gate/up + SwiGLU,
+  down, the weighted combine), no sort. No host sync and
   shapes fixed by N, k and E only, so a decode step can be captured in a CUDA graph. Under autocast the
   rows and the expert weights are cast to the autocast dtype (autocast does not reach custom ops).
 """
