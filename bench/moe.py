@@ -298,7 +298,7 @@ def experts_case(
     b: Bench, shape: str, N: int, routing: str, weights, mode_list=("fwd", "fwd+bwd"), quick: bool = False
 ):
     E, k, d, inter, sh = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
-    w1, w2, shared = weights
+    w1, w2, shared, _ = weights
     x = b.randn(N, d)
     idx, w = make_routing(N, E, k, routing, b.dev, b.gen)
     xr = b.randn(N * k, d)  # the dense peer's rows (same count as the routed pairs)
@@ -388,7 +388,7 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     of bytes (half read, half written) at this size, the bandwidth reachable by a kernel this short.
     Quick: no loop, no fused."""
     E, k, d, inter, sh = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
-    w1, w2, shared = weights
+    w1, w2, shared, slots = weights
     x = b.randn(B, d)
     idx, w = make_routing(B, E, k, routing, b.dev, b.gen)
     active = int(torch.unique(idx).numel())
@@ -404,10 +404,9 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
         impls |= {"kiln_fused": kiln_fused_experts, "loop": loop_experts}
     fns = {n: fwd(with_shared(f, shared), [x, idx, w, w1, w2]) for n, f in impls.items()}
     slots_err = None
-    if shared is not None:  # the shared expert as one more slot of the routed kernels (moe_decode's docs)
-        W1, W2 = stack_shared_experts(w1, w2, *shared_mlp_as_experts(*shared, inter))
-        n_sh = W1.shape[0] - E
-        ids, ws = add_shared_slots(idx, w, E, n_sh)
+    if slots is not None:  # the shared expert as more slots of the routed kernels (moe_decode's docs)
+        W1, W2 = slots
+        ids, ws = add_shared_slots(idx, w, E, W1.shape[0] - E)
         fns["kiln_shared_slots"] = fwd(kiln_experts, [x, ids, ws, W1, W2])  # the model's dispatch
         with torch.no_grad():
             slots_err = float((kiln_experts(x, ids, ws, W1, W2).float()
@@ -579,7 +578,7 @@ def gemm_sweep_case(b: Bench, shape: str, N: int, weights):
     """The gate/up forward, its dx and the down forward over expert-sorted rows (balanced) at each
     SWEEP_GEMM config and mm_config's default, against torch._grouped_mm on the same rows."""
     E, k, d, inter, _ = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
-    w1, w2, _ = weights
+    w1, w2, _, _ = weights
     idx, _ = make_routing(N, E, k, "balanced", b.dev, b.gen)
     offs = routing_plan(idx, E).offsets
     ends = offs[1:].contiguous()
@@ -637,7 +636,7 @@ def decode_sweep_case(b: Bench, shape: str, B: int, weights, form: str = "pairs"
     CUDA-graph replay. The pairs form (and the experts form at one token, the same FMA loops) sweeps
     SWEEP_DECODE_UP / _DOWN; the experts form's tl.dot tiles (batch > 1) sweep SWEEP_EXPERTS_DOT."""
     E, k, d, inter, _ = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
-    w1, w2, _ = weights
+    w1, w2, _, _ = weights
     x = b.randn(B, d)
     idx, w = make_routing(B, E, k, routing, b.dev, b.gen)
     nbytes = int(torch.unique(idx).numel()) * 3 * inter * d * (torch.finfo(b.dtype).bits // 8)
@@ -668,12 +667,19 @@ def decode_sweep_case(b: Bench, shape: str, B: int, weights, form: str = "pairs"
               + " ".join(f"{n}={v.get('GBps', 'ERR')}" for n, v in res.items()))  # fmt: skip
 
 
+def case_label(f, args) -> str:
+    """A skipped case as the JSON lists it: its function and its plain arguments (no tensors)."""
+    return f.__name__ + repr(tuple(v for v in args if isinstance(v, (str, int, float))))
+
+
 def make_weights(b: Bench, shape: str):
     E, k, d, inter, sh = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
     w1 = b.randn(E, 2 * inter, d, scale=d**-0.5)
     w2 = b.randn(E, d, inter, scale=inter**-0.5)
     shared = (b.randn(sh, d, scale=d**-0.5), b.randn(d, sh // 2, scale=(sh // 2) ** -0.5)) if sh else None
-    return w1, w2, shared
+    # the routed experts with the shared one stacked after them (the decode case's shared-slots row), once
+    slots = stack_shared_experts(w1, w2, *shared_mlp_as_experts(*shared, inter)) if sh else None
+    return w1, w2, shared, slots
 
 
 def main() -> int:
@@ -700,7 +706,7 @@ def main() -> int:
 
     def go(f, *a):
         if b.over_budget(args.budget):
-            skipped.append(f.__name__ + repr(tuple(v for v in a if isinstance(v, (str, int, float)))))
+            skipped.append(case_label(f, a))
             return
         try:
             f(b, *a)
@@ -761,7 +767,7 @@ def quick(args) -> int:
 
     def go(f, *a):
         if b.over_budget(budget):
-            skipped.append(f.__name__ + repr(tuple(v for v in a if isinstance(v, (str, int, float)))))
+            skipped.append(case_label(f, a))
             return
         try:
             f(b, *a)
