@@ -310,6 +310,12 @@ FP8_DECODE_TABLE: dict[tuple[int, int, int], tuple[int, int, int, int, int] | De
 }
 
 
+def fp8_table_entry(M: int, N: int, K: int) -> tuple[int, int, int, int, int] | DecodeConfig | None:
+    """The swept FP8_DECODE_TABLE entry for M rows of an (N, K) weight, or None (past DECODE_MAX_M rows, or
+    a shape the sweep did not cover)."""
+    return FP8_DECODE_TABLE.get((table_rows(M), N, K)) if 0 < M <= DECODE_MAX_M else None
+
+
 def fp8_tile_config(M: int, N: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): a fixed rule, the tiles Triton's FP8 matmul tutorial
     uses on Hopper (128x256x128 in 8 warps needs more shared memory per stage; 3 stages of 128x128x128
@@ -352,8 +358,8 @@ def fp8_matmul(
     c = torch.empty((M, N), device=a_q.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return c
-    if config is None and M <= DECODE_MAX_M and FP8_DECODE_TABLE:
-        config = FP8_DECODE_TABLE.get((table_rows(M), N, K))
+    if config is None:
+        config = fp8_table_entry(M, N, K)
     if isinstance(config, DecodeConfig):
         return _fp8_decode(a_q, a_scale, b_q, b_scale, bias, c, config)
     bm, bn, bk, stages, warps = config or fp8_tile_config(M, N)
@@ -408,7 +414,7 @@ def fp8_decode_linear(
 def fp8_linear_decode_config(M: int, N: int, K: int) -> DecodeConfig | None:
     """The swept decode config with which fp8_linear quantizes x (M, K) inside the decode kernel for an
     (N, K) weight (on Triton, x K-contiguous), or None: then it quantizes per row and calls fp8_matmul."""
-    config = FP8_DECODE_TABLE.get((table_rows(M), N, K)) if 0 < M <= DECODE_MAX_M else None
+    config = fp8_table_entry(M, N, K)
     return config if isinstance(config, DecodeConfig) else None
 
 
