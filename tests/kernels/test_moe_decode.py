@@ -18,6 +18,7 @@ from kiln.kernels.dispatch import use_backend
 from kiln.kernels.moe_decode import (
     DecodeTiles,
     add_shared_slots,
+    by_expert_grid,
     decode_form,
     expert_rows,
     moe_decode,
@@ -171,6 +172,21 @@ def test_moe_decode_experts_expert_twice_in_a_token_and_passes():
     assert_close(got, _loop(x, idx, wts, w1, w2))
 
 
+@pytest.mark.parametrize("T, k, E, hot", [(5, 3, 4, 5), (3, 2, 8, 2), (6, 2, 3, 0)])
+def test_moe_decode_experts_grid_by_expert_or_slot(T, k, E, hot):
+    # one program row per expert (its default where E < T*k) or per slot (non-leaders return): the same
+    # passes in the same order, so the same bits; both the float64 loop's sums, an unused expert included
+    x, idx, wts, w1, w2 = _routed(T, k, E, 19, 13, seed=T + E, hot=hot)
+    assert idx.unique().numel() < E or T * k > E  # E = 8: experts no token holds (rows with nothing to do)
+    with use_backend("triton"):
+        got = {g: moe_decode_fwd(x, idx, wts, w1, w2, form="experts", by_expert=g) for g in (True, False)}
+        auto = moe_decode_fwd(x, idx, wts, w1, w2, form="experts")
+    assert torch.equal(got[True], got[False])
+    assert torch.equal(auto, got[by_expert_grid(T * k, E)])
+    assert_close(got[True], _loop(x, idx, wts, w1, w2))
+    assert by_expert_grid(17 * 8, 128) and not by_expert_grid(16 * 8, 128) and by_expert_grid(5 * 2, 8)
+
+
 @pytest.mark.parametrize("I", [24, 37])
 def test_moe_decode_one_row_down_preload(I):
     # one token, the experts form: the down kernel reading its whole weight slice before the wait (I not a
@@ -237,7 +253,7 @@ def test_moe_decode_forms_errors_and_rules():
             moe_decode(x, idx, wts, w1, w2, form="tokens")
         with pytest.raises(ValueError, match="rows must be 1, or a power of two >= 16"):
             moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=8)
-        with pytest.raises(ValueError, match="rows applies to form='experts' only"):
+        with pytest.raises(ValueError, match="rows and by_expert apply to form='experts' only"):
             moe_decode_fwd(x, idx, wts, w1, w2, form="pairs", rows=16)
         with pytest.raises(ValueError, match="tl.dot tiles need block_n and block_k >= 16"):
             moe_decode_fwd(x, idx, wts, w1, w2, form="experts", config=(DecodeTiles(4, 16, 1, 1),) * 2)
@@ -298,7 +314,7 @@ def ptx(fn, ptrs, consts, t, nodiv=()):
 
 k, d, I, T = 8, 2048, 768, 16
 rows = md.expert_rows(T, torch.bfloat16)
-meta = dict(TOPK=k, TOPK_P2=8, T_P2=16, ROWS=rows, PRECISION="ieee")
+meta = dict(TOPK=k, TOPK_P2=8, T_P2=16, ROWS=rows, BY_EXPERT=False, PRECISION="ieee")
 out = {
     "up": ptx(md._up_experts_kernel, dict(X_ptr="*bf16", Idx_ptr="*i32", W_ptr="*bf16", H_ptr="*bf16"),
               dict(meta, stride_xc=1, stride_wc=1), md.expert_tiles(d, rows), ("T",)),

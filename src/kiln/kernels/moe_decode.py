@@ -250,19 +250,27 @@ def _down_kernel(
 
 # ------------------------------------------------------------------------- the "experts" form (deduped)
 @triton.jit
-def _leader_occurrences(Idx_ptr, p, T, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, T_P2: tl.constexpr):
-    """(e, n_occ): slot p's expert, and how many passes its program makes: 0 unless p is the first slot in
-    flat order holding e (the leader, which serves every pair of e), else the most times one token holds e
-    (1 from a top-k router; more only when a token lists an expert twice). All T*k ids in one 2-D load
-    (<= 16 x 8 at decode) and a compare: no sort, no host sync."""
+def _leader_occurrences(
+    Idx_ptr, p, T, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, T_P2: tl.constexpr, BY_EXPERT: tl.constexpr
+):
+    """(e, n_occ): program p's expert, and how many passes it makes. Over slots (BY_EXPERT false): slot
+    p's expert, 0 passes unless p is the first slot in flat order holding e (the leader, which serves every
+    pair of e). Over experts (BY_EXPERT): expert p itself, 0 passes if no token holds it. Else the most
+    times one token holds e (1 from a top-k router; more only when a token lists an expert twice). All T*k
+    ids in one 2-D load (<= 64 x 8 at decode) and a compare: no sort, no host sync."""
     toks = tl.arange(0, T_P2)[:, None]
     js = tl.arange(0, TOPK_P2)[None, :]
     ids = tl.load(Idx_ptr + toks * TOPK + js, mask=(toks < T) & (js < TOPK), other=-1)  # (T_P2, TOPK_P2)
-    e = tl.load(Idx_ptr + p)
+    if BY_EXPERT:
+        e = p
+    else:
+        e = tl.load(Idx_ptr + p)
     hit = ids == e
-    first = tl.min(tl.min(tl.where(hit, toks * TOPK + js, T_P2 * TOPK_P2), axis=1), axis=0)
     most = tl.max(tl.sum(hit.to(tl.int32), axis=1), axis=0)
-    return e.to(tl.int64), tl.where(first == p, most, 0)
+    if not BY_EXPERT:
+        first = tl.min(tl.min(tl.where(hit, toks * TOPK + js, T_P2 * TOPK_P2), axis=1), axis=0)
+        most = tl.where(first == p, most, 0)
+    return e.to(tl.int64), most
 
 
 @triton.jit
@@ -296,6 +304,7 @@ def _up_experts_kernel(
     TOPK_P2: tl.constexpr,  # pow2 >= max(TOPK, 2)
     T_P2: tl.constexpr,  # pow2 >= max(T, 2)
     ROWS: tl.constexpr,  # tokens per pass (16-64): x.T's columns, the MMA's N side
+    BY_EXPERT: tl.constexpr,  # grid axis 0 over experts (E < T*k: fewer programs) instead of slots
     PRECISION: tl.constexpr,  # tl.dot input_precision ("ieee" or "tf32" for float32; fp16 / bf16 ignore it)
     BLOCK_N: tl.constexpr,  # rows of gate (and of up) per program
     BLOCK_K: tl.constexpr,
@@ -306,7 +315,7 @@ def _up_experts_kernel(
     p = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < I)[:, None]
-    e, n_occ = _leader_occurrences(Idx_ptr, p, T, TOPK, TOPK_P2, T_P2)
+    e, n_occ = _leader_occurrences(Idx_ptr, p, T, TOPK, TOPK_P2, T_P2, BY_EXPERT)
     g_rows = W_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
     u_rows = g_rows + I * stride_wn
     # passes: each occurrence (1 from a top-k router) and each ROWS tokens; a pass none of whose tokens
@@ -360,6 +369,7 @@ def _down_experts_kernel(
     TOPK_P2: tl.constexpr,
     T_P2: tl.constexpr,
     ROWS: tl.constexpr,
+    BY_EXPERT: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,  # output columns (rows of w2[e]) per program
     BLOCK_K: tl.constexpr,
@@ -370,7 +380,7 @@ def _down_experts_kernel(
     p = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < D)[:, None]
-    e, n_occ = _leader_occurrences(Idx_ptr, p, T, TOPK, TOPK_P2, T_P2)
+    e, n_occ = _leader_occurrences(Idx_ptr, p, T, TOPK, TOPK_P2, T_P2, BY_EXPERT)
     w_rows = W_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
     for o in range(0, n_occ):
         for c in range(0, tl.cdiv(T, ROWS)):
@@ -572,13 +582,15 @@ def moe_decode_fwd(
     form: str = "auto",
     rows: int | None = None,
     preload: bool | None = None,
+    by_expert: bool | None = None,
 ) -> torch.Tensor:
     """Launcher: out (T, d) in x's dtype. form: "pairs" (two kernels, each (token, expert) pair streams
     its expert), "experts" (each distinct expert streamed once for all its tokens: three kernels) or
     "auto" (`decode_form`). config: (up tiles, down tiles), default `decode_tiles` of d and I (pairs) or
     `expert_tiles` (experts). rows: the experts form's tokens per pass (default `expert_rows`; 1 or a
     power of two >= 16 for tl.dot). preload: the experts form at one row reads the down weights before
-    waiting for the up kernel (default `preload_down`)."""
+    waiting for the up kernel (default `preload_down`). by_expert: the experts form's tl.dot kernels take
+    one program row per expert instead of one per slot (default `by_expert_grid`)."""
     _check(x, expert_idx, weights, w1, w2)
     if form not in FORMS:
         raise ValueError(f"moe_decode: form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
@@ -596,10 +608,10 @@ def moe_decode_fwd(
     wts = weights.reshape(-1)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     if form == "experts":
-        _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload)
+        _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert)
         return out
-    if rows is not None:
-        raise ValueError("moe_decode: rows applies to form='experts' only")
+    if rows is not None or by_expert is not None:
+        raise ValueError("moe_decode: rows and by_expert apply to form='experts' only")
     up, down = config or (decode_tiles(d), decode_tiles(I))
     _up_launch[(T * k, cdiv(I, up.block_n))](
         x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
@@ -619,7 +631,15 @@ def preload_down(I: int) -> bool:
     return I <= 2048
 
 
-def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload) -> None:
+def by_expert_grid(n_slots: int, n_experts: int) -> bool:
+    """Whether the experts form's tl.dot kernels give each expert a program row (else each slot, whose
+    non-leaders return at once): where there are fewer experts than slots, T*k > E (Qwen3-like from 17
+    tokens, Mixtral-like from 5). Each expert is served by one program row either way, with the same
+    passes in the same order: the two grids give the same bits."""
+    return n_experts < n_slots
+
+
+def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert) -> None:
     """The experts form's three launches (module docstring): up into h, down into float32 partials per
     pair, the combine into out. One row per pass (one token, or float64): the pairs form's up kernel (at
     one token each pair is its own expert's only one) and a down kernel per pair."""
@@ -654,13 +674,17 @@ def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload) -> None:
         if min(up.block_n, up.block_k, down.block_n, down.block_k) < 16:
             raise ValueError(f"moe_decode: tl.dot tiles need block_n and block_k >= 16, got {up} and {down}")
         precision = "tf32" if x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
-        meta = dict(TOPK=k, TOPK_P2=max(2, pow2(k)), T_P2=max(2, pow2(T)), ROWS=rows, PRECISION=precision)
-        _up_experts_launch[(T * k, cdiv(I, up.block_n))](
+        E = w1.shape[0]
+        by_expert = by_expert_grid(T * k, E) if by_expert is None else by_expert
+        meta = dict(TOPK=k, TOPK_P2=max(2, pow2(k)), T_P2=max(2, pow2(T)), ROWS=rows, BY_EXPERT=by_expert,
+                    PRECISION=precision)  # fmt: skip
+        programs = E if by_expert else T * k
+        _up_experts_launch[(programs, cdiv(I, up.block_n))](
             x, idx, w1, h, T, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), **meta,
             BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, PDL=use_pdl, num_warps=up.warps,
             launch_pdl=use_pdl,
         )  # fmt: skip
-        _down_experts_launch[(T * k, cdiv(d, down.block_n))](
+        _down_experts_launch[(programs, cdiv(d, down.block_n))](
             h, idx, wts, w2, part, T, I, d, w2.stride(0), w2.stride(1), w2.stride(2), **meta,
             BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, num_warps=down.warps,
             launch_pdl=use_pdl,

@@ -1,0 +1,171 @@
+"""Experiment: MoE decode where issue 19's 80%-of-copy line is still missed: 2 tokens, and 32-64 tokens
+(the grouped path's side of `use_decode`), with the experts form's two grids.
+
+    python bench/experiments/moe_decode_batch.py --out /tmp/moe_decode_batch.json   # H200, ~3 min
+    python bench/experiments/moe_decode_batch.py --smoke                            # CPU: the plumbing
+
+Shapes and routings are bench/moe.py's (the DeepSeek-like shape with its shared expert as two more slots of
+the routed kernels, as a decode step would run it). All forward, CUDA-graph replays, GB/s over the active
+experts' weights against a device copy of the same bytes (bench/moe.py's decode case). Per batch:
+- 2 tokens: the pairs form, the experts form (16-row tl.dot passes) and the experts form with one row a
+  pass (the pairs form's weight streams with the one-row down kernel's preload).
+- 8 and 16 tokens: the experts form over slots and over experts (`by_expert_grid`'s two sides).
+- 32 and 64 tokens: the grouped path (routing plan, permute, grouped GEMM, SwiGLU, grouped GEMM, combine)
+  at mm_config's default and other tiles, with the SwiGLU fused into the gate/up GEMM, and the experts
+  form over slots and over experts at several tl.dot tiles.
+Then a kernel-by-kernel profile (torch.profiler, eager calls) of the grouped path and the experts form
+at 64 tokens under Zipf routing on the Qwen3-like shape: where the time goes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/moe.py
+
+import torch
+
+from kiln.kernels.dispatch import use_backend
+from kiln.kernels.moe_decode import DecodeTiles, add_shared_slots, moe_decode_fwd
+from kiln.kernels.moe_gemm import grouped_mm, mm_config
+from kiln.kernels.moe_permute import permute, routing_plan, unpermute
+from kiln.kernels.swiglu import swiglu
+from kiln.profile.harness import BenchRun, bench_parser
+from moe import SHAPES, SMOKE_SHAPES, Bench, fwd, kiln_experts, kiln_fused_experts, make_routing, make_weights
+
+TOKENS = (2, 8, 16, 32, 64)
+GROUPED_UP = [(16, 128, 128, 4, 4), (16, 64, 256, 4, 3), (32, 64, 128, 4, 4), (16, 64, 128, 8, 4)]
+GROUPED_DOWN = [(16, 128, 128, 4, 4), (16, 32, 128, 4, 4)]
+EXPERT_TILES = [DecodeTiles(32, 128, 4, 3), DecodeTiles(64, 128, 8, 3), DecodeTiles(128, 128, 8, 3),
+                DecodeTiles(64, 64, 4, 4)]  # fmt: skip
+
+
+def grouped(up_cfg=None, down_cfg=None):
+    """The grouped path with explicit launch configs for the gate/up and the down GEMM (None: default)."""
+
+    def f(x, idx, w, w1, w2):
+        plan = routing_plan(idx, w1.shape[0])
+        gu = grouped_mm(permute(x, plan), w1.transpose(1, 2), plan.offsets, config=up_cfg)[0]
+        y = grouped_mm(swiglu(gu, None), w2.transpose(1, 2), plan.offsets, config=down_cfg)[0]
+        return unpermute(y, plan, w)
+
+    return f
+
+
+def form(name, **kw):
+    def f(x, idx, w, w1, w2):
+        return moe_decode_fwd(x, idx, w, w1, w2, form=name, **kw)
+
+    return f
+
+
+def variants(T: int, smoke: bool) -> dict:
+    if T <= 4:
+        return {
+            "pairs": form("pairs"),
+            "experts": form("experts"),
+            "experts_one_row": form("experts", rows=1),
+        }
+    impls = {
+        "experts_slots": form("experts", by_expert=False),
+        "experts_by_expert": form("experts", by_expert=True),
+    }
+    if T < 32:
+        return impls
+    impls |= {"grouped": grouped(), "grouped_fused": kiln_fused_experts}
+    if smoke:
+        return impls
+    impls |= {f"grouped_up{c}": grouped(up_cfg=c) for c in GROUPED_UP}
+    impls |= {f"grouped_down{c}": grouped(down_cfg=c) for c in GROUPED_DOWN}
+    impls |= {
+        f"experts_by_expert{tuple(t)}": form("experts", by_expert=True, config=(t, t)) for t in EXPERT_TILES
+    }
+    return impls
+
+
+def case(b: Bench, shape: str, T: int, routing: str, weights) -> None:
+    E, k, d, inter, sh = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
+    w1, w2, _, slots = weights
+    x = b.randn(T, d)
+    idx, w = make_routing(T, E, k, routing, b.dev, b.gen)
+    active = int(torch.unique(idx).numel())
+    elem = torch.finfo(b.dtype).bits // 8
+    nbytes = active * 3 * inter * d * elem
+    if slots is not None:  # the shared expert as more slots (every token holds them): its bytes count too
+        n_sh = slots[0].shape[0] - E
+        idx, w = add_shared_slots(idx, w, E, n_sh)
+        w1, w2 = slots
+        nbytes += n_sh * 3 * inter * d * elem
+    impls = {"kiln": kiln_experts} | variants(T, b.smoke)
+    fns = {n: fwd(f, [x, idx, w, w1, w2]) for n, f in impls.items()}
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=b.dev)
+    dst = torch.empty_like(src)
+    fns["copy"] = lambda: dst.copy_(src)
+    with torch.no_grad():  # every variant against the model's dispatch
+        ref = kiln_experts(x, idx, w, w1, w2).float()
+        diffs = {n: float((f(x, idx, w, w1, w2).float() - ref).abs().max()) for n, f in impls.items()}
+    counts = torch.bincount(idx.reshape(-1), minlength=w1.shape[0])
+    entry = dict(case="decode", shape=shape, tokens=T, routing=routing, active_experts=active,
+                 max_tokens_per_expert=int(counts[:E].max()), weight_bytes=nbytes,
+                 grouped_default_up=str(mm_config(T * idx.shape[1], w1.shape[0], False, 2 * inter, d)),
+                 max_abs_diff_vs_kiln=diffs)  # fmt: skip
+    b.record(entry, b.time(fns, graph=True), nbytes=nbytes)
+
+
+def profile(b: Bench, shape: str, T: int, routing: str, weights, iters: int = 20) -> None:
+    """Kernel by kernel (torch.profiler over eager calls): us per call of each kernel, for the grouped path
+    and the experts form over experts."""
+    E, k, d, inter, _ = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
+    w1, w2, _, _ = weights
+    x = b.randn(T, d)
+    idx, w = make_routing(T, E, k, routing, b.dev, b.gen)
+    out = dict(case="profile", shape=shape, tokens=T, routing=routing, iters=iters, results={})
+    for name, f in (("grouped", grouped()), ("experts_by_expert", form("experts", by_expert=True))):
+        run = fwd(f, [x, idx, w, w1, w2])
+        run()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                run()
+            torch.cuda.synchronize()
+        rows = []
+        for ev in prof.key_averages():
+            us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+            if us:
+                rows.append(dict(kernel=ev.key[:90], calls=ev.count / iters, us=round(us / iters, 2)))
+        rows.sort(key=lambda r: -r["us"])
+        out["results"][name] = rows
+        b.run.log(
+            f"profile {shape} {T} {routing} {name}: "
+            + "; ".join(f"{r['kernel'][:40]} {r['us']}" for r in rows)
+        )
+    b.cases.append(out)
+
+
+def main() -> int:
+    ap = bench_parser("moe_decode_batch", __doc__)
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="decode batches, comma-separated")
+    args = ap.parse_args()
+    run = BenchRun("moe_decode_batch", __file__, args, rounds=3)
+    b = Bench(run)
+    shapes = list(SMOKE_SHAPES if b.smoke else SHAPES)
+    tokens = (2, 32) if b.smoke else tuple(int(t) for t in args.tokens.split(","))
+    with use_backend("triton"):
+        weights = {s: make_weights(b, s) for s in shapes}
+        for T in tokens:
+            for shape in shapes:
+                for routing in ("balanced", "zipf"):
+                    case(b, shape, T, routing, weights[shape])
+        if not b.smoke:
+            profile(b, shapes[1], 64, "zipf", weights[shapes[1]])
+    run.write(cases=b.cases)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
