@@ -55,7 +55,6 @@ from kiln.kernels.dispatch import use_backend
 from kiln.kernels.moe_decode import (
     DecodeTiles,
     add_shared_slots,
-    decode_form,
     decode_tiles,
     expert_rows,
     expert_tiles,
@@ -109,7 +108,7 @@ def make_routing(N: int, E: int, k: int, kind: str, device, gen: torch.Generator
 
 # ------------------------------------------------------------------------------------- implementations
 def kiln_experts(x, idx, w, w1, w2):
-    """The model's dispatch (Experts.grouped): the decode kernels at inference up to 16 tokens."""
+    """The model's dispatch (Experts.grouped): the decode kernels at inference up to 64 tokens."""
     if use_decode(idx.shape[0]) and not torch.is_grad_enabled():
         return moe_decode_fwd(x, idx, w, w1, w2)
     return kiln_grouped_experts(x, idx, w, w1, w2)
@@ -374,6 +373,11 @@ def decode_experts_one_row(x, idx, w, w1, w2):
     return moe_decode_fwd(x, idx, w, w1, w2, form="experts", rows=1)
 
 
+def decode_experts_rows16(x, idx, w, w1, w2):
+    """The experts form with 16-row tl.dot passes (its default from 3 tokens): each expert read once."""
+    return moe_decode_fwd(x, idx, w, w1, w2, form="experts", rows=16)
+
+
 def decode_experts_no_preload(x, idx, w, w1, w2):
     """The experts form at one token with its down kernel waiting for the up kernel before any load (the
     form before `preload_down`): the A/B of the preload."""
@@ -381,9 +385,9 @@ def decode_experts_no_preload(x, idx, w, w1, w2):
 
 
 def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool = False):
-    """kiln (the model's dispatch: the decode kernels up to 16 tokens, in decode_form's form),
+    """kiln (the model's dispatch: the decode kernels' experts form up to 64 tokens),
     kiln_decode_pairs and kiln_decode_experts (the decode kernels' two forms at every batch, past
-    use_decode's 16 tokens too: which form wins where, and where the grouped path takes over),
+    use_decode's 64 tokens too: which form wins where, and where the grouped path takes over),
     kiln_grouped (the grouped path), torch._grouped_mm, and "copy": a device copy moving the same number
     of bytes (half read, half written) at this size, the bandwidth reachable by a kernel this short.
     Quick: no loop, no fused."""
@@ -398,8 +402,9 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     impls |= {"kiln_decode_pairs": decode_pairs, "kiln_decode_experts": decode_experts}
     if B == 1:
         impls["kiln_decode_experts_no_preload"] = decode_experts_no_preload
-    elif B <= 4:  # where the pairs form runs: its streams with the one-row down kernel's preload
+    elif B <= 4:  # where the experts form's passes change from one row (2 tokens) to 16 (3 and more)
         impls["kiln_decode_experts_one_row"] = decode_experts_one_row
+        impls["kiln_decode_experts_rows16"] = decode_experts_rows16
     if not quick:
         impls |= {"kiln_fused": kiln_fused_experts, "loop": loop_experts}
     fns = {n: fwd(with_shared(f, shared), [x, idx, w, w1, w2]) for n, f in impls.items()}
@@ -424,7 +429,7 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     entry = dict(case="decode", shape=shape, tokens=B, routing=routing, mode="fwd", active_experts=active,
                  pairs_per_active_expert=round(B * k / active, 2), max_tokens_per_expert=int(counts.max()),
                  weight_bytes=nbytes, path="decode" if use_decode(B) else "grouped",
-                 form=decode_form(B) if use_decode(B) else None,
+                 form="experts" if use_decode(B) else None,
                  experts_rows=expert_rows(B, b.dtype), max_abs_diff_vs_grouped=float(err.max()),
                  max_abs_diff_experts_vs_pairs=float(err_forms.max()))  # fmt: skip
     if slots_err is not None:  # the slots' sum rounds once, the separate MLP's adds two bf16 outputs
@@ -746,7 +751,7 @@ def main() -> int:
     return 0
 
 
-QUICK_DECODE = (1, 2, 4, 8, 16, 64)
+QUICK_DECODE = (1, 2, 3, 4, 8, 16, 32, 64)
 QUICK_BUDGET_S = 135.0  # no new case past this: the last one ends within ~150 s
 
 

@@ -19,7 +19,6 @@ from kiln.kernels.moe_decode import (
     DecodeTiles,
     add_shared_slots,
     by_expert_grid,
-    decode_form,
     expert_rows,
     moe_decode,
     moe_decode_fwd,
@@ -110,8 +109,8 @@ def test_moe_decode_empty_and_errors():
         moe_decode_ref(x, idx, wts[:, :1], w1, w2)
     with pytest.raises(TypeError, match="int32 or int64"):
         moe_decode_ref(x, idx.float(), wts, w1, w2)
-    # measured on the H200: the decode kernels up to 16 tokens, past T*k > E too (the experts form)
-    assert use_decode(1) and use_decode(16) and not use_decode(17) and not use_decode(0)
+    # measured on the H200: the decode kernels up to 64 tokens, past T*k > E too (the experts form)
+    assert use_decode(1) and use_decode(64) and not use_decode(65) and not use_decode(0)
 
 
 def test_moe_decode_opcheck():
@@ -150,8 +149,8 @@ def test_moe_decode_forms_match_loop(T, k, E, d, I, hot):
         got = {form: moe_decode(x, idx, wts, w1, w2, form=form) for form in ("pairs", "experts")}
         for out in got.values():
             assert_close(out, want)
-        if T == 1:  # the default (decode_form) takes the experts form at one token with k >= 4
-            assert torch.equal(moe_decode(x, idx, wts, w1, w2), got["experts"])
+        # the default ("auto") is the experts form at every batch
+        assert torch.equal(moe_decode(x, idx, wts, w1, w2), got["experts"])
 
 
 def test_moe_decode_experts_expert_twice_in_a_token_and_passes():
@@ -256,11 +255,12 @@ def test_moe_decode_forms_errors_and_rules():
         with pytest.raises(ValueError, match="rows and by_expert apply to form='experts' only"):
             moe_decode_fwd(x, idx, wts, w1, w2, form="pairs", rows=16)
         with pytest.raises(ValueError, match="tl.dot tiles need block_n and block_k >= 16"):
-            moe_decode_fwd(x, idx, wts, w1, w2, form="experts", config=(DecodeTiles(4, 16, 1, 1),) * 2)
-    # the default (measured on the H200): experts at one token and at 4-16, pairs at 2-3
-    assert decode_form(1) == "experts" and decode_form(4) == "experts" and decode_form(16) == "experts"
-    assert decode_form(2) == "pairs" and decode_form(3) == "pairs"
-    assert expert_rows(1, torch.bfloat16) == 1 and expert_rows(3, torch.bfloat16) == 16
+            moe_decode_fwd(
+                x, idx, wts, w1, w2, form="experts", rows=16, config=(DecodeTiles(4, 16, 1, 1),) * 2
+            )
+    # the default (measured on the H200): one row a pass up to 2 tokens, then 16-64 rows
+    assert expert_rows(1, torch.bfloat16) == 1 and expert_rows(2, torch.bfloat16) == 1
+    assert expert_rows(3, torch.bfloat16) == 16
     assert expert_rows(40, torch.float16) == 64 and expert_rows(200, torch.float32) == 64
     assert expert_rows(4, torch.float64) == 1  # no tl.dot in float64: FMAs, one token per pass
 
@@ -270,16 +270,16 @@ def test_moe_decode_forms_errors_and_rules():
 @pytest.mark.parametrize(
     "T, k, E, d, I",
     [(1, 2, 8, 4096, 14336), (4, 2, 8, 4096, 14336), (1, 8, 128, 2048, 768), (16, 8, 128, 2048, 768),
-     (3, 6, 64, 2048, 1408), (12, 2, 8, 4096, 14336)],
+     (3, 6, 64, 2048, 1408), (12, 2, 8, 4096, 14336), (2, 6, 64, 2048, 1408), (64, 8, 128, 2048, 768)],
 )  # fmt: skip
 def test_moe_decode_gpu_bf16_and_graph(T, k, E, d, I, form):
     # every token's first slot on the last expert: pairs sharing an expert, which the experts form dedupes
     x, idx, wts, w1, w2 = _case(T, k, E, d, I, device="cuda", dtype=torch.bfloat16, same_expert=True)
     with torch.no_grad():
         got = moe_decode(x, idx, wts, w1, w2, form=form)
-        # bf16 inputs against the float64 loop on the first two tokens (its float64 matmuls on the GPU): gate,
-        # up and h are rounded to bf16 on the way (as the grouped path rounds them), within the bf16 table
-        assert_close(got[:2], _loop(x[:2], idx[:2], wts[:2], w1, w2), torch.bfloat16)
+        # bf16 inputs against the float64 loop on every token (its float64 matmuls on the GPU): gate, up and
+        # h are rounded to bf16 on the way (as the grouped path rounds them), within the bf16 table
+        assert_close(got, _loop(x, idx, wts, w1, w2), torch.bfloat16)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # no host sync inside
             out = moe_decode(x, idx, wts, w1, w2, form=form)

@@ -29,29 +29,31 @@ tokens with k 6-8 small experts (the down kernel's d / 4 programs each walk k * 
 
 The "experts" form, three kernels, each distinct expert's weights streamed once for all its tokens:
 - `_up_experts_kernel`, grid (T*k slots, cdiv(I, BLOCK_N)): a program whose slot is not the first slot in
-  flat order holding its expert (the leader) returns after one load of all T*k ids (<= 16 x 8) and a
-  compare; the leader gathers the tokens routed to its expert, ROWS (16-64) at a time, and streams each
+  flat order holding its expert (the leader) returns after one load of all T*k ids (<= 64 x 8) and a
+  compare (where E < T*k the grid is (E, ...) instead, program e serving expert e: `by_expert_grid`,
+  fewer programs with nothing to do); the leader gathers the tokens routed to its expert, ROWS (16-64) at a time, and streams each
   weight tile once into tl.dot against their rows (W tile (BLOCK_N, BLOCK_K) @ x.T (BLOCK_K, ROWS), the
   rows a pass lacks masked to zero), writing h for each of those pairs.
-- `_down_experts_kernel`, grid (T*k slots, cdiv(d, BLOCK_N)): the same leaders; each pair's weighted down
+- `_down_experts_kernel`, grid (T*k slots or E, cdiv(d, BLOCK_N)): the same leaders; each pair's weighted down
   projection w_pair * (h_pair @ w2[e].T) over BLOCK_N columns into a float32 buffer (T*k, d).
 - `_combine_kernel`, grid (T, cdiv(d, 256)): out[t] = sum_j partial[t*k + j], j in order: deterministic,
   no atomics.
-At one token (and in float64, which tl.dot does not take) a pass holds one row: the pairs form's up
-kernel (at one token each pair is its expert's only one under a top-k router) and `_down_pair_kernel`,
-grid (T*k, cdiv(d, BLOCK_N)): k times the pairs form's down programs, each I deep instead of k * I.
+At one and two tokens (and in float64, which tl.dot does not take) a pass holds one row: the pairs form's
+up kernel (each pair streams its expert; at one token each is its expert's only one under a top-k
+router) and `_down_pair_kernel`, grid (T*k, cdiv(d, BLOCK_N)): k times the pairs form's down programs,
+each I deep instead of k * I.
 Up to I = 2048 (`preload_down`) that kernel loads its whole weight slice before its programmatic-launch
 wait and the up kernel is launched with PDL too, so the down weights stream while gate/up finishes: on
 the H200 at 109775b Qwen3-like one token went from 0.729 to 0.801 of the copy rate.
 The leader needs no sort and no host sync either: the ids are compared on the device, the grid is fixed.
 A token that lists an expert twice (no top-k router does) is served by one pass per occurrence.
 
-Which form: `moe_decode_fwd(..., form=)`, "auto" being `decode_form(T)` (its docstring has the
-H200 measurement behind it: experts at one token, pairs otherwise; bench/moe.py --case quick times both).
+Which form: `moe_decode_fwd(..., form=)`, "auto" being the experts form, with one row a pass up to two
+tokens (`expert_rows`: its docstring has the H200 measurements; bench/moe.py --case quick times both forms).
 No host sync, the grids depend on T, k, d and I only: CUDA-graph safe. Tiles: `decode_tiles`, the dense
 gemv's rule measured on the H200 (4 columns, 256-wide steps, 3-stage pipeline; long K: 2 columns,
 1024-wide steps), and for the experts form's tl.dot kernels `expert_tiles`; bench/moe.py sweeps others.
-Forward only (inference): the model takes this path when no gradient is needed and there are at most 16
+Forward only (inference): the model takes this path when no gradient is needed and there are at most 64
 tokens (`use_decode`, measured against the grouped GEMM: its docstring).
 float32 accumulation; float32 / float16 / bfloat16 (the CPU tests run float32 and float16 through the
 interpreter). Differences to the prefill path: out is summed in float32 without rounding each pair's down
@@ -92,17 +94,20 @@ def decode_tiles(K: int) -> DecodeTiles:
     return DecodeTiles(4, 256, 2, 3) if K <= 4096 else DecodeTiles(2, 1024, 4, 1)
 
 
-DECODE_MAX_TOKENS = 16  # the most tokens the model sends through these kernels (use_decode)
+DECODE_MAX_TOKENS = 64  # the most tokens the model sends through these kernels (use_decode)
 
 
 def use_decode(n_tokens: int) -> bool:
-    """Whether the model's MoE block takes this path (with no gradient needed): up to 16 tokens. Measured
-    on the H200 at 4b6649a (bench/moe.py --case quick, CUDA-graph replays, docs/perf/moe.md): with the
-    experts form reading each distinct expert once, the decode kernels beat the grouped GEMM past T*k > E
-    too: Mixtral-like 8 and 16 tokens 1.01-1.04 of the copy rate against 0.94-0.96, DeepSeek-like 16
-    tokens 0.87-0.94 against 0.73-0.85 (Zipf and balanced routing); at 64 tokens the grouped GEMM wins at
-    every shape (Qwen3-like 0.76-0.82 against 0.72-0.74, Mixtral-like 0.87-0.92 against 0.83-0.86). Until
-    that run the line was T*k <= E, set when only the pairs form existed."""
+    """Whether the model's MoE block takes this path (with no gradient needed): up to 64 tokens, one
+    64-row pass of the experts form. Measured on the H200 (CUDA-graph replays, docs/perf/moe.md): at
+    4b6649a (bench/moe.py --case quick) the decode kernels beat the grouped GEMM at 8 and 16 tokens
+    (Mixtral-like 1.01-1.04 of the copy rate against 0.94-0.96, DeepSeek-like 16 tokens 0.87-0.94 against
+    0.73-0.85), but not at 64, where the experts form's grid still had a program row per slot and its
+    16-row tiles (Qwen3-like 0.72-0.74 against the grouped GEMM's 0.76-0.82). With a row per expert
+    (`by_expert_grid`) and its 32-64-row tiles (`expert_tiles`), at 4beb6db (bench/experiments/
+    moe_decode_batch.py) the experts form beat the grouped path at 32, 48 and 64 tokens on every shape and
+    routing: 0.84-1.04 against 0.69-0.96 (the grouped path also sorts: 27 us of its ~290 at Qwen3-like 64
+    tokens). Past 64 tokens a hot expert takes a second pass: unmeasured, the grouped path stays."""
     return 0 < n_tokens <= DECODE_MAX_TOKENS
 
 
@@ -420,7 +425,7 @@ def _down_pair_kernel(
     PRELOAD: tl.constexpr = False,  # read the whole (BLOCK_N, I) weight slice before waiting for h
     I_P2: tl.constexpr = 16,  # pow2 >= I (PRELOAD's slice width)
 ):
-    """One row per pass (one token, or a dtype without tl.dot): program (pair, column block) computes its
+    """One row per pass (one or two tokens, or a dtype without tl.dot): program (pair, column block) computes its
     pair's weighted down projection over I alone, the FMA gemv of the pairs form's kernels: k times the
     pairs form's down programs, each k times shorter. PRELOAD: the expert id and the weights are not
     written by the up kernel, so the program loads its whole weight slice before its programmatic-launch
@@ -488,42 +493,41 @@ FORMS = ("auto", "pairs", "experts")
 DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # tl.dot's inputs (float64 takes FMAs)
 
 
-def decode_form(n_tokens: int) -> str:
-    """The form `form="auto"` takes: "pairs" at 2-3 tokens, "experts" otherwise.
-
-    Measured on the H200 (bench/moe.py --case quick, both forms as CUDA-graph replays, side by side;
-    docs/perf/moe.md). One token, at c598f16: experts time / pairs time Mixtral-like 1.094x faster,
-    Qwen3-like 1.036x, DeepSeek-like 1.051x: each pair is its expert's only one, and the experts form's
-    down kernel has k times the programs, each I deep instead of k * I (more loads in flight), for a third
-    launch (the combine, k * d * 4 bytes). 4-16 tokens, at 4b6649a with the experts form's 64-column
-    tiles: the experts form wins under Zipf routing at every shape (1.08-1.56x: several tokens on a hot
-    expert read it once) and gives up 0-9% under balanced routing, so it has the better worst case at
-    every point, and the host cannot see the routing without a sync. 2 tokens: balanced routing favours
-    the pairs form (Qwen3-like 0.91x for experts), Zipf is a tie or better (1.00-1.06x): pairs stays."""
-    return "pairs" if 2 <= n_tokens <= 3 else "experts"
-
-
 def expert_rows(n_tokens: int, dtype: torch.dtype) -> int:
-    """Tokens per pass of the experts form: 1 at one token (FMAs, the gemv), else pow2(T) within
-    [16, 64] for tl.dot (16 is its narrowest side; past 64 tokens a hot expert is read once per 64)."""
-    if n_tokens <= 1 or dtype not in DOT_DTYPES:
+    """Tokens per pass of the experts form (the form `form="auto"` takes at every batch): one row (FMAs,
+    the pairs form's weight streams with the one-row down kernel's preload) up to 2 tokens, else pow2(T)
+    within [16, 64] for tl.dot (16 is its narrowest side; past 64 tokens a hot expert is read once per 64).
+
+    Measured on the H200 (CUDA-graph replays, fractions of the copy rate, docs/perf/moe.md). One token, at
+    c598f16: the one-row experts form over the pairs form 1.04-1.09x at every shape. 2 tokens, at 4beb6db
+    (bench/experiments/moe_decode_batch.py): one row 0.818-1.064 on the three shapes and both routings,
+    the pairs form 0.804-1.032, 16-row passes 0.760-1.033. 3 tokens: 16-row passes 0.808-1.073, the
+    pairs form 0.781-1.055, one row 0.785-1.083 (16-row passes have the best worst case: Zipf routing puts
+    several tokens on one expert, which they read once). 4-64 tokens, at 4b6649a and 4beb6db: the
+    experts form wins under Zipf routing (1.08-1.56x the pairs form at 4-16) and gives up 0-9% under
+    balanced routing: the better worst case, and the host cannot see the routing without a sync."""
+    if n_tokens <= 2 or dtype not in DOT_DTYPES:
         return 1
     return min(max(16, pow2(n_tokens)), 64)
 
 
 def expert_tiles(K: int, rows: int) -> DecodeTiles:
     """The experts form's tiles for a weight stream of depth K: the pairs form's at one row; with tl.dot
-    64-wide column blocks, 128-wide K steps, 4 warps, 3 stages. The H200 sweep at c598f16 (bench/moe.py
-    --case quick, Qwen3-like batch 16 under Zipf routing, CUDA-graph replays) measured 64 columns at 0.762
-    (up) and 0.801 (down) of the copy rate against 0.666 for kernels/matmul_decode.py's 16-column rule,
-    which this form first borrowed: a weight tile meets up to 16 rows of x, so wider blocks cost no extra
-    x traffic and halve the programs' ramp-up per byte. Interpreted: small tiles (ragged columns, several K
-    steps)."""
+    64-wide column blocks, 4 warps, and 128-wide K steps through 3 stages for 16-row passes, 64-wide
+    through 4 for 32 and 64 rows. The H200 sweep at c598f16 (bench/moe.py --case quick, Qwen3-like batch
+    16 under Zipf routing, CUDA-graph replays) measured 64 columns at 0.762 (up) and 0.801 (down) of the
+    copy rate against 0.666 for kernels/matmul_decode.py's 16-column rule, which this form first
+    borrowed: a weight tile meets up to 16 rows of x, so wider blocks cost no extra x traffic and halve
+    the programs' ramp-up per byte; there 64-wide K steps were a tie (0.945 / 0.941 against 0.944). At
+    32-64 rows (4beb6db, bench/experiments/moe_decode_batch.py, over experts) the (64, 64, 4, 4) tiles
+    took Qwen3-like 64 tokens from 0.829 to 0.879 (balanced) and 0.804 to 0.856 (Zipf), DeepSeek-like
+    0.846 to 0.890 and 0.835 to 0.915, Mixtral-like 0.981 to 0.996: the (64, ROWS) accumulators of 64 rows
+    leave fewer registers to 128-wide steps. Interpreted: small tiles (ragged columns, several K steps)."""
     if rows == 1:
         return decode_tiles(K)
     if interpreting():
         return DecodeTiles(16, 16, 1, 1)
-    return DecodeTiles(64, 128, 4, 3)
+    return DecodeTiles(64, 128, 4, 3) if rows <= 16 else DecodeTiles(64, 64, 4, 4)
 
 
 def shared_mlp_as_experts(gate_up: torch.Tensor, down: torch.Tensor, inter: int):
@@ -586,7 +590,7 @@ def moe_decode_fwd(
 ) -> torch.Tensor:
     """Launcher: out (T, d) in x's dtype. form: "pairs" (two kernels, each (token, expert) pair streams
     its expert), "experts" (each distinct expert streamed once for all its tokens: three kernels) or
-    "auto" (`decode_form`). config: (up tiles, down tiles), default `decode_tiles` of d and I (pairs) or
+    "auto" (the experts form: `expert_rows`). config: (up tiles, down tiles), default `decode_tiles` of d and I (pairs) or
     `expert_tiles` (experts). rows: the experts form's tokens per pass (default `expert_rows`; 1 or a
     power of two >= 16 for tl.dot). preload: the experts form at one row reads the down weights before
     waiting for the up kernel (default `preload_down`). by_expert: the experts form's tl.dot kernels take
@@ -602,8 +606,8 @@ def moe_decode_fwd(
         return out
     if I == 0 or k == 0:
         return out.zero_()
-    if form == "auto":
-        form = decode_form(T)
+    if form == "auto":  # the experts form at every batch (expert_rows has the measurements)
+        form = "experts"
     idx = expert_idx.reshape(-1)  # (T*k,): views of contiguous (T, k); a strided one is copied
     wts = weights.reshape(-1)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
@@ -641,8 +645,8 @@ def by_expert_grid(n_slots: int, n_experts: int) -> bool:
 
 def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert) -> None:
     """The experts form's three launches (module docstring): up into h, down into float32 partials per
-    pair, the combine into out. One row per pass (one token, or float64): the pairs form's up kernel (at
-    one token each pair is its own expert's only one) and a down kernel per pair."""
+    pair, the combine into out. One row per pass (one or two tokens, or float64): the pairs form's up kernel
+    (each pair streams its expert) and a down kernel per pair."""
     d, I = x.shape[1], h.shape[1]
     rows = expert_rows(T, x.dtype) if rows is None else rows
     if rows < 1 or rows & (rows - 1) or (rows > 1 and (rows < 16 or x.dtype not in DOT_DTYPES)):

@@ -18,7 +18,7 @@ Two dispatches, chosen by `KernelConfig.moe` (backend "auto": kernels on CUDA, t
 - "kiln": kernels/moe_router.py (top-k, weights, counts, aux loss in one pass), kernels/moe_permute.py
   (expert-sorted rows and the weighted combine back), kernels/moe_gemm.py (one grouped GEMM launch per
   projection over the stacked weights as they are) with kernels/swiglu.py between them; at inference with
-  up to 16 tokens (decode), kernels/moe_decode.py instead: weight-streaming kernels (gate/up + SwiGLU,
+  up to 64 tokens (decode), kernels/moe_decode.py instead: weight-streaming kernels (gate/up + SwiGLU,
   down, the weighted combine), no sort. No host sync and
   shapes fixed by N, k and E only, so a decode step can be captured in a CUDA graph. Under autocast the
   rows and the expert weights are cast to the autocast dtype (autocast does not reach custom ops).
@@ -81,7 +81,7 @@ class Experts(nn.Module):
             dt = torch.get_autocast_dtype(dev)
             x, w1, w2 = x.to(dt), w1.to(dt), w2.to(dt)
         if use_decode(x.shape[0]) and not needs_grad(x, weights, w1, w2):
-            # up to 16 tokens at inference: weight-streaming kernels, no sort (kernels/moe_decode.py)
+            # up to 64 tokens at inference: weight-streaming kernels, no sort (kernels/moe_decode.py)
             return moe_decode(x, expert_idx, weights, w1, w2)
         plan = routing_plan(expert_idx, E, counts=counts)  # dropless
         xs = permute(x, plan)  # (N*k, d) expert-sorted
