@@ -373,11 +373,6 @@ def decode_experts_one_row(x, idx, w, w1, w2):
     return moe_decode_fwd(x, idx, w, w1, w2, form="experts", rows=1)
 
 
-def decode_experts_combine_last(x, idx, w, w1, w2):
-    """The experts form with its combine done by the down kernel's last arrivals (no third launch)."""
-    return moe_decode_fwd(x, idx, w, w1, w2, form="experts", combine="last")
-
-
 def decode_experts_rows16(x, idx, w, w1, w2):
     """The experts form with 16-row tl.dot passes (its default from 3 tokens): each expert read once."""
     return moe_decode_fwd(x, idx, w, w1, w2, form="experts", rows=16)
@@ -405,7 +400,6 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     nbytes = active * 3 * inter * d * elem + (3 * (sh // 2) * d * elem if sh else 0)
     impls = {"kiln": kiln_experts, "kiln_grouped": kiln_grouped_experts, "grouped_mm": grouped_mm_experts}
     impls |= {"kiln_decode_pairs": decode_pairs, "kiln_decode_experts": decode_experts}
-    impls["kiln_decode_experts_combine_last"] = decode_experts_combine_last
     if B == 1:
         impls["kiln_decode_experts_no_preload"] = decode_experts_no_preload
     elif B <= 4:  # where the experts form's passes change from one row (2 tokens) to 16 (3 and more)
@@ -419,7 +413,6 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
         W1, W2 = slots
         ids, ws = add_shared_slots(idx, w, E, W1.shape[0] - E)
         fns["kiln_shared_slots"] = fwd(kiln_experts, [x, ids, ws, W1, W2])  # the model's dispatch
-        fns["kiln_shared_slots_combine_last"] = fwd(decode_experts_combine_last, [x, ids, ws, W1, W2])
         with torch.no_grad():
             slots_err = float((kiln_experts(x, ids, ws, W1, W2).float()
                                - with_shared(kiln_experts, shared)(x, idx, w, w1, w2).float()).abs().max())  # fmt: skip

@@ -186,28 +186,6 @@ def test_moe_decode_experts_grid_by_expert_or_slot(T, k, E, hot):
     assert by_expert_grid(17 * 8, 128) and not by_expert_grid(16 * 8, 128) and by_expert_grid(5 * 2, 8)
 
 
-@pytest.mark.parametrize(
-    "T, k, E, rows, hot",
-    [(1, 4, 8, 1, 0), (2, 3, 5, 1, 2), (3, 2, 8, 16, 3), (6, 3, 4, 16, 4), (5, 1, 3, 16, 5)],
-)
-def test_moe_decode_combine_in_down_kernel(T, k, E, rows, hot):
-    # the combine done by the last of a token's k pairs to finish each column block (atomic arrival
-    # counters the up kernel zeroes) instead of a third launch: the same k partials summed in slot order,
-    # so the same bits, at one row a pass (per-pair down, several column blocks), tl.dot passes over slots
-    # and over experts (6 x 3 > 4), a hot expert, k = 1
-    x, idx, wts, w1, w2 = _routed(T, k, E, 37, 19, seed=T * 3 + k, hot=hot)
-    with use_backend("triton"):
-        got = {
-            c: moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=rows, combine=c)
-            for c in ("kernel", "last")
-        }
-        twice = moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=rows, combine="last")
-    assert torch.equal(got["last"], got["kernel"]) and torch.equal(twice, got["last"])
-    assert_close(got["last"], _loop(x, idx, wts, w1, w2))
-    with use_backend("triton"), pytest.raises(ValueError, match="combine must be one of"):
-        moe_decode_fwd(x, idx, wts, w1, w2, form="experts", combine="atomic")
-
-
 @pytest.mark.parametrize("I", [24, 37])
 def test_moe_decode_one_row_down_preload(I):
     # one token, the experts form: the down kernel reading its whole weight slice before the wait (I not a
@@ -274,7 +252,7 @@ def test_moe_decode_forms_errors_and_rules():
             moe_decode(x, idx, wts, w1, w2, form="tokens")
         with pytest.raises(ValueError, match="rows must be 1, or a power of two >= 16"):
             moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=8)
-        with pytest.raises(ValueError, match="rows, by_expert and combine apply to form='experts' only"):
+        with pytest.raises(ValueError, match="rows and by_expert apply to form='experts' only"):
             moe_decode_fwd(x, idx, wts, w1, w2, form="pairs", rows=16)
         with pytest.raises(ValueError, match="tl.dot tiles need block_n and block_k >= 16"):
             moe_decode_fwd(
@@ -313,26 +291,6 @@ def test_moe_decode_gpu_bf16_and_graph(T, k, E, d, I, form):
         )  # fixed order: bitwise deterministic
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("T, k, E, d, I", [(1, 8, 128, 2048, 768), (2, 6, 64, 2048, 1408), (3, 8, 128, 2048, 768),
-                                           (64, 8, 128, 2048, 768), (5, 2, 8, 4096, 14336)])  # fmt: skip
-def test_moe_decode_gpu_combine_in_down_kernel_graph_replays(T, k, E, d, I):
-    # the down kernel's last arrivals sum each token's partials: the same bits as the combine kernel, and in
-    # a CUDA graph replayed several times (the up kernel zeroes the counters at every replay)
-    x, idx, wts, w1, w2 = _case(T, k, E, d, I, device="cuda", dtype=torch.bfloat16, same_expert=True)
-    with torch.no_grad():
-        want = moe_decode_fwd(x, idx, wts, w1, w2, form="experts", combine="kernel")
-        assert torch.equal(moe_decode_fwd(x, idx, wts, w1, w2, form="experts", combine="last"), want)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = moe_decode_fwd(x, idx, wts, w1, w2, form="experts", combine="last")
-        for step in range(3):
-            x.copy_(torch.randn_like(x))
-            idx.copy_(idx.roll(step + 1, 0))
-            graph.replay()
-            assert torch.equal(out, moe_decode_fwd(x, idx, wts, w1, w2, form="experts", combine="kernel"))
-
-
 # the experts form compiled for the H200 (sm_90) on the CPU machine, in a subprocess without the
 # interpreter (as tests/kernels/test_moe_sm90.py does for the pairs form): Qwen3-like bf16 at batch 16
 # (tl.dot, 16 rows per pass) and batch 1 (the per-pair down kernel), at the launcher's tiles
@@ -352,28 +310,23 @@ def ptx(fn, ptrs, consts, t, nodiv=()):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=attrs)
     p = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.warps, num_stages=t.stages)).asm["ptx"]
-    feats = ("mma.sync", "wgmma.mma_async", "cp.async.cg", "griddepcontrol.wait", "atom.global.gpu.acq_rel", "ld.global.cg")
-    return {f: p.count(f) for f in feats}
+    return {f: p.count(f) for f in ("mma.sync", "wgmma.mma_async", "cp.async.cg", "griddepcontrol.wait")}
 
 k, d, I, T = 8, 2048, 768, 16
 rows = md.expert_rows(T, torch.bfloat16)
 meta = dict(TOPK=k, TOPK_P2=8, T_P2=16, ROWS=rows, BY_EXPERT=False, PRECISION="ieee")
-UP = dict(X_ptr="*bf16", Idx_ptr="*i32", W_ptr="*bf16", H_ptr="*bf16", Cnt_ptr="*i32")
-DOWN = dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", P_ptr="*fp32", Y_ptr="*bf16", Cnt_ptr="*i32")
 out = {
-    "up": ptx(md._up_experts_kernel, UP, dict(meta, stride_xc=1, stride_wc=1, CNT_PER_PROGRAM=0),
-              md.expert_tiles(d, rows), ("T", "n_cnt")),
-    "up_zeroing": ptx(md._up_experts_kernel, UP, dict(meta, stride_xc=1, stride_wc=1, CNT_PER_PROGRAM=2),
-                      md.expert_tiles(d, rows), ("T", "n_cnt")),
-    "down": ptx(md._down_experts_kernel, DOWN, dict(meta, stride_wi=1, COMBINE=False), md.expert_tiles(I, rows), ("T",)),
-    "down_combine": ptx(md._down_experts_kernel, DOWN, dict(meta, stride_wi=1, COMBINE=True), md.expert_tiles(I, rows),
-                        ("T",)),
-    "down_pair": ptx(md._down_pair_kernel, DOWN, dict(stride_wi=1, PRELOAD=False, I_P2=1024, TOPK=k, COMBINE=False), md.expert_tiles(I, 1)),
-    "down_pair_preload": ptx(md._down_pair_kernel, DOWN, dict(stride_wi=1, PRELOAD=True, I_P2=1024, TOPK=k, COMBINE=False),
-                             md.expert_tiles(I, 1)),
-    "down_pair_preload_combine": ptx(md._down_pair_kernel, DOWN,
-                                     dict(stride_wi=1, PRELOAD=True, I_P2=1024, TOPK=k, COMBINE=True),
-                                     md.expert_tiles(I, 1)),
+    "up": ptx(md._up_experts_kernel, dict(X_ptr="*bf16", Idx_ptr="*i32", W_ptr="*bf16", H_ptr="*bf16"),
+              dict(meta, stride_xc=1, stride_wc=1), md.expert_tiles(d, rows), ("T",)),
+    "down": ptx(md._down_experts_kernel,
+                dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", P_ptr="*fp32"),
+                dict(meta, stride_wi=1), md.expert_tiles(I, rows), ("T",)),
+    "down_pair": ptx(md._down_pair_kernel,
+                     dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", P_ptr="*fp32"),
+                     dict(stride_wi=1, PRELOAD=False, I_P2=1024), md.expert_tiles(I, 1)),
+    "down_pair_preload": ptx(md._down_pair_kernel,
+                             dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", P_ptr="*fp32"),
+                             dict(stride_wi=1, PRELOAD=True, I_P2=1024), md.expert_tiles(I, 1)),
 }
 names = [p.name for p in md._combine_kernel.params]
 consts = dict(TOPK=k, BLOCK=256, PDL=True)
@@ -403,11 +356,5 @@ def test_moe_decode_experts_form_compiles_for_sm90(tmp_path):
     assert tc == 0 and res["down_pair"]["cp.async.cg"] > 0, res
     # the preloading form: plain 16-byte loads (nothing to pipeline), the wait after them
     assert res["down_pair_preload"]["griddepcontrol.wait"] > 0, res
-    # the combine in the down kernels: acquire-release arrival counts at GPU scope, the partials read from L2
-    for kern in ("down_combine", "down_pair_preload_combine"):
-        assert res[kern]["atom.global.gpu.acq_rel"] > 0 and res[kern]["ld.global.cg"] > 0, res
-    assert (
-        res["down"]["atom.global.gpu.acq_rel"] == 0 == res["down_pair_preload"]["atom.global.gpu.acq_rel"]
-    ), res
     # launched with programmatic dependent launch on sm_90: each waits for its predecessor in its prologue
     assert all(r["griddepcontrol.wait"] > 0 for r in res.values()), res

@@ -56,9 +56,8 @@ out["dw_tma"] = feats(ptx(
 for K in (4096, 14336):  # Mixtral's d (the up kernel's stream) and I (the down kernel's)
     t = md.decode_tiles(K)
     out[f"up K={K}"] = feats(ptx(
-        md._up_kernel, dict(X_ptr="*bf16", Idx_ptr="*i32", W_ptr="*bf16", H_ptr="*bf16", Cnt_ptr="*i32"),
-        dict(TOPK=2, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.stages, stride_xc=1, stride_wc=1, PDL=False,
-             CNT_PER_PROGRAM=0),
+        md._up_kernel, dict(X_ptr="*bf16", Idx_ptr="*i32", W_ptr="*bf16", H_ptr="*bf16"),
+        dict(TOPK=2, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.stages, stride_xc=1, stride_wc=1),
         num_warps=t.warps, num_stages=t.stages))
     out[f"down K={K}"] = feats(ptx(
         md._down_kernel, dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", Y_ptr="*bf16"),

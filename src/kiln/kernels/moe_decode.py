@@ -163,36 +163,6 @@ def _check(x, expert_idx, weights, w1, w2) -> None:
 
 
 @triton.jit
-def _zero_counters(Cnt_ptr, n_cnt, PER_PROGRAM: tl.constexpr):
-    """The up kernel's programs zero the down kernel's arrival counters, PER_PROGRAM each in grid order
-    (0: none). The down kernel reads them only after its programmatic-launch wait, i.e. after this kernel
-    has finished: fresh zeros at every call, with no memset launch (or persistent buffer) for them."""
-    if PER_PROGRAM > 0:
-        f = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        offs = f * PER_PROGRAM + tl.arange(0, PER_PROGRAM)
-        tl.store(Cnt_ptr + offs, tl.zeros((PER_PROGRAM,), dtype=tl.int32), mask=offs < n_cnt)
-
-
-@triton.jit
-def _sum_pairs_if_last(P_ptr, Y_ptr, Cnt_ptr, tok, nb, NB, offs_n, ok, D, TOPK: tl.constexpr):
-    """The combine, done by the last of a token's k pairs to finish a column block: after this program
-    has stored its pairs' partials, count them in on (token, column block) counters (acquire-release, so
-    the last arrival sees every other pair's stores); where its count completes the k, it sums the k
-    partials in slot order, as `_combine_kernel` does (the same bits), and writes out. tok (R,): each
-    row's token; ok (R,): the rows this program holds; offs_n (BLOCK_N,): its columns."""
-    cnt = tl.atomic_add(Cnt_ptr + tok * NB + nb, tl.full(tok.shape, 1, tl.int32), mask=ok, sem="acq_rel",
-                        scope="gpu")  # fmt: skip
-    last = ok & (cnt == TOPK - 1)
-    if tl.max(last.to(tl.int32), axis=0) > 0:
-        m = (offs_n < D)[:, None] & last[None, :]  # (BLOCK_N, R)
-        acc = tl.zeros(m.shape, dtype=tl.float32)
-        for j in tl.static_range(TOPK):  # .cg: from L2, where the other programs' stores are
-            at = P_ptr + (tok[None, :] * TOPK + j) * D + offs_n[:, None]
-            acc += tl.load(at, mask=m, other=0.0, cache_modifier=".cg")
-        tl.store(Y_ptr + tok[None, :] * D + offs_n[:, None], acc.to(Y_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
 def _up_kernel(
     X_ptr,  # (T, d): x[t, c] at X_ptr + t * stride_xt + c * stride_xc
     Idx_ptr,  # (T * TOPK,) contiguous: the expert of pair p = t * TOPK + j
@@ -205,17 +175,13 @@ def _up_kernel(
     stride_we,
     stride_wn,
     stride_wc,
-    Cnt_ptr,  # (n_cnt,) int32: the down kernel's arrival counters, zeroed here (CNT_PER_PROGRAM > 0)
-    n_cnt,
     TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,  # rows of gate (and of up) per program
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,  # > 1: the K loop's loads go through shared memory STAGES - 1 steps ahead
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (the experts form, one row)
-    CNT_PER_PROGRAM: tl.constexpr = 0,  # counters each program zeroes (_zero_counters; 0: none)
 ):
     pdl_prologue(PDL)
-    _zero_counters(Cnt_ptr, n_cnt, CNT_PER_PROGRAM)
     p = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < I)[:, None]
@@ -339,8 +305,6 @@ def _up_experts_kernel(
     stride_we,
     stride_wn,
     stride_wc,
-    Cnt_ptr,  # (n_cnt,) int32: the down kernel's arrival counters, zeroed here (CNT_PER_PROGRAM > 0)
-    n_cnt,
     TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr,  # pow2 >= max(TOPK, 2)
     T_P2: tl.constexpr,  # pow2 >= max(T, 2)
@@ -351,10 +315,8 @@ def _up_experts_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/_common.py pdl_prologue)
-    CNT_PER_PROGRAM: tl.constexpr,  # counters each program zeroes (0: a combine kernel follows the down)
 ):
     pdl_prologue(PDL)
-    _zero_counters(Cnt_ptr, n_cnt, CNT_PER_PROGRAM)
     p = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < I)[:, None]
@@ -408,8 +370,6 @@ def _down_experts_kernel(
     stride_we,
     stride_wn,
     stride_wi,
-    Y_ptr,  # (T, d) out, contiguous (COMBINE)
-    Cnt_ptr,  # (T * cdiv(d, BLOCK_N),) int32 arrival counters, zeroed by the up kernel (COMBINE)
     TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr,
     T_P2: tl.constexpr,
@@ -420,12 +380,10 @@ def _down_experts_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
-    COMBINE: tl.constexpr,  # the last pair of a token to finish a column block sums the token's partials
 ):
     pdl_prologue(PDL)
     p = tl.program_id(0)
-    nb = tl.program_id(1)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < D)[:, None]
     e, n_occ = _leader_occurrences(Idx_ptr, p, T, TOPK, TOPK_P2, T_P2, BY_EXPERT)
     w_rows = W_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
@@ -446,9 +404,6 @@ def _down_experts_kernel(
             tl.store(
                 P_ptr + pair[None, :] * D + offs_n[:, None], acc * wt[None, :], mask=n_ok & row_ok[None, :]
             )
-            if COMBINE:
-                _sum_pairs_if_last(P_ptr, Y_ptr, Cnt_ptr, pair // TOPK, nb, tl.num_programs(1), offs_n, row_ok,
-                                   D, TOPK)  # fmt: skip
 
 
 @triton.jit
@@ -463,16 +418,12 @@ def _down_pair_kernel(
     stride_we,
     stride_wn,
     stride_wi,
-    Y_ptr,  # (T, d) out, contiguous (COMBINE)
-    Cnt_ptr,  # (T * cdiv(d, BLOCK_N),) int32 arrival counters, zeroed by the up kernel (COMBINE)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr = False,  # read the whole (BLOCK_N, I) weight slice before waiting for h
     I_P2: tl.constexpr = 16,  # pow2 >= I (PRELOAD's slice width)
-    TOPK: tl.constexpr = 1,
-    COMBINE: tl.constexpr = False,  # the last pair of a token to finish a column block sums its partials
 ):
     """One row per pass (one or two tokens, or a dtype without tl.dot): program (pair, column block) computes its
     pair's weighted down projection over I alone, the FMA gemv of the pairs form's kernels: k times the
@@ -508,10 +459,6 @@ def _down_pair_kernel(
         y = tl.sum(acc, axis=1)
     y = y * tl.load(Wt_ptr + p).to(tl.float32)  # (BLOCK_N,)
     tl.store(P_ptr + p * D + offs_n, y, mask=offs_n < D)
-    if COMBINE:
-        tok = tl.full((1,), 0, tl.int64) + p // TOPK
-        _sum_pairs_if_last(P_ptr, Y_ptr, Cnt_ptr, tok, tl.program_id(1), tl.num_programs(1), offs_n,
-                           tl.full((1,), 1, tl.int1), D, TOPK)  # fmt: skip
 
 
 @triton.jit
@@ -640,7 +587,6 @@ def moe_decode_fwd(
     rows: int | None = None,
     preload: bool | None = None,
     by_expert: bool | None = None,
-    combine: str | None = None,
 ) -> torch.Tensor:
     """Launcher: out (T, d) in x's dtype. form: "pairs" (two kernels, each (token, expert) pair streams
     its expert), "experts" (each distinct expert streamed once for all its tokens: three kernels) or
@@ -648,9 +594,7 @@ def moe_decode_fwd(
     `expert_tiles` (experts). rows: the experts form's tokens per pass (default `expert_rows`; 1 or a
     power of two >= 16 for tl.dot). preload: the experts form at one row reads the down weights before
     waiting for the up kernel (default `preload_down`). by_expert: the experts form's tl.dot kernels take
-    one program row per expert instead of one per slot (default `by_expert_grid`). combine: the experts
-    form's sum over each token's k pairs, "kernel" (a third launch) or "last" (the down kernel's last
-    arrival per token and column block: `_sum_pairs_if_last`); default `COMBINE`."""
+    one program row per expert instead of one per slot (default `by_expert_grid`)."""
     _check(x, expert_idx, weights, w1, w2)
     if form not in FORMS:
         raise ValueError(f"moe_decode: form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
@@ -668,13 +612,13 @@ def moe_decode_fwd(
     wts = weights.reshape(-1)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     if form == "experts":
-        _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert, combine)
+        _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert)
         return out
-    if rows is not None or by_expert is not None or combine is not None:
-        raise ValueError("moe_decode: rows, by_expert and combine apply to form='experts' only")
+    if rows is not None or by_expert is not None:
+        raise ValueError("moe_decode: rows and by_expert apply to form='experts' only")
     up, down = config or (decode_tiles(d), decode_tiles(I))
     _up_launch[(T * k, cdiv(I, up.block_n))](
-        x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), h, 0, TOPK=k,
+        x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
         BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, num_warps=up.warps,
     )  # fmt: skip
     _down_launch[(T, cdiv(d, down.block_n))](
@@ -699,20 +643,10 @@ def by_expert_grid(n_slots: int, n_experts: int) -> bool:
     return n_experts < n_slots
 
 
-COMBINES = ("kernel", "last")
-COMBINE = "kernel"  # the experts form's default combine (moe_decode_fwd's `combine`)
-
-
-def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert, combine) -> None:
-    """The experts form's launches (module docstring): up into h, down into float32 partials per pair,
-    the combine into out (a third kernel, or the down kernel's last arrivals). One row per pass (one or
-    two tokens, or float64): the pairs form's up kernel (each pair streams its expert) and a down kernel
-    per pair."""
-    combine = COMBINE if combine is None else combine
-    if combine not in COMBINES:
-        raise ValueError(
-            f"moe_decode: combine must be one of {', '.join(map(repr, COMBINES))}, got {combine!r}"
-        )
+def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert) -> None:
+    """The experts form's three launches (module docstring): up into h, down into float32 partials per
+    pair, the combine into out. One row per pass (one or two tokens, or float64): the pairs form's up kernel
+    (each pair streams its expert) and a down kernel per pair."""
     d, I = x.shape[1], h.shape[1]
     rows = expert_rows(T, x.dtype) if rows is None else rows
     if rows < 1 or rows & (rows - 1) or (rows > 1 and (rows < 16 or x.dtype not in DOT_DTYPES)):
@@ -722,13 +656,6 @@ def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert
         )
     up, down = config or (expert_tiles(d, rows), expert_tiles(I, rows))
     part = torch.empty(T * k, d, dtype=torch.float32, device=x.device)  # every element written once
-    # "last": (token, down column block) arrival counters, zeroed by the up kernel's programs, `per` each
-    n_cnt = T * cdiv(d, down.block_n) if combine == "last" else 0
-    cnt = torch.empty(max(n_cnt, 1), dtype=torch.int32, device=x.device)
-    E = w1.shape[0]
-    by_expert = by_expert_grid(T * k, E) if by_expert is None else by_expert
-    programs = E if by_expert and rows > 1 else T * k  # the up and down grids' first axis
-    per = pow2(cdiv(n_cnt, programs * cdiv(I, up.block_n))) if n_cnt else 0
     # programmatic dependent launch (sm_90+, as kernels/decode_attention.py's split and combine): each of
     # this form's kernels (all but the pairs form's up kernel at one row) is scheduled while its predecessor
     # runs and waits for it in its prologue, so the third launch (the combine) adds no launch gap.
@@ -738,33 +665,34 @@ def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert
         preload = preload_down(I) if preload is None else preload
         up_pdl = use_pdl and preload  # the down kernel's preload needs it scheduled before the up kernel ends
         _up_launch[(T * k, cdiv(I, up.block_n))](
-            x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), cnt, n_cnt,
-            TOPK=k, BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, PDL=up_pdl,
-            CNT_PER_PROGRAM=per, num_warps=up.warps, launch_pdl=up_pdl,
+            x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
+            BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, PDL=up_pdl, num_warps=up.warps,
+            launch_pdl=up_pdl,
         )  # fmt: skip
         _down_pair_launch[(T * k, cdiv(d, down.block_n))](
-            h, idx, wts, w2, part, I, d, w2.stride(0), w2.stride(1), w2.stride(2), out, cnt,
-            BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, PRELOAD=preload,
-            I_P2=max(16, pow2(I)), TOPK=k, COMBINE=n_cnt > 0, num_warps=down.warps, launch_pdl=use_pdl,
+            h, idx, wts, w2, part, I, d, w2.stride(0), w2.stride(1), w2.stride(2), BLOCK_N=down.block_n,
+            BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, PRELOAD=preload, I_P2=max(16, pow2(I)),
+            num_warps=down.warps, launch_pdl=use_pdl,
         )  # fmt: skip
     else:
         if min(up.block_n, up.block_k, down.block_n, down.block_k) < 16:
             raise ValueError(f"moe_decode: tl.dot tiles need block_n and block_k >= 16, got {up} and {down}")
         precision = "tf32" if x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+        E = w1.shape[0]
+        by_expert = by_expert_grid(T * k, E) if by_expert is None else by_expert
         meta = dict(TOPK=k, TOPK_P2=max(2, pow2(k)), T_P2=max(2, pow2(T)), ROWS=rows, BY_EXPERT=by_expert,
                     PRECISION=precision)  # fmt: skip
+        programs = E if by_expert else T * k
         _up_experts_launch[(programs, cdiv(I, up.block_n))](
-            x, idx, w1, h, T, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), cnt,
-            n_cnt, **meta, BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, PDL=use_pdl,
-            CNT_PER_PROGRAM=per, num_warps=up.warps, launch_pdl=use_pdl,
+            x, idx, w1, h, T, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), **meta,
+            BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, PDL=use_pdl, num_warps=up.warps,
+            launch_pdl=use_pdl,
         )  # fmt: skip
         _down_experts_launch[(programs, cdiv(d, down.block_n))](
-            h, idx, wts, w2, part, T, I, d, w2.stride(0), w2.stride(1), w2.stride(2), out, cnt, **meta,
-            BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, COMBINE=n_cnt > 0,
-            num_warps=down.warps, launch_pdl=use_pdl,
+            h, idx, wts, w2, part, T, I, d, w2.stride(0), w2.stride(1), w2.stride(2), **meta,
+            BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, num_warps=down.warps,
+            launch_pdl=use_pdl,
         )  # fmt: skip
-    if n_cnt:
-        return
     # 256 columns per program (2 warps, 16-byte loads): at one token d / 256 programs (8 at d = 2048), each
     # k loads deep; the partials (k * d * 4 bytes, 64 KB for Qwen3-like) were just written, in L2
     block = min(256, pow2(d))
