@@ -7,8 +7,8 @@
 Shapes and routings are bench/moe.py's (the DeepSeek-like shape with its shared expert as two more slots of
 the routed kernels, as a decode step would run it). All forward, CUDA-graph replays, GB/s over the active
 experts' weights against a device copy of the same bytes (bench/moe.py's decode case). Per batch:
-- 2-4 tokens: the pairs form, the experts form (16-row tl.dot passes) and the experts form with one row a
-  pass (the pairs form's weight streams with the one-row down kernel's preload).
+- 2-4 tokens: the pairs form, the experts form with one row a pass (the pairs form's weight streams with
+  the one-row down kernel's preload) and with 16-row tl.dot passes, at its default and narrower tiles.
 - 8 and 16 tokens: the experts form over slots and over experts (`by_expert_grid`'s two sides).
 - 32-64 tokens: the grouped path (routing plan, permute, grouped GEMM, SwiGLU, grouped GEMM, combine)
   at mm_config's default (and other tiles with --grouped-tiles), with the SwiGLU fused into the gate/up GEMM, and the experts
@@ -46,6 +46,9 @@ GROUPED_DOWN = [(16, 128, 128, 4, 4), (16, 32, 128, 4, 4)]
 # (BLOCK_N, BLOCK_K) gate and up tiles a stage: (128, 128, 8, 3) needs 240 KB of shared memory there
 EXPERT_TILES = [DecodeTiles(32, 128, 4, 3), DecodeTiles(64, 128, 8, 3), DecodeTiles(128, 128, 8, 3),
                 DecodeTiles(64, 64, 4, 4)]  # fmt: skip
+# at 2-4 tokens a few experts are active: narrower column blocks give their weights more programs
+SMALL_TILES = [DecodeTiles(32, 128, 4, 3), DecodeTiles(16, 128, 4, 3), DecodeTiles(32, 64, 4, 4),
+               DecodeTiles(32, 256, 4, 2)]  # fmt: skip
 EXPERT_TILES_64 = [DecodeTiles(64, 64, 4, 4), DecodeTiles(32, 64, 4, 4), DecodeTiles(64, 64, 4, 3),
                    DecodeTiles(128, 64, 8, 3), DecodeTiles(128, 64, 4, 4)]  # fmt: skip
 
@@ -71,11 +74,11 @@ def form(name, **kw):
 
 def variants(T: int, smoke: bool, grouped_tiles: bool) -> dict:
     if T <= 4:
-        return {
-            "pairs": form("pairs"),
-            "experts": form("experts"),
-            "experts_one_row": form("experts", rows=1),
-        }
+        impls = {"pairs": form("pairs"), "experts_one_row": form("experts", rows=1)}
+        impls["experts_rows16"] = form("experts", rows=16)
+        tiles = [] if smoke else SMALL_TILES
+        impls |= {f"experts_rows16{tuple(t)}": form("experts", rows=16, config=(t, t)) for t in tiles}
+        return impls
     impls = {
         "experts_slots": form("experts", by_expert=False),
         "experts_by_expert": form("experts", by_expert=True),
