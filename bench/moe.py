@@ -384,6 +384,17 @@ def decode_experts_no_preload(x, idx, w, w1, w2):
     return moe_decode_fwd(x, idx, w, w1, w2, form="experts", preload=False)
 
 
+def decode_inputs(b: Bench, shape: str, B: int, routing: str):
+    """A decode case's x (B, d), routing (B, k) and weights, its active experts and the bytes of their
+    weights (with the shared expert's where the shape has one: read once per step as well)."""
+    E, k, d, inter, sh = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
+    x = b.randn(B, d)
+    idx, w = make_routing(B, E, k, routing, b.dev, b.gen)
+    active = int(torch.unique(idx).numel())
+    elem = torch.finfo(b.dtype).bits // 8
+    return x, idx, w, active, active * 3 * inter * d * elem + (3 * (sh // 2) * d * elem if sh else 0)
+
+
 def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool = False):
     """kiln (the model's dispatch: the decode kernels' experts form up to 64 tokens),
     kiln_decode_pairs and kiln_decode_experts (the decode kernels' two forms at every batch, past
@@ -393,11 +404,7 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     Quick: no loop, no fused."""
     E, k, d, inter, sh = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
     w1, w2, shared, slots = weights
-    x = b.randn(B, d)
-    idx, w = make_routing(B, E, k, routing, b.dev, b.gen)
-    active = int(torch.unique(idx).numel())
-    elem = torch.finfo(b.dtype).bits // 8
-    nbytes = active * 3 * inter * d * elem + (3 * (sh // 2) * d * elem if sh else 0)
+    x, idx, w, active, nbytes = decode_inputs(b, shape, B, routing)
     impls = {"kiln": kiln_experts, "kiln_grouped": kiln_grouped_experts, "grouped_mm": grouped_mm_experts}
     impls |= {"kiln_decode_pairs": decode_pairs, "kiln_decode_experts": decode_experts}
     if B == 1:

@@ -4,7 +4,7 @@
     python bench/experiments/moe_decode_batch.py --out /tmp/moe_decode_batch.json   # H200, ~3 min
     python bench/experiments/moe_decode_batch.py --smoke                            # CPU: the plumbing
 
-Shapes and routings are bench/moe.py's (the DeepSeek-like shape with its shared expert as two more slots of
+Shapes and routings are bench/moe.py's (the DeepSeek-like shape with its shared expert as one more slot of
 the routed kernels, as a decode step would run it). All forward, CUDA-graph replays, GB/s over the active
 experts' weights against a device copy of the same bytes (bench/moe.py's decode case). Per batch:
 - 2-4 tokens: the pairs form, the experts form with one row a pass (the pairs form's weight streams with
@@ -36,7 +36,17 @@ from kiln.kernels.moe_gemm import grouped_mm, mm_config
 from kiln.kernels.moe_permute import permute, routing_plan, unpermute
 from kiln.kernels.swiglu import swiglu
 from kiln.profile.harness import BenchRun, bench_parser
-from moe import SHAPES, SMOKE_SHAPES, Bench, fwd, kiln_experts, kiln_fused_experts, make_routing, make_weights
+from moe import (
+    SHAPES,
+    SMOKE_SHAPES,
+    Bench,
+    decode_inputs,
+    fwd,
+    kiln_experts,
+    kiln_fused_experts,
+    make_routing,
+    make_weights,
+)
 
 TOKENS = (2, 3, 4, 8, 16, 32, 48, 64)
 # the grouped GEMM's tiles beside mm_config's (16, 64, 128, 4, 4) at a few rows per expert (--grouped-tiles)
@@ -97,18 +107,12 @@ def variants(T: int, smoke: bool, grouped_tiles: bool) -> dict:
 
 
 def case(b: Bench, shape: str, T: int, routing: str, weights, grouped_tiles: bool = False) -> None:
-    E, k, d, inter, sh = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
+    E, _, d, inter, _ = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
     w1, w2, _, slots = weights
-    x = b.randn(T, d)
-    idx, w = make_routing(T, E, k, routing, b.dev, b.gen)
-    active = int(torch.unique(idx).numel())
-    elem = torch.finfo(b.dtype).bits // 8
-    nbytes = active * 3 * inter * d * elem
-    if slots is not None:  # the shared expert as more slots (every token holds them): its bytes count too
-        n_sh = slots[0].shape[0] - E
-        idx, w = add_shared_slots(idx, w, E, n_sh)
+    x, idx, w, active, nbytes = decode_inputs(b, shape, T, routing)  # nbytes: the shared expert's too
+    if slots is not None:  # the shared expert as more slots of the routed kernels (every token holds it)
+        idx, w = add_shared_slots(idx, w, E, slots[0].shape[0] - E)
         w1, w2 = slots
-        nbytes += n_sh * 3 * inter * d * elem
     impls = {"kiln": kiln_experts} | variants(T, b.smoke, grouped_tiles)
     fns = {n: fwd(f, [x, idx, w, w1, w2]) for n, f in impls.items()}
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=b.dev)
