@@ -11,8 +11,8 @@ experts' weights against a device copy of the same bytes (bench/moe.py's decode 
   the one-row down kernel's preload) and with 16-row tl.dot passes, at its default and narrower tiles.
 - 8 and 16 tokens: the experts form over slots and over experts (`by_expert_grid`'s two sides).
 - 32-64 tokens: the grouped path (routing plan, permute, grouped GEMM, SwiGLU, grouped GEMM, combine)
-  at mm_config's default (and other tiles with --grouped-tiles), with the SwiGLU fused into the gate/up GEMM, and the experts
-  form over slots and over experts at several tl.dot tiles.
+  at mm_config's default (and other tiles with --grouped-tiles), with the SwiGLU fused into the gate/up
+  GEMM, and the experts form over slots and over experts at several tl.dot tiles.
 Then a kernel-by-kernel profile (torch.profiler, eager calls) of the grouped path and the experts form
 at 64 tokens under Zipf routing on the Qwen3-like shape: where the time goes.
 """

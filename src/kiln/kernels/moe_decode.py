@@ -28,14 +28,14 @@ Measured on the H200 (docs/perf/moe.md) it misses 80% of copy in two places: Zip
 tokens with k 6-8 small experts (the down kernel's d / 4 programs each walk k * I weights serially).
 
 The "experts" form, three kernels, each distinct expert's weights streamed once for all its tokens:
-- `_up_experts_kernel`, grid (T*k slots, cdiv(I, BLOCK_N)): a program whose slot is not the first slot in
-  flat order holding its expert (the leader) returns after one load of all T*k ids (<= 64 x 8) and a
-  compare (where E < T*k the grid is (E, ...) instead, program e serving expert e: `by_expert_grid`,
-  fewer programs with nothing to do); the leader gathers the tokens routed to its expert, ROWS (16-64) at a time, and streams each
-  weight tile once into tl.dot against their rows (W tile (BLOCK_N, BLOCK_K) @ x.T (BLOCK_K, ROWS), the
-  rows a pass lacks masked to zero), writing h for each of those pairs.
-- `_down_experts_kernel`, grid (T*k slots or E, cdiv(d, BLOCK_N)): the same leaders; each pair's weighted down
-  projection w_pair * (h_pair @ w2[e].T) over BLOCK_N columns into a float32 buffer (T*k, d).
+- `_up_experts_kernel`, grid (T*k slots, cdiv(I, BLOCK_N)): a program whose slot is not the first slot in flat
+  order holding its expert (the leader) returns after one load of all T*k ids (<= 64 x 8) and a compare (where
+  E < T*k the grid is (E, ...) instead, program e serving expert e: `by_expert_grid`, fewer programs with
+  nothing to do); the leader gathers the tokens routed to its expert, ROWS (16-64) at a time, and streams each
+  weight tile once into tl.dot against their rows (W tile (BLOCK_N, BLOCK_K) @ x.T (BLOCK_K, ROWS), the rows a
+  pass lacks masked to zero), writing h for each of those pairs.
+- `_down_experts_kernel`, grid (T*k slots or E, cdiv(d, BLOCK_N)): the same leaders; each pair's weighted
+  down projection w_pair * (h_pair @ w2[e].T) over BLOCK_N columns into a float32 buffer (T*k, d).
 - `_combine_kernel`, grid (T, cdiv(d, 256)): out[t] = sum_j partial[t*k + j], j in order: deterministic,
   no atomics.
 At one and two tokens (and in float64, which tl.dot does not take) a pass holds one row: the pairs form's
@@ -425,12 +425,12 @@ def _down_pair_kernel(
     PRELOAD: tl.constexpr = False,  # read the whole (BLOCK_N, I) weight slice before waiting for h
     I_P2: tl.constexpr = 16,  # pow2 >= I (PRELOAD's slice width)
 ):
-    """One row per pass (one or two tokens, or a dtype without tl.dot): program (pair, column block) computes its
-    pair's weighted down projection over I alone, the FMA gemv of the pairs form's kernels: k times the
-    pairs form's down programs, each k times shorter. PRELOAD: the expert id and the weights are not
-    written by the up kernel, so the program loads its whole weight slice before its programmatic-launch
-    wait, while the up kernel still streams gate/up (it must then be launched with PDL itself, so that
-    this one is scheduled before it ends); only h waits."""
+    """One row per pass (one or two tokens, or a dtype without tl.dot): program (pair, column block) computes
+    its pair's weighted down projection over I alone, the FMA gemv of the pairs form's kernels: k times the
+    pairs form's down programs, each k times shorter. PRELOAD: the expert id and the weights are not written
+    by the up kernel, so the program loads its whole weight slice before its programmatic-launch wait, while
+    the up kernel still streams gate/up (it must then be launched with PDL itself, so that this one is
+    scheduled before it ends); only h waits."""
     p = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < D)[:, None]
@@ -588,13 +588,13 @@ def moe_decode_fwd(
     preload: bool | None = None,
     by_expert: bool | None = None,
 ) -> torch.Tensor:
-    """Launcher: out (T, d) in x's dtype. form: "pairs" (two kernels, each (token, expert) pair streams
-    its expert), "experts" (each distinct expert streamed once for all its tokens: three kernels) or
-    "auto" (the experts form: `expert_rows`). config: (up tiles, down tiles), default `decode_tiles` of d and I (pairs) or
-    `expert_tiles` (experts). rows: the experts form's tokens per pass (default `expert_rows`; 1 or a
-    power of two >= 16 for tl.dot). preload: the experts form at one row reads the down weights before
-    waiting for the up kernel (default `preload_down`). by_expert: the experts form's tl.dot kernels take
-    one program row per expert instead of one per slot (default `by_expert_grid`)."""
+    """Launcher: out (T, d) in x's dtype. form: "pairs" (two kernels, each (token, expert) pair streams its
+    expert), "experts" (each distinct expert streamed once for all its tokens: three kernels) or "auto" (the
+    experts form: `expert_rows`). config: (up tiles, down tiles), default `decode_tiles` of d and I (pairs) or
+    `expert_tiles` (experts). rows: the experts form's tokens per pass (default `expert_rows`; 1 or a power of
+    two >= 16 for tl.dot). preload: the experts form at one row reads the down weights before waiting for the
+    up kernel (default `preload_down`). by_expert: the experts form's tl.dot kernels take one program row per
+    expert instead of one per slot (default `by_expert_grid`)."""
     _check(x, expert_idx, weights, w1, w2)
     if form not in FORMS:
         raise ValueError(f"moe_decode: form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
