@@ -402,7 +402,7 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     kiln_grouped (the grouped path), torch._grouped_mm, and "copy": a device copy moving the same number
     of bytes (half read, half written) at this size, the bandwidth reachable by a kernel this short.
     Quick: no loop, no fused."""
-    E, k, d, inter, sh = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
+    E, k = (SMOKE_SHAPES if b.smoke else SHAPES)[shape][:2]
     w1, w2, shared, slots = weights
     x, idx, w, active, nbytes = decode_inputs(b, shape, B, routing)
     impls = {"kiln": kiln_experts, "kiln_grouped": kiln_grouped_experts, "grouped_mm": grouped_mm_experts}
