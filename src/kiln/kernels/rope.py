@@ -663,7 +663,21 @@ def _qkv_rope_kernel(
     y = tl.sum(acc, axis=1)  # (2 PAIRS,)
     if HAS_BIAS:
         y += tl.load(BIAS + n).to(tl.float32)
-    y = y.to(Q_OUT.dtype.element_ty).to(tl.float32)  # the projection's output, as the unfused path stores it
+    _rope_pairs_store(y, h, jp, col_a, col_b, Hq, Hk, Q_OUT + h * D, COS, SIN, ROWS, stride_cos, stride_sin, K_CACHE,
+                     V_CACHE, SLOTS, stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch,
+                     PAGE_SIZE, PAIRS)
+
+
+@triton.jit
+def _rope_pairs_store(y, h, jp, col_a, col_b, Hq, Hk, Q_HEAD, COS, SIN, ROWS, stride_cos, stride_sin, K_CACHE, V_CACHE,
+                     SLOTS, stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch,
+                     PAGE_SIZE: tl.constexpr, PAIRS: tl.constexpr):
+    """The projection's epilogue for PAIRS rotation pairs jp of head h (q heads, then k, then v): y (2 PAIRS,)
+    float32 sums (+ bias) in (pair, member) order, members at columns col_a and col_b of the head. Rounded
+    to the output dtype (the projection's stored value), rotated in float32 by the token's table row for q
+    and k heads (rope_kv_write's math), rounded, stored into Q_HEAD (head h of q) or into the k / v cache
+    at the token's slot (< 0: a padding row, nothing written); v heads are stored unrotated."""
+    y = y.to(K_CACHE.dtype.element_ty).to(tl.float32)  # the projection's output, as the unfused path stores it
     a, b = tl.split(tl.reshape(y, (PAIRS, 2)))  # (PAIRS,) each: the pairs' first and second members
     row = tl.load(ROWS).to(tl.int64)
     c = tl.load(COS + row * stride_cos + jp).to(tl.float32)
@@ -672,9 +686,8 @@ def _qkv_rope_kernel(
     first = tl.where(rotate, a * c - b * s, a)
     second = tl.where(rotate, a * s + b * c, b)
     if h < Hq:
-        out = Q_OUT + h * D
-        tl.store(out + col_a, first.to(Q_OUT.dtype.element_ty))
-        tl.store(out + col_b, second.to(Q_OUT.dtype.element_ty))
+        tl.store(Q_HEAD + col_a, first.to(Q_HEAD.dtype.element_ty))
+        tl.store(Q_HEAD + col_b, second.to(Q_HEAD.dtype.element_ty))
     else:
         slot = tl.load(SLOTS).to(tl.int64)
         if slot >= 0:  # a padding row writes nothing

@@ -137,6 +137,22 @@ def decode_swiglu() -> str:
     return _env_form("KILN_DECODE_SWIGLU", DECODE_SWIGLUS, what)
 
 
+# How a one-token paged decode step runs each dense block (decode_block): "separate" (its ten kernels) or
+# "fused" (kiln.kernels.decode_block: the whole block in one launch, grid barriers between its phases)
+DECODE_BLOCKS = ("separate", "fused")
+
+
+@functools.cache
+def decode_block() -> str:
+    """The one-token decode step's block form: "separate" (the default) unless KILN_DECODE_BLOCK says "fused"
+    (read once, as KILN_DECODE_NORM is), for A/B timing of whole steps. Where the fused form does not apply
+    (more than one token, prefill, q/k norms, sinks, MoE or GPT-2 blocks, quantized or sharded linears, the
+    shapes kiln.kernels.decode_block does not take), a step runs as with "separate"
+    (kiln.model.transformer.Decoder)."""
+    what = "each block's separate kernels, 'fused' for one launch a block"
+    return _env_form("KILN_DECODE_BLOCK", DECODE_BLOCKS, what)
+
+
 @dataclass
 class KernelConfig:
     """Which kernel runs each op of the model; it does not change the model (not saved with weights).

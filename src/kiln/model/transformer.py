@@ -24,12 +24,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kiln.kernels.decode_block import decode_block as fused_block
+from kiln.kernels.decode_block import decode_block_supported
 from kiln.kernels.linear_cross_entropy import linear_cross_entropy
 from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.cache import KVCache
-from kiln.model.config import KernelConfig, ModelConfig, decode_norm
+from kiln.model.config import KernelConfig, ModelConfig, decode_block, decode_norm
 from kiln.model.layers import Attention, GatedMLP, GeluMLP, Norm
-from kiln.model.linear import Linear, decode_step_fusable
+from kiln.model.linear import Linear, MergedLinear, decode_step_fusable
 from kiln.model.moe import SparseMoE
 from kiln.model.rope import RotaryTables
 
@@ -60,6 +62,40 @@ class Block(nn.Module):
             h, aux = self.mlp(x)
             return h, residual, aux
         return self.mlp(x), residual, None
+
+    def fusable(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Whether this block can run as one kernel (forward_fused) at a one-token paged decode step whose
+        stream is x (1, d) (decode_step_fusable(x) already holds): a dense SwiGLU block with RMSNorms of one
+        eps, no q/k norm, sinks or output bias, every linear on kiln's decode matmul (plain weights: not
+        quantized, not sharded), no hooks, at shapes kiln.kernels.decode_block takes."""
+        attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, GatedMLP) or any(
+            m._forward_hooks or m._forward_pre_hooks for m in (self, attn, mlp)
+        ):
+            return False
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return (
+            attn.q_norm is None
+            and attn.sinks is None
+            and attn.o_proj.bias is None
+            and all(n.splittable(x) for n in norms)
+            and norms[0].eps == norms[1].eps
+            and all(type(lin) in (Linear, MergedLinear) and lin.decode_fusable(x) for lin in lins)
+            and decode_block_supported(x, *(lin.weight for lin in lins), kv_cache[0], attn.n_heads)
+        )
+
+    def forward_fused(self, stream, rope, meta, kv_cache) -> torch.Tensor:
+        """The block as one kernel (kiln.kernels.decode_block) at a one-token paged decode step: the stream
+        (1, d) in, the stream after the block out (what forward's output plus its residual would round to)."""
+        attn, mlp = self.self_attn, self.mlp
+        k_cache, v_cache = kv_cache
+        return fused_block(
+            stream, self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
+            self.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+            self.input_layernorm.eps, rope[0], rope[1], rope[2].reshape(-1), k_cache, v_cache, meta.slot_mapping,
+            meta.block_tables, meta.context_lens, attn.n_heads, window=attn.window, interleaved=attn.rope_interleaved,
+        )  # fmt: skip
 
     def splittable(self, x: torch.Tensor) -> tuple[bool, bool, bool]:
         """Which of this block's matmuls can take the split add + RMSNorm at a step whose stream is x (N, d)
@@ -152,9 +188,14 @@ class Decoder(nn.Module):
         else:
             h = h + self.embed_positions(positions.reshape(-1))
         residual, sumsq, auxes = None, None, []
-        split = self.norm_split(h)
+        fused = self.fused_blocks(h, rope, meta, kv_caches)
+        split = None if fused is not None else self.norm_split(h)
         for i, layer in enumerate(self.layers):
             kv = kv_caches[i] if kv_caches is not None else None
+            if fused is not None and fused[i]:  # the stream in, the stream out
+                h = layer.forward_fused(h if residual is None else h + residual, rope, meta, kv)
+                residual = None
+                continue
             if split is not None and any(split[i]):
                 h, residual, sumsq = layer.forward_split(
                     h, residual, sumsq, rope, meta, kv, key_rope, *split[i][1:]
@@ -165,6 +206,28 @@ class Decoder(nn.Module):
                 auxes.append(aux)
         h, _ = self.norm(h, residual)
         return h, (torch.stack(auxes).mean() if auxes else None)
+
+    def fused_blocks(self, h: torch.Tensor, rope, meta: AttnMetadata, kv_caches) -> list[bool] | None:
+        """Per block, whether it runs as one kernel (Block.forward_fused) at this step: KILN_DECODE_BLOCK=fused
+        (kiln.model.config.decode_block), one token of a paged decode step with RoPE on kiln's kernels
+        (decode_step_fusable), and the block qualifies (Block.fusable); None where no block does. A fused
+        block takes and returns the stream itself, so fused and separate blocks can alternate. Shapes,
+        module types and flags only: fixed for a captured CUDA graph."""
+        # is_compiling first: a traced step keeps the separate kernels, and Dynamo need not trace the
+        # switch's environment read
+        if (
+            torch.compiler.is_compiling()
+            or decode_block() != "fused"
+            or h.shape[0] != 1
+            or rope is None
+            or kv_caches is None
+            or not meta.decode
+            or meta.batch_shape is not None
+            or not decode_step_fusable(h)
+        ):
+            return None
+        plan = [isinstance(b, Block) and b.fusable(h, kv) for b, kv in zip(self.layers, kv_caches)]
+        return plan if any(plan) else None
 
     def norm_split(self, h: torch.Tensor) -> list[tuple[bool, bool, bool]] | None:
         """Per block (input norm split, post-attention norm split, down_proj adds to the stream) for a step
