@@ -7,7 +7,8 @@ its separate kernels, and the fused kernel's K-loop tiles, as CUDA-graph replays
 One random-init Qwen2.5-1.5B-shape model (bf16, kiln's kernels), one sequence with --contexts keys cached in
 a paged cache (16-token pages, scattered, a table sized for --capacity tokens). Per context, one graph per
 variant of `model.model(...)` (embedding, the 28 blocks, the final norm; no head, no sampling): "separate"
-(KILN_DECODE_BLOCK unset) and "fused T/S" for each tile T in --tiles and K-loop depth S in --stages. The graphs
+(KILN_DECODE_BLOCK unset) and "fused T/S/P" for each tile T in --tiles, K-loop depth S in --stages and L2 prefetch P
+in --prefetch. The graphs
 are replayed --replays times back to back in --rounds interleaved rounds (order reversed every round;
 median). Bytes per step: the blocks' weights and the K/V read, against the copy bandwidth measured in the
 run. Agreement: each variant's final hidden state against the separate form's (max abs difference, beside
@@ -64,13 +65,13 @@ def step_inputs(cfg: ModelConfig, n: int, capacity: int, device, dtype):
 
 
 def set_variant(name: str) -> None:
-    """KILN_DECODE_BLOCK and the fused kernel's tile and depth for variant `name` ("separate" or "fused T/S")."""
+    """KILN_DECODE_BLOCK and the fused kernel's tile, depth and prefetch for `name` ("separate", "fused T/S/P")."""
     if name == "separate":
         os.environ.pop("KILN_DECODE_BLOCK", None)
     else:
         os.environ["KILN_DECODE_BLOCK"] = "fused"
-        tile, stages = name.split()[1].split("/")
-        block_kernel.TILE, block_kernel.STAGES = int(tile), int(stages)
+        tile, stages, prefetch = (int(x) for x in name.split()[1].split("/"))
+        block_kernel.TILE, block_kernel.STAGES, block_kernel.PREFETCH = tile, stages, prefetch
     model_config.decode_block.cache_clear()
 
 
@@ -80,6 +81,7 @@ def main() -> int:
     ap.add_argument("--capacity", type=int, default=4096)
     ap.add_argument("--tiles", default="4096,8192,16384")
     ap.add_argument("--stages", default="2,3,4")
+    ap.add_argument("--prefetch", default="0", help="L2 prefetch bytes a program, comma-separated")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--replays", type=int, default=30)
     args = ap.parse_args()
@@ -99,7 +101,10 @@ def main() -> int:
     )  # "auto" takes kiln's decode matmul on CUDA only
     model = build_model(cfg, device=dev, dtype=dtype, seed=0, kernels=kernels).eval()
     variants = ["separate"] + [
-        f"fused {t}/{s}" for t in args.tiles.split(",") for s in args.stages.split(",")
+        f"fused {t}/{s}/{p}"
+        for t in args.tiles.split(",")
+        for s in args.stages.split(",")
+        for p in args.prefetch.split(",")
     ]
     block_params = sum(p.numel() for layer in model.model.layers for p in layer.parameters())
     copy = run.ceilings.get("copy_TBps")

@@ -80,6 +80,7 @@ PHASES = 5
 TILE = 8192  # W elements a program loads per K step (16 KB of bf16): STAGES of them in flight per SM
 STAGES = 3
 WARPS = 8
+PREFETCH = 0  # bytes of its next phase's weights a program asks L2 for before a barrier (0: none)
 ATTN_BLOCK_N = 64  # keys per attention tile (a split's chunk is whole tiles)
 # Programs of an interpreted launch (CPU tests): more than the test models' q/k/v heads, fewer than their
 # rows, so that every phase has programs owning several rows and programs owning none.
@@ -155,6 +156,18 @@ def _rows_dot(w_rows, r_ok, X, G, rstd, K, NORM: tl.constexpr, R: tl.constexpr, 
 
 
 @triton.jit
+def _prefetch_rows(W, rows, r_ok, stride, K, LINES: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the first LINES lines (LINE elements of W each, 128 bytes) of each row (rows (R,), r_ok which
+    exist): issued before a barrier, so the next phase's first tiles are on their way while programs wait.
+    prefetch.global.L2 has no result; the asm's dummy register keeps the call an expression."""
+    c = tl.arange(0, LINES) * LINE
+    ok = r_ok[:, None] & (c < K)[None, :]
+    ptrs = tl.where(ok, W + rows.to(tl.int64)[:, None] * stride + c[None, :], W)  # masked lines: W's first
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _grid_sync(BAR, target):
     """Wait until the grid's programs have arrived `target` times in all (module doc: the ordering)."""
     tl.debug_barrier()
@@ -180,31 +193,50 @@ def _decode_block_kernel(
     PAIRS: tl.constexpr, BK_QKV: tl.constexpr, R_O: tl.constexpr, BK_O: tl.constexpr,
     R_GU: tl.constexpr, BK_GU: tl.constexpr, R_D: tl.constexpr, BK_D: tl.constexpr, BK_NORM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_P: tl.constexpr, SPLIT_STEP: tl.constexpr, STAGES: tl.constexpr,
+    PF_QKV: tl.constexpr, PF_O: tl.constexpr, PF_GU: tl.constexpr, PF_D: tl.constexpr,  # L2 prefetch: lines a row
+    LINE: tl.constexpr,  # elements of a 128-byte line
     FIRST: tl.constexpr, LAST: tl.constexpr,  # the phases this launch runs (grid barriers between them)
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     half = HEAD_DIM // 2
+    # Each phase's rows of this program, known up front: the prefetches name them a barrier early.
+    per_head = half // PAIRS
+    qkv_ok = pid < (Hq + 2 * Hk) * per_head
+    h = pid // per_head  # q heads, then k heads, then v heads
+    jp = (pid % per_head) * PAIRS + tl.arange(0, PAIRS)  # (PAIRS,) pair indices within the head
+    if INTERLEAVED:
+        col_a, col_b = 2 * jp, 2 * jp + 1
+    else:
+        col_a, col_b = jp, jp + half
+    n_qkv = h * HEAD_DIM + tl.reshape(tl.join(col_a, col_b), (2 * PAIRS,))  # W rows, (pair, member) order
+    i_o = tl.arange(0, R_O)
+    r_o = pid * rows_o + i_o
+    ok_o = (i_o < rows_o) & (r_o < d)
+    i_gu = tl.arange(0, R_GU)  # block row i: feature f0 + i // 2, its gate (even i) or up (odd) row
+    f_gu = pid * feats + i_gu // 2
+    ok_gu = (i_gu // 2 < feats) & (f_gu < F)
+    n_gu = f_gu + (i_gu % 2) * F
+    i_d = tl.arange(0, R_D)
+    r_d = pid * rows_d + i_d
+    ok_d = (i_d < rows_d) & (r_d < d)
+    dt = H.dtype.element_ty
     # ---- 0: rmsnorm + q/k/v projection + bias + RoPE + K/V write
     if FIRST <= 0 and LAST >= 0:
-        per_head = half // PAIRS
-        if pid < (Hq + 2 * Hk) * per_head:
-            h = pid // per_head  # q heads, then k heads, then v heads
-            jp = (pid % per_head) * PAIRS + tl.arange(0, PAIRS)  # (PAIRS,) pair indices within the head
-            if INTERLEAVED:
-                col_a, col_b = 2 * jp, 2 * jp + 1
-            else:
-                col_a, col_b = jp, jp + half
-            n = h * HEAD_DIM + tl.reshape(tl.join(col_a, col_b), (2 * PAIRS,))  # W rows, (pair, member) order
-            w_rows = W_QKV + n.to(tl.int64) * stride_qkv
+        if PF_QKV > 0:
+            _prefetch_rows(W_QKV, n_qkv, (n_qkv >= 0) & qkv_ok, stride_qkv, d, PF_QKV, LINE)
+        if qkv_ok:
             rstd = _rstd(H, d, eps, BK_NORM)
-            y = _rows_dot(w_rows, n >= 0, H, G1, rstd, d, True, 2 * PAIRS, BK_QKV, STAGES)
+            y = _rows_dot(W_QKV + n_qkv.to(tl.int64) * stride_qkv, n_qkv >= 0, H, G1, rstd, d, True, 2 * PAIRS, BK_QKV,
+                          STAGES)
             if HAS_BIAS:
-                y += tl.load(B_QKV + n).to(tl.float32)
+                y += tl.load(B_QKV + n_qkv).to(tl.float32)
             _rope_pairs_store(y, h, jp, col_a, col_b, Hq, Hk, Q_BUF + h * HEAD_DIM, COS, SIN, ROWS, stride_cos,
                               stride_sin, K_CACHE, V_CACHE, SLOTS, stride_kcp, stride_kct, stride_kch, stride_vcp,
                               stride_vct, stride_vch, PAGE_SIZE, PAIRS)
     if FIRST < 1 and LAST >= 1:
+        if PF_O > 0:  # o's rows load while the attention programs run
+            _prefetch_rows(W_O, r_o, ok_o, stride_o, Hq * HEAD_DIM, PF_O, LINE)
         _grid_sync(COUNTERS, P)
     # ---- 1: split-KV attention; the last split of each kv head combines the group's partials
     if FIRST <= 1 and LAST >= 1:
@@ -250,42 +282,35 @@ def _decode_block_kernel(
                                 0, splits * HEAD_DIM, HEAD_DIM, 0, splits, 0, HEAD_DIM,
                                 HEAD_DIM, GROUP_P, SPLIT_STEP, False)
     if FIRST < 2 and LAST >= 2:
+        if PF_GU > 0:
+            _prefetch_rows(W_GU, n_gu, ok_gu, stride_gu, d, PF_GU, LINE)
         _grid_sync(COUNTERS, 2 * P)
     # ---- 2: o projection + the residual add: h_mid
     if FIRST <= 2 and LAST >= 2:
-        r = pid * rows_o + tl.arange(0, R_O)
-        r_ok = (tl.arange(0, R_O) < rows_o) & (r < d)
-        y = _rows_dot(W_O + r.to(tl.int64) * stride_o, r_ok, ATTN, ATTN, 0.0, Hq * HEAD_DIM, False, R_O, BK_O,
+        y = _rows_dot(W_O + r_o.to(tl.int64) * stride_o, ok_o, ATTN, ATTN, 0.0, Hq * HEAD_DIM, False, R_O, BK_O,
                       STAGES)
-        dt = H.dtype.element_ty
-        res = tl.load(H + r, mask=r_ok, other=0.0).to(tl.float32)
-        tl.store(H_MID + r, (y.to(dt).to(tl.float32) + res).to(dt), mask=r_ok)
+        res = tl.load(H + r_o, mask=ok_o, other=0.0).to(tl.float32)
+        tl.store(H_MID + r_o, (y.to(dt).to(tl.float32) + res).to(dt), mask=ok_o)
     if FIRST < 3 and LAST >= 3:
         _grid_sync(COUNTERS, 3 * P)
     # ---- 3: rmsnorm + gate/up projection + SwiGLU
     if FIRST <= 3 and LAST >= 3:
-        rr = tl.arange(0, R_GU)  # block row rr: feature f0 + rr // 2, its gate (even rr) or up (odd) row
-        f = pid * feats + rr // 2
-        f_ok = (rr // 2 < feats) & (f < F)
-        n = f + (rr % 2) * F
         rstd = _rstd(H_MID, d, eps, BK_NORM)
-        y = _rows_dot(W_GU + n.to(tl.int64) * stride_gu, f_ok, H_MID, G2, rstd, d, True, R_GU, BK_GU, STAGES)
-        dt = H.dtype.element_ty
+        y = _rows_dot(W_GU + n_gu.to(tl.int64) * stride_gu, ok_gu, H_MID, G2, rstd, d, True, R_GU, BK_GU, STAGES)
         gate, up = tl.split(tl.reshape(y.to(dt), (R_GU // 2, 2)))  # the projection's stored gate and up
         g = gate.to(tl.float32)
         a = g * tl.sigmoid(g) * up.to(tl.float32)  # kiln.kernels.swiglu's expression, in its order
         i = tl.arange(0, R_GU // 2)
         tl.store(ACT + pid * feats + i, a.to(dt), mask=(i < feats) & (pid * feats + i < F))
     if FIRST < 4 and LAST >= 4:
+        if PF_D > 0:
+            _prefetch_rows(W_D, r_d, ok_d, stride_d, F, PF_D, LINE)
         _grid_sync(COUNTERS, 4 * P)
     # ---- 4: down projection + the residual add: h_out
     if FIRST <= 4 and LAST >= 4:
-        r = pid * rows_d + tl.arange(0, R_D)
-        r_ok = (tl.arange(0, R_D) < rows_d) & (r < d)
-        y = _rows_dot(W_D + r.to(tl.int64) * stride_d, r_ok, ACT, ACT, 0.0, F, False, R_D, BK_D, STAGES)
-        dt = H.dtype.element_ty
-        res = tl.load(H_MID + r, mask=r_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.store(H_OUT + r, (y.to(dt).to(tl.float32) + res).to(dt), mask=r_ok)
+        y = _rows_dot(W_D + r_d.to(tl.int64) * stride_d, ok_d, ACT, ACT, 0.0, F, False, R_D, BK_D, STAGES)
+        res = tl.load(H_MID + r_d, mask=ok_d, other=0.0, cache_modifier=".cg").to(tl.float32)
+        tl.store(H_OUT + r_d, (y.to(dt).to(tl.float32) + res).to(dt), mask=ok_d)
     if FIRST < LAST:  # depart: the program that completes the count resets it (module doc)
         tl.debug_barrier()
         if tl.atomic_add(COUNTERS, 1, sem="acq_rel", scope="gpu") == (LAST - FIRST + 1) * P - 1:
@@ -298,7 +323,8 @@ _block_launch = CachedLaunch(_decode_block_kernel)
 
 # ------------------------------------------------------------------------------------------ launcher
 class BlockPlan(NamedTuple):
-    """The launch's fixed shape: programs, attention splits per kv head, and each phase's tile (rows, K step)."""
+    """The launch's fixed shape: programs, attention splits per kv head, each phase's rows a program (real and
+    padded to a power of two) and K step, and the 128-byte lines a row each phase prefetches into L2."""
 
     programs: int
     splits: int
@@ -313,26 +339,45 @@ class BlockPlan(NamedTuple):
     rows_d: int
     r_d: int
     bk_d: int
+    pf_qkv: int
+    pf_o: int
+    pf_gu: int
+    pf_d: int
 
 
 def _step(rows: int, K: int, tile: int) -> int:
-    """A K step for a (rows, step) tile of about `tile` elements, at least 16, at most K's next power of two."""
-    return max(16, min(pow2(K), tile // rows))
+    """A K step for `rows` real rows of a tile of about `tile` real elements: a power of two, at least 16, at
+    most K's next power of two."""
+    return max(16, min(pow2(K), pow2(tile // rows + 1) // 2))
+
+
+def _lines(rows: int, K: int, line: int, budget: int) -> int:
+    """128-byte lines a row to prefetch: `budget` lines over the rows, a power of two, at most the row's; 0
+    without a budget."""
+    return 0 if budget <= 0 else min(pow2(cdiv(K, line)), max(1, pow2(budget // rows + 1) // 2))
 
 
 def block_plan(
-    d: int, F: int, Hq: int, Hk: int, D: int, capacity: int, programs: int, tile: int = TILE
-) -> BlockPlan:
+    d: int, F: int, Hq: int, Hk: int, D: int, capacity: int, programs: int, tile: int = TILE,
+    prefetch: int = PREFETCH, elem: int = 2,
+) -> BlockPlan:  # fmt: skip
     """Rows per program of each phase from the program count; the split count as decode attention's (one
     split per CHUNK_ALIGN keys of the table's capacity), at most programs // Hk. Pairs per q/k/v program: the
-    fewest (a power of two dividing D/2) that cover the (Hq + 2 Hk) D / 2 pairs with the programs."""
+    fewest (a power of two dividing D/2) that cover the (Hq + 2 Hk) D / 2 pairs with the programs. K steps:
+    `tile` real elements a step; prefetch: bytes a program asks L2 for ahead of each weight phase."""
     half = D // 2
     pairs = min(half, pow2(cdiv((Hq + 2 * Hk) * half, programs)))
     splits = max(1, min(programs // Hk, cdiv(capacity, CHUNK_ALIGN)))
     rows_o, feats, rows_d = cdiv(d, programs), cdiv(F, programs), cdiv(d, programs)
-    r_o, r_gu, r_d = pow2(rows_o), pow2(2 * feats), pow2(rows_d)
-    return BlockPlan(programs, splits, pairs, _step(2 * pairs, d, tile), rows_o, r_o, _step(r_o, Hq * D, tile),
-                     feats, r_gu, _step(r_gu, d, tile), rows_d, r_d, _step(r_d, F, tile))  # fmt: skip
+    line, budget = 128 // elem, prefetch // 128
+    return BlockPlan(
+        programs, splits, pairs, _step(2 * pairs, d, tile),
+        rows_o, pow2(rows_o), _step(rows_o, Hq * D, tile),
+        feats, pow2(2 * feats), _step(2 * feats, d, tile),
+        rows_d, pow2(rows_d), _step(rows_d, F, tile),
+        _lines(2 * pairs, d, line, budget), _lines(rows_o, Hq * D, line, budget), _lines(2 * feats, d, line, budget),
+        _lines(rows_d, F, line, budget),
+    )  # fmt: skip
 
 
 def decode_block_supported(
@@ -367,12 +412,12 @@ def decode_block_supported(
 
 def decode_block(
     h, norm1, w_qkv, b_qkv, w_o, norm2, w_gate_up, w_down, eps, cos, sin, rows, k_cache, v_cache, slots,
-    block_table, seq_lens, n_heads, *, window=None, interleaved=False, phased=None, tile=None, stages=None,
+    block_table, seq_lens, n_heads, *, window=None, interleaved=False, phased=None, tile=None, stages=None, prefetch=None,
 ) -> torch.Tensor:  # fmt: skip
     """h_out (1, d) of the block (module doc); k and v land in the caches. Triton on CUDA or in the
     interpreter, the reference elsewhere. phased: run the five phases as five launches (the interpreter's
-    form; default: there only). tile, stages: the K loops' tile size and depth (default TILE and STAGES,
-    read at the call, so that a sweep may set them)."""
+    form; default: there only). tile, stages, prefetch: the K loops' tile size and depth and the L2 prefetch
+    (default TILE, STAGES and PREFETCH, read at the call, so that a sweep may set them)."""
     if not decode_block_supported(h, w_qkv, w_o, w_gate_up, w_down, k_cache, n_heads):
         raise ValueError(
             f"decode_block: unsupported shapes h {tuple(h.shape)}, w_qkv {tuple(w_qkv.shape)}, w_o "
@@ -388,11 +433,25 @@ def decode_block(
             f"decode_block: v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)}"
         )
     tile, stages = tile or TILE, stages or STAGES
+    phased = interpreting() if phased is None else phased
+    # the interpreter runs no inline PTX; the five-launch form has no barrier to prefetch ahead of
+    prefetch = 0 if phased else PREFETCH if prefetch is None else prefetch
     d = h.shape[1]
     Hk, D = k_cache.shape[2:]
     F = w_down.shape[1]
     page = k_cache.shape[1]
-    plan = block_plan(d, F, n_heads, Hk, D, block_table.shape[1] * page, block_programs(h.device), tile)
+    plan = block_plan(
+        d,
+        F,
+        n_heads,
+        Hk,
+        D,
+        block_table.shape[1] * page,
+        block_programs(h.device),
+        tile,
+        prefetch,
+        h.element_size(),
+    )
     S = plan.splits
     dev, dt = h.device, h.dtype
     work = torch.empty(2 * d + 2 * n_heads * D + F, device=dev, dtype=dt)
@@ -403,7 +462,6 @@ def decode_block(
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
     h = h.contiguous()
     group = n_heads // Hk
-    phased = interpreting() if phased is None else phased
     args = (
         h, mid, out, norm1, w_qkv, w_qkv if b_qkv is None else b_qkv, w_o, norm2, w_gate_up, w_down,
         cos, sin, rows, k_cache, v_cache, slots, block_table, seq_lens,
@@ -418,7 +476,8 @@ def decode_block(
         ADDR32=offsets_fit_int32(k_cache, v_cache), PAIRS=plan.pairs, BK_QKV=plan.bk_qkv, R_O=plan.r_o,
         BK_O=plan.bk_o, R_GU=plan.r_gu, BK_GU=plan.bk_gu, R_D=plan.r_d, BK_D=plan.bk_d,
         BK_NORM=min(pow2(d), 2048), BLOCK_N=ATTN_BLOCK_N, BLOCK_H=max(16, pow2(group)), GROUP_P=pow2(group),
-        SPLIT_STEP=combine_step(group, D), STAGES=stages, num_warps=WARPS,
+        SPLIT_STEP=combine_step(group, D), STAGES=stages, PF_QKV=plan.pf_qkv, PF_O=plan.pf_o, PF_GU=plan.pf_gu,
+        PF_D=plan.pf_d, LINE=128 // h.element_size(), num_warps=WARPS,
     )  # fmt: skip
     grid = (plan.programs,)
     if phased:
