@@ -115,3 +115,33 @@ def test_gpu_async_scheduling_equals_sync(tmp_path):
         torch.cuda.empty_cache()
     same = sum(a == b for a, b in zip(outs["off"], outs["on"]))
     assert same >= len(PROMPTS) - 1, (outs["off"], outs["on"])
+
+
+def test_gpu_fused_blocks_equal_separate(tmp_path, monkeypatch):
+    # KILN_DECODE_BLOCK=fused (each block of a one-token decode step in one kernel, kiln.kernels.decode_block):
+    # the engine's greedy tokens one prompt at a time, eager and with CUDA graphs, against the separate form.
+    # fp32: the fused kernel sums each projection in another order than the decode matmuls (a few ulps),
+    # so tokens are equal except where a near-tie flips
+    from kiln.model import config as model_config
+    from kiln.model import transformer
+
+    hf_causal_lm("qwen2").save_pretrained(tmp_path)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    calls = []
+    fused = transformer.fused_block
+    monkeypatch.setattr(transformer, "fused_block", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    outs = {}
+    for form in ("separate", "fused"):
+        monkeypatch.setenv("KILN_DECODE_BLOCK", form)
+        model_config.decode_block.cache_clear()
+        for backend in ("eager", "graphs"):
+            llm = LLM(tmp_path, log=None, device="cuda", dtype="fp32", block_size=16, memory_fraction=0.2,
+                      max_graph_batch=1, decode_backend=backend)  # fmt: skip
+            outs[form, backend] = [llm.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS]
+            del llm
+            torch.cuda.empty_cache()
+        assert (len(calls) > 0) == (form == "fused")  # the fused kernel ran in the fused form only
+    model_config.decode_block.cache_clear()
+    assert outs["fused", "eager"] == outs["fused", "graphs"]  # the same kernels: the same bits
+    same = sum(a == b for a, b in zip(outs["separate", "eager"], outs["fused", "eager"]))
+    assert same >= len(PROMPTS) - 1, (outs["separate", "eager"], outs["fused", "eager"])

@@ -7,6 +7,13 @@ float32 reference, repeated launches and a CUDA-graph replay giving the same bit
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,6 +21,8 @@ from kiln.kernels.decode_block import block_plan, decode_block, decode_block_ref
 from kiln.kernels.dispatch import use_backend
 
 from ._tolerance import assert_close
+
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def _inputs(d, F, Hq, Hk, D, page, n_keys, dtype, device, seed, bias=True, pages=None, slot=None):
@@ -148,3 +157,76 @@ def test_qwen_shape_bf16_on_gpu(n_keys):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, fused)
+
+
+SM90_SCRIPT = r"""
+import json, os, re, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+from kiln.kernels import decode_block as db
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+class Caught(Exception):
+    pass
+
+
+def launch(fn, *args, grid, warmup, **kw):
+    raise Caught(args, kw)
+
+
+# the H200's launch at the Qwen2.5-1.5B shape, caught before it runs: Triton's own specialization of its
+# arguments (132 programs, the default tiles and prefetch, the one-launch form)
+db._decode_block_kernel.run = lambda *a, **kw: launch(db._decode_block_kernel, *a, **kw)
+db._block_launch.fast = False
+db.block_programs = lambda device: 132
+db.use_triton = lambda *t: True
+d, F, Hq, Hk, D, page = 1536, 8960, 12, 2, 128, 16
+z = lambda *s, dt=torch.bfloat16: torch.zeros(*s, dtype=dt)
+kc = z(300, page, Hk, D)
+try:
+    db.decode_block(z(1, d), z(d), z((Hq + 2 * Hk) * D, d), z((Hq + 2 * Hk) * D), z(d, Hq * D), z(d), z(2 * F, d),
+                    z(d, F), 1e-6, z(64, D // 2, dt=torch.float32), z(64, D // 2, dt=torch.float32),
+                    torch.zeros(1, dtype=torch.long), kc, kc.clone(), torch.zeros(1, dtype=torch.long),
+                    torch.zeros(1, 256, dtype=torch.int32), torch.ones(1, dtype=torch.int32), Hq, phased=False)
+except Caught as e:
+    args, kw = e.args
+fn = db._decode_block_kernel
+backend = make_backend(TARGET)
+bound, spec, opts = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kw)
+options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, spec, opts)
+k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "k.ptx")
+    with open(path, "w") as f:
+        f.write(k.asm["ptx"])
+    log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", path + ".o"],
+                         capture_output=True, text=True, check=True).stderr
+num = lambda pat: int(re.search(pat, log).group(1))
+print(json.dumps(dict(regs=num(r"Used (\d+) registers"), spill=num(r"(\d+) bytes spill stores"),
+                      smem=k.metadata.shared, warps=kw["num_warps"], cooperative=kw["launch_cooperative_grid"],
+                      cp_async=k.asm["ptx"].count("cp.async.cg"), acquire=k.asm["ptx"].count(".acquire"))))
+"""
+
+
+@pytest.mark.slow  # one compile and ptxas run: ~10 s on the shared 2-core machine
+def test_compiles_for_sm90_one_program_an_sm():
+    """Compiled for the H200 on the CPU machine, as its launch at the Qwen2.5-1.5B shape specializes it: no
+    spills; registers and shared memory that leave one program of WARPS warps an SM resident (the grid
+    barriers need every program resident: 65536 registers, 227 KB); the weight loads pipelined (cp.async)
+    and the barriers' spins acquire loads; launched cooperatively."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as cache:
+        env["TRITON_CACHE_DIR"] = cache  # a fresh cache: compile for real, touch nothing shared
+        proc = subprocess.run([sys.executable, "-c", SM90_SCRIPT], env=env, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["spill"] == 0 and r["regs"] * 32 * r["warps"] <= 65536, r
+    assert r["smem"] <= 227 * 1024 and r["cooperative"], r
+    assert r["cp_async"] > 0 and r["acquire"] > 0, r
