@@ -80,6 +80,7 @@ PHASES = 5
 TILE = 8192  # W elements a program loads per K step (16 KB of bf16): STAGES of them in flight per SM
 STAGES = 3
 WARPS = 8
+PER_SM = 1  # programs an SM (all resident at once: the barriers need it)
 PREFETCH = 0  # bytes of its next phase's weights a program asks L2 for before a barrier (0: none)
 ATTN_BLOCK_N = 64  # keys per attention tile (a split's chunk is whole tiles)
 # Programs of an interpreted launch (CPU tests): more than the test models' q/k/v heads, fewer than their
@@ -88,8 +89,8 @@ INTERPRET_PROGRAMS = 12
 
 
 def block_programs(device: torch.device) -> int:
-    """Programs of a launch: one per SM on a GPU (all resident at once: the barriers need it)."""
-    return sm_count(device) if device.type == "cuda" else INTERPRET_PROGRAMS
+    """Programs of a launch: PER_SM an SM on a GPU (read at the call, so that a sweep may set it)."""
+    return PER_SM * sm_count(device) if device.type == "cuda" else INTERPRET_PROGRAMS
 
 
 # ----------------------------------------------------------------------------------------- reference
@@ -476,8 +477,9 @@ def decode_block(
         ADDR32=offsets_fit_int32(k_cache, v_cache), PAIRS=plan.pairs, BK_QKV=plan.bk_qkv, R_O=plan.r_o,
         BK_O=plan.bk_o, R_GU=plan.r_gu, BK_GU=plan.bk_gu, R_D=plan.r_d, BK_D=plan.bk_d,
         BK_NORM=min(pow2(d), 2048), BLOCK_N=ATTN_BLOCK_N, BLOCK_H=max(16, pow2(group)), GROUP_P=pow2(group),
-        SPLIT_STEP=combine_step(group, D), STAGES=stages, PF_QKV=plan.pf_qkv, PF_O=plan.pf_o, PF_GU=plan.pf_gu,
-        PF_D=plan.pf_d, LINE=128 // h.element_size(), num_warps=WARPS,
+        SPLIT_STEP=max(1, combine_step(group, D) * WARPS // 4),  # combine_step's tile is for 4 warps
+        STAGES=stages, PF_QKV=plan.pf_qkv, PF_O=plan.pf_o, PF_GU=plan.pf_gu,
+        PF_D=plan.pf_d, LINE=128 // h.element_size(), num_warps=WARPS,  # WARPS read at the call too
     )  # fmt: skip
     grid = (plan.programs,)
     if phased:
