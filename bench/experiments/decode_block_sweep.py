@@ -12,7 +12,7 @@ variant of `model.model(...)` (embedding, the 28 blocks, the final norm; no head
 are replayed --replays times back to back in --rounds interleaved rounds (order reversed every round;
 median). Bytes per step: the blocks' weights and the K/V read, against the copy bandwidth measured in the
 run. Agreement: each variant's final hidden state against the separate form's (max abs difference, beside
-that output's std).
+that output's std). --timeline takes fused variants apart phase by phase (the kernel's timer probe).
 """
 
 from __future__ import annotations
@@ -76,6 +76,66 @@ def set_variant(name: str) -> None:
     model_config.decode_block.cache_clear()
 
 
+PHASE_NAMES = ("qkv", "attention", "o", "gate_up", "down")
+
+
+def timeline(model, tokens, pos, meta, caches, variant: str, replays: int = 5) -> dict:
+    """Where a fused step's time goes: the layers' kernels captured in one CUDA graph with the timeline probe
+    on (decode_block(timeline=...)), replayed; per phase the median over layers and replays of its span (first
+    program in to last out), the slowest and the median program's work, and the barrier after it (last
+    arrival to the median release); the launch gap between layers; a layer's whole time."""
+    set_variant(variant)
+    dec = model.model
+    L, dev = len(dec.layers), tokens.device
+    P = block_kernel.block_programs(dev)
+    times = torch.zeros(L, P, block_kernel.STAMPS, dtype=torch.int64, device=dev)
+
+    def layers():
+        h = dec.embed_tokens(tokens)
+        rope = dec.rope(pos[None])
+        for i, layer in enumerate(dec.layers):
+            a, m = layer.self_attn, layer.mlp
+            h = block_kernel.decode_block(
+                h, layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
+                layer.post_attention_layernorm.weight, m.gate_up_proj.weight, m.down_proj.weight,
+                layer.input_layernorm.eps, rope[0], rope[1], rope[2].reshape(-1), *caches[i], meta.slot_mapping,
+                meta.block_tables, meta.context_lens, a.n_heads, timeline=times[i],
+            )  # fmt: skip
+
+    with torch.no_grad():
+        layers()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            layers()
+    runs = []
+    for _ in range(replays):
+        g.replay()
+        torch.cuda.synchronize()
+        runs.append(times.double().cpu() / 1000.0)  # us
+    med = statistics.median
+    out = {"variant": variant, "programs": P}
+    for k, name in enumerate(PHASE_NAMES):
+        start, end = 2 * k, 2 * k + 1
+        span, slow, typical, barrier = [], [], [], []
+        for t in runs:
+            for lt in t:
+                work = lt[:, end] - lt[:, start]
+                span.append(float(lt[:, end].max() - lt[:, start].min()))
+                slow.append(float(work.max()))
+                typical.append(float(work.median()))
+                if k + 1 < len(PHASE_NAMES):
+                    barrier.append(float(lt[:, end + 1].median() - lt[:, end].max()))
+        out[name] = {"span_us": round(med(span), 2), "slowest_us": round(med(slow), 2),
+                     "median_us": round(med(typical), 2),
+                     "barrier_after_us": round(med(barrier), 2) if barrier else None}  # fmt: skip
+    gaps = [float(t[i + 1][:, 0].min() - t[i][:, 9].max()) for t in runs for i in range(L - 1)]
+    whole = [float(lt[:, 9].max() - lt[:, 0].min()) for t in runs for lt in t]
+    out["gap_between_layers_us"] = round(med(gaps), 2)
+    out["layer_us"] = round(med(whole), 2)
+    return out
+
+
 def main() -> int:
     ap = bench_parser("decode_block_sweep", __doc__)
     ap.add_argument("--contexts", default="384,1100")
@@ -84,6 +144,7 @@ def main() -> int:
     ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--prefetch", default="0", help="L2 prefetch bytes a program, comma-separated")
     ap.add_argument("--shapes", default="8/1", help="warps/programs an SM, comma-separated")
+    ap.add_argument("--timeline", default="", help="fused variants (T/S/P/W/M) to take apart phase by phase")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--replays", type=int, default=30)
     args = ap.parse_args()
@@ -111,7 +172,7 @@ def main() -> int:
     ]
     block_params = sum(p.numel() for layer in model.model.layers for p in layer.parameters())
     copy = run.ceilings.get("copy_TBps")
-    rows = []
+    rows, timelines = [], []
     for n in (int(c) for c in args.contexts.split(",")):
         tokens, pos, meta, caches = step_inputs(cfg, n, args.capacity, dev, dtype)
         kv_bytes = 2 * cfg.n_layers * n * cfg.n_kv_heads * cfg.head_dim * 2
@@ -165,10 +226,21 @@ def main() -> int:
                 "out_std": round(float(ref.std()), 4),
             })  # fmt: skip
         log(f"context {n}: {step_bytes / 1e9:.3f} GB a step")
+        for v in filter(None, args.timeline.split(",")):
+            if cuda:
+                tl_row = timeline(model, tokens, pos, meta, caches, f"fused {v}")
+                timelines.append({"context": n, **tl_row})
+                log(f"context {n}, timeline of fused {v}: {tl_row}")
     set_variant("separate")
     cols = ["context", "variant", "ms", "vs_separate", "us_per_layer", "TBps", "of_copy", "max_abs_diff"]
     log(format_table([r for r in rows if "error" not in r], [(c, c) for c in cols]))
-    run.write(contexts=args.contexts, capacity=args.capacity, block_params=block_params, rows=rows)
+    run.write(
+        contexts=args.contexts,
+        capacity=args.capacity,
+        block_params=block_params,
+        rows=rows,
+        timelines=timelines,
+    )
     return 0
 
 

@@ -77,6 +77,7 @@ from kiln.kernels.rmsnorm import rmsnorm_ref
 from kiln.kernels.rope import _rope_pairs_store, rope_kv_write_ref
 
 PHASES = 5
+STAMPS = 10  # timeline stamps a program: before and after each phase's work
 TILE = 8192  # W elements a program loads per K step (16 KB of bf16): STAGES of them in flight per SM
 STAGES = 3
 WARPS = 8
@@ -169,6 +170,17 @@ def _prefetch_rows(W, rows, r_ok, stride, K, LINES: tl.constexpr, LINE: tl.const
 
 
 @triton.jit
+def _stamp(TIMES, k, TIMING: tl.constexpr):
+    """With TIMING, the global timer (ns) into this program's slot k of TIMES (programs, STAMPS) int64: where
+    the phases' time goes (bench/experiments/decode_block_sweep.py --timeline)."""
+    if TIMING:
+        pid = tl.program_id(0)
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+        tl.store(TIMES + pid * 10 + k, t)
+
+
+@triton.jit
 def _grid_sync(BAR, target):
     """Wait until the grid's programs have arrived `target` times in all (module doc: the ordering)."""
     tl.debug_barrier()
@@ -185,6 +197,7 @@ def _decode_block_kernel(
     COS, SIN, ROWS, K_CACHE, V_CACHE, SLOTS, TABLE, SEQ_LENS,
     Q_BUF, O_PART, LSE_PART, ATTN, ACT,  # scratch: q (Hq D); partials (Hq, splits, D), (Hq, splits) fp32; (Hq D); (F)
     COUNTERS,  # int32, zero on entry and left zero: [0] the grid barrier, [1 + hk] kv head hk's splits
+    TIMES,  # TIMING: (programs, STAMPS) int64 timestamps (else unused)
     eps, qk_scale, window,
     d, F, Hq, Hk, splits, rows_o, feats, rows_d,
     stride_qkv, stride_o, stride_gu, stride_d, stride_cos, stride_sin,
@@ -196,6 +209,7 @@ def _decode_block_kernel(
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_P: tl.constexpr, SPLIT_STEP: tl.constexpr, STAGES: tl.constexpr,
     PF_QKV: tl.constexpr, PF_O: tl.constexpr, PF_GU: tl.constexpr, PF_D: tl.constexpr,  # L2 prefetch: lines a row
     LINE: tl.constexpr,  # elements of a 128-byte line
+    TIMING: tl.constexpr,  # stamp the global timer before and after each phase's work
     FIRST: tl.constexpr, LAST: tl.constexpr,  # the phases this launch runs (grid barriers between them)
 ):
     pid = tl.program_id(0)
@@ -226,6 +240,7 @@ def _decode_block_kernel(
     if FIRST <= 0 and LAST >= 0:
         if PF_QKV > 0:
             _prefetch_rows(W_QKV, n_qkv, (n_qkv >= 0) & qkv_ok, stride_qkv, d, PF_QKV, LINE)
+        _stamp(TIMES, 0, TIMING)
         if qkv_ok:
             rstd = _rstd(H, d, eps, BK_NORM)
             y = _rows_dot(W_QKV + n_qkv.to(tl.int64) * stride_qkv, n_qkv >= 0, H, G1, rstd, d, True, 2 * PAIRS, BK_QKV,
@@ -235,10 +250,12 @@ def _decode_block_kernel(
             _rope_pairs_store(y, h, jp, col_a, col_b, Hq, Hk, Q_BUF + h * HEAD_DIM, COS, SIN, ROWS, stride_cos,
                               stride_sin, K_CACHE, V_CACHE, SLOTS, stride_kcp, stride_kct, stride_kch, stride_vcp,
                               stride_vct, stride_vch, PAGE_SIZE, PAIRS)
+    _stamp(TIMES, 1, TIMING)
     if FIRST < 1 and LAST >= 1:
         if PF_O > 0:  # o's rows load while the attention programs run
             _prefetch_rows(W_O, r_o, ok_o, stride_o, Hq * HEAD_DIM, PF_O, LINE)
         _grid_sync(COUNTERS, P)
+    _stamp(TIMES, 2, TIMING)
     # ---- 1: split-KV attention; the last split of each kv head combines the group's partials
     if FIRST <= 1 and LAST >= 1:
         if pid < Hk * splits:
@@ -282,18 +299,22 @@ def _decode_block_kernel(
                 _combine_splits(O_PART, LSE_PART, O_PART, ATTN, 0, hk * group, group, n_live,
                                 0, splits * HEAD_DIM, HEAD_DIM, 0, splits, 0, HEAD_DIM,
                                 HEAD_DIM, GROUP_P, SPLIT_STEP, False)
+    _stamp(TIMES, 3, TIMING)
     if FIRST < 2 and LAST >= 2:
         if PF_GU > 0:
             _prefetch_rows(W_GU, n_gu, ok_gu, stride_gu, d, PF_GU, LINE)
         _grid_sync(COUNTERS, 2 * P)
+    _stamp(TIMES, 4, TIMING)
     # ---- 2: o projection + the residual add: h_mid
     if FIRST <= 2 and LAST >= 2:
         y = _rows_dot(W_O + r_o.to(tl.int64) * stride_o, ok_o, ATTN, ATTN, 0.0, Hq * HEAD_DIM, False, R_O, BK_O,
                       STAGES)
         res = tl.load(H + r_o, mask=ok_o, other=0.0).to(tl.float32)
         tl.store(H_MID + r_o, (y.to(dt).to(tl.float32) + res).to(dt), mask=ok_o)
+    _stamp(TIMES, 5, TIMING)
     if FIRST < 3 and LAST >= 3:
         _grid_sync(COUNTERS, 3 * P)
+    _stamp(TIMES, 6, TIMING)
     # ---- 3: rmsnorm + gate/up projection + SwiGLU
     if FIRST <= 3 and LAST >= 3:
         rstd = _rstd(H_MID, d, eps, BK_NORM)
@@ -303,15 +324,18 @@ def _decode_block_kernel(
         a = g * tl.sigmoid(g) * up.to(tl.float32)  # kiln.kernels.swiglu's expression, in its order
         i = tl.arange(0, R_GU // 2)
         tl.store(ACT + pid * feats + i, a.to(dt), mask=(i < feats) & (pid * feats + i < F))
+    _stamp(TIMES, 7, TIMING)
     if FIRST < 4 and LAST >= 4:
         if PF_D > 0:
             _prefetch_rows(W_D, r_d, ok_d, stride_d, F, PF_D, LINE)
         _grid_sync(COUNTERS, 4 * P)
+    _stamp(TIMES, 8, TIMING)
     # ---- 4: down projection + the residual add: h_out
     if FIRST <= 4 and LAST >= 4:
         y = _rows_dot(W_D + r_d.to(tl.int64) * stride_d, ok_d, ACT, ACT, 0.0, F, False, R_D, BK_D, STAGES)
         res = tl.load(H_MID + r_d, mask=ok_d, other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(H_OUT + r_d, (y.to(dt).to(tl.float32) + res).to(dt), mask=ok_d)
+    _stamp(TIMES, 9, TIMING)
     if FIRST < LAST:  # depart: the program that completes the count resets it (module doc)
         tl.debug_barrier()
         if tl.atomic_add(COUNTERS, 1, sem="acq_rel", scope="gpu") == (LAST - FIRST + 1) * P - 1:
@@ -414,11 +438,14 @@ def decode_block_supported(
 def decode_block(
     h, norm1, w_qkv, b_qkv, w_o, norm2, w_gate_up, w_down, eps, cos, sin, rows, k_cache, v_cache, slots,
     block_table, seq_lens, n_heads, *, window=None, interleaved=False, phased=None, tile=None, stages=None, prefetch=None,
+    timeline=None,
 ) -> torch.Tensor:  # fmt: skip
     """h_out (1, d) of the block (module doc); k and v land in the caches. Triton on CUDA or in the
     interpreter, the reference elsewhere. phased: run the five phases as five launches (the interpreter's
     form; default: there only). tile, stages, prefetch: the K loops' tile size and depth and the L2 prefetch
-    (default TILE, STAGES and PREFETCH, read at the call, so that a sweep may set them)."""
+    (default TILE, STAGES and PREFETCH, read at the call, so that a sweep may set them). timeline: a
+    (programs, STAMPS) int64 tensor that the one-launch form fills with the global timer before and after
+    each phase's work (an experiment's probe; STAMPS = 10)."""
     if not decode_block_supported(h, w_qkv, w_o, w_gate_up, w_down, k_cache, n_heads):
         raise ValueError(
             f"decode_block: unsupported shapes h {tuple(h.shape)}, w_qkv {tuple(w_qkv.shape)}, w_o "
@@ -466,7 +493,7 @@ def decode_block(
     args = (
         h, mid, out, norm1, w_qkv, w_qkv if b_qkv is None else b_qkv, w_o, norm2, w_gate_up, w_down,
         cos, sin, rows, k_cache, v_cache, slots, block_table, seq_lens,
-        q_buf, o_part, lse_part, attn, act, counters,
+        q_buf, o_part, lse_part, attn, act, counters, counters if timeline is None else timeline,
         eps, LOG2E / math.sqrt(D), window or 0,
         d, F, n_heads, Hk, S, plan.rows_o, plan.feats, plan.rows_d,
         w_qkv.stride(0), w_o.stride(0), w_gate_up.stride(0), w_down.stride(0), cos.stride(0), sin.stride(0),
@@ -479,7 +506,7 @@ def decode_block(
         BK_NORM=min(pow2(d), 2048), BLOCK_N=ATTN_BLOCK_N, BLOCK_H=max(16, pow2(group)), GROUP_P=pow2(group),
         SPLIT_STEP=max(1, combine_step(group, D) * WARPS // 4),  # combine_step's tile is for 4 warps
         STAGES=stages, PF_QKV=plan.pf_qkv, PF_O=plan.pf_o, PF_GU=plan.pf_gu,
-        PF_D=plan.pf_d, LINE=128 // h.element_size(), num_warps=WARPS,  # WARPS read at the call too
+        PF_D=plan.pf_d, LINE=128 // h.element_size(), TIMING=timeline is not None, num_warps=WARPS,  # WARPS read at the call too
     )  # fmt: skip
     grid = (plan.programs,)
     if phased:
