@@ -163,10 +163,13 @@ def _prefetch_rows(W, rows, r_ok, stride, K, LINES: tl.constexpr, LINE: tl.const
     exist): issued before a barrier, so the next phase's first tiles are on their way while programs wait.
     prefetch.global.L2 has no result; the asm's dummy register keeps the call an expression."""
     c = tl.arange(0, LINES) * LINE
-    ok = r_ok[:, None] & (c < K)[None, :]
-    ptrs = tl.where(ok, W + rows.to(tl.int64)[:, None] * stride + c[None, :], W)  # masked lines: W's first
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    ok = (r_ok[:, None] & (c < K)[None, :]).to(tl.int32)
+    ptrs = W + rows.to(tl.int64)[:, None] * stride + c[None, :]
+    # predicated: a masked line asks for nothing (not a stand-in address every program would ask for at once)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l,r", [ptrs, ok],
+        dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
 
 
 @triton.jit
