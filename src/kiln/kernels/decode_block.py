@@ -82,6 +82,7 @@ TILE = 8192  # W elements a program loads per K step (16 KB of bf16): STAGES of 
 STAGES = 3
 WARPS = 8
 PER_SM = 1  # programs an SM (all resident at once: the barriers need it)
+PRELOAD_TILES = False  # each weight phase's first tile loaded into registers before the barrier ahead of it
 PREFETCH = 0  # bytes of its next phase's weights a program asks L2 for before a barrier (0: none)
 ATTN_BLOCK_N = 64  # keys per attention tile (a split's chunk is whole tiles)
 # Programs of an interpreted launch (CPU tests): more than the test models' q/k/v heads, fewer than their
@@ -139,21 +140,37 @@ def _normed(X, G, offs, ok, rstd):
 
 
 @triton.jit
-def _rows_dot(w_rows, r_ok, X, G, rstd, K, NORM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
-              STAGES: tl.constexpr):
+def _w_tile(w_rows, r_ok, k0, K, BK: tl.constexpr):
+    """The (R, BK) tile of W's rows at w_rows (R,) pointers (r_ok: which exist) from column k0."""
+    offs = k0 + tl.arange(0, BK)
+    return tl.load(w_rows[:, None] + offs[None, :], mask=r_ok[:, None] & (offs < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _x_chunk(X, G, rstd, k0, K, NORM: tl.constexpr, BK: tl.constexpr):
+    """(BK,) float32 of the (K,) vector at X from column k0 (from L2), normalized with gamma G when NORM."""
+    offs = k0 + tl.arange(0, BK)
+    ok = offs < K
+    if NORM:
+        x = _normed(X, G, offs, ok, rstd)
+    else:
+        x = tl.load(X + offs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rows_dot(w_rows, r_ok, X, G, rstd, K, w0, NORM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
+              STAGES: tl.constexpr, PRE: tl.constexpr):
     """(R,) float32 sum_k W[r, k] x[k] for the rows at w_rows (R,) pointers (r_ok: which exist), x the (K,)
     vector at X (from L2), normalized on the fly with gamma G and rstd when NORM. One K loop, STAGES tiles of
-    (R, BK) in flight."""
+    (R, BK) in flight. PRE: w0 is the first tile, loaded by the caller ahead of time (before a barrier)."""
     acc = tl.zeros((R, BK), tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        offs = k0 + tl.arange(0, BK)
-        ok = offs < K
-        w = tl.load(w_rows[:, None] + offs[None, :], mask=r_ok[:, None] & ok[None, :], other=0.0)
-        if NORM:
-            x = _normed(X, G, offs, ok, rstd)
-        else:
-            x = tl.load(X + offs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
+    k_first = 0
+    if PRE:
+        acc += w0.to(tl.float32) * _x_chunk(X, G, rstd, 0, K, NORM, BK)[None, :]
+        k_first = BK
+    for k0 in tl.range(k_first, K, BK, num_stages=STAGES):
+        acc += _w_tile(w_rows, r_ok, k0, K, BK).to(tl.float32) * _x_chunk(X, G, rstd, k0, K, NORM, BK)[None, :]
     return tl.sum(acc, 1)
 
 
@@ -213,6 +230,7 @@ def _decode_block_kernel(
     PF_QKV: tl.constexpr, PF_O: tl.constexpr, PF_GU: tl.constexpr, PF_D: tl.constexpr,  # L2 prefetch: lines a row
     LINE: tl.constexpr,  # elements of a 128-byte line
     TIMING: tl.constexpr,  # stamp the global timer before and after each phase's work
+    PRELOAD: tl.constexpr,  # load each weight phase's first tile before the barrier ahead of it
     FIRST: tl.constexpr, LAST: tl.constexpr,  # the phases this launch runs (grid barriers between them)
 ):
     pid = tl.program_id(0)
@@ -239,21 +257,30 @@ def _decode_block_kernel(
     r_d = pid * rows_d + i_d
     ok_d = (i_d < rows_d) & (r_d < d)
     dt = H.dtype.element_ty
+    w_qkv = W_QKV + n_qkv.to(tl.int64) * stride_qkv
+    w_o = W_O + r_o.to(tl.int64) * stride_o
+    w_gu = W_GU + n_gu.to(tl.int64) * stride_gu
+    w_d = W_D + r_d.to(tl.int64) * stride_d
     # ---- 0: rmsnorm + q/k/v projection + bias + RoPE + K/V write
     if FIRST <= 0 and LAST >= 0:
         if PF_QKV > 0:
             _prefetch_rows(W_QKV, n_qkv, (n_qkv >= 0) & qkv_ok, stride_qkv, d, PF_QKV, LINE)
         _stamp(TIMES, 0, TIMING)
         if qkv_ok:
+            w0 = 0.0
+            if PRELOAD:  # W's first tile in flight while the stream's norm loads
+                w0 = _w_tile(w_qkv, n_qkv >= 0, 0, d, BK_QKV)
             rstd = _rstd(H, d, eps, BK_NORM)
-            y = _rows_dot(W_QKV + n_qkv.to(tl.int64) * stride_qkv, n_qkv >= 0, H, G1, rstd, d, True, 2 * PAIRS, BK_QKV,
-                          STAGES)
+            y = _rows_dot(w_qkv, n_qkv >= 0, H, G1, rstd, d, w0, True, 2 * PAIRS, BK_QKV, STAGES, PRELOAD)
             if HAS_BIAS:
                 y += tl.load(B_QKV + n_qkv).to(tl.float32)
             _rope_pairs_store(y, h, jp, col_a, col_b, Hq, Hk, Q_BUF + h * HEAD_DIM, COS, SIN, ROWS, stride_cos,
                               stride_sin, K_CACHE, V_CACHE, SLOTS, stride_kcp, stride_kct, stride_kch, stride_vcp,
                               stride_vct, stride_vch, PAGE_SIZE, PAIRS)
     _stamp(TIMES, 1, TIMING)
+    w0_o = 0.0
+    if PRELOAD and FIRST < 1 and LAST >= 2:  # o's first tile loads while the attention programs run
+        w0_o = _w_tile(w_o, ok_o, 0, Hq * HEAD_DIM, BK_O)
     if FIRST < 1 and LAST >= 1:
         if PF_O > 0:  # o's rows load while the attention programs run
             _prefetch_rows(W_O, r_o, ok_o, stride_o, Hq * HEAD_DIM, PF_O, LINE)
@@ -310,24 +337,30 @@ def _decode_block_kernel(
     _stamp(TIMES, 4, TIMING)
     # ---- 2: o projection + the residual add: h_mid
     if FIRST <= 2 and LAST >= 2:
-        y = _rows_dot(W_O + r_o.to(tl.int64) * stride_o, ok_o, ATTN, ATTN, 0.0, Hq * HEAD_DIM, False, R_O, BK_O,
-                      STAGES)
+        y = _rows_dot(w_o, ok_o, ATTN, ATTN, 0.0, Hq * HEAD_DIM, w0_o, False, R_O, BK_O, STAGES,
+                      PRELOAD and FIRST < 1)
         res = tl.load(H + r_o, mask=ok_o, other=0.0).to(tl.float32)
         tl.store(H_MID + r_o, (y.to(dt).to(tl.float32) + res).to(dt), mask=ok_o)
     _stamp(TIMES, 5, TIMING)
+    w0_gu = 0.0
+    if PRELOAD and FIRST < 3 and LAST >= 3:
+        w0_gu = _w_tile(w_gu, ok_gu, 0, d, BK_GU)
     if FIRST < 3 and LAST >= 3:
         _grid_sync(COUNTERS, 3 * P)
     _stamp(TIMES, 6, TIMING)
     # ---- 3: rmsnorm + gate/up projection + SwiGLU
     if FIRST <= 3 and LAST >= 3:
         rstd = _rstd(H_MID, d, eps, BK_NORM)
-        y = _rows_dot(W_GU + n_gu.to(tl.int64) * stride_gu, ok_gu, H_MID, G2, rstd, d, True, R_GU, BK_GU, STAGES)
+        y = _rows_dot(w_gu, ok_gu, H_MID, G2, rstd, d, w0_gu, True, R_GU, BK_GU, STAGES, PRELOAD and FIRST < 3)
         gate, up = tl.split(tl.reshape(y.to(dt), (R_GU // 2, 2)))  # the projection's stored gate and up
         g = gate.to(tl.float32)
         a = g * tl.sigmoid(g) * up.to(tl.float32)  # kiln.kernels.swiglu's expression, in its order
         i = tl.arange(0, R_GU // 2)
         tl.store(ACT + pid * feats + i, a.to(dt), mask=(i < feats) & (pid * feats + i < F))
     _stamp(TIMES, 7, TIMING)
+    w0_d = 0.0
+    if PRELOAD and FIRST < 4 and LAST >= 4:
+        w0_d = _w_tile(w_d, ok_d, 0, F, BK_D)
     if FIRST < 4 and LAST >= 4:
         if PF_D > 0:
             _prefetch_rows(W_D, r_d, ok_d, stride_d, F, PF_D, LINE)
@@ -335,7 +368,7 @@ def _decode_block_kernel(
     _stamp(TIMES, 8, TIMING)
     # ---- 4: down projection + the residual add: h_out
     if FIRST <= 4 and LAST >= 4:
-        y = _rows_dot(W_D + r_d.to(tl.int64) * stride_d, ok_d, ACT, ACT, 0.0, F, False, R_D, BK_D, STAGES)
+        y = _rows_dot(w_d, ok_d, ACT, ACT, 0.0, F, w0_d, False, R_D, BK_D, STAGES, PRELOAD and FIRST < 4)
         res = tl.load(H_MID + r_d, mask=ok_d, other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(H_OUT + r_d, (y.to(dt).to(tl.float32) + res).to(dt), mask=ok_d)
     _stamp(TIMES, 9, TIMING)
@@ -509,7 +542,7 @@ def decode_block(
         BK_NORM=min(pow2(d), 2048), BLOCK_N=ATTN_BLOCK_N, BLOCK_H=max(16, pow2(group)), GROUP_P=pow2(group),
         SPLIT_STEP=max(1, combine_step(group, D) * WARPS // 4),  # combine_step's tile is for 4 warps
         STAGES=stages, PF_QKV=plan.pf_qkv, PF_O=plan.pf_o, PF_GU=plan.pf_gu,
-        PF_D=plan.pf_d, LINE=128 // h.element_size(), TIMING=timeline is not None, num_warps=WARPS,  # WARPS read at the call too
+        PF_D=plan.pf_d, LINE=128 // h.element_size(), TIMING=timeline is not None, PRELOAD=PRELOAD_TILES, num_warps=WARPS,  # WARPS read at the call too
     )  # fmt: skip
     grid = (plan.programs,)
     if phased:
