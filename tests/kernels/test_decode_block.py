@@ -1,6 +1,6 @@
 """One token's decoder block in one launch (kiln.kernels.decode_block): against float64 (the separate ops'
 references in the model's order) on odd shapes, both RoPE layouts, with and without the q/k/v bias and a
-sliding window, contexts that leave splits empty and that fill several; the K/V write lands in its slot
+sliding window, contexts that leave splits empty and that give a split several tiles; the K/V write lands in its slot
 only; a padding slot writes nothing; the shapes it does not take are refused. On the GPU (bf16, the
 Qwen2.5-1.5B shape): the one-launch form (grid barriers) bit-equal to the five-launch form, both against a
 float32 reference, repeated launches and a CUDA-graph replay giving the same bits."""
@@ -66,6 +66,7 @@ CASES = [  # d, F, Hq, Hk, D, page, n_keys
     (40, 36, 4, 2, 16, 4, 13),  # 5 of 12 programs own no o/down rows; 13 keys over pages of 4
     (72, 100, 3, 1, 8, 8, 150),  # one kv head, several 64-key splits, ragged last tile
     (24, 20, 2, 2, 16, 16, 1),  # the token alone: every split but one empty
+    (40, 36, 4, 2, 16, 16, 500),  # 6 splits a kv head over 500 keys: each split strides over several tiles
 ]
 
 

@@ -265,10 +265,9 @@ def _online_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale):
 
 
 @triton.jit
-def _paged_tile(q, K_CACHE, V_CACHE, page, t, t_ok, offs_d, hk, m_i, l_i, acc, qk_scale, stride_kp, stride_kt,
-                stride_kh, stride_vp, stride_vt, stride_vh, PAGE_SIZE: tl.constexpr, ADDR32: tl.constexpr):  # fmt: skip
-    """One tile of keys t (BLOCK_N,) found through their pages (BLOCK_N,) int32: load K and V, fold them
-    into the running (m_i, l_i, acc)."""
+def _paged_kv(K_CACHE, V_CACHE, page, t, t_ok, offs_d, hk, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+              stride_vh, PAGE_SIZE: tl.constexpr, ADDR32: tl.constexpr):  # fmt: skip
+    """K and V (N, D) of the keys t (N,) found through their pages (N,) int32; rows not t_ok load zeros."""
     if ADDR32:
         # (BLOCK_N,) int32 row offsets from the head's base; the (BLOCK_N, D) offsets stay int32 and only the
         # final address is 64-bit: the pipelined loop holds 32-bit offsets for the next tile, not 64-bit
@@ -285,6 +284,16 @@ def _paged_tile(q, K_CACHE, V_CACHE, page, t, t_ok, offs_d, hk, m_i, l_i, acc, q
         v_ptrs = v_rows[:, None] + offs_d[None, :]
     k = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)  # (BLOCK_N, D)
     v = tl.load(v_ptrs, mask=t_ok[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _paged_tile(q, K_CACHE, V_CACHE, page, t, t_ok, offs_d, hk, m_i, l_i, acc, qk_scale, stride_kp, stride_kt,
+                stride_kh, stride_vp, stride_vt, stride_vh, PAGE_SIZE: tl.constexpr, ADDR32: tl.constexpr):  # fmt: skip
+    """One tile of keys t (BLOCK_N,) found through their pages (BLOCK_N,) int32: load K and V, fold them
+    into the running (m_i, l_i, acc)."""
+    k, v = _paged_kv(K_CACHE, V_CACHE, page, t, t_ok, offs_d, hk, stride_kp, stride_kt, stride_kh, stride_vp,
+                     stride_vt, stride_vh, PAGE_SIZE, ADDR32)
     return _online_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale)
 
 

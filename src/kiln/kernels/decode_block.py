@@ -63,8 +63,9 @@ import triton.language as tl
 
 from kiln.kernels.attention import LOG2E
 from kiln.kernels.decode_attention import (
-    CHUNK_ALIGN,
     _combine_splits,
+    _online_tile,
+    _paged_kv,
     _paged_tile,
     combine_step,
     decode_attention_ref,
@@ -74,15 +75,15 @@ from kiln.kernels.decode_attention import (
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.rmsnorm import rmsnorm_ref
-from kiln.kernels.rope import _rope_pairs_store, rope_kv_write_ref
+from kiln.kernels.rope import _rope_pair_tables, _rope_pairs_store, rope_kv_write_ref
 
 PHASES = 5
 STAMPS = 10  # timeline stamps a program: before and after each phase's work
-TILE = 8192  # W elements a program loads per K step (16 KB of bf16): STAGES of them in flight per SM
-STAGES = 3
+TILE = 16384  # W elements a program loads per K step (16 KB of bf16): STAGES of them in flight per SM
+STAGES = 4
 WARPS = 8
 PER_SM = 1  # programs an SM (all resident at once: the barriers need it)
-PRELOAD_TILES = False  # each weight phase's first tile loaded into registers before the barrier ahead of it
+PRELOAD_TILES = True  # each weight phase's first tile loaded into registers before the barrier ahead of it
 PREFETCH = 0  # bytes of its next phase's weights a program asks L2 for before a barrier (0: none)
 ATTN_BLOCK_N = 64  # keys per attention tile (a split's chunk is whole tiles)
 # Programs of an interpreted launch (CPU tests): more than the test models' q/k/v heads, fewer than their
@@ -218,7 +219,7 @@ def _decode_block_kernel(
     Q_BUF, O_PART, LSE_PART, ATTN, ACT,  # scratch: q (Hq D); partials (Hq, splits, D), (Hq, splits) fp32; (Hq D); (F)
     COUNTERS,  # int32, zero on entry and left zero: [0] the grid barrier, [1 + hk] kv head hk's splits
     TIMES,  # TIMING: (programs, STAMPS) int64 timestamps (else unused)
-    eps, qk_scale, window,
+    eps, qk_scale, window, capacity,  # capacity: the block table's keys (pages x PAGE_SIZE)
     d, F, Hq, Hk, splits, rows_o, feats, rows_d,
     stride_qkv, stride_o, stride_gu, stride_d, stride_cos, stride_sin,
     stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch,
@@ -270,13 +271,13 @@ def _decode_block_kernel(
             w0 = 0.0
             if PRELOAD:  # W's first tile in flight while the stream's norm loads
                 w0 = _w_tile(w_qkv, n_qkv >= 0, 0, d, BK_QKV)
+            c, s, slot = _rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp)
             rstd = _rstd(H, d, eps, BK_NORM)
             y = _rows_dot(w_qkv, n_qkv >= 0, H, G1, rstd, d, w0, True, 2 * PAIRS, BK_QKV, STAGES, PRELOAD)
             if HAS_BIAS:
                 y += tl.load(B_QKV + n_qkv).to(tl.float32)
-            _rope_pairs_store(y, h, jp, col_a, col_b, Hq, Hk, Q_BUF + h * HEAD_DIM, COS, SIN, ROWS, stride_cos,
-                              stride_sin, K_CACHE, V_CACHE, SLOTS, stride_kcp, stride_kct, stride_kch, stride_vcp,
-                              stride_vct, stride_vch, PAGE_SIZE, PAIRS)
+            _rope_pairs_store(y, h, col_a, col_b, Hq, Hk, Q_BUF + h * HEAD_DIM, c, s, slot, K_CACHE, V_CACHE,
+                              stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch, PAGE_SIZE, PAIRS)
     _stamp(TIMES, 1, TIMING)
     w0_o = 0.0
     if PRELOAD and FIRST < 1 and LAST >= 2:  # o's first tile loads while the attention programs run
@@ -292,26 +293,30 @@ def _decode_block_kernel(
             hk = pid // splits
             split = pid % splits
             group = Hq // Hk
+            offs_h = tl.arange(0, BLOCK_H)
+            offs_d = tl.arange(0, HEAD_DIM)
+            hq = hk * group + offs_h
+            h_ok = offs_h < group
+            # Split s owns the BLOCK_N-key tiles s, s + splits, ... of the table: its first tile's page indices
+            # and K/V depend on no load but the table's, so they are in flight with the key count and q.
             n_keys = tl.load(SEQ_LENS)
+            q = tl.load(Q_BUF + hq[:, None] * HEAD_DIM + offs_d[None, :], mask=h_ok[:, None], other=0.0,
+                        cache_modifier=".cg")
+            t = split * BLOCK_N + tl.arange(0, BLOCK_N)
+            in_table = t < capacity
+            page = tl.load(TABLE + t // PAGE_SIZE, mask=in_table, other=0)
+            k, v = _paged_kv(K_CACHE, V_CACHE, page, t, in_table, offs_d, hk, stride_kcp, stride_kct, stride_kch,
+                             stride_vcp, stride_vct, stride_vch, PAGE_SIZE, ADDR32)
             first = 0
             if WINDOW:
                 first = tl.maximum(n_keys - window, 0)
-            chunk = tl.cdiv(tl.cdiv(n_keys - first, splits), BLOCK_N) * BLOCK_N
-            lo = first + split * chunk
-            hi = tl.minimum(lo + chunk, n_keys)
-            offs_h = tl.arange(0, BLOCK_H)
-            offs_d = tl.arange(0, HEAD_DIM)
-            offs_n = tl.arange(0, BLOCK_N)
-            hq = hk * group + offs_h
-            live = (offs_h < group) & (hi > lo)
-            q = tl.load(Q_BUF + hq[:, None] * HEAD_DIM + offs_d[None, :], mask=live[:, None], other=0.0,
-                        cache_modifier=".cg")
             m_i = tl.zeros([BLOCK_H], tl.float32) - 1.0e30
             l_i = tl.zeros([BLOCK_H], tl.float32)
             acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-            for n0 in range(lo, hi, BLOCK_N):
-                t = n0 + offs_n
-                t_ok = t < hi
+            m_i, l_i, acc = _online_tile(q, k, v, (t < n_keys) & (t >= first), m_i, l_i, acc, qk_scale)
+            for n0 in range((split + splits) * BLOCK_N, n_keys, splits * BLOCK_N):  # past splits x BLOCK_N keys
+                t = n0 + tl.arange(0, BLOCK_N)
+                t_ok = (t < n_keys) & (t >= first)
                 page = tl.load(TABLE + t // PAGE_SIZE, mask=t_ok, other=0)
                 m_i, l_i, acc = _paged_tile(q, K_CACHE, V_CACHE, page, t, t_ok, offs_d, hk, m_i, l_i, acc, qk_scale,
                                             stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch,
@@ -319,13 +324,14 @@ def _decode_block_kernel(
             has = l_i > 0.0
             acc = acc / tl.where(has, l_i, 1.0)[:, None]
             lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-            tl.store(O_PART + (hq[:, None] * splits + split) * HEAD_DIM + offs_d[None, :], acc, mask=live[:, None])
-            tl.store(LSE_PART + hq * splits + split, lse, mask=live)
+            # every split stores (an empty one 0 and -inf), so the combine reads a prefix of splits
+            tl.store(O_PART + (hq[:, None] * splits + split) * HEAD_DIM + offs_d[None, :], acc, mask=h_ok[:, None])
+            tl.store(LSE_PART + hq * splits + split, lse, mask=h_ok)
             tl.debug_barrier()
             counter = COUNTERS + 1 + hk
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
                 tl.store(counter, 0)  # every split has arrived: zero for the next layer's launch
-                n_live = tl.cdiv(n_keys - first, tl.maximum(chunk, 1))
+                n_live = tl.minimum(splits, tl.cdiv(n_keys, BLOCK_N))  # splits that may hold keys: a prefix
                 _combine_splits(O_PART, LSE_PART, O_PART, ATTN, 0, hk * group, group, n_live,
                                 0, splits * HEAD_DIM, HEAD_DIM, 0, splits, 0, HEAD_DIM,
                                 HEAD_DIM, GROUP_P, SPLIT_STEP, False)
@@ -423,12 +429,13 @@ def block_plan(
     prefetch: int = PREFETCH, elem: int = 2,
 ) -> BlockPlan:  # fmt: skip
     """Rows per program of each phase from the program count; the split count as decode attention's (one
-    split per CHUNK_ALIGN keys of the table's capacity), at most programs // Hk. Pairs per q/k/v program: the
+    split per ATTN_BLOCK_N-key tile of the table's capacity, each split's tiles strided by the split count),
+    at most programs // Hk. Pairs per q/k/v program: the
     fewest (a power of two dividing D/2) that cover the (Hq + 2 Hk) D / 2 pairs with the programs. K steps:
     `tile` real elements a step; prefetch: bytes a program asks L2 for ahead of each weight phase."""
     half = D // 2
     pairs = min(half, pow2(cdiv((Hq + 2 * Hk) * half, programs)))
-    splits = max(1, min(programs // Hk, cdiv(capacity, CHUNK_ALIGN)))
+    splits = max(1, min(programs // Hk, cdiv(capacity, ATTN_BLOCK_N)))
     rows_o, feats, rows_d = cdiv(d, programs), cdiv(F, programs), cdiv(d, programs)
     line, budget = 128 // elem, prefetch // 128
     return BlockPlan(
@@ -530,7 +537,7 @@ def decode_block(
         h, mid, out, norm1, w_qkv, w_qkv if b_qkv is None else b_qkv, w_o, norm2, w_gate_up, w_down,
         cos, sin, rows, k_cache, v_cache, slots, block_table, seq_lens,
         q_buf, o_part, lse_part, attn, act, counters, counters if timeline is None else timeline,
-        eps, LOG2E / math.sqrt(D), window or 0,
+        eps, LOG2E / math.sqrt(D), window or 0, block_table.shape[1] * page,
         d, F, n_heads, Hk, S, plan.rows_o, plan.feats, plan.rows_d,
         w_qkv.stride(0), w_o.stride(0), w_gate_up.stride(0), w_down.stride(0), cos.stride(0), sin.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
