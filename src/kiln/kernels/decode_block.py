@@ -161,7 +161,7 @@ def _x_chunk(X, G, rstd, k0, K, NORM: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _rows_dot(w_rows, r_ok, X, G, rstd, K, w0, NORM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
-              STAGES: tl.constexpr, PRE: tl.constexpr):
+              STAGES: tl.constexpr, PRE: tl.constexpr, LOOP: tl.constexpr = True):
     """(R,) float32 sum_k W[r, k] x[k] for the rows at w_rows (R,) pointers (r_ok: which exist), x the (K,)
     vector at X (from L2), normalized on the fly with gamma G and rstd when NORM. One K loop, STAGES tiles of
     (R, BK) in flight. PRE: w0 is the first tile, loaded by the caller ahead of time (before a barrier)."""
@@ -170,8 +170,9 @@ def _rows_dot(w_rows, r_ok, X, G, rstd, K, w0, NORM: tl.constexpr, R: tl.constex
     if PRE:
         acc += w0.to(tl.float32) * _x_chunk(X, G, rstd, 0, K, NORM, BK)[None, :]
         k_first = BK
-    for k0 in tl.range(k_first, K, BK, num_stages=STAGES):
-        acc += _w_tile(w_rows, r_ok, k0, K, BK).to(tl.float32) * _x_chunk(X, G, rstd, k0, K, NORM, BK)[None, :]
+    if LOOP:  # else K fits the preloaded tile: no loop, so no pipeline buffers for one
+        for k0 in tl.range(k_first, K, BK, num_stages=STAGES):
+            acc += _w_tile(w_rows, r_ok, k0, K, BK).to(tl.float32) * _x_chunk(X, G, rstd, k0, K, NORM, BK)[None, :]
     return tl.sum(acc, 1)
 
 
@@ -202,10 +203,19 @@ def _stamp(TIMES, k, TIMING: tl.constexpr):
 
 
 @triton.jit
-def _grid_sync(BAR, target):
-    """Wait until the grid's programs have arrived `target` times in all (module doc: the ordering)."""
+def _arrive(BAR):
+    """This program's arrival at the grid barrier (module doc: the ordering). A release orders every earlier
+    access of the program's, loads included, before it: a weight tile meant to load across the barrier is
+    issued after the arrival, not before, or the arrival would wait for it."""
     tl.debug_barrier()
-    seen = tl.atomic_add(BAR, 1, sem="acq_rel", scope="gpu") + 1
+    tl.atomic_add(BAR, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait(BAR, target):
+    """Spin until the grid's programs have arrived `target` times in all (acquire loads: what they stored before
+    arriving is visible after)."""
+    seen = tl.atomic_add(BAR, 0, sem="acquire", scope="gpu")
     while seen < target:
         seen = tl.atomic_add(BAR, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
@@ -232,6 +242,7 @@ def _decode_block_kernel(
     LINE: tl.constexpr,  # elements of a 128-byte line
     TIMING: tl.constexpr,  # stamp the global timer before and after each phase's work
     PRELOAD: tl.constexpr,  # load each weight phase's first tile before the barrier ahead of it
+    QKV_ONE_STEP: tl.constexpr,  # BK_QKV covers all of d
     FIRST: tl.constexpr, LAST: tl.constexpr,  # the phases this launch runs (grid barriers between them)
 ):
     pid = tl.program_id(0)
@@ -273,19 +284,22 @@ def _decode_block_kernel(
                 w0 = _w_tile(w_qkv, n_qkv >= 0, 0, d, BK_QKV)
             c, s, slot = _rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp)
             rstd = _rstd(H, d, eps, BK_NORM)
-            y = _rows_dot(w_qkv, n_qkv >= 0, H, G1, rstd, d, w0, True, 2 * PAIRS, BK_QKV, STAGES, PRELOAD)
+            y = _rows_dot(w_qkv, n_qkv >= 0, H, G1, rstd, d, w0, True, 2 * PAIRS, BK_QKV, STAGES, PRELOAD,
+                          not PRELOAD or not QKV_ONE_STEP)
             if HAS_BIAS:
                 y += tl.load(B_QKV + n_qkv).to(tl.float32)
             _rope_pairs_store(y, h, col_a, col_b, Hq, Hk, Q_BUF + h * HEAD_DIM, c, s, slot, K_CACHE, V_CACHE,
                               stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch, PAGE_SIZE, PAIRS)
     _stamp(TIMES, 1, TIMING)
+    if FIRST < 1 and LAST >= 1:
+        _arrive(COUNTERS)
     w0_o = 0.0
     if PRELOAD and FIRST < 1 and LAST >= 2:  # o's first tile loads while the attention programs run
         w0_o = _w_tile(w_o, ok_o, 0, Hq * HEAD_DIM, BK_O)
     if FIRST < 1 and LAST >= 1:
         if PF_O > 0:  # o's rows load while the attention programs run
             _prefetch_rows(W_O, r_o, ok_o, stride_o, Hq * HEAD_DIM, PF_O, LINE)
-        _grid_sync(COUNTERS, P)
+        _wait(COUNTERS, P)
     _stamp(TIMES, 2, TIMING)
     # ---- 1: split-KV attention; the last split of each kv head combines the group's partials
     if FIRST <= 1 and LAST >= 1:
@@ -337,9 +351,10 @@ def _decode_block_kernel(
                                 HEAD_DIM, GROUP_P, SPLIT_STEP, False)
     _stamp(TIMES, 3, TIMING)
     if FIRST < 2 and LAST >= 2:
+        _arrive(COUNTERS)
         if PF_GU > 0:
             _prefetch_rows(W_GU, n_gu, ok_gu, stride_gu, d, PF_GU, LINE)
-        _grid_sync(COUNTERS, 2 * P)
+        _wait(COUNTERS, 2 * P)
     _stamp(TIMES, 4, TIMING)
     # ---- 2: o projection + the residual add: h_mid
     if FIRST <= 2 and LAST >= 2:
@@ -348,11 +363,13 @@ def _decode_block_kernel(
         res = tl.load(H + r_o, mask=ok_o, other=0.0).to(tl.float32)
         tl.store(H_MID + r_o, (y.to(dt).to(tl.float32) + res).to(dt), mask=ok_o)
     _stamp(TIMES, 5, TIMING)
+    if FIRST < 3 and LAST >= 3:
+        _arrive(COUNTERS)
     w0_gu = 0.0
     if PRELOAD and FIRST < 3 and LAST >= 3:
         w0_gu = _w_tile(w_gu, ok_gu, 0, d, BK_GU)
     if FIRST < 3 and LAST >= 3:
-        _grid_sync(COUNTERS, 3 * P)
+        _wait(COUNTERS, 3 * P)
     _stamp(TIMES, 6, TIMING)
     # ---- 3: rmsnorm + gate/up projection + SwiGLU
     if FIRST <= 3 and LAST >= 3:
@@ -364,13 +381,15 @@ def _decode_block_kernel(
         i = tl.arange(0, R_GU // 2)
         tl.store(ACT + pid * feats + i, a.to(dt), mask=(i < feats) & (pid * feats + i < F))
     _stamp(TIMES, 7, TIMING)
+    if FIRST < 4 and LAST >= 4:
+        _arrive(COUNTERS)
     w0_d = 0.0
     if PRELOAD and FIRST < 4 and LAST >= 4:
         w0_d = _w_tile(w_d, ok_d, 0, F, BK_D)
     if FIRST < 4 and LAST >= 4:
         if PF_D > 0:
             _prefetch_rows(W_D, r_d, ok_d, stride_d, F, PF_D, LINE)
-        _grid_sync(COUNTERS, 4 * P)
+        _wait(COUNTERS, 4 * P)
     _stamp(TIMES, 8, TIMING)
     # ---- 4: down projection + the residual add: h_out
     if FIRST <= 4 and LAST >= 4:
@@ -432,14 +451,15 @@ def block_plan(
     split per ATTN_BLOCK_N-key tile of the table's capacity, each split's tiles strided by the split count),
     at most programs // Hk. Pairs per q/k/v program: the
     fewest (a power of two dividing D/2) that cover the (Hq + 2 Hk) D / 2 pairs with the programs. K steps:
-    `tile` real elements a step; prefetch: bytes a program asks L2 for ahead of each weight phase."""
+    `tile` real elements a step, q/k/v's whole K in one step up to twice that (the step it preloads is all of
+    its rows); prefetch: bytes a program asks L2 for ahead of each weight phase."""
     half = D // 2
     pairs = min(half, pow2(cdiv((Hq + 2 * Hk) * half, programs)))
     splits = max(1, min(programs // Hk, cdiv(capacity, ATTN_BLOCK_N)))
     rows_o, feats, rows_d = cdiv(d, programs), cdiv(F, programs), cdiv(d, programs)
     line, budget = 128 // elem, prefetch // 128
     return BlockPlan(
-        programs, splits, pairs, _step(2 * pairs, d, tile),
+        programs, splits, pairs, pow2(d) if 2 * pairs * pow2(d) <= 2 * tile else _step(2 * pairs, d, tile),
         rows_o, pow2(rows_o), _step(rows_o, Hq * D, tile),
         feats, pow2(2 * feats), _step(2 * feats, d, tile),
         rows_d, pow2(rows_d), _step(rows_d, F, tile),
@@ -549,7 +569,8 @@ def decode_block(
         BK_NORM=min(pow2(d), 2048), BLOCK_N=ATTN_BLOCK_N, BLOCK_H=max(16, pow2(group)), GROUP_P=pow2(group),
         SPLIT_STEP=max(1, combine_step(group, D) * WARPS // 4),  # combine_step's tile is for 4 warps
         STAGES=stages, PF_QKV=plan.pf_qkv, PF_O=plan.pf_o, PF_GU=plan.pf_gu,
-        PF_D=plan.pf_d, LINE=128 // h.element_size(), TIMING=timeline is not None, PRELOAD=PRELOAD_TILES, num_warps=WARPS,  # WARPS read at the call too
+        PF_D=plan.pf_d, LINE=128 // h.element_size(), TIMING=timeline is not None, PRELOAD=PRELOAD_TILES,
+        QKV_ONE_STEP=plan.bk_qkv >= d, num_warps=WARPS,  # WARPS read at the call too
     )  # fmt: skip
     grid = (plan.programs,)
     if phased:
