@@ -7,9 +7,9 @@ its separate kernels, and the fused kernel's K-loop tiles, as CUDA-graph replays
 One random-init Qwen2.5-1.5B-shape model (bf16, kiln's kernels), one sequence with --contexts keys cached in
 a paged cache (16-token pages, scattered, a table sized for --capacity tokens). Per context, one graph per
 variant of `model.model(...)` (embedding, the 28 blocks, the final norm; no head, no sampling): "separate"
-(KILN_DECODE_BLOCK unset) and "fused T/S/P/W/M/R" for each tile T in --tiles, K-loop depth S in
---stages, L2 prefetch P in --prefetch, W warps with M programs an SM in --shapes and R in --preload (1: each
-weight phase's first tile loaded before the barrier ahead of it). The graphs
+(KILN_DECODE_BLOCK unset) and "fused T/S/W/M/R" for each tile T in --tiles, K-loop depth S in
+--stages, W warps with M programs an SM in --shapes and R in --preload (1: each weight phase's first tile
+loaded before the barrier ahead of it). The graphs
 are replayed --replays times back to back in --rounds interleaved rounds (order reversed every round;
 median). Bytes per step: the blocks' weights and the K/V read, against the copy bandwidth measured in the
 run. Agreement: each variant's final hidden state against the separate form's (max abs difference, beside
@@ -66,13 +66,13 @@ def step_inputs(cfg: ModelConfig, n: int, capacity: int, device, dtype):
 
 
 def set_variant(name: str) -> None:
-    """KILN_DECODE_BLOCK and the fused kernel's tile, depth and prefetch for `name` ("separate", "fused T/S/P/W/M/R")."""
+    """KILN_DECODE_BLOCK and the fused kernel's tile, depth and prefetch for `name` ("separate", "fused T/S/W/M/R")."""
     if name == "separate":
         os.environ.pop("KILN_DECODE_BLOCK", None)
     else:
         os.environ["KILN_DECODE_BLOCK"] = "fused"
-        tile, stages, prefetch, warps, per_sm, preload = (int(x) for x in name.split()[1].split("/"))
-        block_kernel.TILE, block_kernel.STAGES, block_kernel.PREFETCH = tile, stages, prefetch
+        tile, stages, warps, per_sm, preload = (int(x) for x in name.split()[1].split("/"))
+        block_kernel.TILE, block_kernel.STAGES = tile, stages
         block_kernel.WARPS, block_kernel.PER_SM, block_kernel.PRELOAD_TILES = warps, per_sm, bool(preload)
     model_config.decode_block.cache_clear()
 
@@ -141,12 +141,11 @@ def main() -> int:
     ap = bench_parser("decode_block_sweep", __doc__)
     ap.add_argument("--contexts", default="384,1100")
     ap.add_argument("--capacity", type=int, default=4096)
-    ap.add_argument("--tiles", default="4096,8192,16384")
-    ap.add_argument("--stages", default="2,3,4")
-    ap.add_argument("--prefetch", default="0", help="L2 prefetch bytes a program, comma-separated")
-    ap.add_argument("--shapes", default="8/1", help="warps/programs an SM, comma-separated")
-    ap.add_argument("--preload", default="0", help="1: each weight phase's first tile before its barrier")
-    ap.add_argument("--timeline", default="", help="fused variants (T/S/P/W/M) to take apart phase by phase")
+    ap.add_argument("--tiles", default="8192,16384")
+    ap.add_argument("--stages", default="4")
+    ap.add_argument("--shapes", default="4/2,8/1", help="warps/programs an SM, comma-separated")
+    ap.add_argument("--preload", default="1", help="1: each weight phase's first tile before its barrier")
+    ap.add_argument("--timeline", default="", help="fused variants (T/S/W/M/R) to take apart phase by phase")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--replays", type=int, default=30)
     args = ap.parse_args()
@@ -156,7 +155,7 @@ def main() -> int:
     if run.smoke:
         cfg = ModelConfig(arch="qwen2", qkv_bias=True, vocab_size=256, d_model=32, n_layers=2, n_heads=4,
                           n_kv_heads=2, ffn_hidden=64, max_seq_len=256, tie_embeddings=True)  # fmt: skip
-        args.contexts, args.capacity, args.tiles, args.stages = "9", 64, "4096", "2"
+        args.contexts, args.capacity, args.tiles, args.stages, args.shapes = "9", 64, "4096", "2", "4/2"
         args.rounds, args.replays = 1, 1
     else:
         cfg = bench.qwen2_1p5b_config(max_seq_len=args.capacity)
@@ -166,10 +165,9 @@ def main() -> int:
     )  # "auto" takes kiln's decode matmul on CUDA only
     model = build_model(cfg, device=dev, dtype=dtype, seed=0, kernels=kernels).eval()
     variants = ["separate"] + [
-        f"fused {t}/{s}/{p}/{w}/{r}"
+        f"fused {t}/{s}/{w}/{r}"
         for t in args.tiles.split(",")
         for s in args.stages.split(",")
-        for p in args.prefetch.split(",")
         for w in args.shapes.split(",")
         for r in args.preload.split(",")
     ]

@@ -79,12 +79,11 @@ from kiln.kernels.rope import _rope_pair_tables, _rope_pairs_store, rope_kv_writ
 
 PHASES = 5
 STAMPS = 10  # timeline stamps a program: before and after each phase's work
-TILE = 16384  # W elements a program loads per K step (16 KB of bf16): STAGES of them in flight per SM
+TILE = 8192  # real W elements a program loads per K step (16 KB of bf16): STAGES of them in flight
 STAGES = 4
-WARPS = 8
-PER_SM = 1  # programs an SM (all resident at once: the barriers need it)
+WARPS = 4
+PER_SM = 2  # programs an SM (all resident at once: the barriers need it)
 PRELOAD_TILES = True  # each weight phase's first tile loaded into registers before the barrier ahead of it
-PREFETCH = 0  # bytes of its next phase's weights a program asks L2 for before a barrier (0: none)
 ATTN_BLOCK_N = 64  # keys per attention tile (a split's chunk is whole tiles)
 # Programs of an interpreted launch (CPU tests): more than the test models' q/k/v heads, fewer than their
 # rows, so that every phase has programs owning several rows and programs owning none.
@@ -177,21 +176,6 @@ def _rows_dot(w_rows, r_ok, X, G, rstd, K, w0, NORM: tl.constexpr, R: tl.constex
 
 
 @triton.jit
-def _prefetch_rows(W, rows, r_ok, stride, K, LINES: tl.constexpr, LINE: tl.constexpr):
-    """Ask L2 for the first LINES lines (LINE elements of W each, 128 bytes) of each row (rows (R,), r_ok which
-    exist): issued before a barrier, so the next phase's first tiles are on their way while programs wait.
-    prefetch.global.L2 has no result; the asm's dummy register keeps the call an expression."""
-    c = tl.arange(0, LINES) * LINE
-    ok = (r_ok[:, None] & (c < K)[None, :]).to(tl.int32)
-    ptrs = W + rows.to(tl.int64)[:, None] * stride + c[None, :]
-    # predicated: a masked line asks for nothing (not a stand-in address every program would ask for at once)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l,r", [ptrs, ok],
-        dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _stamp(TIMES, k, TIMING: tl.constexpr):
     """With TIMING, the global timer (ns) into this program's slot k of TIMES (programs, STAMPS) int64: where
     the phases' time goes (bench/experiments/decode_block_sweep.py --timeline)."""
@@ -238,8 +222,6 @@ def _decode_block_kernel(
     PAIRS: tl.constexpr, BK_QKV: tl.constexpr, R_O: tl.constexpr, BK_O: tl.constexpr,
     R_GU: tl.constexpr, BK_GU: tl.constexpr, R_D: tl.constexpr, BK_D: tl.constexpr, BK_NORM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_P: tl.constexpr, SPLIT_STEP: tl.constexpr, STAGES: tl.constexpr,
-    PF_QKV: tl.constexpr, PF_O: tl.constexpr, PF_GU: tl.constexpr, PF_D: tl.constexpr,  # L2 prefetch: lines a row
-    LINE: tl.constexpr,  # elements of a 128-byte line
     TIMING: tl.constexpr,  # stamp the global timer before and after each phase's work
     PRELOAD: tl.constexpr,  # load each weight phase's first tile before the barrier ahead of it
     QKV_ONE_STEP: tl.constexpr,  # BK_QKV covers all of d
@@ -248,7 +230,7 @@ def _decode_block_kernel(
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     half = HEAD_DIM // 2
-    # Each phase's rows of this program, known up front: the prefetches name them a barrier early.
+    # Each phase's rows of this program, known up front: a phase's first tile loads a barrier early.
     per_head = half // PAIRS
     qkv_ok = pid < (Hq + 2 * Hk) * per_head
     h = pid // per_head  # q heads, then k heads, then v heads
@@ -275,8 +257,6 @@ def _decode_block_kernel(
     w_d = W_D + r_d.to(tl.int64) * stride_d
     # ---- 0: rmsnorm + q/k/v projection + bias + RoPE + K/V write
     if FIRST <= 0 and LAST >= 0:
-        if PF_QKV > 0:
-            _prefetch_rows(W_QKV, n_qkv, (n_qkv >= 0) & qkv_ok, stride_qkv, d, PF_QKV, LINE)
         _stamp(TIMES, 0, TIMING)
         if qkv_ok:
             w0 = 0.0
@@ -297,8 +277,6 @@ def _decode_block_kernel(
     if PRELOAD and FIRST < 1 and LAST >= 2:  # o's first tile loads while the attention programs run
         w0_o = _w_tile(w_o, ok_o, 0, Hq * HEAD_DIM, BK_O)
     if FIRST < 1 and LAST >= 1:
-        if PF_O > 0:  # o's rows load while the attention programs run
-            _prefetch_rows(W_O, r_o, ok_o, stride_o, Hq * HEAD_DIM, PF_O, LINE)
         _wait(COUNTERS, P)
     _stamp(TIMES, 2, TIMING)
     # ---- 1: split-KV attention; the last split of each kv head combines the group's partials
@@ -352,8 +330,6 @@ def _decode_block_kernel(
     _stamp(TIMES, 3, TIMING)
     if FIRST < 2 and LAST >= 2:
         _arrive(COUNTERS)
-        if PF_GU > 0:
-            _prefetch_rows(W_GU, n_gu, ok_gu, stride_gu, d, PF_GU, LINE)
         _wait(COUNTERS, 2 * P)
     _stamp(TIMES, 4, TIMING)
     # ---- 2: o projection + the residual add: h_mid
@@ -387,8 +363,6 @@ def _decode_block_kernel(
     if PRELOAD and FIRST < 4 and LAST >= 4:
         w0_d = _w_tile(w_d, ok_d, 0, F, BK_D)
     if FIRST < 4 and LAST >= 4:
-        if PF_D > 0:
-            _prefetch_rows(W_D, r_d, ok_d, stride_d, F, PF_D, LINE)
         _wait(COUNTERS, 4 * P)
     _stamp(TIMES, 8, TIMING)
     # ---- 4: down projection + the residual add: h_out
@@ -409,8 +383,8 @@ _block_launch = CachedLaunch(_decode_block_kernel)
 
 # ------------------------------------------------------------------------------------------ launcher
 class BlockPlan(NamedTuple):
-    """The launch's fixed shape: programs, attention splits per kv head, each phase's rows a program (real and
-    padded to a power of two) and K step, and the 128-byte lines a row each phase prefetches into L2."""
+    """The launch's fixed shape: programs, attention splits per kv head, and each phase's rows a program (real
+    and padded to a power of two) and K step."""
 
     programs: int
     splits: int
@@ -425,10 +399,6 @@ class BlockPlan(NamedTuple):
     rows_d: int
     r_d: int
     bk_d: int
-    pf_qkv: int
-    pf_o: int
-    pf_gu: int
-    pf_d: int
 
 
 def _step(rows: int, K: int, tile: int) -> int:
@@ -437,34 +407,23 @@ def _step(rows: int, K: int, tile: int) -> int:
     return max(16, min(pow2(K), pow2(tile // rows + 1) // 2))
 
 
-def _lines(rows: int, K: int, line: int, budget: int) -> int:
-    """128-byte lines a row to prefetch: `budget` lines over the rows, a power of two, at most the row's; 0
-    without a budget."""
-    return 0 if budget <= 0 else min(pow2(cdiv(K, line)), max(1, pow2(budget // rows + 1) // 2))
-
-
 def block_plan(
-    d: int, F: int, Hq: int, Hk: int, D: int, capacity: int, programs: int, tile: int = TILE,
-    prefetch: int = PREFETCH, elem: int = 2,
-) -> BlockPlan:  # fmt: skip
-    """Rows per program of each phase from the program count; the split count as decode attention's (one
-    split per ATTN_BLOCK_N-key tile of the table's capacity, each split's tiles strided by the split count),
-    at most programs // Hk. Pairs per q/k/v program: the
-    fewest (a power of two dividing D/2) that cover the (Hq + 2 Hk) D / 2 pairs with the programs. K steps:
-    `tile` real elements a step, q/k/v's whole K in one step up to twice that (the step it preloads is all of
-    its rows); prefetch: bytes a program asks L2 for ahead of each weight phase."""
+    d: int, F: int, Hq: int, Hk: int, D: int, capacity: int, programs: int, tile: int = TILE
+) -> BlockPlan:
+    """Rows per program of each phase from the program count. Splits: one per ATTN_BLOCK_N-key tile of the
+    table's capacity, at most programs // Hk (a split strides over the tiles past splits x ATTN_BLOCK_N keys).
+    Pairs per q/k/v program: the fewest (a power of two dividing D/2) that cover the (Hq + 2 Hk) D / 2 pairs
+    with the programs. K steps: `tile` real elements a step; q/k/v's whole K in one step up to twice that (its
+    preloaded first step is then all of its rows)."""
     half = D // 2
     pairs = min(half, pow2(cdiv((Hq + 2 * Hk) * half, programs)))
     splits = max(1, min(programs // Hk, cdiv(capacity, ATTN_BLOCK_N)))
     rows_o, feats, rows_d = cdiv(d, programs), cdiv(F, programs), cdiv(d, programs)
-    line, budget = 128 // elem, prefetch // 128
     return BlockPlan(
         programs, splits, pairs, pow2(d) if 2 * pairs * pow2(d) <= 2 * tile else _step(2 * pairs, d, tile),
         rows_o, pow2(rows_o), _step(rows_o, Hq * D, tile),
         feats, pow2(2 * feats), _step(2 * feats, d, tile),
         rows_d, pow2(rows_d), _step(rows_d, F, tile),
-        _lines(2 * pairs, d, line, budget), _lines(rows_o, Hq * D, line, budget), _lines(2 * feats, d, line, budget),
-        _lines(rows_d, F, line, budget),
     )  # fmt: skip
 
 
@@ -500,13 +459,13 @@ def decode_block_supported(
 
 def decode_block(
     h, norm1, w_qkv, b_qkv, w_o, norm2, w_gate_up, w_down, eps, cos, sin, rows, k_cache, v_cache, slots,
-    block_table, seq_lens, n_heads, *, window=None, interleaved=False, phased=None, tile=None, stages=None, prefetch=None,
+    block_table, seq_lens, n_heads, *, window=None, interleaved=False, phased=None, tile=None, stages=None,
     timeline=None,
 ) -> torch.Tensor:  # fmt: skip
     """h_out (1, d) of the block (module doc); k and v land in the caches. Triton on CUDA or in the
     interpreter, the reference elsewhere. phased: run the five phases as five launches (the interpreter's
-    form; default: there only). tile, stages, prefetch: the K loops' tile size and depth and the L2 prefetch
-    (default TILE, STAGES and PREFETCH, read at the call, so that a sweep may set them). timeline: a
+    form; default: there only). tile, stages: the K loops' tile size and depth (default TILE and STAGES, read
+    at the call, as WARPS, PER_SM and PRELOAD_TILES are, so that a sweep may set them). timeline: a
     (programs, STAMPS) int64 tensor that the one-launch form fills with the global timer before and after
     each phase's work (an experiment's probe; STAMPS = 10)."""
     if not decode_block_supported(h, w_qkv, w_o, w_gate_up, w_down, k_cache, n_heads):
@@ -525,24 +484,11 @@ def decode_block(
         )
     tile, stages = tile or TILE, stages or STAGES
     phased = interpreting() if phased is None else phased
-    # the interpreter runs no inline PTX; the five-launch form has no barrier to prefetch ahead of
-    prefetch = 0 if phased else PREFETCH if prefetch is None else prefetch
     d = h.shape[1]
     Hk, D = k_cache.shape[2:]
     F = w_down.shape[1]
     page = k_cache.shape[1]
-    plan = block_plan(
-        d,
-        F,
-        n_heads,
-        Hk,
-        D,
-        block_table.shape[1] * page,
-        block_programs(h.device),
-        tile,
-        prefetch,
-        h.element_size(),
-    )
+    plan = block_plan(d, F, n_heads, Hk, D, block_table.shape[1] * page, block_programs(h.device), tile)
     S = plan.splits
     dev, dt = h.device, h.dtype
     work = torch.empty(2 * d + 2 * n_heads * D + F, device=dev, dtype=dt)
@@ -568,9 +514,8 @@ def decode_block(
         BK_O=plan.bk_o, R_GU=plan.r_gu, BK_GU=plan.bk_gu, R_D=plan.r_d, BK_D=plan.bk_d,
         BK_NORM=min(pow2(d), 2048), BLOCK_N=ATTN_BLOCK_N, BLOCK_H=max(16, pow2(group)), GROUP_P=pow2(group),
         SPLIT_STEP=max(1, combine_step(group, D) * WARPS // 4),  # combine_step's tile is for 4 warps
-        STAGES=stages, PF_QKV=plan.pf_qkv, PF_O=plan.pf_o, PF_GU=plan.pf_gu,
-        PF_D=plan.pf_d, LINE=128 // h.element_size(), TIMING=timeline is not None, PRELOAD=PRELOAD_TILES,
-        QKV_ONE_STEP=plan.bk_qkv >= d, num_warps=WARPS,  # WARPS read at the call too
+        STAGES=stages, TIMING=timeline is not None, PRELOAD=PRELOAD_TILES, QKV_ONE_STEP=plan.bk_qkv >= d,
+        num_warps=WARPS,
     )  # fmt: skip
     grid = (plan.programs,)
     if phased:
