@@ -66,7 +66,8 @@ def step_inputs(cfg: ModelConfig, n: int, capacity: int, device, dtype):
 
 
 def set_variant(name: str) -> None:
-    """KILN_DECODE_BLOCK and the fused kernel's tile, depth and prefetch for `name` ("separate", "fused T/S/W/M/R")."""
+    """KILN_DECODE_BLOCK and the fused kernel's knobs for variant `name`: "separate", or "fused T/S/W/M/R"
+    (tile, stages, warps, programs an SM, preload)."""
     if name == "separate":
         os.environ.pop("KILN_DECODE_BLOCK", None)
     else:

@@ -118,8 +118,8 @@ def test_gpu_async_scheduling_equals_sync(tmp_path):
 
 
 def test_gpu_fused_blocks_equal_separate(tmp_path, monkeypatch):
-    # KILN_DECODE_BLOCK=fused (each block of a one-token decode step in one kernel, kiln.kernels.decode_block):
-    # the engine's greedy tokens one prompt at a time, eager and with CUDA graphs, against the separate form.
+    # KILN_DECODE_BLOCK=fused (each block of a one-token decode step in one kernel,
+    # kiln.kernels.decode_block): the engine's greedy tokens one prompt at a time, eager and with CUDA graphs, against the separate form.
     # fp32: the fused kernel sums each projection in another order than the decode matmuls (a few ulps),
     # so tokens are equal except where a near-tie flips
     from kiln.model import config as model_config

@@ -1,7 +1,7 @@
 """One token's decoder block in one launch (kiln.kernels.decode_block): against float64 (the separate ops'
 references in the model's order) on odd shapes, both RoPE layouts, with and without the q/k/v bias and a
-sliding window, contexts that leave splits empty and that give a split several tiles; the K/V write lands in its slot
-only; a padding slot writes nothing; the shapes it does not take are refused. On the GPU (bf16, the
+sliding window, contexts that leave splits empty and that give a split several tiles; the K/V write lands
+in its slot only; a padding slot writes nothing; the shapes it does not take are refused. On the GPU (bf16, the
 Qwen2.5-1.5B shape): the one-launch form (grid barriers) bit-equal to the five-launch form, both against a
 float32 reference, repeated launches and a CUDA-graph replay giving the same bits."""
 
@@ -104,7 +104,8 @@ def test_padding_slot_writes_nothing(device):
 
 
 def test_plan_covers_every_row():
-    """Each phase's programs x rows cover its rows, the q/k/v pairs fit the programs, splits <= programs / Hk."""
+    """Each phase's programs x rows cover its rows, the q/k/v pairs fit the programs, splits <= programs /
+    Hk."""
     for d, F, Hq, Hk, D, cap, P in [(1536, 8960, 12, 2, 128, 4096, 132), (4096, 14336, 32, 8, 128, 8192, 132),
                                     (40, 36, 4, 2, 16, 20, 12), (896, 4864, 14, 2, 64, 128, 78)]:  # fmt: skip
         p = block_plan(d, F, Hq, Hk, D, cap, P)

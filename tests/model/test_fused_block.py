@@ -1,5 +1,5 @@
-"""Each decoder block in one kernel at a one-token decode step (KILN_DECODE_BLOCK=fused, kiln.model.transformer
-.Decoder.fused_blocks): the separate form's logits and cache writes (Qwen2 with q/k/v bias, Llama, a Mistral
+"""Each decoder block in one kernel at a one-token decode step (KILN_DECODE_BLOCK=fused,
+kiln.model.transformer.Decoder.fused_blocks): the separate form's logits and cache writes (Qwen2 with q/k/v bias, Llama, a Mistral
 window); the fused kernel runs in every block; q/k-normed models (Qwen3), steps of several tokens, the model
 under autocast and a block with a hook keep the separate form (the hooked one alone); a bad switch value is a
 clear error. On the GPU: the engine's greedy tokens with the fused blocks, CUDA graphs on and off."""

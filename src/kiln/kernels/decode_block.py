@@ -12,23 +12,30 @@ gated MLP, no q/k norm, no attention sinks, no output biases (`decode_block_supp
 
 Why: at one token the step streams 3.1 GB of weights (Qwen2.5-1.5B shape) through ten kernels a layer, and
 each boundary costs ~2 us of launch, drain and ramp-up while its work is 1.5-14 us (H200,
-docs/perf/inference.md: 43 us a layer against 22 us of weight reads at the copy rate). Here one persistent
-program per SM runs the five phases of the block, separated by grid-wide barriers instead of kernel
-boundaries:
+docs/perf/inference.md: 43 us a layer against 22 us of weight reads at the copy rate). Here PER_SM
+persistent programs an SM run the five phases of the block, separated by grid-wide barriers instead of
+kernel boundaries:
 
   0  rstd of h; each program owns PAIRS rotation pairs of one q, k or v head (2 PAIRS rows of W_qkv), forms
      them over K as the one-row gemv does, adds the bias, rotates q and k and stores q to a scratch row or
      k and v into their cache slot (kiln.kernels.rope's epilogue, shared with `qkv_rope`)
-  1  split-KV decode attention: program (kv head, split) for splits x Hk programs, each over its share of
-     the live keys (kiln.kernels.decode_attention's tile loop); the last split of a kv head to arrive at its
-     counter combines the group's partials (the one-pass form's reduction) into the attention output
+  1  split-KV decode attention: program (kv head, split) for splits x Hk programs, split s over the 64-key
+     tiles s, s + splits, ... (kiln.kernels.decode_attention's tile); the last split of a kv head to arrive
+     at its counter combines the group's partials (the one-pass form's reduction) into the attention output
   2  W_o: each program owns cdiv(d, P) rows, adds the residual: h_mid
   3  rstd of h_mid; each program owns cdiv(F, P) features (their gate and up rows interleaved), SwiGLU in
-     the epilogue (matmul_decode's swiglu epilogue)
+     the epilogue (kiln.kernels.swiglu's expression)
   4  W_down: cdiv(d, P) rows a program, adds h_mid: h_out
 
-Every phase is one K loop over the program's rows with `STAGES` tiles of W in flight (cp.async), so each
-SM keeps streaming; no program owns more than one row block, so the loads are balanced to a row.
+Every weight phase is one K loop over the program's rows with `STAGES` tiles of W in flight (cp.async); no
+program owns more than one row block, so the loads are balanced to a row. With PRELOAD_TILES each phase's
+first tile is loaded into registers right after the program arrives at the barrier ahead of the phase, so it
+is on its way while the slowest program finishes.
+
+Measured on the H200 (docs/perf/inference.md, "One launch a block at batch 1"): a tie at best with the
+separate kernels (0.98-1.00x at the defaults, whole decoder replays), so the model takes it only with
+KILN_DECODE_BLOCK=fused. The four barriers cost 0.75-1.5 us each and one or two programs an SM stream the
+large projections at ~3.5 TB/s, where the separate gemv's thousands of small programs reach 3.8.
 
 Rounding follows the separate kernels: the normalized input is rounded where kiln's RMSNorm kernel rounds
 it, every projection's output is rounded to the stream's dtype before its epilogue, the residual adds and
@@ -41,9 +48,11 @@ release atomic after a bar.sync (its threads' stores ordered before it, as the o
 does) and spins on acquire reads until all P programs have arrived at this barrier (targets P, 2P, ..., 4P);
 data another program wrote is then read with ld.global.cg (L2, never a stale L1 line). After the last phase
 each program arrives once more, and the one that makes the count 5P resets it to zero: every other program
-has left its last spin by then, so the reset cannot strand one. The launch is cooperative
-(`launch_cooperative_grid`): the driver refuses a grid whose programs cannot all be resident at once, rather
-than letting a barrier wait forever. P is the SM count (one program an SM).
+has left its last spin by then, so the reset cannot strand one. An arrival's release orders every earlier
+access of its program before it, loads included, so a tile meant to load across a barrier is issued after
+the arrival. The launch is cooperative (`launch_cooperative_grid`): the driver refuses a grid whose programs
+cannot all be resident at once ("too many blocks in cooperative launch"), rather than letting a barrier
+wait forever. P is PER_SM times the SM count.
 
 The interpreter runs programs one after another, so a barrier would wait forever: there the launcher runs
 the phases as five launches of the same kernel (FIRST = LAST = phase), with the kernel boundary as the
@@ -121,7 +130,8 @@ def decode_block_ref(
 # fmt: off
 @triton.jit
 def _rstd(X, n, eps, BLOCK: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of the (n,) vector at X, read from L2 (another program may have written it)."""
+    """1 / sqrt(mean(x^2) + eps) of the (n,) vector at X, read from L2 (another program may have written
+    it)."""
     acc = tl.zeros((BLOCK,), tl.float32)
     for k0 in range(0, n, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
@@ -197,8 +207,8 @@ def _arrive(BAR):
 
 @triton.jit
 def _wait(BAR, target):
-    """Spin until the grid's programs have arrived `target` times in all (acquire loads: what they stored before
-    arriving is visible after)."""
+    """Spin until the grid's programs have arrived `target` times in all (acquire loads: what they stored
+    before arriving is visible after)."""
     seen = tl.atomic_add(BAR, 0, sem="acquire", scope="gpu")
     while seen < target:
         seen = tl.atomic_add(BAR, 0, sem="acquire", scope="gpu")
@@ -289,8 +299,9 @@ def _decode_block_kernel(
             offs_d = tl.arange(0, HEAD_DIM)
             hq = hk * group + offs_h
             h_ok = offs_h < group
-            # Split s owns the BLOCK_N-key tiles s, s + splits, ... of the table: its first tile's page indices
-            # and K/V depend on no load but the table's, so they are in flight with the key count and q.
+            # Split s owns the BLOCK_N-key tiles s, s + splits, ... of the table: its first tile's page
+            # indices and K/V depend on no load but the table's, so they are in flight with the key count
+            # and q.
             n_keys = tl.load(SEQ_LENS)
             q = tl.load(Q_BUF + hq[:, None] * HEAD_DIM + offs_d[None, :], mask=h_ok[:, None], other=0.0,
                         cache_modifier=".cg")

@@ -670,8 +670,8 @@ def _qkv_rope_kernel(
 
 @triton.jit
 def _rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp):
-    """The token's cos and sin at pair indices jp (PAIRS,) float32, and its cache slot: loads that depend on no
-    result of the projection, so a kernel issues them before its K loop."""
+    """The token's cos and sin at pair indices jp (PAIRS,) float32, and its cache slot: loads that depend on
+    no result of the projection, so a kernel issues them before its K loop."""
     row = tl.load(ROWS).to(tl.int64)
     c = tl.load(COS + row * stride_cos + jp).to(tl.float32)
     s = tl.load(SIN + row * stride_sin + jp).to(tl.float32)
@@ -687,7 +687,8 @@ def _rope_pairs_store(y, h, col_a, col_b, Hq, Hk, Q_HEAD, c, s, slot, K_CACHE, V
     from _rope_pair_tables. Rounded to the output dtype (the projection's stored value), rotated in float32
     for q and k heads (rope_kv_write's math), rounded, stored into Q_HEAD (head h of q) or into the k / v
     cache at the token's slot (< 0: a padding row, nothing written); v heads are stored unrotated."""
-    y = y.to(K_CACHE.dtype.element_ty).to(tl.float32)  # the projection's output, as the unfused path stores it
+    # the projection's output, as the unfused path stores it
+    y = y.to(K_CACHE.dtype.element_ty).to(tl.float32)
     a, b = tl.split(tl.reshape(y, (PAIRS, 2)))  # (PAIRS,) each: the pairs' first and second members
     rotate = h < Hq + Hk  # v heads are stored unrotated
     first = tl.where(rotate, a * c - b * s, a)

@@ -93,8 +93,9 @@ class Block(nn.Module):
         return fused_block(
             stream, self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
             self.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
-            self.input_layernorm.eps, rope[0], rope[1], rope[2].reshape(-1), k_cache, v_cache, meta.slot_mapping,
-            meta.block_tables, meta.context_lens, attn.n_heads, window=attn.window, interleaved=attn.rope_interleaved,
+            self.input_layernorm.eps, rope[0], rope[1], rope[2].reshape(-1), k_cache, v_cache,
+            meta.slot_mapping, meta.block_tables, meta.context_lens, attn.n_heads, window=attn.window,
+            interleaved=attn.rope_interleaved,
         )  # fmt: skip
 
     def splittable(self, x: torch.Tensor) -> tuple[bool, bool, bool]:
@@ -208,11 +209,11 @@ class Decoder(nn.Module):
         return h, (torch.stack(auxes).mean() if auxes else None)
 
     def fused_blocks(self, h: torch.Tensor, rope, meta: AttnMetadata, kv_caches) -> list[bool] | None:
-        """Per block, whether it runs as one kernel (Block.forward_fused) at this step: KILN_DECODE_BLOCK=fused
-        (kiln.model.config.decode_block), one token of a paged decode step with RoPE on kiln's kernels
-        (decode_step_fusable), and the block qualifies (Block.fusable); None where no block does. A fused
-        block takes and returns the stream itself, so fused and separate blocks can alternate. Shapes,
-        module types and flags only: fixed for a captured CUDA graph."""
+        """Per block, whether it runs as one kernel (Block.forward_fused) at this step: the switch
+        KILN_DECODE_BLOCK=fused (kiln.model.config.decode_block), one token of a paged decode step with RoPE
+        on kiln's kernels (decode_step_fusable), and the block qualifies (Block.fusable); None where no block
+        does. A fused block takes and returns the stream itself, so fused and separate blocks can alternate.
+        Shapes, module types and flags only: fixed for a captured CUDA graph."""
         # is_compiling first: a traced step keeps the separate kernels, and Dynamo need not trace the
         # switch's environment read
         if (
