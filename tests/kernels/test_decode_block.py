@@ -20,6 +20,7 @@ import torch
 from kiln.kernels.decode_block import block_plan, decode_block, decode_block_ref, decode_block_supported
 from kiln.kernels.dispatch import use_backend
 
+from ._sm90 import RESOURCES
 from ._tolerance import assert_close
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -161,16 +162,12 @@ def test_qwen_shape_bf16_on_gpu(n_keys):
         assert torch.equal(out, fused)
 
 
-SM90_SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import create_function_from_signature
+SM90_SCRIPT = (
+    RESOURCES
+    + r"""
+import json
+import torch
 from kiln.kernels import decode_block as db
-
-TARGET = GPUTarget("cuda", 90, 32)
 
 
 class Caught(Exception):
@@ -197,23 +194,12 @@ try:
                     torch.zeros(1, 256, dtype=torch.int32), torch.ones(1, dtype=torch.int32), Hq, phased=False)
 except Caught as e:
     args, kw = e.args
-fn = db._decode_block_kernel
-backend = make_backend(TARGET)
-bound, spec, opts = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kw)
-options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, spec, opts)
-k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
-with tempfile.TemporaryDirectory() as tmp:
-    path = os.path.join(tmp, "k.ptx")
-    with open(path, "w") as f:
-        f.write(k.asm["ptx"])
-    log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", path + ".o"],
-                         capture_output=True, text=True, check=True).stderr
-num = lambda pat: int(re.search(pat, log).group(1))
-print(json.dumps(dict(regs=num(r"Used (\d+) registers"), spill=num(r"(\d+) bytes spill stores"),
-                      smem=k.metadata.shared, warps=kw["num_warps"], per_sm=db.PER_SM,
-                      cooperative=kw["launch_cooperative_grid"],
-                      cp_async=k.asm["ptx"].count("cp.async.cg"), acquire=k.asm["ptx"].count(".acquire"))))
+r = resources(db._decode_block_kernel, args, kw)
+print(json.dumps(dict(regs=r["regs"], spill=r["spill_stores"], smem=r["smem"], warps=kw["num_warps"],
+                      per_sm=db.PER_SM, cooperative=kw["launch_cooperative_grid"],
+                      cp_async=r["ptx"].count("cp.async.cg"), acquire=r["ptx"].count(".acquire"))))
 """
+)
 
 
 @pytest.mark.slow  # one compile and ptxas run: ~10 s on the shared 2-core machine

@@ -28,6 +28,8 @@ import pytest
 
 from kiln.kernels import decode_attention as dec
 
+from ._sm90 import RESOURCES
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 SCRIPT = r"""
@@ -88,16 +90,12 @@ def test_fused_decode_kernels_compile_for_sm90(tmp_path):
     assert len(res) == 9 and all(n > 0 for n in res.values()), res
 
 
-LAUNCH_SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import create_function_from_signature
+LAUNCH_SCRIPT = (
+    RESOURCES
+    + r"""
+import json, sys
+import torch
 from kiln.kernels import decode_attention as da
-
-TARGET = GPUTarget("cuda", 90, 32)
 
 
 class Caught(Exception):
@@ -129,32 +127,16 @@ def launch_args(cfg, form, B=64, Hq=12, Hk=2, D=128, page=16, width=256, L=1100)
     return got["args"], dict(got["kw"], PDL=True, launch_pdl=True, TMA_OK=cfg["TMA"])
 
 
-def resources(args, kw):
-    # Triton's own launch path (triton/runtime/jit.py: the binder, then _pack_args), compiled for sm_90a
-    fn = da._decode_split_kernel
-    backend = make_backend(TARGET)
-    bound, spec, opts = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kw)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, spec, opts)
-    k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(k.asm["ptx"])
-        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", path + ".o"],
-                             capture_output=True, text=True, check=True).stderr
-    num = lambda pat: int(re.search(pat, log).group(1))
-    return dict(regs=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
-                spill_loads=num(r"(\d+) bytes spill loads"), smem=k.metadata.shared)
-
-
 out = []
 for n, w, s, a, t, pl in da.SPLIT_CONFIGS:
     for form in json.loads(sys.argv[1]):
         if (a or t or json.loads(sys.argv[2])) and not (t and n != 16):  # TMA: tiles of a page (16) only
             cfg = dict(BLOCK_N=n, num_warps=w, num_stages=s, ADDR32=a, TMA=t, PRELOAD=pl)
-            out.append(dict(cfg, form=form, **resources(*launch_args(cfg, form))))
+            r = resources(da._decode_split_kernel, *launch_args(cfg, form))
+            out.append(dict(cfg, form=form, **{k: v for k, v in r.items() if k != "ptx"}))
 print(json.dumps(out))
 """
+)
 
 
 def split_kernel_resources(forms=("two_pass", "one_pass"), old=False) -> list[dict]:

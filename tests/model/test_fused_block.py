@@ -1,8 +1,9 @@
 """Each decoder block in one kernel at a one-token decode step (KILN_DECODE_BLOCK=fused,
-kiln.model.transformer.Decoder.fused_blocks): the separate form's logits and cache writes (Qwen2 with q/k/v bias, Llama, a Mistral
-window); the fused kernel runs in every block; q/k-normed models (Qwen3), steps of several tokens, the model
-under autocast and a block with a hook keep the separate form (the hooked one alone); a bad switch value is a
-clear error. On the GPU: the engine's greedy tokens with the fused blocks, CUDA graphs on and off."""
+kiln.model.transformer.Decoder.fused_blocks): the separate form's logits and cache writes (Qwen2 with q/k/v
+bias, Llama, a Mistral window); the fused kernel runs in every block; q/k-normed models (Qwen3), steps of
+several tokens, the model under autocast and a block with a hook keep the separate form (the hooked one
+alone); a bad switch value is a clear error. The engine's tokens with fused blocks on the GPU, CUDA graphs
+on and off: tests/infer/test_engine_gpu.py."""
 
 from __future__ import annotations
 
@@ -11,19 +12,13 @@ import torch
 
 import kiln.model.transformer as transformer
 from kiln.errors import KilnError
-from kiln.kernels.dispatch import use_backend
 from kiln.model import ModelConfig, build_model
 from kiln.model.config import KernelConfig, decode_block
 
+from . import test_fused_qkv as qkv
 from .test_norm_split import _clones, _decode_step, env_form
 
-BASE = dict(vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_hidden=40, max_seq_len=128)
-CFGS = {
-    "qwen2": dict(arch="qwen2", qkv_bias=True, head_dim=16),
-    "llama": dict(arch="llama", head_dim=16),
-    "mistral": dict(arch="mistral", head_dim=16, sliding_window=6),
-    "qwen3": dict(arch="qwen3", head_dim=16, qk_norm=True),
-}
+CFGS = {**qkv.CFGS, "mistral": dict(arch="mistral", head_dim=16, sliding_window=6)}
 # float32: the fused kernel sums each projection's K in other steps than the separate decode matmuls (a few
 # ulps a projection), which two blocks carry to the logits
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -56,14 +51,11 @@ def calls(monkeypatch):
 
 
 def _model(name, device):
-    return build_model(ModelConfig(**{**BASE, **CFGS[name]}), device, seed=1,
+    return build_model(ModelConfig(**{**qkv.BASE, **CFGS[name]}), device, seed=1,
                        kernels=KernelConfig(linear="kiln")).eval()  # fmt: skip
 
 
-def _step(model, tokens, pos, meta, caches):
-    with torch.no_grad(), use_backend("triton"):
-        h, _ = model.model(tokens, pos, meta, caches)
-        return model.compute_logits(h), caches
+_step = qkv._step
 
 
 @pytest.mark.parametrize("name,n", [("qwen2", 9), ("llama", 30), ("mistral", 11)])

@@ -216,6 +216,25 @@ def _wait(BAR, target):
 
 
 @triton.jit
+def _grid_sync(BAR, target):
+    """Arrive and wait: the barrier with nothing to load across it."""
+    _arrive(BAR)
+    _wait(BAR, target)
+
+
+@triton.jit
+def _sync_with_tile(BAR, target, w_rows, r_ok, K, BK: tl.constexpr, PRE: tl.constexpr):
+    """The barrier ahead of a weight phase: arrive, then (PRE) issue the phase's first (R, BK) tile of the rows
+    at w_rows, then wait; returns the tile (0.0 without PRE) for _rows_dot's w0."""
+    _arrive(BAR)
+    w0 = 0.0
+    if PRE:
+        w0 = _w_tile(w_rows, r_ok, 0, K, BK)
+    _wait(BAR, target)
+    return w0
+
+
+@triton.jit
 def _decode_block_kernel(
     H, H_MID, H_OUT,  # (d,) the stream in; after attention (scratch); out
     G1, W_QKV, B_QKV, W_O, G2, W_GU, W_D,  # norm weights (d,), projections (N, K) K-contiguous, bias (N,)
@@ -281,13 +300,9 @@ def _decode_block_kernel(
             _rope_pairs_store(y, h, col_a, col_b, Hq, Hk, Q_BUF + h * HEAD_DIM, c, s, slot, K_CACHE, V_CACHE,
                               stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch, PAGE_SIZE, PAIRS)
     _stamp(TIMES, 1, TIMING)
-    if FIRST < 1 and LAST >= 1:
-        _arrive(COUNTERS)
     w0_o = 0.0
-    if PRELOAD and FIRST < 1 and LAST >= 2:  # o's first tile loads while the attention programs run
-        w0_o = _w_tile(w_o, ok_o, 0, Hq * HEAD_DIM, BK_O)
-    if FIRST < 1 and LAST >= 1:
-        _wait(COUNTERS, P)
+    if FIRST < 1 and LAST >= 1:  # o's first tile loads while the attention programs run
+        w0_o = _sync_with_tile(COUNTERS, P, w_o, ok_o, Hq * HEAD_DIM, BK_O, PRELOAD and LAST >= 2)
     _stamp(TIMES, 2, TIMING)
     # ---- 1: split-KV attention; the last split of each kv head combines the group's partials
     if FIRST <= 1 and LAST >= 1:
@@ -340,8 +355,7 @@ def _decode_block_kernel(
                                 HEAD_DIM, GROUP_P, SPLIT_STEP, False)
     _stamp(TIMES, 3, TIMING)
     if FIRST < 2 and LAST >= 2:
-        _arrive(COUNTERS)
-        _wait(COUNTERS, 2 * P)
+        _grid_sync(COUNTERS, 2 * P)
     _stamp(TIMES, 4, TIMING)
     # ---- 2: o projection + the residual add: h_mid
     if FIRST <= 2 and LAST >= 2:
@@ -350,13 +364,9 @@ def _decode_block_kernel(
         res = tl.load(H + r_o, mask=ok_o, other=0.0).to(tl.float32)
         tl.store(H_MID + r_o, (y.to(dt).to(tl.float32) + res).to(dt), mask=ok_o)
     _stamp(TIMES, 5, TIMING)
-    if FIRST < 3 and LAST >= 3:
-        _arrive(COUNTERS)
     w0_gu = 0.0
-    if PRELOAD and FIRST < 3 and LAST >= 3:
-        w0_gu = _w_tile(w_gu, ok_gu, 0, d, BK_GU)
     if FIRST < 3 and LAST >= 3:
-        _wait(COUNTERS, 3 * P)
+        w0_gu = _sync_with_tile(COUNTERS, 3 * P, w_gu, ok_gu, d, BK_GU, PRELOAD)
     _stamp(TIMES, 6, TIMING)
     # ---- 3: rmsnorm + gate/up projection + SwiGLU
     if FIRST <= 3 and LAST >= 3:
@@ -368,13 +378,9 @@ def _decode_block_kernel(
         i = tl.arange(0, R_GU // 2)
         tl.store(ACT + pid * feats + i, a.to(dt), mask=(i < feats) & (pid * feats + i < F))
     _stamp(TIMES, 7, TIMING)
-    if FIRST < 4 and LAST >= 4:
-        _arrive(COUNTERS)
     w0_d = 0.0
-    if PRELOAD and FIRST < 4 and LAST >= 4:
-        w0_d = _w_tile(w_d, ok_d, 0, F, BK_D)
     if FIRST < 4 and LAST >= 4:
-        _wait(COUNTERS, 4 * P)
+        w0_d = _sync_with_tile(COUNTERS, 4 * P, w_d, ok_d, F, BK_D, PRELOAD)
     _stamp(TIMES, 8, TIMING)
     # ---- 4: down projection + the residual add: h_out
     if FIRST <= 4 and LAST >= 4:
