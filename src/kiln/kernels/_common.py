@@ -237,3 +237,46 @@ def check_rows(name: str, x: torch.Tensor, weight: torch.Tensor, residual: torch
     for t in (weight, residual):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name}: all tensors must be on one device, got {x.device} and {t.device}")
+
+
+# ---------------------------------------------------------------- RoPE pairs in a projection's epilogue
+# fmt: off
+@triton.jit
+def rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp):
+    """The token's cos and sin at pair indices jp (PAIRS,) float32, and its cache slot: loads that depend on
+    no result of the projection, so a kernel issues them before its K loop."""
+    row = tl.load(ROWS).to(tl.int64)
+    c = tl.load(COS + row * stride_cos + jp).to(tl.float32)
+    s = tl.load(SIN + row * stride_sin + jp).to(tl.float32)
+    return c, s, tl.load(SLOTS).to(tl.int64)
+
+
+@triton.jit
+def rope_pairs_store(y, h, col_a, col_b, Hq, Hk, Q_HEAD, c, s, slot, K_CACHE, V_CACHE,
+                      stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch,
+                      PAGE_SIZE: tl.constexpr, PAIRS: tl.constexpr):
+    """The projection's epilogue for PAIRS rotation pairs of head h (q heads, then k, then v): y (2 PAIRS,)
+    float32 sums (+ bias) in (pair, member) order, members at columns col_a and col_b of the head; c, s, slot
+    from rope_pair_tables. Rounded to the output dtype (the projection's stored value), rotated in float32
+    for q and k heads (rope_kv_write's math), rounded, stored into Q_HEAD (head h of q) or into the k / v
+    cache at the token's slot (< 0: a padding row, nothing written); v heads are stored unrotated."""
+    # the projection's output, as the unfused path stores it
+    y = y.to(K_CACHE.dtype.element_ty).to(tl.float32)
+    a, b = tl.split(tl.reshape(y, (PAIRS, 2)))  # (PAIRS,) each: the pairs' first and second members
+    rotate = h < Hq + Hk  # v heads are stored unrotated
+    first = tl.where(rotate, a * c - b * s, a)
+    second = tl.where(rotate, a * s + b * c, b)
+    if h < Hq:
+        tl.store(Q_HEAD + col_a, first.to(Q_HEAD.dtype.element_ty))
+        tl.store(Q_HEAD + col_b, second.to(Q_HEAD.dtype.element_ty))
+    else:
+        if slot >= 0:  # a padding row writes nothing
+            page = slot // PAGE_SIZE
+            pos = slot % PAGE_SIZE
+            if h < Hq + Hk:
+                out = K_CACHE + page * stride_kcp + pos * stride_kct + (h - Hq) * stride_kch
+            else:
+                out = V_CACHE + page * stride_vcp + pos * stride_vct + (h - Hq - Hk) * stride_vch
+            tl.store(out + col_a, first.to(K_CACHE.dtype.element_ty))
+            tl.store(out + col_b, second.to(K_CACHE.dtype.element_ty))
+# fmt: on

@@ -70,6 +70,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import rope_pair_tables, rope_pairs_store
 from kiln.kernels.attention import LOG2E
 from kiln.kernels.decode_attention import (
     _combine_splits,
@@ -83,8 +84,7 @@ from kiln.kernels.decode_attention import (
 )
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
-from kiln.kernels.rmsnorm import rmsnorm_ref
-from kiln.kernels.rope import _rope_pair_tables, _rope_pairs_store, rope_kv_write_ref
+from kiln.kernels.paged_kv import paged_kv_write_ref
 
 PHASES = 5
 STAMPS = 10  # timeline stamps a program: before and after each phase's work
@@ -109,21 +109,33 @@ def decode_block_ref(
     h, norm1, w_qkv, b_qkv, w_o, norm2, w_gate_up, w_down, eps, cos, sin, rows, k_cache, v_cache, slots,
     block_table, seq_lens, n_heads, *, window=None, interleaved=False,
 ) -> torch.Tensor:  # fmt: skip
-    """The separate ops' references in the model's order and rounding (float32 math, or float64 for a float64
-    oracle); writes k and v into the caches like the kernel."""
+    """The block in plain torch, in the model's order and at the separate kernels' rounding points (float32
+    math, or float64 for a float64 oracle); writes k and v into the caches like the kernel. (Written out here:
+    a kernel module takes no helper from another op's module, tests/kernels/test_imports.py.)"""
     Hk, D = k_cache.shape[-2], k_cache.shape[-1]
     acc = torch.promote_types(h.dtype, torch.float32)
-    lin = lambda x, w, b=None: F.linear(x.to(acc), w.to(acc), None if b is None else b.to(acc)).to(h.dtype)  # noqa: E731
-    qkv = lin(rmsnorm_ref(h, norm1, eps), w_qkv, b_qkv)
-    q, k, v = qkv.split([n_heads * D, Hk * D, Hk * D], dim=-1)
-    q = rope_kv_write_ref(q.reshape(1, n_heads, D), k.reshape(1, Hk, D), v.reshape(1, Hk, D), cos, sin, rows,
-                          k_cache, v_cache, slots, interleaved)  # fmt: skip
-    y = decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, window=window)
-    mid = (lin(y.reshape(1, -1), w_o).to(acc) + h.to(acc)).to(h.dtype)
-    gate, up = lin(rmsnorm_ref(mid, norm2, eps), w_gate_up).chunk(2, dim=-1)
-    g = gate.to(acc)
-    a = (g * torch.sigmoid(g) * up.to(acc)).to(h.dtype)
-    return (lin(a, w_down).to(acc) + mid.to(acc)).to(h.dtype)
+    rnd = lambda t: t.to(h.dtype).to(acc)  # noqa: E731 - a stored activation's rounding
+    lin = lambda x, w, b=None: rnd(F.linear(x, w.to(acc), None if b is None else b.to(acc)))  # noqa: E731
+
+    def rmsnorm(x, w):  # kiln's RMSNorm: round(round(x * rstd) * w)
+        return rnd(rnd(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w.to(acc))
+
+    def rotate(x):  # (heads, D) at the token's table row, as rope_kv_write rotates it
+        c, s = cos[rows[0]].to(acc), sin[rows[0]].to(acc)
+        a, b = (x[:, 0::2], x[:, 1::2]) if interleaved else x.chunk(2, dim=-1)
+        first, second = a * c - b * s, a * s + b * c
+        out = torch.stack((first, second), -1).flatten(-2) if interleaved else torch.cat((first, second), -1)
+        return rnd(out)
+
+    x = h.to(acc)
+    q, k, v = lin(rmsnorm(x, norm1), w_qkv, b_qkv)[0].split([n_heads * D, Hk * D, Hk * D])
+    q, k = rotate(q.view(n_heads, D)), rotate(k.view(Hk, D))
+    paged_kv_write_ref(k_cache, v_cache, k[None], v.view(1, Hk, D), slots)
+    y = decode_attention_ref(q[None].to(h.dtype), k_cache, v_cache, block_table, seq_lens, window=window)
+    mid = rnd(lin(y.reshape(1, -1).to(acc), w_o) + x)
+    gate, up = lin(rmsnorm(mid, norm2), w_gate_up).chunk(2, dim=-1)
+    a = rnd(gate * torch.sigmoid(gate) * up)
+    return rnd(lin(a, w_down) + mid).to(h.dtype)
 
 
 # ------------------------------------------------------------------------------------ Triton kernel
@@ -291,13 +303,13 @@ def _decode_block_kernel(
             w0 = 0.0
             if PRELOAD:  # W's first tile in flight while the stream's norm loads
                 w0 = _w_tile(w_qkv, n_qkv >= 0, 0, d, BK_QKV)
-            c, s, slot = _rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp)
+            c, s, slot = rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp)
             rstd = _rstd(H, d, eps, BK_NORM)
             y = _rows_dot(w_qkv, n_qkv >= 0, H, G1, rstd, d, w0, True, 2 * PAIRS, BK_QKV, STAGES, PRELOAD,
                           not PRELOAD or not QKV_ONE_STEP)
             if HAS_BIAS:
                 y += tl.load(B_QKV + n_qkv).to(tl.float32)
-            _rope_pairs_store(y, h, col_a, col_b, Hq, Hk, Q_BUF + h * HEAD_DIM, c, s, slot, K_CACHE, V_CACHE,
+            rope_pairs_store(y, h, col_a, col_b, Hq, Hk, Q_BUF + h * HEAD_DIM, c, s, slot, K_CACHE, V_CACHE,
                               stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch, PAGE_SIZE, PAIRS)
     _stamp(TIMES, 1, TIMING)
     w0_o = 0.0

@@ -33,7 +33,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import FLOAT_DTYPES, needs_grad, pdl, pdl_prologue
+from kiln.kernels._common import (
+    FLOAT_DTYPES,
+    needs_grad,
+    pdl,
+    pdl_prologue,
+    rope_pair_tables,
+    rope_pairs_store,
+)
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.matmul import matmul_ref
@@ -654,7 +661,7 @@ def _qkv_rope_kernel(
     cols = tl.reshape(tl.join(col_a, col_b), (2 * PAIRS,))
     n = h * D + cols
     w_rows = W + n.to(tl.int64)[:, None] * stride_wn  # (2 PAIRS, 1)
-    c, s, slot = _rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp)  # before the K loop
+    c, s, slot = rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp)  # before the K loop
     acc = tl.zeros((2 * PAIRS, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -664,48 +671,8 @@ def _qkv_rope_kernel(
     y = tl.sum(acc, axis=1)  # (2 PAIRS,)
     if HAS_BIAS:
         y += tl.load(BIAS + n).to(tl.float32)
-    _rope_pairs_store(y, h, col_a, col_b, Hq, Hk, Q_OUT + h * D, c, s, slot, K_CACHE, V_CACHE, stride_kcp,
+    rope_pairs_store(y, h, col_a, col_b, Hq, Hk, Q_OUT + h * D, c, s, slot, K_CACHE, V_CACHE, stride_kcp,
                       stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch, PAGE_SIZE, PAIRS)
-
-
-@triton.jit
-def _rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp):
-    """The token's cos and sin at pair indices jp (PAIRS,) float32, and its cache slot: loads that depend on
-    no result of the projection, so a kernel issues them before its K loop."""
-    row = tl.load(ROWS).to(tl.int64)
-    c = tl.load(COS + row * stride_cos + jp).to(tl.float32)
-    s = tl.load(SIN + row * stride_sin + jp).to(tl.float32)
-    return c, s, tl.load(SLOTS).to(tl.int64)
-
-
-@triton.jit
-def _rope_pairs_store(y, h, col_a, col_b, Hq, Hk, Q_HEAD, c, s, slot, K_CACHE, V_CACHE,
-                      stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch,
-                      PAGE_SIZE: tl.constexpr, PAIRS: tl.constexpr):
-    """The projection's epilogue for PAIRS rotation pairs of head h (q heads, then k, then v): y (2 PAIRS,)
-    float32 sums (+ bias) in (pair, member) order, members at columns col_a and col_b of the head; c, s, slot
-    from _rope_pair_tables. Rounded to the output dtype (the projection's stored value), rotated in float32
-    for q and k heads (rope_kv_write's math), rounded, stored into Q_HEAD (head h of q) or into the k / v
-    cache at the token's slot (< 0: a padding row, nothing written); v heads are stored unrotated."""
-    # the projection's output, as the unfused path stores it
-    y = y.to(K_CACHE.dtype.element_ty).to(tl.float32)
-    a, b = tl.split(tl.reshape(y, (PAIRS, 2)))  # (PAIRS,) each: the pairs' first and second members
-    rotate = h < Hq + Hk  # v heads are stored unrotated
-    first = tl.where(rotate, a * c - b * s, a)
-    second = tl.where(rotate, a * s + b * c, b)
-    if h < Hq:
-        tl.store(Q_HEAD + col_a, first.to(Q_HEAD.dtype.element_ty))
-        tl.store(Q_HEAD + col_b, second.to(Q_HEAD.dtype.element_ty))
-    else:
-        if slot >= 0:  # a padding row writes nothing
-            page = slot // PAGE_SIZE
-            pos = slot % PAGE_SIZE
-            if h < Hq + Hk:
-                out = K_CACHE + page * stride_kcp + pos * stride_kct + (h - Hq) * stride_kch
-            else:
-                out = V_CACHE + page * stride_vcp + pos * stride_vct + (h - Hq - Hk) * stride_vch
-            tl.store(out + col_a, first.to(K_CACHE.dtype.element_ty))
-            tl.store(out + col_b, second.to(K_CACHE.dtype.element_ty))
 
 
 # fmt: on
