@@ -83,7 +83,7 @@ PHASE_NAMES = ("qkv", "attention", "o", "gate_up", "down")
 
 def timeline(model, tokens, pos, meta, caches, variant: str, replays: int = 5) -> dict:
     """Where a fused step's time goes: the layers' kernels captured in one CUDA graph with the timeline probe
-    on (decode_block(timeline=...)), replayed; per phase the median over layers and replays of its span (first
+    on (Block.forward_fused(timeline=...)), replayed; per phase the median over layers and replays of its span (first
     program in to last out), the slowest and the median program's work, and the barrier after it (last
     arrival to the median release); the launch gap between layers; a layer's whole time."""
     set_variant(variant)
@@ -96,13 +96,7 @@ def timeline(model, tokens, pos, meta, caches, variant: str, replays: int = 5) -
         h = dec.embed_tokens(tokens)
         rope = dec.rope(pos[None])
         for i, layer in enumerate(dec.layers):
-            a, m = layer.self_attn, layer.mlp
-            h = block_kernel.decode_block(
-                h, layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
-                layer.post_attention_layernorm.weight, m.gate_up_proj.weight, m.down_proj.weight,
-                layer.input_layernorm.eps, rope[0], rope[1], rope[2].reshape(-1), *caches[i], meta.slot_mapping,
-                meta.block_tables, meta.context_lens, a.n_heads, timeline=times[i],
-            )  # fmt: skip
+            h = layer.forward_fused(h, rope, meta, caches[i], timeline=times[i])
 
     with torch.no_grad():
         layers()

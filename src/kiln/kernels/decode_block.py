@@ -87,7 +87,8 @@ from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.paged_kv import paged_kv_write_ref
 
 PHASES = 5
-STAMPS = 10  # timeline stamps a program: before and after each phase's work
+_STAMPS = tl.constexpr(10)  # timeline stamps a program: before and after each phase's work
+STAMPS = _STAMPS.value
 TILE = 8192  # real W elements a program loads per K step (16 KB of bf16): STAGES of them in flight
 STAGES = 4
 WARPS = 4
@@ -205,7 +206,7 @@ def _stamp(TIMES, k, TIMING: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
                                       pack=1)
-        tl.store(TIMES + pid * 10 + k, t)
+        tl.store(TIMES + pid * _STAMPS + k, t)
 
 
 @triton.jit
@@ -496,7 +497,7 @@ def decode_block(
     form; default: there only). tile, stages: the K loops' tile size and depth (default TILE and STAGES, read
     at the call, as WARPS, PER_SM and PRELOAD_TILES are, so that a sweep may set them). timeline: a
     (programs, STAMPS) int64 tensor that the one-launch form fills with the global timer before and after
-    each phase's work (an experiment's probe; STAMPS = 10)."""
+    each phase's work (an experiment's probe)."""
     if not decode_block_supported(h, w_qkv, w_o, w_gate_up, w_down, k_cache, n_heads):
         raise ValueError(
             f"decode_block: unsupported shapes h {tuple(h.shape)}, w_qkv {tuple(w_qkv.shape)}, w_o "

@@ -85,9 +85,10 @@ class Block(nn.Module):
             and decode_block_supported(x, *(lin.weight for lin in lins), kv_cache[0], attn.n_heads)
         )
 
-    def forward_fused(self, stream, rope, meta, kv_cache) -> torch.Tensor:
+    def forward_fused(self, stream, rope, meta, kv_cache, timeline=None) -> torch.Tensor:
         """The block as one kernel (kiln.kernels.decode_block) at a one-token paged decode step: the stream
-        (1, d) in, the stream after the block out (what forward's output plus its residual would round to)."""
+        (1, d) in, the stream after the block out (what forward's output plus its residual would round to).
+        timeline: the kernel's timer probe (decode_block's), for bench/experiments/decode_block_sweep.py."""
         attn, mlp = self.self_attn, self.mlp
         k_cache, v_cache = kv_cache
         return fused_block(
@@ -95,7 +96,7 @@ class Block(nn.Module):
             self.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
             self.input_layernorm.eps, rope[0], rope[1], rope[2].reshape(-1), k_cache, v_cache,
             meta.slot_mapping, meta.block_tables, meta.context_lens, attn.n_heads, window=attn.window,
-            interleaved=attn.rope_interleaved,
+            interleaved=attn.rope_interleaved, timeline=timeline,
         )  # fmt: skip
 
     def splittable(self, x: torch.Tensor) -> tuple[bool, bool, bool]:
