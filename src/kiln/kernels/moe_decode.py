@@ -371,19 +371,24 @@ def _up_experts_kernel(
                 # (BLOCK_N, BLOCK_K) weight tile is converted once and multiplied into each row's products,
                 # which are summed over K once at the end (ROWS x the FMAs of one row, no tensor-core tile's
                 # 16-row minimum, and the gemv's many small programs over a few active experts)
-                x_rows = X_ptr + (pair // TOPK)[:, None] * stride_xt  # (ROWS, 1)
+                # 3-D loads, (1, BLOCK_N, BLOCK_K) weights and (ROWS, 1, BLOCK_K) x, so that each keeps its
+                # 16-byte vectors along K and the product takes that layout (2-D loads broadcast into 3-D
+                # read shared memory two bytes at a time)
+                x_rows = X_ptr + (pair // TOPK)[:, None, None] * stride_xt  # (ROWS, 1, 1)
+                x_ok = row_ok[:, None, None]
+                g3 = g_rows[None, :, :]  # (1, BLOCK_N, 1)
+                u3 = u_rows[None, :, :]
+                w_ok = n_ok[None, :, :]
                 acc_g = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
                 acc_u = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
                 for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    offs_k = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
                     k_ok = offs_k < D
-                    x = tl.load(x_rows + offs_k[None, :] * stride_xc, mask=row_ok[:, None] & k_ok[None, :],
-                                other=0.0).to(tl.float32)[:, None, :]  # (ROWS, 1, BLOCK_K)  # fmt: skip
-                    m = n_ok & k_ok[None, :]
-                    wg = tl.load(g_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
-                    wu = tl.load(u_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
-                    acc_g += wg.to(tl.float32)[None, :, :] * x
-                    acc_u += wu.to(tl.float32)[None, :, :] * x
+                    x = tl.load(x_rows + offs_k * stride_xc, mask=x_ok & k_ok, other=0.0).to(tl.float32)
+                    wg = tl.load(g3 + offs_k * stride_wc, mask=w_ok & k_ok, other=0.0)
+                    wu = tl.load(u3 + offs_k * stride_wc, mask=w_ok & k_ok, other=0.0)
+                    acc_g += wg.to(tl.float32) * x
+                    acc_u += wu.to(tl.float32) * x
                 h = _swiglu_rounded(tl.sum(acc_g, axis=2), tl.sum(acc_u, axis=2), H_ptr.dtype.element_ty)
                 tl.store(
                     H_ptr + pair[:, None] * I + offs_n[None, :],
@@ -463,16 +468,17 @@ def _down_experts_kernel(
                         wr = tl.sum(tl.where(rs == r, wt, 0.0), axis=0)
                         tl.store(P_ptr + pr * D + offs_n, y * wr, mask=(offs_n < D) & ok)
                 else:
+                    # 3-D loads, as in the up kernel's FMA passes: 16-byte vectors along K
+                    h_rows = H_ptr + pair[:, None, None] * I  # (ROWS, 1, 1)
+                    h_ok = row_ok[:, None, None]
+                    w3 = w_rows[None, :, :]  # (1, BLOCK_N, 1)
                     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
                     for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
-                        offs_k = k0 + tl.arange(0, BLOCK_K)
+                        offs_k = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
                         k_ok = offs_k < I
-                        h_ptrs = H_ptr + pair[:, None] * I + offs_k[None, :]
-                        h = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                        w = tl.load(
-                            w_rows + offs_k[None, :] * stride_wi, mask=n_ok & k_ok[None, :], other=0.0
-                        )
-                        acc += w.to(tl.float32)[None, :, :] * h[:, None, :]
+                        h = tl.load(h_rows + offs_k, mask=h_ok & k_ok, other=0.0).to(tl.float32)
+                        w = tl.load(w3 + offs_k * stride_wi, mask=n_ok[None, :, :] & k_ok, other=0.0)
+                        acc += w.to(tl.float32) * h
                     y = tl.sum(acc, axis=2)
                     tl.store(P_ptr + pair[:, None] * D + offs_n[None, :], y * wt[:, None],
                              mask=row_ok[:, None] & (offs_n < D)[None, :])  # fmt: skip
