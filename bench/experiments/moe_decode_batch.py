@@ -64,9 +64,9 @@ EXPERT_TILES = [DecodeTiles(32, 128, 4, 3), DecodeTiles(64, 128, 8, 3), DecodeTi
 # at 2-4 tokens a few experts are active: narrower column blocks give their weights more programs
 SMALL_TILES = [DecodeTiles(32, 128, 4, 3), DecodeTiles(16, 128, 4, 3), DecodeTiles(32, 64, 4, 4),
                DecodeTiles(32, 256, 4, 2)]  # fmt: skip
-# the FMA passes of 2-4 rows (expert_tiles: the one-row tile at 4 warps) beside the one-row tile itself and
-# narrower or deeper steps
-FMA_TILES = [DecodeTiles(4, 256, 2, 3), DecodeTiles(4, 128, 4, 4), DecodeTiles(8, 256, 4, 3)]
+# the FMA passes of 2-4 rows (expert_tiles: the one-row tile at 4 warps) beside the one-row tile itself, a
+# deeper pipeline and wider column blocks
+FMA_TILES = [DecodeTiles(4, 256, 2, 3), DecodeTiles(4, 256, 4, 5), DecodeTiles(8, 256, 4, 3)]
 EXPERT_TILES_64 = [DecodeTiles(64, 64, 4, 4), DecodeTiles(32, 64, 4, 4), DecodeTiles(64, 64, 4, 3),
                    DecodeTiles(128, 64, 8, 3), DecodeTiles(128, 64, 4, 4)]  # fmt: skip
 

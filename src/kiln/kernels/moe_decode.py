@@ -379,17 +379,19 @@ def _up_experts_kernel(
                 g3 = g_rows[None, :, :]  # (1, BLOCK_N, 1)
                 u3 = u_rows[None, :, :]
                 w_ok = n_ok[None, :, :]
-                acc_g = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
-                acc_u = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+                acc_g = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+                acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
                 for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
                     offs_k = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
                     k_ok = offs_k < D
                     x = tl.load(x_rows + offs_k * stride_xc, mask=x_ok & k_ok, other=0.0).to(tl.float32)
                     wg = tl.load(g3 + offs_k * stride_wc, mask=w_ok & k_ok, other=0.0)
                     wu = tl.load(u3 + offs_k * stride_wc, mask=w_ok & k_ok, other=0.0)
-                    acc_g += wg.to(tl.float32) * x
-                    acc_u += wu.to(tl.float32) * x
-                h = _swiglu_rounded(tl.sum(acc_g, axis=2), tl.sum(acc_u, axis=2), H_ptr.dtype.element_ty)
+                    # summed over the step's K at once (within a warp: a warp's threads span K): ROWS x
+                    # BLOCK_N running sums, not ROWS x the tile, so that registers leave room for programs
+                    acc_g += tl.sum(wg.to(tl.float32) * x, axis=2)
+                    acc_u += tl.sum(wu.to(tl.float32) * x, axis=2)
+                h = _swiglu_rounded(acc_g, acc_u, H_ptr.dtype.element_ty)
                 tl.store(
                     H_ptr + pair[:, None] * I + offs_n[None, :],
                     h,
@@ -472,14 +474,13 @@ def _down_experts_kernel(
                     h_rows = H_ptr + pair[:, None, None] * I  # (ROWS, 1, 1)
                     h_ok = row_ok[:, None, None]
                     w3 = w_rows[None, :, :]  # (1, BLOCK_N, 1)
-                    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+                    y = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
                     for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
                         offs_k = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
                         k_ok = offs_k < I
                         h = tl.load(h_rows + offs_k, mask=h_ok & k_ok, other=0.0).to(tl.float32)
                         w = tl.load(w3 + offs_k * stride_wi, mask=n_ok[None, :, :] & k_ok, other=0.0)
-                        acc += w.to(tl.float32) * h
-                    y = tl.sum(acc, axis=2)
+                        y += tl.sum(w.to(tl.float32) * h, axis=2)
                     tl.store(P_ptr + pair[:, None] * D + offs_n[None, :], y * wt[:, None],
                              mask=row_ok[:, None] & (offs_n < D)[None, :])  # fmt: skip
 
