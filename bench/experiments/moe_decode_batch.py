@@ -1,4 +1,4 @@
-"""Experiment: MoE decode where issue 19's 80%-of-copy line is still missed: 1-4 tokens, and 32-64 tokens
+"""Experiment: MoE decode where issue 19's 80%-of-copy line is still missed: 2 tokens, and 32-64 tokens
 (the grouped path's side of `use_decode`), with the experts form's two grids.
 
     python bench/experiments/moe_decode_batch.py --out /tmp/moe_decode_batch.json   # H200, ~3 min
@@ -7,12 +7,8 @@
 Shapes and routings are bench/moe.py's (the DeepSeek-like shape with its shared expert as one more slot of
 the routed kernels, as a decode step would run it). All forward, CUDA-graph replays, GB/s over the active
 experts' weights against a device copy of the same bytes (bench/moe.py's decode case). Per batch:
-- 1 token: the model's dispatch (the experts form's one-row kernels), the pairs form, and the one-row down
-  kernel without its preload.
 - 2-4 tokens: the pairs form, the experts form with one row a pass (the pairs form's weight streams with
-  the one-row down kernel's preload), with 2-4-row FMA passes (each active expert read once, the one-row
-  kernels' small tiles) at their default and other tiles and without the down kernel's preload, and with
-  16-row tl.dot passes, at its default and narrower tiles.
+  the one-row down kernel's preload) and with 16-row tl.dot passes, at its default and narrower tiles.
 - 8 and 16 tokens: the experts form over slots and over experts (`by_expert_grid`'s two sides).
 - 32-64 tokens: the grouped path (routing plan, permute, grouped GEMM, SwiGLU, grouped GEMM, combine)
   at mm_config's default (and other tiles with --grouped-tiles), with the SwiGLU fused into the gate/up
@@ -64,9 +60,6 @@ EXPERT_TILES = [DecodeTiles(32, 128, 4, 3), DecodeTiles(64, 128, 8, 3), DecodeTi
 # at 2-4 tokens a few experts are active: narrower column blocks give their weights more programs
 SMALL_TILES = [DecodeTiles(32, 128, 4, 3), DecodeTiles(16, 128, 4, 3), DecodeTiles(32, 64, 4, 4),
                DecodeTiles(32, 256, 4, 2)]  # fmt: skip
-# the FMA passes of 2-4 rows (expert_tiles: the one-row tile at 4 warps) beside the one-row tile itself, a
-# deeper pipeline and wider column blocks
-FMA_TILES = [DecodeTiles(4, 256, 2, 3), DecodeTiles(4, 256, 4, 5), DecodeTiles(8, 256, 4, 3)]
 EXPERT_TILES_64 = [DecodeTiles(64, 64, 4, 4), DecodeTiles(32, 64, 4, 4), DecodeTiles(64, 64, 4, 3),
                    DecodeTiles(128, 64, 8, 3), DecodeTiles(128, 64, 4, 4)]  # fmt: skip
 
@@ -92,22 +85,11 @@ def form(name, **kw):
 
 
 def variants(T: int, smoke: bool, grouped_tiles: bool) -> dict:
-    if T == 1:
-        return {"pairs": form("pairs"), "experts_no_preload": form("experts", preload=False)}
     if T <= 4:
         impls = {"pairs": form("pairs"), "experts_one_row": form("experts", rows=1)}
         impls["experts_rows16"] = form("experts", rows=16)
-        fma = (2, 4) if T == 2 else (4,)
-        impls |= {f"experts_rows{r}": form("experts", rows=r) for r in fma}
-        if smoke:
-            return impls
-        impls |= {
-            f"experts_rows16{tuple(t)}": form("experts", rows=16, config=(t, t)) for t in SMALL_TILES[:2]
-        }
-        impls |= {
-            f"experts_rows{fma[0]}{tuple(t)}": form("experts", rows=fma[0], config=(t, t)) for t in FMA_TILES
-        }
-        impls[f"experts_rows{fma[0]}_no_preload"] = form("experts", rows=fma[0], preload=False)
+        tiles = [] if smoke else SMALL_TILES
+        impls |= {f"experts_rows16{tuple(t)}": form("experts", rows=16, config=(t, t)) for t in tiles}
         return impls
     impls = {
         "experts_slots": form("experts", by_expert=False),

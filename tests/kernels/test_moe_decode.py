@@ -141,9 +141,8 @@ def _routed(T, k, E, d, I, seed, hot):
 )  # fmt: skip
 def test_moe_decode_forms_match_loop(T, k, E, d, I, hot):
     # d and I are not multiples of the tiles (16 columns / 16-wide K steps for tl.dot, 4 / 16 for the
-    # FMAs); T = 1 takes the experts form's one-row kernels (the pairs form's up, a per-pair down), T = 2-4
-    # its deduped FMA passes, T = 5 its deduped tl.dot kernels (float32, IEEE, interpreted); then the
-    # fixed-order combine
+    # FMAs); T = 1 takes the experts form's one-row kernels (the pairs form's up, a per-pair down), T > 1
+    # its deduped tl.dot kernels (float32, IEEE, interpreted); then the fixed-order combine
     x, idx, wts, w1, w2 = _routed(T, k, E, d, I, seed=T * 7 + k, hot=hot)
     want = _loop(x, idx, wts, w1, w2)
     with use_backend("triton"):
@@ -187,31 +186,6 @@ def test_moe_decode_experts_grid_by_expert_or_slot(T, k, E, hot):
     assert by_expert_grid(17 * 8, 128) and not by_expert_grid(16 * 8, 128) and by_expert_grid(5 * 2, 8)
 
 
-@pytest.mark.parametrize(
-    "T, k, E, d, I, hot, rows",
-    [(2, 2, 8, 17, 24, 2, 2), (3, 2, 5, 37, 19, 2, 4), (4, 4, 8, 18, 11, 4, 4), (5, 3, 7, 24, 18, 5, 2)],
-    ids=["2-rows-shared", "4-rows-ragged", "all-on-one-k4", "two-passes"],
-)  # fmt: skip
-def test_moe_decode_experts_fma_rows(T, k, E, d, I, hot, rows):
-    # 2-4 rows a pass on FMAs: each active expert read once for the tokens holding it (hot tokens share
-    # expert E - 1), more tokens than a pass holds (T = 5 at 2 rows: three passes over the hot expert); the
-    # down kernel with its weight slice read before the wait or walked in K steps; over slots or experts
-    # (the same passes in the same order: the same bits); all the float64 loop's sums
-    x, idx, wts, w1, w2 = _routed(T, k, E, d, I, seed=T * 3 + rows, hot=hot)
-    want = _loop(x, idx, wts, w1, w2)
-    with use_backend("triton"):
-        got = {
-            (pre, by): moe_decode_fwd(
-                x, idx, wts, w1, w2, form="experts", rows=rows, preload=pre, by_expert=by
-            )
-            for pre in (True, False)
-            for by in (True, False)
-        }
-    for out in got.values():
-        assert_close(out, want)
-    assert torch.equal(got[True, True], got[True, False]) and torch.equal(got[False, True], got[False, False])
-
-
 @pytest.mark.parametrize("I", [24, 37])
 def test_moe_decode_one_row_down_preload(I):
     # one token, the experts form: the down kernel reading its whole weight slice before the wait (I not a
@@ -225,18 +199,17 @@ def test_moe_decode_one_row_down_preload(I):
 
 
 def test_moe_decode_experts_tiles_fp16_and_determinism():
-    # explicit tl.dot tiles (16-row passes): a ragged 16-column tile over d = 37 and I = 19, several 16-wide
-    # K steps, 2 stages
+    # explicit tiles: a ragged 16-column tile over d = 37 and I = 19, several 16-wide K steps, 2 stages
     x, idx, wts, w1, w2 = _routed(3, 2, 5, 37, 19, seed=8, hot=2)
     tiles = (DecodeTiles(16, 16, 1, 2), DecodeTiles(32, 16, 1, 1))
     with use_backend("triton"):
-        got = moe_decode_fwd(x, idx, wts, w1, w2, config=tiles, form="experts", rows=16)
-        again = moe_decode_fwd(x, idx, wts, w1, w2, config=tiles, form="experts", rows=16)
+        got = moe_decode_fwd(x, idx, wts, w1, w2, config=tiles, form="experts")
+        again = moe_decode_fwd(x, idx, wts, w1, w2, config=tiles, form="experts")
     assert_close(got, _loop(x, idx, wts, w1, w2))
     assert torch.equal(got, again)  # fixed order, no atomics
     x16, w116, w216 = x.half(), w1.half(), w2.half()
     with use_backend("triton"):
-        got16 = moe_decode_fwd(x16, idx, wts, w116, w216, form="experts", rows=16)
+        got16 = moe_decode(x16, idx, wts, w116, w216, form="experts")
     assert_close(got16, moe_decode_ref(x16, idx, wts, w116, w216).double())
     # as in test_moe_decode_tiles_and_fp16: gate, up and h rounded to fp16 on the way, twice the bound
     assert_close(got16, _loop(x16, idx, wts, w116, w216), torch.float16, scale=2.0)
@@ -277,25 +250,19 @@ def test_moe_decode_forms_errors_and_rules():
     with use_backend("triton"):
         with pytest.raises(ValueError, match="form must be one of"):
             moe_decode(x, idx, wts, w1, w2, form="tokens")
-        for bad in (8, 3):
-            with pytest.raises(ValueError, match="rows must be a power of two, at most 4"):
-                moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=bad)
-        with pytest.raises(ValueError, match="rows must be a power of two, at most 4"):
-            moe_decode_fwd(x.double(), idx, wts, w1.double(), w2.double(), form="experts", rows=16)
-        with pytest.raises(ValueError, match="preload applies to the FMA passes"):
-            moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=16, preload=True)
+        with pytest.raises(ValueError, match="rows must be 1, or a power of two >= 16"):
+            moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=8)
         with pytest.raises(ValueError, match="rows and by_expert apply to form='experts' only"):
             moe_decode_fwd(x, idx, wts, w1, w2, form="pairs", rows=16)
         with pytest.raises(ValueError, match="tl.dot tiles need block_n and block_k >= 16"):
             moe_decode_fwd(
                 x, idx, wts, w1, w2, form="experts", rows=16, config=(DecodeTiles(4, 16, 1, 1),) * 2
             )
-    # the default (measured on the H200): one row at one token, 2-4 rows on FMAs up to 4 tokens, then 16-64
-    assert expert_rows(1, torch.bfloat16) == 1 and expert_rows(2, torch.bfloat16) == 2
-    assert expert_rows(3, torch.bfloat16) == 4 and expert_rows(4, torch.float16) == 4
-    assert expert_rows(5, torch.bfloat16) == 16
+    # the default (measured on the H200): one row a pass up to 2 tokens, then 16-64 rows
+    assert expert_rows(1, torch.bfloat16) == 1 and expert_rows(2, torch.bfloat16) == 1
+    assert expert_rows(3, torch.bfloat16) == 16
     assert expert_rows(40, torch.float16) == 64 and expert_rows(200, torch.float32) == 64
-    assert expert_rows(9, torch.float64) == 4  # no tl.dot in float64: FMA passes of 4 tokens
+    assert expert_rows(4, torch.float64) == 1  # no tl.dot in float64: FMAs, one token per pass
 
 
 @pytest.mark.gpu
@@ -322,34 +289,6 @@ def test_moe_decode_gpu_bf16_and_graph(T, k, E, d, I, form):
         assert torch.equal(
             out, moe_decode(x, idx, wts, w1, w2, form=form)
         )  # fixed order: bitwise deterministic
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [2, 4])
-@pytest.mark.parametrize(
-    "T, k, E, d, I",
-    [(2, 8, 128, 2048, 768), (3, 8, 128, 2048, 768), (4, 7, 66, 2048, 1408), (2, 2, 8, 4096, 14336),
-     (4, 2, 8, 4096, 14336), (5, 8, 128, 2048, 768)],
-    ids=["qwen3-2", "qwen3-3", "deepseek-slots-4", "mixtral-2", "mixtral-4", "qwen3-5"],
-)  # fmt: skip
-def test_moe_decode_gpu_fma_rows_bf16_and_graph(T, k, E, d, I, rows):
-    # the FMA passes at the bench's shapes (DeepSeek-like with its shared experts as slots: 6 + 1 of 66):
-    # the down kernel's preload where I <= 2048, its K loop at Mixtral's 14336; T = 5 at 4 rows takes two
-    # passes; every token's first slot on one expert (read once for all of them)
-    x, idx, wts, w1, w2 = _case(T, k, E, d, I, device="cuda", dtype=torch.bfloat16, same_expert=True)
-    with torch.no_grad():
-        got = moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=rows)
-        assert_close(got, _loop(x, idx, wts, w1, w2), torch.bfloat16)
-        # the same sums in the same order as the one-row kernels (float32 FMAs over the same K steps)
-        one = moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=1)
-        assert (got.float() - one.float()).abs().max() <= 2 * one.float().abs().max() * 2**-8
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=rows)
-        x.copy_(torch.randn_like(x))
-        idx.copy_(idx.flip(0))
-        graph.replay()
-        assert torch.equal(out, moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=rows))
 
 
 # the experts form compiled for the H200 (sm_90) on the CPU machine, in a subprocess without the
@@ -381,12 +320,7 @@ out = {
               dict(meta, stride_xc=1, stride_wc=1), md.expert_tiles(d, rows), ("T",)),
     "down": ptx(md._down_experts_kernel,
                 dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", P_ptr="*fp32"),
-                dict(meta, stride_wi=1, PRELOAD=False, I_P2=16), md.expert_tiles(I, rows), ("T",)),
-    "up_fma": ptx(md._up_experts_kernel, dict(X_ptr="*bf16", Idx_ptr="*i32", W_ptr="*bf16", H_ptr="*bf16"),
-                  dict(meta, ROWS=4, T_P2=4, stride_xc=1, stride_wc=1), md.expert_tiles(d, 4), ("T",)),
-    "down_fma": ptx(md._down_experts_kernel,
-                    dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", P_ptr="*fp32"),
-                    dict(meta, ROWS=4, T_P2=4, stride_wi=1, PRELOAD=True, I_P2=1024), md.expert_tiles(I, 4), ("T",)),
+                dict(meta, stride_wi=1), md.expert_tiles(I, rows), ("T",)),
     "down_pair": ptx(md._down_pair_kernel,
                      dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", P_ptr="*fp32"),
                      dict(stride_wi=1, PRELOAD=False, I_P2=1024), md.expert_tiles(I, 1)),
@@ -403,7 +337,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # 6 compiles: ~15 s
+@pytest.mark.slow  # 4 compiles: ~10 s
 def test_moe_decode_experts_form_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = Path(__file__).resolve().parents[2] / "src"
@@ -420,10 +354,6 @@ def test_moe_decode_experts_form_compiles_for_sm90(tmp_path):
         assert res[kern]["wgmma.mma_async"] + res[kern]["mma.sync"] > 0 and res[kern]["cp.async.cg"] > 0, res
     tc = res["down_pair"]["mma.sync"] + res["down_pair"]["wgmma.mma_async"]
     assert tc == 0 and res["down_pair"]["cp.async.cg"] > 0, res
-    # the 2-4-row passes: FMAs (no tensor cores) on 16-byte cp.async loads (up) and the preloaded slice
-    for kern in ("up_fma", "down_fma"):
-        assert res[kern]["mma.sync"] + res[kern]["wgmma.mma_async"] == 0, res
-    assert res["up_fma"]["cp.async.cg"] > 0, res
     # the preloading form: plain 16-byte loads (nothing to pipeline), the wait after them
     assert res["down_pair_preload"]["griddepcontrol.wait"] > 0, res
     # launched with programmatic dependent launch on sm_90: each waits for its predecessor in its prologue

@@ -285,24 +285,10 @@ def _chunk_pairs(Idx_ptr, e, c, o, T, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
     toks = c * ROWS + tl.arange(0, ROWS)
     js = tl.arange(0, TOPK_P2)[None, :]
     ids = tl.load(Idx_ptr + toks[:, None] * TOPK + js, mask=(toks < T)[:, None] & (js < TOPK), other=-1)
-    hit = (ids == e).to(tl.int32)  # (ROWS, TOPK_P2)
-    # each hit's rank among its token's hits, summed over the slots before it (TOPK_P2 <= 8 steps): not
-    # tl.cumsum, whose sm_90 lowering fails on tensors smaller than its layout (2-4 rows x 2-4 slots)
-    before = tl.zeros((ROWS, TOPK_P2), dtype=tl.int32)
-    for jj in tl.static_range(TOPK_P2 - 1):
-        before += tl.where(js > jj, tl.sum(tl.where(js == jj, hit, 0), axis=1)[:, None], 0)
-    sel = (hit > 0) & (before == o)  # the o-th hit of each token
+    hit = ids == e  # (ROWS, TOPK_P2)
+    sel = hit & (tl.cumsum(hit.to(tl.int32), axis=1) == o + 1)  # the o-th hit of each token
     j = tl.sum(tl.where(sel, js, 0), axis=1)
     return toks.to(tl.int64) * TOPK + j, tl.sum(sel.to(tl.int32), axis=1) > 0
-
-
-@triton.jit
-def _swiglu_rounded(acc_g, acc_u, dtype: tl.constexpr):
-    """silu(gate) * up with gate and up first rounded to the output dtype, as the pairs form and the grouped
-    GEMM store them."""
-    g = acc_g.to(dtype).to(tl.float32)
-    u = acc_u.to(dtype).to(tl.float32)
-    return (g * tl.sigmoid(g) * u).to(dtype)
 
 
 @triton.jit
@@ -322,7 +308,7 @@ def _up_experts_kernel(
     TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr,  # pow2 >= max(TOPK, 2)
     T_P2: tl.constexpr,  # pow2 >= max(T, 2)
-    ROWS: tl.constexpr,  # tokens per pass: 2-4 on FMAs, 16-64 on tl.dot (x.T's columns, the MMA's N side)
+    ROWS: tl.constexpr,  # tokens per pass (16-64): x.T's columns, the MMA's N side
     BY_EXPERT: tl.constexpr,  # grid axis 0 over experts (E < T*k: fewer programs) instead of slots
     PRECISION: tl.constexpr,  # tl.dot input_precision ("ieee" or "tf32" for float32; fp16 / bf16 ignore it)
     BLOCK_N: tl.constexpr,  # rows of gate (and of up) per program
@@ -342,61 +328,33 @@ def _up_experts_kernel(
     for o in range(0, n_occ):
         for c in range(0, tl.cdiv(T, ROWS)):
             pair, row_ok = _chunk_pairs(Idx_ptr, e, c, o, T, TOPK, TOPK_P2, ROWS)  # (ROWS,)
+            x_cols = X_ptr + (pair // TOPK)[None, :] * stride_xt  # (1, ROWS): x.T's columns
             k_end = tl.where(tl.max(row_ok.to(tl.int32), axis=0) > 0, D, 0)
-            if ROWS >= 16:
-                # (BLOCK_N, ROWS) += W tile (BLOCK_N, BLOCK_K) @ x.T (BLOCK_K, ROWS), kernels/
-                # matmul_decode.py's dot kernel (measured on the H200 at 2-16 rows): each weight element
-                # meets up to ROWS tokens, which FMAs would pay ROWS times on the CUDA cores (16 bf16 rows at
-                # 4.3 TB/s of weights is ~70 TFLOP/s of FMA, about the H200's whole fp32 rate); the tensor
-                # cores take it for free, and the rows a pass lacks are zeros that cost no memory traffic
-                x_cols = X_ptr + (pair // TOPK)[None, :] * stride_xt  # (1, ROWS): x.T's columns
-                acc_g = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-                acc_u = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-                for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = offs_k < D
-                    xt = tl.load(
-                        x_cols + offs_k[:, None] * stride_xc, mask=k_ok[:, None] & row_ok[None, :], other=0.0
-                    )
-                    m = n_ok & k_ok[None, :]
-                    wg = tl.load(g_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
-                    wu = tl.load(u_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
-                    acc_g = tl.dot(wg, xt, acc_g, input_precision=PRECISION)
-                    acc_u = tl.dot(wu, xt, acc_u, input_precision=PRECISION)
-                h = _swiglu_rounded(acc_g, acc_u, H_ptr.dtype.element_ty)
-                # written as it lies, (n, row) -> h[pair, n]: no transpose through shared memory
-                tl.store(H_ptr + pair[None, :] * I + offs_n[:, None], h, mask=n_ok & row_ok[None, :])
-            else:
-                # 2-4 rows on FMAs, the one-row gemv's tiles and loop with a ROWS-deep accumulator: the
-                # (BLOCK_N, BLOCK_K) weight tile is converted once and multiplied into each row's products,
-                # which are summed over K once at the end (ROWS x the FMAs of one row, no tensor-core tile's
-                # 16-row minimum, and the gemv's many small programs over a few active experts)
-                # 3-D loads, (1, BLOCK_N, BLOCK_K) weights and (ROWS, 1, BLOCK_K) x, so that each keeps its
-                # 16-byte vectors along K and the product takes that layout (2-D loads broadcast into 3-D
-                # read shared memory two bytes at a time)
-                x_rows = X_ptr + (pair // TOPK)[:, None, None] * stride_xt  # (ROWS, 1, 1)
-                x_ok = row_ok[:, None, None]
-                g3 = g_rows[None, :, :]  # (1, BLOCK_N, 1)
-                u3 = u_rows[None, :, :]
-                w_ok = n_ok[None, :, :]
-                acc_g = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-                acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-                for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
-                    offs_k = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
-                    k_ok = offs_k < D
-                    x = tl.load(x_rows + offs_k * stride_xc, mask=x_ok & k_ok, other=0.0).to(tl.float32)
-                    wg = tl.load(g3 + offs_k * stride_wc, mask=w_ok & k_ok, other=0.0)
-                    wu = tl.load(u3 + offs_k * stride_wc, mask=w_ok & k_ok, other=0.0)
-                    # summed over the step's K at once (within a warp: a warp's threads span K): ROWS x
-                    # BLOCK_N running sums, not ROWS x the tile, so that registers leave room for programs
-                    acc_g += tl.sum(wg.to(tl.float32) * x, axis=2)
-                    acc_u += tl.sum(wu.to(tl.float32) * x, axis=2)
-                h = _swiglu_rounded(acc_g, acc_u, H_ptr.dtype.element_ty)
-                tl.store(
-                    H_ptr + pair[:, None] * I + offs_n[None, :],
-                    h,
-                    mask=row_ok[:, None] & (offs_n < I)[None, :],
+            # (BLOCK_N, ROWS) += W tile (BLOCK_N, BLOCK_K) @ x.T (BLOCK_K, ROWS), kernels/matmul_decode.py's
+            # dot kernel (measured on the H200 at 2-16 rows): each weight element meets up to ROWS tokens,
+            # which FMAs would pay ROWS times on the CUDA cores (16 bf16 rows at 4.3 TB/s of weights is ~70
+            # TFLOP/s of FMA, about the H200's whole fp32 rate); the tensor cores take it for free, and the
+            # rows a pass lacks are zeros that cost no memory traffic (masked loads)
+            acc_g = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+            for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < D
+                xt = tl.load(
+                    x_cols + offs_k[:, None] * stride_xc, mask=k_ok[:, None] & row_ok[None, :], other=0.0
                 )
+                m = n_ok & k_ok[None, :]
+                wg = tl.load(g_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
+                wu = tl.load(u_rows + offs_k[None, :] * stride_wc, mask=m, other=0.0)
+                acc_g = tl.dot(wg, xt, acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(wu, xt, acc_u, input_precision=PRECISION)
+            # rounded to the output dtype before the SiLU, as the pairs form and the grouped GEMM round them
+            g = acc_g.to(H_ptr.dtype.element_ty).to(tl.float32)
+            u = acc_u.to(H_ptr.dtype.element_ty).to(tl.float32)
+            h = g * tl.sigmoid(g) * u
+            # written as it lies, (n, row) -> h[pair, n]: no transpose through shared memory
+            tl.store(H_ptr + pair[None, :] * I + offs_n[:, None], h.to(H_ptr.dtype.element_ty),
+                     mask=n_ok & row_ok[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -415,74 +373,37 @@ def _down_experts_kernel(
     TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr,
     T_P2: tl.constexpr,
-    ROWS: tl.constexpr,  # 2-4: FMAs; 16-64: tl.dot
+    ROWS: tl.constexpr,
     BY_EXPERT: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,  # output columns (rows of w2[e]) per program
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
-    PRELOAD: tl.constexpr = False,  # FMAs only: the whole (BLOCK_N, I) slice read before waiting for h
-    I_P2: tl.constexpr = 16,  # pow2 >= I (PRELOAD's slice width)
 ):
+    pdl_prologue(PDL)
     p = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < D)[:, None]
-    # the ids were written by the router, which the up kernel waited for before letting this kernel be
-    # scheduled (as in _down_pair_kernel): reading them, and the weights, before our own wait is safe
     e, n_occ = _leader_occurrences(Idx_ptr, p, T, TOPK, TOPK_P2, T_P2, BY_EXPERT)
     w_rows = W_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
-    if PRELOAD:  # non-leaders (n_occ 0) ask for nothing: the mask is all false
-        offs_i = tl.arange(0, I_P2)
-        i_ok = offs_i < I
-        w_all = tl.load(
-            w_rows + offs_i[None, :] * stride_wi, mask=n_ok & i_ok[None, :] & (n_occ > 0), other=0.0
-        )
-    pdl_prologue(PDL)
     for o in range(0, n_occ):
         for c in range(0, tl.cdiv(T, ROWS)):
             pair, row_ok = _chunk_pairs(Idx_ptr, e, c, o, T, TOPK, TOPK_P2, ROWS)  # (ROWS,)
+            h_cols = H_ptr + pair[None, :] * I  # (1, ROWS): h.T's columns
             k_end = tl.where(tl.max(row_ok.to(tl.int32), axis=0) > 0, I, 0)
+            acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+            for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < I
+                ht = tl.load(h_cols + offs_k[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :] * stride_wi, mask=n_ok & k_ok[None, :], other=0.0)
+                acc = tl.dot(w, ht, acc, input_precision=PRECISION)  # (BLOCK_N, ROWS)
+            # the routing weight after the K sum (constant over K): h enters the MMA as stored
             wt = tl.load(Wt_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)  # (ROWS,)
-            if ROWS >= 16:
-                h_cols = H_ptr + pair[None, :] * I  # (1, ROWS): h.T's columns
-                acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-                for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = offs_k < I
-                    ht = tl.load(h_cols + offs_k[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-                    w = tl.load(w_rows + offs_k[None, :] * stride_wi, mask=n_ok & k_ok[None, :], other=0.0)
-                    acc = tl.dot(w, ht, acc, input_precision=PRECISION)  # (BLOCK_N, ROWS)
-                # the routing weight after the K sum (constant over K): h enters the MMA as stored
-                tl.store(
-                    P_ptr + pair[None, :] * D + offs_n[:, None],
-                    acc * wt[None, :],
-                    mask=n_ok & row_ok[None, :],
-                )
-            else:
-                if PRELOAD:  # row by row: one (BLOCK_N, I_P2) product at a time
-                    rs = tl.arange(0, ROWS)
-                    for r in tl.static_range(ROWS):
-                        pr = tl.sum(tl.where(rs == r, pair, 0), axis=0)
-                        ok = tl.sum(tl.where(rs == r, row_ok.to(tl.int32), 0), axis=0) > 0
-                        h = tl.load(H_ptr + pr * I + offs_i, mask=i_ok & ok, other=0.0).to(tl.float32)
-                        y = tl.sum(w_all.to(tl.float32) * h[None, :], axis=1)  # (BLOCK_N,)
-                        wr = tl.sum(tl.where(rs == r, wt, 0.0), axis=0)
-                        tl.store(P_ptr + pr * D + offs_n, y * wr, mask=(offs_n < D) & ok)
-                else:
-                    # 3-D loads, as in the up kernel's FMA passes: 16-byte vectors along K
-                    h_rows = H_ptr + pair[:, None, None] * I  # (ROWS, 1, 1)
-                    h_ok = row_ok[:, None, None]
-                    w3 = w_rows[None, :, :]  # (1, BLOCK_N, 1)
-                    y = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-                    for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
-                        offs_k = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
-                        k_ok = offs_k < I
-                        h = tl.load(h_rows + offs_k, mask=h_ok & k_ok, other=0.0).to(tl.float32)
-                        w = tl.load(w3 + offs_k * stride_wi, mask=n_ok[None, :, :] & k_ok, other=0.0)
-                        y += tl.sum(w.to(tl.float32) * h, axis=2)
-                    tl.store(P_ptr + pair[:, None] * D + offs_n[None, :], y * wt[:, None],
-                             mask=row_ok[:, None] & (offs_n < D)[None, :])  # fmt: skip
+            tl.store(
+                P_ptr + pair[None, :] * D + offs_n[:, None], acc * wt[None, :], mask=n_ok & row_ok[None, :]
+            )
 
 
 @triton.jit
@@ -570,7 +491,6 @@ _combine_launch = CachedLaunch(_combine_kernel)
 
 FORMS = ("auto", "pairs", "experts")
 DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # tl.dot's inputs (float64 takes FMAs)
-FMA_MAX_ROWS = 4  # the experts form's passes of 2-4 rows run on FMAs, 16 and up on tl.dot
 
 
 def expert_rows(n_tokens: int, dtype: torch.dtype) -> int:
@@ -586,10 +506,8 @@ def expert_rows(n_tokens: int, dtype: torch.dtype) -> int:
     several tokens on one expert, which they read once). 4-64 tokens, at 4b6649a and 4beb6db: the
     experts form wins under Zipf routing (1.08-1.56x the pairs form at 4-16) and gives up 0-9% under
     balanced routing: the better worst case, and the host cannot see the routing without a sync."""
-    if n_tokens <= 1:
+    if n_tokens <= 2 or dtype not in DOT_DTYPES:
         return 1
-    if n_tokens <= FMA_MAX_ROWS or dtype not in DOT_DTYPES:
-        return min(pow2(n_tokens), FMA_MAX_ROWS)
     return min(max(16, pow2(n_tokens)), 64)
 
 
@@ -604,15 +522,9 @@ def expert_tiles(K: int, rows: int) -> DecodeTiles:
     32-64 rows (4beb6db, bench/experiments/moe_decode_batch.py, over experts) the (64, 64, 4, 4) tiles
     took Qwen3-like 64 tokens from 0.829 to 0.879 (balanced) and 0.804 to 0.856 (Zipf), DeepSeek-like
     0.846 to 0.890 and 0.835 to 0.915, Mixtral-like 0.981 to 0.996: the (64, ROWS) accumulators of 64 rows
-    leave fewer registers to 128-wide steps. Interpreted: small tiles (ragged columns, several K steps).
-    2-4 rows on FMAs: the one-row tile at 4 warps, so that each of the (rows, BLOCK_N, BLOCK_K)
-    accumulators holds at most 32 values a thread up to K = 4096 (64 past it, at 1024-wide steps) and
-    every thread still loads 16 bytes of W a step."""
+    leave fewer registers to 128-wide steps. Interpreted: small tiles (ragged columns, several K steps)."""
     if rows == 1:
         return decode_tiles(K)
-    if rows <= FMA_MAX_ROWS:
-        t = decode_tiles(K)
-        return t if interpreting() else t._replace(warps=4)
     if interpreting():
         return DecodeTiles(16, 16, 1, 1)
     return DecodeTiles(64, 128, 4, 3) if rows <= 16 else DecodeTiles(64, 64, 4, 4)
@@ -733,14 +645,14 @@ def by_expert_grid(n_slots: int, n_experts: int) -> bool:
 
 def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert) -> None:
     """The experts form's three launches (module docstring): up into h, down into float32 partials per
-    pair, the combine into out. One row per pass: the pairs form's up kernel (each pair streams its expert)
-    and a down kernel per pair. 2-4 rows: the deduped kernels on FMAs; 16-64: on tl.dot."""
+    pair, the combine into out. One row per pass (one or two tokens, or float64): the pairs form's up kernel
+    (each pair streams its expert) and a down kernel per pair."""
     d, I = x.shape[1], h.shape[1]
     rows = expert_rows(T, x.dtype) if rows is None else rows
-    if rows < 1 or rows & (rows - 1) or (rows > FMA_MAX_ROWS and (rows < 16 or x.dtype not in DOT_DTYPES)):
+    if rows < 1 or rows & (rows - 1) or (rows > 1 and (rows < 16 or x.dtype not in DOT_DTYPES)):
         raise ValueError(
-            f"moe_decode: rows must be a power of two, at most {FMA_MAX_ROWS} (FMAs) or >= 16 with a float16 "
-            f"/ bfloat16 / float32 x (tl.dot), got {rows} for {x.dtype}"
+            f"moe_decode: rows must be 1, or a power of two >= 16 with a float16 / bfloat16 / float32 x "
+            f"(tl.dot), got {rows} for {x.dtype}"
         )
     up, down = config or (expert_tiles(d, rows), expert_tiles(I, rows))
     part = torch.empty(T * k, d, dtype=torch.float32, device=x.device)  # every element written once
@@ -763,12 +675,8 @@ def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert
             num_warps=down.warps, launch_pdl=use_pdl,
         )  # fmt: skip
     else:
-        if rows >= 16 and min(up.block_n, up.block_k, down.block_n, down.block_k) < 16:
+        if min(up.block_n, up.block_k, down.block_n, down.block_k) < 16:
             raise ValueError(f"moe_decode: tl.dot tiles need block_n and block_k >= 16, got {up} and {down}")
-        if rows >= 16 and preload:
-            raise ValueError("moe_decode: preload applies to the FMA passes (rows <= 4) only")
-        # FMA passes: the down kernel reads its weight slice before its wait where it fits (as at one row)
-        preload = rows < 16 and (preload_down(I) if preload is None else preload)
         precision = "tf32" if x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
         E = w1.shape[0]
         by_expert = by_expert_grid(T * k, E) if by_expert is None else by_expert
@@ -782,8 +690,8 @@ def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert
         )  # fmt: skip
         _down_experts_launch[(programs, cdiv(d, down.block_n))](
             h, idx, wts, w2, part, T, I, d, w2.stride(0), w2.stride(1), w2.stride(2), **meta,
-            BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, PRELOAD=preload,
-            I_P2=max(16, pow2(I)), num_warps=down.warps, launch_pdl=use_pdl,
+            BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, num_warps=down.warps,
+            launch_pdl=use_pdl,
         )  # fmt: skip
     # 256 columns per program (2 warps, 16-byte loads): at one token d / 256 programs (8 at d = 2048), each
     # k loads deep; the partials (k * d * 4 bytes, 64 KB for Qwen3-like) were just written, in L2
