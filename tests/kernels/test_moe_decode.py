@@ -19,7 +19,6 @@ from kiln.kernels.moe_decode import (
     DecodeTiles,
     add_shared_slots,
     by_expert_grid,
-    down_per_pair,
     expert_rows,
     moe_decode,
     moe_decode_fwd,
@@ -187,24 +186,6 @@ def test_moe_decode_experts_grid_by_expert_or_slot(T, k, E, hot):
     assert by_expert_grid(17 * 8, 128) and not by_expert_grid(16 * 8, 128) and by_expert_grid(5 * 2, 8)
 
 
-@pytest.mark.parametrize("T, k, E, hot", [(3, 2, 5, 2), (4, 4, 8, 4), (6, 3, 7, 0)])
-def test_moe_decode_experts_dot_up_then_pair_down(T, k, E, hot):
-    # the deduped tl.dot up kernel (16-row passes; hot tokens share expert E - 1), then the down projection
-    # per pair (reading its weight slice before the wait, or walking it in K steps) or per expert: all the
-    # float64 loop's sums; the default takes the per-pair down up to 4 tokens
-    x, idx, wts, w1, w2 = _routed(T, k, E, 24, 21, seed=T * 5 + k, hot=hot)
-    want = _loop(x, idx, wts, w1, w2)
-    with use_backend("triton"):
-        kw = dict(form="experts", rows=16)
-        for pre in (True, False):
-            assert_close(moe_decode_fwd(x, idx, wts, w1, w2, **kw, pair_down=True, preload=pre), want)
-        per_expert = moe_decode_fwd(x, idx, wts, w1, w2, **kw, pair_down=False)
-        assert_close(per_expert, want)
-        auto = moe_decode_fwd(x, idx, wts, w1, w2, **kw)
-        assert torch.equal(auto, moe_decode_fwd(x, idx, wts, w1, w2, **kw, pair_down=down_per_pair(T)))
-    assert down_per_pair(3) and down_per_pair(4) and not down_per_pair(5)
-
-
 @pytest.mark.parametrize("I", [24, 37])
 def test_moe_decode_one_row_down_preload(I):
     # one token, the experts form: the down kernel reading its whole weight slice before the wait (I not a
@@ -271,10 +252,8 @@ def test_moe_decode_forms_errors_and_rules():
             moe_decode(x, idx, wts, w1, w2, form="tokens")
         with pytest.raises(ValueError, match="rows must be 1, or a power of two >= 16"):
             moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=8)
-        with pytest.raises(ValueError, match="rows, by_expert and pair_down apply to form='experts' only"):
+        with pytest.raises(ValueError, match="rows and by_expert apply to form='experts' only"):
             moe_decode_fwd(x, idx, wts, w1, w2, form="pairs", rows=16)
-        with pytest.raises(ValueError, match="pair_down=False needs tl.dot passes"):
-            moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=1, pair_down=False)
         with pytest.raises(ValueError, match="tl.dot tiles need block_n and block_k >= 16"):
             moe_decode_fwd(
                 x, idx, wts, w1, w2, form="experts", rows=16, config=(DecodeTiles(4, 16, 1, 1),) * 2
@@ -287,7 +266,7 @@ def test_moe_decode_forms_errors_and_rules():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["pairs", "experts", "experts-rows16-pair-down"])
+@pytest.mark.parametrize("form", ["pairs", "experts"])
 @pytest.mark.parametrize(
     "T, k, E, d, I",
     [(1, 2, 8, 4096, 14336), (4, 2, 8, 4096, 14336), (1, 8, 128, 2048, 768), (16, 8, 128, 2048, 768),
@@ -296,24 +275,20 @@ def test_moe_decode_forms_errors_and_rules():
 def test_moe_decode_gpu_bf16_and_graph(T, k, E, d, I, form):
     # every token's first slot on the last expert: pairs sharing an expert, which the experts form dedupes
     x, idx, wts, w1, w2 = _case(T, k, E, d, I, device="cuda", dtype=torch.bfloat16, same_expert=True)
-
-    def run():  # a form, or the deduped tl.dot up kernel followed by the per-pair down kernel at any batch
-        if form in ("pairs", "experts"):
-            return moe_decode(x, idx, wts, w1, w2, form=form)
-        return moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=16, pair_down=True)
-
     with torch.no_grad():
-        got = run()
+        got = moe_decode(x, idx, wts, w1, w2, form=form)
         # bf16 inputs against the float64 loop on every token (its float64 matmuls on the GPU): gate, up and
         # h are rounded to bf16 on the way (as the grouped path rounds them), within the bf16 table
         assert_close(got, _loop(x, idx, wts, w1, w2), torch.bfloat16)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # no host sync inside
-            out = run()
+            out = moe_decode(x, idx, wts, w1, w2, form=form)
         x.copy_(torch.randn_like(x))
         idx.copy_(idx.flip(0))
         graph.replay()
-        assert torch.equal(out, run())  # fixed order: bitwise deterministic
+        assert torch.equal(
+            out, moe_decode(x, idx, wts, w1, w2, form=form)
+        )  # fixed order: bitwise deterministic
 
 
 # the experts form compiled for the H200 (sm_90) on the CPU machine, in a subprocess without the

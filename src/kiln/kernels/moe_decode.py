@@ -587,7 +587,6 @@ def moe_decode_fwd(
     rows: int | None = None,
     preload: bool | None = None,
     by_expert: bool | None = None,
-    pair_down: bool | None = None,
 ) -> torch.Tensor:
     """Launcher: out (T, d) in x's dtype. form: "pairs" (two kernels, each (token, expert) pair streams its
     expert), "experts" (each distinct expert streamed once for all its tokens: three kernels) or "auto" (the
@@ -595,9 +594,7 @@ def moe_decode_fwd(
     `expert_tiles` (experts). rows: the experts form's tokens per pass (default `expert_rows`; 1 or a power of
     two >= 16 for tl.dot). preload: the experts form at one row reads the down weights before waiting for the
     up kernel (default `preload_down`). by_expert: the experts form's tl.dot kernels take one program row per
-    expert instead of one per slot (default `by_expert_grid`). pair_down: after the tl.dot up kernel, the
-    down projection per pair (the one-row down kernel, with its preload) instead of per expert (default
-    `down_per_pair`)."""
+    expert instead of one per slot (default `by_expert_grid`)."""
     _check(x, expert_idx, weights, w1, w2)
     if form not in FORMS:
         raise ValueError(f"moe_decode: form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
@@ -615,10 +612,10 @@ def moe_decode_fwd(
     wts = weights.reshape(-1)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     if form == "experts":
-        _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert, pair_down)
+        _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert)
         return out
-    if rows is not None or by_expert is not None or pair_down is not None:
-        raise ValueError("moe_decode: rows, by_expert and pair_down apply to form='experts' only")
+    if rows is not None or by_expert is not None:
+        raise ValueError("moe_decode: rows and by_expert apply to form='experts' only")
     up, down = config or (decode_tiles(d), decode_tiles(I))
     _up_launch[(T * k, cdiv(I, up.block_n))](
         x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
@@ -638,15 +635,6 @@ def preload_down(I: int) -> bool:
     return I <= 2048
 
 
-def down_per_pair(n_tokens: int) -> bool:
-    """Whether the experts form's tl.dot passes (3-64 tokens) are followed by the down projection per pair
-    (`_down_pair_kernel`, reading its weight slice before its wait where `preload_down`) instead of per
-    expert: up to 4 tokens, where the deduped down kernel's few (expert, 64-column) programs each wait for
-    the whole up kernel before their first load, and the down weights are a third of the layer's bytes
-    (pairs sharing an expert read the same rows at the same time: the second read is an L2 hit)."""
-    return n_tokens <= 4
-
-
 def by_expert_grid(n_slots: int, n_experts: int) -> bool:
     """Whether the experts form's tl.dot kernels give each expert a program row (else each slot, whose
     non-leaders return at once): where there are fewer experts than slots, T*k > E (Qwen3-like from 17
@@ -655,11 +643,10 @@ def by_expert_grid(n_slots: int, n_experts: int) -> bool:
     return n_experts < n_slots
 
 
-def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert, pair_down) -> None:
+def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert) -> None:
     """The experts form's three launches (module docstring): up into h, down into float32 partials per
     pair, the combine into out. One row per pass (one or two tokens, or float64): the pairs form's up kernel
-    (each pair streams its expert) and a down kernel per pair. 16-64 rows: the deduped tl.dot up kernel,
-    then the deduped tl.dot down kernel or (pair_down) the down kernel per pair."""
+    (each pair streams its expert) and a down kernel per pair."""
     d, I = x.shape[1], h.shape[1]
     rows = expert_rows(T, x.dtype) if rows is None else rows
     if rows < 1 or rows & (rows - 1) or (rows > 1 and (rows < 16 or x.dtype not in DOT_DTYPES)):
@@ -667,52 +654,44 @@ def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert
             f"moe_decode: rows must be 1, or a power of two >= 16 with a float16 / bfloat16 / float32 x "
             f"(tl.dot), got {rows} for {x.dtype}"
         )
-    if rows == 1 and pair_down is False:
-        raise ValueError("moe_decode: pair_down=False needs tl.dot passes (rows >= 16): one row has no other")
-    pair_down = rows == 1 or (down_per_pair(T) if pair_down is None else pair_down)
-    up, down = config or (expert_tiles(d, rows), expert_tiles(I, 1 if pair_down else rows))
+    up, down = config or (expert_tiles(d, rows), expert_tiles(I, rows))
     part = torch.empty(T * k, d, dtype=torch.float32, device=x.device)  # every element written once
     # programmatic dependent launch (sm_90+, as kernels/decode_attention.py's split and combine): each of
     # this form's kernels (all but the pairs form's up kernel at one row) is scheduled while its predecessor
     # runs and waits for it in its prologue, so the third launch (the combine) adds no launch gap.
     # KILN_PDL=0 turns it off (A/B timing).
     use_pdl = pdl(x)
-    if pair_down:
-        preload = preload_down(I) if preload is None else preload
     if rows == 1:
+        preload = preload_down(I) if preload is None else preload
         up_pdl = use_pdl and preload  # the down kernel's preload needs it scheduled before the up kernel ends
         _up_launch[(T * k, cdiv(I, up.block_n))](
             x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
             BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, PDL=up_pdl, num_warps=up.warps,
             launch_pdl=up_pdl,
         )  # fmt: skip
+        _down_pair_launch[(T * k, cdiv(d, down.block_n))](
+            h, idx, wts, w2, part, I, d, w2.stride(0), w2.stride(1), w2.stride(2), BLOCK_N=down.block_n,
+            BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, PRELOAD=preload, I_P2=max(16, pow2(I)),
+            num_warps=down.warps, launch_pdl=use_pdl,
+        )  # fmt: skip
     else:
-        dots = (up,) if pair_down else (up, down)
-        if min(min(t.block_n, t.block_k) for t in dots) < 16:
-            raise ValueError(f"moe_decode: tl.dot tiles need block_n and block_k >= 16, got {dots}")
+        if min(up.block_n, up.block_k, down.block_n, down.block_k) < 16:
+            raise ValueError(f"moe_decode: tl.dot tiles need block_n and block_k >= 16, got {up} and {down}")
         precision = "tf32" if x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
         E = w1.shape[0]
         by_expert = by_expert_grid(T * k, E) if by_expert is None else by_expert
         meta = dict(TOPK=k, TOPK_P2=max(2, pow2(k)), T_P2=max(2, pow2(T)), ROWS=rows, BY_EXPERT=by_expert,
                     PRECISION=precision)  # fmt: skip
         programs = E if by_expert else T * k
-        # launched with PDL whenever PDL is on: the per-pair down kernel's preload relies on that too
         _up_experts_launch[(programs, cdiv(I, up.block_n))](
             x, idx, w1, h, T, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), **meta,
             BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, PDL=use_pdl, num_warps=up.warps,
             launch_pdl=use_pdl,
         )  # fmt: skip
-        if not pair_down:
-            _down_experts_launch[(programs, cdiv(d, down.block_n))](
-                h, idx, wts, w2, part, T, I, d, w2.stride(0), w2.stride(1), w2.stride(2), **meta,
-                BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl,
-                num_warps=down.warps, launch_pdl=use_pdl,
-            )  # fmt: skip
-    if pair_down:
-        _down_pair_launch[(T * k, cdiv(d, down.block_n))](
-            h, idx, wts, w2, part, I, d, w2.stride(0), w2.stride(1), w2.stride(2), BLOCK_N=down.block_n,
-            BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, PRELOAD=preload, I_P2=max(16, pow2(I)),
-            num_warps=down.warps, launch_pdl=use_pdl,
+        _down_experts_launch[(programs, cdiv(d, down.block_n))](
+            h, idx, wts, w2, part, T, I, d, w2.stride(0), w2.stride(1), w2.stride(2), **meta,
+            BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, num_warps=down.warps,
+            launch_pdl=use_pdl,
         )  # fmt: skip
     # 256 columns per program (2 warps, 16-byte loads): at one token d / 256 programs (8 at d = 2048), each
     # k loads deep; the partials (k * d * 4 bytes, 64 KB for Qwen3-like) were just written, in L2
