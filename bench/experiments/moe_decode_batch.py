@@ -1,4 +1,4 @@
-"""Experiment: MoE decode where issue 19's 80%-of-copy line is still missed: 1-4 tokens, and 32-64 tokens
+"""Experiment: MoE decode where issue 19's 80%-of-copy line is still missed: 2 tokens, and 32-64 tokens
 (the grouped path's side of `use_decode`), with the experts form's two grids.
 
     python bench/experiments/moe_decode_batch.py --out /tmp/moe_decode_batch.json   # H200, ~3 min
@@ -7,11 +7,8 @@
 Shapes and routings are bench/moe.py's (the DeepSeek-like shape with its shared expert as one more slot of
 the routed kernels, as a decode step would run it). All forward, CUDA-graph replays, GB/s over the active
 experts' weights against a device copy of the same bytes (bench/moe.py's decode case). Per batch:
-- 1 token: the model's dispatch (the one-row kernels, the down projection and the combine in one kernel
-  where they fit: `fuse_combine`), the pairs form, and the one-row kernels with the combine apart.
 - 2-4 tokens: the pairs form, the experts form with one row a pass (the pairs form's weight streams with
-  the one-row down kernel's preload; the combine fused or apart) and with 16-row tl.dot passes, at its
-  default and narrower tiles.
+  the one-row down kernel's preload) and with 16-row tl.dot passes, at its default and narrower tiles.
 - 8 and 16 tokens: the experts form over slots and over experts (`by_expert_grid`'s two sides).
 - 32-64 tokens: the grouped path (routing plan, permute, grouped GEMM, SwiGLU, grouped GEMM, combine)
   at mm_config's default (and other tiles with --grouped-tiles), with the SwiGLU fused into the gate/up
@@ -88,11 +85,8 @@ def form(name, **kw):
 
 
 def variants(T: int, smoke: bool, grouped_tiles: bool) -> dict:
-    if T == 1:  # the one-row kernels with the down projection and the combine fused (the default) or apart
-        return {"pairs": form("pairs"), "experts_unfused": form("experts", fused=False)}
     if T <= 4:
         impls = {"pairs": form("pairs"), "experts_one_row": form("experts", rows=1)}
-        impls["experts_one_row_unfused"] = form("experts", rows=1, fused=False)
         impls["experts_rows16"] = form("experts", rows=16)
         tiles = [] if smoke else SMALL_TILES
         impls |= {f"experts_rows16{tuple(t)}": form("experts", rows=16, config=(t, t)) for t in tiles}

@@ -20,7 +20,6 @@ from kiln.kernels.moe_decode import (
     add_shared_slots,
     by_expert_grid,
     expert_rows,
-    fuse_combine,
     moe_decode,
     moe_decode_fwd,
     moe_decode_op,
@@ -195,27 +194,8 @@ def test_moe_decode_one_row_down_preload(I):
     want = _loop(x, idx, wts, w1, w2)
     with use_backend("triton"):
         for preload in (True, False):
-            got = moe_decode_fwd(x, idx, wts, w1, w2, form="experts", preload=preload, fused=False)
-            assert_close(got, want)
+            assert_close(moe_decode_fwd(x, idx, wts, w1, w2, form="experts", preload=preload), want)
     assert preload_down(2048) and not preload_down(2049)  # where the slice fits a program's registers
-
-
-@pytest.mark.parametrize("T, k, E, I", [(1, 3, 7, 37), (1, 8, 12, 24), (2, 2, 5, 19), (1, 1, 1, 9)])
-def test_moe_decode_one_row_down_and_combine_fused(T, k, E, I):
-    # one or two tokens: the down projection and the combine as one kernel (a program per output column
-    # holding that column's row of the token's k experts, read before the wait), ragged I and k: the
-    # float64 loop's sums, as the per-pair down kernel + combine give them
-    x, idx, wts, w1, w2 = _case(T, k, E, 33, I, seed=I + k)
-    want = _loop(x, idx, wts, w1, w2)
-    with use_backend("triton"):
-        fused = moe_decode_fwd(x, idx, wts, w1, w2, form="experts", fused=True)
-        apart = moe_decode_fwd(x, idx, wts, w1, w2, form="experts", fused=False)
-        assert torch.equal(moe_decode_fwd(x, idx, wts, w1, w2, form="experts"), fused)  # the default here
-    assert_close(fused, want)
-    assert_close(apart, want)
-    # where the (k, I) slice fits 8 warps' registers and the down weights can be read before the wait
-    assert fuse_combine(8, 768) and fuse_combine(8, 1408) and not fuse_combine(16, 1408)
-    assert not fuse_combine(2, 14336)
 
 
 def test_moe_decode_experts_tiles_fp16_and_determinism():
@@ -272,11 +252,8 @@ def test_moe_decode_forms_errors_and_rules():
             moe_decode(x, idx, wts, w1, w2, form="tokens")
         with pytest.raises(ValueError, match="rows must be 1, or a power of two >= 16"):
             moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=8)
-        with pytest.raises(ValueError, match="rows, by_expert and fused apply to form='experts' only"):
+        with pytest.raises(ValueError, match="rows and by_expert apply to form='experts' only"):
             moe_decode_fwd(x, idx, wts, w1, w2, form="pairs", rows=16)
-        big = torch.zeros(4, 16, 2100)
-        with pytest.raises(ValueError, match="fused needs the down slices in registers"):
-            moe_decode_fwd(x, idx, wts, torch.zeros(4, 4200, 16), big, form="experts", fused=True)
         with pytest.raises(ValueError, match="tl.dot tiles need block_n and block_k >= 16"):
             moe_decode_fwd(
                 x, idx, wts, w1, w2, form="experts", rows=16, config=(DecodeTiles(4, 16, 1, 1),) * 2
@@ -289,7 +266,7 @@ def test_moe_decode_forms_errors_and_rules():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["pairs", "experts", "experts-unfused"])
+@pytest.mark.parametrize("form", ["pairs", "experts"])
 @pytest.mark.parametrize(
     "T, k, E, d, I",
     [(1, 2, 8, 4096, 14336), (4, 2, 8, 4096, 14336), (1, 8, 128, 2048, 768), (16, 8, 128, 2048, 768),
@@ -298,24 +275,20 @@ def test_moe_decode_forms_errors_and_rules():
 def test_moe_decode_gpu_bf16_and_graph(T, k, E, d, I, form):
     # every token's first slot on the last expert: pairs sharing an expert, which the experts form dedupes
     x, idx, wts, w1, w2 = _case(T, k, E, d, I, device="cuda", dtype=torch.bfloat16, same_expert=True)
-
-    def run():  # a form, or the experts form with its one-row down kernel and the combine apart
-        if form == "experts-unfused":
-            return moe_decode_fwd(x, idx, wts, w1, w2, form="experts", fused=False)
-        return moe_decode(x, idx, wts, w1, w2, form=form)
-
     with torch.no_grad():
-        got = run()
+        got = moe_decode(x, idx, wts, w1, w2, form=form)
         # bf16 inputs against the float64 loop on every token (its float64 matmuls on the GPU): gate, up and
         # h are rounded to bf16 on the way (as the grouped path rounds them), within the bf16 table
         assert_close(got, _loop(x, idx, wts, w1, w2), torch.bfloat16)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # no host sync inside
-            out = run()
+            out = moe_decode(x, idx, wts, w1, w2, form=form)
         x.copy_(torch.randn_like(x))
         idx.copy_(idx.flip(0))
         graph.replay()
-        assert torch.equal(out, run())  # fixed order: bitwise deterministic
+        assert torch.equal(
+            out, moe_decode(x, idx, wts, w1, w2, form=form)
+        )  # fixed order: bitwise deterministic
 
 
 # the experts form compiled for the H200 (sm_90) on the CPU machine, in a subprocess without the
@@ -359,19 +332,12 @@ names = [p.name for p in md._combine_kernel.params]
 consts = dict(TOPK=k, BLOCK=256, PDL=True)
 src = ASTSource(fn=md._combine_kernel, signature={n: "constexpr" if n in consts else {"P_ptr": "*fp32", "Y_ptr": "*bf16"}.get(n, "i32") for n in names},
                 constexprs={(names.index(a),): v for a, v in consts.items()})
-names = [p.name for p in md._down_slots_kernel.params]
-consts = dict(TOPK=k, TOPK_P2=8, I_P2=1024, PDL=True, stride_wi=1)
-src = ASTSource(fn=md._down_slots_kernel, signature={n: "constexpr" if n in consts else {"H_ptr": "*bf16", "Idx_ptr": "*i32", "Wt_ptr": "*fp32", "W_ptr": "*bf16", "Y_ptr": "*bf16"}.get(n, "i32") for n in names},
-                constexprs={(names.index(a),): v for a, v in consts.items()})
-lines = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"].splitlines()
-wait = [i for i, l in enumerate(lines) if "griddepcontrol.wait" in l]
-out["down_slots"] = {"griddepcontrol.wait": len(wait), "loads_before_wait": sum("ld.global" in l for l in lines[:wait[0]]) if wait else 0}
 out["combine"] = {"griddepcontrol.wait": triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2)).asm["ptx"].count("griddepcontrol.wait")}
 print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # 5 compiles: ~12 s
+@pytest.mark.slow  # 4 compiles: ~10 s
 def test_moe_decode_experts_form_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = Path(__file__).resolve().parents[2] / "src"
@@ -390,7 +356,5 @@ def test_moe_decode_experts_form_compiles_for_sm90(tmp_path):
     assert tc == 0 and res["down_pair"]["cp.async.cg"] > 0, res
     # the preloading form: plain 16-byte loads (nothing to pipeline), the wait after them
     assert res["down_pair_preload"]["griddepcontrol.wait"] > 0, res
-    # the fused down + combine: the ids and the (k, I) weight rows loaded before its wait (more than the ids)
-    assert res["down_slots"]["loads_before_wait"] >= 2, res
     # launched with programmatic dependent launch on sm_90: each waits for its predecessor in its prologue
     assert all(r["griddepcontrol.wait"] > 0 for r in res.values()), res

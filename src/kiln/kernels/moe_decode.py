@@ -462,48 +462,6 @@ def _down_pair_kernel(
 
 
 @triton.jit
-def _down_slots_kernel(
-    H_ptr,  # (T * TOPK, I) contiguous: the up kernel's output
-    Idx_ptr,  # (T * TOPK,) contiguous expert ids
-    Wt_ptr,  # (T * TOPK,) contiguous routing weights
-    W_ptr,  # (E, d, I): w2[e, n, i] at W_ptr + e * stride_we + n * stride_wn + i * stride_wi
-    Y_ptr,  # (T, d) out, contiguous
-    I,
-    D,
-    stride_we,
-    stride_wn,
-    stride_wi,
-    TOPK: tl.constexpr,
-    TOPK_P2: tl.constexpr,  # pow2 >= max(TOPK, 2)
-    I_P2: tl.constexpr,  # pow2 >= I
-    PDL: tl.constexpr,
-):
-    """The down projection and the combine in one pass, program (token, column n): the n-th row of each of
-    the token's k experts' w2, (TOPK, I), read before the programmatic-launch wait (the up kernel, launched
-    with PDL, still streams gate/up), then the k pairs' h and out[t, n] = sum_j w_j * (w2[e_j, n] . h_j).
-    No float32 partials and no third launch; each weight row is read once (a top-k router's experts are
-    distinct within a token). The (TOPK, I) slice must fit the program's registers (`fuse_combine`)."""
-    t = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1).to(tl.int64)
-    slots = tl.arange(0, TOPK_P2)
-    s_ok = slots < TOPK
-    pair = t * TOPK + slots  # (TOPK_P2,)
-    offs_i = tl.arange(0, I_P2)
-    m = s_ok[:, None] & (offs_i < I)[None, :]
-    # the ids were written by the router, which the up kernel waited for before letting this kernel be
-    # scheduled (as in _down_pair_kernel): reading them, and the weights, before our own wait is safe
-    es = tl.load(Idx_ptr + pair, mask=s_ok, other=0).to(tl.int64)
-    w = tl.load(
-        W_ptr + es[:, None] * stride_we + n * stride_wn + offs_i[None, :] * stride_wi, mask=m, other=0.0
-    )
-    pdl_prologue(PDL)
-    h = tl.load(H_ptr + pair[:, None] * I + offs_i[None, :], mask=m, other=0.0).to(tl.float32)
-    y = tl.sum(w.to(tl.float32) * h, axis=1)  # (TOPK_P2,): each pair's down projection at column n
-    wt = tl.load(Wt_ptr + pair, mask=s_ok, other=0.0).to(tl.float32)
-    tl.store(Y_ptr + t * D + n, tl.sum(y * wt, axis=0).to(Y_ptr.dtype.element_ty))
-
-
-@triton.jit
 def _combine_kernel(
     P_ptr,  # (T * TOPK, d) float32, contiguous: the pairs' weighted down projections
     Y_ptr,  # (T, d) out, contiguous
@@ -529,7 +487,6 @@ _up_experts_launch = CachedLaunch(_up_experts_kernel)
 _down_experts_launch = CachedLaunch(_down_experts_kernel)
 _down_pair_launch = CachedLaunch(_down_pair_kernel)
 _combine_launch = CachedLaunch(_combine_kernel)
-_down_slots_launch = CachedLaunch(_down_slots_kernel)
 
 
 FORMS = ("auto", "pairs", "experts")
@@ -630,7 +587,6 @@ def moe_decode_fwd(
     rows: int | None = None,
     preload: bool | None = None,
     by_expert: bool | None = None,
-    fused: bool | None = None,
 ) -> torch.Tensor:
     """Launcher: out (T, d) in x's dtype. form: "pairs" (two kernels, each (token, expert) pair streams its
     expert), "experts" (each distinct expert streamed once for all its tokens: three kernels) or "auto" (the
@@ -638,8 +594,7 @@ def moe_decode_fwd(
     `expert_tiles` (experts). rows: the experts form's tokens per pass (default `expert_rows`; 1 or a power of
     two >= 16 for tl.dot). preload: the experts form at one row reads the down weights before waiting for the
     up kernel (default `preload_down`). by_expert: the experts form's tl.dot kernels take one program row per
-    expert instead of one per slot (default `by_expert_grid`). fused: at one row a pass, the down projection
-    and the combine as one kernel (default `fuse_combine`)."""
+    expert instead of one per slot (default `by_expert_grid`)."""
     _check(x, expert_idx, weights, w1, w2)
     if form not in FORMS:
         raise ValueError(f"moe_decode: form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
@@ -657,10 +612,10 @@ def moe_decode_fwd(
     wts = weights.reshape(-1)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     if form == "experts":
-        _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert, fused)
+        _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert)
         return out
-    if rows is not None or by_expert is not None or fused is not None:
-        raise ValueError("moe_decode: rows, by_expert and fused apply to form='experts' only")
+    if rows is not None or by_expert is not None:
+        raise ValueError("moe_decode: rows and by_expert apply to form='experts' only")
     up, down = config or (decode_tiles(d), decode_tiles(I))
     _up_launch[(T * k, cdiv(I, up.block_n))](
         x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
@@ -680,15 +635,6 @@ def preload_down(I: int) -> bool:
     return I <= 2048
 
 
-def fuse_combine(k: int, I: int) -> bool:
-    """Whether the experts form at one row a pass runs the down projection and the combine as one kernel
-    (`_down_slots_kernel`: a program per output column holding the column's row of all k experts) instead
-    of the per-pair down kernel and the combine: where k * I fits a program's registers at up to 8 warps
-    (pow2(k) * pow2(I) <= 16384: 64 values a thread) and the rows can be read before the wait
-    (`preload_down`)."""
-    return preload_down(I) and max(2, pow2(k)) * pow2(I) <= 16384
-
-
 def by_expert_grid(n_slots: int, n_experts: int) -> bool:
     """Whether the experts form's tl.dot kernels give each expert a program row (else each slot, whose
     non-leaders return at once): where there are fewer experts than slots, T*k > E (Qwen3-like from 17
@@ -697,7 +643,7 @@ def by_expert_grid(n_slots: int, n_experts: int) -> bool:
     return n_experts < n_slots
 
 
-def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert, fused) -> None:
+def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert) -> None:
     """The experts form's three launches (module docstring): up into h, down into float32 partials per
     pair, the combine into out. One row per pass (one or two tokens, or float64): the pairs form's up kernel
     (each pair streams its expert) and a down kernel per pair."""
@@ -709,30 +655,20 @@ def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert
             f"(tl.dot), got {rows} for {x.dtype}"
         )
     up, down = config or (expert_tiles(d, rows), expert_tiles(I, rows))
-    fused = rows == 1 and (fuse_combine(k, I) if fused is None else fused)
-    if fused and not preload_down(I):
-        raise ValueError(f"moe_decode: fused needs the down slices in registers (I <= 2048), got I = {I}")
+    part = torch.empty(T * k, d, dtype=torch.float32, device=x.device)  # every element written once
     # programmatic dependent launch (sm_90+, as kernels/decode_attention.py's split and combine): each of
     # this form's kernels (all but the pairs form's up kernel at one row) is scheduled while its predecessor
     # runs and waits for it in its prologue, so the third launch (the combine) adds no launch gap.
     # KILN_PDL=0 turns it off (A/B timing).
     use_pdl = pdl(x)
     if rows == 1:
-        preload = fused or (preload_down(I) if preload is None else preload)
+        preload = preload_down(I) if preload is None else preload
         up_pdl = use_pdl and preload  # the down kernel's preload needs it scheduled before the up kernel ends
         _up_launch[(T * k, cdiv(I, up.block_n))](
             x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
             BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, PDL=up_pdl, num_warps=up.warps,
             launch_pdl=up_pdl,
         )  # fmt: skip
-        if fused:  # 64 values of the (k, I) slice a thread: 4-8 warps
-            k_p2, i_p2 = max(2, pow2(k)), max(16, pow2(I))
-            _down_slots_launch[(T, d)](
-                h, idx, wts, w2, out, I, d, w2.stride(0), w2.stride(1), w2.stride(2), TOPK=k, TOPK_P2=k_p2,
-                I_P2=i_p2, PDL=use_pdl, num_warps=min(8, max(1, k_p2 * i_p2 // 2048)), launch_pdl=use_pdl,
-            )  # fmt: skip
-            return
-        part = torch.empty(T * k, d, dtype=torch.float32, device=x.device)  # every element written once
         _down_pair_launch[(T * k, cdiv(d, down.block_n))](
             h, idx, wts, w2, part, I, d, w2.stride(0), w2.stride(1), w2.stride(2), BLOCK_N=down.block_n,
             BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, PRELOAD=preload, I_P2=max(16, pow2(I)),
@@ -747,7 +683,6 @@ def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert
         meta = dict(TOPK=k, TOPK_P2=max(2, pow2(k)), T_P2=max(2, pow2(T)), ROWS=rows, BY_EXPERT=by_expert,
                     PRECISION=precision)  # fmt: skip
         programs = E if by_expert else T * k
-        part = torch.empty(T * k, d, dtype=torch.float32, device=x.device)  # every element written once
         _up_experts_launch[(programs, cdiv(I, up.block_n))](
             x, idx, w1, h, T, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), **meta,
             BLOCK_N=up.block_n, BLOCK_K=up.block_k, STAGES=up.stages, PDL=use_pdl, num_warps=up.warps,
