@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import os
 import sys
+import zlib
 from types import SimpleNamespace
 
 if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
@@ -386,10 +387,14 @@ def decode_experts_no_preload(x, idx, w, w1, w2):
 
 def decode_inputs(b: Bench, shape: str, B: int, routing: str):
     """A decode case's x (B, d), routing (B, k) and weights, its active experts and the bytes of their
-    weights (with the shared expert's where the shape has one: read once per step as well)."""
+    weights (with the shared expert's where the shape has one: read once per step as well). The routing is
+    drawn from a generator seeded by (shape, B, routing), not the run's: at a few tokens the Zipf draw sets
+    how many experts are active (14-22 for 24 slots at 3 tokens), so every script and run that times a
+    case (the quick case, bench/experiments/moe_decode_batch.py) times the same draw."""
     E, k, d, inter, sh = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
     x = b.randn(B, d)
-    idx, w = make_routing(B, E, k, routing, b.dev, b.gen)
+    gen = torch.Generator(device=b.dev).manual_seed(zlib.crc32(f"{shape}/{B}/{routing}".encode()))
+    idx, w = make_routing(B, E, k, routing, b.dev, gen)
     active = int(torch.unique(idx).numel())
     elem = torch.finfo(b.dtype).bits // 8
     return x, idx, w, active, active * 3 * inter * d * elem + (3 * (sh // 2) * d * elem if sh else 0)
