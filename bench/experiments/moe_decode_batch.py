@@ -14,7 +14,7 @@ experts' weights against a device copy of the same bytes (bench/moe.py's decode 
   at mm_config's default (and other tiles with --grouped-tiles), with the SwiGLU fused into the gate/up
   GEMM, and the experts form over slots and over experts at several tl.dot tiles.
 Then a kernel-by-kernel profile (torch.profiler, eager calls) of the grouped path and the experts form
-at 64 tokens under Zipf routing on the Qwen3-like shape: where the time goes.
+(default: 64 tokens under Zipf routing on the Qwen3-like shape; `--profile-case`): where the time goes.
 """
 
 from __future__ import annotations
@@ -137,16 +137,23 @@ def case(b: Bench, shape: str, T: int, routing: str, weights, grouped_tiles: boo
 
 
 def profile(b: Bench, shape: str, T: int, routing: str, weights, iters: int = 20) -> None:
-    """Kernel by kernel (torch.profiler over eager calls): us per call of each kernel, for the grouped path
-    and the experts form over experts."""
+    """Kernel by kernel (torch.profiler over eager calls): us per call of each kernel, for the grouped path,
+    the experts form (its default grid) and the pairs form, beside a device copy of the active experts'
+    bytes (the routed experts only)."""
     E, k, d, inter, _ = (SMOKE_SHAPES if b.smoke else SHAPES)[shape]
     w1, w2, _, _ = weights
     x = b.randn(T, d)
     idx, w = make_routing(T, E, k, routing, b.dev, b.gen)
-    out = dict(case="profile", shape=shape, tokens=T, routing=routing, iters=iters, results={})
+    active = int(torch.unique(idx).numel())
+    src = torch.empty(active * 3 * inter * d * w1.element_size() // 2, dtype=torch.uint8, device=b.dev)
+    dst = torch.empty_like(src)
+    out = dict(case="profile", shape=shape, tokens=T, routing=routing, iters=iters, active_experts=active,
+               results={})  # fmt: skip
     for name, f in (
         ("grouped", kiln_grouped_experts),
-        ("experts_by_expert", form("experts", by_expert=True)),
+        ("experts", form("experts")),
+        ("pairs", form("pairs")),
+        ("copy", lambda *a: dst.copy_(src)),
     ):
         run = fwd(f, [x, idx, w, w1, w2])
         run()
@@ -174,6 +181,12 @@ def main() -> int:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="decode batches, comma-separated")
     ap.add_argument("--grouped-tiles", action="store_true", help="also the grouped GEMM at other tiles")
     ap.add_argument("--no-profile", action="store_true", help="skip the kernel-by-kernel profile")
+    ap.add_argument(
+        "--profile-case",
+        default="qwen3-30b-a3b:64:zipf",
+        help="SHAPE:TOKENS:ROUTING of the profile (KILN_PDL=0 in the environment gives each "
+        "kernel's own time: with programmatic dependent launch a kernel's span includes its wait)",
+    )
     args = ap.parse_args()
     run = BenchRun("moe_decode_batch", __file__, args, rounds=3)
     b = Bench(run)
@@ -186,7 +199,8 @@ def main() -> int:
                 for routing in ("balanced", "zipf"):
                     case(b, shape, T, routing, weights[shape], args.grouped_tiles)
         if not b.smoke and not args.no_profile:
-            profile(b, shapes[1], 64, "zipf", weights[shapes[1]])
+            shape, T, routing = args.profile_case.split(":")
+            profile(b, shape, int(T), routing, weights[shape])
     run.write(cases=b.cases)
     return 0
 
