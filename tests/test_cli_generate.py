@@ -51,6 +51,10 @@ def test_every_model_form_generates_the_same_text(capsys, run_dir):
     assert first.startswith("def ") and err == ""
     for source in (run_dir / "checkpoints", ckpt, root / "kiln", root / "hf"):
         assert generate(capsys, source, "--max-new-tokens", "12") == (first, ""), source
+    # --model, as `kiln serve` and `kiln quantize` name it, is the same argument
+    argv = ["generate", "--model", str(root / "hf"), "--prompt", "def ", "--temperature", "0"]
+    assert main(argv + ["--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr() == (first, "")
 
 
 def test_convert_writes_the_tokenizer_beside_the_weights(run_dir):

@@ -238,6 +238,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--checkpoint",
+        "--model",  # the name `kiln serve`, `kiln quantize` and `kiln profile` give the same argument
+        dest="checkpoint",
         required=True,
         help="a run directory, its checkpoints/ or a .pt file, or a kiln / Hugging Face model directory "
         "written by `kiln convert` (it holds the tokenizer beside the weights)",
