@@ -186,6 +186,20 @@ def test_generate_missing_checkpoint(capsys, tmp_path):
     assert "is not a model" in msg and "kiln model directory" in msg
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["convert", "{src}", "{out}"], ["quantize", "--model", "{src}", "--scheme", "int8", "--out", "{out}"]],
+)
+def test_model_source_that_does_not_exist_or_holds_no_weights(capsys, tmp_path, argv):
+    # a path that is not there is named as such; a file that is there but holds no weights lists the forms
+    fill = lambda src: [a.format(src=src, out=tmp_path / "out") for a in argv]  # noqa: E731
+    msg = kiln_error(capsys, fill(tmp_path / "nope"))
+    assert "nope does not exist" in msg
+    (tmp_path / "notes.txt").write_text("not a model")
+    msg = kiln_error(capsys, fill(tmp_path / "notes.txt"))
+    assert "holds no weights kiln can read" in msg
+
+
 # ---- kiln tokenizer ----------------------------------------------------------------------------------------
 @pytest.fixture
 def corpus_dir(tmp_path):

@@ -181,6 +181,11 @@ def load_source(
         return _with_state(cfg, state["model"], device, dtype, str(ckpt)), "training"
     if path.is_dir() and (path / "config.json").is_file():
         return from_pretrained(path, device, dtype), "hf"
+    if not path.exists():
+        raise KilnError(
+            f"{src} does not exist: give an HF checkpoint directory, a kiln model directory or a training "
+            "run / checkpoint"
+        )
     raise KilnError(
         f"{src} holds no weights kiln can read: expected an HF checkpoint directory (config.json + safetensors), "
         "a kiln model directory (model.json + model.safetensors) or a training checkpoint"
