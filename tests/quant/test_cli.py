@@ -44,6 +44,17 @@ def test_rtn_and_gptq(model_dir, tmp_path, capsys):
             "--calib", str(calib), "--calib-seq-len", "32", "--act-order", "--device", "cpu"]  # fmt: skip
     assert main(argv) == 0
     assert json.loads((out4 / QUANT_CONFIG).read_text())["scheme"]["act_order"] is True
+    outg = tmp_path / "gptq"
+    argv = ["quantize", "--model", str(model_dir), "--scheme", "int4-g32", "--no-head", "--format", "gptq",
+            "--out", str(outg)]  # fmt: skip
+    assert main(argv) == 0
+    # `kiln generate` takes each output as it takes the float model: greedy text from the engine
+    capsys.readouterr()
+    for d in (model_dir, out, out4, outg):
+        assert main(["generate", "--model", str(d), "--prompt", "the ", "--max-new-tokens", "6",
+                     "--temperature", "0"]) == 0, d  # fmt: skip
+        text, err = capsys.readouterr()
+        assert text.startswith("the ") and len(text) > len("the \n") and err == "", (d, text, err)
 
 
 def test_bad_inputs_are_clear_errors(model_dir, tmp_path, capsys):

@@ -53,15 +53,15 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     from kiln.infer.config import EngineConfig
     from kiln.infer.engine import LLM
+    from kiln.infer.loading import load_generation_source
     from kiln.infer.sampling_params import SamplingParams
-    from kiln.model.checkpoint import load_for_generation
     from kiln.model.generate import ENDOFTEXT, check_sampling, plan_generation
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.n)
     prompts = _read_prompts(args)
     cfg = EngineConfig(device=args.device or "auto", dtype=args.dtype, block_size=16)
     device = cfg.resolve_device()
-    model, tok = load_for_generation(args.checkpoint, device, cfg.resolve_dtype(device))
+    model, tok = load_generation_source(args.checkpoint, device, cfg.resolve_dtype(device))
     context = model.config.max_seq_len
     plans = []
     for prompt in prompts:

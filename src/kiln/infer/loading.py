@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from kiln.errors import KilnError
-from kiln.model.checkpoint import load_source, tokenizer_dir
+from kiln.model.checkpoint import load_for_generation, load_source, tokenizer_dir
 from kiln.model.transformer import Transformer
 from kiln.quant.apply import is_quantized_dir, load_quantized
 from kiln.quant.gptq_format import gptq_config, load_gptq
@@ -53,3 +53,20 @@ def load_for_inference(
     tok_dir = tokenizer_dir(path)
     tok = Tokenizer.load(tok_dir) if tok_dir is not None else None  # none: prompts as token ids only
     return model, tok
+
+
+def load_generation_source(
+    path: str | Path, device: torch.device, dtype: torch.dtype
+) -> tuple[Transformer, Tokenizer]:
+    """`kiln generate`'s model and tokenizer: every source `kiln.model.checkpoint.load_for_generation` reads
+    (runs, checkpoints, kiln and HF directories), and quantized (`kiln quantize`) or GPTQ directories, whose
+    tokenizer lies beside the weights."""
+    if Path(path).is_dir() and (is_quantized_dir(path) or gptq_config(path) is not None):
+        model, tok = load_for_inference(path, device, dtype)
+        if tok is None:
+            raise KilnError(
+                f"no tokenizer beside the weights in {path}: `kiln quantize` copies its source's tokenizer; "
+                "put tokenizer.json and tokenizer_config.json there"
+            )
+        return model, tok
+    return load_for_generation(path, device, dtype)
