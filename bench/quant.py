@@ -19,6 +19,8 @@ Sections (each result checked against its reference in the same run):
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import functools
 import gc
 import os
@@ -38,6 +40,7 @@ from kiln.infer.engine import LLM
 from kiln.kernels.dispatch import sm_count, use_backend
 from kiln.kernels.fp8_matmul import (
     FP8,
+    Fp8Rows,
     fp8_decode_linear,
     fp8_decode_linear_ref,
     fp8_linear,
@@ -50,6 +53,8 @@ from kiln.kernels.fp8_matmul import (
 from kiln.kernels.matmul import linear
 from kiln.kernels.matmul_decode import DecodeConfig
 from kiln.kernels.quant_matmul import wq_linear, wq_matmul_fwd, wq_matmul_ref
+from kiln.kernels.rmsnorm import rmsnorm, rmsnorm_fp8
+from kiln.kernels.swiglu import swiglu, swiglu_fp8
 from kiln.model.config import ModelConfig
 from kiln.model.quant_linear import QuantLinear
 from kiln.model.transformer import build_model
@@ -64,6 +69,7 @@ ROWS = (1, 4, 16)
 PREFILL_M = 2048
 FORMATS = {"int8": ("int8", 0), "int4-g128": ("int4", 128), "int4-g32": ("int4", 32)}
 SMOKE_SHAPES = {"qkv": (128, 48), "down": (256, 40)}
+SMOKE_LAYER = {"qkv": (64, 192), "o": (64, 64), "gate_up": (64, 192), "down": (96, 64)}  # d 64, F 96
 SMOKE_ROWS = (1, 4)
 ENGINE_SCHEMES = ("bf16", "int8", "int4-g128", "fp8")
 
@@ -183,6 +189,217 @@ def prefill_section(run: BenchRun, dtype: torch.dtype, failed: dict[str, str]) -
         rows.append(row)
         run.log("prefill 8192^3: " + ", ".join(f"{f} {row[f]['TFLOPs']} TFLOP/s" for f in t))
     return rows
+
+
+# FP8 prefill tile candidates (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, tma); the first is the rule's
+FP8_PREFILL_CANDIDATES = [(128, 128, 128, 3, 8, False), (128, 128, 128, 3, 8, True), (128, 128, 128, 4, 8, True),
+                          (128, 256, 128, 3, 8, True), (128, 256, 64, 4, 8, True), (128, 256, 128, 3, 8, False),
+                          (256, 128, 128, 3, 8, True), (128, 128, 64, 5, 4, True)]  # fmt: skip
+
+
+@contextlib.contextmanager
+def _fp8_rows_off():
+    """The model's FP8 linears quantize their own inputs (the path before the fused producers)."""
+    saved = QuantLinear.takes_fp8_rows
+    QuantLinear.takes_fp8_rows = lambda self, x: False
+    try:
+        yield
+    finally:
+        QuantLinear.takes_fp8_rows = saved
+
+
+def fp8_prefill_section(run: BenchRun, failed: dict[str, str]) -> dict:
+    """FP8 weight + activation at prefill (2048 tokens, Qwen2.5-1.5B), against bf16 in the same run:
+    1. tiles: each projection's FP8 matmul over FP8_PREFILL_CANDIDATES, beside torch._scaled_mm and cuBLAS
+       bf16 (each checked against _scaled_mm); the winners that beat the rule by > 2% fill FP8_PREFILL_TABLE
+       for what follows;
+    2. layer: what FP8 changes in a dense layer (add + RMSNorm -> qkv, o, add + RMSNorm -> gate_up, SwiGLU ->
+       down) in bf16, in FP8 with fp8_linear quantizing every input, and with the norms and the SwiGLU
+       quantizing their own rows (rmsnorm_fp8, swiglu_fp8), at the rule's tiles, the swept tiles, and with
+       torch._scaled_mm as the GEMM; GPU time from CUDA graphs;
+    3. model: the decoder's hidden states over a 2048-token sequence (attention included, the head not: a
+       prefill computes logits for its last token), bf16 against FP8 before and after the fused producers."""
+    dev = run.device
+    dtype = torch.float16 if run.smoke else torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
+    M = 40 if run.smoke else PREFILL_M
+    shapes = SMOKE_LAYER if run.smoke else {k: v for k, v in SHAPES.items() if k != "head"}
+    cands = [(16, 16, 32, 1, 4, False)] if run.smoke else FP8_PREFILL_CANDIDATES
+    g = torch.Generator(device=dev).manual_seed(11)
+    out: dict = {"M": M, "tiles": [], "layer": None, "model": None, "table": {}}
+    weights = {}
+    for name, (K, N) in shapes.items():
+        w = (torch.randn(N, K, device=dev, generator=g) / K**0.5).to(dtype)
+        x = torch.randn(M, K, device=dev, generator=g).to(dtype)
+        wq = quantize_weight(w, "fp8")
+        w8, ws = wq["qweight"], wq["scales"].float()
+        weights[name] = (w, w8, ws)
+        a8, a_s = quantize_fp8(x, per_row=True)
+        want = fp8_matmul_ref(a8, a_s, w8, ws) if run.smoke else torch._scaled_mm(
+            a8, w8.t(), scale_a=a_s, scale_b=ws.reshape(1, -1).contiguous(), out_dtype=dtype)  # fmt: skip
+        fns = {"cublas_bf16": lambda x=x, w=w: F.linear(x, w)}
+        if not run.smoke:
+            ws_row = ws.reshape(1, -1).contiguous()
+            fns["scaled_mm"] = lambda a8=a8, a_s=a_s, w8=w8, s=ws_row: torch._scaled_mm(
+                a8, w8.t(), scale_a=a_s, scale_b=s, out_dtype=dtype)  # fmt: skip
+        for c in cands:
+
+            def call(c=c, a8=a8, a_s=a_s, w8=w8, ws=ws):
+                return fp8_matmul(a8, a_s, w8, ws, config=c)
+
+            with use_backend("triton"):
+                err = _try(failed, f"fp8 tile {name} {c}", lambda call=call, want=want: float(
+                    (call().double() - want.double()).abs().max() / want.double().abs().max()))  # fmt: skip
+            if err is not None and err < 2e-2:  # bf16 outputs of the same fp8 products: rounding apart
+                fns[str(c)] = call
+            elif err is not None:
+                failed[f"fp8 tile {name} {c}"] = f"max error {err:.3g} of the output's max against _scaled_mm"
+        with use_backend("triton"):
+            t = run.timer.interleaved(fns, graph=not run.smoke)
+        flop = 2 * M * N * K
+        row = {"shape": name, "M": M, "K": K, "N": N,
+               **{f: {"ms": round(r["ms"], 4), "TFLOPs": round(flop / r["ms"] / 1e9, 1)} for f, r in t.items()}}  # fmt: skip
+        tiles = [f for f in t if f.startswith("(")]
+        if tiles:
+            best = min(tiles, key=lambda f: t[f]["ms"])
+            rule = str(cands[0])
+            row["best"] = best
+            row["best_vs_rule"] = round(t[rule]["ms"] / t[best]["ms"], 3) if rule in t else None
+            row["best_vs_scaled_mm"] = (
+                round(t["scaled_mm"]["ms"] / t[best]["ms"], 3) if "scaled_mm" in t else None
+            )
+            row["best_vs_cublas_bf16"] = round(t["cublas_bf16"]["ms"] / t[best]["ms"], 3)
+            if rule not in t or row["best_vs_rule"] > 1.02:
+                out["table"][f"({N}, {K})"] = best
+        out["tiles"].append(row)
+        run.log(f"fp8 prefill {name}: best {row.get('best')} {row.get('best_vs_scaled_mm')}x _scaled_mm, "
+                f"{row.get('best_vs_cublas_bf16')}x cuBLAS bf16, {row.get('best_vs_rule')}x the rule")  # fmt: skip
+    with use_backend("triton"):
+        out["layer"] = _fp8_layer_chain(run, weights, M, dtype, out["table"], failed)
+        out["model"] = _fp8_model_prefill(run, M, dtype, out["table"], failed)
+    return out
+
+
+def _fp8_layer_chain(
+    run: BenchRun, weights: dict, M: int, dtype, table: dict, failed: dict[str, str]
+) -> dict:
+    """Section 2 of fp8_prefill_section: the layer's FP8-affected chain, every form in interleaved rounds."""
+    dev, d = run.device, weights["o"][0].shape[0]
+    g = torch.Generator(device=dev).manual_seed(12)
+    h, res, attn = (torch.randn(M, d, device=dev, generator=g).to(dtype) for _ in range(3))
+    gamma = 1 + 0.1 * torch.randn(d, device=dev, generator=g).to(dtype)
+    W = {k: v[0] for k, v in weights.items()}
+    Q = {k: (v[1], v[2]) for k, v in weights.items()}
+    Q_row = {k: (v[1], v[2].reshape(1, -1).contiguous()) for k, v in weights.items()}
+
+    def bf16():
+        x, r = rmsnorm(h, gamma, 1e-6, res)
+        F.linear(x, W["qkv"])
+        F.linear(attn, W["o"])
+        x, _ = rmsnorm(h, gamma, 1e-6, r)
+        return F.linear(swiglu(F.linear(x, W["gate_up"])), W["down"])
+
+    def fp8_unfused():
+        x, r = rmsnorm(h, gamma, 1e-6, res)
+        fp8_linear(x, *Q["qkv"])
+        fp8_linear(attn, *Q["o"])
+        x, _ = rmsnorm(h, gamma, 1e-6, r)
+        return fp8_linear(swiglu(fp8_linear(x, *Q["gate_up"])), *Q["down"])
+
+    def fp8_fused():
+        x, r = rmsnorm_fp8(h, gamma, 1e-6, res)
+        fp8_linear(x, *Q["qkv"])
+        fp8_linear(attn, *Q["o"])
+        x, _ = rmsnorm_fp8(h, gamma, 1e-6, r)
+        return fp8_linear(swiglu_fp8(fp8_linear(x, *Q["gate_up"])), *Q["down"])
+
+    def scaled(rows, name):
+        w8, s = Q_row[name]
+        return torch._scaled_mm(rows.q, w8.t(), scale_a=rows.scale, scale_b=s, out_dtype=dtype)
+
+    def fp8_fused_scaled_mm():
+        x, r = rmsnorm_fp8(h, gamma, 1e-6, res)
+        scaled(x, "qkv")
+        scaled(Fp8Rows(*quantize_fp8(attn, per_row=True), dtype), "o")
+        x, _ = rmsnorm_fp8(h, gamma, 1e-6, r)
+        return scaled(swiglu_fp8(scaled(x, "gate_up")), "down")
+
+    fns = {"bf16": bf16, "fp8_unfused": fp8_unfused, "fp8_fused": fp8_fused}
+    if not run.smoke:  # torch._scaled_mm: cuBLAS's FP8 GEMM, on the GPU
+        fns["fp8_fused_scaled_mm"] = fp8_fused_scaled_mm
+    fns = _working(fns, failed, "fp8 layer")
+    t = run.timer.interleaved(fns, graph=True)
+    swept = {}
+    if table:  # the swept tiles, timed in their own rounds beside bf16 and the rule's fused form
+        with _fp8_table(table):
+            t2 = run.timer.interleaved({"bf16": bf16, "fp8_fused": fp8_fused}, graph=True)
+        swept = {"fp8_fused_swept_tiles": t2["fp8_fused"], "bf16_same_rounds": t2["bf16"]}
+    ref = t["bf16"]["ms"]
+    res_ = {
+        f: {"ms": round(r["ms"], 4), "vs_bf16": round(ref / r["ms"], 3), "rounds": r["rounds"]}
+        for f, r in t.items()
+    }
+    for f, r in swept.items():
+        res_[f] = {"ms": round(r["ms"], 4), "rounds": r["rounds"],
+                   "vs_bf16": round(swept["bf16_same_rounds"]["ms"] / r["ms"], 3)}  # fmt: skip
+    run.log("fp8 layer chain: " + ", ".join(f"{f} {r['ms']} ms ({r['vs_bf16']}x)" for f, r in res_.items()))
+    return {"M": M, "parts": "add+rmsnorm, qkv, o, add+rmsnorm, gate_up, swiglu, down (attention excluded)",
+            **res_}  # fmt: skip
+
+
+@contextlib.contextmanager
+def _fp8_table(table: dict):
+    """FP8_PREFILL_TABLE holding the sweep's winners (keys "(N, K)", tiles as their str) for a while."""
+    from kiln.kernels import fp8_matmul as f8
+
+    saved = dict(f8.FP8_PREFILL_TABLE)
+    f8.FP8_PREFILL_TABLE.update({ast.literal_eval(k): ast.literal_eval(v) for k, v in table.items()})
+    try:
+        yield
+    finally:
+        f8.FP8_PREFILL_TABLE.clear()
+        f8.FP8_PREFILL_TABLE.update(saved)
+
+
+def _fp8_model_prefill(run: BenchRun, M: int, dtype, table: dict, failed: dict[str, str]) -> dict:
+    """Section 3 of fp8_prefill_section: hidden states of an M-token sequence, 16-bit against FP8."""
+    dev = run.device
+    if run.smoke:
+        cfg = ModelConfig(arch="qwen2", vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                          ffn_hidden=96, max_seq_len=M, qkv_bias=True)  # fmt: skip
+    else:
+        cfg = infer_bench.qwen2_1p5b_config(max_seq_len=M)
+    gen = torch.Generator(device=dev).manual_seed(13)
+    ids = torch.randint(0, cfg.vocab_size, (1, M), device=dev, generator=gen)
+    bf16 = build_model(cfg, device=dev, dtype=dtype, seed=0).eval()
+    fp8 = build_model(cfg, device=dev, dtype=dtype, seed=0).eval()
+    quantize_model(fp8, QuantScheme.parse("fp8"))
+
+    def fwd(model, rows_off=False):
+        def call():
+            with torch.inference_mode(), _fp8_rows_off() if rows_off else contextlib.nullcontext():
+                return model.hidden_states(ids)[0]
+
+        return call
+
+    fns = {"bf16": fwd(bf16), "fp8_unfused": fwd(fp8, rows_off=True), "fp8_fused": fwd(fp8)}
+    with torch.inference_mode():
+        a, b = fns["fp8_unfused"](), fns["fp8_fused"]()
+    same = bool(torch.equal(a, b))  # the fused producers give the same bits
+    t = run.timer.interleaved(_working(fns, failed, "fp8 model"), rep_ms=100)
+    if table:
+        with _fp8_table(table):
+            t2 = run.timer.interleaved({"bf16": fns["bf16"], "fp8_fused": fns["fp8_fused"]}, rep_ms=100)
+        t["fp8_fused_swept_tiles"] = {**t2["fp8_fused"], "vs": t2["bf16"]["ms"]}
+    ref = t["bf16"]["ms"]
+    res = {f: {"ms": round(r["ms"], 3), "vs_bf16": round(r.get("vs", ref) / r["ms"], 3), "rounds": r["rounds"]}
+           for f, r in t.items()}  # fmt: skip
+    run.log(f"fp8 model prefill (fused == unfused bits: {same}): "
+            + ", ".join(f"{f} {r['ms']} ms ({r['vs_bf16']}x)" for f, r in res.items()))  # fmt: skip
+    del bf16, fp8
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"tokens": M, "fused_bits_equal_unfused": same, **res}
 
 
 def engine_section(run: BenchRun, prompt: int, new: int, rounds: int, failed: dict[str, str]) -> dict:
@@ -720,8 +937,10 @@ def main() -> int:
         "--quality-text", help="held-out UTF-8 text for --quality-model (first half: GPTQ calibration)"
     )
     ap.add_argument("--quality-tokens", type=int, default=262144, help="held-out tokens to score")
-    ap.add_argument("--case", choices=("all", "decode-sweep", "quality"), default="all",
+    ap.add_argument("--case", choices=("all", "decode-sweep", "quality", "fp8-prefill"), default="all",
                     help="decode-sweep: only the decode config sweep, to bench/results/quant_sweep.json; "
+                    "fp8-prefill: FP8 prefill tiles, layer and model against bf16, to "
+                    "bench/results/quant_fp8_prefill.json; "
                     "quality: only the logit error and (with --quality-model) perplexity, on a GPU or at full "
                     "size on the CPU (float32 there), to bench/results/quant_quality.json")  # fmt: skip
     ap.add_argument(
@@ -734,7 +953,19 @@ def main() -> int:
         args.out = str(default_out("quant_sweep", __file__, False))
     if args.case == "quality":
         return quality_main(args)
+    if args.case == "fp8-prefill" and not args.out and not args.smoke:
+        args.out = str(default_out("quant_fp8_prefill", __file__, False))
     run = BenchRun("quant", __file__, args, rounds=3)
+    if args.case == "fp8-prefill":
+        failed = {}
+        res = _try(failed, "fp8-prefill", lambda: fp8_prefill_section(run, failed))
+        run.write(timing="GPU time: tiles and layer from CUDA graphs, the model with launches (do_bench), "
+                  "interleaved rounds, medians", complete=res is not None, failed=failed, fp8_prefill=res)  # fmt: skip
+        if res and res["table"]:
+            print(
+                "FP8_PREFILL_TABLE entries:\n" + "\n".join(f"    {k}: {v}," for k, v in res["table"].items())
+            )
+        return 1 if failed else 0
     if args.case == "decode-sweep":
         failed: dict[str, str] = {}
         timing = ("GPU time per call in CUDA graphs, each call on its own weight copy (L2-cold), candidates "

@@ -145,6 +145,25 @@ def test_quant_quality_smoke(tmp_path):
     assert abs(ppl["int8"] / ppl["bf16"] - 1) < 0.01, ppl  # int8 per channel: within 1% of float
 
 
+@pytest.mark.slow
+def test_quant_fp8_prefill_smoke(tmp_path):
+    """bench/quant.py --case fp8-prefill: the FP8 tile candidates checked against the reference, the layer
+    chain in every form, and the model's prefill with and without the fused producers (the same bits)."""
+    out = tmp_path / "fp8_prefill.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "KILN_COMMIT": "smoke-test"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(BENCH / "quant.py"), "--smoke", "--case", "fp8-prefill", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True and not doc["failed"]
+    res = doc["fp8_prefill"]
+    assert [r["shape"] for r in res["tiles"]] == ["qkv", "o", "gate_up", "down"]
+    assert {"bf16", "fp8_unfused", "fp8_fused"} <= set(res["layer"]) and res["model"][
+        "fused_bits_equal_unfused"
+    ]
+
+
 def test_gpu_suite_parses():
     """bench/gpu_suite.sh (the H200 command) is valid bash: a broken line there costs a device run."""
     proc = subprocess.run(["bash", "-n", str(BENCH / "gpu_suite.sh")], capture_output=True, text=True)

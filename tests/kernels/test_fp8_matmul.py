@@ -190,6 +190,27 @@ def test_matmul_matches_scaled_mm(per_row, M, N, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config", [(128, 128, 128, 3, 8, True), (128, 256, 64, 4, 8, True), (256, 128, 128, 3, 8, True)], ids=str
+)
+@pytest.mark.parametrize("M,N,K", [(500, 17920, 1536), (2048, 1536, 8960), (77, 48, 96)])
+def test_tma_tiles_match_scaled_mm(config, M, N, K):
+    """The tile kernel reading through tensor descriptors (prefill tiles, FP8_PREFILL_TABLE): ragged rows and
+    columns read as zero, as the block pointers' padding; bias added."""
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    a_q, a_s = quantize_fp8(x, per_row=True)
+    b_q, b_s = quantize_fp8(w, per_row=True)
+    c = fp8_matmul(a_q, a_s, b_q, b_s, bias, config=config)
+    want = torch._scaled_mm(a_q, b_q.t(), scale_a=a_s, scale_b=b_s.t().contiguous(), out_dtype=torch.float32)
+    assert_close(c, want.double() + bias.double(), torch.bfloat16)
+    assert torch.equal(
+        c, fp8_matmul(a_q, a_s, b_q, b_s, bias, config=config[:5])
+    )  # the same sums as pointers
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 4, 16])
 @pytest.mark.parametrize("N,K", [(2048, 1536), (17920, 1536), (1536, 8960)])
 def test_linear_at_decode_quantizes_in_the_kernel(M, N, K):

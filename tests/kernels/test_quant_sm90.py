@@ -34,9 +34,10 @@ def compile_(fn, ptrs, consts, divisible, **opts):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in [*ptrs, *divisible]}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
-    loads = Counter(re.findall(r"(ld\.global\.b8|cp\.async\.c[ag]\.shared\.global)", ptx))
+    loads = Counter(re.findall(r"(ld\.global\.b8|cp\.async\.c[ag]\.shared\.global|cp\.async\.bulk\.tensor)", ptx))
     return {"wgmma": "wgmma" in ptx, "byte_loads": loads["ld.global.b8"],
-            "async": loads["cp.async.ca.shared.global"] + loads["cp.async.cg.shared.global"]}
+            "async": loads["cp.async.ca.shared.global"] + loads["cp.async.cg.shared.global"],
+            "tma": loads["cp.async.bulk.tensor"]}
 
 ptrs = dict(X_ptr="*bf16", Q_ptr="*u8", S_ptr="*bf16", Z_ptr="*u8", Y_ptr="*bf16", Bias_ptr="*bf16")
 ints = ["M", "N", "K", "stride_xm", "stride_qn", "stride_sn"]
@@ -49,10 +50,12 @@ for bits, q in ((4, "*u8"), (8, "*i8")):  # the small-M tiles (quicker to compil
     c = dict(stride_xk=1, BITS=bits, GROUP=128 if bits == 4 else 1, HAS_ZERO=bits == 4, HAS_BIAS=False,
              PRECISION="ieee", BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, STAGES=4)
     out[f"int{bits} tile"] = compile_(qm._wq_tile_kernel, {**ptrs, "Q_ptr": q}, c, ints, num_warps=4, num_stages=4)
-c = dict(ROW_A=True, ROW_B=True, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, STAGES=4)
+c = dict(ROW_A=True, ROW_B=True, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, STAGES=4, TMA=False)
 fp8_ptrs = dict(A_ptr="*fp8e4nv", B_ptr="*fp8e4nv", SA_ptr="*fp32", SB_ptr="*bf16", C_ptr="*bf16", Bias_ptr="*bf16")
 out["fp8 tile"] = compile_(f8._fp8_tile_kernel, fp8_ptrs, c, ["M", "N", "K", "stride_am", "stride_bn"], num_warps=4,
                            num_stages=4)
+out["fp8 tile, TMA"] = compile_(f8._fp8_tile_kernel, fp8_ptrs, {**c, "TMA": True},
+                                ["M", "N", "K", "stride_am", "stride_bn"], num_warps=4, num_stages=4)
 # the decode kernel quantizing bf16 activations itself (QUANT_A), K split in two
 c = dict(ROW_A=False, ROW_B=True, HAS_BIAS=False, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, STAGES=3, QUANT_A=True)
 out["fp8 decode, x quantized inside"] = compile_(f8._fp8_decode_kernel, {**fp8_ptrs, "A_ptr": "*bf16"}, c,
@@ -126,6 +129,11 @@ def test_kernels_compile_for_sm90_with_vector_weight_streams(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, r in res.items():
-        assert r["async"] > 0, f"{name}: no cp.async in its PTX (the weight stream is not pipelined): {r}"
+        if "TMA" in name:  # tensor-descriptor copies, no per-thread cp.async
+            assert r["tma"] > 0 and r["async"] == 0, (
+                f"{name}: expected TMA copies (cp.async.bulk.tensor): {r}"
+            )
+        else:
+            assert r["async"] > 0, f"{name}: no cp.async in its PTX (the weight stream is not pipelined): {r}"
         assert r["byte_loads"] <= 2, f"{name}: {r['byte_loads']} one-byte global loads per thread: {r}"
         assert r["wgmma"] or name == "int4 gemv", f"{name}: no wgmma (tensor cores) in its PTX"

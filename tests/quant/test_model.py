@@ -99,6 +99,49 @@ def test_triton_path_equals_reference_path():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_fp8_producers_quantize_the_rows(monkeypatch):
+    """An FP8 model through the interpreter at 20 tokens (no swept decode config): the RMSNorms before qkv
+    and gate_up and the SwiGLU before down hand their rows over quantized (Fp8Rows), so fp8_linear quantizes
+    only o_proj's input and the head's; the logits are the bits of the path where fp8_linear quantizes every
+    input itself."""
+    from kiln.kernels import fp8_matmul
+
+    cfg = ModelConfig(
+        **{**CFG, "n_layers": 2, "d_model": 64, "ffn_hidden": 96, "vocab_size": 96}, tie_embeddings=True
+    )
+    model = build_model(cfg, seed=7).eval()
+    quantize_model(model, QuantScheme.parse("fp8"))
+    calls = []
+    quantize = fp8_matmul.quantize_fp8
+    monkeypatch.setattr(
+        fp8_matmul, "quantize_fp8", lambda x, *a, **k: calls.append(x.shape) or quantize(x, *a, **k)
+    )
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad(), use_backend("triton"):
+        fused = model(ids)
+        assert calls == [(20, 64)] * 3  # o_proj twice, the head
+        monkeypatch.setattr(QuantLinear, "takes_fp8_rows", lambda self, x: False)
+        calls.clear()
+        want = model(ids)
+        assert len(calls) == 2 * 4 + 1
+    assert torch.equal(fused, want)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_producers_give_the_same_logits(monkeypatch):
+    """bf16 on the GPU at 300 tokens: the norms and SwiGLU quantizing their rows give the logits of the path
+    where fp8_linear quantizes every input (tests/kernels/test_fp8_producers.py checks the kernels' bits)."""
+    cfg = ModelConfig(**{**CFG, "d_model": 256, "ffn_hidden": 640, "max_seq_len": 512}, tie_embeddings=True)
+    model = build_model(cfg, device="cuda", dtype=torch.bfloat16, seed=9).eval()
+    quantize_model(model, QuantScheme.parse("fp8"))
+    ids = torch.randint(0, 512, (1, 300), generator=torch.Generator().manual_seed(9)).cuda()
+    with torch.no_grad():
+        fused = model(ids)
+        monkeypatch.setattr(QuantLinear, "takes_fp8_rows", lambda self, x: False)
+        want = model(ids)
+    assert torch.equal(fused, want)
+
+
 def test_engine_loads_the_quantized_directory(tmp_path):
     from kiln.infer import SamplingParams
     from kiln.infer.engine import LLM

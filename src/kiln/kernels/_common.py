@@ -161,6 +161,23 @@ def apply_activation(x, ACTIVATION: tl.constexpr):
     return x
 
 
+# Per-row FP8 (e4m3) quantization, shared by kiln.kernels.fp8_matmul's quantize kernel and the producers
+# that quantize their own output rows (the RMSNorm and SwiGLU kernels' FP8 forms): one arithmetic, so a
+# fused producer gives the bits of the producer followed by quantize_fp8.
+@triton.jit
+def fp8_row_scale(amax):
+    """(scale, 1 / scale) for a row whose largest magnitude is amax (float32): scale = amax / 448 (e4m3's
+    largest finite value), at least 1e-12 so that an all-zero row divides by no zero."""
+    scale = tl.maximum(amax / 448.0, 1e-12)
+    return scale, 1.0 / scale
+
+
+@triton.jit
+def fp8_quantize(x, inv):
+    """float32 x times 1 / scale, saturated to +-448, as float8e4nv."""
+    return tl.minimum(tl.maximum(x * inv, -448.0), 448.0).to(tl.float8e4nv)
+
+
 # The backward's row loop: on the H200 (32768 x 4096 bf16, 2026-11-29) three pipeline stages with two
 # programs per SM measured best for both norms (RMSNorm 0.222 ms, LayerNorm 0.233 ms; one stage: 0.250
 # and 0.277; one program per SM: 0.35 and 0.40, Liger's choice). 8 and 16 warps tied. Fixed rather than

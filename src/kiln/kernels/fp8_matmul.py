@@ -27,11 +27,13 @@ GPU tests compare with torch._scaled_mm and with quantize + matmul.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import grouped_tile
+from kiln.kernels._common import fp8_quantize, fp8_row_scale, grouped_tile, tma_scratch
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.matmul_decode import DECODE_MAX_M, DecodeConfig, _split_sum_kernel, _store, table_rows
@@ -39,6 +41,21 @@ from kiln.kernels.matmul_decode import DECODE_MAX_M, DecodeConfig, _split_sum_ke
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12  # an all-zero row gets this scale (its q is 0 either way), never a division by zero
+
+
+class Fp8Rows(NamedTuple):
+    """Activations already quantized per row, as quantize_fp8(x) returns them: q (M, K) float8_e4m3fn and
+    scale (M, 1) float32, with dtype the activations' own dtype (the linear's output dtype). A producer that
+    quantizes its own output rows (kiln.kernels.rmsnorm.rmsnorm_fp8, kiln.kernels.swiglu.swiglu_fp8) hands
+    this to fp8_linear, which then runs the matmul alone: no quantize launch, no pass over x."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 # ------------------------------------------------------------------------------------------ reference
@@ -114,16 +131,14 @@ def _quantize_kernel(
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+        scale, inv = fp8_row_scale(tl.max(amax, axis=0))
         tl.store(S_ptr + row, scale)
     else:
-        scale = tl.load(S_ptr)
-    inv = 1.0 / scale
+        inv = 1.0 / tl.load(S_ptr)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
-        tl.store(Q_ptr + row * K + offs, q.to(tl.float8e4nv), mask=offs < K)
+        tl.store(Q_ptr + row * K + offs, fp8_quantize(x, inv), mask=offs < K)
 
 
 @triton.jit
@@ -147,18 +162,27 @@ def _fp8_tile_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     STAGES: tl.constexpr,
+    TMA: tl.constexpr,  # tiles through tensor descriptors (Hopper's TMA copies) instead of block pointers
 ):
     pid = tl.program_id(0)
     off_m, off_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    a_blk = tl.make_block_ptr(A_ptr, (M, K), (stride_am, 1), (off_m, 0), (BLOCK_M, BLOCK_K), (1, 0))
-    b_blk = tl.make_block_ptr(B_ptr, (N, K), (stride_bn, 1), (off_n, 0), (BLOCK_N, BLOCK_K), (1, 0))
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
-        a = tl.load(a_blk, boundary_check=(0, 1), padding_option="zero")
-        b = tl.load(b_blk, boundary_check=(0, 1), padding_option="zero")
-        acc = tl.dot(a, b.T, acc)  # (BLOCK_M, BLOCK_N), both operands K-major
-        a_blk = tl.advance(a_blk, (0, BLOCK_K))
-        b_blk = tl.advance(b_blk, (0, BLOCK_K))
+    if TMA:  # out-of-range rows and columns of a tile read as zero, as the block pointers' padding does
+        a_desc = tl.make_tensor_descriptor(A_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+        b_desc = tl.make_tensor_descriptor(B_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
+        for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
+            a = a_desc.load([off_m, k * BLOCK_K])
+            b = b_desc.load([off_n, k * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+    else:
+        a_blk = tl.make_block_ptr(A_ptr, (M, K), (stride_am, 1), (off_m, 0), (BLOCK_M, BLOCK_K), (1, 0))
+        b_blk = tl.make_block_ptr(B_ptr, (N, K), (stride_bn, 1), (off_n, 0), (BLOCK_N, BLOCK_K), (1, 0))
+        for _ in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
+            a = tl.load(a_blk, boundary_check=(0, 1), padding_option="zero")
+            b = tl.load(b_blk, boundary_check=(0, 1), padding_option="zero")
+            acc = tl.dot(a, b.T, acc)  # (BLOCK_M, BLOCK_N), both operands K-major
+            a_blk = tl.advance(a_blk, (0, BLOCK_K))
+            b_blk = tl.advance(b_blk, (0, BLOCK_K))
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
@@ -223,8 +247,7 @@ def _fp8_decode_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
-        sa = tl.maximum(amax / 448.0, 1e-12)  # (16,)
-        inv = 1.0 / sa
+        sa, inv = fp8_row_scale(amax)  # (16,)
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -232,7 +255,7 @@ def _fp8_decode_kernel(
         b = tl.load(b_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         a = tl.load(a_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if QUANT_A:
-            a = tl.minimum(tl.maximum(a.to(tl.float32) * inv[:, None], -448.0), 448.0).to(tl.float8e4nv)
+            a = fp8_quantize(a.to(tl.float32), inv[:, None])
         acc = tl.dot(b, a.T, acc)  # (BLOCK_N, 16)
     if QUANT_A:
         acc *= sa[None, :]
@@ -316,13 +339,18 @@ def fp8_table_entry(M: int, N: int, K: int) -> tuple[int, int, int, int, int] | 
     return FP8_DECODE_TABLE.get((table_rows(M), N, K)) if 0 < M <= DECODE_MAX_M else None
 
 
-def fp8_tile_config(M: int, N: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): a fixed rule, the tiles Triton's FP8 matmul tutorial
-    uses on Hopper (128x256x128 in 8 warps needs more shared memory per stage; 3 stages of 128x128x128
-    fit), 64-row tiles for short M."""
+# Prefill tiles by (N, K), for M > 64 rows: (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, tma), the winners of
+# `bench/quant.py --case fp8-prefill` on the H200 at 2048 rows; other shapes take the rule below.
+FP8_PREFILL_TABLE: dict[tuple[int, int], tuple[int, int, int, int, int, bool]] = {}
+
+
+def fp8_tile_config(M: int, N: int, K: int = 0) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps[, tma]): FP8_PREFILL_TABLE's entry past 64 rows, else a fixed
+    rule, the tiles Triton's FP8 matmul tutorial uses on Hopper (128x256x128 in 8 warps needs more shared
+    memory per stage; 3 stages of 128x128x128 fit), 64-row tiles for short M."""
     if M <= 64:
         return 64, 128, 128, 4, 4
-    return 128, 128, 128, 3, 8
+    return FP8_PREFILL_TABLE.get((N, K), (128, 128, 128, 3, 8))
 
 
 def fp8_matmul(
@@ -333,12 +361,13 @@ def fp8_matmul(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     *,
-    config: tuple[int, int, int, int, int] | DecodeConfig | None = None,
+    config: tuple[int, ...] | DecodeConfig | None = None,
 ) -> torch.Tensor:
     """C (M, N) = (a_q @ b_q.T) * a_scale * b_scale (+ bias): a_q (M, K), b_q (N, K) float8_e4m3fn, scales
     float32 (M, 1) or (1, 1), and (N, 1) or (1, 1). config: a tile tuple (BLOCK_M, BLOCK_N, BLOCK_K,
-    stages, warps), or a DecodeConfig("dot", BLOCK_N, BLOCK_K, split_k, warps, stages) for the decode
-    kernel (M <= 16: the weight as the tensor-core M side, K split across programs)."""
+    stages, warps[, tma]) (tma: tensor descriptors, on CUDA where the operands' alignment allows), or a
+    DecodeConfig("dot", BLOCK_N, BLOCK_K, split_k, warps, stages) for the decode kernel (M <= 16: the
+    weight as the tensor-core M side, K split across programs)."""
     if a_q.dtype != FP8 or b_q.dtype != FP8:
         raise TypeError(f"fp8_matmul takes float8_e4m3fn operands, got {a_q.dtype} and {b_q.dtype}")
     if a_q.dim() != 2 or b_q.dim() != 2 or a_q.shape[1] != b_q.shape[1]:
@@ -362,14 +391,22 @@ def fp8_matmul(
         config = fp8_table_entry(M, N, K)
     if isinstance(config, DecodeConfig):
         return _fp8_decode(a_q, a_scale, b_q, b_scale, bias, c, config)
-    bm, bn, bk, stages, warps = config or fp8_tile_config(M, N)
+    bm, bn, bk, stages, warps, *tma = config or fp8_tile_config(M, N, K)
+    tma = bool(tma and tma[0]) and a_q.is_cuda and _tma_ok(a_q) and _tma_ok(b_q)
+    if tma:
+        triton.set_allocator(tma_scratch)  # a context variable in triton, read at launch (per thread)
     _tile_launch[(cdiv(M, bm) * cdiv(N, bn),)](
         a_q, b_q, a_scale, b_scale, c, c if bias is None else bias, M, N, K, a_q.stride(0),
         b_q.stride(0), ROW_A=a_scale.numel() == M and M > 1, ROW_B=b_scale.numel() == N and N > 1,
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages,
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, TMA=tma,
         num_warps=warps,
     )  # fmt: skip
     return c
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A K-contiguous FP8 operand a tensor descriptor can read: 16-byte aligned base and row stride."""
+    return t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def _fp8_decode(
@@ -418,6 +455,21 @@ def fp8_linear_decode_config(M: int, N: int, K: int) -> DecodeConfig | None:
     return config if isinstance(config, DecodeConfig) else None
 
 
+def fp8_linear_takes_rows(x: torch.Tensor, w_q: torch.Tensor) -> bool:
+    """Whether a producer whose input is x (..., any) should quantize its output rows itself and hand
+    fp8_linear Fp8Rows for the (N, K) weight w_q: fp8_linear would otherwise quantize them in a launch of its
+    own, i.e. x's rows run on Triton, eagerly (a traced call takes the custom op, which takes float x), at
+    a shape with no swept decode config (those quantize x inside the decode kernel, at no launch). x's rows
+    are its leading dims; K is the weight's. Shapes and flags only: fixed for a captured CUDA graph."""
+    M = x.numel() // max(x.shape[-1], 1)
+    return (
+        M > 0
+        and not torch.compiler.is_compiling()
+        and use_triton(x, w_q)
+        and fp8_linear_decode_config(M, w_q.shape[0], w_q.shape[1]) is None
+    )
+
+
 def _fp8_linear_2d(
     x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -445,10 +497,13 @@ def _(x, w_q, w_scale, bias):
 
 
 def fp8_linear(
-    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor | Fp8Rows, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """nn.Linear with an FP8 weight (w_q (N, K) float8_e4m3fn, w_scale (N, 1) or (1, 1)) and activations
-    quantized per row on the fly: x (..., K) -> (..., N) in x's dtype."""
+    quantized per row on the fly: x (..., K) -> (..., N) in x's dtype. x may come quantized already
+    (Fp8Rows (M, K), from a producer that quantized its rows): then the matmul alone runs, (M, N)."""
+    if isinstance(x, Fp8Rows):
+        return fp8_matmul(x.q, x.scale, w_q, w_scale, bias, x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if torch.compiler.is_compiling():

@@ -42,6 +42,8 @@ from kiln.kernels._common import (
     as_rows,
     backward_programs,
     check_rows,
+    fp8_quantize,
+    fp8_row_scale,
     fwd_rows,
     needs_grad,
     pdl,
@@ -53,6 +55,7 @@ from kiln.kernels._common import (
     zero_counters,
 )
 from kiln.kernels.dispatch import use_triton
+from kiln.kernels.fp8_matmul import FP8, Fp8Rows, quantize_fp8_ref
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.matmul import matmul_ref
 
@@ -98,7 +101,8 @@ def _rmsnorm_fwd_kernel(
     X_ptr,  # (n_rows, D) input rows, last dim contiguous
     R_ptr,  # (n_rows, D) residual rows (read only if HAS_RESIDUAL)
     H_ptr,  # (n_rows, D) out: x + residual (written only if HAS_RESIDUAL)
-    Y_ptr,  # (n_rows, D) out: normalized rows
+    Y_ptr,  # (n_rows, D) out: normalized rows (float8e4nv with FP8)
+    S_ptr,  # (n_rows,) out with FP8: float32 per-row scales of Y (else unused)
     W_ptr,  # (D,) weight
     RSTD_ptr,  # (n_rows + COUNTERS,) out: float32 1/rms per row, for the backward, then its counters
     x_row_stride,  # elements between rows of X (and of R, H, Y: see launcher)
@@ -110,6 +114,7 @@ def _rmsnorm_fwd_kernel(
     offset,  # float, added to the weight
     HAS_RESIDUAL: tl.constexpr,
     FOR_BACKWARD: tl.constexpr,  # save rstd and zero the backward's counters (inference saves nothing)
+    FP8: tl.constexpr,  # quantize each output row to e4m3 with its own scale (rmsnorm_fp8; inference)
     ROWS: tl.constexpr,  # rows per program, as one (ROWS, BLOCK) tile: the weight is read once for all
     BLOCK: tl.constexpr,  # next_power_of_2(D): the whole row in one block
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
@@ -135,8 +140,15 @@ def _rmsnorm_fwd_kernel(
     # keeps that multiply in float32: without it the compiler fuses round-multiply-round into a packed
     # bf16 multiply (the same values), and that form ran 1.1% slower on the H200 (32768 x 4096 bf16,
     # bench/experiments/rmsnorm_liger_math.py: 134.9 against 133.4 us; the float32 form ties Liger's).
-    normed = (hf * rstd).to(Y_ptr.dtype.element_ty)
-    tl.store(Y_ptr + rows * y_row_stride + cols, (normed * w).to(Y_ptr.dtype.element_ty), mask=mask)
+    dt = X_ptr.dtype.element_ty  # the output dtype (Y's, but for FP8)
+    y = ((hf * rstd).to(dt) * w).to(dt)
+    if (
+        FP8
+    ):  # the rounded row, then quantize_fp8's per-row arithmetic on it (the same bits as the two kernels)
+        scale, inv = fp8_row_scale(tl.max(tl.abs(y.to(tl.float32)), axis=1))  # (ROWS,)
+        tl.store(S_ptr + rows, scale[:, None], mask=rows < n_rows)
+        y = fp8_quantize(y.to(tl.float32), inv[:, None])
+    tl.store(Y_ptr + rows * y_row_stride + cols, y, mask=mask)
     if FOR_BACKWARD:
         tl.store(RSTD_ptr + rows, rstd, mask=rows < n_rows)
         zero_counters(RSTD_ptr + n_rows)  # the backward's counters, after the n_rows rstd values
@@ -199,18 +211,20 @@ def rmsnorm_fwd(
     rows: int | None = None,
     for_backward: bool = True,
     offset: float = 0.0,
+    scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the forward. Returns (y, h, rstd) with y and h as (n_rows, D) rows (h is x's rows without a
     residual) and rstd the (n_rows + COUNTERS,) float32 statistics the backward takes: 1/rms per row,
     then its zeroed counters (None when not `for_backward`: inference writes y and h alone).
-    rows: rows per program (a power of two; default `fwd_rows`)."""
+    rows: rows per program (a power of two; default `fwd_rows`). scales: an (n_rows, 1) float32 tensor to
+    take y's per-row FP8 scales; y is then float8_e4m3fn (rmsnorm_fp8)."""
     check_rows("rmsnorm", x, weight, residual)
     D = x.shape[-1]
     x2 = as_rows(x, D)
     r2 = None if residual is None else as_rows(residual, D)
     n_rows = x2.shape[0]
-    y = torch.empty((n_rows, D), dtype=x.dtype, device=x.device)
-    h = x2 if r2 is None else torch.empty_like(y)
+    y = torch.empty((n_rows, D), dtype=x.dtype if scales is None else FP8, device=x.device)
+    h = x2 if r2 is None else torch.empty((n_rows, D), dtype=x.dtype, device=x.device)
     rstd = (
         torch.empty(n_rows + COUNTERS.value, dtype=torch.float32, device=x.device) if for_backward else None
     )
@@ -219,10 +233,10 @@ def rmsnorm_fwd(
     block = pow2(D)
     rows = rows or fwd_rows(block)
     _fwd_launch[(cdiv(n_rows, rows),)](
-        x2, x2 if r2 is None else r2, h, y, weight, y if rstd is None else rstd,
-        x2.stride(0), 0 if r2 is None else r2.stride(0), D,
+        x2, x2 if r2 is None else r2, h, y, x2 if scales is None else scales, weight,
+        x2 if rstd is None else rstd, x2.stride(0), 0 if r2 is None else r2.stride(0), D,
         n_rows, D, eps, offset,
-        HAS_RESIDUAL=r2 is not None, FOR_BACKWARD=for_backward,
+        HAS_RESIDUAL=r2 is not None, FOR_BACKWARD=for_backward, FP8=scales is not None,
         ROWS=rows, BLOCK=block, num_warps=num_warps or row_warps(block), PDL=pdl(x2), launch_pdl=pdl(x2),
     )  # fmt: skip
     return y, h, rstd
@@ -346,6 +360,42 @@ def _rmsnorm_backward(ctx, dy, dh, _drstd):
 
 
 rmsnorm_fwd_op.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup)
+
+
+def rmsnorm_fp8_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    offset: float = 0.0,
+) -> tuple[Fp8Rows, torch.Tensor]:
+    """The two ops rmsnorm_fp8 fuses: the RMSNorm reference, then quantize_fp8's reference per row."""
+    out = rmsnorm_ref(x, weight, eps, residual, offset)
+    y, h = out if residual is not None else (out, x)
+    y2 = y.reshape(-1, x.shape[-1])
+    return Fp8Rows(*quantize_fp8_ref(y2, per_row=True), x.dtype), h
+
+
+def rmsnorm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    offset: float = 0.0,
+) -> tuple[Fp8Rows, torch.Tensor]:
+    """(rows of norm(x + residual) quantized per row to FP8, x + residual): the RMSNorm before an FP8 linear
+    (kiln.kernels.fp8_matmul.fp8_linear takes the Fp8Rows as they come). The kernel rounds the normalized
+    row to x's dtype, as rmsnorm returns it, and quantizes it as quantize_fp8 does, in registers: the bits
+    of quantize_fp8(rmsnorm(...)), one launch and one pass over the rows less. Without residual, h is x.
+    Inference only (no gradient); the rows are x's (n_rows, D) with n_rows = x.numel() // D."""
+    if not use_triton(x, weight, residual):
+        return rmsnorm_fp8_ref(x, weight, eps, residual, offset)
+    if needs_grad(x, weight, residual):
+        raise ValueError("rmsnorm_fp8 is for inference: its FP8 output has no gradient")
+    n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    scales = torch.empty((n_rows, 1), dtype=torch.float32, device=x.device)
+    y, h, _ = rmsnorm_fwd(x, weight, eps, residual, for_backward=False, offset=float(offset), scales=scales)
+    return Fp8Rows(y, scales, x.dtype), (x if residual is None else shaped(h, x.shape))
 
 
 def rmsnorm(

@@ -25,9 +25,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import FLOAT_DTYPES, needs_grad, pdl, pdl_prologue
+from kiln.kernels._common import FLOAT_DTYPES, fp8_quantize, fp8_row_scale, needs_grad, pdl, pdl_prologue
 from kiln.kernels.dispatch import use_triton
-from kiln.kernels.launch import CachedLaunch, cdiv
+from kiln.kernels.fp8_matmul import FP8, Fp8Rows, quantize_fp8_ref
+from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.matmul import matmul_ref
 from kiln.kernels.matmul_decode import DECODE_MAX_M, decode_matmul
 
@@ -59,10 +60,48 @@ def _swiglu_fwd_kernel(
     row = pid // n_col_blocks
     cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    g = tl.load(G_ptr + row * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U_ptr + row * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    out = g * tl.sigmoid(g) * u
+    out = _silu_mul(G_ptr + row * g_row_stride, U_ptr + row * u_row_stride, cols, mask)
     tl.store(O_ptr + row * o_row_stride + cols, out.to(O_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul(G_row, U_row, cols, mask):
+    """float32 silu(g) * u at the columns `cols` of one row (0 where masked)."""
+    g = tl.load(G_row + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U_row + cols, mask=mask, other=0.0).to(tl.float32)
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def _swiglu_fp8_kernel(
+    G_ptr,  # (n_rows, H) gate, last dim contiguous
+    U_ptr,  # (n_rows, H) up
+    Q_ptr,  # (n_rows, H) out: float8e4nv, contiguous
+    S_ptr,  # (n_rows,) out: float32 per-row scales
+    g_row_stride,
+    u_row_stride,
+    n_cols,  # H
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One row a program, in BLOCK-wide chunks, twice: the first pass takes the amax of silu(g) * u rounded
+    to the input dtype (what swiglu stores), the second recomputes each chunk (its inputs now in L1/L2) and
+    stores it quantized with the row's scale (quantize_fp8's arithmetic: the bits of the two kernels)."""
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    g_row, u_row = G_ptr + row * g_row_stride, U_ptr + row * u_row_stride
+    dt = G_ptr.dtype.element_ty
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        a = _silu_mul(g_row, u_row, cols, cols < n_cols).to(dt).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(a))
+    scale, inv = fp8_row_scale(tl.max(amax, axis=0))
+    tl.store(S_ptr + row, scale)
+    for c0 in range(0, n_cols, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        a = _silu_mul(g_row, u_row, cols, cols < n_cols).to(dt).to(tl.float32)
+        tl.store(Q_ptr + row * n_cols + cols, fp8_quantize(a, inv), mask=cols < n_cols)
 
 
 @triton.jit
@@ -96,6 +135,7 @@ def _swiglu_bwd_kernel(
 
 
 _fwd_launch = CachedLaunch(_swiglu_fwd_kernel)
+_fp8_launch = CachedLaunch(_swiglu_fp8_kernel)
 _bwd_launch = CachedLaunch(_swiglu_bwd_kernel)
 
 
@@ -252,6 +292,36 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
         return SwiGLUFunction.apply(gate, up)
     g, u = _split(gate, up)
     return swiglu_fwd(g, u).view(*gate.shape[:-1], g.shape[-1])
+
+
+FP8_BLOCK = 2048  # swiglu_fp8's chunk: 16 values of gate and of up per thread at 4 warps
+
+
+def swiglu_fp8_ref(gate: torch.Tensor, up: torch.Tensor | None = None) -> Fp8Rows:
+    """The two ops swiglu_fp8 fuses: the SwiGLU reference, then quantize_fp8's reference per row."""
+    a = swiglu_ref(gate, up)
+    return Fp8Rows(*quantize_fp8_ref(a.reshape(-1, a.shape[-1]), per_row=True), a.dtype)
+
+
+def swiglu_fp8(gate: torch.Tensor, up: torch.Tensor | None = None) -> Fp8Rows:
+    """silu(gate) * up with each row quantized to FP8 (its own scale): the activation before an FP8 down
+    projection (kiln.kernels.fp8_matmul.fp8_linear takes the Fp8Rows as they come), as (n_rows, H) rows. The
+    bits of quantize_fp8(swiglu(gate, up)), without the (n_rows, H) activation in memory or the quantize
+    launch. Inference only (no gradient)."""
+    if not use_triton(gate, up):
+        return swiglu_fp8_ref(gate, up)
+    if needs_grad(gate, up):
+        raise ValueError("swiglu_fp8 is for inference: its FP8 output has no gradient")
+    g, u = _split(gate, up)
+    n_rows, H = g.shape
+    q = torch.empty((n_rows, H), dtype=FP8, device=g.device)
+    scales = torch.empty((n_rows, 1), dtype=torch.float32, device=g.device)
+    if n_rows and H:
+        _fp8_launch[(n_rows,)](
+            g, u, q, scales, g.stride(0), u.stride(0), H, BLOCK=min(pow2(H), FP8_BLOCK), num_warps=4,
+            PDL=pdl(g), launch_pdl=pdl(g),
+        )  # fmt: skip
+    return Fp8Rows(q, scales, g.dtype)
 
 
 # ================================================================================================

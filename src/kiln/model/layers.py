@@ -14,14 +14,22 @@ import torch.nn.functional as F
 
 from kiln.kernels.attention import attention, tuning_lengths
 from kiln.kernels.decode_attention import MAX_SPLITS, decode_attention
+from kiln.kernels.fp8_matmul import Fp8Rows
 from kiln.kernels.layernorm import layernorm
 from kiln.kernels.paged_kv import paged_kv_write
-from kiln.kernels.rmsnorm import rmsnorm
+from kiln.kernels.rmsnorm import rmsnorm, rmsnorm_fp8
 from kiln.kernels.rope import apply_rope, qkv_rope, qkv_rope_supported, rope_kv_write
-from kiln.kernels.swiglu import swiglu
+from kiln.kernels.swiglu import swiglu, swiglu_fp8
 from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.config import KernelConfig, ModelConfig, decode_qkv, decode_swiglu
 from kiln.model.linear import Linear, MergedLinear, decode_step_fusable
+from kiln.model.quant_linear import QuantLinear
+
+
+def takes_fp8_rows(linear: nn.Module | None, x: torch.Tensor) -> bool:
+    """Whether `linear`'s input, made from x (N, any) by a norm or the SwiGLU, should reach it quantized by
+    its producer (QuantLinear.takes_fp8_rows)."""
+    return isinstance(linear, QuantLinear) and linear.takes_fp8_rows(x)
 
 
 class Norm(nn.Module):
@@ -40,11 +48,16 @@ class Norm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, *, into: nn.Module | None = None
+    ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+        """into: the linear that takes the output. Where it is an FP8 QuantLinear that wants its rows
+        quantized by their producer (QuantLinear.takes_fp8_rows), an RMSNorm returns them as Fp8Rows
+        (kiln.kernels.rmsnorm.rmsnorm_fp8: the same bits as norm, then quantize, one launch less)."""
         if residual is not None and residual.dtype != x.dtype:
             wide = torch.promote_types(x.dtype, residual.dtype)
             x, residual = x.to(wide), residual.to(wide)
+        if self.bias is None and takes_fp8_rows(into, x):
+            return rmsnorm_fp8(x, self.weight, self.eps, residual)
         if self.bias is None:
             out = rmsnorm(x, self.weight, self.eps, residual)
         else:
@@ -149,7 +162,8 @@ class Attention(nn.Module):
         KILN_DECODE_QKV=fused, a one-token paged decode step with RoPE and no q/k norm, the projection on
         kiln's decode matmul (a plain weight, no hooks) at shapes the kernel takes."""
         return (
-            x.shape[0] == 1
+            isinstance(x, torch.Tensor)  # not Fp8Rows (an FP8 projection's input)
+            and x.shape[0] == 1
             and kv_cache is not None
             and rope is not None
             and meta.decode
@@ -295,7 +309,7 @@ class GatedMLP(nn.Module):
             # the H200 at one row (Qwen2.5-1.5B shape, CUDA graphs) it took 415 us a step for the 28 layers
             # against 287 us for the SwiGLU kernel + the decode matmul, since every column block recomputes
             # the SwiGLU of the whole row (docs/perf/inference.md).
-            a = swiglu(h, None)  # (N, F)
+            a = swiglu_fp8(h) if takes_fp8_rows(self.down_proj, h) else swiglu(h, None)  # (N, F)
         if stream is not None:
             return self.down_proj.add_to_stream(a, stream)
         return self.down_proj(a)

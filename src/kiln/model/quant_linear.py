@@ -6,7 +6,8 @@
   zeros uint8 (N, K / G) when asymmetric (symmetric: the zero point 8 is implied);
 - "fp8": qweight (N, K) e4m3 bits held as uint8 (a Module.to(dtype) casts every floating-point tensor,
   float8 included; uint8 it leaves alone, and the forward views the bits as float8 for free), scales (N, 1);
-  activations are quantized per row at run time (kiln.kernels.fp8_matmul).
+  activations are quantized per row at run time (kiln.kernels.fp8_matmul), by the RMSNorm or SwiGLU kernel
+  that produces them where `takes_fp8_rows` says so (the model passes Fp8Rows), else by fp8_linear.
 Scales are float values representable in bfloat16 (kiln.quant rounds them before quantizing), so casting
 the model to bfloat16, float16 or float32 leaves them exact. The bias stays a float parameter.
 
@@ -25,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from kiln.kernels.fp8_matmul import FP8, fp8_linear
+from kiln.kernels.fp8_matmul import FP8, Fp8Rows, fp8_linear, fp8_linear_takes_rows
 from kiln.kernels.quant_matmul import GROUP_SIZES, wq_linear
 from kiln.model.linear import Linear, MergedLinear
 
@@ -98,13 +99,21 @@ class QuantLinear(nn.Module):
         if bias is not None:
             self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """x (..., K) -> (..., N); an FP8 linear also takes Fp8Rows (M, K) (see takes_fp8_rows) -> (M, N)."""
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:  # a float32 bias under 16-bit activations
             bias = bias.to(x.dtype)
         if self.kind == "fp8":
             return fp8_linear(x, self.qweight.view(FP8), self.scales, bias)
         return wq_linear(x, self.qweight, self.scales, self.zeros, self.bits, self.group_size, bias)
+
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether the producer of this linear's input (a norm or the SwiGLU, whose own input is x (N, any))
+        should quantize its output rows and hand them over as Fp8Rows: an FP8 linear on a flat (N, K) token
+        stream whose fp8_linear would otherwise quantize them in a launch of its own (prefill, and decode
+        shapes without a swept decode config: kiln.kernels.fp8_matmul.fp8_linear_takes_rows)."""
+        return self.kind == "fp8" and x.dim() == 2 and fp8_linear_takes_rows(x, self.qweight)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.parts is None:

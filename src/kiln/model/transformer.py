@@ -55,9 +55,10 @@ class Block(nn.Module):
     def forward(self, h, residual, rope, meta, kv_cache=None, key_rope=None):
         """h: the previous sublayer's output (N, d); residual: the stream it adds to (None before the
         first block). Returns (this block's MLP output, the stream before it, the MoE aux loss or None)."""
-        x, residual = self.input_layernorm(h, residual)
+        x, residual = self.input_layernorm(h, residual, into=self.self_attn.qkv_proj)
         h = self.self_attn(x, rope, meta, kv_cache, key_rope)
-        x, residual = self.post_attention_layernorm(h, residual)
+        gate_up = self.mlp.gate_up_proj if isinstance(self.mlp, GatedMLP) else None
+        x, residual = self.post_attention_layernorm(h, residual, into=gate_up)
         if isinstance(self.mlp, SparseMoE):
             h, aux = self.mlp(x)
             return h, residual, aux
