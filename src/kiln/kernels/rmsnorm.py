@@ -142,13 +142,16 @@ def _rmsnorm_fwd_kernel(
     # bench/experiments/rmsnorm_liger_math.py: 134.9 against 133.4 us; the float32 form ties Liger's).
     dt = X_ptr.dtype.element_ty  # the output dtype (Y's, but for FP8)
     y = ((hf * rstd).to(dt) * w).to(dt)
-    if (
-        FP8
-    ):  # the rounded row, then quantize_fp8's per-row arithmetic on it (the same bits as the two kernels)
+    y_offs = rows * y_row_stride + cols
+    if FP8:  # the rounded row, then quantize_fp8's per-row arithmetic on it
         scale, inv = fp8_row_scale(tl.max(tl.abs(y.to(tl.float32)), axis=1))  # (ROWS,)
         tl.store(S_ptr + rows, scale[:, None], mask=rows < n_rows)
         y = fp8_quantize(y.to(tl.float32), inv[:, None])
-    tl.store(Y_ptr + rows * y_row_stride + cols, y, mask=mask)
+        # 8-byte stores, 8 values a thread as the 16-bit loads: left to itself the compiler gives the 1-byte
+        # store 16-byte vectors and lays the whole tile out for them, which changes the order in which rstd's
+        # sum adds (other bits than rmsnorm's) and converts h's layout for its store through shared memory
+        y_offs = tl.max_contiguous(tl.multiple_of(y_offs, [1, 8]), [1, 8])
+    tl.store(Y_ptr + y_offs, y, mask=mask)
     if FOR_BACKWARD:
         tl.store(RSTD_ptr + rows, rstd, mask=rows < n_rows)
         zero_counters(RSTD_ptr + n_rows)  # the backward's counters, after the n_rows rstd values

@@ -25,7 +25,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import FLOAT_DTYPES, fp8_quantize, fp8_row_scale, needs_grad, pdl, pdl_prologue
+from kiln.kernels._common import (
+    FLOAT_DTYPES,
+    MAX_ROW,
+    fp8_quantize,
+    fp8_row_scale,
+    needs_grad,
+    pdl,
+    pdl_prologue,
+    row_warps,
+)
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.fp8_matmul import FP8, Fp8Rows, quantize_fp8_ref
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
@@ -81,27 +90,21 @@ def _swiglu_fp8_kernel(
     g_row_stride,
     u_row_stride,
     n_cols,  # H
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,  # >= H: the whole row in registers
     PDL: tl.constexpr,
 ):
-    """One row a program, in BLOCK-wide chunks, twice: the first pass takes the amax of silu(g) * u rounded
-    to the input dtype (what swiglu stores), the second recomputes each chunk (its inputs now in L1/L2) and
-    stores it quantized with the row's scale (quantize_fp8's arithmetic: the bits of the two kernels)."""
+    """One row a program, held in registers: silu(g) * u rounded to the input dtype (what swiglu stores),
+    its amax, and the row stored quantized with its scale (quantize_fp8's arithmetic: the bits of the two
+    kernels). One pass over gate and up; a second pass (a row past registers) would read them again."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
-    g_row, u_row = G_ptr + row * g_row_stride, U_ptr + row * u_row_stride
-    dt = G_ptr.dtype.element_ty
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for c0 in range(0, n_cols, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        a = _silu_mul(g_row, u_row, cols, cols < n_cols).to(dt).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(a))
-    scale, inv = fp8_row_scale(tl.max(amax, axis=0))
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    a = _silu_mul(G_ptr + row * g_row_stride, U_ptr + row * u_row_stride, cols, ok)
+    a = a.to(G_ptr.dtype.element_ty).to(tl.float32)
+    scale, inv = fp8_row_scale(tl.max(tl.abs(a), axis=0))
     tl.store(S_ptr + row, scale)
-    for c0 in range(0, n_cols, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        a = _silu_mul(g_row, u_row, cols, cols < n_cols).to(dt).to(tl.float32)
-        tl.store(Q_ptr + row * n_cols + cols, fp8_quantize(a, inv), mask=cols < n_cols)
+    tl.store(Q_ptr + row * n_cols + cols, fp8_quantize(a, inv), mask=ok)
 
 
 @triton.jit
@@ -294,9 +297,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     return swiglu_fwd(g, u).view(*gate.shape[:-1], g.shape[-1])
 
 
-FP8_BLOCK = 2048  # swiglu_fp8's chunk: 16 values of gate and of up per thread at 4 warps
-
-
 def swiglu_fp8_ref(gate: torch.Tensor, up: torch.Tensor | None = None) -> Fp8Rows:
     """The two ops swiglu_fp8 fuses: the SwiGLU reference, then quantize_fp8's reference per row."""
     a = swiglu_ref(gate, up)
@@ -314,11 +314,14 @@ def swiglu_fp8(gate: torch.Tensor, up: torch.Tensor | None = None) -> Fp8Rows:
         raise ValueError("swiglu_fp8 is for inference: its FP8 output has no gradient")
     g, u = _split(gate, up)
     n_rows, H = g.shape
+    if H > MAX_ROW:
+        raise ValueError(f"swiglu_fp8: rows of {H} values exceed the kernel's {MAX_ROW} (a row in registers)")
     q = torch.empty((n_rows, H), dtype=FP8, device=g.device)
     scales = torch.empty((n_rows, 1), dtype=torch.float32, device=g.device)
     if n_rows and H:
+        block = pow2(H)
         _fp8_launch[(n_rows,)](
-            g, u, q, scales, g.stride(0), u.stride(0), H, BLOCK=min(pow2(H), FP8_BLOCK), num_warps=4,
+            g, u, q, scales, g.stride(0), u.stride(0), H, BLOCK=block, num_warps=row_warps(block),
             PDL=pdl(g), launch_pdl=pdl(g),
         )  # fmt: skip
     return Fp8Rows(q, scales, g.dtype)
