@@ -329,8 +329,6 @@ def _fp8_layer_chain(
         "swiglu": lambda: swiglu(gate_up),
         "swiglu+quantize": lambda: quantize_fp8(swiglu(gate_up), per_row=True),
         "swiglu_fp8": lambda: swiglu_fp8(gate_up),
-        "swiglu_fp8 8 warps": lambda: swiglu_fp8(gate_up, num_warps=8),
-        "swiglu_fp8 16 warps": lambda: swiglu_fp8(gate_up, num_warps=16),
         "quantize(o input)": lambda: quantize_fp8(attn, per_row=True),
     }
     gate_up = torch.randn(M, 2 * weights["down"][0].shape[1], device=dev, generator=g).to(dtype)

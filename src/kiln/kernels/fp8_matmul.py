@@ -19,12 +19,6 @@ FP8 weight + activation inference (the tile config is a fixed rule, no autotuner
 At decode sizes with a swept decode config the decode kernel quantizes x itself (QUANT_A: one scale per
 row and K slice, the per-row scale where K is not split), so a decode step's projection is one launch
 (two with a K split), not a quantize launch more.
-Accumulation: Hopper's FP8 tensor cores keep a running sum of limited precision (about 14 bits, the
-DeepSeek-V3 report measured on H800), and Triton lets a dot's whole K range accumulate there on sm_90 by
-default; at K = 8960 a few outputs in millions then differed from torch._scaled_mm (cuBLAS, which promotes)
-by 2-3x bf16's rounding (the H200 GPU tests at ea25b6b). Every kernel here passes
-max_num_imprecise_acc=BLOCK_K: each K step's products are summed by the tensor cores, then added to the
-float32 accumulator, the promotion interval DeepSeek-V3 uses (128).
 FP8 needs sm_89+. Triton's CPU interpreter converts float32 to FP8 wrongly where rounding carries, so CPU
 tests check the quantize math through the reference, run the matmul kernels in the interpreter on operands
 quantized by torch (the decode kernel's own quantization on activations on the e4m3 grid, exact), and the
@@ -179,16 +173,14 @@ def _fp8_tile_kernel(
         for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
             a = a_desc.load([off_m, k * BLOCK_K])
             b = b_desc.load([off_n, k * BLOCK_K])
-            acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+            acc = tl.dot(a, b.T, acc)
     else:
         a_blk = tl.make_block_ptr(A_ptr, (M, K), (stride_am, 1), (off_m, 0), (BLOCK_M, BLOCK_K), (1, 0))
         b_blk = tl.make_block_ptr(B_ptr, (N, K), (stride_bn, 1), (off_n, 0), (BLOCK_N, BLOCK_K), (1, 0))
         for _ in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
             a = tl.load(a_blk, boundary_check=(0, 1), padding_option="zero")
             b = tl.load(b_blk, boundary_check=(0, 1), padding_option="zero")
-            # (BLOCK_M, BLOCK_N), both operands K-major; each K step's products summed by the tensor cores,
-            # then added to acc in float32 (module doc: Accumulation)
-            acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+            acc = tl.dot(a, b.T, acc)  # (BLOCK_M, BLOCK_N), both operands K-major
             a_blk = tl.advance(a_blk, (0, BLOCK_K))
             b_blk = tl.advance(b_blk, (0, BLOCK_K))
     offs_m = off_m + tl.arange(0, BLOCK_M)
@@ -264,7 +256,7 @@ def _fp8_decode_kernel(
         a = tl.load(a_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if QUANT_A:
             a = fp8_quantize(a.to(tl.float32), inv[:, None])
-        acc = tl.dot(b, a.T, acc, max_num_imprecise_acc=BLOCK_K)  # (BLOCK_N, 16)
+        acc = tl.dot(b, a.T, acc)  # (BLOCK_N, 16)
     if QUANT_A:
         acc *= sa[None, :]
     elif ROW_A:

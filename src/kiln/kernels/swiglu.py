@@ -303,13 +303,11 @@ def swiglu_fp8_ref(gate: torch.Tensor, up: torch.Tensor | None = None) -> Fp8Row
     return Fp8Rows(*quantize_fp8_ref(a.reshape(-1, a.shape[-1]), per_row=True), a.dtype)
 
 
-def swiglu_fp8(
-    gate: torch.Tensor, up: torch.Tensor | None = None, *, num_warps: int | None = None
-) -> Fp8Rows:
+def swiglu_fp8(gate: torch.Tensor, up: torch.Tensor | None = None) -> Fp8Rows:
     """silu(gate) * up with each row quantized to FP8 (its own scale): the activation before an FP8 down
     projection (kiln.kernels.fp8_matmul.fp8_linear takes the Fp8Rows as they come), as (n_rows, H) rows. The
     bits of quantize_fp8(swiglu(gate, up)), without the (n_rows, H) activation in memory or the quantize
-    launch. Inference only (no gradient). num_warps: the launch's (default row_warps of the row's block)."""
+    launch. Inference only (no gradient)."""
     if not use_triton(gate, up):
         return swiglu_fp8_ref(gate, up)
     if needs_grad(gate, up):
@@ -323,7 +321,7 @@ def swiglu_fp8(
     if n_rows and H:
         block = pow2(H)
         _fp8_launch[(n_rows,)](
-            g, u, q, scales, g.stride(0), u.stride(0), H, BLOCK=block, num_warps=num_warps or row_warps(block),
+            g, u, q, scales, g.stride(0), u.stride(0), H, BLOCK=block, num_warps=row_warps(block),
             PDL=pdl(g), launch_pdl=pdl(g),
         )  # fmt: skip
     return Fp8Rows(q, scales, g.dtype)
