@@ -19,6 +19,13 @@ FP8 weight + activation inference (the tile config is a fixed rule, no autotuner
 At decode sizes with a swept decode config the decode kernel quantizes x itself (QUANT_A: one scale per
 row and K slice, the per-row scale where K is not split), so a decode step's projection is one launch
 (two with a K split), not a quantize launch more.
+Accumulation: Hopper's FP8 tensor cores keep their running sum at reduced precision (about 14 bits, as the
+DeepSeek-V3 report measured on H800), and on sm_90 Triton lets a dot's whole K range accumulate there. At
+K = 8960 the tensor-descriptor tiles left 3-6 outputs in 3M beyond bf16's tolerance of torch._scaled_mm
+(cuBLAS promotes partial sums to float32); promoting every K step (tl.dot's max_num_imprecise_acc=BLOCK_K)
+measured 1.2-2.4x slower on the H200 (8b5c90a, bench/results/archive/quant_fp8_prefill-8b5c90a.json), so
+the kernels keep the tensor cores' accumulation, as Triton's FP8 tutorial and cuBLAS's fast-accumulation
+mode do.
 FP8 needs sm_89+. Triton's CPU interpreter converts float32 to FP8 wrongly where rounding carries, so CPU
 tests check the quantize math through the reference, run the matmul kernels in the interpreter on operands
 quantized by torch (the decode kernel's own quantization on activations on the e4m3 grid, exact), and the
