@@ -35,7 +35,7 @@ from kiln.kernels._common import (
     pdl_prologue,
     row_warps,
 )
-from kiln.kernels.dispatch import interpreting, sm_count, use_triton
+from kiln.kernels.dispatch import use_triton
 from kiln.kernels.fp8_matmul import FP8, Fp8Rows, quantize_fp8_ref
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.matmul import matmul_ref
@@ -89,27 +89,22 @@ def _swiglu_fp8_kernel(
     S_ptr,  # (n_rows,) out: float32 per-row scales
     g_row_stride,
     u_row_stride,
-    n_rows,
     n_cols,  # H
-    BLOCK: tl.constexpr,  # >= H: a whole row in registers
-    STAGES: tl.constexpr,  # rows in flight a program (the loop's cp.async pipeline)
+    BLOCK: tl.constexpr,  # >= H: the whole row in registers
     PDL: tl.constexpr,
 ):
-    """Persistent programs, each over the rows pid, pid + P, ...: a row's silu(g) * u rounded to the input
-    dtype (what swiglu stores), its amax, and the row stored quantized with its scale (quantize_fp8's
-    arithmetic: the bits of the two kernels). One pass over gate and up; the next rows' loads are in flight
-    while a row reduces (a program a row waited on each row's loads: 41 us at 2048 x 8960 on the H200,
-    against 27 us for the bf16 SwiGLU)."""
+    """One row a program, held in registers: silu(g) * u rounded to the input dtype (what swiglu stores),
+    its amax, and the row stored quantized with its scale (quantize_fp8's arithmetic: the bits of the two
+    kernels). One pass over gate and up; a second pass (a row past registers) would read them again."""
     pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
-    dt = G_ptr.dtype.element_ty
-    # an int64 row: row * stride can pass 2**31
-    for r in tl.range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0), num_stages=STAGES):
-        a = _silu_mul(G_ptr + r * g_row_stride, U_ptr + r * u_row_stride, cols, ok).to(dt).to(tl.float32)
-        scale, inv = fp8_row_scale(tl.max(tl.abs(a), axis=0))
-        tl.store(S_ptr + r, scale)
-        tl.store(Q_ptr + r * n_cols + cols, fp8_quantize(a, inv), mask=ok)
+    a = _silu_mul(G_ptr + row * g_row_stride, U_ptr + row * u_row_stride, cols, ok)
+    a = a.to(G_ptr.dtype.element_ty).to(tl.float32)
+    scale, inv = fp8_row_scale(tl.max(tl.abs(a), axis=0))
+    tl.store(S_ptr + row, scale)
+    tl.store(Q_ptr + row * n_cols + cols, fp8_quantize(a, inv), mask=ok)
 
 
 @triton.jit
@@ -308,18 +303,11 @@ def swiglu_fp8_ref(gate: torch.Tensor, up: torch.Tensor | None = None) -> Fp8Row
     return Fp8Rows(*quantize_fp8_ref(a.reshape(-1, a.shape[-1]), per_row=True), a.dtype)
 
 
-# swiglu_fp8's launch: (programs an SM, rows in flight a program, warps; 0 warps: row_warps of the row's block)
-FP8_CONFIG = (1, 2, 0)
-
-
-def swiglu_fp8(
-    gate: torch.Tensor, up: torch.Tensor | None = None, *, config: tuple[int, int, int] | None = None
-) -> Fp8Rows:
+def swiglu_fp8(gate: torch.Tensor, up: torch.Tensor | None = None) -> Fp8Rows:
     """silu(gate) * up with each row quantized to FP8 (its own scale): the activation before an FP8 down
     projection (kiln.kernels.fp8_matmul.fp8_linear takes the Fp8Rows as they come), as (n_rows, H) rows. The
     bits of quantize_fp8(swiglu(gate, up)), without the (n_rows, H) activation in memory or the quantize
-    launch. Inference only (no gradient). config: the launch's (programs an SM, stages, warps), default
-    FP8_CONFIG."""
+    launch. Inference only (no gradient)."""
     if not use_triton(gate, up):
         return swiglu_fp8_ref(gate, up)
     if needs_grad(gate, up):
@@ -332,11 +320,9 @@ def swiglu_fp8(
     scales = torch.empty((n_rows, 1), dtype=torch.float32, device=g.device)
     if n_rows and H:
         block = pow2(H)
-        per_sm, stages, warps = config or FP8_CONFIG
-        grid = n_rows if interpreting() else min(n_rows, per_sm * sm_count(g.device))
-        _fp8_launch[(grid,)](
-            g, u, q, scales, g.stride(0), u.stride(0), n_rows, H, BLOCK=block, STAGES=stages,
-            num_warps=warps or row_warps(block), PDL=pdl(g), launch_pdl=pdl(g),
+        _fp8_launch[(n_rows,)](
+            g, u, q, scales, g.stride(0), u.stride(0), H, BLOCK=block, num_warps=row_warps(block),
+            PDL=pdl(g), launch_pdl=pdl(g),
         )  # fmt: skip
     return Fp8Rows(q, scales, g.dtype)
 
