@@ -290,38 +290,26 @@ def _fp8_layer_chain(
     Q = {k: (v[1], v[2]) for k, v in weights.items()}
     Q_row = {k: (v[1], v[2].reshape(1, -1).contiguous()) for k, v in weights.items()}
 
-    def bf16():
-        x, r = rmsnorm(h, gamma, 1e-6, res)
-        F.linear(x, W["qkv"])
-        F.linear(attn, W["o"])
-        x, _ = rmsnorm(h, gamma, 1e-6, r)
-        return F.linear(swiglu(F.linear(x, W["gate_up"])), W["down"])
+    def chain(norm, act, linear):
+        """add + norm -> qkv, o, add + norm -> gate_up, act -> down, as the layer runs them."""
+        x, r = norm(h, gamma, 1e-6, res)
+        linear(x, "qkv")
+        linear(attn, "o")
+        x, _ = norm(h, gamma, 1e-6, r)
+        return linear(act(linear(x, "gate_up")), "down")
 
-    def fp8_unfused():
-        x, r = rmsnorm(h, gamma, 1e-6, res)
-        fp8_linear(x, *Q["qkv"])
-        fp8_linear(attn, *Q["o"])
-        x, _ = rmsnorm(h, gamma, 1e-6, r)
-        return fp8_linear(swiglu(fp8_linear(x, *Q["gate_up"])), *Q["down"])
-
-    def fp8_fused():
-        x, r = rmsnorm_fp8(h, gamma, 1e-6, res)
-        fp8_linear(x, *Q["qkv"])
-        fp8_linear(attn, *Q["o"])
-        x, _ = rmsnorm_fp8(h, gamma, 1e-6, r)
-        return fp8_linear(swiglu_fp8(fp8_linear(x, *Q["gate_up"])), *Q["down"])
-
-    def scaled(rows, name):
+    def scaled(x, name):  # _scaled_mm on Fp8Rows (x quantized here where it is not)
+        rows = x if isinstance(x, Fp8Rows) else Fp8Rows(*quantize_fp8(x, per_row=True), dtype)
         w8, s = Q_row[name]
         return torch._scaled_mm(rows.q, w8.t(), scale_a=rows.scale, scale_b=s, out_dtype=dtype)
 
-    def fp8_fused_scaled_mm():
-        x, r = rmsnorm_fp8(h, gamma, 1e-6, res)
-        scaled(x, "qkv")
-        scaled(Fp8Rows(*quantize_fp8(attn, per_row=True), dtype), "o")
-        x, _ = rmsnorm_fp8(h, gamma, 1e-6, r)
-        return scaled(swiglu_fp8(scaled(x, "gate_up")), "down")
-
+    fns = {
+        "bf16": lambda: chain(rmsnorm, swiglu, lambda x, n: F.linear(x, W[n])),
+        "fp8_unfused": lambda: chain(rmsnorm, swiglu, lambda x, n: fp8_linear(x, *Q[n])),
+        "fp8_fused": lambda: chain(rmsnorm_fp8, swiglu_fp8, lambda x, n: fp8_linear(x, *Q[n])),
+    }
+    if not run.smoke:  # torch._scaled_mm: cuBLAS's FP8 GEMM, on the GPU
+        fns["fp8_fused_scaled_mm"] = lambda: chain(rmsnorm_fp8, swiglu_fp8, scaled)
     parts = {  # the producers alone: the 16-bit op, the op + quantize_fp8, the fused op
         "norm": lambda: rmsnorm(h, gamma, 1e-6, res),
         "norm+quantize": lambda: quantize_fp8(rmsnorm(h, gamma, 1e-6, res)[0], per_row=True),
@@ -335,15 +323,12 @@ def _fp8_layer_chain(
     tp = run.timer.interleaved(_working(parts, failed, "fp8 producers"), graph=True)
     producers = {f: round(r["ms"] * 1e3, 2) for f, r in tp.items()}
     run.log("fp8 producers (us): " + ", ".join(f"{f} {v}" for f, v in producers.items()))
-    fns = {"bf16": bf16, "fp8_unfused": fp8_unfused, "fp8_fused": fp8_fused}
-    if not run.smoke:  # torch._scaled_mm: cuBLAS's FP8 GEMM, on the GPU
-        fns["fp8_fused_scaled_mm"] = fp8_fused_scaled_mm
     fns = _working(fns, failed, "fp8 layer")
     t = run.timer.interleaved(fns, graph=True)
     swept = {}
     if table:  # the swept tiles, timed in their own rounds beside bf16 and the rule's fused form
         with _fp8_table(table):
-            t2 = run.timer.interleaved({"bf16": bf16, "fp8_fused": fp8_fused}, graph=True)
+            t2 = run.timer.interleaved({f: fns[f] for f in ("bf16", "fp8_fused")}, graph=True)
         swept = {"fp8_fused_swept_tiles": t2["fp8_fused"], "bf16_same_rounds": t2["bf16"]}
     ref = t["bf16"]["ms"]
     res_ = {

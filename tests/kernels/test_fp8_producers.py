@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.kernels import swiglu as swiglu_mod
 from kiln.kernels.dispatch import use_backend
 from kiln.kernels.fp8_matmul import FP8, FP8_MAX, Fp8Rows, quantize_fp8
 from kiln.kernels.rmsnorm import rmsnorm, rmsnorm_fp8, rmsnorm_fp8_ref, rmsnorm_ref
@@ -70,6 +71,15 @@ def test_swiglu_fp8_is_swiglu_then_quantize(dtype, fused, device):
         q, s = quantize_fp8(swiglu(gate, up).reshape(n, H), per_row=True)
     _bits(rows, q, s)
     assert rows.dtype == dtype
+
+
+def test_swiglu_fp8_past_a_row_in_registers_runs_the_two_kernels(monkeypatch, device):
+    monkeypatch.setattr(swiglu_mod, "MAX_ROW", 64)
+    gu = (torch.randn(3, 200, generator=torch.Generator().manual_seed(4)) * 2).to(torch.float16).to(device)
+    with use_backend("triton"):
+        rows = swiglu_fp8(gu)
+        q, s = quantize_fp8(swiglu(gu), per_row=True)
+    _bits(rows, q, s)
 
 
 def test_references_are_the_ops_within_e4m3_rounding():

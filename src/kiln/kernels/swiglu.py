@@ -36,7 +36,7 @@ from kiln.kernels._common import (
     row_warps,
 )
 from kiln.kernels.dispatch import use_triton
-from kiln.kernels.fp8_matmul import FP8, Fp8Rows, quantize_fp8_ref
+from kiln.kernels.fp8_matmul import FP8, Fp8Rows, quantize_fp8, quantize_fp8_ref
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.matmul import matmul_ref
 from kiln.kernels.matmul_decode import DECODE_MAX_M, decode_matmul
@@ -314,8 +314,8 @@ def swiglu_fp8(gate: torch.Tensor, up: torch.Tensor | None = None) -> Fp8Rows:
         raise ValueError("swiglu_fp8 is for inference: its FP8 output has no gradient")
     g, u = _split(gate, up)
     n_rows, H = g.shape
-    if H > MAX_ROW:
-        raise ValueError(f"swiglu_fp8: rows of {H} values exceed the kernel's {MAX_ROW} (a row in registers)")
+    if H > MAX_ROW:  # past a row in registers: the two kernels
+        return Fp8Rows(*quantize_fp8(swiglu_fwd(g, u), per_row=True), g.dtype)
     q = torch.empty((n_rows, H), dtype=FP8, device=g.device)
     scales = torch.empty((n_rows, 1), dtype=torch.float32, device=g.device)
     if n_rows and H:
