@@ -27,6 +27,10 @@ runs in program order, so dw is deterministic; the counters deciding who sums ar
 zeroed again (so two backwards through one forward run one after the other, as autograd runs them, not
 concurrently on two streams). One launch, no atomics on the data. The last dim must be contiguous (other layouts are
 copied to contiguous rows first); x may be fp32, fp16 or bf16.
+
+`rmsnorm_fp8` (inference, before an FP8 linear): the same forward kernel quantizes each normalized row to
+FP8 e4m3 in registers (scale = the row's amax / 448, kiln.kernels.fp8_matmul's arithmetic) and stores the
+FP8 row and its scale instead of the 16-bit row: the bits of rmsnorm followed by quantize_fp8.
 """
 
 from __future__ import annotations
