@@ -355,12 +355,14 @@ FP8_PREFILL_TABLE: dict[tuple[int, int], tuple[int, int, int, int, int, bool]] =
 
 def fp8_tile_config(M: int, N: int, K: int = 0) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps[, tma]): FP8_PREFILL_TABLE's entry past 64 rows, else a fixed
-    rule: 128 x 256 x 128 tiles in 8 warps through 3 stages of block-pointer loads past 64 rows (on the H200
-    at 2048 rows: 1.01-1.08x the 128 x 128 tiles of Triton's FP8 tutorial, 0.96-1.06x torch._scaled_mm per
-    projection; tensor descriptors tied or lost), 64-row tiles for short M."""
+    rule. From 1024 rows 128 x 256 x 128 tiles in 8 warps through 3 stages of block-pointer loads (on the
+    H200 at 2048 rows: 1.01-1.08x the 128 x 128 tiles of Triton's FP8 tutorial, 0.96-1.06x
+    torch._scaled_mm per projection; tensor descriptors tied or lost). Between 65 and 1023 rows (a decode
+    step of 65-128 sequences, a short prefill) the tutorial's 128 x 128 tiles stay: half as wide, twice the
+    programs where a few row tiles leave SMs idle (not measured there). 64-row tiles for short M."""
     if M <= 64:
         return 64, 128, 128, 4, 4
-    return FP8_PREFILL_TABLE.get((N, K), (128, 256, 128, 3, 8))
+    return FP8_PREFILL_TABLE.get((N, K), (128, 256, 128, 3, 8) if M >= 1024 else (128, 128, 128, 3, 8))
 
 
 def fp8_matmul(
