@@ -48,9 +48,11 @@ def test_rtn_and_gptq(model_dir, tmp_path, capsys):
     argv = ["quantize", "--model", str(model_dir), "--scheme", "int4-g32", "--no-head", "--format", "gptq",
             "--out", str(outg)]  # fmt: skip
     assert main(argv) == 0
+    out8 = tmp_path / "fp8"
+    assert main(["quantize", "--model", str(model_dir), "--scheme", "fp8", "--out", str(out8)]) == 0
     # `kiln generate` takes each output as it takes the float model: greedy text from the engine
     capsys.readouterr()
-    for d in (model_dir, out, out4, outg):
+    for d in (model_dir, out, out4, outg, out8):
         assert main(["generate", "--model", str(d), "--prompt", "the ", "--max-new-tokens", "6",
                      "--temperature", "0"]) == 0, d  # fmt: skip
         text, err = capsys.readouterr()
