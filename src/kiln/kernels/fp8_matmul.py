@@ -23,10 +23,10 @@ Accumulation: Hopper's FP8 tensor cores keep their running sum at reduced precis
 DeepSeek-V3 report measured on H800), and on sm_90 Triton lets a dot's whole K range accumulate there. At
 K = 8960 the tensor-descriptor tiles left 3-6 outputs in 3M beyond bf16's tolerance of torch._scaled_mm
 (cuBLAS promotes partial sums to float32), and the 128 x 128 block-pointer tiles 1 in 6.3M in one of four
-H200 runs of test_matmul_matches_scaled_mm (its inputs are unseeded); promoting every K step (tl.dot's max_num_imprecise_acc=BLOCK_K)
-measured 1.2-2.4x slower on the H200 (8b5c90a, bench/results/archive/quant_fp8_prefill-8b5c90a.json), so
-the kernels keep the tensor cores' accumulation, as Triton's FP8 tutorial and cuBLAS's fast-accumulation
-mode do.
+H200 runs of test_matmul_matches_scaled_mm (its inputs are unseeded). Promoting every K step (tl.dot's
+max_num_imprecise_acc=BLOCK_K) measured 1.2-2.4x slower on the H200 (8b5c90a,
+bench/results/archive/quant_fp8_prefill-8b5c90a.json), so the kernels keep the tensor cores'
+accumulation, as Triton's FP8 tutorial and cuBLAS's fast-accumulation mode do.
 FP8 needs sm_89+. Triton's CPU interpreter converts float32 to FP8 wrongly where rounding carries, so CPU
 tests check the quantize math through the reference, run the matmul kernels in the interpreter on operands
 quantized by torch (the decode kernel's own quantization on activations on the e4m3 grid, exact), and the
