@@ -75,10 +75,13 @@ def test_swiglu_fp8_is_swiglu_then_quantize(dtype, fused, device):
 
 def test_swiglu_fp8_past_a_row_in_registers_runs_the_two_kernels(monkeypatch, device):
     monkeypatch.setattr(swiglu_mod, "MAX_ROW", 64)
+    launched = []
+    monkeypatch.setattr(swiglu_mod, "_fp8_launch", {(3,): lambda *a, **k: launched.append(a)})
     gu = (torch.randn(3, 200, generator=torch.Generator().manual_seed(4)) * 2).to(torch.float16).to(device)
     with use_backend("triton"):
         rows = swiglu_fp8(gu)
         q, s = quantize_fp8(swiglu(gu), per_row=True)
+    assert launched == []  # rows of 100 > MAX_ROW: not the one-row kernel
     _bits(rows, q, s)
 
 
