@@ -31,9 +31,10 @@ for part in $PARTS; do
   case $part in
     # one process per test file, 4 at a time: a kernel fault poisons its CUDA context, and must not
     # fail the files that happen to share a worker with it
-    # (each file has its own time cap: test_attention alone takes ~150 s)
-    tests) grep -l "mark.gpu" -r tests --include="test_*.py" | sort | xargs -P 4 -I{} \
-             sh -c 'timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider {} > "$0/gpu_tests.$(basename {} .py).log" 2>&1; echo "{}: exit $?"' "$OUT" \
+    # (each file has its own time cap, KILN_TEST_TIMEOUT, 240 s: test_attention alone takes ~150 s;
+    # KILN_TEST_JOBS files at a time, 4)
+    tests) grep -l "mark.gpu" -r tests --include="test_*.py" | sort | xargs -P "${KILN_TEST_JOBS:-4}" -I{} \
+             sh -c 'timeout "${KILN_TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider {} > "$0/gpu_tests.$(basename {} .py).log" 2>&1; echo "{}: exit $?"' "$OUT" \
              > "$OUT/gpu_tests.log" 2>&1
            for f in "$OUT"/gpu_tests.test_*.log; do echo "== $f"; cat "$f"; done >> "$OUT/gpu_tests.log"
            rm -f "$OUT"/gpu_tests.test_*.log ;;
