@@ -23,11 +23,13 @@ import ast
 import contextlib
 import functools
 import gc
+import json
 import os
 import random
 import statistics
 import sys
 import traceback
+from pathlib import Path
 
 if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -357,6 +359,41 @@ def _fp8_table(table: dict):
         f8.FP8_PREFILL_TABLE.update(saved)
 
 
+def _config(text: str):
+    """A table value as the sweep writes it: a tile tuple's repr, or DecodeConfig(kernel=..., ...)'s."""
+    node = ast.parse(text, mode="eval").body
+    if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "DecodeConfig":
+        return DecodeConfig(
+            *map(ast.literal_eval, node.args), **{k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        )
+    return ast.literal_eval(node)
+
+
+@contextlib.contextmanager
+def _decode_tables(path: str | None):
+    """DECODE_TABLE and FP8_DECODE_TABLE with a decode-sweep JSON's winners merged in (--table), for a
+    while: the engine measured with a sweep's table before it is pasted into the source."""
+    from kiln.kernels import fp8_matmul as f8
+    from kiln.kernels import quant_matmul as qm
+
+    saved = dict(qm.DECODE_TABLE), dict(f8.FP8_DECODE_TABLE)
+    if path:
+        table = json.loads(Path(path).read_text())["sweep"]["table"]
+        for k, v in table.items():
+            if k.startswith("fp8 "):
+                f8.FP8_DECODE_TABLE[ast.literal_eval(k[4:])] = _config(v)
+            else:
+                qm.DECODE_TABLE[ast.literal_eval(k)] = _config(v)
+        qm._PLANS.clear()  # plans made before hold the old choices
+    try:
+        yield
+    finally:
+        for live, old in zip((qm.DECODE_TABLE, f8.FP8_DECODE_TABLE), saved):
+            live.clear()
+            live.update(old)
+        qm._PLANS.clear()
+
+
 def _fp8_model_prefill(run: BenchRun, M: int, dtype, table: dict, failed: dict[str, str]) -> dict:
     """Section 3 of fp8_prefill_section: hidden states of an M-token sequence, 16-bit against FP8."""
     dev = run.device
@@ -498,7 +535,6 @@ def perplexity_section(run: BenchRun, model_path: str, text_path: str, tokens: i
     """A model kiln trained (a run directory or any model source) on held-out text: perplexity and bits per
     byte in bf16 and each scheme; GPTQ (int4-g128) calibrated on a separate first part of the text."""
     import math
-    from pathlib import Path
 
     from kiln.model.checkpoint import load_source, tokenizer_dir
     from kiln.tokenizer import Tokenizer
@@ -593,8 +629,11 @@ def sweep_candidates(fmt: str, M: int, N: int, K: int, sms: int, smoke: bool) ->
         # (BLOCK_N, BLOCK_K, warps, stages); the K split from the shape
         # 16 x 256 and 32 x 256 at 2 warps give a thread 2 and 8 rows of the same words' columns (fewer SASS
         # instructions a weight: 7.2 and 6.9 against 8.0 at 8 x 256, compiled for sm_90)
+        # 128-wide K steps hold one int4-g128 group: one scale a row per step instead of one a word (5.0
+        # instructions a weight at 32 x 128 on 2 warps, with x read as int32 pairs)
         tiles = [(4, 256, 2, 3), (8, 256, 2, 3), (8, 256, 4, 4), (16, 256, 4, 3), (8, 512, 4, 3),
-                 (16, 128, 4, 4), (32, 128, 4, 3), (16, 256, 2, 3), (32, 256, 2, 3)]  # fmt: skip
+                 (16, 128, 4, 4), (32, 128, 4, 3), (16, 256, 2, 3), (32, 256, 2, 3),
+                 (16, 128, 2, 4), (32, 128, 2, 3), (32, 128, 2, 4), (64, 128, 4, 4)]  # fmt: skip
         for bn, bk, w, st in tiles:
             sk = _split(N, K, bn, bk, sms)
             out.append((f"fma {bn}x{bk} w{w} s{st} sk{sk}", DecodeConfig("fma", bn, bk, sk, w, st)))
@@ -758,18 +797,21 @@ class _GraphTimer:
 
 
 def sweep_section(
-    run: BenchRun, budget_s: float, jobs: int, failed: dict[str, str], save, rounds: int = 5
-) -> dict:
+    run: BenchRun, budget_s: float, jobs: int, failed: dict[str, str], save, rounds: int = 5,
+    rows: tuple[int, ...] | None = None, formats: tuple[str, ...] | None = None,
+) -> dict:  # fmt: skip
     """Every candidate decode config of each format on each Qwen2.5-1.5B projection at 1, 4 and 16 rows,
     against cuBLAS bf16 (F.linear) and kiln's bf16 decode matmul in the same run: GPU time per call in
     CUDA graphs, each call reading its own weight copy (the working set past L2, as in a decode step),
     candidates interleaved in a fresh order over `rounds` rounds, medians. Stops starting new cases when
     `budget_s` seconds of the run have passed (cases ordered 1 row, 16 rows, 4 rows); `save(out)` after
-    every case, so a run cut short keeps what it measured."""
+    every case, so a run cut short keeps what it measured. rows / formats: only these row counts and
+    formats (--rows, --formats)."""
     dev = run.device
     smoke = run.smoke
     shapes, row_counts = (SMOKE_SHAPES, (1, 4)) if smoke else (SHAPES, (1, 16, 4))
-    fmts = [f for f in SWEEP_FORMATS if not (smoke and f == "fp8")]
+    row_counts = tuple(m for m in row_counts if rows is None or m in rows)
+    fmts = [f for f in SWEEP_FORMATS if not (smoke and f == "fp8") and (formats is None or f in formats)]
     sms = sm_count(dev)
     dtype = torch.float16 if smoke else torch.bfloat16
     copy = run.ceilings.get("copy_TBps")
@@ -950,6 +992,15 @@ def main() -> int:
     ap.add_argument(
         "--budget", type=float, default=120.0, help="decode-sweep: seconds before it stops starting cases"
     )
+    ap.add_argument("--rows", help="decode-sweep: only these row counts, comma-separated (of 1,16,4)")
+    ap.add_argument(
+        "--formats", help=f"decode-sweep: only these formats, comma-separated (of {','.join(SWEEP_FORMATS)})"
+    )
+    ap.add_argument(
+        "--table",
+        help="a decode-sweep JSON whose winners the engine section runs with, merged "
+        "over DECODE_TABLE / FP8_DECODE_TABLE (a sweep's table measured before it is pasted)",
+    )
     ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1),
                     help="decode-sweep: processes compiling the candidates ahead of the timing (1: none)")  # fmt: skip
     args = ap.parse_args()
@@ -974,8 +1025,15 @@ def main() -> int:
         failed: dict[str, str] = {}
         timing = ("GPU time per call in CUDA graphs, each call on its own weight copy (L2-cold), candidates "
                   "interleaved over rounds, medians")  # fmt: skip
+        rows = tuple(int(m) for m in args.rows.split(",")) if args.rows else None
+        formats = tuple(args.formats.split(",")) if args.formats else None
+        if formats and set(formats) - set(SWEEP_FORMATS):
+            ap.error(
+                f"--formats: unknown {sorted(set(formats) - set(SWEEP_FORMATS))}; of {list(SWEEP_FORMATS)}"
+            )
         sweep = _try(failed, "decode-sweep", lambda: sweep_section(
-            run, args.budget, args.jobs, failed, lambda part: run.write(timing=timing, complete=False, failed=failed, sweep=part)))  # fmt: skip
+            run, args.budget, args.jobs, failed, lambda part: run.write(timing=timing, complete=False, failed=failed, sweep=part),
+            rows=rows, formats=formats))  # fmt: skip
         run.write(
             timing=timing, complete=sweep is not None and not sweep["not_run"], failed=failed, sweep=sweep
         )
@@ -1024,7 +1082,8 @@ def main() -> int:
             "perplexity",
             lambda: perplexity_section(run, args.quality_model, args.quality_text, args.quality_tokens),
         )
-    section("engine", lambda: engine_section(run, args.prompt, args.new, args.rounds, failed))
+    with _decode_tables(args.table):
+        section("engine", lambda: engine_section(run, args.prompt, args.new, args.rounds, failed))
     save(done=True)
     if failed:
         run.log(f"parts that failed (tracebacks in the JSON's 'failed'): {', '.join(failed)}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.kernels import quant_matmul
 from kiln.kernels.dispatch import use_backend
 from kiln.kernels.matmul_decode import DecodeConfig
 from kiln.kernels.quant_matmul import (
@@ -108,6 +109,28 @@ def test_bit_dequantization_in_float32(config, M, device):
     x = torch.randn(M, 256, generator=torch.Generator().manual_seed(3)).to(device)
     y = wq_matmul_fwd(x, q, s, z, 4, 64, config=config)
     assert_close(y, wq_matmul_ref(x.double(), q, s, z, 4, 64), name=str(config))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=_fmt_id)
+@pytest.mark.parametrize(
+    "config", [DecodeConfig("fma", 16, 64), DecodeConfig("fma", 32, 128, split_k=2)], ids=str
+)
+def test_fma_reads_bf16_x_as_pairs_with_the_same_bits(fmt, config, device):
+    """The fma form reads a contiguous bf16 x as int32 pairs and widens each half by a shift or an AND: the
+    same float32 values as the bf16 load and conversion it replaces, so the same bits as a strided x (which
+    takes the old path); K steps inside one group take one scale a row (int4-g64 / g128), across groups one
+    a word (g32). Against float64 too."""
+    bits, group, asym = fmt
+    N, K = 37, 256
+    q, s, z = quantized(N, K, bits, group, asym, seed=11, device=device)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(5)).to(device, torch.bfloat16)
+    strided = torch.zeros(1, 2 * K, device=device, dtype=torch.bfloat16)[:, ::2]
+    strided.copy_(x)
+    quant_matmul._PLANS.clear()
+    y = wq_matmul_fwd(x, q, s, z, bits, group, config=config)
+    assert [p.meta["X_PAIRS"] for p in quant_matmul._PLANS.values()] == [True]  # the pairs path ran
+    assert torch.equal(y, wq_matmul_fwd(strided, q, s, z, bits, group, config=config))
+    assert_close(y, wq_matmul_ref(x.double(), q, s, z, bits, group), name=f"{fmt} {config}")
 
 
 def test_word_forms_refuse_what_they_cannot_read():

@@ -94,6 +94,18 @@ def _nibble_times_x(w, p: tl.constexpr, off, x, ASM: tl.constexpr):
 
 
 @triton.jit
+def _pair_lo(p):
+    """The bf16 in the low half of each int32 p, as float32 (exact: a bf16 is a float32's upper half)."""
+    return (p << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pair_hi(p):
+    """The bf16 in the high half of each int32 p, as float32."""
+    return (p & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _wq_fma_kernel(
     X_ptr,  # (1, K) activations: x[k] at X_ptr + k * stride_xk
     W_ptr,  # int32 words (N, K / P): int4 P = 8, int8 P = 4 (module docstring), row stride stride_wn
@@ -118,9 +130,12 @@ def _wq_fma_kernel(
     SPLIT_K: tl.constexpr,
     STAGES: tl.constexpr,
     ASM: tl.constexpr,  # int4: each nibble's AND-OR as one lop3.b32 (not under the interpreter)
+    X_PAIRS: tl.constexpr = False,  # bf16 x read as int32 pairs (contiguous, 4-byte aligned, K even)
 ):
     P: tl.constexpr = 32 // BITS  # values per word
     BLOCK_W: tl.constexpr = BLOCK_K // P
+    # int4: a K step inside one group takes one scale (and zero point) per row, not one per word
+    ROW_SCALE: tl.constexpr = BITS == 4 and GROUP % BLOCK_K == 0
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -141,25 +156,46 @@ def _wq_fma_kernel(
         wcol = k0 // P + tl.arange(0, BLOCK_W)  # (BLOCK_W,) word columns of this step
         w_ok = n_ok[:, None] & (wcol < KW)[None, :]
         w = tl.load(w_rows + wcol[None, :], mask=w_ok, other=0)  # (BLOCK_N, BLOCK_W) int32
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        xx = tl.load(X_ptr + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)
+        if X_PAIRS:
+            # x's columns 2m and 2m + 1 as the int32 m; a bf16 is the upper half of its float32, so each
+            # becomes a float32 by one shift or one AND (Triton's conversion took a PRMT and an IMAD, for
+            # every row a thread holds)
+            offs_p = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            xp = tl.load(X_ptr.to(tl.pointer_type(tl.int32)) + offs_p, mask=offs_p < K // 2, other=0)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xx = tl.load(X_ptr + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)
         if BITS == 4:
-            # (BLOCK_W, 2, 2, 2): column 8j + 4a + 2b + c at [j, a, b, c]; each split takes the last axis
-            e, o = tl.split(xx.reshape(BLOCK_W, 2, 2, 2))  # c = 0, 1
-            e0, e1 = tl.split(e)  # b = 0, 1
-            o0, o1 = tl.split(o)
-            x0, x4 = tl.split(e0)
-            x2, x6 = tl.split(e1)
-            x1, x5 = tl.split(o0)
-            x3, x7 = tl.split(o1)
-            g = wcol // (GROUP // 8)  # (BLOCK_W,) group of each word (a word never spans two groups)
-            ws = tl.load(s_rows + g[None, :], mask=w_ok, other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_W)
+            if X_PAIRS:  # (BLOCK_W, 2, 2) pairs: pair 2b + c of word j at [j, b, c]
+                e, o = tl.split(xp.reshape(BLOCK_W, 2, 2))  # pairs 0, 2 | 1, 3
+                e0, e1 = tl.split(e)
+                o0, o1 = tl.split(o)
+                x0, x1 = _pair_lo(e0), _pair_hi(e0)
+                x2, x3 = _pair_lo(o0), _pair_hi(o0)
+                x4, x5 = _pair_lo(e1), _pair_hi(e1)
+                x6, x7 = _pair_lo(o1), _pair_hi(o1)
+            else:
+                # (BLOCK_W, 2, 2, 2): column 8j + 4a + 2b + c at [j, a, b, c]; each split takes the last axis
+                e, o = tl.split(xx.reshape(BLOCK_W, 2, 2, 2))  # c = 0, 1
+                e0, e1 = tl.split(e)  # b = 0, 1
+                o0, o1 = tl.split(o)
+                x0, x4 = tl.split(e0)
+                x2, x6 = tl.split(e1)
+                x1, x5 = tl.split(o0)
+                x3, x7 = tl.split(o1)
+            if ROW_SCALE:  # (BLOCK_N, 1): the step's group, one scale a row
+                g = tl.full((1, 1), 0, tl.int32) + k0 // GROUP
+                g_ok = n_ok[:, None]
+            else:  # (1, BLOCK_W): the group of each word (a word never spans two groups)
+                g = (wcol // (GROUP // 8))[None, :]
+                g_ok = w_ok
+            ws = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
             # nibbles 0-4 read in place; 5-7 (bits 20-31: bit 23 is past the mantissa) from w >> 12, where
             # they sit at nibble positions 2-4
             # (the arithmetic shift's sign bits land above bit 19, outside every mask)
             h = w >> 12
             if HAS_ZERO:  # off_p = 2**(23 - 4p) + z, exact; z from its bits as 2**23 + z - 2**23
-                z = tl.load(z_rows + g[None, :], mask=w_ok, other=0).to(tl.int32)
+                z = tl.load(z_rows + g, mask=g_ok, other=0).to(tl.int32)
                 zf = (z | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
                 c0, c1, c2, c3, c4 = zf + 8388608.0, zf + 524288.0, zf + 32768.0, zf + 2048.0, zf + 128.0
             else:  # off_p = 2**(23 - 4p) + 8: constants
@@ -176,9 +212,13 @@ def _wq_fma_kernel(
             t += _nibble_times_x(h, 4, c4, x7, ASM)
             acc += t * ws  # one multiply per word: its group's scale
         else:
-            e, o = tl.split(xx.reshape(BLOCK_W, 2, 2))  # column 4j + 2a + b at [j, a, b]
-            x0, x2 = tl.split(e)
-            x1, x3 = tl.split(o)
+            if X_PAIRS:  # (BLOCK_W, 2) pairs: columns 4j + 2a, 4j + 2a + 1 at [j, a]
+                a0, a1 = tl.split(xp.reshape(BLOCK_W, 2))
+                x0, x1, x2, x3 = _pair_lo(a0), _pair_hi(a0), _pair_lo(a1), _pair_hi(a1)
+            else:
+                e, o = tl.split(xx.reshape(BLOCK_W, 2, 2))  # column 4j + 2a + b at [j, a, b]
+                x0, x2 = tl.split(e)
+                x1, x3 = tl.split(o)
             # bytes shifted down (ptxas makes an extraction and its OR one PRMT; bytes OR-ed in place under
             # their exponents, as the nibbles are, took 6.9 SASS instructions a weight at 8 x 256, this 6.4)
             acc += _int8_times_x(w, 0, x0)

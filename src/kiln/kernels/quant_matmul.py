@@ -508,8 +508,10 @@ def _plan(x, qweight, scales, zeros, bits, group_size, bias, config) -> _Plan:
         tiles = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, STAGES=config.stages,
                      num_warps=config.warps)  # fmt: skip
         if form == "fma":
+            # bf16 x read as int32 pairs where it is contiguous and 4-byte aligned (the key holds both)
+            pairs = x.dtype == torch.bfloat16 and x.stride(1) == 1 and K % 2 == 0 and x.data_ptr() % 4 == 0
             meta = dict(BITS=bits, GROUP=common["GROUP"], HAS_ZERO=zeros is not None, HAS_BIAS=has_bias,
-                        ASM=not interpreting(), **tiles)  # fmt: skip
+                        ASM=not interpreting(), X_PAIRS=pairs, **tiles)  # fmt: skip
         elif form == "mma":
             magic, sh = MAGIC[x.dtype]
             meta = dict(BITS=bits, GROUP=common["GROUP"], HAS_ZERO=zeros is not None, HAS_BIAS=has_bias,
@@ -543,6 +545,7 @@ def wq_matmul_fwd(
         scales.shape, scales.stride(), scales.dtype, scales.device,
         None if zeros is None else (zeros.shape, zeros.stride(), zeros.dtype),
         None if bias is None else (bias.shape, bias.dtype, bias.device), bits, group_size, config,
+        x.data_ptr() % 4,
     )  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
