@@ -633,7 +633,8 @@ def sweep_candidates(fmt: str, M: int, N: int, K: int, sms: int, smoke: bool) ->
         # instructions a weight at 32 x 128 on 2 warps, with x read as int32 pairs)
         tiles = [(4, 256, 2, 3), (8, 256, 2, 3), (8, 256, 4, 4), (16, 256, 4, 3), (8, 512, 4, 3),
                  (16, 128, 4, 4), (32, 128, 4, 3), (16, 256, 2, 3), (32, 256, 2, 3),
-                 (16, 128, 2, 4), (32, 128, 2, 3), (32, 128, 2, 4), (64, 128, 4, 4)]  # fmt: skip
+                 (16, 128, 2, 4), (32, 128, 2, 3), (32, 128, 2, 4), (64, 128, 4, 4),
+                 (16, 128, 2, 6), (16, 128, 2, 8), (32, 128, 2, 6), (32, 128, 4, 6), (8, 128, 1, 8)]  # fmt: skip
         for bn, bk, w, st in tiles:
             sk = _split(N, K, bn, bk, sms)
             out.append((f"fma {bn}x{bk} w{w} s{st} sk{sk}", DecodeConfig("fma", bn, bk, sk, w, st)))
