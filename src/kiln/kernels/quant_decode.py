@@ -29,8 +29,13 @@ Two forms, both over a grid (cdiv(N, BLOCK_N), SPLIT_K) with matmul_decode's det
   and one shift per word for the three nibbles past bit 22; the products are added one at a time (FMAs).
   Compiled for sm_90 at the 8 x 256 tile: 8.0 SASS instructions a weight in the loop, from 9.7 (shift,
   sign-extend and OR per nibble, and pairs of products as a multiply, an FMA and an add; 8.8 with the
-  AND-OR as two LOP3); most of the rest is x's bf16 -> float32 conversion, which Triton repeats for every
-  row a thread holds.
+  AND-OR as two LOP3). Of the rest, two costs are gone where they can be (ROW_SCALE, X_PAIRS): a K step
+  that lies inside one int4 group (GROUP % BLOCK_K == 0) loads one scale (and zero point) a row instead
+  of one a word, with its address computed per word (~10 instructions a word); and a contiguous bf16 x is
+  read as int32 pairs, each half widened to float32 by one shift or one AND instead of Triton's PRMT +
+  IMAD per value and row. 4.9-5.0 instructions a weight at 32 x 128 on 2 warps, the same bits (tested);
+  on the H200 the one-row int4-g128 head went 73.9 -> 52.4 us, gate_up 11.7 -> 10.4 us (the sweep's new
+  128-wide tiles, bench/results/archive/quant_sweep-d3a752d.json; docs/quant.md).
 - "mma" (M <= 16): W is the tensor-core M side as in matmul_decode's "dot" form, dequantized in x's
   dtype by the magic. int4: v = bits(MAGIC | q << SH) = 128 + q, w = v - (128 + z) = q - z, exact in
   bf16/fp16/float32 (small integers); acc_g (BLOCK_N, 16) = w @ x.T per K step inside one group, then
