@@ -57,7 +57,7 @@ out["fp8 tile"] = compile_(f8._fp8_tile_kernel, fp8_ptrs, c, ["M", "N", "K", "st
 out["fp8 tile, TMA"] = compile_(f8._fp8_tile_kernel, fp8_ptrs, {**c, "TMA": True},
                                 ["M", "N", "K", "stride_am", "stride_bn"], num_warps=4, num_stages=4)
 # the decode kernel quantizing bf16 activations itself (QUANT_A), K split in two
-c = dict(ROW_A=False, ROW_B=True, HAS_BIAS=False, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, STAGES=3, QUANT_A=True)
+c = dict(ROW_A=False, ROW_B=True, HAS_BIAS=False, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, STAGES=3, QUANT_A=True, PDL=True)
 out["fp8 decode, x quantized inside"] = compile_(f8._fp8_decode_kernel, {**fp8_ptrs, "A_ptr": "*bf16"}, c,
                                                 ["M", "N", "K", "stride_am", "stride_bn", "k_split"], num_warps=4,
                                                 num_stages=3)
@@ -79,7 +79,7 @@ def compile_(fn, ptrs, consts, divisible, **opts):
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
     return {"wgmma": "wgmma" in ptx, "int_to_float": len(re.findall(r"cvt\.rn\.f(16|32)\.[su](8|16|32)", ptx)),
-            "bf16_to_float": len(re.findall(r"cvt\.f32\.bf16", ptx)),
+            "bf16_to_float": len(re.findall(r"cvt\.f32\.bf16", ptx)), "griddep": "griddepcontrol.wait" in ptx,
             "async": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)),
             "lop3": len(re.findall(r"lop3\.b32 [^;]*, 0xea;", ptx))}
 
@@ -87,15 +87,15 @@ ptrs = dict(X_ptr="*bf16", W_ptr="*i32", S_ptr="*bf16", Z_ptr="*u8", Y_ptr="*bf1
 ints = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sn", "k_split"]
 tiles = dict(stride_xk=1, HAS_ZERO=True, HAS_BIAS=False, SPLIT_K=1, STAGES=3)
 out = {"int4 fma": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, BLOCK_N=8, BLOCK_K=256, ASM=True,
-                                                   X_PAIRS=False),
+                                                   X_PAIRS=False, PDL=False),
                             ints, num_warps=2, num_stages=3),
        # one row, 128-wide K steps inside one g128 group, x read as int32 pairs
        "int4 fma, pairs": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, BLOCK_N=32, BLOCK_K=128,
-                                   ASM=True, X_PAIRS=True), ints, num_warps=2, num_stages=3),
+                                   ASM=True, X_PAIRS=True, PDL=True), ints, num_warps=2, num_stages=3),
        "int4 mma": compile_(qd._wq_mma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, MAGIC=0x4300, SH=0,
-                            PRECISION="ieee", BLOCK_N=64, BLOCK_K=128), ints, num_warps=4, num_stages=3),
+                            PRECISION="ieee", BLOCK_N=64, BLOCK_K=128, PDL=True), ints, num_warps=4, num_stages=3),
        "int8 mma": compile_(qd._wq_mma_kernel, ptrs, dict(tiles, BITS=8, GROUP=1, MAGIC=0x4300, SH=0,
-                            PRECISION="ieee", BLOCK_N=64, BLOCK_K=128, HAS_ZERO=False), ints, num_warps=4,
+                            PRECISION="ieee", BLOCK_N=64, BLOCK_K=128, HAS_ZERO=False, PDL=False), ints, num_warps=4,
                             num_stages=3)}
 print(json.dumps(out))
 """
@@ -124,6 +124,8 @@ def test_word_kernels_convert_nothing(tmp_path):
     # x as int32 pairs: each bf16 widened by a shift or an AND, so the only bf16 -> float32 conversions left
     # are the scales, one per row a thread holds (4 at 32 rows over 2 warps); the bf16 load converts every x
     assert res["int4 fma, pairs"]["bf16_to_float"] <= 4 < res["int4 fma"]["bf16_to_float"], res
+    # launched with programmatic dependent launch in a decode step, they wait for the kernel before
+    assert res["int4 fma, pairs"]["griddep"] and res["int4 mma"]["griddep"], res
 
 
 @pytest.mark.slow  # ~15-20 s of compiling on 2 cores

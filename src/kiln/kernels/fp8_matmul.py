@@ -41,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import fp8_quantize, fp8_row_scale, grouped_tile, tma_scratch
+from kiln.kernels._common import fp8_quantize, fp8_row_scale, grouped_tile, pdl_prologue, tma_scratch
+from kiln.kernels._common import pdl as use_pdl
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.matmul_decode import DECODE_MAX_M, DecodeConfig, _split_sum_kernel, _store, table_rows
@@ -231,6 +232,7 @@ def _fp8_decode_kernel(
     SPLIT_K: tl.constexpr,
     STAGES: tl.constexpr,
     QUANT_A: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
 ):
     """Decode (M <= 16): the weight is the tensor-core M side, acc (BLOCK_N, 16) = B tile @ A tile.T
     (both K-major, as FP8 wgmma takes them), over a grid (cdiv(N, BLOCK_N), SPLIT_K) that K splits fill.
@@ -239,6 +241,7 @@ def _fp8_decode_kernel(
     as it is loaded. One scale per (row, K slice), applied to the slice's partial sum; with one slice it is
     the per-row scale, and the result is the bits of quantize_fp8 + this kernel. This saves the quantize
     launch (and its pass over x) at every decode step's projection; x is a few KB, read twice from L2."""
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -438,15 +441,16 @@ def _fp8_decode(
     split = cdiv(K, k_split)
     dst = torch.empty((split, M, N), device=c.device, dtype=torch.float32) if split > 1 else c
     b = c if bias is None else bias
+    pdl = use_pdl(a_q)  # programmatic dependent launch, as kiln's bf16 decode kernels (KILN_PDL=0: off)
     _decode_launch[(cdiv(N, config.block_n), split)](
         a_q, b_q, b_scale if quant_a else a_scale, b_scale, dst, b, M, N, K, a_q.stride(0), b_q.stride(0),
         k_split, ROW_A=not quant_a and a_scale.numel() == M and M > 1, ROW_B=b_scale.numel() == N and N > 1,
         HAS_BIAS=bias is not None and split == 1, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT_K=split, STAGES=config.stages, QUANT_A=quant_a, num_warps=config.warps,
+        SPLIT_K=split, STAGES=config.stages, QUANT_A=quant_a, PDL=pdl, num_warps=config.warps, launch_pdl=pdl,
     )  # fmt: skip
     if split > 1:
         _sum_launch[(cdiv(M * N, 1024),)](dst, c, b, M * N, N, HAS_BIAS=bias is not None, ACTIVATION="none",
-                                          SPLIT_K=split, BLOCK=1024, PDL=False)  # fmt: skip
+                                          SPLIT_K=split, BLOCK=1024, PDL=pdl, launch_pdl=pdl)  # fmt: skip
     return c
 
 

@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import pdl_prologue
 from kiln.kernels.matmul_decode import _store
 
 # Bits of 128.0 in each activation dtype and the shift that puts an integer u < 128 at its units place.
@@ -136,7 +137,9 @@ def _wq_fma_kernel(
     STAGES: tl.constexpr,
     ASM: tl.constexpr,  # int4: each nibble's AND-OR as one lop3.b32 (not under the interpreter)
     X_PAIRS: tl.constexpr = False,  # bf16 x read as int32 pairs (contiguous, 4-byte aligned, K even)
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
 ):
+    pdl_prologue(PDL)
     P: tl.constexpr = 32 // BITS  # values per word
     BLOCK_W: tl.constexpr = BLOCK_K // P
     # int4: a K step inside one group takes one scale (and zero point) per row, not one per word
@@ -275,7 +278,9 @@ def _wq_mma_kernel(
     BLOCK_K: tl.constexpr,  # int4: divides GROUP, one group per K step
     SPLIT_K: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
 ):
+    pdl_prologue(PDL)
     P: tl.constexpr = 32 // BITS  # values per word
     BLOCK_W: tl.constexpr = BLOCK_K // P
     pid_n = tl.program_id(0)

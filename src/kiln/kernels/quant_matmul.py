@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels._common import grouped_tile
+from kiln.kernels._common import pdl as use_pdl
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv
 from kiln.kernels.matmul_decode import DECODE_MAX_M, DecodeConfig, _split_sum_kernel, _store, table_rows
@@ -508,6 +509,12 @@ def _plan(x, qweight, scales, zeros, bits, group_size, bias, config) -> _Plan:
         has_bias = bias is not None and split == 1
         tiles = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, STAGES=config.stages,
                      num_warps=config.warps)  # fmt: skip
+        if form in ("fma", "mma"):
+            # programmatic dependent launch, as kiln's bf16 decode kernels (its switch, KILN_PDL=0 for A/B
+            # timing): scheduled while the kernel before runs, waiting for it in the prologue, and letting
+            # the next kernel (the split-K sum, the norm after o_proj, ...) be scheduled in turn
+            pdl = use_pdl(x)
+            tiles.update(PDL=pdl, launch_pdl=pdl)
         if form == "fma":
             # bf16 x read as int32 pairs where it is contiguous and 4-byte aligned (the key holds both)
             pairs = x.dtype == torch.bfloat16 and x.stride(1) == 1 and K % 2 == 0 and x.data_ptr() % 4 == 0
@@ -576,8 +583,9 @@ def wq_matmul_fwd(
         _decode_launch[plan.grid](x, qweight, scales, z, dst, b, M, N, K, x.stride(0), x.stride(1),
                                   qweight.stride(0), scales.stride(0), plan.k_split, **plan.meta)  # fmt: skip
     if split > 1:
+        pdl = plan.meta.get("PDL", False)  # the main kernel let it be scheduled early: it waits here
         _sum_launch[(cdiv(M * N, 1024),)](dst, y, b, M * N, N, HAS_BIAS=bias is not None, ACTIVATION="none",
-                                          SPLIT_K=split, BLOCK=1024, PDL=False)  # fmt: skip
+                                          SPLIT_K=split, BLOCK=1024, PDL=pdl, launch_pdl=pdl)  # fmt: skip
     return y
 
 
