@@ -89,7 +89,9 @@ class DecodeConfig(NamedTuple):
     the main kernel with programmatic dependent launch (Hopper+), so that it may start while the kernel
     before it in the stream finishes, waiting for it (griddepcontrol.wait) before its first load. That
     pays only after kernels that signal early (griddepcontrol.launch_dependents), as these do: off by
-    default, since the ops around a decode GEMM do not yet."""
+    default, since the ops around a decode GEMM do not yet. The quantized and FP8 decode kernels
+    (kernels/quant_decode.py, fp8_matmul) take these configs too but ignore `pdl`: they launch with it
+    wherever kiln.kernels._common.pdl says (KILN_PDL=0 turns it off)."""
 
     kernel: str
     block_n: int
