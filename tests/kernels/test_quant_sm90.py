@@ -81,7 +81,7 @@ def compile_(fn, ptrs, consts, divisible, **opts):
     return {"wgmma": "wgmma" in ptx, "int_to_float": len(re.findall(r"cvt\.rn\.f(16|32)\.[su](8|16|32)", ptx)),
             "bf16_to_float": len(re.findall(r"cvt\.f32\.bf16", ptx)), "griddep": "griddepcontrol.wait" in ptx,
             "async": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)),
-            "lop3": len(re.findall(r"lop3\.b32 [^;]*, 0xea;", ptx))}
+            "lop3": len(re.findall(r"lop3\.b32 [^;]*, 0xea;", ptx)), "prmt": len(re.findall(r"prmt\.b32", ptx))}
 
 ptrs = dict(X_ptr="*bf16", W_ptr="*i32", S_ptr="*bf16", Z_ptr="*u8", Y_ptr="*bf16", Bias_ptr="*bf16")
 ints = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sn", "k_split"]
@@ -93,7 +93,8 @@ out = {"int4 fma": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=4, GROUP=1
        "int4 fma, pairs": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, BLOCK_N=32, BLOCK_K=128,
                                    ASM=True, X_PAIRS=True, PDL=True), ints, num_warps=2, num_stages=3),
        "int4 mma": compile_(qd._wq_mma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, MAGIC=0x4300, SH=0,
-                            PRECISION="ieee", BLOCK_N=64, BLOCK_K=128, PDL=True), ints, num_warps=4, num_stages=3),
+                            PRECISION="ieee", BLOCK_N=64, BLOCK_K=128, PDL=True, ASM=True), ints, num_warps=4,
+                            num_stages=3),
        "int8 mma": compile_(qd._wq_mma_kernel, ptrs, dict(tiles, BITS=8, GROUP=1, MAGIC=0x4300, SH=0,
                             PRECISION="ieee", BLOCK_N=64, BLOCK_K=128, HAS_ZERO=False, PDL=False), ints, num_warps=4,
                             num_stages=3)}
@@ -124,6 +125,8 @@ def test_word_kernels_convert_nothing(tmp_path):
     # x as int32 pairs: each bf16 widened by a shift or an AND, so the only bf16 -> float32 conversions left
     # are the scales, one per row a thread holds (4 at 32 rows over 2 warps); the bf16 load converts every x
     assert res["int4 fma, pairs"]["bf16_to_float"] <= 4 < res["int4 fma"]["bf16_to_float"], res
+    # the int4 mma form takes each byte's two nibbles as two 16-bit floats with one PRMT and one LOP3
+    assert res["int4 mma"]["prmt"] >= 4 and res["int4 mma"]["lop3"] >= 4, res
     # launched with programmatic dependent launch in a decode step, they wait for the kernel before
     assert res["int4 fma, pairs"]["griddep"] and res["int4 mma"]["griddep"], res
 

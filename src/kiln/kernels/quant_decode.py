@@ -38,7 +38,11 @@ Two forms, both over a grid (cdiv(N, BLOCK_N), SPLIT_K) with matmul_decode's det
   128-wide tiles, bench/results/archive/quant_sweep-d3a752d.json; docs/quant.md).
 - "mma" (M <= 16): W is the tensor-core M side as in matmul_decode's "dot" form, dequantized in x's
   dtype by the magic. int4: v = bits(MAGIC | q << SH) = 128 + q, w = v - (128 + z) = q - z, exact in
-  bf16/fp16/float32 (small integers); acc_g (BLOCK_N, 16) = w @ x.T per K step inside one group, then
+  bf16/fp16/float32 (small integers). With a 16-bit x a byte's two nibbles (two adjacent columns) come out
+  of one PRMT and one LOP3 as one register of two such floats, the pair the tile's layout keeps together,
+  and the subtraction runs on both (HADD2): 3.8 SASS instructions a weight at 64 x 128 (sm_90), from 5.0
+  for a nibble at a time (a shift and a LOP3 each, then PRMTs to pack pairs);
+  acc_g (BLOCK_N, 16) = w @ x.T per K step inside one group, then
   acc += acc_g * s (the scale applied to the float32 partial, once per row and group, never rounded into
   the weight); BLOCK_K divides the group. int8: q + 128 has 8 bits, one more than bf16 holds at 128's
   place, so it goes as two nibbles, q = ((128 + hi) - 136) * 16 + ((128 + lo) - 128), exact at each step;
@@ -279,6 +283,7 @@ def _wq_mma_kernel(
     SPLIT_K: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
+    ASM: tl.constexpr = False,  # int4 with 16-bit x: each byte's nibbles by one PRMT + LOP3 (not interpreted)
 ):
     pdl_prologue(PDL)
     P: tl.constexpr = 32 // BITS  # values per word
@@ -314,7 +319,7 @@ def _wq_mma_kernel(
             acc = tl.dot(wq, xt, acc, input_precision=PRECISION)
         else:
             acc += _int4_group_dot(
-                w, xt, s_rows, z_rows, n_ok, k0, GROUP, HAS_ZERO, MAGIC, SH, PRECISION, xdt
+                w, xt, s_rows, z_rows, n_ok, k0, GROUP, HAS_ZERO, MAGIC, SH, PRECISION, xdt, ASM
             )
     if BITS == 8:
         acc *= tl.load(s_rows, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -324,11 +329,11 @@ def _wq_mma_kernel(
 
 @triton.jit
 def _int4_group_dot(w, xt, s_rows, z_rows, n_ok, k0, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-                    MAGIC: tl.constexpr, SH: tl.constexpr, PRECISION: tl.constexpr, xdt: tl.constexpr):  # fmt: skip
+                    MAGIC: tl.constexpr, SH: tl.constexpr, PRECISION: tl.constexpr, xdt: tl.constexpr,
+                    ASM: tl.constexpr):  # fmt: skip
     """One K step of int4 words w (BLOCK_N, BLOCK_W) inside one group: (q - z) @ xt (BLOCK_K, 16) in
     float32, times the group's scale per row."""
     BLOCK_N: tl.constexpr = w.shape[0]
-    BLOCK_K: tl.constexpr = w.shape[1] * 8
     g = k0 // GROUP
     s = tl.load(s_rows + g, mask=n_ok, other=0.0).to(tl.float32)  # (BLOCK_N,)
     if HAS_ZERO:
@@ -336,6 +341,77 @@ def _int4_group_dot(w, xt, s_rows, z_rows, n_ok, k0, GROUP: tl.constexpr, HAS_ZE
     else:
         z = tl.full((BLOCK_N,), 8, tl.int32)
     c = _magic_128(z, MAGIC, SH, xdt)[:, None]  # (BLOCK_N, 1): 128 + z
+    if xdt.primitive_bitwidth == 16:
+        wq = _int4_tile_by_bytes(w, c, MAGIC, SH, xdt, ASM)
+    else:
+        wq = _int4_tile_by_nibbles(w, c, MAGIC, SH, xdt)
+    part = tl.dot(wq, xt, input_precision=PRECISION)  # (BLOCK_N, 16) over one group's columns
+    return part * s[:, None]
+
+
+@triton.jit
+def _byte_nibbles(w, i: tl.constexpr, MAGIC: tl.constexpr, SH: tl.constexpr, ASM: tl.constexpr):
+    """Byte i of every word of w as one int32 holding two 16-bit floats of x's dtype: 128 + its low nibble
+    (bits 0-15) and 128 + its high nibble (bits 16-31). ASM: one PRMT (byte i of w << SH into byte 0, byte
+    i of w >> (4 - SH) into byte 2) and one LOP3 (the two nibbles' bits, OR the two magics), with the
+    selector, mask and magic in registers hoisted out of the loop; the interpreter takes shifts and masks,
+    the same bits."""
+    mask: tl.constexpr = (15 << SH) | (15 << (16 + SH))
+    magic2: tl.constexpr = MAGIC | (MAGIC << 16)
+    if ASM:
+        sel = tl.full(w.shape, i | (i << 4) | ((4 + i) << 8) | ((4 + i) << 12), tl.int32)
+        m = tl.full(w.shape, mask, tl.int32)
+        e = tl.full(w.shape, magic2 - (1 << 32) if magic2 >= 1 << 31 else magic2, tl.int32)
+        p = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; prmt.b32 t, $1, $2, $3; lop3.b32 $0, t, $4, $5, 0xea; }",
+            "=r,r,r,r,r,r",
+            [w << SH, w >> (4 - SH), sel, m, e],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        lo = ((w >> (8 * i)) & 15) << SH
+        hi = ((w >> (8 * i + 4)) & 15) << (16 + SH)
+        p = lo | hi | magic2
+    return p
+
+
+@triton.jit
+def _int4_tile_by_bytes(w, c, MAGIC: tl.constexpr, SH: tl.constexpr, xdt: tl.constexpr, ASM: tl.constexpr):
+    """The (BLOCK_N, BLOCK_K) tile of q - z in x's 16-bit dtype, a byte (two adjacent columns) at a time:
+    each byte's pair of 16-bit floats comes out of one PRMT + LOP3 already side by side in one register,
+    which is where the tile's layout keeps two adjacent K columns, so the tile needs no repacking; the
+    subtraction of 128 + z then runs on both halves (packed HADD2). Exact: small integers."""
+    BLOCK_N: tl.constexpr = w.shape[0]
+    BLOCK_K: tl.constexpr = w.shape[1] * 8
+    p0 = _byte_nibbles(w, 0, MAGIC, SH, ASM)
+    p1 = _byte_nibbles(w, 1, MAGIC, SH, ASM)
+    p2 = _byte_nibbles(w, 2, MAGIC, SH, ASM)
+    p3 = _byte_nibbles(w, 3, MAGIC, SH, ASM)
+    # (BLOCK_N, BLOCK_W, 2, 2) of the bytes' low (even) and high (odd) nibbles: [n, j, s, t] = byte 2s + t
+    lo0, lo1, lo2, lo3 = _half(p0, 0, xdt), _half(p1, 0, xdt), _half(p2, 0, xdt), _half(p3, 0, xdt)
+    hi0, hi1, hi2, hi3 = _half(p0, 1, xdt), _half(p1, 1, xdt), _half(p2, 1, xdt), _half(p3, 1, xdt)
+    even = tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3))
+    odd = tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3))
+    # [n, j, s, t, u] = nibble 2 (2s + t) + u = column 8j + 4s + 2t + u: the natural column order
+    return (tl.join(even, odd) - c[:, :, None, None, None]).reshape(BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _half(p, h: tl.constexpr, xdt: tl.constexpr):
+    """The 16-bit float in half h (0: bits 0-15, 1: bits 16-31) of each int32 p, in xdt."""
+    if h == 1:
+        p = p >> 16
+    return p.to(tl.int16).to(xdt, bitcast=True)
+
+
+@triton.jit
+def _int4_tile_by_nibbles(w, c, MAGIC: tl.constexpr, SH: tl.constexpr, xdt: tl.constexpr):
+    """The (BLOCK_N, BLOCK_K) tile of q - z in x's dtype (float32 x: 32-bit values, one per register), a
+    nibble at a time."""
+    BLOCK_N: tl.constexpr = w.shape[0]
+    BLOCK_K: tl.constexpr = w.shape[1] * 8
     # nibble i of each word as q - z = (128 + q) - (128 + z), exact, in x's dtype: (BLOCK_N, BLOCK_W)
     n0 = _magic_128(w & 15, MAGIC, SH, xdt) - c
     n1 = _magic_128((w >> 4) & 15, MAGIC, SH, xdt) - c
@@ -349,9 +425,7 @@ def _int4_group_dot(w, xt, s_rows, z_rows, n_ok, k0, GROUP: tl.constexpr, HAS_ZE
     # i.e. column 8j + 4a + 2b + c: the reshape is the natural column order
     even = tl.join(tl.join(n0, n4), tl.join(n2, n6))
     odd = tl.join(tl.join(n1, n5), tl.join(n3, n7))
-    wq = tl.join(even, odd).reshape(BLOCK_N, BLOCK_K)
-    part = tl.dot(wq, xt, input_precision=PRECISION)  # (BLOCK_N, 16) over one group's columns
-    return part * s[:, None]
+    return tl.join(even, odd).reshape(BLOCK_N, BLOCK_K)
 
 
 def word_view(qweight: torch.Tensor) -> torch.Tensor | None:

@@ -523,7 +523,7 @@ def _plan(x, qweight, scales, zeros, bits, group_size, bias, config) -> _Plan:
         elif form == "mma":
             magic, sh = MAGIC[x.dtype]
             meta = dict(BITS=bits, GROUP=common["GROUP"], HAS_ZERO=zeros is not None, HAS_BIAS=has_bias,
-                        MAGIC=magic, SH=sh, PRECISION="ieee", **tiles)  # fmt: skip
+                        MAGIC=magic, SH=sh, PRECISION="ieee", ASM=not interpreting(), **tiles)  # fmt: skip
         else:
             meta = dict(common, HAS_BIAS=has_bias, DOT=form == "dot", **tiles)
         return _Plan(N, True, form, (cdiv(N, config.block_n), split), split, k_split, meta)
