@@ -133,6 +133,17 @@ def test_fma_reads_bf16_x_as_pairs_with_the_same_bits(fmt, config, device):
     assert_close(y, wq_matmul_ref(x.double(), q, s, z, bits, group), name=f"{fmt} {config}")
 
 
+@pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
+def test_fma_steps_of_two_groups(asym, device):
+    """K steps of two int4 groups (BLOCK_K = 2 * GROUP) load both groups' scales (and zero points) a row and
+    let each word select its own; K = 96 ends on half a step, whose second group does not exist."""
+    q, s, z = quantized(37, 96, 4, 32, asym, seed=3, device=device)
+    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(2)).to(device, torch.bfloat16)
+    for config in (DecodeConfig("fma", 16, 64), DecodeConfig("fma", 8, 64, split_k=2)):
+        y = wq_matmul_fwd(x, q, s, z, 4, 32, config=config)
+        assert_close(y, wq_matmul_ref(x.double(), q, s, z, 4, 32), name=f"{asym} {config}")
+
+
 def test_word_forms_refuse_what_they_cannot_read():
     q8, s8, _ = quantized(8, 66, 8, 0, False, seed=0)  # 66 bytes a row: not whole int32 words
     with pytest.raises(ValueError, match="int32 words"):

@@ -146,8 +146,10 @@ def _wq_fma_kernel(
     pdl_prologue(PDL)
     P: tl.constexpr = 32 // BITS  # values per word
     BLOCK_W: tl.constexpr = BLOCK_K // P
-    # int4: a K step inside one group takes one scale (and zero point) per row, not one per word
+    # int4: a K step inside one group takes one scale (and zero point) per row, not one per word; a step of
+    # two whole groups takes two per row, each word picking its own with a select
     ROW_SCALE: tl.constexpr = BITS == 4 and GROUP % BLOCK_K == 0
+    TWO_GROUPS: tl.constexpr = BITS == 4 and BLOCK_K == 2 * GROUP
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -198,16 +200,29 @@ def _wq_fma_kernel(
             if ROW_SCALE:  # (BLOCK_N, 1): the step's group, one scale a row
                 g = tl.full((1, 1), 0, tl.int32) + k0 // GROUP
                 g_ok = n_ok[:, None]
+                ws = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
+            elif TWO_GROUPS:  # (BLOCK_N, 1) twice: the step's two groups; each word selects its own
+                g = tl.full((1, 1), 0, tl.int32) + k0 // GROUP
+                second = (tl.arange(0, BLOCK_W) >= GROUP // 8)[None, :]  # (1, BLOCK_W): words of the 2nd
+                g_ok = n_ok[:, None]
+                g2_ok = g_ok & (k0 + GROUP < K)  # a last step past K has no second group
+                ws = tl.where(
+                    second,
+                    tl.load(s_rows + g + 1, mask=g2_ok, other=0.0).to(tl.float32),
+                    tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32),
+                )
             else:  # (1, BLOCK_W): the group of each word (a word never spans two groups)
                 g = (wcol // (GROUP // 8))[None, :]
                 g_ok = w_ok
-            ws = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
+                ws = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
             # nibbles 0-4 read in place; 5-7 (bits 20-31: bit 23 is past the mantissa) from w >> 12, where
             # they sit at nibble positions 2-4
             # (the arithmetic shift's sign bits land above bit 19, outside every mask)
             h = w >> 12
             if HAS_ZERO:  # off_p = 2**(23 - 4p) + z, exact; z from its bits as 2**23 + z - 2**23
                 z = tl.load(z_rows + g, mask=g_ok, other=0).to(tl.int32)
+                if TWO_GROUPS:
+                    z = tl.where(second, tl.load(z_rows + g + 1, mask=g2_ok, other=0).to(tl.int32), z)
                 zf = (z | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
                 c0, c1, c2, c3, c4 = zf + 8388608.0, zf + 524288.0, zf + 32768.0, zf + 2048.0, zf + 128.0
             else:  # off_p = 2**(23 - 4p) + 8: constants
