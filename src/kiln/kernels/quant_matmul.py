@@ -308,9 +308,9 @@ _sum_launch = CachedLaunch(_split_sum_kernel)
 # than 2%; a shape not listed takes the rule.
 # Swept at 3963b92; the entries the sweeps at 9ddd50d (the fma loop's new form) and 465e463 printed merged in
 # (bench/results/quant_sweep.json, the 9ddd50d one in bench/results/archive/); the one-row int4 entries
-# from the sweep of the fma form's one-scale-a-row K steps at d3a752d, and the 4- and 16-row int4 entries
-# from the sweep of the mma form's byte-at-a-time tiles at 0f76385 (bench/results/archive/
-# quant_sweep-d3a752d.json, quant_sweep-0f76385.json).
+# from the sweeps of the fma form's one-scale-a-row K steps at d3a752d and c422f60, and the 4- and 16-row
+# int4 entries from the sweep of the mma form's byte-at-a-time tiles at 0f76385 (bench/results/archive/
+# quant_sweep-{d3a752d,c422f60,0f76385}.json).
 DECODE_TABLE: dict[tuple[str, int, int, int], DecodeConfig] = {
     ("int4-g128", 1, 17920, 1536): DecodeConfig("fma", 16, 128, 1, 2, 4),
     ("int4-g128", 1, 151936, 1536): DecodeConfig("fma", 32, 256, 1, 2, 3),
@@ -342,6 +342,11 @@ DECODE_TABLE: dict[tuple[str, int, int, int], DecodeConfig] = {
     ("int4-g128-asym", 16, 17920, 1536): DecodeConfig("mma", 64, 128, 1, 4, 3),
     ("int4-g128-asym", 16, 151936, 1536): DecodeConfig("mma", 64, 64, 1, 4, 4),
     ("int4-g128-asym", 16, 1536, 8960): DecodeConfig("mma", 32, 128, 8, 4, 3),
+    # int8 qkv, o and down on the fma form: a tie with the gemv rule timed alone (c4a5609 sweep), but the
+    # fma form launches with PDL and the gemv form does not: the engine at batch 1 1.101x -> 1.234x bf16
+    ("int8", 1, 2048, 1536): DecodeConfig("fma", 8, 512, 1, 4, 3),
+    ("int8", 1, 1536, 1536): DecodeConfig("fma", 8, 512, 1, 4, 3),
+    ("int8", 1, 1536, 8960): DecodeConfig("fma", 8, 512, 2, 4, 3),
     ("int8", 1, 17920, 1536): DecodeConfig("fma", 16, 256, 1, 2, 3),
     ("int8", 1, 151936, 1536): DecodeConfig("fma", 16, 256, 1, 2, 3),
     ("int8", 4, 1536, 1536): DecodeConfig("dot", 32, 128, 4, 4, 3),
