@@ -31,7 +31,8 @@ Two forms, both over a grid (cdiv(N, BLOCK_N), SPLIT_K) with matmul_decode's det
   sign-extend and OR per nibble, and pairs of products as a multiply, an FMA and an add; 8.8 with the
   AND-OR as two LOP3). Of the rest, two costs are gone where they can be (ROW_SCALE, X_PAIRS): a K step
   that lies inside one int4 group (GROUP % BLOCK_K == 0) loads one scale (and zero point) a row instead
-  of one a word, with its address computed per word (~10 instructions a word); and a contiguous bf16 x is
+  of one a word, with its address computed per word (~10 instructions a word), and a step of two whole
+  groups two a row, each word selecting its own (TWO_GROUPS); and a contiguous bf16 x is
   read as int32 pairs, each half widened to float32 by one shift or one AND instead of Triton's PRMT +
   IMAD per value and row. 4.9-5.0 instructions a weight at 32 x 128 on 2 warps, the same bits (tested);
   on the H200 the one-row int4-g128 head went 73.9 -> 52.4 us, gate_up 11.7 -> 10.4 us (the sweep's new
