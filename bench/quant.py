@@ -629,8 +629,8 @@ def sweep_candidates(fmt: str, M: int, N: int, K: int, sms: int, smoke: bool) ->
         # (BLOCK_N, BLOCK_K, warps, stages); the K split from the shape
         # 16 x 256 and 32 x 256 at 2 warps give a thread 2 and 8 rows of the same words' columns (fewer SASS
         # instructions a weight: 7.2 and 6.9 against 8.0 at 8 x 256, compiled for sm_90)
-        # 128-wide K steps hold one int4-g128 group: one scale a row per step instead of one a word (5.0
-        # instructions a weight at 32 x 128 on 2 warps, with x read as int32 pairs)
+        # 128-wide K steps hold one int4-g128 group, 256-wide two: one scale a row per group and step
+        # instead of one a word (4.5-5.1 instructions a weight at 32 x 128 / 16-32 x 256 on 2 warps)
         tiles = [(4, 256, 2, 3), (8, 256, 2, 3), (8, 256, 4, 4), (16, 256, 4, 3), (8, 512, 4, 3),
                  (16, 128, 4, 4), (32, 128, 4, 3), (16, 256, 2, 3), (32, 256, 2, 3),
                  (16, 128, 2, 4), (32, 128, 2, 3), (32, 128, 2, 4), (64, 128, 4, 4),

@@ -198,20 +198,14 @@ def _wq_fma_kernel(
                 x2, x6 = tl.split(e1)
                 x1, x5 = tl.split(o0)
                 x3, x7 = tl.split(o1)
-            if ROW_SCALE:  # (BLOCK_N, 1): the step's group, one scale a row
+            if ROW_SCALE or TWO_GROUPS:  # (BLOCK_N, 1): the step's (first) group, one scale a row
                 g = tl.full((1, 1), 0, tl.int32) + k0 // GROUP
                 g_ok = n_ok[:, None]
                 ws = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
-            elif TWO_GROUPS:  # (BLOCK_N, 1) twice: the step's two groups; each word selects its own
-                g = tl.full((1, 1), 0, tl.int32) + k0 // GROUP
-                second = (tl.arange(0, BLOCK_W) >= GROUP // 8)[None, :]  # (1, BLOCK_W): words of the 2nd
-                g_ok = n_ok[:, None]
-                g2_ok = g_ok & (k0 + GROUP < K)  # a last step past K has no second group
-                ws = tl.where(
-                    second,
-                    tl.load(s_rows + g + 1, mask=g2_ok, other=0.0).to(tl.float32),
-                    tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32),
-                )
+                if TWO_GROUPS:  # and the second group's, each word selecting its own
+                    second = (tl.arange(0, BLOCK_W) >= GROUP // 8)[None, :]  # (1, BLOCK_W)
+                    g2_ok = g_ok & (k0 + GROUP < K)  # a last step past K has no second group
+                    ws = tl.where(second, tl.load(s_rows + g + 1, mask=g2_ok, other=0.0).to(tl.float32), ws)
             else:  # (1, BLOCK_W): the group of each word (a word never spans two groups)
                 g = (wcol // (GROUP // 8))[None, :]
                 g_ok = w_ok
@@ -377,7 +371,7 @@ def _byte_nibbles(w, i: tl.constexpr, MAGIC: tl.constexpr, SH: tl.constexpr, ASM
     if ASM:
         sel = tl.full(w.shape, i | (i << 4) | ((4 + i) << 8) | ((4 + i) << 12), tl.int32)
         m = tl.full(w.shape, mask, tl.int32)
-        e = tl.full(w.shape, magic2 - (1 << 32) if magic2 >= 1 << 31 else magic2, tl.int32)
+        e = tl.full(w.shape, magic2, tl.int32)  # 0x43004300 or 0x58005800: below 2**31
         p = tl.inline_asm_elementwise(
             "{ .reg .b32 t; prmt.b32 t, $1, $2, $3; lop3.b32 $0, t, $4, $5, 0xea; }",
             "=r,r,r,r,r,r",
