@@ -44,6 +44,7 @@ SWITCHES = {
     "KILN_DECODE_ROWS": (model_config, "decode_rows"),
     "KILN_DECODE_FORM": (decode_attention, "default_form"),
     "KILN_DECODE_PRELOAD": (decode_attention, "_preload_switch"),
+    "KILN_DECODE_EARLY": (decode_attention, "early_switch"),
 }
 
 

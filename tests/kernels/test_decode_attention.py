@@ -569,3 +569,90 @@ def test_gpu_bf16_decode_configs_in_a_cuda_graph(cfg):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+# ---------------------------------------------------------------- EARLY: the first tile before the PDL wait
+@pytest.mark.parametrize(
+    "lens,Hq,Hk,D,page,block_n,splits,window,sinks,form,preload",
+    [
+        ([1, 47, 130, 64, 65], 4, 2, 16, 8, 32, 3, None, False, "two_pass", True),  # tiles over 4 pages
+        ([200, 9, 1], 8, 1, 32, 16, 16, 5, 60, True, "one_pass", True),  # window, sinks, empty splits
+        ([75, 16], 6, 2, 64, 32, 64, 1, None, True, "two_pass", False),  # one split, per-tile table loads
+        ([300, 33], 4, 4, 16, 16, 16, 2, 170, False, "two_pass", False),  # several tiles a chunk
+    ],
+    ids=["preload-2pass", "preload-1pass-window", "single-table", "window-tiles"],
+)
+def test_decode_early_first_tile_is_bitwise_the_loop(
+    lens, Hq, Hk, D, page, block_n, splits, window, sinks, form, preload, monkeypatch, device
+):
+    # EARLY loads each chunk's first tile (all keys but the newest) before the programmatic-launch wait and
+    # the newest key's row after it, then folds the tile in as the loop's first: the same tiles, masks
+    # and sums in the same order, so the same bits as the loop alone.
+    from kiln.kernels.decode_attention import decode_attention_triton
+
+    q, kc, vc, table, seq_lens = _paged(lens, Hq, Hk, D, page, torch.float32, device, seed=63)
+    s = torch.randn(Hq, generator=torch.Generator().manual_seed(64)).to(device) if sinks else None
+    cfg = dict(BLOCK_N=block_n, num_warps=4, num_stages=1, ADDR32=True, PRELOAD=preload)
+    args = (q, kc, vc, table, seq_lens, 0.3, window, s, splits, cfg)
+    got = {}
+    for early in (False, True):
+        monkeypatch.setattr(dec, "early_switch", lambda e=early: e)
+        got[early] = decode_attention_triton(*args, form=form)
+    assert torch.equal(got[True], got[False])
+    assert_close(got[True], _ref64(q, kc, vc, table, seq_lens, softmax_scale=0.3, window=window, sinks=s))
+    _assert_counters_zero(device)
+
+
+def test_decode_early_switch_from_the_environment(monkeypatch):
+    for value, want in (("", True), ("on", True), ("off", False)):
+        dec.early_switch.cache_clear()
+        monkeypatch.setenv("KILN_DECODE_EARLY", value)
+        assert dec.early_switch() is want
+    dec.early_switch.cache_clear()
+    monkeypatch.setenv("KILN_DECODE_EARLY", "maybe")
+    with pytest.raises(ValueError, match="KILN_DECODE_EARLY"):
+        dec.early_switch()
+    dec.early_switch.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
+def test_gpu_early_reads_the_newest_key_after_its_writer(form):
+    # The engine's order: the RoPE + K/V write kernel (launched with PDL) writes each sequence's newest key,
+    # then decode attention, whose split programs load every older key before their programmatic-launch
+    # wait. The newest rows hold NaN before each replay: were one read before its writer finished, the
+    # output would be NaN. Qwen2.5-1.5B heads, 16 sequences of 1-1100 keys, 20 replays of one graph.
+    from kiln.kernels.rope import rope_kv_write
+
+    lens = [1 + (i * 71) % 1100 for i in range(16)]
+    q, kc, vc, table, seq_lens = _wide(lens, 12, 2, 128, 16, 128, torch.bfloat16, "cuda", seed=73)
+    g = torch.Generator().manual_seed(74)
+    k_new = torch.randn(16, 2, 128, generator=g).to("cuda", torch.bfloat16)
+    v_new = torch.randn(16, 2, 128, generator=g).to("cuda", torch.bfloat16)
+    pos = seq_lens.long() - 1
+    slots = table.gather(1, (pos // 16)[:, None])[:, 0].long() * 16 + pos % 16
+    cos = torch.ones(1100, 64, device="cuda", dtype=torch.bfloat16)  # the identity rotation: k as written
+    sin = torch.zeros(1100, 64, device="cuda", dtype=torch.bfloat16)
+    kc_want, vc_want = kc.clone(), vc.clone()
+    kc_want.view(-1, 2, 128)[slots], vc_want.view(-1, 2, 128)[slots] = k_new, v_new
+    want = _ref64(q, kc_want, vc_want, table, seq_lens)
+
+    def stale():
+        kc.view(-1, 2, 128)[slots] = float("nan")
+        vc.view(-1, 2, 128)[slots] = float("nan")
+
+    call = lambda: decode_attention(  # noqa: E731
+        rope_kv_write(q, k_new, v_new, cos, sin, pos, kc, vc, slots), kc, vc, table, seq_lens, form=form
+    )
+    stale()
+    assert_close(call(), want)
+    stale()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for _ in range(20):
+        stale()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        assert_close(out, want)

@@ -47,7 +47,11 @@ def compile_(fn, ptrs, consts, floats=(), **opts):
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=attrs)
-    return len(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"])
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+def before_wait(ptx):  # global loads issued before the programmatic-launch wait
+    head = ptx.split("griddepcontrol.wait")[0]
+    return head.count("ld.global") + head.count("cp.async.cg")
 
 out = {}
 for single, one_pass, addr32 in ((False, False, False), (False, False, True), (True, False, True), (False, True, True)):
@@ -56,23 +60,24 @@ for single, one_pass, addr32 in ((False, False, False), (False, False, True), (T
                 LSE_PART=part, SINKS="*fp32", OUT="*bf16", COUNTERS="*i32")
     c = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=16, WINDOW=True, SINGLE=single, ONE_PASS=one_pass, GROUP_P=8,
              SPLIT_STEP=8, SINK=True, PDL=True, BLOCK_N=64, FITS32=True, ADDR32=addr32, TMA_OK=True, TMA=False,
-             PRELOAD=addr32, MAX_PAGES=64)
-    out[f"split single={single} one_pass={one_pass} addr32={addr32}"] = compile_(da._decode_split_kernel, ptrs, c, ("qk_scale",),
-                                                                 num_warps=4, num_stages=3)
-out["reduce"] = compile_(da._decode_reduce_kernel, dict(O_PART="*fp32", LSE_PART="*fp32", SINKS="*fp32", OUT="*bf16"),
-                         dict(HEAD_DIM=128, BLOCK_S=32, SINK=True, PDL=True))
+             PRELOAD=addr32, MAX_PAGES=64, EARLY=addr32)
+    ptx = compile_(da._decode_split_kernel, ptrs, c, ("qk_scale",), num_warps=4, num_stages=3)
+    out[f"split single={single} one_pass={one_pass} addr32={addr32}"] = len(ptx)
+    out[f"split single={single} one_pass={one_pass} addr32={addr32} early"] = before_wait(ptx)
+out["reduce"] = len(compile_(da._decode_reduce_kernel, dict(O_PART="*fp32", LSE_PART="*fp32", SINKS="*fp32",
+                                                            OUT="*bf16"), dict(HEAD_DIM=128, BLOCK_S=32, SINK=True, PDL=True)))
 ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", Q_OUT="*bf16", COS="*fp32", SIN="*fp32", ROWS="*i64", K_CACHE="*bf16",
             V_CACHE="*bf16", SLOTS="*i64")
 for inter in (False, True):
     c = dict(PAGE_SIZE=16, INTERLEAVED=inter, BLOCK_QH=16, BLOCK_KH=2, BLOCK_D=64, PDL=True)
-    out[f"rope_kv interleaved={inter}"] = compile_(rope._rope_kv_write_kernel, ptrs, c)
+    out[f"rope_kv interleaved={inter}"] = len(compile_(rope._rope_kv_write_kernel, ptrs, c))
 mm = dict(X_ptr="*bf16", W_ptr="*bf16", Y_ptr="*fp32", Bias_ptr="*bf16", R_ptr="*bf16", SS_ptr="*fp32", G_ptr="*bf16")
 for cfg in (md.decode_config(1, 1536, 8960, 132), md.decode_config(8, 1536, 8960, 132)):
     kernel = md._gemv_kernel if cfg.kernel == "gemv" else md._dot_kernel
     c = dict(HAS_BIAS=False, ACTIVATION="none", SWIGLU=True, RMSNORM=False, RESIDUAL=False, GLU=False, SS_BLOCK=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
              SPLIT_K=cfg.split_k, PDL=True, GRIDDEP=True)
     c.update(dict(BLOCK_M=1, STAGES=cfg.stages) if cfg.kernel == "gemv" else dict(BLOCK_M=16, PRECISION="ieee"))
-    out[f"swiglu {cfg}"] = compile_(kernel, mm, c, num_warps=cfg.warps, num_stages=cfg.stages)
+    out[f"swiglu {cfg}"] = len(compile_(kernel, mm, c, num_warps=cfg.warps, num_stages=cfg.stages))
 print(json.dumps(out))
 """
 
@@ -87,7 +92,12 @@ def test_fused_decode_kernels_compile_for_sm90(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
+    early = {k: res.pop(k) for k in list(res) if k.endswith(" early")}
     assert len(res) == 9 and all(n > 0 for n in res.values()), res
+    # EARLY (the ADDR32 launches here): the key count, the first tile's pages and its K and V rows load before
+    # griddepcontrol.wait; the int64 form compiled without it loads nothing before the wait
+    assert early.pop("split single=False one_pass=False addr32=False early") == 0, early
+    assert len(early) == 3 and all(n >= 4 for n in early.values()), early
 
 
 LAUNCH_SCRIPT = (
@@ -124,7 +134,9 @@ def launch_args(cfg, form, B=64, Hq=12, Hk=2, D=128, page=16, width=256, L=1100)
     finally:
         del fn.run
     # TMA_OK as on the H200 (the CPU launcher cannot know the caches are TMA-readable on a GPU)
-    return got["args"], dict(got["kw"], PDL=True, launch_pdl=True, TMA_OK=cfg["TMA"])
+    # (and EARLY, which the launcher turns off where TMA reads the pages)
+    kw = got["kw"]
+    return got["args"], dict(kw, PDL=True, launch_pdl=True, TMA_OK=cfg["TMA"], EARLY=kw["EARLY"] and not cfg["TMA"])
 
 
 out = []
@@ -156,8 +168,8 @@ def split_kernel_resources(forms=("two_pass", "one_pass"), old=False) -> list[di
 
 @pytest.mark.slow  # 6 compiles and ptxas runs: ~20 s on the shared 2-core machine
 def test_split_kernel_addr32_configs_do_not_spill_at_the_launch():
-    # Every ADDR32 (and PRELOAD) and TMA config in both forms: no spill; 4 warps at <= 128 registers a thread (4 programs an SM,
-    # PER_SM's aim: 65536 / (4 x 128 threads)), 8 warps at <= 80 (3 programs, 2 at the old config's 95).
+    # Every ADDR32 (and PRELOAD) and TMA config in both forms: no spill, and registers for the programs an SM
+    # that the split plan aims at.
     res = split_kernel_resources()
     assert len(res) == 2 * sum((a or t) and not (t and n != 16) for n, _, _, a, t, _ in dec.SPLIT_CONFIGS), (
         res
@@ -166,6 +178,13 @@ def test_split_kernel_addr32_configs_do_not_spill_at_the_launch():
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
         if r["PRELOAD"]:  # no table load in the loop: K and V tiles buffered num_stages - 1 deep
             assert r["smem"] >= (r["num_stages"] - 1) * 2 * r["BLOCK_N"] * 128 * 2, r
-        # 8 warps: <= 80 registers fit 3 programs an SM; with PRELOAD its shared memory (2 x 64 KB of K/V at
-        # 128-key tiles) fits one program whatever the registers, so only the 4-warp bound applies
-        assert r["regs"] <= {2: 255, 4: 128, 8: 128 if r["PRELOAD"] else 80}[r["num_warps"]], r
+        # Programs an SM by registers, against what the split plan aims at: PER_SM (4) in PLAN_CONFIG's tiles,
+        # PRELOAD_PER_SM in PLAN_PRELOAD's. EARLY holds the first K and V tile in registers across the wait
+        # (BLOCK_N x D / threads a thread: 64 at 64-key tiles and 4 warps: 95 -> 165 registers): the sweeps'
+        # wide configs fit fewer programs than they did (128 keys / 8 warps: one, by registers).
+        by_regs = 65536 // (32 * r["num_warps"] * -(-r["regs"] // 8) * 8)
+        cfg = {k: r[k] for k in ("BLOCK_N", "num_warps", "num_stages", "ADDR32", "TMA", "PRELOAD")}
+        if cfg == dec.PLAN_CONFIG and r["form"] == "two_pass":
+            assert by_regs >= dec.PER_SM, r
+        elif cfg == dec.PLAN_PRELOAD:
+            assert by_regs >= dec.PRELOAD_PER_SM, r

@@ -69,6 +69,19 @@ programs an SM in 32-key tiles with per-tile table loads, KILN_DECODE_PRELOAD=of
 tied at one. Fewer and longer chunks without PRELOAD had won in isolation at 64-256 sequences and lost 5% in
 whole steps: only whole steps decide the plan.
 
+EARLY (early_switch; KILN_DECODE_EARLY=off turns it off; not with TMA pages): each program loads its
+chunk's first tile before its programmatic-launch wait, so the chain key count -> page index -> K/V rows
+runs while the kernel before it (the RoPE + K/V write) still runs; after the wait it loads q and the
+newest key's row only, and folds the tile in as the loop's first (the same tiles, masks and sums: the same
+bits). At batch 1 the plan gives each split one 64-key tile, so the whole chunk is read early. The
+contract this rests on: every key of a sequence but its newest (position seq_lens[b] - 1) was written
+before the previous kernel in the stream started, and seq_lens and the block table too; a decode step
+writes one key a sequence, in the kernel right before this one (with PDL, each kernel's dependents start
+only after its own wait has returned, so everything two launches back is complete). Nothing is stored
+before the wait (a buffer this launch writes may have been read by the previous kernel). The tile held in
+registers across the wait costs BLOCK_N x D / threads registers a thread (PLAN_PRELOAD: 95 -> 165, one
+program an SM either way).
+
 Measured on the H200 and not kept (bench/sweep_attention.py, batch 1 x 64k): split counts of 1-8
 programs per SM (4 is best there; fewer cannot keep enough loads in flight per SM), page indices loaded a
 tile ahead (up to 16% slower: the compiler already pipelines the table load with the K/V loads), and
@@ -137,7 +150,8 @@ def decode_attention_ref(
 # (BLOCK_N, num_warps, num_stages, ADDR32, TMA, PRELOAD), with the registers a thread each takes compiled for sm_90a at
 # the Qwen2.5-1.5B launch (12 / 2 heads x 128, page 16, bf16), two_pass / one_pass form (ptxas -v at the
 # launch's own specialization: tests/kernels/test_decode_sm90.py; none spills; the table in
-# docs/perf/attention.md). At <= 128 registers 4 programs of 4 warps fit an SM; 8 warps at <= 80 fit 3.
+# docs/perf/attention.md), before EARLY (module doc), which adds up to BLOCK_N x D / threads (64 at 64 keys
+# and 4 warps). At <= 128 registers 4 programs of 4 warps fit an SM; 8 warps at <= 80 fit 3.
 # The TMA configs (a tile is one page; used where BLOCK_N is the page size) load each page's K and V rows of
 # the head as one tensor-descriptor copy, which the pipeliner buffers (num_stages - 2) deep where the pointer
 # forms hold one tile: measured slower on the H200 at every point of the sweep (16-key tiles; 0.6-0.9x).
@@ -265,9 +279,9 @@ def _online_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale):
 
 
 @triton.jit
-def _paged_kv(K_CACHE, V_CACHE, page, t, t_ok, offs_d, hk, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-              stride_vh, PAGE_SIZE: tl.constexpr, ADDR32: tl.constexpr):  # fmt: skip
-    """K and V (N, D) of the keys t (N,) found through their pages (N,) int32; rows not t_ok load zeros."""
+def _paged_ptrs(K_CACHE, V_CACHE, page, t, offs_d, hk, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                stride_vh, PAGE_SIZE: tl.constexpr, ADDR32: tl.constexpr):  # fmt: skip
+    """Pointers (N, D) to the K and V rows of the keys t (N,) found through their pages (N,) int32."""
     if ADDR32:
         # (BLOCK_N,) int32 row offsets from the head's base; the (BLOCK_N, D) offsets stay int32 and only the
         # final address is 64-bit: the pipelined loop holds 32-bit offsets for the next tile, not 64-bit
@@ -282,6 +296,15 @@ def _paged_kv(K_CACHE, V_CACHE, page, t, t_ok, offs_d, hk, stride_kp, stride_kt,
         v_rows = V_CACHE + page64 * stride_vp + (t % PAGE_SIZE) * stride_vt + hk * stride_vh
         k_ptrs = k_rows[:, None] + offs_d[None, :]
         v_ptrs = v_rows[:, None] + offs_d[None, :]
+    return k_ptrs, v_ptrs
+
+
+@triton.jit
+def _paged_kv(K_CACHE, V_CACHE, page, t, t_ok, offs_d, hk, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+              stride_vh, PAGE_SIZE: tl.constexpr, ADDR32: tl.constexpr):  # fmt: skip
+    """K and V (N, D) of the keys t (N,) found through their pages (N,) int32; rows not t_ok load zeros."""
+    k_ptrs, v_ptrs = _paged_ptrs(K_CACHE, V_CACHE, page, t, offs_d, hk, stride_kp, stride_kt, stride_kh, stride_vp,
+                                 stride_vt, stride_vh, PAGE_SIZE, ADDR32)
     k = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)  # (BLOCK_N, D)
     v = tl.load(v_ptrs, mask=t_ok[:, None], other=0.0)
     return k, v
@@ -319,6 +342,7 @@ def _decode_split_kernel(
     TMA: tl.constexpr,  # a config's choice where TMA_OK: a tile is one page, by TMA (BLOCK_N aligns chunks only)
     PRELOAD: tl.constexpr,  # a config's choice: a window's page indices loaded before its K/V loop (not TMA)
     MAX_PAGES: tl.constexpr,  # PRELOAD: the page indices loaded at once (preload_pages: fixed per config)
+    EARLY: tl.constexpr = False,  # the first tile before the programmatic-launch wait (not TMA; module doc)
 ):
     hk = tl.program_id(1)
     if TMA and TMA_OK:  # built before the wait: they depend on no earlier kernel
@@ -327,7 +351,8 @@ def _decode_split_kernel(
                                            [PAGE_SIZE, HEAD_DIM])
         v_desc = tl.make_tensor_descriptor(V_CACHE + hk * stride_vh, [cache_rows, HEAD_DIM], [stride_vt, 1],
                                            [PAGE_SIZE, HEAD_DIM])
-    pdl_prologue(PDL)
+    if not EARLY:
+        pdl_prologue(PDL)
     b = tl.program_id(0)
     split = tl.program_id(2)
     n = tl.load(SEQ_LENS + b)
@@ -346,6 +371,22 @@ def _decode_split_kernel(
     h = hk * group + offs_h
     h_ok = offs_h < group
     b64 = b.to(tl.int64)
+    table = BLOCK_TABLE + b64 * stride_bt
+    start = lo  # the first key of the tile loop
+    if EARLY:
+        # The chunk's first tile, loaded before the programmatic-launch wait (module doc, "EARLY"): the key
+        # count, its pages and every key but the newest were written before the previous kernel (the one
+        # that writes the newest key) started, so these loads overlap it. Only row n - 1 waits.
+        t0 = lo + offs_n  # (BLOCK_N,): the tile the loop would take first, with its mask
+        t0_ok = t0 < hi
+        page0 = tl.load(table + t0 // PAGE_SIZE, mask=t0_ok, other=0)
+        k0_ptrs, v0_ptrs = _paged_ptrs(K_CACHE, V_CACHE, page0, t0, offs_d, hk, stride_kp, stride_kt, stride_kh,
+                                       stride_vp, stride_vt, stride_vh, PAGE_SIZE, ADDR32 and FITS32)
+        old = (t0_ok & (t0 < n - 1))[:, None]
+        k0 = tl.load(k0_ptrs, mask=old, other=0.0)  # (BLOCK_N, D)
+        v0 = tl.load(v0_ptrs, mask=old, other=0.0)
+        start = lo + BLOCK_N
+        pdl_prologue(PDL)
     if not SINGLE and not ONE_PASS:
         if hi <= lo:  # past the live keys: the reduction reads this split's lse only, as "empty"
             tl.store(LSE_PART + b64 * stride_lb + h * stride_lh + split, tl.full([BLOCK_H], float("-inf"),
@@ -355,10 +396,14 @@ def _decode_split_kernel(
     # partial stores predicated off (no early return: the last program to arrive may be an empty one)
     live = h_ok & (hi > lo)
     q = tl.load(Q + b64 * stride_qb + h[:, None] * stride_qh + offs_d[None, :], mask=live[:, None], other=0.0)
-    table = BLOCK_TABLE + b64 * stride_bt
     m_i = tl.zeros([BLOCK_H], tl.float32) - 1.0e30  # finite, so an empty split gives l = 0, not NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    if EARLY:  # the newest key's row, now written, into the first tile; then the tile as the loop's first
+        new = (t0_ok & (t0 >= n - 1))[:, None]
+        k0 = tl.where(new, tl.load(k0_ptrs, mask=new, other=0.0), k0)
+        v0 = tl.where(new, tl.load(v0_ptrs, mask=new, other=0.0), v0)
+        m_i, l_i, acc = _online_tile(q, k0, v0, t0_ok, m_i, l_i, acc, qk_scale)
     if TMA and TMA_OK:  # one page a tile, from the page holding lo (BLOCK_N aligns the chunks only)
         offs_p = tl.arange(0, PAGE_SIZE)
         for p in range(lo // PAGE_SIZE, tl.cdiv(hi, PAGE_SIZE)):
@@ -380,7 +425,7 @@ def _decode_split_kernel(
             # (MAX_PAGES - 1) pages; a longer one restarts the pipeline once a window.
             WINDOW_KEYS = (MAX_PAGES - 1) * PAGE_SIZE // BLOCK_N * BLOCK_N
             offs_p = tl.arange(0, MAX_PAGES)
-            for w0 in range(lo, hi, WINDOW_KEYS):
+            for w0 in range(start, hi, WINDOW_KEYS):
                 w_hi = tl.minimum(w0 + WINDOW_KEYS, hi)
                 p0 = w0 // PAGE_SIZE
                 pages = tl.load(table + p0 + offs_p, mask=p0 + offs_p < tl.cdiv(w_hi, PAGE_SIZE), other=0)
@@ -392,7 +437,7 @@ def _decode_split_kernel(
                                                 qk_scale, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
                                                 stride_vh, PAGE_SIZE, ADDR32 and FITS32)  # fmt: skip
         else:
-            for n0 in range(lo, hi, BLOCK_N):
+            for n0 in range(start, hi, BLOCK_N):
                 t = n0 + offs_n  # (BLOCK_N,) token positions; each row found through its page
                 t_ok = t < hi
                 page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0)  # (BLOCK_N,) int32
@@ -500,6 +545,17 @@ def plan_config() -> dict:
 
 
 @functools.cache
+def early_switch() -> bool:
+    """Whether the split kernel loads its first tile before its programmatic-launch wait (module doc,
+    "EARLY"): on, unless KILN_DECODE_EARLY=off in the environment (read once, as KILN_DECODE_FORM is), for
+    A/B timing of whole decode steps."""
+    form = os.environ.get("KILN_DECODE_EARLY", "") or "on"
+    if form not in ("off", "on"):
+        raise ValueError(f"KILN_DECODE_EARLY must be 'off' or 'on', got {form!r}")
+    return form == "on"
+
+
+@functools.cache
 def default_form() -> str:
     """The form of a call that names none: DEFAULT_FORM, or KILN_DECODE_FORM from the environment (read
     once, as KILN_PDL is: `KILN_DECODE_FORM=one_pass python bench/infer.py ...` times whole decode steps in
@@ -599,8 +655,8 @@ def decode_attention_triton(
         HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, pow2(group)), WINDOW=window is not None,
         SINGLE=single, ONE_PASS=one_pass, GROUP_P=pow2(group),
         SPLIT_STEP=min(pow2(splits), combine_step(group, D)), SINK=sinks is not None, PDL=use_pdl,
-        FITS32=offsets_fit_int32(k_cache, v_cache), TMA_OK=tma_ok, MAX_PAGES=max_pages, launch_pdl=use_pdl,
-        **config,
+        FITS32=offsets_fit_int32(k_cache, v_cache), TMA_OK=tma_ok, MAX_PAGES=max_pages,
+        EARLY=early_switch() and not tma_ok, launch_pdl=use_pdl, **config,
     )
     if single or one_pass:
         return out
