@@ -28,6 +28,7 @@ import torch
 from kiln.infer import bench
 from kiln.infer.engine import LLM
 from kiln.infer.sampling_params import SamplingParams
+from kiln.kernels import _common as kernels_common
 from kiln.kernels import decode_attention
 from kiln.model import config as model_config
 from kiln.model.config import ModelConfig
@@ -44,7 +45,7 @@ SWITCHES = {
     "KILN_DECODE_ROWS": (model_config, "decode_rows"),
     "KILN_DECODE_FORM": (decode_attention, "default_form"),
     "KILN_DECODE_PRELOAD": (decode_attention, "_preload_switch"),
-    "KILN_DECODE_EARLY": (decode_attention, "early_switch"),
+    "KILN_DECODE_EARLY": (kernels_common, "early_loads"),
 }
 
 

@@ -583,7 +583,7 @@ def test_gpu_bf16_decode_configs_in_a_cuda_graph(cfg):
     ids=["preload-2pass", "preload-1pass-window", "single-table", "window-tiles"],
 )
 def test_decode_early_first_tile_is_bitwise_the_loop(
-    lens, Hq, Hk, D, page, block_n, splits, window, sinks, form, preload, monkeypatch, device
+    lens, Hq, Hk, D, page, block_n, splits, window, sinks, form, preload, device
 ):
     # EARLY loads each chunk's first tile (all keys but the newest) before the programmatic-launch wait and
     # the newest key's row after it, then folds the tile in as the loop's first: the same tiles, masks
@@ -593,26 +593,53 @@ def test_decode_early_first_tile_is_bitwise_the_loop(
     q, kc, vc, table, seq_lens = _paged(lens, Hq, Hk, D, page, torch.float32, device, seed=63)
     s = torch.randn(Hq, generator=torch.Generator().manual_seed(64)).to(device) if sinks else None
     cfg = dict(BLOCK_N=block_n, num_warps=4, num_stages=1, ADDR32=True, PRELOAD=preload)
-    args = (q, kc, vc, table, seq_lens, 0.3, window, s, splits, cfg)
-    got = {}
-    for early in (False, True):
-        monkeypatch.setattr(dec, "early_switch", lambda e=early: e)
-        got[early] = decode_attention_triton(*args, form=form)
+    args = (q, kc, vc, table, seq_lens, 0.3, window, s, splits)
+    # explicit: the launcher's rule takes EARLY only where every chunk is one tile; the kernel takes any
+    got = {e: decode_attention_triton(*args, dict(cfg, EARLY=e), form=form) for e in (False, True)}
     assert torch.equal(got[True], got[False])
     assert_close(got[True], _ref64(q, kc, vc, table, seq_lens, softmax_scale=0.3, window=window, sinks=s))
     _assert_counters_zero(device)
 
 
+def test_decode_early_rule(monkeypatch):
+    # EARLY where the split count follows the capacity (chunks of at most CHUNK_ALIGN = 128 keys: the early
+    # tile and one more), off where chunks are longer or the switch is off; the launch is caught before it
+    # runs (no kernel: CPU tensors, no interpreter needed)
+    from kiln.kernels.decode_attention import decode_attention_triton
+
+    seen = []
+
+    class Caught(Exception):
+        pass
+
+    def run(*args, grid, warmup, **kw):
+        seen.append((grid[2], kw["EARLY"]))
+        raise Caught
+
+    monkeypatch.setattr(dec._decode_split_kernel, "run", run, raising=False)
+    monkeypatch.setattr(dec, "sm_count", lambda device: 132)
+    # batch 1, 2 KV heads, pages of 64: 132 pages (8448 keys) are 66 splits of 128 keys, the most that one
+    # program an SM gives; 133 pages still get 66 splits, of up to 192 keys
+    for width, switch in ((20, True), (132, True), (133, True), (20, False)):
+        monkeypatch.setattr(dec, "early_loads", lambda s=switch: s)
+        q, kc, vc, table, lens = _wide([100], 12, 2, 16, 64, width, torch.float32, "cpu", seed=65)
+        with pytest.raises(Caught):
+            decode_attention_triton(q, kc, vc, table, lens, 0.25, None, None, None)
+    assert seen == [(10, True), (66, True), (66, False), (10, False)]
+
+
 def test_decode_early_switch_from_the_environment(monkeypatch):
+    from kiln.kernels._common import early_loads
+
     for value, want in (("", True), ("on", True), ("off", False)):
-        dec.early_switch.cache_clear()
+        early_loads.cache_clear()
         monkeypatch.setenv("KILN_DECODE_EARLY", value)
-        assert dec.early_switch() is want
-    dec.early_switch.cache_clear()
+        assert early_loads() is want
+    early_loads.cache_clear()
     monkeypatch.setenv("KILN_DECODE_EARLY", "maybe")
     with pytest.raises(ValueError, match="KILN_DECODE_EARLY"):
-        dec.early_switch()
-    dec.early_switch.cache_clear()
+        early_loads()
+    early_loads.cache_clear()
 
 
 @pytest.mark.gpu

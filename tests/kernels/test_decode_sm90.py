@@ -69,8 +69,10 @@ out["reduce"] = len(compile_(da._decode_reduce_kernel, dict(O_PART="*fp32", LSE_
 ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", Q_OUT="*bf16", COS="*fp32", SIN="*fp32", ROWS="*i64", K_CACHE="*bf16",
             V_CACHE="*bf16", SLOTS="*i64")
 for inter in (False, True):
-    c = dict(PAGE_SIZE=16, INTERLEAVED=inter, BLOCK_QH=16, BLOCK_KH=2, BLOCK_D=64, PDL=True)
-    out[f"rope_kv interleaved={inter}"] = len(compile_(rope._rope_kv_write_kernel, ptrs, c))
+    c = dict(PAGE_SIZE=16, INTERLEAVED=inter, BLOCK_QH=16, BLOCK_KH=2, BLOCK_D=64, PDL=True, EARLY=inter)
+    ptx = compile_(rope._rope_kv_write_kernel, ptrs, c)
+    out[f"rope_kv interleaved={inter}"] = len(ptx)
+    out[f"rope_kv interleaved={inter} early"] = before_wait(ptx)
 mm = dict(X_ptr="*bf16", W_ptr="*bf16", Y_ptr="*fp32", Bias_ptr="*bf16", R_ptr="*bf16", SS_ptr="*fp32", G_ptr="*bf16")
 for cfg in (md.decode_config(1, 1536, 8960, 132), md.decode_config(8, 1536, 8960, 132)):
     kernel = md._gemv_kernel if cfg.kernel == "gemv" else md._dot_kernel
@@ -97,6 +99,9 @@ def test_fused_decode_kernels_compile_for_sm90(tmp_path):
     # EARLY (the ADDR32 launches here): the key count, the first tile's pages and its K and V rows load before
     # griddepcontrol.wait; the int64 form compiled without it loads nothing before the wait
     assert early.pop("split single=False one_pass=False addr32=False early") == 0, early
+    # and RoPE's (EARLY in the interleaved compile): the table row, cos, sin and the slot
+    assert early.pop("rope_kv interleaved=False early") == 0, early
+    assert early.pop("rope_kv interleaved=True early") >= 4, early
     assert len(early) == 3 and all(n >= 4 for n in early.values()), early
 
 

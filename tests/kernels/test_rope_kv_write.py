@@ -97,6 +97,20 @@ def test_rope_kv_write_bad_inputs(device):
         rope_kv_write(q, k, v, cos, sin, rows, kc, vc, slots.float())
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_rope_kv_write_early_loads_are_the_same_bits(interleaved, device):
+    # early: the table rows, cos / sin and slots read before the programmatic-launch wait; the same loads
+    # and math, so the same q and caches
+    from kiln.kernels.rope import rope_kv_write_triton
+
+    got = []
+    for early in (False, True):
+        q, k, v, cos, sin, rows, kc, vc, slots = _inputs(5, 6, 2, 16, 4, torch.float32, device, seed=9)
+        got.append((rope_kv_write_triton(q, k, v, cos, sin, rows, kc, vc, slots, interleaved, early), kc, vc))
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("N,Hq,Hk,D", [(1, 12, 2, 128), (64, 12, 2, 128), (33, 16, 8, 128), (9, 32, 8, 64)])

@@ -45,6 +45,18 @@ def pdl(t: torch.Tensor) -> bool:
     return t.is_cuda and not interpreting() and _pdl_on(t.device.index or 0)
 
 
+@functools.cache
+def early_loads() -> bool:
+    """Whether decode kernels read what their predecessor in the stream does not write before their
+    programmatic-launch wait (decode attention's first tile of keys, RoPE's cos/sin rows), so those loads
+    overlap it: on, unless KILN_DECODE_EARLY=off in the environment (read once, for A/B timing of whole
+    decode steps). Each kernel's module doc says what it reads early and why that is safe."""
+    form = os.environ.get("KILN_DECODE_EARLY", "") or "on"
+    if form not in ("off", "on"):
+        raise ValueError(f"KILN_DECODE_EARLY must be 'off' or 'on', got {form!r}")
+    return form == "on"
+
+
 def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Triton's allocator for kernels that build tensor descriptors on the device (TMA): 128 bytes of
     global scratch per descriptor per program, allocated at each launch (under a CUDA-graph capture, from

@@ -69,12 +69,17 @@ programs an SM in 32-key tiles with per-tile table loads, KILN_DECODE_PRELOAD=of
 tied at one. Fewer and longer chunks without PRELOAD had won in isolation at 64-256 sequences and lost 5% in
 whole steps: only whole steps decide the plan.
 
-EARLY (early_switch; KILN_DECODE_EARLY=off turns it off; not with TMA pages): each program loads its
+EARLY (`_common.early_loads`: KILN_DECODE_EARLY=off turns it off; not with TMA pages): each program loads its
 chunk's first tile before its programmatic-launch wait, so the chain key count -> page index -> K/V rows
 runs while the kernel before it (the RoPE + K/V write) still runs; after the wait it loads q and the
 newest key's row only, and folds the tile in as the loop's first (the same tiles, masks and sums: the same
-bits). At batch 1 the plan gives each split one 64-key tile, so the whole chunk is read early. The
-contract this rests on: every key of a sequence but its newest (position seq_lens[b] - 1) was written
+bits). The launcher takes it where no chunk exceeds max(BLOCK_N, CHUNK_ALIGN) keys (capacity <= splits x
+that: the split count is bound by the capacity, not by the programs an SM), so a split is its early tile
+and at most one more: batch 1-4 at a 1280-key table (10 splits of up to two 64-key tiles), batch 1 up to
+~8k keys. On the H200 (bench/experiments/decode_forms.py, Qwen2.5-1.5B at 1k-token contexts, 7 rounds of
+graph replays) the batch-1 step went 1.286 -> 1.250 ms (1.029x). Taken at every batch, it cost 1.5% at 16
+and 64 sequences (1.746 -> 1.773, 2.192 -> 2.226 ms), where chunks are 4-8 tiles and the loop's pipeline
+restarts after the peeled tile. The contract this rests on: every key of a sequence but its newest (position seq_lens[b] - 1) was written
 before the previous kernel in the stream started, and seq_lens and the block table too; a decode step
 writes one key a sequence, in the kernel right before this one (with PDL, each kernel's dependents start
 only after its own wait has returned, so everything two launches back is complete). Nothing is stored
@@ -101,7 +106,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import griddep, pdl, pdl_prologue, tma_scratch
+from kiln.kernels._common import early_loads, griddep, pdl, pdl_prologue, tma_scratch
 from kiln.kernels.attention import LOG2E, attention_ref
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import cdiv, pow2
@@ -545,17 +550,6 @@ def plan_config() -> dict:
 
 
 @functools.cache
-def early_switch() -> bool:
-    """Whether the split kernel loads its first tile before its programmatic-launch wait (module doc,
-    "EARLY"): on, unless KILN_DECODE_EARLY=off in the environment (read once, as KILN_DECODE_FORM is), for
-    A/B timing of whole decode steps."""
-    form = os.environ.get("KILN_DECODE_EARLY", "") or "on"
-    if form not in ("off", "on"):
-        raise ValueError(f"KILN_DECODE_EARLY must be 'off' or 'on', got {form!r}")
-    return form == "on"
-
-
-@functools.cache
 def default_form() -> str:
     """The form of a call that names none: DEFAULT_FORM, or KILN_DECODE_FORM from the environment (read
     once, as KILN_PDL is: `KILN_DECODE_FORM=one_pass python bench/infer.py ...` times whole decode steps in
@@ -608,7 +602,9 @@ def decode_attention_triton(
 ):
     """config (sweeps): a dict of the split kernel's BLOCK_N, num_warps, num_stages (ADDR32 and TMA False where
     absent; ADDR32 compiles the int64 form where the offsets do not fit, TMA the pointer form where the caches
-    are not TMA-readable), and/or `per_sm` and `align` for the split count, each used instead of split_plan's.
+    are not TMA-readable), and/or `per_sm` and `align` for the split count, each used instead of split_plan's,
+    and/or EARLY (True / False in place of the rule: where no chunk exceeds max(BLOCK_N, align) keys, unless
+    KILN_DECODE_EARLY is off; never with TMA pages).
     form: see `decode_attention` (checked there; None: default_form())."""
     B, Hq, D = q.shape
     _, page_size, Hk, _ = k_cache.shape
@@ -617,6 +613,7 @@ def decode_attention_triton(
         capacity = min(capacity, window)
     config = dict(config or {})
     per_sm, align = config.pop("per_sm", None), config.pop("align", CHUNK_ALIGN)
+    early = config.pop("EARLY", None)
     splits, plan = split_plan(B, Hk, capacity, sm_count(q.device), align)
     if per_sm is not None:
         splits = num_splits_for(B, Hk, capacity, sm_count(q.device), per_sm, align)
@@ -628,6 +625,8 @@ def decode_attention_triton(
     # a constexpr of the config and page size only: no block table or capacity compiles a new kernel (a
     # served step must reuse what the engine's warm-up and graph capture compiled)
     max_pages = preload_pages(config["BLOCK_N"], page_size) if config["PRELOAD"] else 1
+    if early is None:  # EARLY where no chunk exceeds max(BLOCK_N, align) keys (module doc)
+        early = early_loads() and capacity <= splits * max(config["BLOCK_N"], align)
     single = splits == 1
     one_pass = (default_form() if form is None else form) == "one_pass" and not single
     group = Hq // Hk
@@ -656,7 +655,7 @@ def decode_attention_triton(
         SINGLE=single, ONE_PASS=one_pass, GROUP_P=pow2(group),
         SPLIT_STEP=min(pow2(splits), combine_step(group, D)), SINK=sinks is not None, PDL=use_pdl,
         FITS32=offsets_fit_int32(k_cache, v_cache), TMA_OK=tma_ok, MAX_PAGES=max_pages,
-        EARLY=early_switch() and not tma_ok, launch_pdl=use_pdl, **config,
+        EARLY=early and not tma_ok, launch_pdl=use_pdl, **config,
     )
     if single or one_pass:
         return out

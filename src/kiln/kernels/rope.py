@@ -35,6 +35,7 @@ import triton.language as tl
 
 from kiln.kernels._common import (
     FLOAT_DTYPES,
+    early_loads,
     needs_grad,
     pdl,
     pdl_prologue,
@@ -448,19 +449,23 @@ def _rope_kv_write_kernel(
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,  # next powers of two >= Hq, Hk
     BLOCK_D: tl.constexpr,  # next power of two >= D / 2
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
+    EARLY: tl.constexpr = False,  # the table row, cos / sin and slot read before the PDL wait (launcher doc)
 ):
-    pdl_prologue(PDL)
+    if not EARLY:
+        pdl_prologue(PDL)
     i = tl.program_id(0)  # one token: all its q, k and v heads
     i64 = i.to(tl.int64)
     row = tl.load(ROWS + i64 * stride_rows).to(tl.int64)
     d = tl.arange(0, BLOCK_D)[None, :]
     c = tl.load(COS + row * stride_cos + d, mask=d < half, other=0.0).to(tl.float32)  # (1, BLOCK_D)
     s = tl.load(SIN + row * stride_sin + d, mask=d < half, other=0.0).to(tl.float32)
+    slot = tl.load(SLOTS + i64).to(tl.int64)
+    if EARLY:
+        pdl_prologue(PDL)
     qh = tl.arange(0, BLOCK_QH)[:, None]
     q1, q2, q_mask = _rotate_heads(Q + i64 * stride_qn + qh * stride_qh, c, s, tl.arange(0, BLOCK_QH), Hq,
                                    half, INTERLEAVED, BLOCK_QH, BLOCK_D)
     _store_rotated(Q_OUT + (i64 * Hq + qh) * (2 * half), q1, q2, q_mask, half, INTERLEAVED, BLOCK_D)
-    slot = tl.load(SLOTS + i64).to(tl.int64)
     if slot >= 0:  # a padding row writes nothing
         page = slot // PAGE_SIZE
         pos = slot % PAGE_SIZE
@@ -480,8 +485,16 @@ def _rope_kv_write_kernel(
 _rope_kv_launch = CachedLaunch(_rope_kv_write_kernel)
 
 
-def rope_kv_write_triton(q, k, v, cos, sin, rows, k_cache, v_cache, slots, interleaved) -> torch.Tensor:
-    """The kernel on checked inputs; returns the rotated q (N, Hq, D)."""
+def rope_kv_write_triton(
+    q, k, v, cos, sin, rows, k_cache, v_cache, slots, interleaved, early: bool = False
+) -> torch.Tensor:
+    """The kernel on checked inputs; returns the rotated q (N, Hq, D). early: read the table rows, cos / sin
+    and the slots before the programmatic-launch wait, so that the chain row -> cos / sin overlaps the
+    kernel before (the q/k/v projection, which writes none of them). The caller vouches that the kernel
+    launched right before this one does not write them: true of the model's eager and CUDA-graph steps
+    (the tables are made once a step, before layer 0); not promised under torch.compile, whose
+    scheduler may place the kernel that makes them anywhere before their first use (the custom op passes
+    False)."""
     q, k, v, cos, sin = (_last_contiguous(t) for t in (q, k, v, cos, sin))
     N, Hq, D = q.shape
     Hk = k.shape[1]
@@ -497,7 +510,7 @@ def rope_kv_write_triton(q, k, v, cos, sin, rows, k_cache, v_cache, slots, inter
         cos.stride(0), sin.stride(0), rows.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], Hq, Hk, D // 2,
         PAGE_SIZE=k_cache.shape[1], INTERLEAVED=interleaved, BLOCK_QH=pow2(Hq), BLOCK_KH=pow2(Hk),
-        BLOCK_D=pow2(D // 2), PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+        BLOCK_D=pow2(D // 2), PDL=use_pdl, EARLY=early, num_warps=4, launch_pdl=use_pdl,
     )  # fmt: skip
     return q_out
 
@@ -589,7 +602,7 @@ def rope_kv_write(
         return rope_kv_write_ref(q, k, v, cos, sin, rows, k_cache, v_cache, slots, interleaved)
     if torch.compiler.is_compiling():
         return rope_kv_write_op(q, k, v, cos, sin, rows, k_cache, v_cache, slots, interleaved)
-    return rope_kv_write_triton(q, k, v, cos, sin, rows, k_cache, v_cache, slots, interleaved)
+    return rope_kv_write_triton(q, k, v, cos, sin, rows, k_cache, v_cache, slots, interleaved, early_loads())
 
 
 # ================================================================================================
