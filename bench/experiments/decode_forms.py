@@ -29,7 +29,7 @@ from kiln.infer import bench
 from kiln.infer.engine import LLM
 from kiln.infer.sampling_params import SamplingParams
 from kiln.kernels import _common as kernels_common
-from kiln.kernels import decode_attention
+from kiln.kernels import decode_attention, matmul_decode
 from kiln.model import config as model_config
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import build_model
@@ -46,6 +46,7 @@ SWITCHES = {
     "KILN_DECODE_FORM": (decode_attention, "default_form"),
     "KILN_DECODE_PRELOAD": (decode_attention, "_preload_switch"),
     "KILN_DECODE_EARLY": (kernels_common, "early_loads"),
+    "KILN_DECODE_PREW": (matmul_decode, "preload_switch"),
 }
 
 

@@ -78,8 +78,14 @@ for cfg in (md.decode_config(1, 1536, 8960, 132), md.decode_config(8, 1536, 8960
     kernel = md._gemv_kernel if cfg.kernel == "gemv" else md._dot_kernel
     c = dict(HAS_BIAS=False, ACTIVATION="none", SWIGLU=True, RMSNORM=False, RESIDUAL=False, GLU=False, SS_BLOCK=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
              SPLIT_K=cfg.split_k, PDL=True, GRIDDEP=True)
-    c.update(dict(BLOCK_M=1, STAGES=cfg.stages) if cfg.kernel == "gemv" else dict(BLOCK_M=16, PRECISION="ieee"))
+    c.update(dict(BLOCK_M=1, STAGES=cfg.stages, PRE_K=0) if cfg.kernel == "gemv" else dict(BLOCK_M=16, PRECISION="ieee"))
     out[f"swiglu {cfg}"] = len(compile_(kernel, mm, c, num_warps=cfg.warps, num_stages=cfg.stages))
+# the one-row rule at the qkv projection with its whole W slice preloaded (decode_matmul's preload_weight)
+cfg = md.decode_config(1, 2048, 1536, 132)
+c = dict(HAS_BIAS=True, ACTIVATION="none", SWIGLU=False, RMSNORM=False, RESIDUAL=False, GLU=False, SS_BLOCK=1,
+         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1, PDL=True, GRIDDEP=True, BLOCK_M=1, STAGES=cfg.stages,
+         PRE_K=2048)
+out["gemv pre early"] = before_wait(compile_(md._gemv_kernel, mm, c, num_warps=cfg.warps, num_stages=cfg.stages))
 print(json.dumps(out))
 """
 
@@ -99,6 +105,8 @@ def test_fused_decode_kernels_compile_for_sm90(tmp_path):
     # EARLY (the ADDR32 launches here): the key count, the first tile's pages and its K and V rows load before
     # griddepcontrol.wait; the int64 form compiled without it loads nothing before the wait
     assert early.pop("split single=False one_pass=False addr32=False early") == 0, early
+    # the preloading gemv: its W slice (4 rows x 2048 columns, 16-byte loads)
+    assert early.pop("gemv pre early") >= 4, early
     # and RoPE's (EARLY in the interleaved compile): the table row, cos, sin and the slot
     assert early.pop("rope_kv interleaved=False early") == 0, early
     assert early.pop("rope_kv interleaved=True early") >= 4, early

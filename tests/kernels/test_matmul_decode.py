@@ -52,6 +52,52 @@ def test_decode_epilogue_every_activation(activation, config, device):
     assert_close(c, matmul_ref(x.double(), b.double(), bias.double(), activation), name=activation)
 
 
+@pytest.mark.parametrize(
+    "config,K",
+    [(DecodeConfig("gemv", 16, 32, pre_k=64), 100), (DecodeConfig("gemv", 16, 32, pre_k=128), 100),
+     (DecodeConfig("gemv", 8, 16, stages=3, pre_k=32), 48), (DecodeConfig("gemv", 16, 32, pre_k=64), 64)],
+    ids=["part", "whole-ragged", "part-pipelined", "whole-exact"],
+)  # fmt: skip
+@pytest.mark.parametrize("prologue", ["none", "swiglu", "rmsnorm"])
+def test_decode_gemv_weight_preload(config, K, prologue, device):
+    """pre_k: W's first pre_k columns loaded before the programmatic-launch wait, the loop resuming after
+    them (or covering none where pre_k >= K), with each prologue's x; against float64."""
+    x, b, bias = _inputs(1, K, 37, torch.float32, device, seed=K + config.pre_k)
+    kw, a, xr = {}, x, x.double()
+    if prologue == "swiglu":  # x (1, 2K) = [gate | up]
+        a = torch.cat([x, x.flip(1)], 1)
+        xr = torch.nn.functional.silu(x.double()) * x.flip(1).double()
+    elif prologue == "rmsnorm":  # rstd from the row's sum of squares, as the producing epilogue writes it
+        g = torch.randn(K, generator=torch.Generator().manual_seed(5)).to(device)
+        kw = dict(norm_weight=g, sumsq=(x.float() ** 2).sum(1, keepdim=True), eps=1e-6)
+        xr = x.double() * torch.rsqrt((x.double() ** 2).mean(1, keepdim=True) + 1e-6) * g.double()
+    c = decode_matmul(a, b, bias, "silu", config=config, prologue=prologue, **kw)
+    assert_close(c, matmul_ref(xr, b.double(), bias.double(), "silu"), name=f"{config} {prologue}")
+
+
+def test_decode_gemv_weight_preload_rule_and_checks(monkeypatch, device):
+    # The rule preloads the small one-row projections only, on the GPU, unless KILN_DECODE_PREW=off; an
+    # explicit pre_k must suit the gemv's loop
+    monkeypatch.setattr(matmul_decode, "interpreting", lambda: False)
+    matmul_decode.preload_switch.cache_clear()
+    assert matmul_decode.preload_weight(2048, 1536) and matmul_decode.preload_weight(1536, 1536)
+    assert not matmul_decode.preload_weight(17920, 1536) and not matmul_decode.preload_weight(1536, 8960)
+    monkeypatch.setenv("KILN_DECODE_PREW", "off")
+    matmul_decode.preload_switch.cache_clear()
+    assert not matmul_decode.preload_weight(2048, 1536)
+    monkeypatch.setenv("KILN_DECODE_PREW", "sometimes")
+    matmul_decode.preload_switch.cache_clear()
+    with pytest.raises(ValueError, match="KILN_DECODE_PREW"):
+        matmul_decode.preload_weight(2048, 1536)
+    matmul_decode.preload_switch.cache_clear()
+    monkeypatch.undo()
+    x, b, _ = _inputs(2, 64, 8, torch.float32, device, seed=6)
+    for cfg, rows in [(DecodeConfig("gemv", 8, 32, pre_k=48), 1), (DecodeConfig("gemv", 8, 32, pre_k=16), 1),
+                      (DecodeConfig("dot", 16, 32, pre_k=64), 1), (DecodeConfig("gemv", 8, 32, pre_k=64), 2)]:  # fmt: skip
+        with pytest.raises(ValueError, match="pre_k"):
+            decode_matmul(x[:rows], b, config=cfg)
+
+
 @pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2]], ids=str)
 def test_decode_strided_x_and_row_major_weight(config, device):
     """x with a K stride of 2 and B = a (K, N) row-major tensor: loads take any strides."""
@@ -240,7 +286,8 @@ def test_decode_bf16_qwen_shapes(M, K, N):
 @pytest.mark.parametrize(
     "config",
     [DecodeConfig("gemv", 8, 512, 2), DecodeConfig("dot", 64, 128, 4, 4, 3), DecodeConfig("gemv", 8, 512, 2, pdl=True),
-     DecodeConfig("dot", 16, 256, 1, 2, 4, pdl=True)],
+     DecodeConfig("dot", 16, 256, 1, 2, 4, pdl=True), DecodeConfig("gemv", 4, 256, 1, 2, 3, True, pre_k=2048),
+     DecodeConfig("gemv", 4, 256, 1, 2, 3, True, pre_k=512)],
     ids=str,
 )  # fmt: skip
 def test_decode_bf16_explicit_configs(config):

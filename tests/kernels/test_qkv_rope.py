@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kiln.kernels.dispatch import use_backend
-from kiln.kernels.matmul_decode import DecodeConfig, decode_matmul
+from kiln.kernels.dispatch import sm_count
+from kiln.kernels.matmul_decode import DecodeConfig, decode_config, decode_matmul
 from kiln.kernels.rope import (
     QKV_BLOCK_K,
     QKV_PAIRS,
@@ -123,7 +124,9 @@ def test_qwen_shape_bf16_on_gpu(interleaved):
     kc2, vc2 = kc.clone(), vc.clone()
     q = qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, Hq, interleaved=interleaved)
     with use_backend("triton"):
-        qkv = decode_matmul(x, w.t(), b)  # the rule's config at this shape
+        # the rule's config at this shape, without its W preload (pre_k: a one-shot sum over K, which the
+        # fused kernel's K loop does not mirror)
+        qkv = decode_matmul(x, w.t(), b, config=decode_config(1, w.shape[0], K, sm_count(x.device)))
     qs, ks, vs = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
     q2 = rope_kv_write(qs.view(1, Hq, D), ks.view(1, Hk, D), vs.view(1, Hk, D), cos, sin, rows, kc2, vc2, slots,
                        interleaved=interleaved)  # fmt: skip

@@ -226,7 +226,7 @@ for M in (1, 16):
                  RESIDUAL=False, GLU=glu, SS_BLOCK=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1,
                  PDL=cfg.pdl, GRIDDEP=True)
         if cfg.kernel == "gemv":
-            c.update(BLOCK_M=1, STAGES=cfg.stages)
+            c.update(BLOCK_M=1, STAGES=cfg.stages, PRE_K=0)
         else:
             c.update(BLOCK_M=16, PRECISION="ieee")
         kernel = md._gemv_kernel if cfg.kernel == "gemv" else md._dot_kernel

@@ -62,6 +62,7 @@ routes here from its launcher and keeps the autograd Function.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -100,10 +101,12 @@ class DecodeConfig(NamedTuple):
     warps: int = 4
     stages: int = 1
     pdl: bool = False
+    pre_k: int = 0  # gemv at one row: W's first pre_k columns (a power of two) loaded before the PDL wait
 
     def __str__(self) -> str:
         pdl = " pdl" if self.pdl else ""
-        return f"{self.kernel} BN={self.block_n} BK={self.block_k} SK={self.split_k} w={self.warps} s={self.stages}{pdl}"
+        pre = f" pre={self.pre_k}" if self.pre_k else ""
+        return f"{self.kernel} BN={self.block_n} BK={self.block_k} SK={self.split_k} w={self.warps} s={self.stages}{pdl}{pre}"
 
 
 @functools.lru_cache(maxsize=256)
@@ -152,6 +155,33 @@ def decode_config(
             else DecodeConfig("dot", 16, 128, 1, 4, 3, True)
         )
     return DecodeConfig("dot", 64, 64, max(2, round(2 * sms / tiles)) if split_ok else 1, 4, 4, True)
+
+
+# preload_weight's bounds: W of at most this many elements (the Qwen2.5-1.5B qkv, 3.1M, and o, 2.4M; not
+# gate_up, 27.5M, or down, 13.8M), K at most this deep (its slice: BLOCK_N x pow2(K) / threads values a thread,
+# 4 x 2048 / 64 = 128 at the one-row rule's tiles)
+PRELOAD_MAX_WEIGHT = 4 * 1024 * 1024
+PRELOAD_MAX_K = 2048
+
+
+def preload_weight(N: int, K: int) -> bool:
+    """Whether a one-row gemv without an explicit config loads its whole W slice before its
+    programmatic-launch wait (DecodeConfig.pre_k = pow2(K)): the small projections, whose few hundred
+    programs are all resident while the kernel before them (a norm, decode attention's reduction) runs,
+    so their weight streams under it and only x follows the wait; a large one's programs are not resident
+    yet, and the registers would halve those that are (measured: 0.97x with gate_up preloaded too, 2026-12-02,
+    docs/LOG.md). KILN_DECODE_PREW=off turns it off (read once), for A/B timing of whole steps. Not in the
+    interpreter, whose rule keeps small tiles so that the CPU tests walk the K loop (they pass pre_k
+    explicitly)."""
+    return not interpreting() and preload_switch() and N * K <= PRELOAD_MAX_WEIGHT and K <= PRELOAD_MAX_K
+
+
+@functools.cache
+def preload_switch() -> bool:
+    form = os.environ.get("KILN_DECODE_PREW", "") or "on"
+    if form not in ("off", "on"):
+        raise ValueError(f"KILN_DECODE_PREW must be 'off' or 'on', got {form!r}")
+    return form == "on"
 
 
 def wide_config(M: int, N: int, K: int, sms: int, split_ok: bool = True) -> DecodeConfig:
@@ -282,11 +312,8 @@ def _gemv_kernel(
     STAGES: tl.constexpr,  # > 1: the K loop's loads go through shared memory STAGES - 1 steps ahead (cp.async)
     PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel here
     GRIDDEP: tl.constexpr,  # sm_90+: let the next kernel (the split-K sum) launch while this one runs
+    PRE_K: tl.constexpr = 0,  # > 0 (one row): W's first PRE_K columns of the K range loaded before the wait
 ):
-    if PDL:
-        gdc_wait()  # everything the previous kernel wrote (x, even W) is visible after this
-    if GRIDDEP:
-        gdc_launch_dependents()  # a dependent waits for this grid's completion itself (gdc_wait)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n, n_in = _w_block_rows(pid_n, N, BLOCK_N, GLU)  # (BLOCK_N,): W rows, and which exist
@@ -296,6 +323,16 @@ def _gemv_kernel(
     n_ok = n_in[:, None]
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
+    if PRE_K > 0:
+        # W is not written by the previous kernel (decode_matmul's contract), so its first PRE_K columns are
+        # requested now, while a programmatic dependent launch still waits for that kernel: their HBM
+        # latency and bytes pass under its tail instead of following it
+        offs_pre = k_lo + tl.arange(0, PRE_K)
+        w_pre = tl.load(w_rows + offs_pre[None, :] * stride_wk, mask=n_ok & (offs_pre < k_hi)[None, :], other=0.0)
+    if PDL:
+        gdc_wait()  # everything the previous kernel wrote (x, the residual stream) is visible after this
+    if GRIDDEP:
+        gdc_launch_dependents()  # a dependent waits for this grid's completion itself (gdc_wait)
     if RMSNORM:  # the row's whole norm statistic, before the K loop: a few KB of partials from L2
         rstd = _row_rstd(SS_ptr, offs_m, M, n_ss, K, eps, BLOCK_M, SS_BLOCK)  # (BLOCK_M,)
     else:
@@ -308,14 +345,21 @@ def _gemv_kernel(
     # elementwise across the loop and are summed over K once at the end: the loop is loads and FMAs.
     if BLOCK_M == 1:  # one row: 2-D tiles in the layout W is loaded in (no shuffle through shared memory)
         r1 = tl.sum(rstd, axis=0)  # the one row's rstd as a scalar
+        k_start = k_lo
+        y_pre = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if PRE_K > 0:  # the preloaded columns first; the loop takes the rest (none where PRE_K covers K)
+            x_pre = _load_x(X_ptr + offs_pre * stride_xk, offs_pre < k_hi, K * stride_xk, SWIGLU, RMSNORM,
+                            G_ptr + offs_pre, offs_pre < k_hi, r1, norm_offset)  # fmt: skip
+            y_pre = tl.sum(w_pre.to(tl.float32) * x_pre.to(tl.float32)[None, :], axis=1)
+            k_start = k_lo + PRE_K
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok & (offs_k < K)[None, :], other=0.0)
             x = _load_x(X_ptr + offs_k * stride_xk, offs_k < K, K * stride_xk, SWIGLU, RMSNORM, G_ptr + offs_k,
                         offs_k < K, r1, norm_offset)  # fmt: skip
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1)[None, :]  # (1, BLOCK_N)
+        y = (tl.sum(acc, axis=1) + y_pre)[None, :]  # (1, BLOCK_N)
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
@@ -600,6 +644,15 @@ def decode_matmul(
     _check_residual_args(a, N, has_residual, residual, out)
     if config is None:
         config = decode_config(M, N, K, sm_count(a.device), b.stride(0) == 1, split_ok=not glu)
+        if M == 1 and config.kernel == "gemv" and config.split_k == 1 and preload_weight(N, K):
+            config = config._replace(pre_k=pow2(K))
+    if config.pre_k and (config.kernel != "gemv" or M != 1 or config.pre_k & (config.pre_k - 1)
+                         or (config.pre_k < K and config.pre_k % config.block_k)):  # fmt: skip
+        raise ValueError(
+            f"decode_matmul: pre_k={config.pre_k} needs the gemv kernel at one row and a power of two, a "
+            f"multiple of block_k={config.block_k} where it is below K={K} (the loop resumes at a whole "
+            f"step), got {config} at M={M}"
+        )
     _check_swiglu_args(a, N, glu, activation, config, out)
     if config.kernel == "gemv" and M > DECODE_MAX_M:
         raise ValueError(f"the gemv decode kernel takes at most {DECODE_MAX_M} rows, got {M}: use 'dot'")
@@ -632,7 +685,8 @@ def decode_matmul(
     if config.kernel == "gemv":
         _gemv_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, **fused, BLOCK_M=pow2(M),
                            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, STAGES=config.stages,
-                           PDL=pdl, GRIDDEP=can_signal, num_warps=config.warps, launch_pdl=pdl)  # fmt: skip
+                           PRE_K=config.pre_k, PDL=pdl, GRIDDEP=can_signal, num_warps=config.warps,
+                           launch_pdl=pdl)  # fmt: skip
     elif config.kernel == "dot":
         precision = "tf32" if a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
         _dot_launch[grid](*args, HAS_BIAS=has_bias, ACTIVATION=act, **fused, PRECISION=precision, BLOCK_M=max(16, pow2(M)),
