@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.kernels.dispatch import use_backend
-from kiln.kernels.dispatch import sm_count
+from kiln.kernels.dispatch import sm_count, use_backend
 from kiln.kernels.matmul_decode import DecodeConfig, decode_config, decode_matmul
 from kiln.kernels.rope import (
     QKV_BLOCK_K,

@@ -328,7 +328,9 @@ def _gemv_kernel(
         # requested now, while a programmatic dependent launch still waits for that kernel: their HBM
         # latency and bytes pass under its tail instead of following it
         offs_pre = k_lo + tl.arange(0, PRE_K)
-        w_pre = tl.load(w_rows + offs_pre[None, :] * stride_wk, mask=n_ok & (offs_pre < k_hi)[None, :], other=0.0)
+        w_pre = tl.load(
+            w_rows + offs_pre[None, :] * stride_wk, mask=n_ok & (offs_pre < k_hi)[None, :], other=0.0
+        )
     if PDL:
         gdc_wait()  # everything the previous kernel wrote (x, the residual stream) is visible after this
     if GRIDDEP:
