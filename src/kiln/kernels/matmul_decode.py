@@ -53,6 +53,14 @@ less. The SwiGLU prologue of the down projection (above) instead recomputes a ro
 block. No split K with it (the sum kernel would have to own a feature's gate and up columns together):
 the rule picks none for it.
 
+The weight before the programmatic-launch wait (`DecodeConfig.pre_k`, gemv at one row): W is not written
+by the kernel before (the contract of every caller: it is a parameter), so a program may request its first
+pre_k columns (all of K where pre_k >= K) before griddepcontrol.wait, and only x after it. The launcher
+takes it for the small projections (`preload_weight`: qkv and o at the Qwen2.5-1.5B shape, whose programs
+are all resident while the kernel before runs; 1.012x whole steps at batch 1 on the H200,
+docs/perf/matmul_decode.md). The preloaded columns are summed at once, not step by step: other bits than
+the loop's, within float32 accumulation.
+
 Which kernel and tiles: `decode_config`, a fixed rule from a sweep on the H200 (bench/sweep_matmul_decode.py,
 docs/kernels/matmul_decode.md); no autotuner, so a call costs one config lookup and one or two launches.
 Dtypes: float16, bfloat16 (float32 accumulation) and float32. Forward only: `kiln.kernels.matmul`
