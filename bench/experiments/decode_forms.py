@@ -47,7 +47,6 @@ SWITCHES = {
     "KILN_DECODE_PRELOAD": (decode_attention, "_preload_switch"),
     "KILN_DECODE_EARLY": (kernels_common, "early_loads"),
     "KILN_DECODE_PREW": (matmul_decode, "preload_switch"),
-    "KILN_DECODE_ALIGN": (decode_attention, "chunk_align"),
 }
 
 

@@ -628,19 +628,6 @@ def test_decode_early_rule(monkeypatch):
     assert seen == [(10, True), (66, True), (66, False), (10, False)]
 
 
-def test_decode_chunk_align_from_the_environment(monkeypatch):
-    for value, want in (("", dec.CHUNK_ALIGN), ("64", 64)):
-        dec.chunk_align.cache_clear()
-        monkeypatch.setenv("KILN_DECODE_ALIGN", value)
-        assert dec.chunk_align() == want
-    for bad in ("60", "x", "0"):
-        dec.chunk_align.cache_clear()
-        monkeypatch.setenv("KILN_DECODE_ALIGN", bad)
-        with pytest.raises(ValueError, match="KILN_DECODE_ALIGN"):
-            dec.chunk_align()
-    dec.chunk_align.cache_clear()
-
-
 def test_decode_early_switch_from_the_environment(monkeypatch):
     from kiln.kernels._common import early_loads
 

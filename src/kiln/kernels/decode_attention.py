@@ -550,16 +550,6 @@ def plan_config() -> dict:
 
 
 @functools.cache
-def chunk_align() -> int:
-    """The launcher's `align` (keys of capacity per split at most): CHUNK_ALIGN, or KILN_DECODE_ALIGN from the
-    environment (a multiple of 16; read once), for A/B timing of whole decode steps."""
-    value = os.environ.get("KILN_DECODE_ALIGN", "") or str(CHUNK_ALIGN)
-    if not value.isdigit() or int(value) < 16 or int(value) % 16:
-        raise ValueError(f"KILN_DECODE_ALIGN must be a multiple of 16, got {value!r}")
-    return int(value)
-
-
-@functools.cache
 def default_form() -> str:
     """The form of a call that names none: DEFAULT_FORM, or KILN_DECODE_FORM from the environment (read
     once, as KILN_PDL is: `KILN_DECODE_FORM=one_pass python bench/infer.py ...` times whole decode steps in
@@ -622,7 +612,7 @@ def decode_attention_triton(
     if window is not None:
         capacity = min(capacity, window)
     config = dict(config or {})
-    per_sm, align = config.pop("per_sm", None), config.pop("align", None) or chunk_align()
+    per_sm, align = config.pop("per_sm", None), config.pop("align", CHUNK_ALIGN)
     early = config.pop("EARLY", None)
     splits, plan = split_plan(B, Hk, capacity, sm_count(q.device), align)
     if per_sm is not None:
