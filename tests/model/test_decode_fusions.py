@@ -115,3 +115,33 @@ def test_compiled_decode_step_equals_eager(device):
     assert torch.equal(got, want)
     for (k, v), (ck, cv) in zip(caches, compiled_caches):
         assert torch.equal(k, ck) and torch.equal(v, cv)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_warm_up_decode_compiles_both_early_forms(window, monkeypatch):
+    # warm_up_decode compiles decode attention at every power-of-two split count over a one-page table and a
+    # wide one: the first tile before the programmatic-launch wait (EARLY, where chunks are short) and the
+    # loop alone (where they are long), so a served step's table finds its form compiled. A windowed layer
+    # never sees a capacity past its window: EARLY at every count there. The launches are caught (no kernel).
+    import kiln.kernels.decode_attention as dec
+
+    seen = set()
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                if "EARLY" in kw:  # the split kernel (the reduction takes none)
+                    seen.add((grid[2], kw["EARLY"]))
+
+            return launch
+
+    monkeypatch.setattr(dec, "_decode_split_kernel", Spy())
+    monkeypatch.setattr(dec, "_decode_reduce_kernel", Spy())
+    cfg = ModelConfig(**{**BASE, **CFGS["qwen2-bias"], "sliding_window": window})
+    model = build_model(cfg, "cpu", seed=1, kernels=KernelConfig(linear="kiln"))
+    kv = tuple(torch.zeros(4, 16, cfg.n_kv_heads, cfg.head_dim) for _ in range(2))
+    with use_backend("triton"):
+        model.model.layers[0].self_attn.warm_up_decode(kv)
+    counts = [1 << i for i in range(dec.MAX_SPLITS.bit_length())]
+    assert {s for s, _ in seen} == set(counts)
+    assert seen == {(s, e) for s in counts for e in ((True,) if window else (True, False))}

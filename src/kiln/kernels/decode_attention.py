@@ -79,8 +79,9 @@ and at most one more: batch 1-4 at a 1280-key table (10 splits of up to two 64-k
 ~8k keys. On the H200 (bench/experiments/decode_forms.py, Qwen2.5-1.5B at 1k-token contexts, 7 rounds of
 graph replays) the batch-1 step went 1.286 -> 1.250 ms (1.029x). Taken at every batch, it cost 1.5% at 16
 and 64 sequences (1.746 -> 1.773, 2.192 -> 2.226 ms), where chunks are 4-8 tiles and the loop's pipeline
-restarts after the peeled tile. The contract this rests on: every key of a sequence but its newest (position seq_lens[b] - 1) was written
-before the previous kernel in the stream started, and seq_lens and the block table too; a decode step
+restarts after the peeled tile. The contract this rests on: every key of a sequence but its newest
+(position seq_lens[b] - 1) was written before the previous kernel in the stream started, and seq_lens and
+the block table too; a decode step
 writes one key a sequence, in the kernel right before this one (with PDL, each kernel's dependents start
 only after its own wait has returned, so everything two launches back is complete). Nothing is stored
 before the wait (a buffer this launch writes may have been read by the previous kernel). The tile held in
@@ -714,7 +715,9 @@ def decode_attention(
     form: "two_pass" (a split kernel, then a reduction kernel) or "one_pass" (the last split program of
     each (sequence, KV head) reduces); None takes default_form() (DEFAULT_FORM unless KILN_DECODE_FORM
     says otherwise). Both give the same values up to summation order; a launch of one split, or the
-    reference path, has no reduction and ignores the choice."""
+    reference path, has no reduction and ignores the choice. Where chunks are short (EARLY, module doc)
+    every key but each sequence's newest is read before the programmatic-launch wait: the kernel launched
+    right before this call may write the newest keys (a decode step's K/V write), not older ones."""
     if form is not None and form not in FORMS:
         raise ValueError(
             f"decode_attention: form must be one of {FORMS} (or None for the default), got {form!r}"

@@ -596,7 +596,9 @@ def rope_kv_write(
     interleaved: bool = False,
 ) -> torch.Tensor:
     """Rotate q and k by cos/sin at `rows`, write rotated k and v into the caches at `slots` (in place);
-    returns the rotated q (N, Hq, D). See the comment above rope_kv_write_ref."""
+    returns the rotated q (N, Hq, D). See the comment above rope_kv_write_ref. Unless KILN_DECODE_EARLY=off,
+    rows, cos, sin and slots are read before the programmatic-launch wait (rope_kv_write_triton): the
+    kernel launched right before this call (the decode step's q/k/v projection) must not write them."""
     _check_rope_kv(q, k, v, cos, sin, rows, k_cache, v_cache, slots)
     if not use_triton(q, k, v, cos, sin, k_cache, v_cache):
         return rope_kv_write_ref(q, k, v, cos, sin, rows, k_cache, v_cache, slots, interleaved)

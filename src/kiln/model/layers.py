@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kiln.kernels.attention import attention, tuning_lengths
-from kiln.kernels.decode_attention import MAX_SPLITS, decode_attention
+from kiln.kernels.decode_attention import CHUNK_ALIGN, MAX_SPLITS, decode_attention
 from kiln.kernels.fp8_matmul import Fp8Rows
 from kiln.kernels.layernorm import layernorm
 from kiln.kernels.paged_kv import paged_kv_write
@@ -195,17 +195,22 @@ class Attention(nn.Module):
         """Compile this layer's decode attention at each power-of-two split count (one split normalizes in
         the kernel; the reduction's tile follows the count), over its own paged cache (whether its offsets
         fit 32 bits is part of the kernel): a decode step that runs eagerly (no graph bucket) picks its
-        split count from the step's batch and block table, so any count may come up while serving. Reads
-        one page, writes nothing to the cache."""
+        split count from the step's batch and block table, so any count may come up while serving. Each
+        count over two tables: one page, and one wider than any count's bound for loading the first tile
+        before the programmatic-launch wait (decode_attention's EARLY, taken where chunks are short), so
+        both forms are compiled. Reads one page, writes nothing to the cache."""
         k_cache, v_cache = kv_cache
-        q = torch.zeros(1, self.n_heads, self.head_dim, device=k_cache.device, dtype=k_cache.dtype)
-        table = torch.zeros(1, 1, dtype=torch.int32, device=k_cache.device)
-        lens = torch.ones(1, dtype=torch.int32, device=k_cache.device)
-        splits = 1
-        while splits <= MAX_SPLITS:
-            decode_attention(q, k_cache, v_cache, table, lens, window=self.window, sinks=self.sinks,
-                             num_splits=splits)  # fmt: skip
-            splits *= 2
+        dev = k_cache.device
+        q = torch.zeros(1, self.n_heads, self.head_dim, device=dev, dtype=k_cache.dtype)
+        lens = torch.ones(1, dtype=torch.int32, device=dev)
+        wide = MAX_SPLITS * CHUNK_ALIGN // k_cache.shape[1] + 1  # pages: past every count's EARLY bound
+        for width in (1, wide):
+            table = torch.zeros(1, width, dtype=torch.int32, device=dev)
+            splits = 1
+            while splits <= MAX_SPLITS:
+                decode_attention(q, k_cache, v_cache, table, lens, window=self.window, sinks=self.sinks,
+                                 num_splits=splits)  # fmt: skip
+                splits *= 2
 
     def _flat(self, q, k, v, rope, meta: AttnMetadata, kv_cache):
         """Packed sequences (AttnMetadata's prefill and decode paths): q (N, Hq, D) -> (N, Hq, D)."""
