@@ -285,7 +285,7 @@ for M in [int(m) for m in sys.argv[1].split(",")]:
                 n_ss = -(-1536 // (pc.block_n if pc.split_k == 1 else md._residual_sum_tile(M)))
                 c["SS_BLOCK"] = min(md.pow2(n_ss), md.SS_TILE // (md.pow2(M) if cfg.kernel == "gemv" else 16))
             if cfg.kernel == "gemv":
-                c.update(BLOCK_M=md.pow2(M), STAGES=cfg.stages)
+                c.update(BLOCK_M=md.pow2(M), STAGES=cfg.stages, PRE_K=0)
             else:
                 c.update(BLOCK_M=16, PRECISION="ieee")
             kernel = md._gemv_kernel if cfg.kernel == "gemv" else md._dot_kernel

@@ -45,16 +45,22 @@ def pdl(t: torch.Tensor) -> bool:
     return t.is_cuda and not interpreting() and _pdl_on(t.device.index or 0)
 
 
+def env_form(var: str, forms: tuple[str, ...]) -> str:
+    """A kernel switch from the environment (for A/B timing without a code change): forms[0] when `var` is
+    unset or empty, else one of `forms` (ValueError naming them otherwise). Callers cache the answer."""
+    form = os.environ.get(var, "") or forms[0]
+    if form not in forms:
+        raise ValueError(f"{var} must be one of {', '.join(map(repr, forms))}, got {form!r}")
+    return form
+
+
 @functools.cache
 def early_loads() -> bool:
     """Whether decode kernels read what their predecessor in the stream does not write before their
     programmatic-launch wait (decode attention's first tile of keys, RoPE's cos/sin rows), so those loads
     overlap it: on, unless KILN_DECODE_EARLY=off in the environment (read once, for A/B timing of whole
     decode steps). Each kernel's module doc says what it reads early and why that is safe."""
-    form = os.environ.get("KILN_DECODE_EARLY", "") or "on"
-    if form not in ("off", "on"):
-        raise ValueError(f"KILN_DECODE_EARLY must be 'off' or 'on', got {form!r}")
-    return form == "on"
+    return env_form("KILN_DECODE_EARLY", ("on", "off")) == "on"
 
 
 def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:

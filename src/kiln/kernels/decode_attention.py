@@ -107,7 +107,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import early_loads, griddep, pdl, pdl_prologue, tma_scratch
+from kiln.kernels._common import early_loads, env_form, griddep, pdl, pdl_prologue, tma_scratch
 from kiln.kernels.attention import LOG2E, attention_ref
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import cdiv, pow2
@@ -538,10 +538,7 @@ def split_plan(
 
 @functools.cache
 def _preload_switch() -> bool:
-    form = os.environ.get("KILN_DECODE_PRELOAD", "") or "on"
-    if form not in ("off", "on"):
-        raise ValueError(f"KILN_DECODE_PRELOAD must be 'off' or 'on', got {form!r}")
-    return form == "on"
+    return env_form("KILN_DECODE_PRELOAD", ("on", "off")) == "on"
 
 
 def plan_config() -> dict:

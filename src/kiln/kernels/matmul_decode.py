@@ -70,7 +70,6 @@ routes here from its launcher and keeps the autograd Function.
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -78,7 +77,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kiln.kernels._common import apply_activation, griddep
+from kiln.kernels._common import apply_activation, env_form, griddep
 from kiln.kernels._common import pdl as use_pdl
 from kiln.kernels.dispatch import interpreting, sm_count
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
@@ -186,10 +185,7 @@ def preload_weight(N: int, K: int) -> bool:
 
 @functools.cache
 def preload_switch() -> bool:
-    form = os.environ.get("KILN_DECODE_PREW", "") or "on"
-    if form not in ("off", "on"):
-        raise ValueError(f"KILN_DECODE_PREW must be 'off' or 'on', got {form!r}")
-    return form == "on"
+    return env_form("KILN_DECODE_PREW", ("on", "off")) == "on"
 
 
 def wide_config(M: int, N: int, K: int, sms: int, split_ok: bool = True) -> DecodeConfig:
