@@ -45,10 +45,11 @@ def pdl(t: torch.Tensor) -> bool:
     return t.is_cuda and not interpreting() and _pdl_on(t.device.index or 0)
 
 
-def env_form(var: str, forms: tuple[str, ...]) -> str:
-    """A kernel switch from the environment (for A/B timing without a code change): forms[0] when `var` is
-    unset or empty, else one of `forms` (ValueError naming them otherwise). Callers cache the answer."""
-    form = os.environ.get(var, "") or forms[0]
+def env_form(var: str, forms: tuple[str, ...], default: str | None = None) -> str:
+    """A kernel switch from the environment (for A/B timing without a code change): `default` (forms[0] if
+    None) when `var` is unset or empty, else one of `forms` (ValueError naming them otherwise). Callers
+    cache the answer."""
+    form = os.environ.get(var, "") or default or forms[0]
     if form not in forms:
         raise ValueError(f"{var} must be one of {', '.join(map(repr, forms))}, got {form!r}")
     return form

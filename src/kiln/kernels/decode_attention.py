@@ -101,7 +101,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -552,10 +551,7 @@ def default_form() -> str:
     """The form of a call that names none: DEFAULT_FORM, or KILN_DECODE_FORM from the environment (read
     once, as KILN_PDL is: `KILN_DECODE_FORM=one_pass python bench/infer.py ...` times whole decode steps in
     the other form without a code change)."""
-    form = os.environ.get("KILN_DECODE_FORM", DEFAULT_FORM)
-    if form not in FORMS:
-        raise ValueError(f"KILN_DECODE_FORM must be one of {FORMS}, got {form!r}")
-    return form
+    return env_form("KILN_DECODE_FORM", FORMS, DEFAULT_FORM)
 
 
 def split_counters(device: torch.device, n: int) -> torch.Tensor:

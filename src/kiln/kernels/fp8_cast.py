@@ -47,12 +47,11 @@ store) and fuses the amax that makes s into the neighbouring kernels.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels._common import env_form
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv
 
@@ -65,10 +64,7 @@ BLOCK_R, BLOCK_C = 64, 64  # a tile: 4096 values, 8 KB of bf16 in, 2 x 4 KB out
 
 def cast_form() -> str:
     """The form in force: $KILN_FP8_CAST, else DEFAULT_FORM (module doc)."""
-    form = os.environ.get("KILN_FP8_CAST", "") or DEFAULT_FORM
-    if form not in CAST_FORMS:
-        raise ValueError(f"KILN_FP8_CAST must be one of {', '.join(CAST_FORMS)}, got {form!r}")
-    return form
+    return env_form("KILN_FP8_CAST", CAST_FORMS, DEFAULT_FORM)
 
 
 def scaled_cast(tf: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
