@@ -47,6 +47,7 @@ SWITCHES = {
     "KILN_DECODE_PRELOAD": (decode_attention, "_preload_switch"),
     "KILN_DECODE_EARLY": (kernels_common, "early_loads"),
     "KILN_DECODE_PREW": (matmul_decode, "preload_switch"),
+    "KILN_PDL_FIRST": (kernels_common, "_pdl_first_set"),
 }
 
 

@@ -145,3 +145,28 @@ def test_gpu_fused_blocks_equal_separate(tmp_path, monkeypatch):
     assert outs["fused", "eager"] == outs["fused", "graphs"]  # the same kernels: the same bits
     same = sum(a == b for a, b in zip(outs["separate", "eager"], outs["fused", "eager"]))
     assert same >= len(PROMPTS) - 1, (outs["separate", "eager"], outs["fused", "eager"])
+
+
+def test_gpu_pdl_first_same_bits(tmp_path, monkeypatch):
+    # KILN_PDL_FIRST=all: the norm, RoPE + K/V write and decode attention kernels signal the next kernel
+    # before their own programmatic-launch wait, so up to three kernels of a step overlap. Only the
+    # schedule changes: the same kernels on the same inputs, so the same bits (greedy tokens and their
+    # logprobs), eager and in CUDA graphs, bf16 (PDL on), batched prompts
+    from kiln.kernels import _common
+
+    hf_causal_lm("qwen2").save_pretrained(tmp_path)
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=3)
+    outs = {}
+    for first in ("", "all"):
+        monkeypatch.setenv("KILN_PDL_FIRST", first)
+        _common._pdl_first_set.cache_clear()
+        for backend in ("eager", "graphs"):
+            llm = LLM(tmp_path, log=None, device="cuda", dtype="bf16", block_size=16, memory_fraction=0.2,
+                      max_graph_batch=8, decode_backend=backend)  # fmt: skip
+            got = llm.generate(PROMPTS, params)
+            outs[first, backend] = [(o.outputs[0].token_ids, o.outputs[0].top_logprobs) for o in got]
+            del llm
+            torch.cuda.empty_cache()
+    _common._pdl_first_set.cache_clear()
+    assert outs["all", "eager"] == outs["", "eager"]
+    assert outs["all", "graphs"] == outs["", "graphs"]

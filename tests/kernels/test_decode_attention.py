@@ -642,6 +642,21 @@ def test_decode_early_switch_from_the_environment(monkeypatch):
     early_loads.cache_clear()
 
 
+def test_pdl_first_switch_from_the_environment(monkeypatch):
+    from kiln.kernels._common import PDL_FIRST_KERNELS, _pdl_first_set, pdl_first
+
+    for value, want in (("", set()), ("reduce", {"reduce"}), ("norm,reduce", {"norm", "reduce"}),
+                        ("norm:split", {"norm", "split"}), ("all", set(PDL_FIRST_KERNELS))):  # fmt: skip
+        _pdl_first_set.cache_clear()
+        monkeypatch.setenv("KILN_PDL_FIRST", value)
+        assert {k for k in PDL_FIRST_KERNELS if pdl_first(k)} == want
+    _pdl_first_set.cache_clear()
+    monkeypatch.setenv("KILN_PDL_FIRST", "norm,gemv")
+    with pytest.raises(ValueError, match="KILN_PDL_FIRST.*gemv"):
+        pdl_first("norm")
+    _pdl_first_set.cache_clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", FORMS)
 def test_gpu_early_reads_the_newest_key_after_its_writer(form):

@@ -53,6 +53,9 @@ def before_wait(ptx):  # global loads issued before the programmatic-launch wait
     head = ptx.split("griddepcontrol.wait")[0]
     return head.count("ld.global") + head.count("cp.async.cg")
 
+def signals_first(ptx):  # griddepcontrol.launch_dependents ahead of griddepcontrol.wait (pdl_prologue's FIRST)
+    return ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
+
 out = {}
 for single, one_pass, addr32 in ((False, False, False), (False, False, True), (True, False, True), (False, True, True)):
     part = "*bf16" if single else "*fp32"
@@ -60,18 +63,23 @@ for single, one_pass, addr32 in ((False, False, False), (False, False, True), (T
                 LSE_PART=part, SINKS="*fp32", OUT="*bf16", COUNTERS="*i32")
     c = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=16, WINDOW=True, SINGLE=single, ONE_PASS=one_pass, GROUP_P=8,
              SPLIT_STEP=8, SINK=True, PDL=True, BLOCK_N=64, FITS32=True, ADDR32=addr32, TMA_OK=True, TMA=False,
-             PRELOAD=addr32, MAX_PAGES=64, EARLY=addr32)
+             PRELOAD=addr32, MAX_PAGES=64, EARLY=addr32, FIRST=single)
     ptx = compile_(da._decode_split_kernel, ptrs, c, ("qk_scale",), num_warps=4, num_stages=3)
     out[f"split single={single} one_pass={one_pass} addr32={addr32}"] = len(ptx)
+    out[f"split single={single} one_pass={one_pass} addr32={addr32} first"] = signals_first(ptx)
     out[f"split single={single} one_pass={one_pass} addr32={addr32} early"] = before_wait(ptx)
-out["reduce"] = len(compile_(da._decode_reduce_kernel, dict(O_PART="*fp32", LSE_PART="*fp32", SINKS="*fp32",
-                                                            OUT="*bf16"), dict(HEAD_DIM=128, BLOCK_S=32, SINK=True, PDL=True)))
+for first in (False, True):
+    ptx = compile_(da._decode_reduce_kernel, dict(O_PART="*fp32", LSE_PART="*fp32", SINKS="*fp32", OUT="*bf16"),
+                   dict(HEAD_DIM=128, BLOCK_S=32, SINK=True, PDL=True, FIRST=first))
+    out[f"reduce first={first}"] = len(ptx)
+    out[f"reduce first={first} first"] = signals_first(ptx)
 ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", Q_OUT="*bf16", COS="*fp32", SIN="*fp32", ROWS="*i64", K_CACHE="*bf16",
             V_CACHE="*bf16", SLOTS="*i64")
 for inter in (False, True):
-    c = dict(PAGE_SIZE=16, INTERLEAVED=inter, BLOCK_QH=16, BLOCK_KH=2, BLOCK_D=64, PDL=True, EARLY=inter)
+    c = dict(PAGE_SIZE=16, INTERLEAVED=inter, BLOCK_QH=16, BLOCK_KH=2, BLOCK_D=64, PDL=True, EARLY=inter, FIRST=inter)
     ptx = compile_(rope._rope_kv_write_kernel, ptrs, c)
     out[f"rope_kv interleaved={inter}"] = len(ptx)
+    out[f"rope_kv interleaved={inter} first"] = signals_first(ptx)
     out[f"rope_kv interleaved={inter} early"] = before_wait(ptx)
 mm = dict(X_ptr="*bf16", W_ptr="*bf16", Y_ptr="*fp32", Bias_ptr="*bf16", R_ptr="*bf16", SS_ptr="*fp32", G_ptr="*bf16")
 for cfg in (md.decode_config(1, 1536, 8960, 132), md.decode_config(8, 1536, 8960, 132)):
@@ -90,7 +98,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # 9 compiles: ~10-25 s on an idle 2-core machine
+@pytest.mark.slow  # 10 compiles: ~10-25 s on an idle 2-core machine
 def test_fused_decode_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
@@ -101,7 +109,20 @@ def test_fused_decode_kernels_compile_for_sm90(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     early = {k: res.pop(k) for k in list(res) if k.endswith(" early")}
-    assert len(res) == 9 and all(n > 0 for n in res.values()), res
+    # pdl_prologue's FIRST (compiled with it: the one-split kernel, the second reduction, interleaved RoPE):
+    # the next kernel is signalled before the wait; otherwise after it
+    first = {k: res.pop(k) for k in list(res) if k.endswith(" first")}
+    assert first == {
+        "split single=False one_pass=False addr32=False first": False,
+        "split single=False one_pass=False addr32=True first": False,
+        "split single=True one_pass=False addr32=True first": True,
+        "split single=False one_pass=True addr32=True first": False,
+        "reduce first=False first": False,
+        "reduce first=True first": True,
+        "rope_kv interleaved=False first": False,
+        "rope_kv interleaved=True first": True,
+    }, first
+    assert len(res) == 10 and all(n > 0 for n in res.values()), res
     # EARLY (the ADDR32 launches here): the key count, the first tile's pages and its K and V rows load before
     # griddepcontrol.wait; the int64 form compiled without it loads nothing before the wait
     assert early.pop("split single=False one_pass=False addr32=False early") == 0, early

@@ -72,15 +72,53 @@ def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
+# The small decode kernels that may let the next kernel be scheduled before they wait themselves
+# (`pdl_first`): the add + RMSNorm, RoPE + K/V write, and decode attention's split and reduce kernels.
+PDL_FIRST_KERNELS = ("norm", "rope", "split", "reduce")
+
+
+@functools.cache
+def _pdl_first_set() -> frozenset[str]:
+    raw = os.environ.get("KILN_PDL_FIRST", "")
+    names = frozenset(n for n in raw.replace(":", ",").split(",") if n)
+    if "all" in names:
+        return frozenset(PDL_FIRST_KERNELS)
+    bad = sorted(names - set(PDL_FIRST_KERNELS))
+    if bad:
+        raise ValueError(f"KILN_PDL_FIRST: unknown kernel(s) {bad}; use 'all' or some of {PDL_FIRST_KERNELS}")
+    return names
+
+
+def pdl_first(kernel: str) -> bool:
+    """Whether `kernel` (one of PDL_FIRST_KERNELS) signals its dependents before its own programmatic-launch
+    wait (`pdl_prologue(PDL, FIRST=True)`), so that the kernel after it is scheduled while the one before it
+    still runs: e.g. the o projection loads its weights during decode attention's split kernel, not only
+    during the reduction. KILN_PDL_FIRST (those names, separated by "," or ":", or "all"; read once) for A/B
+    timing of whole decode steps."""
+    return kernel in _pdl_first_set()
+
+
 @triton.jit
-def pdl_prologue(PDL: tl.constexpr):
+def pdl_prologue(PDL: tl.constexpr, FIRST: tl.constexpr = False):
     """First statement of a kernel launched with launch_pdl=PDL, in every program before any load or early
     return: wait until the previous kernel in the stream has finished and its writes are visible (so a
     kernel that reads its inputs two launches back is safe too: its predecessor waited the same way), then
-    let the next kernel be scheduled (it will wait for this one in its own prologue)."""
+    let the next kernel be scheduled (it will wait for this one in its own prologue).
+
+    FIRST lets the next kernel be scheduled before this one waits: it then runs alongside this kernel's
+    predecessor too (still waiting for this kernel's completion before its own first dependent read). Safe
+    where what the next kernel reads before its wait was written before this kernel's predecessor began:
+    true of every kiln kernel that reads early (weights, block tables, older cache rows, RoPE tables, all
+    written before the decode step); a grid is scheduled only once
+    every program of the one before it has signalled, so a chain of FIRST kernels cannot fill the GPU with
+    programs that wait for one that is not resident."""
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        if FIRST:
+            gdc_launch_dependents()
+            gdc_wait()
+        else:
+            gdc_wait()
+            gdc_launch_dependents()
 
 
 @triton.jit

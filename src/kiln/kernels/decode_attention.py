@@ -106,7 +106,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import early_loads, env_form, griddep, pdl, pdl_prologue, tma_scratch
+from kiln.kernels._common import early_loads, env_form, griddep, pdl, pdl_first, pdl_prologue, tma_scratch
 from kiln.kernels.attention import LOG2E, attention_ref
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import cdiv, pow2
@@ -348,6 +348,7 @@ def _decode_split_kernel(
     PRELOAD: tl.constexpr,  # a config's choice: a window's page indices loaded before its K/V loop (not TMA)
     MAX_PAGES: tl.constexpr,  # PRELOAD: the page indices loaded at once (preload_pages: fixed per config)
     EARLY: tl.constexpr = False,  # the first tile before the programmatic-launch wait (not TMA; module doc)
+    FIRST: tl.constexpr = False,  # signal the next kernel before waiting (kiln.kernels._common.pdl_first)
 ):
     hk = tl.program_id(1)
     if TMA and TMA_OK:  # built before the wait: they depend on no earlier kernel
@@ -357,7 +358,7 @@ def _decode_split_kernel(
         v_desc = tl.make_tensor_descriptor(V_CACHE + hk * stride_vh, [cache_rows, HEAD_DIM], [stride_vt, 1],
                                            [PAGE_SIZE, HEAD_DIM])
     if not EARLY:
-        pdl_prologue(PDL)
+        pdl_prologue(PDL, FIRST)
     b = tl.program_id(0)
     split = tl.program_id(2)
     n = tl.load(SEQ_LENS + b)
@@ -391,7 +392,7 @@ def _decode_split_kernel(
         k0 = tl.load(k0_ptrs, mask=old, other=0.0)  # (BLOCK_N, D)
         v0 = tl.load(v0_ptrs, mask=old, other=0.0)
         start = lo + BLOCK_N
-        pdl_prologue(PDL)
+        pdl_prologue(PDL, FIRST)
     if not SINGLE and not ONE_PASS:
         if hi <= lo:  # past the live keys: the reduction reads this split's lse only, as "empty"
             tl.store(LSE_PART + b64 * stride_lb + h * stride_lh + split, tl.full([BLOCK_H], float("-inf"),
@@ -489,8 +490,9 @@ def _decode_reduce_kernel(
     O_PART, LSE_PART, SINKS, OUT,  # partials as above; sinks (Hq,) or a dummy; out (B, Hq, D)
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
     Hq, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, SINK: tl.constexpr, PDL: tl.constexpr,
+    FIRST: tl.constexpr = False,  # signal the next kernel before waiting (kiln.kernels._common.pdl_first)
 ):
-    pdl_prologue(PDL)
+    pdl_prologue(PDL, FIRST)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -649,7 +651,7 @@ def decode_attention_triton(
         SINGLE=single, ONE_PASS=one_pass, GROUP_P=pow2(group),
         SPLIT_STEP=min(pow2(splits), combine_step(group, D)), SINK=sinks is not None, PDL=use_pdl,
         FITS32=offsets_fit_int32(k_cache, v_cache), TMA_OK=tma_ok, MAX_PAGES=max_pages,
-        EARLY=early and not tma_ok, launch_pdl=use_pdl, **config,
+        EARLY=early and not tma_ok, FIRST=pdl_first("split"), launch_pdl=use_pdl, **config,
     )
     if single or one_pass:
         return out
@@ -657,7 +659,7 @@ def decode_attention_triton(
         o_part, lse_part, sink_arg, out,
         *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         Hq, splits, HEAD_DIM=D, BLOCK_S=pow2(splits), SINK=sinks is not None, PDL=use_pdl,
-        num_warps=8 if splits * D >= 4096 else 4, launch_pdl=use_pdl,
+        FIRST=pdl_first("reduce"), num_warps=8 if splits * D >= 4096 else 4, launch_pdl=use_pdl,
     )
     # fmt: on
     return out

@@ -51,6 +51,7 @@ from kiln.kernels._common import (
     fwd_rows,
     needs_grad,
     pdl,
+    pdl_first,
     pdl_prologue,
     row_warps,
     shaped,
@@ -122,8 +123,9 @@ def _rmsnorm_fwd_kernel(
     ROWS: tl.constexpr,  # rows per program, as one (ROWS, BLOCK) tile: the weight is read once for all
     BLOCK: tl.constexpr,  # next_power_of_2(D): the whole row in one block
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
+    FIRST: tl.constexpr = False,  # signal the next kernel before waiting (kiln.kernels._common.pdl_first)
 ):
-    pdl_prologue(PDL)
+    pdl_prologue(PDL, FIRST)
     # (ROWS, 1) rows in int64: row * stride can pass 2**31
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK)
@@ -245,6 +247,7 @@ def rmsnorm_fwd(
         n_rows, D, eps, offset,
         HAS_RESIDUAL=r2 is not None, FOR_BACKWARD=for_backward, FP8=scales is not None,
         ROWS=rows, BLOCK=block, num_warps=num_warps or row_warps(block), PDL=pdl(x2), launch_pdl=pdl(x2),
+        FIRST=pdl_first("norm"),
     )  # fmt: skip
     return y, h, rstd
 

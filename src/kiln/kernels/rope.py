@@ -38,6 +38,7 @@ from kiln.kernels._common import (
     early_loads,
     needs_grad,
     pdl,
+    pdl_first,
     pdl_prologue,
     rope_pair_tables,
     rope_pairs_store,
@@ -450,9 +451,10 @@ def _rope_kv_write_kernel(
     BLOCK_D: tl.constexpr,  # next power of two >= D / 2
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
     EARLY: tl.constexpr = False,  # the table row, cos / sin and slot read before the PDL wait (launcher doc)
+    FIRST: tl.constexpr = False,  # signal the next kernel before waiting (kiln.kernels._common.pdl_first)
 ):
     if not EARLY:
-        pdl_prologue(PDL)
+        pdl_prologue(PDL, FIRST)
     i = tl.program_id(0)  # one token: all its q, k and v heads
     i64 = i.to(tl.int64)
     row = tl.load(ROWS + i64 * stride_rows).to(tl.int64)
@@ -461,7 +463,7 @@ def _rope_kv_write_kernel(
     s = tl.load(SIN + row * stride_sin + d, mask=d < half, other=0.0).to(tl.float32)
     slot = tl.load(SLOTS + i64).to(tl.int64)
     if EARLY:
-        pdl_prologue(PDL)
+        pdl_prologue(PDL, FIRST)
     qh = tl.arange(0, BLOCK_QH)[:, None]
     q1, q2, q_mask = _rotate_heads(Q + i64 * stride_qn + qh * stride_qh, c, s, tl.arange(0, BLOCK_QH), Hq,
                                    half, INTERLEAVED, BLOCK_QH, BLOCK_D)
@@ -510,7 +512,8 @@ def rope_kv_write_triton(
         cos.stride(0), sin.stride(0), rows.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], Hq, Hk, D // 2,
         PAGE_SIZE=k_cache.shape[1], INTERLEAVED=interleaved, BLOCK_QH=pow2(Hq), BLOCK_KH=pow2(Hk),
-        BLOCK_D=pow2(D // 2), PDL=use_pdl, EARLY=early, num_warps=4, launch_pdl=use_pdl,
+        BLOCK_D=pow2(D // 2), PDL=use_pdl, EARLY=early, FIRST=pdl_first("rope"), num_warps=4,
+        launch_pdl=use_pdl,
     )  # fmt: skip
     return q_out
 
