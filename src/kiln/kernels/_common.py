@@ -73,28 +73,38 @@ def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 
 
 # The small decode kernels that may let the next kernel be scheduled before they wait themselves
-# (`pdl_first`): the add + RMSNorm, RoPE + K/V write, and decode attention's split and reduce kernels.
-PDL_FIRST_KERNELS = ("norm", "rope", "split", "reduce")
+# (`pdl_first`): the add + RMSNorm, RoPE + K/V write, decode attention's split and reduce kernels, and the
+# SwiGLU between gate_up and down. By
+# default the norm and the reduction: whole decode steps on the H200 (docs/perf/inference.md, "Signalling
+# before the wait") ran 1.035x at batch 1 with those two, a tie at 16 and 64; with all four, 1.041x at 1
+# but 0.978x at 16.
+PDL_FIRST_KERNELS = ("norm", "rope", "split", "reduce", "swiglu")
+PDL_FIRST_DEFAULT = ("norm", "reduce")
 
 
 @functools.cache
 def _pdl_first_set() -> frozenset[str]:
     raw = os.environ.get("KILN_PDL_FIRST", "")
     names = frozenset(n for n in raw.replace(":", ",").split(",") if n)
-    if "all" in names:
-        return frozenset(PDL_FIRST_KERNELS)
+    if not names:
+        return frozenset(PDL_FIRST_DEFAULT)
+    if names in ({"all"}, {"none"}):
+        return frozenset(PDL_FIRST_KERNELS if "all" in names else ())
     bad = sorted(names - set(PDL_FIRST_KERNELS))
     if bad:
-        raise ValueError(f"KILN_PDL_FIRST: unknown kernel(s) {bad}; use 'all' or some of {PDL_FIRST_KERNELS}")
+        raise ValueError(
+            f"KILN_PDL_FIRST: unknown kernel(s) {bad}; use 'all', 'none' or some of {PDL_FIRST_KERNELS}"
+        )
     return names
 
 
 def pdl_first(kernel: str) -> bool:
     """Whether `kernel` (one of PDL_FIRST_KERNELS) signals its dependents before its own programmatic-launch
     wait (`pdl_prologue(PDL, FIRST=True)`), so that the kernel after it is scheduled while the one before it
-    still runs: e.g. the o projection loads its weights during decode attention's split kernel, not only
-    during the reduction. KILN_PDL_FIRST (those names, separated by "," or ":", or "all"; read once) for A/B
-    timing of whole decode steps."""
+    still runs: the q/k/v projection loads its weights during the down projection before the norm, the o
+    projection during decode attention's split kernel, not only during the norm or the reduction.
+    KILN_PDL_FIRST (read once, for A/B timing of whole decode steps): unset for PDL_FIRST_DEFAULT, "none",
+    "all", or kernel names separated by "," or ":"."""
     return kernel in _pdl_first_set()
 
 
