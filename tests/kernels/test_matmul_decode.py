@@ -82,17 +82,9 @@ def test_decode_gemv_weight_preload_rule_and_checks(monkeypatch, device):
     matmul_decode.preload_switch.cache_clear()
     assert matmul_decode.preload_weight(2048, 1536) and matmul_decode.preload_weight(1536, 1536)
     assert not matmul_decode.preload_weight(17920, 1536) and not matmul_decode.preload_weight(1536, 8960)
-    assert matmul_decode.preload_k(2048, 1536, 256) == 2048 and matmul_decode.preload_k(17920, 1536, 256) == 0
-    monkeypatch.setenv("KILN_DECODE_PREW", "wide")  # and the first whole K steps of the larger ones
-    matmul_decode.preload_switch.cache_clear()
-    assert matmul_decode.preload_k(2048, 1536, 256) == 2048
-    assert (
-        matmul_decode.preload_k(17920, 1536, 256) == 512 and matmul_decode.preload_k(1536, 8960, 1024) == 1024
-    )
-    assert matmul_decode.preload_k(64, 8192, 256) == 512 and matmul_decode.preload_k(8192, 1024, 1024) == 0
     monkeypatch.setenv("KILN_DECODE_PREW", "off")
     matmul_decode.preload_switch.cache_clear()
-    assert not matmul_decode.preload_weight(2048, 1536) and matmul_decode.preload_k(17920, 1536, 256) == 0
+    assert not matmul_decode.preload_weight(2048, 1536)
     monkeypatch.setenv("KILN_DECODE_PREW", "sometimes")
     matmul_decode.preload_switch.cache_clear()
     with pytest.raises(ValueError, match="KILN_DECODE_PREW"):

@@ -169,8 +169,6 @@ def decode_config(
 # 4 x 2048 / 64 = 128 at the one-row rule's tiles)
 PRELOAD_MAX_WEIGHT = 4 * 1024 * 1024
 PRELOAD_MAX_K = 2048
-# KILN_DECODE_PREW=wide (an A/B form, `preload_k`): the first columns of a larger one-row weight preloaded
-PRELOAD_WIDE_K = 512
 
 
 def preload_weight(N: int, K: int) -> bool:
@@ -182,28 +180,12 @@ def preload_weight(N: int, K: int) -> bool:
     docs/LOG.md). KILN_DECODE_PREW=off turns it off (read once), for A/B timing of whole steps. Not in the
     interpreter, whose rule keeps small tiles so that the CPU tests walk the K loop (they pass pre_k
     explicitly)."""
-    return (
-        not interpreting()
-        and preload_switch() != "off"
-        and N * K <= PRELOAD_MAX_WEIGHT
-        and K <= PRELOAD_MAX_K
-    )
-
-
-def preload_k(N: int, K: int, block_k: int) -> int:
-    """DecodeConfig.pre_k for a one-row gemv without an explicit config: pow2(K) where `preload_weight`;
-    with KILN_DECODE_PREW=wide (for A/B timing) also the first PRELOAD_WIDE_K (or block_k) columns of larger ones
-    (gate_up, down), whose first programs are resident before the wait once the kernel ahead of them
-    signals before its own (kiln.kernels._common.pdl_first); else 0."""
-    if preload_weight(N, K):
-        return pow2(K)
-    pre = max(PRELOAD_WIDE_K, block_k)  # whole K steps (both powers of two): the loop resumes after them
-    return pre if not interpreting() and preload_switch() == "wide" and pre < K else 0
+    return not interpreting() and preload_switch() and N * K <= PRELOAD_MAX_WEIGHT and K <= PRELOAD_MAX_K
 
 
 @functools.cache
-def preload_switch() -> str:
-    return env_form("KILN_DECODE_PREW", ("on", "off", "wide"))
+def preload_switch() -> bool:
+    return env_form("KILN_DECODE_PREW", ("on", "off")) == "on"
 
 
 def wide_config(M: int, N: int, K: int, sms: int, split_ok: bool = True) -> DecodeConfig:
@@ -668,8 +650,8 @@ def decode_matmul(
     _check_residual_args(a, N, has_residual, residual, out)
     if config is None:
         config = decode_config(M, N, K, sm_count(a.device), b.stride(0) == 1, split_ok=not glu)
-        if M == 1 and config.kernel == "gemv" and config.split_k == 1:
-            config = config._replace(pre_k=preload_k(N, K, config.block_k))
+        if M == 1 and config.kernel == "gemv" and config.split_k == 1 and preload_weight(N, K):
+            config = config._replace(pre_k=pow2(K))
     if config.pre_k and (config.kernel != "gemv" or M != 1 or config.pre_k & (config.pre_k - 1)
                          or (config.pre_k < K and config.pre_k % config.block_k)):  # fmt: skip
         raise ValueError(

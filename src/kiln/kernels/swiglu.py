@@ -32,7 +32,6 @@ from kiln.kernels._common import (
     fp8_row_scale,
     needs_grad,
     pdl,
-    pdl_first,
     pdl_prologue,
     row_warps,
 )
@@ -64,9 +63,8 @@ def _swiglu_fwd_kernel(
     n_col_blocks,  # cdiv(H, BLOCK)
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
-    FIRST: tl.constexpr = False,  # signal the next kernel before waiting (kiln.kernels._common.pdl_first)
 ):
-    pdl_prologue(PDL, FIRST)
+    pdl_prologue(PDL)
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_col_blocks
     cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
@@ -189,7 +187,7 @@ def swiglu_fwd(g: torch.Tensor, u: torch.Tensor, block: int = BLOCK, num_warps: 
     n_prog, n_col_blocks = _launch_grid(g2.shape[0], g2.shape[1], block)
     _fwd_launch[(n_prog,)](
         g2, u2, o2, g2.stride(0), u2.stride(0), o2.stride(0), g2.shape[1], n_col_blocks,
-        BLOCK=block, num_warps=num_warps, PDL=pdl(g2), launch_pdl=pdl(g2), FIRST=pdl_first("swiglu"),
+        BLOCK=block, num_warps=num_warps, PDL=pdl(g2), launch_pdl=pdl(g2),
     )  # fmt: skip
     return out
 
