@@ -149,7 +149,8 @@ def test_gpu_fused_blocks_equal_separate(tmp_path, monkeypatch):
 
 def test_gpu_pdl_first_same_bits(tmp_path, monkeypatch):
     # KILN_PDL_FIRST=all: the norm, RoPE + K/V write and decode attention kernels signal the next kernel
-    # before their own programmatic-launch wait, so up to three kernels of a step overlap. Only the
+    # before their own programmatic-launch wait (the norm and the reduction where the projection after
+    # them preloads its weight), so up to three kernels of a step overlap. Only the
     # schedule changes: the same kernels on the same inputs, so the same bits (greedy tokens and their
     # logprobs), eager and in CUDA graphs, bf16 (PDL on), batched prompts
     from kiln.kernels import _common
@@ -163,7 +164,9 @@ def test_gpu_pdl_first_same_bits(tmp_path, monkeypatch):
         for backend in ("eager", "graphs"):
             llm = LLM(tmp_path, log=None, device="cuda", dtype="bf16", block_size=16, memory_fraction=0.2,
                       max_graph_batch=8, decode_backend=backend)  # fmt: skip
-            got = llm.generate(PROMPTS, params)
+            # one prompt at a time (one-token steps: the norm and the reduction signal first where the
+            # projection after them preloads its weight), then all together
+            got = [llm.generate(p, params)[0] for p in PROMPTS[:3]] + llm.generate(PROMPTS, params)
             outs[first, backend] = [(o.outputs[0].token_ids, o.outputs[0].top_logprobs) for o in got]
             del llm
             torch.cuda.empty_cache()

@@ -145,3 +145,47 @@ def test_warm_up_decode_compiles_both_early_forms(window, monkeypatch):
     counts = [1 << i for i in range(dec.MAX_SPLITS.bit_length())]
     assert {s for s, _ in seen} == set(counts)
     assert seen == {(s, e) for s in counts for e in ((True,) if window else (True, False))}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_signal_first_only_ahead_of_a_preloading_projection(batch, monkeypatch, device):
+    # The norm before the q/k/v projection and decode attention before the o projection let that projection
+    # be scheduled before they wait (signal_first) only at one-token steps whose projection loads its weight
+    # before its own wait (Linear.reads_early: matmul_decode.preload_weight, off in the interpreter, so
+    # forced on here); never ahead of gate_up (no preload) or a quantized linear (nothing early: 0.94x)
+    import kiln.model.linear as linear_mod
+    from kiln.model.quant_linear import QuantLinear
+
+    monkeypatch.setattr(linear_mod, "preload_weight", lambda n, k: n != 80)  # qkv and o, not gate_up (2 x 40)
+    cfg = ModelConfig(**BASE, **CFGS["qwen2-bias"])
+    model = build_model(cfg, device, seed=1, kernels=KernelConfig(linear="kiln"))
+    seen = {"rmsnorm": [], "decode_attention": []}
+
+    def spy(name, fn):
+        def wrapper(*args, **kw):
+            seen[name].append(kw.get("signal_first", False))
+            return fn(*args, **kw)
+
+        return wrapper
+
+    for name in seen:
+        monkeypatch.setattr(layers, name, spy(name, getattr(layers, name)))
+    tokens, pos, meta, caches = _step_inputs(cfg, [5] * batch, page=8, seed=2, device=device)
+    tokens, pos = tokens[:batch], pos[:batch]  # no padding row: `batch` tokens
+    meta = AttnMetadata(cu_seqlens_q=meta.cu_seqlens_q[: batch + 1], max_seqlen_q=1,
+                        slot_mapping=meta.slot_mapping[:batch], block_tables=meta.block_tables[:batch],
+                        context_lens=meta.context_lens[:batch], decode=True)  # fmt: skip
+    with torch.no_grad(), use_backend("triton"):
+        model.model(tokens, pos, meta, caches)
+    one = batch == 1
+    # per layer: input norm (-> qkv), post-attention norm (-> gate_up); then the final norm (-> the head)
+    assert seen["rmsnorm"] == [one, False] * cfg.n_layers + [False]
+    assert seen["decode_attention"] == [one] * cfg.n_layers
+    o_proj = model.model.layers[0].self_attn.o_proj
+    with use_backend("triton"):
+        with torch.no_grad():
+            assert o_proj.reads_early(torch.zeros(1, 96, device=device))
+            assert not o_proj.reads_early(torch.zeros(1, 1, 96, device=device))  # not a flat step
+        # training (its weight wants a gradient): torch's or kiln's training matmul, nothing early
+        assert not o_proj.reads_early(torch.zeros(1, 96, device=device))
+    assert not isinstance(QuantLinear.__new__(QuantLinear), linear_mod.Linear)

@@ -74,10 +74,13 @@ def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 
 # The small decode kernels that may let the next kernel be scheduled before they wait themselves
 # (`pdl_first`): the add + RMSNorm, RoPE + K/V write, and decode attention's split and reduce kernels. By
-# default the norm and the reduction: whole decode steps on the H200 (docs/perf/inference.md, "Signalling
-# before the wait") ran 1.035x at batch 1 with those two, a tie at 16 and 64; with all four, 1.041x at 1
-# but 0.978x at 16. The SwiGLU kernel signalling first too (the down projection scheduled during gate_up)
-# measured 0.990x at batch 1, with the first 512 columns of gate_up and down preloaded 0.990x (removed).
+# default the norm and the reduction, and those only where their caller says that the next kernel loads its
+# weight before its wait (`signal_first`: the bf16 one-row q/k/v and o projections, Linear.reads_early).
+# Whole decode steps on the H200 (docs/perf/inference.md, "Signalling before the wait"): 1.035x at batch 1
+# with those two, a tie at 16 and 64; with all four, 1.041x at 1 but 0.978x at 16; ahead of the int8 and
+# int4 projections, which load nothing early, 0.94x (hence the caller's say). The SwiGLU kernel
+# signalling first too measured 0.990x at batch 1, and with gate_up and down's first 512 columns preloaded
+# 0.990x (removed).
 PDL_FIRST_KERNELS = ("norm", "rope", "split", "reduce")
 PDL_FIRST_DEFAULT = ("norm", "reduce")
 
@@ -99,10 +102,11 @@ def _pdl_first_set() -> frozenset[str]:
 
 
 def pdl_first(kernel: str) -> bool:
-    """Whether `kernel` (one of PDL_FIRST_KERNELS) signals its dependents before its own programmatic-launch
-    wait (`pdl_prologue(PDL, FIRST=True)`), so that the kernel after it is scheduled while the one before it
-    still runs: the q/k/v projection loads its weights during the down projection before the norm, the o
-    projection during decode attention's split kernel, not only during the norm or the reduction.
+    """Whether `kernel` (one of PDL_FIRST_KERNELS) may signal its dependents before its own programmatic-
+    launch wait (`pdl_prologue(PDL, FIRST=True)`; the norm and the reduction where their caller asks), so
+    that the kernel after it is scheduled while the one before it still runs: the q/k/v projection loads
+    its weights during the down projection before the norm, the o projection during decode attention's
+    split kernel, not only during the norm or the reduction.
     KILN_PDL_FIRST (read once, for A/B timing of whole decode steps): unset for PDL_FIRST_DEFAULT, "none",
     "all", or kernel names separated by "," or ":"."""
     return kernel in _pdl_first_set()

@@ -595,6 +595,7 @@ def decode_attention_triton(
     num_splits,
     config=None,
     form=None,
+    signal_first=False,
 ):
     """config (sweeps): a dict of the split kernel's BLOCK_N, num_warps, num_stages (ADDR32 and TMA False where
     absent; ADDR32 compiles the int64 form where the offsets do not fit, TMA the pointer form where the caches
@@ -659,7 +660,7 @@ def decode_attention_triton(
         o_part, lse_part, sink_arg, out,
         *o_part.stride()[:3], lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         Hq, splits, HEAD_DIM=D, BLOCK_S=pow2(splits), SINK=sinks is not None, PDL=use_pdl,
-        FIRST=pdl_first("reduce"), num_warps=8 if splits * D >= 4096 else 4, launch_pdl=use_pdl,
+        FIRST=signal_first and pdl_first("reduce"), num_warps=8 if splits * D >= 4096 else 4, launch_pdl=use_pdl,
     )
     # fmt: on
     return out
@@ -705,6 +706,7 @@ def decode_attention(
     sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     form: str | None = None,
+    signal_first: bool = False,
 ) -> torch.Tensor:
     """One decode step of attention for B sequences over the paged cache; see the module doc. (B, Hq, D).
     form: "two_pass" (a split kernel, then a reduction kernel) or "one_pass" (the last split program of
@@ -712,7 +714,10 @@ def decode_attention(
     says otherwise). Both give the same values up to summation order; a launch of one split, or the
     reference path, has no reduction and ignores the choice. Where chunks are short (EARLY, module doc)
     every key but each sequence's newest is read before the programmatic-launch wait: the kernel launched
-    right before this call may write the newest keys (a decode step's K/V write), not older ones."""
+    right before this call may write the newest keys (a decode step's K/V write), not older ones.
+    signal_first: the kernel after this call, one that loads its weight before its programmatic-launch wait
+    (the o projection's one-row gemv), may be scheduled before the reduction waits for the split kernel
+    (kiln.kernels._common.pdl_first); ignored under torch.compile."""
     if form is not None and form not in FORMS:
         raise ValueError(
             f"decode_attention: form must be one of {FORMS} (or None for the default), got {form!r}"
@@ -750,8 +755,9 @@ def decode_attention(
             args = (q, k_cache, v_cache, block_table, seq_lens, scale, window, sinks, num_splits, form)
             return decode_attention_op(*args)
         return decode_attention_triton(
-            q, k_cache, v_cache, block_table, seq_lens, scale, window, sinks, num_splits, form=form
-        )
+            q, k_cache, v_cache, block_table, seq_lens, scale, window, sinks, num_splits, form=form,
+            signal_first=signal_first,
+        )  # fmt: skip
     return decode_attention_ref(
         q, k_cache, v_cache, block_table, seq_lens, softmax_scale=scale, window=window, sinks=sinks
     )

@@ -221,12 +221,15 @@ def rmsnorm_fwd(
     for_backward: bool = True,
     offset: float = 0.0,
     scales: torch.Tensor | None = None,
+    signal_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the forward. Returns (y, h, rstd) with y and h as (n_rows, D) rows (h is x's rows without a
     residual) and rstd the (n_rows + COUNTERS,) float32 statistics the backward takes: 1/rms per row,
     then its zeroed counters (None when not `for_backward`: inference writes y and h alone).
     rows: rows per program (a power of two; default `fwd_rows`). scales: an (n_rows, 1) float32 tensor to
-    take y's per-row FP8 scales; y is then float8_e4m3fn (rmsnorm_fp8)."""
+    take y's per-row FP8 scales; y is then float8_e4m3fn (rmsnorm_fp8). signal_first: the kernel after this
+    one may be scheduled before this one waits for its predecessor (pdl_prologue's FIRST, where
+    kiln.kernels._common.pdl_first("norm") allows it): for a next kernel that reads its weight early."""
     check_rows("rmsnorm", x, weight, residual)
     D = x.shape[-1]
     x2 = as_rows(x, D)
@@ -247,7 +250,7 @@ def rmsnorm_fwd(
         n_rows, D, eps, offset,
         HAS_RESIDUAL=r2 is not None, FOR_BACKWARD=for_backward, FP8=scales is not None,
         ROWS=rows, BLOCK=block, num_warps=num_warps or row_warps(block), PDL=pdl(x2), launch_pdl=pdl(x2),
-        FIRST=pdl_first("norm"),
+        FIRST=signal_first and pdl_first("norm"),
     )  # fmt: skip
     return y, h, rstd
 
@@ -414,9 +417,13 @@ def rmsnorm(
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
     offset: float = 0.0,
+    *,
+    signal_first: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x's last dim; with `residual`, returns (norm(x + residual), x + residual). The weight
-    used is offset + weight (offset 1.0 for Gemma-style zero-centred weights)."""
+    used is offset + weight (offset 1.0 for Gemma-style zero-centred weights). signal_first (inference,
+    rmsnorm_fwd): the next kernel, one that loads its weight before its programmatic-launch wait, may be
+    scheduled before this one waits."""
     if not use_triton(x, weight, residual):
         return rmsnorm_ref(x, weight, eps, residual, offset)
     if torch.compiler.is_compiling():
@@ -425,5 +432,7 @@ def rmsnorm(
     if needs_grad(x, weight, residual):
         return RMSNormFunction.apply(x, weight, residual, eps, float(offset))
     # inference: the launcher alone (autograd.Function.apply costs ~25 us of host time per call)
-    y, h, _ = rmsnorm_fwd(x, weight, eps, residual, for_backward=False, offset=float(offset))
+    y, h, _ = rmsnorm_fwd(
+        x, weight, eps, residual, for_backward=False, offset=float(offset), signal_first=signal_first
+    )
     return shaped(y, x.shape) if residual is None else (shaped(y, x.shape), shaped(h, x.shape))

@@ -59,7 +59,9 @@ class Norm(nn.Module):
         if self.bias is None and takes_fp8_rows(into, x):
             return rmsnorm_fp8(x, self.weight, self.eps, residual)
         if self.bias is None:
-            out = rmsnorm(x, self.weight, self.eps, residual)
+            # the next projection loads its weight before its wait: it may be scheduled before ours
+            first = isinstance(into, Linear) and into.reads_early(x)
+            out = rmsnorm(x, self.weight, self.eps, residual, signal_first=first)
         else:
             out = layernorm(x, self.weight, self.bias, self.eps, residual)
         return (out, x) if residual is None else out
@@ -134,7 +136,7 @@ class Attention(nn.Module):
             q = qkv_rope(x, self.qkv_proj.weight, self.qkv_proj.bias, rope[0], rope[1], rope[2].reshape(-1),
                          k_cache, v_cache, meta.slot_mapping, self.n_heads, interleaved=self.rope_interleaved)  # fmt: skip
             y = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, window=self.window,
-                                 sinks=self.sinks)  # fmt: skip
+                                 sinks=self.sinks, signal_first=self._o_reads_early(q))  # fmt: skip
             if stream is not None:
                 return self.o_proj.add_to_stream(y.reshape(N, -1), stream)
             return self.o_proj(y.reshape(N, -1))
@@ -212,9 +214,16 @@ class Attention(nn.Module):
                                  num_splits=splits)  # fmt: skip
                 splits *= 2
 
+    def _o_reads_early(self, q: torch.Tensor) -> bool:
+        """Whether decode attention may let the o projection be scheduled before its reduction waits:
+        where the projection of q's tokens (N, Hq, D) loads its weight early (Linear.reads_early)."""
+        return isinstance(self.o_proj, Linear) and self.o_proj.reads_early(q[:, 0])
+
     def _flat(self, q, k, v, rope, meta: AttnMetadata, kv_cache):
         """Packed sequences (AttnMetadata's prefill and decode paths): q (N, Hq, D) -> (N, Hq, D)."""
         attn = dict(window=self.window, sinks=self.sinks)
+        if kv_cache is not None and meta.decode:
+            attn["signal_first"] = self._o_reads_early(q)
         if kv_cache is not None and meta.decode and rope is not None:
             # decode: one kernel rotates q and k and writes k and v into their cache slots (rope[2] is
             # (1, N): each token's table row)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.fp8_train import fp8_train_linear
 from kiln.kernels.matmul import linear as kiln_linear
-from kiln.kernels.matmul_decode import DECODE_MAX_M, decode_matmul
+from kiln.kernels.matmul_decode import DECODE_MAX_M, decode_matmul, preload_weight
 from kiln.model.config import decode_rows
 
 DECODE_ROWS = DECODE_MAX_M  # kiln.kernels.matmul_decode handles up to this many rows
@@ -66,17 +66,34 @@ class Linear(nn.Module):
         (DECODE_ROWS under torch.compile, which traces kiln's matmul but not the wide tiles' launcher) in
         the weight's dtype, on CUDA ("auto") or wherever kiln's kernels run ("kiln"), with a plain weight
         (a DTensor's matmul is torch's, sharded); else 0."""
-        if self.backend not in ("auto", "kiln"):
-            return 0
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):  # training
-            return 0
-        if not (x.is_cuda if self.backend == "auto" else use_triton(x)) or x.dtype != self.weight.dtype:
-            return 0
-        if not _plain(self.weight):  # a DTensor (tensor parallel, FSDP): F.linear
+        if not self._takes_decode(x):
             return 0
         rows = x.numel() // max(x.shape[-1], 1)
         limit = DECODE_ROWS if torch.compiler.is_compiling() else decode_rows()
         return rows if 0 < rows <= limit else 0
+
+    def _takes_decode(self, x: torch.Tensor) -> bool:
+        """_decode_rows' conditions other than the row count."""
+        if self.backend not in ("auto", "kiln"):
+            return False
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):  # training
+            return False
+        if not (x.is_cuda if self.backend == "auto" else use_triton(x)) or x.dtype != self.weight.dtype:
+            return False
+        return _plain(self.weight)  # not a DTensor (tensor parallel, FSDP): F.linear
+
+    def reads_early(self, x: torch.Tensor) -> bool:
+        """Whether this projection of x (a flat (tokens, features) step) is of one token and
+        runs the one-row decode gemv that loads its whole weight before its programmatic-launch wait
+        (matmul_decode.preload_weight: qkv and o at the Qwen2.5-1.5B shape), so that the kernel ahead of
+        it may let it be scheduled early (`signal_first` of rmsnorm and decode_attention)."""
+        return (
+            x.dim() == 2
+            and x.shape[0] == 1
+            and not torch.compiler.is_compiling()
+            and self._takes_decode(x)
+            and preload_weight(self.out_features, self.in_features)
+        )
 
     # ---- the split add + RMSNorm (KILN_DECODE_NORM=split; kiln.model.transformer.Decoder decides per call)
     def decode_fusable(self, x: torch.Tensor) -> bool:
