@@ -123,9 +123,9 @@ def pdl_prologue(PDL: tl.constexpr, FIRST: tl.constexpr = False):
     predecessor too (still waiting for this kernel's completion before its own first dependent read). Safe
     where what the next kernel reads before its wait was written before this kernel's predecessor began:
     true of every kiln kernel that reads early (weights, block tables, older cache rows, RoPE tables, all
-    written before the decode step); a grid is scheduled only once
-    every program of the one before it has signalled, so a chain of FIRST kernels cannot fill the GPU with
-    programs that wait for one that is not resident."""
+    written before the decode step). A grid is scheduled only once every program of the one before it has
+    signalled, so a chain of FIRST kernels cannot fill the GPU with programs that wait for one that is not
+    resident."""
     if PDL:
         if FIRST:
             gdc_launch_dependents()
