@@ -117,6 +117,23 @@ def test_gpu_async_scheduling_equals_sync(tmp_path):
     assert same >= len(PROMPTS) - 1, (outs["off"], outs["on"])
 
 
+def _outputs_per_switch(monkeypatch, path, var, values, read_once, generate, **llm_kw):
+    """{(value, backend): generate(llm)} for each value of the read-once switch `var` (its cache cleared
+    before each and after all) and each decode backend, one engine each."""
+    outs = {}
+    for value in values:
+        monkeypatch.setenv(var, value)
+        read_once.cache_clear()
+        for backend in ("eager", "graphs"):
+            llm = LLM(path, log=None, device="cuda", block_size=16, memory_fraction=0.2, decode_backend=backend,
+                      **llm_kw)  # fmt: skip
+            outs[value, backend] = generate(llm)
+            del llm
+            torch.cuda.empty_cache()
+    read_once.cache_clear()
+    return outs
+
+
 def test_gpu_fused_blocks_equal_separate(tmp_path, monkeypatch):
     # KILN_DECODE_BLOCK=fused (each block of a one-token decode step in one kernel,
     # kiln.kernels.decode_block): the engine's greedy tokens one prompt at a time, eager and with CUDA graphs, against the separate form.
@@ -130,18 +147,12 @@ def test_gpu_fused_blocks_equal_separate(tmp_path, monkeypatch):
     calls = []
     fused = transformer.fused_block
     monkeypatch.setattr(transformer, "fused_block", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
-    outs = {}
-    for form in ("separate", "fused"):
-        monkeypatch.setenv("KILN_DECODE_BLOCK", form)
-        model_config.decode_block.cache_clear()
-        for backend in ("eager", "graphs"):
-            llm = LLM(tmp_path, log=None, device="cuda", dtype="fp32", block_size=16, memory_fraction=0.2,
-                      max_graph_batch=1, decode_backend=backend)  # fmt: skip
-            outs[form, backend] = [llm.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS]
-            del llm
-            torch.cuda.empty_cache()
-        assert (len(calls) > 0) == (form == "fused")  # the fused kernel ran in the fused form only
-    model_config.decode_block.cache_clear()
+    # the fused kernel's calls so far beside each run's tokens: none in the separate form (which runs first)
+    tokens = lambda llm: ([llm.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS], len(calls))  # noqa: E731
+    outs = _outputs_per_switch(monkeypatch, tmp_path, "KILN_DECODE_BLOCK", ("separate", "fused"),
+                               model_config.decode_block, tokens, dtype="fp32", max_graph_batch=1)  # fmt: skip
+    assert outs["separate", "graphs"][1] == 0 and outs["fused", "eager"][1] > outs["separate", "graphs"][1]
+    outs = {key: got for key, (got, _) in outs.items()}
     assert outs["fused", "eager"] == outs["fused", "graphs"]  # the same kernels: the same bits
     same = sum(a == b for a, b in zip(outs["separate", "eager"], outs["fused", "eager"]))
     assert same >= len(PROMPTS) - 1, (outs["separate", "eager"], outs["fused", "eager"])
@@ -150,26 +161,20 @@ def test_gpu_fused_blocks_equal_separate(tmp_path, monkeypatch):
 def test_gpu_pdl_first_same_bits(tmp_path, monkeypatch):
     # KILN_PDL_FIRST=all: the norm, RoPE + K/V write and decode attention kernels signal the next kernel
     # before their own programmatic-launch wait (the norm and the reduction where the projection after
-    # them preloads its weight), so up to three kernels of a step overlap. Only the
-    # schedule changes: the same kernels on the same inputs, so the same bits (greedy tokens and their
-    # logprobs), eager and in CUDA graphs, bf16 (PDL on), batched prompts
+    # them preloads its weight), so up to three kernels of a step overlap. Only the schedule changes: the
+    # same kernels on the same inputs, so the same bits (greedy tokens and their logprobs), eager and in
+    # CUDA graphs, bf16 (PDL on): one prompt at a time (one-token steps, where the norm and the reduction
+    # signal first), then all together
     from kiln.kernels import _common
 
     hf_causal_lm("qwen2").save_pretrained(tmp_path)
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=3)
-    outs = {}
-    for first in ("none", "all"):
-        monkeypatch.setenv("KILN_PDL_FIRST", first)
-        _common._pdl_first_set.cache_clear()
-        for backend in ("eager", "graphs"):
-            llm = LLM(tmp_path, log=None, device="cuda", dtype="bf16", block_size=16, memory_fraction=0.2,
-                      max_graph_batch=8, decode_backend=backend)  # fmt: skip
-            # one prompt at a time (one-token steps: the norm and the reduction signal first where the
-            # projection after them preloads its weight), then all together
-            got = [llm.generate(p, params)[0] for p in PROMPTS[:3]] + llm.generate(PROMPTS, params)
-            outs[first, backend] = [(o.outputs[0].token_ids, o.outputs[0].top_logprobs) for o in got]
-            del llm
-            torch.cuda.empty_cache()
-    _common._pdl_first_set.cache_clear()
+
+    def run(llm):
+        got = [llm.generate(p, params)[0] for p in PROMPTS[:3]] + llm.generate(PROMPTS, params)
+        return [(o.outputs[0].token_ids, o.outputs[0].top_logprobs) for o in got]
+
+    outs = _outputs_per_switch(monkeypatch, tmp_path, "KILN_PDL_FIRST", ("none", "all"), _common._pdl_first_set,
+                               run, dtype="bf16", max_graph_batch=8)  # fmt: skip
     assert outs["all", "eager"] == outs["none", "eager"]
     assert outs["all", "graphs"] == outs["none", "graphs"]
