@@ -217,6 +217,38 @@ def test_bf16_on_gpu_and_in_a_cuda_graph(fmt, M):
         assert_close(wq_matmul_fwd(x, q, s, z, bits, group, config=config), want, scale=2.0, name=str(config))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS, ids=_fmt_id)
+def test_gpu_fma_preload_after_an_early_signal(fmt):
+    """The q/k/v shape's fma launch with its first K step loaded before its programmatic-launch wait
+    (pre_k), right after an RMSNorm that lets it be scheduled before the norm itself waits (signal_first,
+    as the model does ahead of a preloading projection): x, which the norm writes, must be read after the
+    wait. Eager and in a CUDA graph replayed over fresh norm inputs: the same bits as without the preload."""
+    from kiln.kernels.rmsnorm import rmsnorm
+
+    bits, group, asym = fmt
+    N, K = 2048, 1536
+    q, s, z = quantized(N, K, bits, group, asym, seed=7, device="cuda")
+    cfg = DecodeConfig("fma", 8, 512, 1, 4, 3)
+    h = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    gamma = torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def step(pre):
+        x = rmsnorm(h, gamma, 1e-6, signal_first=True)
+        return wq_matmul_fwd(x, q, s, z, bits, group, config=cfg._replace(pre_k=512 if pre else 0))
+
+    assert torch.equal(step(True), step(False))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(True)
+    for i in range(5):
+        h.copy_(torch.randn(1, K, generator=torch.Generator().manual_seed(i)).to("cuda", torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step(False)), i
+
+
 def test_swept_decode_tables_pass_the_launch_checks():
     """Every entry the H200 sweep wrote into DECODE_TABLE / FP8_DECODE_TABLE is a config the launchers accept
     for its own shape and row count (the checks run without a launch: the weights are never read)."""
@@ -248,3 +280,58 @@ def test_swept_decode_tables_pass_the_launch_checks():
         # the FP8 decode kernel's own launch rule
         assert config.kernel == "dot", (rows, N, K, config)
         assert config.block_k >= 32 and config.block_n >= 16, (rows, N, K, config)
+
+
+PRELOAD_CASES = [  # (format, K, block_k): several steps, one step; int8 with a ragged last step too
+    *[(f, 256, 64) for f in FORMATS],
+    *[(f, 128, 128) for f in FORMATS],
+    ((8, 0, False), 200, 64),
+]
+
+
+@pytest.mark.parametrize(
+    "fmt,K,block_k", PRELOAD_CASES, ids=lambda c: _fmt_id(c) if isinstance(c, tuple) else c
+)
+def test_fma_first_step_preloaded_same_bits(fmt, K, block_k, device):
+    """pre_k = block_k: the fma form loads its first K step's words before its programmatic-launch wait and
+    runs that step ahead of the loop (kiln.kernels.quant_matmul.preload): the same passes in the same order,
+    so the same bits as without it; ragged K (int8; int4 needs whole groups) and a single step. Against
+    float64 too."""
+    bits, group, asym = fmt
+    q, s, z = quantized(37, K, bits, group, asym, seed=K + bits, device=device)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(3)).to(device, torch.bfloat16)
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
+    base = DecodeConfig("fma", 16, block_k)
+    quant_matmul._PLANS.clear()
+    y = wq_matmul_fwd(x, q, s, z, bits, group, bias, config=base._replace(pre_k=block_k))
+    assert [p.meta["PRE"] for p in quant_matmul._PLANS.values()] == [True]
+    assert torch.equal(y, wq_matmul_fwd(x, q, s, z, bits, group, bias, config=base))
+    assert_close(y, wq_matmul_ref(x.double(), q, s, z, bits, group, bias.double()), name=f"{fmt} {K}")
+
+
+def test_fma_preload_rule_and_checks(monkeypatch):
+    # The launcher preloads only behind KILN_QUANT_PREW=on, on the GPU, at one row of the fma form with K
+    # unsplit, for the small projections; an explicit pre_k must be the fma form's block_k, unsplit
+    monkeypatch.setattr(quant_matmul, "interpreting", lambda: False)
+    fma = DecodeConfig("fma", 8, 512, 1, 4, 3)
+    quant_matmul.preload_switch.cache_clear()
+    assert not quant_matmul.preload(1, 2048, 1536, fma)  # off by default
+    monkeypatch.setenv("KILN_QUANT_PREW", "on")
+    quant_matmul.preload_switch.cache_clear()
+    assert quant_matmul.preload(1, 2048, 1536, fma) and quant_matmul.preload(1, 1536, 1536, fma)
+    assert not quant_matmul.preload(1, 17920, 1536, fma)  # gate_up: too large to be resident early
+    assert not quant_matmul.preload(4, 2048, 1536, fma)
+    assert not quant_matmul.preload(1, 2048, 1536, fma._replace(split_k=2))
+    assert not quant_matmul.preload(1, 2048, 1536, DecodeConfig("mma", 32, 128, 4, 4, 3))
+    monkeypatch.setenv("KILN_QUANT_PREW", "sometimes")
+    quant_matmul.preload_switch.cache_clear()
+    with pytest.raises(ValueError, match="KILN_QUANT_PREW"):
+        quant_matmul.preload(1, 2048, 1536, fma)
+    quant_matmul.preload_switch.cache_clear()
+    monkeypatch.undo()
+    q, s, _ = quantized(8, 128, 4, 32, False, seed=0)
+    x = torch.randn(1, 128)
+    for bad in (DecodeConfig("fma", 8, 64, pre_k=32), DecodeConfig("fma", 8, 64, split_k=2, pre_k=64),
+                DecodeConfig("gemv", 8, 64, pre_k=64)):  # fmt: skip
+        with pytest.raises(ValueError, match="pre_k"):
+            wq_matmul_fwd(x, q, s, None, 4, 32, config=bad)

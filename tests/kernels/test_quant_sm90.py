@@ -78,7 +78,9 @@ def compile_(fn, ptrs, consts, divisible, **opts):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in [*ptrs, *divisible]}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
-    return {"wgmma": "wgmma" in ptx, "int_to_float": len(re.findall(r"cvt\.rn\.f(16|32)\.[su](8|16|32)", ptx)),
+    head = ptx.split("griddepcontrol.wait")[0]  # issued before the programmatic-launch wait
+    return {"before_wait": head.count("ld.global") + head.count("cp.async"),
+            "wgmma": "wgmma" in ptx, "int_to_float": len(re.findall(r"cvt\.rn\.f(16|32)\.[su](8|16|32)", ptx)),
             "bf16_to_float": len(re.findall(r"cvt\.f32\.bf16", ptx)), "griddep": "griddepcontrol.wait" in ptx,
             "async": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)),
             "lop3": len(re.findall(r"lop3\.b32 [^;]*, 0xea;", ptx)), "prmt": len(re.findall(r"prmt\.b32", ptx))}
@@ -87,11 +89,15 @@ ptrs = dict(X_ptr="*bf16", W_ptr="*i32", S_ptr="*bf16", Z_ptr="*u8", Y_ptr="*bf1
 ints = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sn", "k_split"]
 tiles = dict(stride_xk=1, HAS_ZERO=True, HAS_BIAS=False, SPLIT_K=1, STAGES=3)
 out = {"int4 fma": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, BLOCK_N=8, BLOCK_K=256, ASM=True,
-                                                   X_PAIRS=False, PDL=False),
+                                                   X_PAIRS=False, PDL=False, PRE=False),
                             ints, num_warps=2, num_stages=3),
        # one row, 128-wide K steps inside one g128 group, x read as int32 pairs
        "int4 fma, pairs": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, BLOCK_N=32, BLOCK_K=128,
-                                   ASM=True, X_PAIRS=True, PDL=True), ints, num_warps=2, num_stages=3),
+                                   ASM=True, X_PAIRS=True, PDL=True, PRE=False), ints, num_warps=2, num_stages=3),
+       # the q/k/v projection's int8 table config with its first K step before the wait (KILN_QUANT_PREW=on)
+       "int8 fma, pre": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=8, GROUP=1, BLOCK_N=8, BLOCK_K=512,
+                                 HAS_ZERO=False, ASM=True, X_PAIRS=True, PDL=True, PRE=True), ints, num_warps=4,
+                                 num_stages=3),
        "int4 mma": compile_(qd._wq_mma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, MAGIC=0x4300, SH=0,
                             PRECISION="ieee", BLOCK_N=64, BLOCK_K=128, PDL=True, ASM=True), ints, num_warps=4,
                             num_stages=3),
@@ -129,6 +135,9 @@ def test_word_kernels_convert_nothing(tmp_path):
     assert res["int4 mma"]["prmt"] >= 4 and res["int4 mma"]["lop3"] >= 4, res
     # launched with programmatic dependent launch in a decode step, they wait for the kernel before
     assert res["int4 fma, pairs"]["griddep"] and res["int4 mma"]["griddep"], res
+    # and load nothing before that wait, unless told to preload their first K step: (8 x 128 words) / 128
+    # threads, two 16-byte loads a thread
+    assert res["int4 fma, pairs"]["before_wait"] == 0 and res["int8 fma, pre"]["before_wait"] >= 2, res
 
 
 @pytest.mark.slow  # ~15-20 s of compiling on 2 cores

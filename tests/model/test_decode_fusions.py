@@ -189,3 +189,27 @@ def test_signal_first_only_ahead_of_a_preloading_projection(batch, monkeypatch, 
         # training (its weight wants a gradient): torch's or kiln's training matmul, nothing early
         assert not o_proj.reads_early(torch.zeros(1, 96, device=device))
     assert not issubclass(QuantLinear, linear_mod.Linear)  # the isinstance checks keep quantized ones out
+
+
+def test_quantized_projection_reads_early_only_behind_its_switch(monkeypatch):
+    # A quantized q/k/v or o projection of one token takes the norm's / decode attention's early signal only
+    # where its fma launch preloads its first K step (KILN_QUANT_PREW=on): ahead of quantized projections
+    # that read nothing early the signal cost 6% at batch 1. Never an FP8 one, a batch, or gate_up's size.
+    from kiln.kernels import quant_matmul
+    from kiln.model.quant_linear import QuantLinear
+
+    monkeypatch.setattr(quant_matmul, "interpreting", lambda: False)  # the GPU's rule and table
+    x, batch = torch.zeros(1, 1536), torch.zeros(2, 1536)
+    qkv = {kind: QuantLinear(1536, 2048, True, kind, group_size=128 if kind == "int4" else 0)
+           for kind in ("int8", "int4", "fp8")}  # fmt: skip
+    gate_up = QuantLinear(1536, 17920, False, "int8")
+    try:
+        with use_backend("triton"):
+            for value, want in (("", False), ("on", True)):
+                monkeypatch.setenv("KILN_QUANT_PREW", value)
+                quant_matmul.preload_switch.cache_clear()
+                assert qkv["int8"].reads_early(x) is want and qkv["int4"].reads_early(x) is want
+                assert not qkv["fp8"].reads_early(x) and not gate_up.reads_early(x)
+                assert not qkv["int8"].reads_early(batch)
+    finally:
+        quant_matmul.preload_switch.cache_clear()

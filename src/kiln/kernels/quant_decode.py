@@ -143,14 +143,12 @@ def _wq_fma_kernel(
     ASM: tl.constexpr,  # int4: each nibble's AND-OR as one lop3.b32 (not under the interpreter)
     X_PAIRS: tl.constexpr = False,  # bf16 x read as int32 pairs (contiguous, 4-byte aligned, K even)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
+    PRE: tl.constexpr = False,  # the first K step's words loaded before the PDL wait (launcher: `preload`)
 ):
-    pdl_prologue(PDL)
+    if not PRE:
+        pdl_prologue(PDL)
     P: tl.constexpr = 32 // BITS  # values per word
     BLOCK_W: tl.constexpr = BLOCK_K // P
-    # int4: a K step inside one group takes one scale (and zero point) per row, not one per word; a step of
-    # two whole groups takes two per row, each word picking its own with a select
-    ROW_SCALE: tl.constexpr = BITS == 4 and GROUP % BLOCK_K == 0
-    TWO_GROUPS: tl.constexpr = BITS == 4 and BLOCK_K == 2 * GROUP
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -161,97 +159,128 @@ def _wq_fma_kernel(
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     KW = K // P  # words per row
+    k_start = k_lo
+    if PRE:
+        # The words are not written by the previous kernel (the weights), so the first step's are requested
+        # before the programmatic-launch wait: their latency passes under that kernel (module doc of
+        # kiln.kernels._common.pdl_prologue); x, which it writes, is read after the wait
+        wcol0 = k_lo // P + tl.arange(0, BLOCK_W)
+        w0_ok = n_ok[:, None] & (wcol0 < KW)[None, :]
+        w0 = tl.load(w_rows + wcol0[None, :], mask=w0_ok, other=0)
+        k_start = k_lo + BLOCK_K
+        pdl_prologue(PDL)
     # Every tensor is (BLOCK_N, BLOCK_W) words or (BLOCK_W,) x values: a word's P values are taken apart
     # by masks in the thread that loaded it, and x's column 8j + i (4j + i) reaches that thread as the
     # i-th piece of x split in registers (tl.split of its contiguous (BLOCK_W, P) load): no dimension of
     # size P that the compiler could spread across threads. (P loads of x strided into the words' column
     # layout instead compiled to one 2-byte load per weight: Triton sank them past the row broadcast.)
     acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+    if PRE:  # the preloaded step first (k_hi > k_lo: a split is never empty), then the loop the rest
+        acc = _fma_step(acc, w0, k_lo, X_ptr, stride_xk, K, s_rows, z_rows, n_ok, w0_ok, wcol0, BITS, GROUP,
+                        HAS_ZERO, BLOCK_K, ASM, X_PAIRS)  # fmt: skip
+    for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
         wcol = k0 // P + tl.arange(0, BLOCK_W)  # (BLOCK_W,) word columns of this step
         w_ok = n_ok[:, None] & (wcol < KW)[None, :]
         w = tl.load(w_rows + wcol[None, :], mask=w_ok, other=0)  # (BLOCK_N, BLOCK_W) int32
-        if X_PAIRS:
-            # x's columns 2m and 2m + 1 as the int32 m; a bf16 is the upper half of its float32, so each
-            # becomes a float32 by one shift or one AND (Triton's conversion took a PRMT and an IMAD, for
-            # every row a thread holds)
-            offs_p = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            xp = tl.load(X_ptr.to(tl.pointer_type(tl.int32)) + offs_p, mask=offs_p < K // 2, other=0)
-        else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xx = tl.load(X_ptr + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)
-        if BITS == 4:
-            if X_PAIRS:  # (BLOCK_W, 2, 2) pairs: pair 2b + c of word j at [j, b, c]
-                e, o = tl.split(xp.reshape(BLOCK_W, 2, 2))  # pairs 0, 2 | 1, 3
-                e0, e1 = tl.split(e)
-                o0, o1 = tl.split(o)
-                x0, x1 = _pair_lo(e0), _pair_hi(e0)
-                x2, x3 = _pair_lo(o0), _pair_hi(o0)
-                x4, x5 = _pair_lo(e1), _pair_hi(e1)
-                x6, x7 = _pair_lo(o1), _pair_hi(o1)
-            else:
-                # (BLOCK_W, 2, 2, 2): column 8j + 4a + 2b + c at [j, a, b, c]; each split takes the last axis
-                e, o = tl.split(xx.reshape(BLOCK_W, 2, 2, 2))  # c = 0, 1
-                e0, e1 = tl.split(e)  # b = 0, 1
-                o0, o1 = tl.split(o)
-                x0, x4 = tl.split(e0)
-                x2, x6 = tl.split(e1)
-                x1, x5 = tl.split(o0)
-                x3, x7 = tl.split(o1)
-            if ROW_SCALE or TWO_GROUPS:  # (BLOCK_N, 1): the step's (first) group, one scale a row
-                g = tl.full((1, 1), 0, tl.int32) + k0 // GROUP
-                g_ok = n_ok[:, None]
-                ws = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
-                if TWO_GROUPS:  # and the second group's, each word selecting its own
-                    second = (tl.arange(0, BLOCK_W) >= GROUP // 8)[None, :]  # (1, BLOCK_W)
-                    g2_ok = g_ok & (k0 + GROUP < K)  # a last step past K has no second group
-                    ws = tl.where(second, tl.load(s_rows + g + 1, mask=g2_ok, other=0.0).to(tl.float32), ws)
-            else:  # (1, BLOCK_W): the group of each word (a word never spans two groups)
-                g = (wcol // (GROUP // 8))[None, :]
-                g_ok = w_ok
-                ws = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
-            # nibbles 0-4 read in place; 5-7 (bits 20-31: bit 23 is past the mantissa) from w >> 12, where
-            # they sit at nibble positions 2-4
-            # (the arithmetic shift's sign bits land above bit 19, outside every mask)
-            h = w >> 12
-            if HAS_ZERO:  # off_p = 2**(23 - 4p) + z, exact; z from its bits as 2**23 + z - 2**23
-                z = tl.load(z_rows + g, mask=g_ok, other=0).to(tl.int32)
-                if TWO_GROUPS:
-                    z = tl.where(second, tl.load(z_rows + g + 1, mask=g2_ok, other=0).to(tl.int32), z)
-                zf = (z | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                c0, c1, c2, c3, c4 = zf + 8388608.0, zf + 524288.0, zf + 32768.0, zf + 2048.0, zf + 128.0
-            else:  # off_p = 2**(23 - 4p) + 8: constants
-                c0, c1, c2, c3, c4 = 8388616.0, 524296.0, 32776.0, 2056.0, 136.0
-            # one product added at a time, so that each is one FMA (pairs of products cost a multiply,
-            # an FMA and an add per two)
-            t = _nibble_times_x(w, 0, c0, x0, ASM)
-            t += _nibble_times_x(w, 1, c1, x1, ASM)
-            t += _nibble_times_x(w, 2, c2, x2, ASM)
-            t += _nibble_times_x(w, 3, c3, x3, ASM)
-            t += _nibble_times_x(w, 4, c4, x4, ASM)
-            t += _nibble_times_x(h, 2, c2, x5, ASM)
-            t += _nibble_times_x(h, 3, c3, x6, ASM)
-            t += _nibble_times_x(h, 4, c4, x7, ASM)
-            acc += t * ws  # one multiply per word: its group's scale
-        else:
-            if X_PAIRS:  # (BLOCK_W, 2) pairs: columns 4j + 2a, 4j + 2a + 1 at [j, a]
-                a0, a1 = tl.split(xp.reshape(BLOCK_W, 2))
-                x0, x1, x2, x3 = _pair_lo(a0), _pair_hi(a0), _pair_lo(a1), _pair_hi(a1)
-            else:
-                e, o = tl.split(xx.reshape(BLOCK_W, 2, 2))  # column 4j + 2a + b at [j, a, b]
-                x0, x2 = tl.split(e)
-                x1, x3 = tl.split(o)
-            # bytes shifted down (ptxas makes an extraction and its OR one PRMT; bytes OR-ed in place under
-            # their exponents, as the nibbles are, took 6.9 SASS instructions a weight at 8 x 256, this 6.4)
-            acc += _int8_times_x(w, 0, x0)
-            acc += _int8_times_x(w, 1, x1)
-            acc += _int8_times_x(w, 2, x2)
-            acc += _int8_times_x(w, 3, x3)  # the per-channel scale is applied once, at the end
+        acc = _fma_step(acc, w, k0, X_ptr, stride_xk, K, s_rows, z_rows, n_ok, w_ok, wcol, BITS, GROUP, HAS_ZERO,
+                        BLOCK_K, ASM, X_PAIRS)  # fmt: skip
     y = tl.sum(acc, axis=1)  # (BLOCK_N,)
     if BITS == 8:
         y = y * tl.load(S_ptr + offs_n.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
     row0 = tl.zeros((1, 1), dtype=tl.int32)  # the one row
     _store(y[None, :], row0, offs_n[None, :], pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS, "none", SPLIT_K)
+
+
+@triton.jit
+def _fma_step(acc, w, k0, X_ptr, stride_xk, K, s_rows, z_rows, n_ok, w_ok, wcol, BITS: tl.constexpr,
+              GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
+              X_PAIRS: tl.constexpr):  # fmt: skip
+    """acc (BLOCK_N, BLOCK_W) plus one K step of the fma form: the step's words w (BLOCK_N, BLOCK_W) int32 at
+    word columns wcol (w_ok: which exist), times x's BLOCK_K columns from k0, int4 scaled per group (int8's
+    per-channel scale comes once, after the loop)."""
+    P: tl.constexpr = 32 // BITS
+    BLOCK_W: tl.constexpr = BLOCK_K // P
+    # int4: a K step inside one group takes one scale (and zero point) per row, not one per word; a step of
+    # two whole groups takes two per row, each word picking its own with a select
+    ROW_SCALE: tl.constexpr = BITS == 4 and GROUP % BLOCK_K == 0
+    TWO_GROUPS: tl.constexpr = BITS == 4 and BLOCK_K == 2 * GROUP
+    if X_PAIRS:
+        # x's columns 2m and 2m + 1 as the int32 m; a bf16 is the upper half of its float32, so each
+        # becomes a float32 by one shift or one AND (Triton's conversion took a PRMT and an IMAD, for
+        # every row a thread holds)
+        offs_p = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        xp = tl.load(X_ptr.to(tl.pointer_type(tl.int32)) + offs_p, mask=offs_p < K // 2, other=0)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xx = tl.load(X_ptr + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)
+    if BITS == 4:
+        if X_PAIRS:  # (BLOCK_W, 2, 2) pairs: pair 2b + c of word j at [j, b, c]
+            e, o = tl.split(xp.reshape(BLOCK_W, 2, 2))  # pairs 0, 2 | 1, 3
+            e0, e1 = tl.split(e)
+            o0, o1 = tl.split(o)
+            x0, x1 = _pair_lo(e0), _pair_hi(e0)
+            x2, x3 = _pair_lo(o0), _pair_hi(o0)
+            x4, x5 = _pair_lo(e1), _pair_hi(e1)
+            x6, x7 = _pair_lo(o1), _pair_hi(o1)
+        else:
+            # (BLOCK_W, 2, 2, 2): column 8j + 4a + 2b + c at [j, a, b, c]; each split takes the last axis
+            e, o = tl.split(xx.reshape(BLOCK_W, 2, 2, 2))  # c = 0, 1
+            e0, e1 = tl.split(e)  # b = 0, 1
+            o0, o1 = tl.split(o)
+            x0, x4 = tl.split(e0)
+            x2, x6 = tl.split(e1)
+            x1, x5 = tl.split(o0)
+            x3, x7 = tl.split(o1)
+        if ROW_SCALE or TWO_GROUPS:  # (BLOCK_N, 1): the step's (first) group, one scale a row
+            g = tl.full((1, 1), 0, tl.int32) + k0 // GROUP
+            g_ok = n_ok[:, None]
+            ws = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
+            if TWO_GROUPS:  # and the second group's, each word selecting its own
+                second = (tl.arange(0, BLOCK_W) >= GROUP // 8)[None, :]  # (1, BLOCK_W)
+                g2_ok = g_ok & (k0 + GROUP < K)  # a last step past K has no second group
+                ws = tl.where(second, tl.load(s_rows + g + 1, mask=g2_ok, other=0.0).to(tl.float32), ws)
+        else:  # (1, BLOCK_W): the group of each word (a word never spans two groups)
+            g = (wcol // (GROUP // 8))[None, :]
+            g_ok = w_ok
+            ws = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
+        # nibbles 0-4 read in place; 5-7 (bits 20-31: bit 23 is past the mantissa) from w >> 12, where
+        # they sit at nibble positions 2-4
+        # (the arithmetic shift's sign bits land above bit 19, outside every mask)
+        h = w >> 12
+        if HAS_ZERO:  # off_p = 2**(23 - 4p) + z, exact; z from its bits as 2**23 + z - 2**23
+            z = tl.load(z_rows + g, mask=g_ok, other=0).to(tl.int32)
+            if TWO_GROUPS:
+                z = tl.where(second, tl.load(z_rows + g + 1, mask=g2_ok, other=0).to(tl.int32), z)
+            zf = (z | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            c0, c1, c2, c3, c4 = zf + 8388608.0, zf + 524288.0, zf + 32768.0, zf + 2048.0, zf + 128.0
+        else:  # off_p = 2**(23 - 4p) + 8: constants
+            c0, c1, c2, c3, c4 = 8388616.0, 524296.0, 32776.0, 2056.0, 136.0
+        # one product added at a time, so that each is one FMA (pairs of products cost a multiply,
+        # an FMA and an add per two)
+        t = _nibble_times_x(w, 0, c0, x0, ASM)
+        t += _nibble_times_x(w, 1, c1, x1, ASM)
+        t += _nibble_times_x(w, 2, c2, x2, ASM)
+        t += _nibble_times_x(w, 3, c3, x3, ASM)
+        t += _nibble_times_x(w, 4, c4, x4, ASM)
+        t += _nibble_times_x(h, 2, c2, x5, ASM)
+        t += _nibble_times_x(h, 3, c3, x6, ASM)
+        t += _nibble_times_x(h, 4, c4, x7, ASM)
+        acc += t * ws  # one multiply per word: its group's scale
+    else:
+        if X_PAIRS:  # (BLOCK_W, 2) pairs: columns 4j + 2a, 4j + 2a + 1 at [j, a]
+            a0, a1 = tl.split(xp.reshape(BLOCK_W, 2))
+            x0, x1, x2, x3 = _pair_lo(a0), _pair_hi(a0), _pair_lo(a1), _pair_hi(a1)
+        else:
+            e, o = tl.split(xx.reshape(BLOCK_W, 2, 2))  # column 4j + 2a + b at [j, a, b]
+            x0, x2 = tl.split(e)
+            x1, x3 = tl.split(o)
+        # bytes shifted down (ptxas makes an extraction and its OR one PRMT; bytes OR-ed in place under
+        # their exponents, as the nibbles are, took 6.9 SASS instructions a weight at 8 x 256, this 6.4)
+        acc += _int8_times_x(w, 0, x0)
+        acc += _int8_times_x(w, 1, x1)
+        acc += _int8_times_x(w, 2, x2)
+        acc += _int8_times_x(w, 3, x3)  # the per-channel scale is applied once, at the end
+    return acc
 
 
 @triton.jit

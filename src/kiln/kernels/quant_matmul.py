@@ -39,11 +39,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import grouped_tile
+from kiln.kernels._common import env_form, grouped_tile
 from kiln.kernels._common import pdl as use_pdl
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv
-from kiln.kernels.matmul_decode import DECODE_MAX_M, DecodeConfig, _split_sum_kernel, _store, table_rows
+from kiln.kernels.matmul_decode import (
+    DECODE_MAX_M,
+    PRELOAD_MAX_WEIGHT,
+    DecodeConfig,
+    _split_sum_kernel,
+    _store,
+    table_rows,
+)
 from kiln.kernels.quant_decode import MAGIC, _wq_fma_kernel, _wq_mma_kernel, word_view
 
 BITS = (4, 8)
@@ -392,6 +399,30 @@ def wq_decode_config(
     return DecodeConfig("dot", 64, bk, max(2, round(2 * sms / tiles)), 4, 4)
 
 
+@functools.cache
+def preload_switch() -> bool:
+    """KILN_QUANT_PREW (read once): "off" (the default, until whole steps on the H200 say it pays) or "on"
+    (`preload`)."""
+    return env_form("KILN_QUANT_PREW", ("off", "on")) == "on"
+
+
+def preload(M: int, N: int, K: int, config: DecodeConfig) -> bool:
+    """Whether a decode launch without an explicit config loads its first K step's words before its
+    programmatic-launch wait (DecodeConfig.pre_k = block_k): the fma form at one row, K unsplit, for weights
+    of at most matmul_decode.PRELOAD_MAX_WEIGHT values (the q/k/v and o projections at the Qwen2.5-1.5B
+    shape), as the bf16 gemv loads its whole slice (matmul_decode.preload_weight), so that the norm or
+    decode attention before it may let it be scheduled early (QuantLinear.reads_early). Behind
+    KILN_QUANT_PREW=on; never in the interpreter (the CPU tests pass pre_k explicitly)."""
+    return (
+        M == 1
+        and config.kernel == "fma"
+        and config.split_k == 1
+        and N * K <= PRELOAD_MAX_WEIGHT
+        and not interpreting()
+        and preload_switch()
+    )
+
+
 @functools.lru_cache(maxsize=256)
 def wq_tile_config(M: int, N: int, bits: int, group: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) of the prefill kernel: a fixed rule (no autotuner, so a
@@ -491,6 +522,8 @@ def _plan(x, qweight, scales, zeros, bits, group_size, bias, config) -> _Plan:
     if decode:
         if config is None:
             config = wq_decode_config(M, N, K, bits, group_size, sm_count(x.device), zeros is not None)
+            if preload(M, N, K, config):
+                config = config._replace(pre_k=config.block_k)
         form = config.kernel
         if form not in DECODE_FORMS:
             raise ValueError(f"decode kernel must be one of {DECODE_FORMS}, got {form!r}")
@@ -515,6 +548,11 @@ def _plan(x, qweight, scales, zeros, bits, group_size, bias, config) -> _Plan:
         if config.split_k > 1:  # whole BLOCK_K steps per slice; a slice that would find no K is dropped
             k_split = cdiv(cdiv(K, config.split_k), config.block_k) * config.block_k
             split = cdiv(K, k_split)
+        if config.pre_k and (form != "fma" or config.pre_k != config.block_k or split > 1):
+            raise ValueError(
+                f"pre_k (the first K step before the programmatic-launch wait) is for the fma form, unsplit, "
+                f"and must equal block_k: {config}"
+            )
         has_bias = bias is not None and split == 1
         tiles = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, STAGES=config.stages,
                      num_warps=config.warps)  # fmt: skip
@@ -528,7 +566,7 @@ def _plan(x, qweight, scales, zeros, bits, group_size, bias, config) -> _Plan:
             # bf16 x read as int32 pairs where it is contiguous and 4-byte aligned (the key holds both)
             pairs = x.dtype == torch.bfloat16 and x.stride(1) == 1 and K % 2 == 0 and x.data_ptr() % 4 == 0
             meta = dict(BITS=bits, GROUP=common["GROUP"], HAS_ZERO=zeros is not None, HAS_BIAS=has_bias,
-                        ASM=not interpreting(), X_PAIRS=pairs, **tiles)  # fmt: skip
+                        ASM=not interpreting(), X_PAIRS=pairs, PRE=config.pre_k > 0, **tiles)  # fmt: skip
         elif form == "mma":
             magic, sh = MAGIC[x.dtype]
             meta = dict(BITS=bits, GROUP=common["GROUP"], HAS_ZERO=zeros is not None, HAS_BIAS=has_bias,

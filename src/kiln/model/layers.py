@@ -60,7 +60,7 @@ class Norm(nn.Module):
             return rmsnorm_fp8(x, self.weight, self.eps, residual)
         if self.bias is None:
             # the next projection loads its weight before its wait: it may be scheduled before ours
-            first = isinstance(into, Linear) and into.reads_early(x)
+            first = isinstance(into, (Linear, QuantLinear)) and into.reads_early(x)
             out = rmsnorm(x, self.weight, self.eps, residual, signal_first=first)
         else:
             out = layernorm(x, self.weight, self.bias, self.eps, residual)
@@ -216,8 +216,9 @@ class Attention(nn.Module):
 
     def _o_reads_early(self, q: torch.Tensor) -> bool:
         """Whether decode attention may let the o projection be scheduled before its reduction waits:
-        where the projection of q's tokens (N, Hq, D) loads its weight early (Linear.reads_early)."""
-        return isinstance(self.o_proj, Linear) and self.o_proj.reads_early(q[:, 0])
+        where the projection of q's tokens (N, Hq, D) loads its weight early (Linear's or QuantLinear's
+        reads_early)."""
+        return isinstance(self.o_proj, (Linear, QuantLinear)) and self.o_proj.reads_early(q[:, 0])
 
     def _flat(self, q, k, v, rope, meta: AttnMetadata, kv_cache):
         """Packed sequences (AttnMetadata's prefill and decode paths): q (N, Hq, D) -> (N, Hq, D)."""

@@ -26,8 +26,9 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from kiln.kernels.dispatch import sm_count, use_triton
 from kiln.kernels.fp8_matmul import FP8, Fp8Rows, fp8_linear, fp8_linear_takes_rows
-from kiln.kernels.quant_matmul import GROUP_SIZES, wq_linear
+from kiln.kernels.quant_matmul import GROUP_SIZES, preload, wq_decode_config, wq_linear
 from kiln.model.linear import Linear, MergedLinear
 
 KINDS = ("int8", "int4", "fp8")
@@ -114,6 +115,20 @@ class QuantLinear(nn.Module):
         stream whose fp8_linear would otherwise quantize them in a launch of its own (prefill, and decode
         shapes without a swept decode config: kiln.kernels.fp8_matmul.fp8_linear_takes_rows)."""
         return self.kind == "fp8" and x.dim() == 2 and fp8_linear_takes_rows(x, self.qweight)
+
+    def reads_early(self, x: torch.Tensor) -> bool:
+        """Whether this projection of x (a flat (tokens, features) step) is of one token and loads its
+        first K step's weights before its programmatic-launch wait (kiln.kernels.quant_matmul.preload,
+        behind KILN_QUANT_PREW=on), so that the kernel ahead of it may let it be scheduled early (as
+        Linear.reads_early). Ahead of projections that read nothing early, that early signal cost 6% at
+        batch 1 (docs/perf/inference.md)."""
+        if self.kind == "fp8" or x.dim() != 2 or x.shape[0] != 1 or torch.compiler.is_compiling():
+            return False
+        if not use_triton(x, self.qweight):
+            return False
+        N, K = self.out_features, self.in_features
+        config = wq_decode_config(1, N, K, self.bits, self.group_size, sm_count(x.device), self.asymmetric)
+        return preload(1, N, K, config)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.parts is None:
