@@ -282,7 +282,7 @@ def test_warm_up_runs_every_attention_bucket_and_changes_nothing(tmp_path):
     # tokens are still HF's
     hf = hf_causal_lm("qwen2", seed=3)
     hf.save_pretrained(tmp_path)
-    llm = make_llm(tmp_path, max_num_batched_tokens=16, decode_backend="eager")
+    llm = make_llm(tmp_path, max_num_batched_tokens=16, decode_backend="eager", max_num_seqs=4)
     runner = llm.engine.runner
     assert llm.engine.config.warmup  # on by default (the engine runs it on CUDA only)
     with use_backend("triton"):
@@ -290,3 +290,37 @@ def test_warm_up_runs_every_attention_bucket_and_changes_nothing(tmp_path):
         assert all(not c.any() for kv in runner.kv_caches for c in kv)
         prompts = [PROMPTS[1], PROMPTS[2]]
         assert tokens(llm.generate(prompts, greedy(5))) == [hf_greedy(hf, p, 5) for p in prompts]
+
+
+@pytest.mark.parametrize(
+    "engine", [dict(decode_backend="eager"), dict(max_graph_batch=2)], ids=["eager", "graphs"]
+)
+def test_eager_decode_steps_meet_what_warm_up_launched(engine, tmp_path, monkeypatch):
+    # A decode step that runs without a graph (every step with the eager backend; past the largest bucket
+    # with graphs) pads its block tables to the engine's fixed width, as a captured step does, so decode
+    # attention's split count, form and specialization follow the batch alone; warm_up launched decode
+    # attention at each such batch size over tables of that width: no served step meets a kernel that was
+    # not compiled at start.
+    import kiln.model.layers as layers
+
+    hf_causal_lm("qwen2", seed=3).save_pretrained(tmp_path)
+    llm = make_llm(tmp_path, max_num_seqs=3, **engine)
+    runner = llm.engine.runner
+    assert runner.table_width == -(-runner.max_model_len // 4)
+    calls = []
+    real = layers.decode_attention
+
+    def spy(q, k_cache, v_cache, block_table, seq_lens, **kw):
+        calls.append((q.shape[0], block_table.shape[1]))
+        return real(q, k_cache, v_cache, block_table, seq_lens, **kw)
+
+    monkeypatch.setattr(layers, "decode_attention", spy)
+    runner.warm_up()
+    warmed, calls[:] = set(calls), []
+    first_eager = 1 if engine.get("decode_backend") == "eager" else 3
+    assert warmed == {(B, runner.table_width) for B in range(first_eager, 4)}
+    want = tokens(llm.generate(PROMPTS[:3], greedy(4)))
+    served = set(calls)
+    assert served and served <= warmed, (served, warmed)
+    monkeypatch.undo()
+    assert tokens(llm.generate(PROMPTS[:3], greedy(4))) == want

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kiln.model.layers as layers
+from kiln.kernels.decode_attention import decode_attention
 from kiln.kernels.dispatch import use_backend
 from kiln.model import ModelConfig, build_model
 from kiln.model.attn_metadata import AttnMetadata
@@ -118,33 +119,54 @@ def test_compiled_decode_step_equals_eager(device):
 
 
 @pytest.mark.parametrize("window", [None, 7])
-def test_warm_up_decode_compiles_both_early_forms(window, monkeypatch):
-    # warm_up_decode compiles decode attention at every power-of-two split count over a one-page table and a
-    # wide one: the first tile before the programmatic-launch wait (EARLY, where chunks are short) and the
-    # loop alone (where they are long), so a served step's table finds its form compiled. A windowed layer
-    # never sees a capacity past its window: EARLY at every count there. The launches are caught (no kernel).
+def test_warm_up_decode_launches_what_served_steps_launch(window, monkeypatch):
+    # warm_up_decode launches decode attention at each batch size an eager step can have, over tables as
+    # wide as the engine pads them: a served step of any of those batches, whatever its sequences' lengths
+    # and pages, then launches a split kernel (split count, EARLY form, table stride: its specialization)
+    # and a reduction that the warm-up compiled. A windowed layer's capacity is its window. The launches are
+    # caught (no kernel); at the H200's 132 SMs the split count follows the batch (66 at one sequence, 9 at
+    # eight) up to the table's capacity (160 pages of 16: 20 splits of 128 keys), EARLY where it reaches it.
     import kiln.kernels.decode_attention as dec
 
-    seen = set()
+    seen = []
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                if "EARLY" in kw:  # the split kernel (the reduction takes none)
-                    seen.add((grid[2], kw["EARLY"]))
+                kind = "split" if "EARLY" in kw else "reduce"  # the reduction takes no EARLY
+                seen.append(
+                    (
+                        kind,
+                        grid[2] if kind == "split" else kw["BLOCK_S"],
+                        kw.get("EARLY"),
+                        args[18] if kind == "split" else None,
+                    )
+                )  # fmt: skip (args[18]: the table's row stride)
 
             return launch
 
     monkeypatch.setattr(dec, "_decode_split_kernel", Spy())
     monkeypatch.setattr(dec, "_decode_reduce_kernel", Spy())
+    monkeypatch.setattr(dec, "sm_count", lambda device: 132)
     cfg = ModelConfig(**{**BASE, **CFGS["qwen2-bias"], "sliding_window": window})
     model = build_model(cfg, "cpu", seed=1, kernels=KernelConfig(linear="kiln"))
-    kv = tuple(torch.zeros(4, 16, cfg.n_kv_heads, cfg.head_dim) for _ in range(2))
+    attn = model.model.layers[0].self_attn
+    page, width, batches = 16, 160, range(1, 9)
+    kv = tuple(torch.zeros(200, page, cfg.n_kv_heads, cfg.head_dim) for _ in range(2))
     with use_backend("triton"):
-        model.model.layers[0].self_attn.warm_up_decode(kv)
-    counts = [1 << i for i in range(dec.MAX_SPLITS.bit_length())]
-    assert {s for s, _ in seen} == set(counts)
-    assert seen == {(s, e) for s in counts for e in ((True,) if window else (True, False))}
+        attn.warm_up_decode(kv, width, batches)
+        warmed, seen[:] = set(seen), []
+        g = torch.Generator().manual_seed(5)
+        for B in batches:
+            q = torch.randn(B, cfg.n_heads, cfg.head_dim, generator=g)
+            lens = torch.randint(1, width * page + 1, (B,), generator=g, dtype=torch.int32)
+            table = torch.randint(0, 200, (B, width), generator=g, dtype=torch.int32)
+            decode_attention(q, *kv, table, lens, window=attn.window, sinks=attn.sinks)
+    served = set(seen)
+    assert served <= warmed, served - warmed
+    counts = {s for kind, s, _, _ in warmed if kind == "split"}
+    assert counts == {1} if window else len(counts) > 2  # the window's 7 keys: one split; else the batch's
+    assert {e for kind, _, e, _ in warmed if kind == "split"} == ({True} if window else {True, False})
 
 
 @pytest.mark.parametrize("batch", [1, 3])

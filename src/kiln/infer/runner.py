@@ -81,6 +81,10 @@ class ModelRunner:
         self.dtype = model.head_weight.dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        # an eager decode step's block tables are this many pages wide, as a captured step's: the width, and
+        # with it decode attention's split count and kernel specialization, then follow the batch alone,
+        # so warm_up compiles every one a served step can meet
+        self.table_width = -(-max_model_len // config.block_size)
         cfg = model.config
         self.cache_shape_tail = (config.block_size, cfg.n_kv_heads, cfg.head_dim)
         self.bytes_per_block = 2 * cfg.n_layers * int(np.prod(self.cache_shape_tail)) * self.dtype.itemsize
@@ -100,7 +104,7 @@ class ModelRunner:
                 model,
                 self.kv_caches,
                 max_batch=min(config.max_graph_batch, config.max_num_seqs),
-                max_blocks_per_seq=-(-max_model_len // config.block_size),
+                max_blocks_per_seq=self.table_width,
                 block_size=config.block_size,
                 backend=config.decode_backend if device.type == "cuda" else "graphs",
             )
@@ -111,19 +115,21 @@ class ModelRunner:
         no served step stops for seconds to do it (at a4104d9 `kiln serve` spent 5-6 s in single steps
         autotuning the prefill attention for a length bucket it met mid-load): the packed prefill at each
         length bucket up to a step's budget, with and without a cached prefix, and, where decode steps
-        can run without a graph, decode attention at each split bucket. One pass per distinct layer kind
+        can run without a graph, decode attention at every batch size such a step can have (the graphs'
+        largest bucket + 1 up to max_num_seqs; all of them without graphs). One pass per distinct layer kind
         (window, sinks). Returns the number of layer kinds warmed. (It runs on CPU too, through the
         references or the interpreter, with nothing to tune: the engine calls it on CUDA.)"""
         max_len = min(self.config.max_num_batched_tokens, self.max_model_len)
-        eager_decode = self.graphs is None or self.config.max_num_seqs > self.config.max_graph_batch
+        first_eager = 1 if self.graphs is None else self.graphs.buckets[-1] + 1
+        eager_batches = range(first_eager, self.config.max_num_seqs + 1)
         kinds = {}
         for block in self.model.model.layers:
             attn = block.self_attn
             kinds.setdefault((attn.window, attn.sinks is not None), attn)
         for attn in kinds.values():
             attn.warm_up_packed(max_len, self.device, self.dtype)
-            if eager_decode:
-                attn.warm_up_decode(self.kv_caches[attn.layer_idx])
+            if eager_batches:
+                attn.warm_up_decode(self.kv_caches[attn.layer_idx], self.table_width, eager_batches)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return len(kinds)
@@ -216,8 +222,7 @@ class ModelRunner:
         dev = self._to_device
         fields = {}
         if decode:
-            width = max(len(t) for t in tables)
-            padded = np.zeros((len(tables), width), dtype=np.int32)
+            padded = np.zeros((len(tables), self.table_width), dtype=np.int32)
             for i, t in enumerate(tables):
                 padded[i, : len(t)] = t
             fields["block_tables"] = dev(padded, torch.int32)

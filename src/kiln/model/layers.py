@@ -8,12 +8,14 @@ the step's AttnMetadata (kiln/model/attn_metadata.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from kiln.kernels.attention import attention, tuning_lengths
-from kiln.kernels.decode_attention import CHUNK_ALIGN, MAX_SPLITS, decode_attention
+from kiln.kernels.decode_attention import decode_attention
 from kiln.kernels.fp8_matmul import Fp8Rows
 from kiln.kernels.layernorm import layernorm
 from kiln.kernels.paged_kv import paged_kv_write
@@ -193,26 +195,22 @@ class Attention(nn.Module):
             attention(q, kv, kv, cu_seqlens=cu_q, max_seqlen=n, cu_seqlens_k=cu_k, **attn)
 
     @torch.inference_mode()
-    def warm_up_decode(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Compile this layer's decode attention at each power-of-two split count (one split normalizes in
-        the kernel; the reduction's tile follows the count), over its own paged cache (whether its offsets
-        fit 32 bits is part of the kernel): a decode step that runs eagerly (no graph bucket) picks its
-        split count from the step's batch and block table, so any count may come up while serving. Each
-        count over two tables: one page, and one wider than any count's bound for loading the first tile
-        before the programmatic-launch wait (decode_attention's EARLY, taken where chunks are short), so
-        both forms are compiled. Reads one page, writes nothing to the cache."""
+    def warm_up_decode(
+        self, kv_cache: tuple[torch.Tensor, torch.Tensor], width: int, batches: Iterable[int]
+    ) -> None:
+        """Compile this layer's decode attention for every decode step that runs eagerly (no graph bucket):
+        one launch at each batch size in `batches`, over tables `width` pages wide (the engine pads an
+        eager step's tables to that width) and this layer's own paged cache (whether its offsets fit 32 bits
+        is part of the kernel). The launcher then picks the split count, split kernel form (decode_attention's
+        EARLY) and reduction tile a served step of that batch picks, and their specialization: none is
+        compiled mid-serving. Each sequence one key of page 0: reads one page, writes nothing to the cache."""
         k_cache, v_cache = kv_cache
         dev = k_cache.device
-        q = torch.zeros(1, self.n_heads, self.head_dim, device=dev, dtype=k_cache.dtype)
-        lens = torch.ones(1, dtype=torch.int32, device=dev)
-        wide = MAX_SPLITS * CHUNK_ALIGN // k_cache.shape[1] + 1  # pages: past every count's EARLY bound
-        for width in (1, wide):
-            table = torch.zeros(1, width, dtype=torch.int32, device=dev)
-            splits = 1
-            while splits <= MAX_SPLITS:
-                decode_attention(q, k_cache, v_cache, table, lens, window=self.window, sinks=self.sinks,
-                                 num_splits=splits)  # fmt: skip
-                splits *= 2
+        for B in batches:
+            q = torch.zeros(B, self.n_heads, self.head_dim, device=dev, dtype=k_cache.dtype)
+            lens = torch.ones(B, dtype=torch.int32, device=dev)
+            table = torch.zeros(B, width, dtype=torch.int32, device=dev)
+            decode_attention(q, k_cache, v_cache, table, lens, window=self.window, sinks=self.sinks)
 
     def _o_reads_early(self, q: torch.Tensor) -> bool:
         """Whether decode attention may let the o projection be scheduled before its reduction waits:
