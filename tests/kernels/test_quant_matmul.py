@@ -310,14 +310,16 @@ def test_fma_first_step_preloaded_same_bits(fmt, K, block_k, device):
 
 
 def test_fma_preload_rule_and_checks(monkeypatch):
-    # The launcher preloads only behind KILN_QUANT_PREW=on, on the GPU, at one row of the fma form with K
+    # The launcher preloads unless KILN_QUANT_PREW=off, on the GPU, at one row of the fma form with K
     # unsplit, for the small projections; an explicit pre_k must be the fma form's block_k, unsplit
     monkeypatch.setattr(quant_matmul, "interpreting", lambda: False)
     fma = DecodeConfig("fma", 8, 512, 1, 4, 3)
+    monkeypatch.setenv("KILN_QUANT_PREW", "off")
     quant_matmul.preload_switch.cache_clear()
-    assert not quant_matmul.preload(1, 2048, 1536, fma)  # off by default
-    monkeypatch.setenv("KILN_QUANT_PREW", "on")
+    assert not quant_matmul.preload(1, 2048, 1536, fma)
+    monkeypatch.delenv("KILN_QUANT_PREW")
     quant_matmul.preload_switch.cache_clear()
+    # the default
     assert quant_matmul.preload(1, 2048, 1536, fma) and quant_matmul.preload(1, 1536, 1536, fma)
     assert not quant_matmul.preload(1, 17920, 1536, fma)  # gate_up: too large to be resident early
     assert not quant_matmul.preload(4, 2048, 1536, fma)

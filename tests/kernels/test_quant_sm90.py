@@ -94,7 +94,7 @@ out = {"int4 fma": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=4, GROUP=1
        # one row, 128-wide K steps inside one g128 group, x read as int32 pairs
        "int4 fma, pairs": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, BLOCK_N=32, BLOCK_K=128,
                                    ASM=True, X_PAIRS=True, PDL=True, PRE=False), ints, num_warps=2, num_stages=3),
-       # the q/k/v projection's int8 table config with its first K step before the wait (KILN_QUANT_PREW=on)
+       # the q/k/v projection's int8 table config with its first K step before the wait (the default)
        "int8 fma, pre": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=8, GROUP=1, BLOCK_N=8, BLOCK_K=512,
                                  HAS_ZERO=False, ASM=True, X_PAIRS=True, PDL=True, PRE=True), ints, num_warps=4,
                                  num_stages=3),

@@ -211,10 +211,11 @@ def test_signal_first_only_ahead_of_a_preloading_projection(batch, monkeypatch, 
         assert not o_proj.reads_early(torch.zeros(1, 96, device=device))
 
 
-def test_quantized_projection_reads_early_only_behind_its_switch(monkeypatch):
+def test_quantized_projection_reads_early_unless_switched_off(monkeypatch):
     # A quantized q/k/v or o projection of one token takes the norm's / decode attention's early signal only
-    # where its fma launch preloads its first K step (KILN_QUANT_PREW=on): ahead of quantized projections
-    # that read nothing early the signal cost 6% at batch 1. Never an FP8 one, a batch, or gate_up's size.
+    # where its fma launch preloads its first K step (the default; not with KILN_QUANT_PREW=off): ahead of
+    # quantized projections that read nothing early the signal cost 6% at batch 1. Never an FP8 one, a
+    # batch, or gate_up's size.
     from kiln.kernels import quant_matmul
     from kiln.model.quant_linear import QuantLinear
 
@@ -225,7 +226,7 @@ def test_quantized_projection_reads_early_only_behind_its_switch(monkeypatch):
     gate_up = QuantLinear(1536, 17920, False, "int8")
     try:
         with use_backend("triton"):
-            for value, want in (("", False), ("on", True)):
+            for value, want in (("", True), ("off", False), ("on", True)):
                 monkeypatch.setenv("KILN_QUANT_PREW", value)
                 quant_matmul.preload_switch.cache_clear()
                 assert qkv["int8"].reads_early(x) is want and qkv["int4"].reads_early(x) is want

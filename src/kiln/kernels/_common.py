@@ -76,7 +76,7 @@ def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 # (`pdl_first`): the add + RMSNorm, RoPE + K/V write, and decode attention's split and reduce kernels. By
 # default the norm and the reduction, and those only where their caller says that the next kernel loads its
 # weight before its wait (`signal_first`: the bf16 one-row q/k/v and o projections, Linear.reads_early;
-# the quantized ones only with KILN_QUANT_PREW=on, QuantLinear.reads_early).
+# the quantized q/k/v and o, which load their first K step early, QuantLinear.reads_early).
 # Whole decode steps on the H200 (docs/perf/inference.md, "Signalling before the wait"): 1.035x at batch 1
 # with those two, a tie at 16 and 64; with all four, 1.041x at 1 but 0.978x at 16; ahead of the int8 and
 # int4 projections, which load nothing early, 0.94x (hence the caller's say). The SwiGLU kernel

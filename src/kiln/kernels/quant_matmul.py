@@ -401,9 +401,11 @@ def wq_decode_config(
 
 @functools.cache
 def preload_switch() -> bool:
-    """KILN_QUANT_PREW (read once): "off" (the default, until whole steps on the H200 say it pays) or "on"
-    (`preload`)."""
-    return env_form("KILN_QUANT_PREW", ("off", "on")) == "on"
+    """KILN_QUANT_PREW (read once): "on" (the default, `preload`) or "off", for A/B timing of whole steps.
+    Measured on the H200 (bench/quant.py's engine, two processes each way, 3918cda): batch 1 int4-g128
+    979.6 / 980.5 tok/s with it against 967.3 / 965.2 without (1.014x), int8 943.7 / 943.2 against
+    940.7 / 940.9 (1.003x); the same bits either way."""
+    return env_form("KILN_QUANT_PREW", ("on", "off")) == "on"
 
 
 def preload(M: int, N: int, K: int, config: DecodeConfig) -> bool:
@@ -411,8 +413,8 @@ def preload(M: int, N: int, K: int, config: DecodeConfig) -> bool:
     programmatic-launch wait (DecodeConfig.pre_k = block_k): the fma form at one row, K unsplit, for weights
     of at most matmul_decode.PRELOAD_MAX_WEIGHT values (the q/k/v and o projections at the Qwen2.5-1.5B
     shape), as the bf16 gemv loads its whole slice (matmul_decode.preload_weight), so that the norm or
-    decode attention before it may let it be scheduled early (QuantLinear.reads_early). Behind
-    KILN_QUANT_PREW=on; never in the interpreter (the CPU tests pass pre_k explicitly)."""
+    decode attention before it may let it be scheduled early (QuantLinear.reads_early). KILN_QUANT_PREW=off
+    turns it off; never in the interpreter (the CPU tests pass pre_k explicitly)."""
     return (
         M == 1
         and config.kernel == "fma"

@@ -118,8 +118,8 @@ class QuantLinear(nn.Module):
 
     def reads_early(self, x: torch.Tensor) -> bool:
         """Whether this projection of x (a flat (tokens, features) step) is of one token and loads its
-        first K step's weights before its programmatic-launch wait (kiln.kernels.quant_matmul.preload,
-        behind KILN_QUANT_PREW=on), so that the kernel ahead of it may let it be scheduled early (as
+        first K step's weights before its programmatic-launch wait (kiln.kernels.quant_matmul.preload;
+        KILN_QUANT_PREW=off turns it off), so that the kernel ahead of it may let it be scheduled early (as
         Linear.reads_early). Ahead of projections that read nothing early, that early signal cost 6% at
         batch 1 (docs/perf/inference.md)."""
         if self.kind == "fp8" or x.dim() != 2 or x.shape[0] != 1 or torch.compiler.is_compiling():
