@@ -94,11 +94,19 @@ c = dict(HAS_BIAS=True, ACTIVATION="none", SWIGLU=False, RMSNORM=False, RESIDUAL
          BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1, PDL=True, GRIDDEP=True, BLOCK_M=1, STAGES=cfg.stages,
          PRE_K=2048)
 out["gemv pre early"] = before_wait(compile_(md._gemv_kernel, mm, c, num_warps=cfg.warps, num_stages=cfg.stages))
+# the fused q/k/v + RoPE + K/V write at that shape, with its W slice and tables before the wait and without
+qr = dict(X="*bf16", W="*bf16", BIAS="*bf16", Q_OUT="*bf16", COS="*fp32", SIN="*fp32", ROWS="*i64", K_CACHE="*bf16",
+          V_CACHE="*bf16", SLOTS="*i64")
+for pre in (0, 2048):
+    c = dict(HAS_BIAS=True, INTERLEAVED=False, PAGE_SIZE=16, PAIRS=rope.QKV_PAIRS, BLOCK_K=rope.QKV_BLOCK_K,
+             STAGES=rope.QKV_STAGES, PDL=True, PRE_K=pre, EARLY=pre > 0)
+    ptx = compile_(rope._qkv_rope_kernel, qr, c, num_warps=rope.QKV_WARPS, num_stages=rope.QKV_STAGES)
+    out[f"qkv_rope pre={pre} early"] = before_wait(ptx)
 print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # 10 compiles: ~10-25 s on an idle 2-core machine
+@pytest.mark.slow  # 12 compiles: ~10-30 s on an idle 2-core machine
 def test_fused_decode_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
@@ -128,6 +136,10 @@ def test_fused_decode_kernels_compile_for_sm90(tmp_path):
     assert early.pop("split single=False one_pass=False addr32=False early") == 0, early
     # the preloading gemv: its W slice (4 rows x 2048 columns, 16-byte loads)
     assert early.pop("gemv pre early") >= 4, early
+    # the fused q/k/v kernel: nothing before the wait in its loop form; with PRE_K and EARLY its W slice (as the
+    # gemv's) and the table row, cos, sin and slot
+    assert early.pop("qkv_rope pre=0 early") == 0, early
+    assert early.pop("qkv_rope pre=2048 early") >= 8, early
     # and RoPE's (EARLY in the interleaved compile): the table row, cos, sin and the slot
     assert early.pop("rope_kv interleaved=False early") == 0, early
     assert early.pop("rope_kv interleaved=True early") >= 4, early

@@ -2,7 +2,8 @@
 against float64 (the projection, then rope_kv_write's reference), both pair layouts, with and without bias,
 a K longer than one step and ragged against it, odd head counts; bit-equal to the two kernels it replaces
 (the one-row decode gemv at the same tiles, then rope_kv_write); a padding slot writes nothing; the shapes
-it does not take are refused."""
+it does not take are refused; with its W slice loaded before the wait (the default where the gemv preloads),
+bit-equal to the preloading gemv and rope_kv_write."""
 
 from __future__ import annotations
 
@@ -88,6 +89,36 @@ def test_bit_equal_to_the_two_kernels(dtype, interleaved, device):
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_preload_bit_equal_to_the_preloading_gemv(dtype, interleaved, device):
+    """With its whole W slice loaded before the wait (pre_k, the default where matmul_decode.preload_weight
+    holds) the kernel sums as the preloading gemv does: the same bits as that gemv and rope_kv_write, with the
+    tables read before the wait or after it; and within float rounding of the K loop's form."""
+    K, Hq, Hk, D, page = 300, 6, 2, 16, 4
+    x, w, b, cos, sin, rows, kc, vc, slots = _inputs(K, Hq, Hk, D, page, dtype, device, 5)
+    kc2, vc2, kc3, vc3 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    with use_backend("triton"):
+        q = qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, Hq, interleaved=interleaved, pre_k=512,
+                     early=True)  # fmt: skip
+        q3 = qkv_rope(x, w, b, cos, sin, rows, kc3, vc3, slots, Hq, interleaved=interleaved, pre_k=512,
+                      early=False)  # fmt: skip
+        cfg = DecodeConfig("gemv", 2 * QKV_PAIRS, QKV_BLOCK_K, 1, QKV_WARPS, QKV_STAGES, pre_k=512)
+        qkv = decode_matmul(x, w.t(), b, config=cfg)
+        qs, ks, vs = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+        q2 = rope_kv_write(qs.view(1, Hq, D), ks.view(1, Hk, D), vs.view(1, Hk, D), cos, sin, rows, kc2, vc2,
+                           slots, interleaved=interleaved)  # fmt: skip
+        looped = qkv_rope(x, w, b, cos, sin, rows, kc3.clone(), vc3.clone(), slots, Hq, interleaved=interleaved,
+                          pre_k=0)  # fmt: skip
+    assert torch.equal(q, q2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert torch.equal(q, q3) and torch.equal(kc, kc3) and torch.equal(vc, vc3)
+    assert_close(q, looped, name="preloaded vs looped")
+    with pytest.raises(ValueError, match="pre_k"):
+        qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, Hq, pre_k=256)  # below K
+    with pytest.raises(ValueError, match="pre_k"):
+        qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, Hq, pre_k=384)  # not a power of two
+
+
 def test_padding_slot_writes_nothing(device):
     x, w, b, cos, sin, rows, kc, vc, slots = _inputs(64, 2, 1, 8, 4, torch.float32, device, 1, slot=-1)
     before_k, before_v = kc.clone(), vc.clone()
@@ -121,15 +152,19 @@ def test_qwen_shape_bf16_on_gpu(interleaved):
     K, Hq, Hk, D, page = 1536, 12, 2, 128, 16
     x, w, b, cos, sin, rows, kc, vc, slots = _inputs(K, Hq, Hk, D, page, torch.bfloat16, "cuda", 0, slot=37)
     kc2, vc2 = kc.clone(), vc.clone()
+    kc3, vc3, kc4, vc4 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    # W preloaded: the default at this shape
     q = qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, Hq, interleaved=interleaved)
+    looped = qkv_rope(x, w, b, cos, sin, rows, kc3, vc3, slots, Hq, interleaved=interleaved, pre_k=0)
     with use_backend("triton"):
-        # the rule's config at this shape, without its W preload (pre_k: a one-shot sum over K, which the
-        # fused kernel's K loop does not mirror)
-        qkv = decode_matmul(x, w.t(), b, config=decode_config(1, w.shape[0], K, sm_count(x.device)))
-    qs, ks, vs = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
-    q2 = rope_kv_write(qs.view(1, Hq, D), ks.view(1, Hk, D), vs.view(1, Hk, D), cos, sin, rows, kc2, vc2, slots,
-                       interleaved=interleaved)  # fmt: skip
-    assert torch.equal(q, q2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+        qkv = decode_matmul(x, w.t(), b)  # the rule, with its W preload (preload_weight holds at this shape)
+        # and the rule's tiles without the preload: what the K loop mirrors
+        qkv_loop = decode_matmul(x, w.t(), b, config=decode_config(1, w.shape[0], K, sm_count(x.device)))
+    for got, kcg, vcg, ref, kcr, vcr in ((q, kc, vc, qkv, kc2, vc2), (looped, kc3, vc3, qkv_loop, kc4, vc4)):
+        qs, ks, vs = ref.split([Hq * D, Hk * D, Hk * D], dim=-1)
+        q2 = rope_kv_write(qs.view(1, Hq, D), ks.view(1, Hk, D), vs.view(1, Hk, D), cos, sin, rows, kcr, vcr,
+                           slots, interleaved=interleaved)  # fmt: skip
+        assert torch.equal(got, q2) and torch.equal(kcg, kcr) and torch.equal(vcg, vcr)
     want = qkv_rope_ref(x.float(), w.float(), b.float(), cos, sin, rows, kc.float().clone(), vc.float().clone(),
                         slots, Hq, Hk, interleaved)  # fmt: skip
     assert_close(q, want, name="q vs float32")

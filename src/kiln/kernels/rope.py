@@ -46,6 +46,7 @@ from kiln.kernels._common import (
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.matmul import matmul_ref
+from kiln.kernels.matmul_decode import preload_weight
 from kiln.kernels.paged_kv import paged_kv_write_ref
 
 
@@ -629,6 +630,9 @@ def rope_kv_write(
 # layout; (2i, 2i + 1) interleaved), i.e. 2 QKV_PAIRS rows of W. Epilogue: + bias, rounded to x's dtype (the
 # projection's output rounding), then in float32 (a, b) -> (a cos - b sin, a sin + b cos) for q and k heads
 # (rope_kv_write's math), rounded, stored into q or the caches; v heads are stored as they are.
+# Where the gemv loads its whole W slice before the programmatic-launch wait (`matmul_decode.preload_weight`:
+# Qwen2.5-1.5B's q/k/v), so does this kernel (PRE_K), with the token's tables (EARLY): it then mirrors that
+# form's one-shot sum, and the norm before it may signal it early as it signals the separate projection.
 # Reference: `qkv_rope_ref` = matmul_ref + split + rope_kv_write_ref, the ops the model runs without it.
 # ================================================================================================
 
@@ -665,8 +669,9 @@ def _qkv_rope_kernel(
     HAS_BIAS: tl.constexpr, INTERLEAVED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
+    PRE_K: tl.constexpr = 0,  # > 0: a power of two >= K; the whole W slice loaded before the PDL wait, no K loop
+    EARLY: tl.constexpr = False,  # the table row, cos / sin and slot read before the PDL wait (rope_kv_write's)
 ):
-    pdl_prologue(PDL)
     pid = tl.program_id(0)
     per_head = half // PAIRS
     h = pid // per_head  # the head: q heads, then k heads, then v heads
@@ -679,14 +684,28 @@ def _qkv_rope_kernel(
     cols = tl.reshape(tl.join(col_a, col_b), (2 * PAIRS,))
     n = h * D + cols
     w_rows = W + n.to(tl.int64)[:, None] * stride_wn  # (2 PAIRS, 1)
-    c, s, slot = rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp)  # before the K loop
-    acc = tl.zeros((2 * PAIRS, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
-        x = tl.load(X + offs_k * stride_xk, mask=offs_k < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)  # (2 PAIRS,)
+    if PRE_K > 0:
+        # W is not written by the kernel before (the norm), nor by the one before that: its whole slice is
+        # requested now, as the one-row gemv's preload (matmul_decode.preload_weight) requests it, so that the
+        # norm may let this kernel be scheduled early (Linear.reads_early) and the bytes stream under it
+        offs_pre = tl.arange(0, PRE_K)
+        w_pre = tl.load(w_rows + offs_pre[None, :], mask=(offs_pre < K)[None, :], other=0.0)
+    if EARLY:  # made once a step before layer 0 (rope_kv_write_triton's contract)
+        c, s, slot = rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp)
+    pdl_prologue(PDL)
+    if not EARLY:
+        c, s, slot = rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp)  # before the K loop
+    if PRE_K > 0:  # the gemv's preloaded sum, in its order: the same bits as that projection
+        x_pre = tl.load(X + offs_pre * stride_xk, mask=offs_pre < K, other=0.0)
+        y = tl.sum(w_pre.to(tl.float32) * x_pre.to(tl.float32)[None, :], axis=1)  # (2 PAIRS,)
+    else:
+        acc = tl.zeros((2 * PAIRS, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+            x = tl.load(X + offs_k * stride_xk, mask=offs_k < K, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)  # (2 PAIRS,)
     if HAS_BIAS:
         y += tl.load(BIAS + n).to(tl.float32)
     rope_pairs_store(y, h, col_a, col_b, Hq, Hk, Q_OUT + h * D, c, s, slot, K_CACHE, V_CACHE, stride_kcp,
@@ -728,16 +747,31 @@ def qkv_rope(
     n_heads: int,
     *,
     interleaved: bool = False,
+    pre_k: int | None = None,
+    early: bool | None = None,
 ) -> torch.Tensor:
     """q (1, Hq, D) = RoPE(x @ W[:Hq D].T + b); RoPE(k) and v written into the caches at `slots` (in place).
     Shapes as the module docstring; the caller checks `qkv_rope_supported` (the model falls back to the
-    projection + `rope_kv_write` elsewhere). Triton on CUDA or in the interpreter; the reference elsewhere."""
+    projection + `rope_kv_write` elsewhere). Triton on CUDA or in the interpreter; the reference elsewhere.
+
+    pre_k: 0, or a power of two >= K: the whole W slice of a program is loaded before the programmatic-launch
+    wait and summed at once, as the one-row gemv does where `matmul_decode.preload_weight` holds (the default
+    then, pow2(K), so that the kernel keeps the separate projection's bits and takes the norm's early signal
+    as that projection does: Linear.reads_early); else the gemv's K loop. early: the table row, cos / sin
+    and the slot read before the wait too (default `early_loads()`, as rope_kv_write: the caller vouches that
+    neither the kernel before nor the one before that writes them; the model's eager and CUDA-graph steps
+    make them before layer 0, and never run this kernel under torch.compile)."""
     if not qkv_rope_supported(x, weight, k_cache, n_heads):
         raise ValueError(
             f"qkv_rope: unsupported shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} (stride "
             f"{weight.stride()}), cache {tuple(k_cache.shape)}, {n_heads} q heads: check qkv_rope_supported"
         )
     Hk, D = k_cache.shape[-2], k_cache.shape[-1]
+    K = x.shape[1]
+    if pre_k is None:
+        pre_k = pow2(K) if preload_weight(weight.shape[0], K) else 0
+    if pre_k and (pre_k < K or pre_k & (pre_k - 1)):
+        raise ValueError(f"qkv_rope: pre_k must be 0 or a power of two >= K = {K}, got {pre_k}")
     if not use_triton(x, weight, k_cache, v_cache):
         return qkv_rope_ref(
             x, weight, bias, cos, sin, rows, k_cache, v_cache, slots, n_heads, Hk, interleaved
@@ -755,6 +789,7 @@ def qkv_rope(
         x.shape[1], x.stride(1), weight.stride(0), cos.stride(0), sin.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], n_heads, Hk, D, D // 2,
         HAS_BIAS=bias is not None, INTERLEAVED=interleaved, PAGE_SIZE=k_cache.shape[1], PAIRS=QKV_PAIRS,
-        BLOCK_K=QKV_BLOCK_K, STAGES=QKV_STAGES, PDL=use_pdl, num_warps=QKV_WARPS, launch_pdl=use_pdl,
+        BLOCK_K=QKV_BLOCK_K, STAGES=QKV_STAGES, PDL=use_pdl, PRE_K=pre_k,
+        EARLY=early_loads() if early is None else early, num_warps=QKV_WARPS, launch_pdl=use_pdl,
     )  # fmt: skip
     return q
