@@ -1,5 +1,5 @@
-"""The one-token q/k/v projection with RoPE and the K/V write in one kernel in the model (KILN_DECODE_QKV=fused,
-kiln.model.layers.Attention._fused_qkv): a one-token decode step gives the separate form's logits and cache
+"""The one-token q/k/v projection with RoPE and the K/V write in one kernel in the model (the default,
+KILN_DECODE_QKV=separate for the two kernels; kiln.model.layers.Attention._fused_qkv): a one-token decode step gives the separate form's logits and cache
 writes; the fused kernel runs in every layer and rope_kv_write in none; q/k-normed models (Qwen3), steps of
 several tokens and prefills keep the separate form; a bad switch value is a clear error."""
 
@@ -98,4 +98,4 @@ def test_bad_switch_value(qkv_form):
     with pytest.raises(KilnError, match="KILN_DECODE_QKV"):
         decode_qkv()
     qkv_form(None)
-    assert decode_qkv() == "separate"
+    assert decode_qkv() == "fused"  # the default

@@ -1,5 +1,5 @@
-"""The SwiGLU in the gate_up decode matmul's epilogue in the model (KILN_DECODE_SWIGLU=epilogue,
-kiln.model.layers.GatedMLP): a decode-sized step gives the logits of the separate SwiGLU kernel bit for bit
+"""The SwiGLU in the gate_up decode matmul's epilogue in the model (the default,
+KILN_DECODE_SWIGLU=separate for the SwiGLU kernel; kiln.model.layers.GatedMLP): a decode-sized step gives the logits of the separate SwiGLU kernel bit for bit
 and launches that kernel no more; with the split norm (prenorm), a prefill, or a bad switch value nothing
 changes but the clear error."""
 
@@ -69,10 +69,10 @@ def test_decode_step_epilogue_equals_separate(name, lens, kernel, swiglu_form, c
     model = _model(name, device)
     L = model.config.n_layers
     step = _decode_step(model.config, lens, page=8, seed=2, device=device)
-    swiglu_form(None)
+    swiglu_form("separate")
     want = _logits(model, *step)
-    assert calls() == {"swiglu": L, "epilogue": 0}  # off by default
-    swiglu_form("epilogue")
+    assert calls() == {"swiglu": L, "epilogue": 0}
+    swiglu_form(None)  # the default
     got = _logits(model, *step)
     assert calls() == {"swiglu": 0, "epilogue": L}  # every layer's SwiGLU in its gate_up matmul
     assert torch.equal(got, want)
@@ -132,9 +132,9 @@ def test_bad_switch_value_is_a_clear_error(swiglu_form, device):
     model = _model("llama", device)
     step = _decode_step(model.config, [2], page=8, seed=6, device=device)
     swiglu_form("fused")
-    with pytest.raises(KilnError, match=r"KILN_DECODE_SWIGLU='fused' is not one of separate, epilogue"):
+    with pytest.raises(KilnError, match=r"KILN_DECODE_SWIGLU='fused' is not one of epilogue, separate"):
         _logits(model, *step)
-    for form, want in (("separate", "separate"), ("epilogue", "epilogue"), ("", "separate")):
+    for form, want in (("separate", "separate"), ("epilogue", "epilogue"), ("", "epilogue")):
         swiglu_form(form)
         assert decode_swiglu() == want
 

@@ -84,20 +84,22 @@ def decode_norm() -> str:
     return _env_form("KILN_DECODE_NORM", DECODE_NORMS, what)
 
 
-# How a one-token decode step runs its q/k/v projection (decode_qkv): "separate" (the decode matmul, then
-# kiln.kernels.rope.rope_kv_write) or "fused" (kiln.kernels.rope.qkv_rope: RoPE and the K/V write in the
-# projection's epilogue)
-DECODE_QKV = ("separate", "fused")
+# How a one-token decode step runs its q/k/v projection (decode_qkv): "fused" (kiln.kernels.rope.qkv_rope: RoPE
+# and the K/V write in the projection's epilogue) or "separate" (the decode matmul, then
+# kiln.kernels.rope.rope_kv_write)
+DECODE_QKV = ("fused", "separate")
 
 
 @functools.cache
 def decode_qkv() -> str:
-    """The one-token decode step's q/k/v projection form: "separate" (the default) unless KILN_DECODE_QKV
-    says "fused" (read once, as KILN_DECODE_NORM is), for A/B timing of whole steps. Where the fused form
-    does not apply (q/k norms, more than one token, prefill, the shapes kiln.kernels.rope.qkv_rope does not
-    take), a step runs as with "separate" (kiln.model.layers.Attention). Off by default: on the H200 at
-    49cfa51 whole decode steps with it tied (0.998x at batch 1, 1.002x at 16; docs/perf/inference.md)."""
-    what = "the projection then kiln's RoPE + K/V write kernel, 'fused' for the two in one kernel"
+    """The one-token decode step's q/k/v projection form: "fused" (the default) unless KILN_DECODE_QKV says
+    "separate" (read once, as KILN_DECODE_NORM is), for A/B timing of whole steps. Where the fused form does
+    not apply (q/k norms, more than one token, prefill, the shapes kiln.kernels.rope.qkv_rope does not take),
+    a step runs as with "separate" (kiln.model.layers.Attention). On the H200 (7d37105, whole decode steps,
+    CUDA-graph replays; docs/perf/inference.md) 1.035x at batch 1 alone and 1.049x with the SwiGLU epilogue,
+    once the fused kernel loads its weight before its wait as the separate projection does (at 49cfa51,
+    loading nothing early, it tied: 0.998x)."""
+    what = "RoPE and the K/V write in the projection's kernel, 'separate' for kiln's RoPE kernel after it"
     return _env_form("KILN_DECODE_QKV", DECODE_QKV, what)
 
 
@@ -119,21 +121,21 @@ def decode_rows() -> int:
     return int(_env_form("KILN_DECODE_ROWS", DECODE_ROWS_FORMS, what))
 
 
-# How a decode step's SwiGLU runs (decode_swiglu): "separate" (kiln's SwiGLU kernel after the gate_up matmul)
-# or "epilogue" (in the gate_up decode matmul's epilogue, kiln.kernels.matmul_decode)
-DECODE_SWIGLUS = ("separate", "epilogue")
+# How a decode step's SwiGLU runs (decode_swiglu): "epilogue" (in the gate_up decode matmul's epilogue,
+# kiln.kernels.matmul_decode) or "separate" (kiln's SwiGLU kernel after the gate_up matmul)
+DECODE_SWIGLUS = ("epilogue", "separate")
 
 
 @functools.cache
 def decode_swiglu() -> str:
-    """The gated MLP's SwiGLU form at decode-sized steps: "separate" (the default) unless KILN_DECODE_SWIGLU
-    in the environment says "epilogue" (read once, as KILN_DECODE_NORM is), so that
-    `KILN_DECODE_SWIGLU=epilogue python bench/infer_overlap.py ...` times whole decode steps with the SwiGLU
-    in the gate_up projection's epilogue (one launch and the (N, 2F) round trip less a layer; the same bits)
-    without a code change. Where the epilogue does not apply, a step runs as with "separate"
-    (kiln.model.layers.GatedMLP). Off by default: on the H200 at 49cfa51 whole decode steps with it tied
-    (1.014x at batch 1, 1.005x at 16; docs/perf/inference.md)."""
-    what = "kiln's SwiGLU kernel after the gate_up matmul, 'epilogue' to fold it into that matmul"
+    """The gated MLP's SwiGLU form at decode-sized steps: "epilogue" (the default: the SwiGLU in the gate_up
+    projection's epilogue, one launch and the (N, 2F) round trip less a layer, the same bits) unless
+    KILN_DECODE_SWIGLU in the environment says "separate" (read once, as KILN_DECODE_NORM is), for A/B timing
+    of whole decode steps without a code change. Where the epilogue does not apply, a step runs as with
+    "separate" (kiln.model.layers.GatedMLP). On the H200 (7d37105, docs/perf/inference.md) whole decode steps
+    ran 1.005x at batch 1 and 1.012x at 16 with it, 1.049x at batch 1 with the fused q/k/v too; at 3918cda
+    0.999x at 64."""
+    what = "the SwiGLU in the gate_up matmul's epilogue, 'separate' for kiln's SwiGLU kernel after it"
     return _env_form("KILN_DECODE_SWIGLU", DECODE_SWIGLUS, what)
 
 

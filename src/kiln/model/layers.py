@@ -163,7 +163,7 @@ class Attention(nn.Module):
 
     def _fused_qkv(self, x: torch.Tensor, rope, meta: AttnMetadata, kv_cache) -> bool:
         """Whether this step's q/k/v projection, RoPE and K/V write run as one kernel (kiln.kernels.rope.qkv_rope):
-        KILN_DECODE_QKV=fused, a one-token paged decode step with RoPE and no q/k norm, the projection on
+        decode_qkv() (fused unless KILN_DECODE_QKV=separate), a one-token paged decode step with RoPE and no q/k norm, the projection on
         kiln's decode matmul (a plain weight, no hooks) at shapes the kernel takes."""
         return (
             isinstance(x, torch.Tensor)  # not Fp8Rows (an FP8 projection's input)
@@ -307,7 +307,7 @@ class GatedMLP(nn.Module):
         x is the stream and gate_up applies `norm` in its prologue; stream: down_proj adds its output to it
         and the call returns (new stream, its (N, n) partial sums of squares).
 
-        With KILN_DECODE_SWIGLU=epilogue (kiln.model.config.decode_swiglu), a decode-sized step whose gate_up
+        Unless KILN_DECODE_SWIGLU=separate (kiln.model.config.decode_swiglu), a decode-sized step whose gate_up
         runs kiln's decode matmul takes the SwiGLU in that matmul's epilogue (MergedLinear.swiglu_decode:
         the same bits, one launch less); with prenorm (the split norm) it keeps the separate kernel."""
         if prenorm is None and self._swiglu_in_epilogue(x):
