@@ -178,3 +178,25 @@ def test_gpu_pdl_first_same_bits(tmp_path, monkeypatch):
                                run, dtype="bf16", max_graph_batch=8)  # fmt: skip
     assert outs["all", "eager"] == outs["none", "eager"]
     assert outs["all", "graphs"] == outs["none", "graphs"]
+
+
+@pytest.mark.parametrize("var,values,switch", [("KILN_DECODE_QKV", ("separate", "fused"), "decode_qkv"),
+                                               ("KILN_DECODE_SWIGLU", ("separate", "epilogue"), "decode_swiglu")])  # fmt: skip
+def test_gpu_decode_fusions_same_bits(tmp_path, monkeypatch, var, values, switch):
+    # The defaults against the separate kernels they replace: the q/k/v projection with RoPE and the K/V
+    # write in its epilogue (one-token steps; its W slice preloaded as the separate gemv's), and the SwiGLU in
+    # gate_up's epilogue (decode-sized steps). The same sums rounded at the same places: the same greedy tokens
+    # and logprobs, bf16, eager and in CUDA graphs, one prompt at a time and all together
+    from kiln.model import config as model_config
+
+    hf_causal_lm("qwen2").save_pretrained(tmp_path)
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=3)
+
+    def run(llm):
+        got = [llm.generate(p, params)[0] for p in PROMPTS[:3]] + llm.generate(PROMPTS, params)
+        return [(o.outputs[0].token_ids, o.outputs[0].top_logprobs) for o in got]
+
+    outs = _outputs_per_switch(monkeypatch, tmp_path, var, values, getattr(model_config, switch), run,
+                               dtype="bf16", max_graph_batch=8)  # fmt: skip
+    for backend in ("eager", "graphs"):
+        assert outs[values[0], backend] == outs[values[1], backend], (var, backend)

@@ -99,9 +99,10 @@ qr = dict(X="*bf16", W="*bf16", BIAS="*bf16", Q_OUT="*bf16", COS="*fp32", SIN="*
           V_CACHE="*bf16", SLOTS="*i64")
 for pre in (0, 2048):
     c = dict(HAS_BIAS=True, INTERLEAVED=False, PAGE_SIZE=16, PAIRS=rope.QKV_PAIRS, BLOCK_K=rope.QKV_BLOCK_K,
-             STAGES=rope.QKV_STAGES, PDL=True, PRE_K=pre, EARLY=pre > 0)
+             STAGES=rope.QKV_STAGES, PDL=True, PRE_K=pre, EARLY=pre > 0, FIRST=pre > 0)
     ptx = compile_(rope._qkv_rope_kernel, qr, c, num_warps=rope.QKV_WARPS, num_stages=rope.QKV_STAGES)
     out[f"qkv_rope pre={pre} early"] = before_wait(ptx)
+    out[f"qkv_rope pre={pre} first"] = signals_first(ptx)
 print(json.dumps(out))
 """
 
@@ -129,6 +130,8 @@ def test_fused_decode_kernels_compile_for_sm90(tmp_path):
         "reduce first=True first": True,
         "rope_kv interleaved=False first": False,
         "rope_kv interleaved=True first": True,
+        "qkv_rope pre=0 first": False,
+        "qkv_rope pre=2048 first": True,
     }, first
     assert len(res) == 10 and all(n > 0 for n in res.values()), res
     # EARLY (the ADDR32 launches here): the key count, the first tile's pages and its K and V rows load before

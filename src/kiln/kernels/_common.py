@@ -73,7 +73,8 @@ def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 
 
 # The small decode kernels that may let the next kernel be scheduled before they wait themselves
-# (`pdl_first`): the add + RMSNorm, RoPE + K/V write, and decode attention's split and reduce kernels. By
+# (`pdl_first`): the add + RMSNorm, RoPE + K/V write, decode attention's split and reduce kernels, and the
+# one-token q/k/v projection with RoPE and the K/V write in its epilogue ("qkv", kernels/rope.py). By
 # default the norm and the reduction, and those only where their caller says that the next kernel loads its
 # weight before its wait (`signal_first`: the bf16 one-row q/k/v and o projections, Linear.reads_early;
 # the quantized q/k/v and o, which load their first K step early, QuantLinear.reads_early).
@@ -82,7 +83,7 @@ def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 # int4 projections, which load nothing early, 0.94x (hence the caller's say). The SwiGLU kernel
 # signalling first too measured 0.990x at batch 1, and with gate_up and down's first 512 columns preloaded
 # 0.990x (removed).
-PDL_FIRST_KERNELS = ("norm", "rope", "split", "reduce")
+PDL_FIRST_KERNELS = ("norm", "rope", "split", "reduce", "qkv")
 PDL_FIRST_DEFAULT = ("norm", "reduce")
 
 

@@ -671,6 +671,7 @@ def _qkv_rope_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
     PRE_K: tl.constexpr = 0,  # > 0: a power of two >= K; the whole W slice loaded before the PDL wait, no K loop
     EARLY: tl.constexpr = False,  # the table row, cos / sin and slot read before the PDL wait (rope_kv_write's)
+    FIRST: tl.constexpr = False,  # signal the next kernel before waiting (kiln.kernels._common.pdl_first)
 ):
     pid = tl.program_id(0)
     per_head = half // PAIRS
@@ -692,7 +693,9 @@ def _qkv_rope_kernel(
         w_pre = tl.load(w_rows + offs_pre[None, :], mask=(offs_pre < K)[None, :], other=0.0)
     if EARLY:  # made once a step before layer 0 (rope_kv_write_triton's contract)
         c, s, slot = rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp)
-    pdl_prologue(PDL)
+    # FIRST: decode attention's split kernel after this one reads only the key count, block tables and older
+    # cache rows before its wait (never this token's key, which this kernel writes)
+    pdl_prologue(PDL, FIRST)
     if not EARLY:
         c, s, slot = rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp)  # before the K loop
     if PRE_K > 0:  # the gemv's preloaded sum, in its order: the same bits as that projection
@@ -790,6 +793,7 @@ def qkv_rope(
         *k_cache.stride()[:3], *v_cache.stride()[:3], n_heads, Hk, D, D // 2,
         HAS_BIAS=bias is not None, INTERLEAVED=interleaved, PAGE_SIZE=k_cache.shape[1], PAIRS=QKV_PAIRS,
         BLOCK_K=QKV_BLOCK_K, STAGES=QKV_STAGES, PDL=use_pdl, PRE_K=pre_k,
-        EARLY=early_loads() if early is None else early, num_warps=QKV_WARPS, launch_pdl=use_pdl,
+        EARLY=early_loads() if early is None else early, FIRST=pdl_first("qkv"), num_warps=QKV_WARPS,
+        launch_pdl=use_pdl,
     )  # fmt: skip
     return q
