@@ -645,7 +645,7 @@ def test_decode_early_switch_from_the_environment(monkeypatch):
 def test_pdl_first_switch_from_the_environment(monkeypatch):
     from kiln.kernels._common import PDL_FIRST_KERNELS, _pdl_first_set, pdl_first
 
-    for value, want in (("", {"norm", "reduce"}), ("none", set()), ("reduce", {"reduce"}),
+    for value, want in (("", {"norm", "reduce", "qkv"}), ("none", set()), ("reduce", {"reduce"}),
                         ("norm:split", {"norm", "split"}), ("all", set(PDL_FIRST_KERNELS))):  # fmt: skip
         _pdl_first_set.cache_clear()
         monkeypatch.setenv("KILN_PDL_FIRST", value)

@@ -91,6 +91,11 @@ def test_where_it_does_not_apply(qkv_form, calls, device):
                         kernels=KernelConfig(linear="kiln")).eval()  # fmt: skip
     _step(qwen2, *_decode_step(qwen2.config, [3, 9], page=8, seed=2, device=device))
     assert calls() == {"fused": 0, "rope_kv_write": 2}  # two tokens
+    from kiln.quant import QuantScheme, quantize_model
+
+    quantize_model(qwen2, QuantScheme.parse("int8"))
+    _step(qwen2, *_decode_step(qwen2.config, [9], page=8, seed=2, device=device))
+    assert calls() == {"fused": 0, "rope_kv_write": 2}  # a quantized q/k/v projection (a QuantLinear)
 
 
 def test_bad_switch_value(qkv_form):

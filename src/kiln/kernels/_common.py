@@ -77,14 +77,16 @@ def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 # one-token q/k/v projection with RoPE and the K/V write in its epilogue ("qkv", kernels/rope.py). By
 # default the norm and the reduction, and those only where their caller says that the next kernel loads its
 # weight before its wait (`signal_first`: the bf16 one-row q/k/v and o projections, Linear.reads_early;
-# the quantized q/k/v and o, which load their first K step early, QuantLinear.reads_early).
+# the quantized q/k/v and o, which load their first K step early, QuantLinear.reads_early), and the fused
+# q/k/v kernel, whose successor (decode attention's split kernel) reads its first tile early.
 # Whole decode steps on the H200 (docs/perf/inference.md, "Signalling before the wait"): 1.035x at batch 1
 # with those two, a tie at 16 and 64; with all four, 1.041x at 1 but 0.978x at 16; ahead of the int8 and
 # int4 projections, which load nothing early, 0.94x (hence the caller's say). The SwiGLU kernel
 # signalling first too measured 0.990x at batch 1, and with gate_up and down's first 512 columns preloaded
-# 0.990x (removed).
+# 0.990x (removed). The fused q/k/v kernel signalling first: 1.012x at batch 1 (c50f9bd, 7 rounds within
+# 0.2%), the only batch it runs at.
 PDL_FIRST_KERNELS = ("norm", "rope", "split", "reduce", "qkv")
-PDL_FIRST_DEFAULT = ("norm", "reduce")
+PDL_FIRST_DEFAULT = ("norm", "reduce", "qkv")
 
 
 @functools.cache

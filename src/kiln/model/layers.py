@@ -163,8 +163,9 @@ class Attention(nn.Module):
 
     def _fused_qkv(self, x: torch.Tensor, rope, meta: AttnMetadata, kv_cache) -> bool:
         """Whether this step's q/k/v projection, RoPE and K/V write run as one kernel (kiln.kernels.rope.qkv_rope):
-        decode_qkv() (fused unless KILN_DECODE_QKV=separate), a one-token paged decode step with RoPE and no q/k norm, the projection on
-        kiln's decode matmul (a plain weight, no hooks) at shapes the kernel takes."""
+        decode_qkv() (fused unless KILN_DECODE_QKV=separate), a one-token paged decode step with RoPE and no
+        q/k norm, the projection on kiln's decode matmul (a plain float weight, not quantized, no hooks) at
+        shapes the kernel takes."""
         return (
             isinstance(x, torch.Tensor)  # not Fp8Rows (an FP8 projection's input)
             and x.shape[0] == 1
@@ -175,6 +176,7 @@ class Attention(nn.Module):
             and self.q_norm is None
             and decode_step_fusable(x)  # False under torch.compile: Dynamo need not trace the switch's read
             and decode_qkv() == "fused"
+            and isinstance(self.qkv_proj, Linear)  # not a QuantLinear: the kernel reads a bf16/fp16/fp32 W
             and self.qkv_proj.decode_fusable(x)
             and qkv_rope_supported(x, self.qkv_proj.weight, kv_cache[0], self.n_heads)
         )
