@@ -147,6 +147,9 @@ def test_scope_layer_op_rules():
     assert A.scope_layer_op("model.layers.3.post_attention_layernorm", "x") == ("layer.3", "norm")
     assert A.scope_layer_op("model.layers.3.mlp", "_swiglu_fwd_kernel") == ("layer.3", "swiglu")
     assert A.scope_layer_op("model.layers.3.self_attn", "_paged_kv_write_kernel") == ("layer.3", "kv_write")
+    # the fused q/k/v + RoPE + K/V write kernel runs in the attention's range: it is the q/k/v projection
+    assert A.scope_layer_op("model.layers.3.self_attn", "_qkv_rope_kernel") == ("layer.3", "qkv_proj")
+    assert A.scope_layer_op("model.layers.3.self_attn", "_rope_kv_write_kernel") == ("layer.3", "rope")
     assert A.scope_layer_op(None, "void at::native::reduce_kernel<ArgMaxOps>") == ("head", "argmax")
     assert A.scope_layer_op(None, "sm90_xmma_gemm_bf16bf16_bf16f32") == ("head", "lm_head")
 

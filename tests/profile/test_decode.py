@@ -66,6 +66,21 @@ def test_rows_carry_the_catalogs_counts(result, tiny):
     assert sum(g["share_pct"] for g in res["ops"]) == pytest.approx(100, abs=0.1)
 
 
+def test_fused_qkv_kernel_counts_the_projection_rope_and_cache_write(tiny):
+    # on CUDA a one-token step's q/k/v projection, RoPE and K/V write are one kernel launched from the
+    # attention's range (op "qkv_proj" there): counted as the three ops it does
+    cfg = tiny.config
+    fn = decode.accounting(tiny, batch=1, context=12)
+    fused = fn("layer.1", "qkv_proj", "model.layers.1.self_attn")
+    proj = fn("layer.1", "qkv_proj", "model.layers.1.self_attn.qkv_proj")
+    rope, kvw = (
+        fn("layer.1", "rope", "model.layers.1.self_attn"),
+        fn("layer.1", "kv_write", "model.layers.1.self_attn"),
+    )
+    assert fused[0] == proj[0] + rope[0] + kvw[0] and fused[1] == proj[1] + rope[1] + kvw[1]
+    assert proj[1] >= 4 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.d_model  # its fp32 weight
+
+
 def test_weight_and_kv_bytes(tiny):
     w, kv = decode.weight_and_kv_bytes(tiny, batch=2, context=10)
     assert w == sum(p.numel() * 4 for p in tiny.parameters())

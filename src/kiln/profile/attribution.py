@@ -43,6 +43,9 @@ LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 
 # kernel (or aten op) name -> op, first match wins; names from kiln's Triton kernels, cuBLAS and aten
 KERNEL_OPS = [
+    # the one-token q/k/v projection with RoPE and the K/V write in its epilogue (kiln.kernels.rope.qkv_rope):
+    # launched from the attention's range, it is the q/k/v projection's kernel (its weight is what it reads)
+    (r"qkv_rope", "qkv_proj"),
     (r"rope", "rope"),
     (r"paged_kv|kv_write|reshape_and_cache", "kv_write"),
     (r"decode_split|decode_reduce|decode_attention|attn|flash|fmha", "attention"),

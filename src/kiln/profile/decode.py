@@ -137,6 +137,13 @@ def accounting(model, batch: int, context: int, block_size: int = 16):
         if op == "mlp" and cfg.arch != "gpt2" and not cfg.n_experts:
             return count(swi)
         m = modules.get(scope or "")
+        if op == "qkv_proj" and not isinstance(m, Linear):
+            # the fused q/k/v + RoPE + K/V write kernel (kiln.kernels.rope.qkv_rope), in the attention's range
+            proj = modules.get(f"{scope}.qkv_proj")
+            if isinstance(proj, Linear):
+                linear = O.Linear(op, m=B, n=proj.out_features, k=proj.in_features, bias=proj.bias is not None,
+                                  dtype=dt)  # fmt: skip
+                return count(linear, rope, kvw)
         if isinstance(m, Linear):
             return count(
                 O.Linear(op, m=B, n=m.out_features, k=m.in_features, bias=m.bias is not None, dtype=dt)
