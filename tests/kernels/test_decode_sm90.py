@@ -96,18 +96,20 @@ c = dict(HAS_BIAS=True, ACTIVATION="none", SWIGLU=False, RMSNORM=False, RESIDUAL
 out["gemv pre early"] = before_wait(compile_(md._gemv_kernel, mm, c, num_warps=cfg.warps, num_stages=cfg.stages))
 # the fused q/k/v + RoPE + K/V write at that shape, with its W slice and tables before the wait and without
 qr = dict(X="*bf16", W="*bf16", BIAS="*bf16", Q_OUT="*bf16", COS="*fp32", SIN="*fp32", ROWS="*i64", K_CACHE="*bf16",
-          V_CACHE="*bf16", SLOTS="*i64")
-for pre in (0, 2048):
+          V_CACHE="*bf16", SLOTS="*i64", R="*bf16", G="*bf16", H_OUT="*bf16")
+for pre, norm in ((0, False), (2048, False), (2048, True)):  # the last with the block's add + RMSNorm inside
     c = dict(HAS_BIAS=True, INTERLEAVED=False, PAGE_SIZE=16, PAIRS=rope.QKV_PAIRS, BLOCK_K=rope.QKV_BLOCK_K,
-             STAGES=rope.QKV_STAGES, PDL=True, PRE_K=pre, EARLY=pre > 0, FIRST=pre > 0)
-    ptx = compile_(rope._qkv_rope_kernel, qr, c, num_warps=rope.QKV_WARPS, num_stages=rope.QKV_STAGES)
-    out[f"qkv_rope pre={pre} early"] = before_wait(ptx)
-    out[f"qkv_rope pre={pre} first"] = signals_first(ptx)
+             STAGES=rope.QKV_STAGES, PDL=True, NORM=norm, HAS_RESIDUAL=norm, PRE_K=pre, EARLY=pre > 0,
+             FIRST=pre > 0)
+    ptx = compile_(rope._qkv_rope_kernel, qr, c, ("eps",), num_warps=rope.QKV_WARPS, num_stages=rope.QKV_STAGES)
+    tag = f"qkv_rope pre={pre}" + (" norm" if norm else "")
+    out[f"{tag} early"] = before_wait(ptx)
+    out[f"{tag} first"] = signals_first(ptx)
 print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # 12 compiles: ~10-30 s on an idle 2-core machine
+@pytest.mark.slow  # 13 compiles: ~10-30 s on an idle 2-core machine
 def test_fused_decode_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
@@ -132,6 +134,7 @@ def test_fused_decode_kernels_compile_for_sm90(tmp_path):
         "rope_kv interleaved=True first": True,
         "qkv_rope pre=0 first": False,
         "qkv_rope pre=2048 first": True,
+        "qkv_rope pre=2048 norm first": True,
     }, first
     assert len(res) == 10 and all(n > 0 for n in res.values()), res
     # EARLY (the ADDR32 launches here): the key count, the first tile's pages and its K and V rows load before
@@ -143,6 +146,8 @@ def test_fused_decode_kernels_compile_for_sm90(tmp_path):
     # gemv's) and the table row, cos, sin and slot
     assert early.pop("qkv_rope pre=0 early") == 0, early
     assert early.pop("qkv_rope pre=2048 early") >= 8, early
+    # with the norm inside: the weight slice and tables still before the wait (x and the residual after it)
+    assert early.pop("qkv_rope pre=2048 norm early") >= 8, early
     # and RoPE's (EARLY in the interleaved compile): the table row, cos, sin and the slot
     assert early.pop("rope_kv interleaved=False early") == 0, early
     assert early.pop("rope_kv interleaved=True early") >= 4, early

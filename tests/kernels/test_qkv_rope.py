@@ -119,6 +119,51 @@ def test_preload_bit_equal_to_the_preloading_gemv(dtype, interleaved, device):
         qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, Hq, pre_k=384)  # not a power of two
 
 
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-block"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_norm_equals_rmsnorm_then_the_kernel(dtype, with_residual, device):
+    """norm_weight: the block's add + RMSNorm inside the kernel. The new stream is the norm kernel's bit for
+    bit; q and the cache writes agree with rmsnorm followed by this kernel up to rstd's last float32 bits
+    (the two sum the row's squares in other orders: an element may move by one ulp of the dtype)."""
+    from kiln.kernels.rmsnorm import rmsnorm
+
+    K, Hq, Hk, D, page = 300, 6, 2, 16, 4
+    x, w, b, cos, sin, rows, kc, vc, slots = _inputs(K, Hq, Hk, D, page, dtype, device, 7)
+    g = torch.Generator().manual_seed(8)
+    r = torch.randn(1, K, generator=g).to(device, dtype) if with_residual else None
+    gamma = (1 + 0.1 * torch.randn(K, generator=g)).to(device, dtype)
+    kc2, vc2 = kc.clone(), vc.clone()
+    with use_backend("triton"):
+        q, h = qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, Hq, pre_k=512, norm_weight=gamma, residual=r,
+                        eps=1e-5)  # fmt: skip
+        normed = rmsnorm(x, gamma, 1e-5, r)
+        normed, h2 = normed if with_residual else (normed, x)
+        q2 = qkv_rope(normed, w, b, cos, sin, rows, kc2, vc2, slots, Hq, pre_k=512)
+    assert torch.equal(h, h2)
+    assert_close(q, q2, name="q")
+    assert_close(kc, kc2, name="k cache")
+    assert_close(vc, vc2, name="v cache")
+    # and against float64: the norm, then the projection, RoPE and the cache writes
+    kc64, vc64 = kc2.cpu().double(), vc2.cpu().double()
+    want = qkv_rope(x.cpu().double(), w.cpu().double(), b.cpu().double(), cos.cpu().double(), sin.cpu().double(),
+                    rows.cpu(), kc64, vc64, slots.cpu(), Hq, pre_k=512, norm_weight=gamma.cpu().double(),
+                    residual=None if r is None else r.cpu().double(), eps=1e-5)[0]  # fmt: skip
+    assert_close(q, want, name="q vs float64")
+
+
+def test_fused_norm_refuses_what_it_does_not_take(device):
+    x, w, b, cos, sin, rows, kc, vc, slots = _inputs(64, 2, 1, 8, 4, torch.float32, device, 1)
+    gamma = torch.ones(64, device=device)
+    with pytest.raises(ValueError, match="pre_k > 0"):
+        qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, 2, pre_k=0, norm_weight=gamma)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        qkv_rope(
+            x, w, b, cos, sin, rows, kc, vc, slots, 2, pre_k=64, norm_weight=torch.ones(63, device=device)
+        )
+    with pytest.raises(ValueError, match="residual is an argument"):
+        qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, 2, pre_k=64, residual=x.clone())
+
+
 def test_padding_slot_writes_nothing(device):
     x, w, b, cos, sin, rows, kc, vc, slots = _inputs(64, 2, 1, 8, 4, torch.float32, device, 1, slot=-1)
     before_k, before_v = kc.clone(), vc.clone()
@@ -174,3 +219,33 @@ def test_qwen_shape_bf16_on_gpu(interleaved):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(qg, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_norm_qwen_shape_bf16_on_gpu():
+    """The fused norm at Qwen2.5-1.5B's shape, bf16: the new stream bit-equal to the norm kernel's, q and the
+    cache writes within a bf16 ulp of rmsnorm + the kernel (rstd's sum order), a CUDA graph replay the same
+    bits as the eager call."""
+    from kiln.kernels.rmsnorm import rmsnorm
+
+    K, Hq, Hk, D, page = 1536, 12, 2, 128, 16
+    x, w, b, cos, sin, rows, kc, vc, slots = _inputs(K, Hq, Hk, D, page, torch.bfloat16, "cuda", 0, slot=37)
+    g = torch.Generator().manual_seed(1)
+    r = torch.randn(1, K, generator=g).to("cuda", torch.bfloat16)
+    gamma = (1 + 0.1 * torch.randn(K, generator=g)).to("cuda", torch.bfloat16)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q, h = qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, Hq, pre_k=2048, norm_weight=gamma, residual=r)
+    normed, h2 = rmsnorm(x, gamma, 1e-6, r)
+    q2 = qkv_rope(normed, w, b, cos, sin, rows, kc2, vc2, slots, Hq, pre_k=2048)
+    assert torch.equal(h, h2)
+    torch.testing.assert_close(q, q2, rtol=1.6e-2, atol=1e-2)  # a bf16 ulp where rstd's last bits moved one
+    torch.testing.assert_close(kc, kc2, rtol=1.6e-2, atol=1e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qg, hg = qkv_rope(
+            x, w, b, cos, sin, rows, kc, vc, slots, Hq, pre_k=2048, norm_weight=gamma, residual=r
+        )
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(qg, q) and torch.equal(hg, h)

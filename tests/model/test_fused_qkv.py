@@ -81,6 +81,40 @@ def test_one_token_fused_equals_separate(name, qkv_form, calls, device):
         torch.testing.assert_close(gv, wv, **TOL)
 
 
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_norm_form_equals_separate(name, qkv_form, calls, monkeypatch, device):
+    # KILN_DECODE_QKV=norm: the block's add + RMSNorm inside the fused q/k/v kernel too. The logits and the
+    # cache writes of the separate kernels up to rstd's float32 sum order (and the preloaded one-shot K sum
+    # against the interpreter's 32-wide loop); the input norms are not launched, the post-attention and
+    # final ones are
+    norms = []
+    rmsnorm = layers.rmsnorm
+    monkeypatch.setattr(layers, "rmsnorm", lambda *a, **kw: norms.append(1) or rmsnorm(*a, **kw))
+    model = build_model(ModelConfig(**{**BASE, **CFGS[name]}), device, seed=1,
+                        kernels=KernelConfig(linear="kiln")).eval()  # fmt: skip
+    L = model.config.n_layers
+    tokens, pos, meta, caches = _decode_step(model.config, [9], page=8, seed=2, device=device)
+    qkv_form("separate")
+    want, want_caches = _step(model, tokens, pos, meta, _clones(caches))
+    assert calls() == {"fused": 0, "rope_kv_write": L} and len(norms) == 2 * L + 1
+    norms.clear()
+    qkv_form("norm")
+    got, got_caches = _step(model, tokens, pos, meta, _clones(caches))
+    assert calls() == {"fused": L, "rope_kv_write": 0} and len(norms) == L + 1
+    torch.testing.assert_close(got, want, **TOL)
+    for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
+        torch.testing.assert_close(gk, wk, **TOL)
+        torch.testing.assert_close(gv, wv, **TOL)
+    # two tokens, or a hook that may change the call, keep the separate norm (and the norm form's kernel)
+    _step(model, *_decode_step(model.config, [3, 9], page=8, seed=2, device=device))
+    assert calls() == {"fused": 0, "rope_kv_write": L}
+    norms.clear()
+    handle = model.model.layers[1].input_layernorm.register_forward_pre_hook(lambda m, a: None)
+    _step(model, tokens, pos, meta, _clones(caches))
+    handle.remove()
+    assert calls() == {"fused": L, "rope_kv_write": 0} and len(norms) == L + 2  # layer 1's input norm runs
+
+
 def test_where_it_does_not_apply(qkv_form, calls, device):
     qkv_form("fused")
     qwen3 = build_model(ModelConfig(**{**BASE, **CFGS["qwen3"]}), device, seed=1,
@@ -96,6 +130,23 @@ def test_where_it_does_not_apply(qkv_form, calls, device):
     quantize_model(qwen2, QuantScheme.parse("int8"))
     _step(qwen2, *_decode_step(qwen2.config, [9], page=8, seed=2, device=device))
     assert calls() == {"fused": 0, "rope_kv_write": 2}  # a quantized q/k/v projection (a QuantLinear)
+
+
+def test_profiler_ranges_do_not_turn_the_fusions_off(qkv_form, calls, device):
+    # kiln.profile.naming.module_scopes' hooks only open and close profiler ranges: a profiled step runs the
+    # kernels an unprofiled one runs (the fused q/k/v here); a hook that may change the call does turn it off
+    from kiln.profile.naming import module_scopes
+
+    qkv_form(None)
+    model = build_model(ModelConfig(**{**BASE, **CFGS["qwen2"]}), device, seed=1,
+                        kernels=KernelConfig(linear="kiln")).eval()  # fmt: skip
+    with module_scopes(model):
+        _step(model, *_decode_step(model.config, [9], page=8, seed=2, device=device))
+    assert calls() == {"fused": 2, "rope_kv_write": 0}
+    handle = model.model.layers[0].self_attn.qkv_proj.register_forward_hook(lambda m, a, out: out)
+    _step(model, *_decode_step(model.config, [9], page=8, seed=2, device=device))
+    handle.remove()
+    assert calls() == {"fused": 1, "rope_kv_write": 1}  # layer 0 keeps the separate kernels
 
 
 def test_bad_switch_value(qkv_form):

@@ -150,6 +150,9 @@ def test_scope_layer_op_rules():
     # the fused q/k/v + RoPE + K/V write kernel runs in the attention's range: it is the q/k/v projection
     assert A.scope_layer_op("model.layers.3.self_attn", "_qkv_rope_kernel") == ("layer.3", "qkv_proj")
     assert A.scope_layer_op("model.layers.3.self_attn", "_rope_kv_write_kernel") == ("layer.3", "rope")
+    # and the gate_up matmul with the SwiGLU in its epilogue, launched from the MLP's range
+    assert A.scope_layer_op("model.layers.3.mlp", "_gemv_kernel") == ("layer.3", "gate_up_proj")
+    assert A.scope_layer_op("model.layers.3.mlp", "_dot_kernel") == ("layer.3", "gate_up_proj")
     assert A.scope_layer_op(None, "void at::native::reduce_kernel<ArgMaxOps>") == ("head", "argmax")
     assert A.scope_layer_op(None, "sm90_xmma_gemm_bf16bf16_bf16f32") == ("head", "lm_head")
 

@@ -66,7 +66,7 @@ def test_rows_carry_the_catalogs_counts(result, tiny):
     assert sum(g["share_pct"] for g in res["ops"]) == pytest.approx(100, abs=0.1)
 
 
-def test_fused_qkv_kernel_counts_the_projection_rope_and_cache_write(tiny):
+def test_fused_kernels_count_the_ops_they_do(tiny):
     # on CUDA a one-token step's q/k/v projection, RoPE and K/V write are one kernel launched from the
     # attention's range (op "qkv_proj" there): counted as the three ops it does
     cfg = tiny.config
@@ -79,6 +79,11 @@ def test_fused_qkv_kernel_counts_the_projection_rope_and_cache_write(tiny):
     )
     assert fused[0] == proj[0] + rope[0] + kvw[0] and fused[1] == proj[1] + rope[1] + kvw[1]
     assert proj[1] >= 4 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.d_model  # its fp32 weight
+    # gate_up with the SwiGLU in its epilogue, launched from the MLP's range: the projection and the SwiGLU
+    epi = fn("layer.1", "gate_up_proj", "model.layers.1.mlp")
+    gate_up = fn("layer.1", "gate_up_proj", "model.layers.1.mlp.gate_up_proj")
+    swi = fn("layer.1", "swiglu", "model.layers.1.mlp")
+    assert epi[0] == gate_up[0] + swi[0] and epi[1] == gate_up[1] + swi[1]
 
 
 def test_weight_and_kv_bytes(tiny):

@@ -46,8 +46,9 @@ from kiln.kernels._common import (
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.matmul import matmul_ref
-from kiln.kernels.matmul_decode import preload_weight
+from kiln.kernels.matmul_decode import PRELOAD_MAX_K, PRELOAD_MAX_WEIGHT, preload_weight
 from kiln.kernels.paged_kv import paged_kv_write_ref
+from kiln.kernels.rmsnorm import rmsnorm_ref
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -656,6 +657,24 @@ def qkv_rope_ref(
     )  # fmt: skip
 
 
+@triton.jit
+def _add_rmsnorm_row(x, offs, K, R, G, H_OUT, eps, store_h, HAS_RESIDUAL: tl.constexpr):
+    """kiln's add + RMSNorm (kernels/rmsnorm.py, offset 0) of one row held whole (offs: pow2 >= K columns):
+    h = round(x + r), stored by the program with store_h; rstd from h's rounded values; returns
+    round(round(h * rstd) * gamma), the values rmsnorm returns. rstd's float32 sum runs over this kernel's
+    layout, not the norm kernel's, so its last bits (and now and then one bf16 ulp of an element) may differ."""
+    ok = offs < K
+    h = x
+    if HAS_RESIDUAL:
+        r = tl.load(R + offs, mask=ok, other=0.0)
+        h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # one rounding, as the eager add
+        tl.store(H_OUT + offs, h, mask=ok & store_h)
+    hf = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
+    g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
+    return ((hf * rstd).to(x.dtype) * g).to(x.dtype)
+
+
 # fmt: off
 @triton.jit
 def _qkv_rope_kernel(
@@ -666,9 +685,13 @@ def _qkv_rope_kernel(
     K, stride_xk, stride_wn, stride_cos, stride_sin,
     stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch,
     Hq, Hk, D, half,  # half = D / 2, a multiple of PAIRS
+    R, G, H_OUT,  # NORM: the residual row (1, K) (read with HAS_RESIDUAL), the norm weight (K,), out: x + r (1, K)
+    eps,  # NORM: the RMSNorm's epsilon (float)
     HAS_BIAS: tl.constexpr, INTERLEAVED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
+    NORM: tl.constexpr = False,  # x is the block's input: add + RMSNorm it first (needs PRE_K: the whole row)
+    HAS_RESIDUAL: tl.constexpr = False,  # NORM: h = x + r, stored into H_OUT by program 0 (else h = x)
     PRE_K: tl.constexpr = 0,  # > 0: a power of two >= K; the whole W slice loaded before the PDL wait, no K loop
     EARLY: tl.constexpr = False,  # the table row, cos / sin and slot read before the PDL wait (rope_kv_write's)
     FIRST: tl.constexpr = False,  # signal the next kernel before waiting (kiln.kernels._common.pdl_first)
@@ -700,6 +723,8 @@ def _qkv_rope_kernel(
         c, s, slot = rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp)  # before the K loop
     if PRE_K > 0:  # the gemv's preloaded sum, in its order: the same bits as that projection
         x_pre = tl.load(X + offs_pre * stride_xk, mask=offs_pre < K, other=0.0)
+        if NORM:
+            x_pre = _add_rmsnorm_row(x_pre, offs_pre, K, R, G, H_OUT, eps, pid == 0, HAS_RESIDUAL)
         y = tl.sum(w_pre.to(tl.float32) * x_pre.to(tl.float32)[None, :], axis=1)  # (2 PAIRS,)
     else:
         acc = tl.zeros((2 * PAIRS, BLOCK_K), dtype=tl.float32)
@@ -737,6 +762,14 @@ def qkv_rope_supported(x: torch.Tensor, weight: torch.Tensor, k_cache: torch.Ten
     )
 
 
+def qkv_rope_norm_supported(weight: torch.Tensor) -> bool:
+    """Whether the fused norm (`qkv_rope(..., norm_weight=)`) takes this (N, K) q/k/v weight: the form
+    holds a program's whole W slice in registers, as the one-row gemv's preload does, so the same bounds
+    (matmul_decode.PRELOAD_MAX_K, PRELOAD_MAX_WEIGHT; Qwen2.5-1.5B's 2048 x 1536 is within them)."""
+    N, K = weight.shape
+    return K <= PRELOAD_MAX_K and N * K <= PRELOAD_MAX_WEIGHT
+
+
 def qkv_rope(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -752,10 +785,19 @@ def qkv_rope(
     interleaved: bool = False,
     pre_k: int | None = None,
     early: bool | None = None,
-) -> torch.Tensor:
+    norm_weight: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q (1, Hq, D) = RoPE(x @ W[:Hq D].T + b); RoPE(k) and v written into the caches at `slots` (in place).
     Shapes as the module docstring; the caller checks `qkv_rope_supported` (the model falls back to the
     projection + `rope_kv_write` elsewhere). Triton on CUDA or in the interpreter; the reference elsewhere.
+
+    norm_weight (K,): x is the block's input and the projection takes its add + RMSNorm first, as
+    `rmsnorm(x, norm_weight, eps, residual)` forms it, inside the kernel (every program normalizes the
+    whole row it loads anyway; needs the preloaded form, pre_k > 0). Returns (q, h): h = x + residual, the
+    new residual stream (x itself without a residual). rstd's float32 sum may differ from the norm
+    kernel's in its last bits (the two sum the row in other orders).
 
     pre_k: 0, or a power of two >= K: the whole W slice of a program is loaded before the programmatic-launch
     wait and summed at once, as the one-row gemv does where `matmul_decode.preload_weight` holds (the default
@@ -775,25 +817,54 @@ def qkv_rope(
         pre_k = pow2(K) if preload_weight(weight.shape[0], K) else 0
     if pre_k and (pre_k < K or pre_k & (pre_k - 1)):
         raise ValueError(f"qkv_rope: pre_k must be 0 or a power of two >= K = {K}, got {pre_k}")
+    norm = norm_weight is not None
+    if norm:
+        _check_qkv_norm(x, norm_weight, residual, pre_k)
+    elif residual is not None:
+        raise ValueError("qkv_rope: residual is an argument of the fused norm (norm_weight)")
     if not use_triton(x, weight, k_cache, v_cache):
-        return qkv_rope_ref(
-            x, weight, bias, cos, sin, rows, k_cache, v_cache, slots, n_heads, Hk, interleaved
-        )
+        h = x if residual is None else x + residual
+        if norm:
+            x = rmsnorm_ref(h, norm_weight, eps)
+        q = qkv_rope_ref(x, weight, bias, cos, sin, rows, k_cache, v_cache, slots, n_heads, Hk, interleaved)
+        return (q, h) if norm else q
     if v_cache.shape != k_cache.shape or v_cache.stride(-1) != 1 or v_cache.dtype != k_cache.dtype:
         raise ValueError(
             f"qkv_rope: v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)}"
         )
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))  # rows of D/2 load as vectors
     q = torch.empty((1, n_heads, D), device=x.device, dtype=x.dtype)
+    h = x if residual is None else torch.empty_like(x)  # the new stream
     use_pdl = pdl(x)
     grid = ((n_heads + 2 * Hk) * (D // 2) // QKV_PAIRS,)
     _qkv_rope_launch[grid](
         x, weight, weight if bias is None else bias, q, cos, sin, rows, k_cache, v_cache, slots,
         x.shape[1], x.stride(1), weight.stride(0), cos.stride(0), sin.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], n_heads, Hk, D, D // 2,
+        x if residual is None else residual, x if norm_weight is None else norm_weight, h, float(eps),
         HAS_BIAS=bias is not None, INTERLEAVED=interleaved, PAGE_SIZE=k_cache.shape[1], PAIRS=QKV_PAIRS,
-        BLOCK_K=QKV_BLOCK_K, STAGES=QKV_STAGES, PDL=use_pdl, PRE_K=pre_k,
+        BLOCK_K=QKV_BLOCK_K, STAGES=QKV_STAGES, PDL=use_pdl, NORM=norm, HAS_RESIDUAL=residual is not None,
+        PRE_K=pre_k,
         EARLY=early_loads() if early is None else early, FIRST=pdl_first("qkv"), num_warps=QKV_WARPS,
         launch_pdl=use_pdl,
     )  # fmt: skip
-    return q
+    return (q, h) if norm else q
+
+
+def _check_qkv_norm(x, norm_weight, residual, pre_k) -> None:
+    """The fused norm's arguments: a contiguous x row, a (K,) contiguous weight of x's dtype and device, a
+    residual like x, and the preloaded form (the kernel normalizes the whole row it loads at once)."""
+    K = x.shape[1]
+    if not pre_k:
+        raise ValueError("qkv_rope: the fused norm (norm_weight) needs the preloaded form, pre_k > 0")
+    if x.stride(1) != 1:
+        raise ValueError("qkv_rope: the fused norm takes a contiguous x row")
+    if (norm_weight.shape != (K,) or norm_weight.dtype != x.dtype or norm_weight.device != x.device
+            or not norm_weight.is_contiguous()):  # fmt: skip
+        raise ValueError(
+            f"qkv_rope: norm_weight must be a contiguous ({K},) {x.dtype} tensor on {x.device}, got "
+            f"{tuple(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device}"
+        )
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.device != x.device or not residual.is_contiguous()):  # fmt: skip
+        raise ValueError(f"qkv_rope: residual must be a contiguous tensor like x {tuple(x.shape)} {x.dtype}")

@@ -85,9 +85,9 @@ def decode_norm() -> str:
 
 
 # How a one-token decode step runs its q/k/v projection (decode_qkv): "fused" (kiln.kernels.rope.qkv_rope: RoPE
-# and the K/V write in the projection's epilogue) or "separate" (the decode matmul, then
-# kiln.kernels.rope.rope_kv_write)
-DECODE_QKV = ("fused", "separate")
+# and the K/V write in the projection's epilogue), "separate" (the decode matmul, then
+# kiln.kernels.rope.rope_kv_write) or "norm" (fused, with the block's add + RMSNorm in the kernel too)
+DECODE_QKV = ("fused", "separate", "norm")
 
 
 @functools.cache
@@ -98,8 +98,13 @@ def decode_qkv() -> str:
     a step runs as with "separate" (kiln.model.layers.Attention). On the H200 (7d37105, whole decode steps,
     CUDA-graph replays; docs/perf/inference.md) 1.035x at batch 1 alone and 1.049x with the SwiGLU epilogue,
     once the fused kernel loads its weight before its wait as the separate projection does (at 49cfa51,
-    loading nothing early, it tied: 0.998x)."""
-    what = "RoPE and the K/V write in the projection's kernel, 'separate' for kiln's RoPE kernel after it"
+    loading nothing early, it tied: 0.998x). "norm" also takes the block's input add + RMSNorm into that
+    kernel (kiln.model.transformer.Block.forward, Attention.takes_input_norm): one launch less a layer;
+    built and tested on the CPU, not yet timed on the H200."""
+    what = (
+        "RoPE and the K/V write in the projection's kernel, 'separate' for kiln's RoPE kernel after it, "
+        "'norm' for the block's add + RMSNorm in that kernel too"
+    )
     return _env_form("KILN_DECODE_QKV", DECODE_QKV, what)
 
 

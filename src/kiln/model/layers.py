@@ -17,14 +17,15 @@ import torch.nn.functional as F
 from kiln.kernels.attention import attention, tuning_lengths
 from kiln.kernels.decode_attention import decode_attention
 from kiln.kernels.fp8_matmul import Fp8Rows
+from kiln.kernels.launch import pow2
 from kiln.kernels.layernorm import layernorm
 from kiln.kernels.paged_kv import paged_kv_write
 from kiln.kernels.rmsnorm import rmsnorm, rmsnorm_fp8
-from kiln.kernels.rope import apply_rope, qkv_rope, qkv_rope_supported, rope_kv_write
+from kiln.kernels.rope import apply_rope, qkv_rope, qkv_rope_norm_supported, qkv_rope_supported, rope_kv_write
 from kiln.kernels.swiglu import swiglu, swiglu_fp8
 from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.config import KernelConfig, ModelConfig, decode_qkv, decode_swiglu
-from kiln.model.linear import Linear, MergedLinear, decode_step_fusable
+from kiln.model.linear import Linear, MergedLinear, decode_step_fusable, hooked
 from kiln.model.quant_linear import QuantLinear
 
 
@@ -82,7 +83,7 @@ class Norm(nn.Module):
             and type(w) in (nn.Parameter, torch.Tensor)
             and w.device == x.device
             and w.is_contiguous()
-            and not (self._forward_hooks or self._forward_pre_hooks)
+            and not hooked(self)
         )
 
 
@@ -122,6 +123,7 @@ class Attention(nn.Module):
         *,
         prenorm: tuple[Norm, torch.Tensor] | None = None,
         stream: torch.Tensor | None = None,
+        input_norm: tuple[Norm, torch.Tensor | None] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (N, d) -> (N, d). rope = (cos, sin, index) for the N query positions, or None (learned
         positions); kv_cache = this layer's paged (k_cache, v_cache) (num_blocks, block_size, Hk, D);
@@ -130,18 +132,20 @@ class Attention(nn.Module):
         The split add + RMSNorm (decode-sized steps where Linear.decode_fusable holds; Block.forward_split):
         prenorm = (norm, sumsq): x is the residual stream itself and the qkv projection applies `norm` in
         its prologue, its rstd from sumsq (N, n), the partials of the matmul that produced x. stream (N, d):
-        o_proj adds its output to it in its epilogue, and the call returns (new stream, its partials)."""
+        o_proj adds its output to it in its epilogue, and the call returns (new stream, its partials).
+
+        input_norm = (norm, residual) (a one-token step where takes_input_norm holds, KILN_DECODE_QKV=norm):
+        x is the block's input before its add + RMSNorm, which the fused q/k/v kernel forms itself; the
+        call returns (output, the new residual stream)."""
+        if input_norm is not None:
+            return self._forward_normed(x, *input_norm, rope, meta, kv_cache)
         N = x.shape[0]
         if prenorm is None and self._fused_qkv(x, rope, meta, kv_cache):
             # one token: the projection rotates q and k and writes k and v into the cache itself
             k_cache, v_cache = kv_cache
             q = qkv_rope(x, self.qkv_proj.weight, self.qkv_proj.bias, rope[0], rope[1], rope[2].reshape(-1),
                          k_cache, v_cache, meta.slot_mapping, self.n_heads, interleaved=self.rope_interleaved)  # fmt: skip
-            y = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, window=self.window,
-                                 sinks=self.sinks, signal_first=self._o_reads_early(q))  # fmt: skip
-            if stream is not None:
-                return self.o_proj.add_to_stream(y.reshape(N, -1), stream)
-            return self.o_proj(y.reshape(N, -1))
+            return self._attend_rotated(q, meta, kv_cache, stream)
         if prenorm is None:
             qkv = self.qkv_proj(x)
         else:
@@ -161,6 +165,47 @@ class Attention(nn.Module):
             return self.o_proj.add_to_stream(y.reshape(N, -1), stream)
         return self.o_proj(y.reshape(N, -1))
 
+    def _attend_rotated(self, q: torch.Tensor, meta: AttnMetadata, kv_cache, stream: torch.Tensor | None):
+        """Decode attention and the o projection after the fused q/k/v kernel (q (N, Hq, D) rotated, this
+        token's K/V in the cache): forward's output, or with `stream` (the split norm) its (stream, partials)."""
+        k_cache, v_cache = kv_cache
+        y = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, window=self.window,
+                             sinks=self.sinks, signal_first=self._o_reads_early(q))  # fmt: skip
+        y = y.reshape(q.shape[0], -1)
+        return self.o_proj(y) if stream is None else self.o_proj.add_to_stream(y, stream)
+
+    def takes_input_norm(
+        self, h: torch.Tensor, residual, norm: Norm, rope, meta: AttnMetadata, kv_cache
+    ) -> bool:
+        """Whether this one-token step takes its block's input add + RMSNorm inside the fused q/k/v kernel
+        (KILN_DECODE_QKV=norm; forward's input_norm): the fused q/k/v applies to h (the previous sublayer's
+        output, or the embeddings), `norm` is a plain RMSNorm of h's dtype, h and the residual stream are
+        contiguous rows of one dtype, no hook but the profiler's observers wraps this layer, and the weight
+        fits the kernel's preloaded form (kiln.kernels.rope.qkv_rope_norm_supported)."""
+        return (
+            isinstance(h, torch.Tensor)
+            and not torch.compiler.is_compiling()  # first: Dynamo need not trace the switch's read
+            and decode_qkv() == "norm"
+            and not hooked(self)
+            and norm.splittable(h)
+            and norm.weight.dtype == h.dtype
+            and h.is_contiguous()
+            and (residual is None or (residual.dtype == h.dtype and residual.is_contiguous()))
+            and self._fused_qkv(h, rope, meta, kv_cache)
+            and qkv_rope_norm_supported(self.qkv_proj.weight)
+        )
+
+    def _forward_normed(self, h: torch.Tensor, norm: Norm, residual, rope, meta: AttnMetadata, kv_cache):
+        """(this sublayer's output, the new residual stream) of a one-token decode step from the block's
+        input (takes_input_norm): one kernel adds h to the stream, normalizes, projects q/k/v, rotates and
+        writes K/V (kiln.kernels.rope.qkv_rope's norm_weight), then decode attention and o_proj as forward.
+        The new stream is the norm kernel's bit for bit; rstd's float32 sum may differ in its last bits."""
+        k_cache, v_cache = kv_cache
+        q, stream = qkv_rope(h, self.qkv_proj.weight, self.qkv_proj.bias, rope[0], rope[1], rope[2].reshape(-1),
+                             k_cache, v_cache, meta.slot_mapping, self.n_heads, interleaved=self.rope_interleaved,
+                             pre_k=pow2(h.shape[1]), norm_weight=norm.weight, residual=residual, eps=norm.eps)  # fmt: skip
+        return self._attend_rotated(q, meta, kv_cache, None), stream
+
     def _fused_qkv(self, x: torch.Tensor, rope, meta: AttnMetadata, kv_cache) -> bool:
         """Whether this step's q/k/v projection, RoPE and K/V write run as one kernel (kiln.kernels.rope.qkv_rope):
         decode_qkv() (fused unless KILN_DECODE_QKV=separate), a one-token paged decode step with RoPE and no
@@ -175,7 +220,7 @@ class Attention(nn.Module):
             and meta.batch_shape is None
             and self.q_norm is None
             and decode_step_fusable(x)  # False under torch.compile: Dynamo need not trace the switch's read
-            and decode_qkv() == "fused"
+            and decode_qkv() != "separate"
             and isinstance(self.qkv_proj, Linear)  # not a QuantLinear: the kernel reads a bf16/fp16/fp32 W
             and self.qkv_proj.decode_fusable(x)
             and qkv_rope_supported(x, self.qkv_proj.weight, kv_cache[0], self.n_heads)
@@ -304,6 +349,7 @@ class GatedMLP(nn.Module):
         *,
         prenorm: tuple[Norm, torch.Tensor] | None = None,
         stream: torch.Tensor | None = None,
+        input_norm: tuple[Norm, torch.Tensor | None] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (N, d) -> (N, d). The split add + RMSNorm (as Attention.forward's): prenorm = (norm, sumsq):
         x is the stream and gate_up applies `norm` in its prologue; stream: down_proj adds its output to it

@@ -109,7 +109,7 @@ class Linear(nn.Module):
             and _plain(w)
             and w.dtype == x.dtype
             and w.device == x.device
-            and not (self._forward_hooks or self._forward_pre_hooks)
+            and not hooked(self)
             and not grad
         )
 
@@ -140,6 +140,15 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, backend={self.backend}"
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether hooks that may change a module's inputs or outputs wrap its forward (sequence or tensor
+    parallelism's, a user's), so that a fused kernel must not take the module's place. Hooks whose function
+    carries `kiln_observer = True` only watch (kiln.profile.naming.module_scopes' profiler ranges) and do
+    not count: a profiled step runs the kernels an unprofiled one runs."""
+    hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+    return any(not getattr(h, "kiln_observer", False) for h in hooks)
 
 
 def _plain(w: torch.Tensor) -> bool:

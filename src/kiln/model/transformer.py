@@ -31,7 +31,7 @@ from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.cache import KVCache
 from kiln.model.config import KernelConfig, ModelConfig, decode_block, decode_norm
 from kiln.model.layers import Attention, GatedMLP, GeluMLP, Norm
-from kiln.model.linear import Linear, MergedLinear, decode_step_fusable
+from kiln.model.linear import Linear, MergedLinear, decode_step_fusable, hooked
 from kiln.model.moe import SparseMoE
 from kiln.model.rope import RotaryTables
 
@@ -55,8 +55,14 @@ class Block(nn.Module):
     def forward(self, h, residual, rope, meta, kv_cache=None, key_rope=None):
         """h: the previous sublayer's output (N, d); residual: the stream it adds to (None before the
         first block). Returns (this block's MLP output, the stream before it, the MoE aux loss or None)."""
-        x, residual = self.input_layernorm(h, residual, into=self.self_attn.qkv_proj)
-        h = self.self_attn(x, rope, meta, kv_cache, key_rope)
+        attn = self.self_attn
+        norm = self.input_layernorm
+        if kv_cache is not None and attn.takes_input_norm(h, residual, norm, rope, meta, kv_cache):
+            # one kernel: the add + RMSNorm, q/k/v, RoPE and the K/V write (KILN_DECODE_QKV=norm)
+            h, residual = attn(h, rope, meta, kv_cache, key_rope, input_norm=(norm, residual))
+        else:
+            x, residual = norm(h, residual, into=attn.qkv_proj)
+            h = attn(x, rope, meta, kv_cache, key_rope)
         gate_up = self.mlp.gate_up_proj if isinstance(self.mlp, GatedMLP) else None
         x, residual = self.post_attention_layernorm(h, residual, into=gate_up)
         if isinstance(self.mlp, SparseMoE):
@@ -70,9 +76,7 @@ class Block(nn.Module):
         eps, no q/k norm, sinks or output bias, every linear on kiln's decode matmul (plain weights: not
         quantized, not sharded), no hooks, at shapes kiln.kernels.decode_block takes."""
         attn, mlp = self.self_attn, self.mlp
-        if not isinstance(mlp, GatedMLP) or any(
-            m._forward_hooks or m._forward_pre_hooks for m in (self, attn, mlp)
-        ):
+        if not isinstance(mlp, GatedMLP) or any(hooked(m) for m in (self, attn, mlp)):
             return False
         norms = (self.input_layernorm, self.post_attention_layernorm)
         lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -106,9 +110,7 @@ class Block(nn.Module):
         in its prologue, o_proj + post_attention_layernorm + gate_up can split that norm, down_proj can add
         to the stream in its epilogue). Only dense SwiGLU blocks on plain decode linears, no hooks."""
         attn, mlp = self.self_attn, self.mlp
-        if not isinstance(mlp, GatedMLP) or any(
-            m._forward_hooks or m._forward_pre_hooks for m in (self, attn, mlp)
-        ):
+        if not isinstance(mlp, GatedMLP) or any(hooked(m) for m in (self, attn, mlp)):
             return False, False, False
         fusable = lambda lin: isinstance(lin, Linear) and lin.decode_fusable(x)  # noqa: E731 (not a SplitCall)
         qkv = self.input_layernorm.splittable(x) and fusable(attn.qkv_proj)

@@ -101,6 +101,10 @@ def scope_layer_op(scope: str | None, kernel: str = "", cat: str = "kernel") -> 
     if leaf.isdigit():
         return layer, "block"
     op = classify(kernel) if kernel else leaf
+    if leaf == "mlp" and re.search(r"_gemv_kernel|_dot_kernel", kernel):
+        # a decode matmul launched by the gated MLP itself: gate_up with the SwiGLU in its epilogue
+        # (MergedLinear.swiglu_decode; down_proj runs in its own range)
+        return layer, "gate_up_proj"
     return layer, op
 
 

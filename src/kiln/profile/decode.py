@@ -137,13 +137,15 @@ def accounting(model, batch: int, context: int, block_size: int = 16):
         if op == "mlp" and cfg.arch != "gpt2" and not cfg.n_experts:
             return count(swi)
         m = modules.get(scope or "")
-        if op == "qkv_proj" and not isinstance(m, Linear):
-            # the fused q/k/v + RoPE + K/V write kernel (kiln.kernels.rope.qkv_rope), in the attention's range
-            proj = modules.get(f"{scope}.qkv_proj")
+        if op in ("qkv_proj", "gate_up_proj") and not isinstance(m, Linear):
+            # a projection launched by its parent with its neighbours in its epilogue: the fused q/k/v + RoPE +
+            # K/V write kernel (kiln.kernels.rope.qkv_rope) in the attention's range, gate_up with the SwiGLU
+            # (MergedLinear.swiglu_decode) in the MLP's
+            proj = modules.get(f"{scope}.{op}")
             if isinstance(proj, Linear):
                 linear = O.Linear(op, m=B, n=proj.out_features, k=proj.in_features, bias=proj.bias is not None,
                                   dtype=dt)  # fmt: skip
-                return count(linear, rope, kvw)
+                return count(linear, rope, kvw) if op == "qkv_proj" else count(linear, swi)
         if isinstance(m, Linear):
             return count(
                 O.Linear(op, m=B, n=m.out_features, k=m.in_features, bias=m.bias is not None, dtype=dt)

@@ -34,11 +34,14 @@ def module_scopes(model: torch.nn.Module, prefix: str = SCOPE_PREFIX) -> Iterato
             r.__enter__()
             open_ranges.append(r)
 
+        hook.kiln_observer = True  # only watches: the model's fused paths stay on (kiln.model.linear.hooked)
         return hook
 
     def leave(module, args, output):
         if open_ranges:
             open_ranges.pop().__exit__(None, None, None)
+
+    leave.kiln_observer = True
 
     for name, module in model.named_modules():
         if not name:
