@@ -125,7 +125,7 @@ def test_fused_norm_equals_rmsnorm_then_the_kernel(dtype, with_residual, device)
     """norm_weight: the block's add + RMSNorm inside the kernel. The new stream is the norm kernel's bit for
     bit; q and the cache writes agree with rmsnorm followed by this kernel up to rstd's last float32 bits
     (the two sum the row's squares in other orders: an element may move by one ulp of the dtype)."""
-    from kiln.kernels.rmsnorm import rmsnorm
+    from kiln.kernels.rmsnorm import rmsnorm, rmsnorm_ref
 
     K, Hq, Hk, D, page = 300, 6, 2, 16, 4
     x, w, b, cos, sin, rows, kc, vc, slots = _inputs(K, Hq, Hk, D, page, dtype, device, 7)
@@ -143,11 +143,11 @@ def test_fused_norm_equals_rmsnorm_then_the_kernel(dtype, with_residual, device)
     assert_close(q, q2, name="q")
     assert_close(kc, kc2, name="k cache")
     assert_close(vc, vc2, name="v cache")
-    # and against float64: the norm, then the projection, RoPE and the cache writes
-    kc64, vc64 = kc2.cpu().double(), vc2.cpu().double()
-    want = qkv_rope(x.cpu().double(), w.cpu().double(), b.cpu().double(), cos.cpu().double(), sin.cpu().double(),
-                    rows.cpu(), kc64, vc64, slots.cpu(), Hq, pre_k=512, norm_weight=gamma.cpu().double(),
-                    residual=None if r is None else r.cpu().double(), eps=1e-5)[0]  # fmt: skip
+    # and against float64: the norm's reference, then the projection, RoPE and the cache writes
+    x64 = x.cpu().double() if r is None else x.cpu().double() + r.cpu().double()
+    want = qkv_rope_ref(rmsnorm_ref(x64, gamma.cpu().double(), 1e-5), w.cpu().double(), b.cpu().double(),
+                        cos.cpu().double(), sin.cpu().double(), rows.cpu(), kc2.cpu().double(), vc2.cpu().double(),
+                        slots.cpu(), Hq, Hk, False)  # fmt: skip
     assert_close(q, want, name="q vs float64")
 
 
@@ -160,6 +160,9 @@ def test_fused_norm_refuses_what_it_does_not_take(device):
         qkv_rope(
             x, w, b, cos, sin, rows, kc, vc, slots, 2, pre_k=64, norm_weight=torch.ones(63, device=device)
         )
+    with pytest.raises(ValueError, match="runs on Triton"):  # the reference backend: rmsnorm, then the kernel
+        qkv_rope(x.cpu(), w.cpu(), b.cpu(), cos.cpu(), sin.cpu(), rows.cpu(), kc.cpu(), vc.cpu(), slots.cpu(), 2,
+                 pre_k=64, norm_weight=gamma.cpu())  # fmt: skip
     with pytest.raises(ValueError, match="residual is an argument"):
         qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, 2, pre_k=64, residual=x.clone())
 

@@ -48,7 +48,6 @@ from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.matmul import matmul_ref
 from kiln.kernels.matmul_decode import PRELOAD_MAX_K, PRELOAD_MAX_WEIGHT, preload_weight
 from kiln.kernels.paged_kv import paged_kv_write_ref
-from kiln.kernels.rmsnorm import rmsnorm_ref
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -797,7 +796,8 @@ def qkv_rope(
     `rmsnorm(x, norm_weight, eps, residual)` forms it, inside the kernel (every program normalizes the
     whole row it loads anyway; needs the preloaded form, pre_k > 0). Returns (q, h): h = x + residual, the
     new residual stream (x itself without a residual). rstd's float32 sum may differ from the norm
-    kernel's in its last bits (the two sum the row in other orders).
+    kernel's in its last bits (the two sum the row in other orders). Triton only (CUDA, or the interpreter):
+    where the reference backend runs, rmsnorm and then this op are the form to call.
 
     pre_k: 0, or a power of two >= K: the whole W slice of a program is loaded before the programmatic-launch
     wait and summed at once, as the one-row gemv does where `matmul_decode.preload_weight` holds (the default
@@ -823,11 +823,14 @@ def qkv_rope(
     elif residual is not None:
         raise ValueError("qkv_rope: residual is an argument of the fused norm (norm_weight)")
     if not use_triton(x, weight, k_cache, v_cache):
-        h = x if residual is None else x + residual
-        if norm:
-            x = rmsnorm_ref(h, norm_weight, eps)
-        q = qkv_rope_ref(x, weight, bias, cos, sin, rows, k_cache, v_cache, slots, n_heads, Hk, interleaved)
-        return (q, h) if norm else q
+        if norm:  # the model takes the fused norm only where Triton runs (Attention.takes_input_norm)
+            raise ValueError(
+                "qkv_rope: the fused norm (norm_weight) runs on Triton (CUDA, or the interpreter with the "
+                "'triton' kernel backend); elsewhere call rmsnorm, then qkv_rope"
+            )
+        return qkv_rope_ref(
+            x, weight, bias, cos, sin, rows, k_cache, v_cache, slots, n_heads, Hk, interleaved
+        )
     if v_cache.shape != k_cache.shape or v_cache.stride(-1) != 1 or v_cache.dtype != k_cache.dtype:
         raise ValueError(
             f"qkv_rope: v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)}"
