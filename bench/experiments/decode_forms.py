@@ -3,7 +3,7 @@
     python bench/experiments/decode_forms.py --out /tmp/decode_forms.json   # H200, ~1 min
     python bench/experiments/decode_forms.py --smoke                        # CPU: the plumbing only
 
-A setting is "base" or switches joined by "+", e.g. "KILN_DECODE_QKV=fused+KILN_DECODE_SWIGLU=epilogue".
+A setting is "base" or switches joined by "+", e.g. "KILN_DECODE_QKV=separate+KILN_DECODE_SWIGLU=separate".
 One random-init Qwen2.5-1.5B-shape model (bf16), one engine (CUDA graphs, async scheduling) per setting in
 --settings, each built after its switches are set (they are read once: their caches are cleared; the
 graphs capture them). Per engine: steady decode at each
@@ -65,7 +65,7 @@ def apply(setting: str) -> None:
 
 def main() -> int:
     ap = bench_parser("decode_forms", __doc__)
-    ap.add_argument("--settings", default="base,KILN_DECODE_QKV=fused")
+    ap.add_argument("--settings", default="base,KILN_DECODE_QKV=norm")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
