@@ -349,7 +349,6 @@ class GatedMLP(nn.Module):
         *,
         prenorm: tuple[Norm, torch.Tensor] | None = None,
         stream: torch.Tensor | None = None,
-        input_norm: tuple[Norm, torch.Tensor | None] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (N, d) -> (N, d). The split add + RMSNorm (as Attention.forward's): prenorm = (norm, sumsq):
         x is the stream and gate_up applies `norm` in its prologue; stream: down_proj adds its output to it

@@ -100,12 +100,11 @@ def scope_layer_op(scope: str | None, kernel: str = "", cat: str = "kernel") -> 
         return layer, "embed"
     if leaf.isdigit():
         return layer, "block"
-    op = classify(kernel) if kernel else leaf
     if leaf == "mlp" and re.search(r"_gemv_kernel|_dot_kernel", kernel):
         # a decode matmul launched by the gated MLP itself: gate_up with the SwiGLU in its epilogue
         # (MergedLinear.swiglu_decode; down_proj runs in its own range)
         return layer, "gate_up_proj"
-    return layer, op
+    return layer, classify(kernel) if kernel else leaf
 
 
 def load_trace(path: str | Path) -> list[dict]:
@@ -234,13 +233,13 @@ def gpu_rows(acts: list[Activity], t0: float, t1: float) -> tuple[list[dict], li
             gaps += max(0.0, a.ts - busy_until)
         busy_until = max(busy_until, a.end)
         rows.append({"idx": i, "kernel": a.name, "cat": a.cat, "scope": a.scope, "layer": layer, "op": op,
-                     "start_us": round(a.ts - t0, 3), "us": round(excl, 3), "dur_us": round(a.dur, 3)})  # fmt: skip
+                     "start_us": round(a.ts - t0, 3), "us": excl, "dur_us": round(a.dur, 3)})  # fmt: skip
     first = acts[0].ts if acts else t1
     last = max((a.end for a in acts), default=t0)
     other = [
-        {"layer": "host", "op": "host before first GPU work", "us": round(first - t0, 3)},
-        {"layer": "gpu", "op": "idle gaps between GPU work", "us": round(gaps, 3)},
-        {"layer": "host", "op": "host after last GPU work", "us": round(max(0.0, t1 - last), 3)},
+        {"layer": "host", "op": "host before first GPU work", "us": first - t0},
+        {"layer": "gpu", "op": "idle gaps between GPU work", "us": gaps},
+        {"layer": "host", "op": "host after last GPU work", "us": max(0.0, t1 - last)},
     ]
     return rows, other
 
@@ -268,5 +267,4 @@ def cpu_rows(events: list[dict], step: dict, prefix: str = SCOPE_PREFIX) -> tupl
         stack.append(len(rows) - 1)
     for r in rows:
         del r["_end"]
-        r["us"] = round(r["us"], 3)
-    return rows, [{"layer": "host", "op": "host outside module ranges", "us": round(t1 - t0 - top, 3)}]
+    return rows, [{"layer": "host", "op": "host outside module ranges", "us": t1 - t0 - top}]

@@ -450,6 +450,8 @@ def run(
     kernel_us = sum(r["us"] for r in rows)
     remainder = wall - kernel_us - other_us
     unattributed = sum(r["us"] for r in rows if r["layer"] == "?")
+    for r in (*rows, *other):  # the sums above from exact times; the rows report them to 0.001 us
+        r["us"] = round(r["us"], 3)
     w_bytes, kv_bytes = weight_and_kv_bytes(model, rows_batch, ctx)
     step_bytes = sum(r.get("bytes") or 0 for r in rows)
     bw = memory_bandwidth(values) if cuda else None
