@@ -47,6 +47,9 @@ SWITCHES = {
     "KILN_DECODE_PRELOAD": (decode_attention, "_preload_switch"),
     "KILN_DECODE_EARLY": (kernels_common, "early_loads"),
     "KILN_DECODE_PREW": (matmul_decode, "preload_switch"),
+    "KILN_DECODE_GEMV_LONG": (matmul_decode, "gemv_override"),
+    "KILN_DECODE_GEMV_WIDE": (matmul_decode, "gemv_override"),
+    "KILN_DECODE_ALIGN": (decode_attention, "chunk_align"),
     "KILN_PDL_FIRST": (kernels_common, "_pdl_first_set"),
 }
 
@@ -61,6 +64,7 @@ def apply(setting: str) -> None:
             os.environ.pop(name, None)
         if hasattr(module, fn):
             getattr(module, fn).cache_clear()
+    matmul_decode.decode_config.cache_clear()  # it caches the rule's answers, gemv_override's among them
 
 
 def main() -> int:

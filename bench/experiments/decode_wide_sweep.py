@@ -1,4 +1,5 @@
-"""Experiment: the decode matmul's wide tiles (17-128 rows) against cuBLAS at the engine's decode buckets.
+"""Experiment: the decode matmul's wide tiles (17-128 rows), and its one-row gemv tiles, against cuBLAS at
+the engine's decode buckets.
 
     python bench/experiments/decode_wide_sweep.py --out /tmp/decode_wide_sweep.json   # H200, ~4 min
     python bench/experiments/decode_wide_sweep.py --smoke                             # CPU: the plumbing
@@ -12,6 +13,12 @@ copies of the weight (a decode step's worth: every call finds its weight out of 
 after a read-only 512 MB flush, candidates interleaved in --rounds rounds in a fresh random order (the
 method of decode_attn_sweep.py). Every output is checked against cuBLAS's. Figures: us a call, weight TB/s
 and the fraction of the copy bandwidth measured in the run.
+
+`--rows 1` times the one-row gemv kernel instead, over GEMV_GRID's tiles of gate_up and down (the two
+projections that stream their weight in the step; qkv and o load theirs before their programmatic-launch
+wait): the rule was chosen from L2-warm timings (docs/perf/matmul_decode.md), these calls stream from HBM.
+The best of each is what `KILN_DECODE_GEMV_LONG` / `_WIDE` (kernels/matmul_decode.py) take for whole-step
+A/B runs.
 """
 
 from __future__ import annotations
@@ -37,12 +44,22 @@ SHAPES = {"qkv": (1536, 2048, True), "o": (1536, 1536, False), "gate_up": (1536,
 # (weight rows a program, K step, warps, stages)
 TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (64, 64, 4, 4), (128, 64, 4, 4), (128, 128, 8, 3), (32, 128, 4, 3)]
 SPLITS = (1, 2, 4, 8, 16)
+# one row: (columns a program, K step, warps, stages) of the gemv kernel, by projection (the rule's first)
+GEMV_GRID = {
+    "down": [(2, 1024, 4, 1), (2, 1024, 4, 2), (2, 1024, 4, 3), (2, 512, 2, 3), (2, 512, 4, 3), (2, 512, 2, 4),
+             (2, 2048, 8, 2), (2, 256, 2, 4), (1, 1024, 4, 2), (1, 2048, 4, 2), (1, 512, 2, 3), (1, 1024, 2, 3),
+             (4, 512, 4, 3), (4, 1024, 4, 2), (4, 256, 2, 4), (4, 512, 2, 3)],
+    "gate_up": [(4, 256, 2, 3), (4, 256, 2, 4), (8, 256, 4, 3), (4, 512, 4, 2), (2, 512, 2, 3), (8, 128, 2, 4),
+                (4, 128, 1, 4), (2, 256, 1, 4), (4, 512, 2, 3), (2, 1024, 4, 2)],
+}  # fmt: skip
 
 
-def grid(M: int, K: int, N: int, sms: int) -> list[DecodeConfig]:
-    """The dot-kernel configs tried at (M, K, N): every tile whose stages fit the shared memory, at each
-    split K that leaves >= 2 K steps a split and gives between half and four programs an SM (the split
-    count 1 always)."""
+def grid(name: str, M: int, K: int, N: int, sms: int) -> list[DecodeConfig]:
+    """The configs tried at (M, K, N): at one row GEMV_GRID's gemv tiles of the projection; else every dot
+    tile whose stages fit the shared memory, at each split K that leaves >= 2 K steps a split and gives
+    between half and four programs an SM (the split count 1 always)."""
+    if M == 1:
+        return [DecodeConfig("gemv", bn, bk, 1, w, s, True) for bn, bk, w, s in GEMV_GRID.get(name, [])]
     out = []
     for bn, bk, w, s in TILES:
         if (bn + max(16, M)) * bk * 2 * s > 200 * 1024:  # W and x.T tiles of every stage, bf16
@@ -64,7 +81,8 @@ def sweep_shape(run, args, name: str, K: int, N: int, has_bias: bool, M: int, co
     want = F.linear(x.float(), ws[0].float(), None if bias is None else bias.float())
     sms = sm_count(dev)
     cands: dict[str, DecodeConfig | None] = {"cublas": None, "rule": decode_config(M, N, K, sms)}
-    for c in grid(M, K, N, sms) if not run.smoke else [DecodeConfig("dot", 16, 32, 2)]:
+    smoke = [DecodeConfig("gemv" if M == 1 else "dot", 16, 32, 1 if M == 1 else 2, 4, 2 if M == 1 else 1)]
+    for c in grid(name, M, K, N, sms) if not run.smoke else smoke:
         cands[str(c).replace(" ", "_")] = c
     graphs, meta = {}, {}
     for key, cfg in cands.items():
@@ -111,7 +129,7 @@ def main() -> int:
     rows_list = [int(m) for m in args.rows.split(",")]
     shapes = {k: SHAPES[k] for k in args.shapes.split(",")}
     if run.smoke:
-        rows_list, args.layers, args.rounds = [20], 2, 1
+        rows_list, args.layers, args.rounds = [1 if rows_list == [1] else 20], 2, 1
         shapes = {"qkv": (48, 40, True), "down": (96, 24, False)}
     copy = run.ceilings.get("copy_TBps")
     rows = []

@@ -223,6 +223,26 @@ def test_split_plan(monkeypatch):
         dec._preload_switch.cache_clear()
 
 
+def test_chunk_align_from_the_environment(monkeypatch):
+    # KILN_DECODE_ALIGN (A/B timing of whole steps) sets the keys of capacity a split stands for: at 64, a
+    # batch-1 split of a 1280-key table is one 64-key tile (20 splits, each its early tile), at 128 two
+    try:
+        monkeypatch.delenv("KILN_DECODE_ALIGN", raising=False)
+        dec.chunk_align.cache_clear()
+        assert dec.chunk_align() == dec.CHUNK_ALIGN == 128
+        assert dec.split_plan(1, 2, 1280, 132, dec.chunk_align())[0] == 10
+        monkeypatch.setenv("KILN_DECODE_ALIGN", "64")
+        dec.chunk_align.cache_clear()
+        assert dec.split_plan(1, 2, 1280, 132, dec.chunk_align())[0] == 20
+        monkeypatch.setenv("KILN_DECODE_ALIGN", "100")
+        dec.chunk_align.cache_clear()
+        with pytest.raises(ValueError, match="KILN_DECODE_ALIGN must be"):
+            dec.chunk_align()
+    finally:
+        monkeypatch.undo()
+        dec.chunk_align.cache_clear()
+
+
 def test_decode_default_launch_does_not_specialize_on_capacity(monkeypatch):
     # The engine's warm-up compiles decode attention once per split count on a one-page table; a served step
     # with a wider table must reuse those kernels, so the launch passes one MAX_PAGES value whatever the

@@ -259,6 +259,29 @@ def test_decode_config_rule(monkeypatch):
             assert rule(M, N, K, 132, split_ok=False).split_k == 1
 
 
+def test_decode_gemv_override_from_the_environment(monkeypatch):
+    """KILN_DECODE_GEMV_LONG / _WIDE (whole-step A/B runs) replace the one-row rule for the long-K (down) and
+    the too-large-to-preload (gate_up) projections only; a malformed value is one clear ValueError."""
+    monkeypatch.setattr(matmul_decode, "interpreting", lambda: False)
+    rule = decode_config.__wrapped__
+    monkeypatch.setenv("KILN_DECODE_GEMV_LONG", "1:2048:4:2")
+    monkeypatch.setenv("KILN_DECODE_GEMV_WIDE", " 8:128:2:4")
+    matmul_decode.gemv_override.cache_clear()
+    try:
+        assert rule(1, 1536, 8960, 132) == DecodeConfig("gemv", 1, 2048, 1, 4, 2, True)
+        assert rule(1, 17920, 1536, 132) == DecodeConfig("gemv", 8, 128, 1, 2, 4, True)
+        assert rule(1, 2048, 1536, 132) == DecodeConfig("gemv", 4, 256, 1, 2, 3, True)  # qkv: the rule
+        assert rule(16, 1536, 8960, 132).kernel == "dot"  # rows past one: the rule
+        for bad in ("2:1024:4", "3:1024:4:1", "4:256:0:3", "4:256:2:x"):
+            monkeypatch.setenv("KILN_DECODE_GEMV_LONG", bad)
+            matmul_decode.gemv_override.cache_clear()
+            with pytest.raises(ValueError, match="KILN_DECODE_GEMV_LONG must be"):
+                rule(1, 1536, 8960, 132)
+    finally:
+        monkeypatch.undo()
+        matmul_decode.gemv_override.cache_clear()
+
+
 QWEN_DECODE = [
     (M, K, N) for M in (1, 4, 16) for K, N in [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536)]
 ]

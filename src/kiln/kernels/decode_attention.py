@@ -538,6 +538,15 @@ def split_plan(
 
 
 @functools.cache
+def chunk_align() -> int:
+    """The keys of block-table capacity a split stands for (num_splits_for's `align`): CHUNK_ALIGN, or
+    KILN_DECODE_ALIGN from the environment (read once), for A/B timing of whole decode steps. At 64 a batch-1
+    split of a 1280-key table is its one early tile (20 splits), where 128 leaves it a second tile loaded
+    after the wait."""
+    return int(env_form("KILN_DECODE_ALIGN", ("128", "64", "256"), str(CHUNK_ALIGN)))
+
+
+@functools.cache
 def _preload_switch() -> bool:
     return env_form("KILN_DECODE_PRELOAD", ("on", "off")) == "on"
 
@@ -609,7 +618,7 @@ def decode_attention_triton(
     if window is not None:
         capacity = min(capacity, window)
     config = dict(config or {})
-    per_sm, align = config.pop("per_sm", None), config.pop("align", CHUNK_ALIGN)
+    per_sm, align = config.pop("per_sm", None), config.pop("align", None) or chunk_align()
     early = config.pop("EARLY", None)
     splits, plan = split_plan(B, Hk, capacity, sm_count(q.device), align)
     if per_sm is not None:

@@ -70,6 +70,7 @@ routes here from its launcher and keeps the autograd Function.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -145,6 +146,10 @@ def decode_config(
     if M > DECODE_MAX_M:
         return wide_config(M, N, K, sms, split_ok)
     if M == 1 and k_major:
+        kind = "long" if K > 4096 else "wide" if N * K > PRELOAD_MAX_WEIGHT else None
+        override = gemv_override(kind) if kind else None
+        if override is not None:
+            return override
         return (
             DecodeConfig("gemv", 4, 256, 1, 2, 3, True)
             if K <= 4096
@@ -186,6 +191,30 @@ def preload_weight(N: int, K: int) -> bool:
 @functools.cache
 def preload_switch() -> bool:
     return env_form("KILN_DECODE_PREW", ("on", "off")) == "on"
+
+
+GEMV_KINDS = ("long", "wide")
+
+
+@functools.cache
+def gemv_override(kind: str) -> DecodeConfig | None:
+    """A one-row gemv config from the environment (read once), in place of decode_config's rule, for A/B
+    timing of whole decode steps (bench/experiments/decode_forms.py) without a code change:
+    KILN_DECODE_GEMV_LONG=BN:BK:W:S for K > 4096 (the down projection), KILN_DECODE_GEMV_WIDE=BN:BK:W:S for
+    K <= 4096 with a weight too large to preload (gate_up); BN columns a program, BK a K step (powers of
+    two), W warps, S pipeline stages. None where unset."""
+    var = f"KILN_DECODE_GEMV_{kind.upper()}"
+    spec = os.environ.get(var, "").strip()
+    if not spec:
+        return None
+    nums = spec.split(":")
+    ok = len(nums) == 4 and all(n.isdigit() and int(n) > 0 for n in nums)
+    if not ok or any(int(n) & (int(n) - 1) for n in nums[:3]):
+        raise ValueError(
+            f"{var} must be BN:BK:W:S (positive integers, the first three powers of two), got {spec!r}"
+        )
+    bn, bk, w, s = map(int, nums)
+    return DecodeConfig("gemv", bn, bk, 1, w, s, True)
 
 
 def wide_config(M: int, N: int, K: int, sms: int, split_ok: bool = True) -> DecodeConfig:
