@@ -84,7 +84,7 @@ def test_gemv_bit_equal_to_unfused(config, M, dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("M", [1, 16])
+@pytest.mark.parametrize("M", [1, 16, 33])  # 33: the wide tiles' x.T (64 columns, ragged)
 @pytest.mark.parametrize("config", DOT, ids=str)
 def test_dot_kernel_bit_equal_to_unfused(config, M, dtype, device):
     # fp16 and fp32: the interpreter's bf16 tl.dot is broken (PLATFORM.md). The interpreter's tl.dot is
@@ -166,10 +166,11 @@ def test_rule_never_splits_for_the_epilogue(monkeypatch):
 
 # Qwen2.5-1.5B's gate_up: d 1536 -> 2 x 8960
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 16])
+@pytest.mark.parametrize("M", [1, 16, 32, 64])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_bf16_qwen_gate_up_bit_equal_and_in_a_graph(M, bias):
-    """The rule's config (gemv 4 x 256 at one row, the 64 x 128 tensor-core tile at 16), bf16: the same
+    """The rule's config (gemv 4 x 256 at one row, the 64 x 128 tensor-core tile at 16, the wide tiles at 32
+    and 64), bf16: the same
     bits as gate_up then kiln's SwiGLU kernel, eager and replayed from a CUDA graph, and close to float64."""
     x, b, bb = _inputs(M, 8960, 1536, torch.bfloat16, "cuda", seed=M, bias=bias)
     with use_backend("triton"):

@@ -92,6 +92,26 @@ def test_decode_step_dot_kernel_4_rows(swiglu_form, calls, device):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_decode_step_wide_tiles_20_rows(swiglu_form, calls, monkeypatch, device):
+    # 17-64 rows take the wide tiles (KILN_DECODE_ROWS, default 64): the epilogue there too, where the rule
+    # splits no K (its tile is then the unfused call's); where it would split, the separate SwiGLU stays.
+    # Through the interpreter the dot kernel's K sums may differ in the last float32 bits (see above).
+    model = _model("qwen2", device)
+    L = model.config.n_layers
+    step = _decode_step(model.config, [3 * i % 17 for i in range(20)], page=8, seed=4, device=device)
+    swiglu_form("separate")
+    want = _logits(model, *step)
+    assert calls() == {"swiglu": L, "epilogue": 0}
+    swiglu_form("epilogue")
+    got = _logits(model, *step)
+    assert calls() == {"swiglu": 0, "epilogue": L}
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    rule = matmul_decode.decode_config
+    monkeypatch.setattr(linear, "decode_config", lambda *a, **kw: rule(*a, **kw)._replace(split_k=2))
+    _logits(model, *step)
+    assert calls() == {"swiglu": L, "epilogue": 0}
+
+
 def test_split_norm_keeps_the_separate_swiglu(swiglu_form, calls, monkeypatch, device):
     # KILN_DECODE_NORM=split: a gate_up that normalizes in its prologue (prenorm) keeps today's code, the
     # separate SwiGLU; here both layers' post-attention norms split, so no epilogue runs, and the logits
@@ -114,11 +134,12 @@ def test_split_norm_keeps_the_separate_swiglu(swiglu_form, calls, monkeypatch, d
 
 
 def test_prefill_takes_the_old_path(swiglu_form, calls, device):
-    # more than 16 flat tokens: the separate SwiGLU kernel in both forms, the same bits
+    # more flat tokens than the decode tiles take (decode_rows(), 64): the separate SwiGLU kernel in both
+    # forms, the same bits
     from kiln.kernels.dispatch import use_backend
 
     model = _model("llama", device)
-    ids = torch.randint(0, BASE["vocab_size"], (1, 17), generator=torch.Generator().manual_seed(4)).to(device)
+    ids = torch.randint(0, BASE["vocab_size"], (1, 65), generator=torch.Generator().manual_seed(4)).to(device)
     with torch.no_grad(), use_backend("triton"):
         swiglu_form(None)
         want = model(ids)

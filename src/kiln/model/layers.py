@@ -24,7 +24,7 @@ from kiln.kernels.rmsnorm import rmsnorm, rmsnorm_fp8
 from kiln.kernels.rope import apply_rope, qkv_rope, qkv_rope_norm_supported, qkv_rope_supported, rope_kv_write
 from kiln.kernels.swiglu import swiglu, swiglu_fp8
 from kiln.model.attn_metadata import AttnMetadata
-from kiln.model.config import KernelConfig, ModelConfig, decode_qkv, decode_swiglu
+from kiln.model.config import KernelConfig, ModelConfig, decode_qkv, decode_rows, decode_swiglu
 from kiln.model.linear import Linear, MergedLinear, decode_step_fusable, hooked
 from kiln.model.quant_linear import QuantLinear
 
@@ -376,9 +376,10 @@ class GatedMLP(nn.Module):
 
     def _swiglu_in_epilogue(self, x: torch.Tensor) -> bool:
         """Whether this call's SwiGLU goes into gate_up's decode epilogue: the switch says so, the step is
-        decode-sized (decode_step_fusable) and gate_up runs kiln's decode matmul as a plain merged linear (not
-        unmerged by tensor parallelism, not quantized, no hooks). Shapes and flags only: fixed for a captured
-        CUDA graph."""
+        decode-sized (decode_step_fusable, up to decode_rows(): the wide tiles' 17-64 rows too, whose rule
+        takes no split K at gate_up's width) and gate_up runs kiln's decode matmul as a plain merged linear
+        (not unmerged by tensor parallelism, not quantized, no hooks). Shapes and flags only: fixed for a
+        captured CUDA graph."""
         # is_compiling first: a traced step keeps the separate kernel, and Dynamo need not trace the
         # switch's environment read
         gate_up = self.gate_up_proj
@@ -386,8 +387,9 @@ class GatedMLP(nn.Module):
             not torch.compiler.is_compiling()
             and decode_swiglu() == "epilogue"
             and isinstance(gate_up, MergedLinear)
-            and decode_step_fusable(x)
+            and decode_step_fusable(x, decode_rows())
             and gate_up.decode_fusable(x)
+            and gate_up.swiglu_fusable(x)
         )
 
 

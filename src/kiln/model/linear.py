@@ -29,10 +29,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kiln.kernels.dispatch import use_triton
+from kiln.kernels.dispatch import sm_count, use_triton
 from kiln.kernels.fp8_train import fp8_train_linear
 from kiln.kernels.matmul import linear as kiln_linear
-from kiln.kernels.matmul_decode import DECODE_MAX_M, decode_matmul, preload_weight
+from kiln.kernels.matmul_decode import DECODE_MAX_M, decode_config, decode_matmul, preload_weight
 from kiln.model.config import decode_rows
 
 DECODE_ROWS = DECODE_MAX_M  # kiln.kernels.matmul_decode handles up to this many rows
@@ -157,15 +157,15 @@ def _plain(w: torch.Tensor) -> bool:
     return type(w) in (nn.Parameter, torch.Tensor)
 
 
-def decode_step_fusable(x: torch.Tensor) -> bool:
+def decode_step_fusable(x: torch.Tensor, max_rows: int = DECODE_ROWS) -> bool:
     """The per-call half of Linear.decode_fusable, the same for every linear of a step (x: the step's
-    flat hidden states (N, d)): a decode-sized step (0 < N <= DECODE_ROWS rows) of a dtype kiln's matmul
-    takes, with no gradient, not under autocast (a float32 stream meets 16-bit outputs there) or
+    flat hidden states (N, d)): a decode-sized step (0 < N <= max_rows rows: DECODE_ROWS, or decode_rows()
+    for a fusion the wide tiles take too) of a dtype kiln's matmul takes, with no gradient, not under autocast (a float32 stream meets 16-bit outputs there) or
     torch.compile (the decode matmul's hooks are not registered ops), where kiln's Triton kernels run
     (CUDA, or the interpreter with the "triton" backend: kiln.kernels.dispatch)."""
     return (
         x.dim() == 2
-        and 0 < x.shape[0] <= DECODE_ROWS
+        and 0 < x.shape[0] <= max_rows
         and x.shape[1] > 0
         and x.dtype in DECODE_DTYPES
         and not (torch.is_grad_enabled() and x.requires_grad)
@@ -222,11 +222,21 @@ class MergedLinear(Linear):
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(y.split(list(self.parts.values()), dim=-1))
 
+    def swiglu_fusable(self, x: torch.Tensor) -> bool:
+        """Whether swiglu_decode(x) runs the config self(x) would: the decode rule's tile for x's rows takes
+        no split K (the epilogue takes none). True at 1-16 rows of a gate/up shape; at 17-64 rows (the wide
+        tiles) where 2F / 64 column blocks fill the SMs (Qwen2.5-1.5B's 280), not where the rule splits K
+        to fill them (Qwen3-0.6B's 96 blocks: the unfused split then stays)."""
+        rows = x.shape[0]
+        if rows <= DECODE_ROWS:
+            return True
+        return decode_config(rows, self.out_features, self.in_features, sm_count(x.device)).split_k == 1
+
     def swiglu_decode(self, x: torch.Tensor) -> torch.Tensor:
         """swiglu(self(x)) (N, F) for a gate/up projection (two parts of F rows each: gate, then up) with
         the SwiGLU in the decode matmul's epilogue: the bits of self(x) followed by kiln's SwiGLU kernel,
         without the (N, 2F) output or the second launch. Only where `decode_fusable(x)`; x (N, in) with
-        N <= DECODE_ROWS."""
+        N <= decode_rows() (past DECODE_ROWS, the wide tiles' rule: the dot kernel over all of K)."""
         sizes = list(self.parts.values())
         if len(sizes) != 2 or sizes[0] != sizes[1]:
             raise ValueError(f"swiglu_decode: needs two parts of one size (gate, up), got {self.parts}")
