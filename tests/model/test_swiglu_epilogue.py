@@ -92,13 +92,14 @@ def test_decode_step_dot_kernel_4_rows(swiglu_form, calls, device):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_step_wide_tiles_20_rows(swiglu_form, calls, monkeypatch, device):
-    # 17-64 rows take the wide tiles (KILN_DECODE_ROWS, default 64): the epilogue there too, where the rule
-    # splits no K (its tile is then the unfused call's); where it would split, the separate SwiGLU stays.
-    # Through the interpreter the dot kernel's K sums may differ in the last float32 bits (see above).
+def test_decode_step_wide_tiles_36_rows(swiglu_form, calls, monkeypatch, device):
+    # 17-64 rows take the wide tiles (KILN_DECODE_ROWS, default 64): the epilogue from 33 rows, where the
+    # rule splits no K (its tile is then the unfused call's); where it would split, and at 17-32 rows, the
+    # separate SwiGLU stays. Through the interpreter the dot kernel's K sums may differ in the last float32
+    # bits (see above).
     model = _model("qwen2", device)
     L = model.config.n_layers
-    step = _decode_step(model.config, [3 * i % 17 for i in range(20)], page=8, seed=4, device=device)
+    step = _decode_step(model.config, [3 * i % 17 for i in range(36)], page=8, seed=4, device=device)
     swiglu_form("separate")
     want = _logits(model, *step)
     assert calls() == {"swiglu": L, "epilogue": 0}
@@ -106,6 +107,8 @@ def test_decode_step_wide_tiles_20_rows(swiglu_form, calls, monkeypatch, device)
     got = _logits(model, *step)
     assert calls() == {"swiglu": 0, "epilogue": L}
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    _logits(model, *_decode_step(model.config, list(range(20)), page=8, seed=4, device=device))
+    assert calls() == {"swiglu": L, "epilogue": 0}  # 20 rows
     rule = matmul_decode.decode_config
     monkeypatch.setattr(linear, "decode_config", lambda *a, **kw: rule(*a, **kw)._replace(split_k=2))
     _logits(model, *step)

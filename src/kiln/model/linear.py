@@ -37,6 +37,9 @@ from kiln.model.config import decode_rows
 
 DECODE_ROWS = DECODE_MAX_M  # kiln.kernels.matmul_decode handles up to this many rows
 DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what kiln's matmul takes
+SWIGLU_WIDE_MIN_ROWS = (
+    33  # past DECODE_ROWS, the SwiGLU epilogue from this many rows (MergedLinear.swiglu_fusable)
+)
 FP8_RECIPES = {"fp8": "tensorwise", "fp8_rowwise": "rowwise"}  # KernelConfig.linear -> fp8_train recipe
 
 
@@ -223,13 +226,17 @@ class MergedLinear(Linear):
         return tuple(y.split(list(self.parts.values()), dim=-1))
 
     def swiglu_fusable(self, x: torch.Tensor) -> bool:
-        """Whether swiglu_decode(x) runs the config self(x) would: the decode rule's tile for x's rows takes
-        no split K (the epilogue takes none). True at 1-16 rows of a gate/up shape; at 17-64 rows (the wide
-        tiles) where 2F / 64 column blocks fill the SMs (Qwen2.5-1.5B's 280), not where the rule splits K
-        to fill them (Qwen3-0.6B's 96 blocks: the unfused split then stays)."""
+        """Whether swiglu_decode(x) is taken for x's rows: at 1-16 rows of a gate/up shape; past them (the
+        wide tiles) from SWIGLU_WIDE_MIN_ROWS rows where the rule's tile takes no split K (the epilogue takes
+        none), so that it runs the config self(x) would: Qwen2.5-1.5B's 280 column blocks fill the SMs,
+        Qwen3-0.6B's 96 do not (the unfused split then stays). Whole decode steps on the H200
+        (Qwen2.5-1.5B, docs/perf/inference.md): 1.033x at 64 sequences, 0.981x at 32, where the wide tile
+        is 128 deep in K (3 stages) rather than 64 (4)."""
         rows = x.shape[0]
         if rows <= DECODE_ROWS:
             return True
+        if rows < SWIGLU_WIDE_MIN_ROWS:
+            return False
         return decode_config(rows, self.out_features, self.in_features, sm_count(x.device)).split_k == 1
 
     def swiglu_decode(self, x: torch.Tensor) -> torch.Tensor:
