@@ -41,6 +41,7 @@ SWITCHES = {
     "KILN_DECODE_QKV": (model_config, "decode_qkv"),
     "KILN_DECODE_NORM": (model_config, "decode_norm"),
     "KILN_DECODE_SWIGLU": (model_config, "decode_swiglu"),
+    "KILN_DECODE_SUM": (model_config, "decode_sum"),
     "KILN_DECODE_BLOCK": (model_config, "decode_block"),
     "KILN_DECODE_ROWS": (model_config, "decode_rows"),
     "KILN_DECODE_FORM": (decode_attention, "default_form"),

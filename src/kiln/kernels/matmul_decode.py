@@ -642,6 +642,7 @@ def decode_matmul(
     sumsq: torch.Tensor | None = None,
     eps: float = 1e-6,
     norm_offset: float = 0.0,
+    defer_sum: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher: act(a @ b + bias) into `out` (a contiguous (M, N) tensor) or a new tensor.
 
@@ -658,6 +659,10 @@ def decode_matmul(
     is swiglu(a @ b + bias) (M, F), the same bits as kiln.kernels.swiglu.swiglu(decode_matmul(a, b, bias),
     None) with the same config (module doc); no activation, no split K (ValueError), config.block_n
     counts b's columns (2 per output feature).
+    defer_sum: where the config splits K, return the float32 (split, M, N) partial sums without the sum
+    kernel (and without the bias, which is ignored), for a consumer that adds them itself
+    (kiln.kernels.rmsnorm.rmsnorm_split: the sum and the add + RMSNorm after it in one launch); a config
+    that does not split is a ValueError, as are an activation, `out`, a prologue or an epilogue with it.
     """
     M, K = a.shape
     N = b.shape[1]
@@ -691,6 +696,10 @@ def decode_matmul(
     _check_swiglu_args(a, N, glu, activation, config, out)
     if config.kernel == "gemv" and M > DECODE_MAX_M:
         raise ValueError(f"the gemv decode kernel takes at most {DECODE_MAX_M} rows, got {M}: use 'dot'")
+    if defer_sum and (activation != "none" or out is not None or prologue != "none" or epilogue != "none"):
+        raise ValueError(
+            "decode_matmul: defer_sum returns the bare partial sums: no activation, out, prologue or epilogue"
+        )
     c = torch.empty((M, N // 2 if glu else N), device=a.device, dtype=a.dtype) if out is None else out
     split, k_split, dst = 1, K, c
     if config.split_k > 1:
@@ -699,6 +708,8 @@ def decode_matmul(
         k_split = cdiv(cdiv(K, config.split_k), config.block_k) * config.block_k
         split = cdiv(K, k_split)
         dst = torch.empty((split, M, N), device=a.device, dtype=torch.float32) if split > 1 else c
+    if defer_sum and split == 1:
+        raise ValueError(f"decode_matmul: defer_sum needs a config that splits K, got {config} at K={K}")
     grid = (cdiv(N, config.block_n), split)
     ss, n_ss, ss_block = _sumsq_buffers(a, M, N, config, split, has_residual, sumsq)
     (sxm, sxk), (sbk, sbn) = a.stride(), b.stride()  # B (K, N) = W.T: W's row stride is sbn
@@ -729,6 +740,8 @@ def decode_matmul(
                           num_warps=config.warps, num_stages=config.stages, launch_pdl=pdl)  # fmt: skip
     else:
         raise ValueError(f"unknown decode kernel {config.kernel!r}: 'gemv' or 'dot'")
+    if defer_sum:
+        return dst
     if split > 1 and has_residual:
         block_s = _residual_sum_tile(M)
         _residual_sum_launch[(n_ss,)](dst, c, c if bias is None else bias, res, ss, M, N, n_ss,

@@ -80,6 +80,25 @@ def rmsnorm_ref(
     return y if residual is None else (y, h)
 
 
+def rmsnorm_split_ref(
+    partials: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rmsnorm_split's reference: x = round(partials[0] + ... + partials[S - 1] + bias) in residual's dtype
+    (kiln.kernels.matmul_decode's split-K sum, slices added in order), then the add + RMSNorm reference:
+    (norm(x + residual), x + residual)."""
+    acc = partials[0].clone()
+    for p in partials[1:]:
+        acc += p
+    if bias is not None:
+        acc += bias.to(acc.dtype)
+    return rmsnorm_ref(acc.to(residual.dtype), weight, eps, residual, offset)
+
+
 def norm_fused_ref(
     x: torch.Tensor,
     b1: torch.Tensor,
@@ -110,9 +129,11 @@ def _rmsnorm_fwd_kernel(
     S_ptr,  # (n_rows,) out with FP8: float32 per-row scales of Y (else unused)
     W_ptr,  # (D,) weight
     RSTD_ptr,  # (n_rows + COUNTERS,) out: float32 1/rms per row, for the backward, then its counters
+    B_ptr,  # (D,) the split matmul's bias, read when SPLIT and HAS_BIAS
     x_row_stride,  # elements between rows of X (and of R, H, Y: see launcher)
     r_row_stride,
     y_row_stride,
+    split_stride,  # SPLIT: elements between two slices of X (n_rows x D)
     n_rows,
     n_cols,  # D
     eps,  # float
@@ -124,6 +145,8 @@ def _rmsnorm_fwd_kernel(
     BLOCK: tl.constexpr,  # next_power_of_2(D): the whole row in one block
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
     FIRST: tl.constexpr = False,  # signal the next kernel before waiting (kiln.kernels._common.pdl_first)
+    SPLIT: tl.constexpr = 0,  # > 0: X holds SPLIT float32 slices of split-K partial sums (rmsnorm_split)
+    HAS_BIAS: tl.constexpr = False,  # SPLIT: add B's bias to the sum
 ):
     pdl_prologue(PDL, FIRST)
     # (ROWS, 1) rows in int64: row * stride can pass 2**31
@@ -134,11 +157,22 @@ def _rmsnorm_fwd_kernel(
     mask = (rows < n_rows) & (cols < n_cols)
     # the weight (an L2 hit): the compiler issues its loads after the row's, during the reduction
     w = tl.load(W_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
-    h = tl.load(X_ptr + rows * x_row_stride + cols, mask=mask, other=0.0)
+    dt = H_ptr.dtype.element_ty  # x's dtype (with SPLIT: the split matmul's output dtype)
+    if SPLIT > 0:
+        # x = round(P[0] + ... + P[SPLIT - 1] + bias): kiln.kernels.matmul_decode's split-K sum, elementwise
+        # in its order, so the same bits as its sum kernel's output
+        h = tl.load(X_ptr + rows * x_row_stride + cols, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            h += tl.load(X_ptr + s * split_stride + rows * x_row_stride + cols, mask=mask, other=0.0)
+        if HAS_BIAS:
+            h += tl.load(B_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        h = h.to(dt)
+    else:
+        h = tl.load(X_ptr + rows * x_row_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(R_ptr + rows * r_row_stride + cols, mask=mask, other=0.0)
         # add in float32 and round once to the input dtype: what the eager bf16/fp16 add does
-        h = (h.to(tl.float32) + r.to(tl.float32)).to(X_ptr.dtype.element_ty)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(dt)
         tl.store(H_ptr + rows * y_row_stride + cols, h, mask=mask)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=1) / n_cols + eps)[:, None]  # (ROWS, 1)
@@ -146,8 +180,7 @@ def _rmsnorm_fwd_kernel(
     # keeps that multiply in float32: without it the compiler fuses round-multiply-round into a packed
     # bf16 multiply (the same values), and that form ran 1.1% slower on the H200 (32768 x 4096 bf16,
     # bench/experiments/rmsnorm_liger_math.py: 134.9 against 133.4 us; the float32 form ties Liger's).
-    dt = X_ptr.dtype.element_ty  # the output dtype (Y's, but for FP8)
-    y = ((hf * rstd).to(dt) * w).to(dt)
+    y = ((hf * rstd).to(dt) * w).to(dt)  # dt: the output dtype (Y's, but for FP8)
     y_offs = rows * y_row_stride + cols
     if FP8:  # the rounded row, then quantize_fp8's per-row arithmetic on it
         scale, inv = fp8_row_scale(tl.max(tl.abs(y.to(tl.float32)), axis=1))  # (ROWS,)
@@ -246,13 +279,40 @@ def rmsnorm_fwd(
     rows = rows or fwd_rows(block)
     _fwd_launch[(cdiv(n_rows, rows),)](
         x2, x2 if r2 is None else r2, h, y, x2 if scales is None else scales, weight,
-        x2 if rstd is None else rstd, x2.stride(0), 0 if r2 is None else r2.stride(0), D,
+        x2 if rstd is None else rstd, weight, x2.stride(0), 0 if r2 is None else r2.stride(0), D, 0,
         n_rows, D, eps, offset,
         HAS_RESIDUAL=r2 is not None, FOR_BACKWARD=for_backward, FP8=scales is not None,
         ROWS=rows, BLOCK=block, num_warps=num_warps or row_warps(block), PDL=pdl(x2), launch_pdl=pdl(x2),
         FIRST=signal_first and pdl_first("norm"),
     )  # fmt: skip
     return y, h, rstd
+
+
+def rmsnorm_split_fwd(
+    partials: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor,
+    offset: float = 0.0,
+    signal_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward on split-K partials (rmsnorm_split): (y, h), both (n_rows, D) in residual's dtype."""
+    S, n_rows, D = partials.shape
+    y = torch.empty((n_rows, D), dtype=residual.dtype, device=residual.device)
+    h = torch.empty_like(y)
+    if n_rows == 0:
+        return y, h
+    block = pow2(D)
+    rows = fwd_rows(block)
+    _fwd_launch[(cdiv(n_rows, rows),)](
+        partials, residual, h, y, partials, weight, partials, weight if bias is None else bias,
+        D, residual.stride(0), D, n_rows * D, n_rows, D, eps, offset,
+        HAS_RESIDUAL=True, FOR_BACKWARD=False, FP8=False, ROWS=rows, BLOCK=block, num_warps=row_warps(block),
+        PDL=pdl(residual), launch_pdl=pdl(residual), FIRST=signal_first and pdl_first("norm"), SPLIT=S,
+        HAS_BIAS=bias is not None,
+    )  # fmt: skip
+    return y, h
 
 
 def rmsnorm_bwd(
@@ -436,3 +496,35 @@ def rmsnorm(
         x, weight, eps, residual, for_backward=False, offset=float(offset), signal_first=signal_first
     )
     return shaped(y, x.shape) if residual is None else (shaped(y, x.shape), shaped(h, x.shape))
+
+
+def rmsnorm_split(
+    partials: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor,
+    offset: float = 0.0,
+    *,
+    signal_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The add + RMSNorm of a split-K matmul's output, its sum done here (inference): partials (S, N, D)
+    float32, the slices kiln.kernels.matmul_decode's decode matmul leaves with `defer_sum` (its bias not
+    added), bias (D,) or None, residual (N, D). Returns (norm(x + residual), x + residual) with x the
+    matmul's output, round(sum of the slices in order + bias) in residual's dtype: x and the new stream
+    are the bits of the decode matmul's sum kernel followed by `rmsnorm`, in one launch instead of two.
+    The normalized rows: rstd's float32 sum may run in another order than rmsnorm's (its loads are float32
+    here), a bf16 ulp at most."""
+    S, N, D = partials.shape if partials.dim() == 3 else (0, 0, 0)
+    if partials.dtype != torch.float32 or S < 1 or residual.shape != (N, D) or weight.shape != (D,):
+        raise ValueError(
+            f"rmsnorm_split: partials must be float32 (S >= 1, N, D) with residual (N, D) and weight (D,), got "
+            f"{partials.dtype} {tuple(partials.shape)}, residual {tuple(residual.shape)}, weight {tuple(weight.shape)}"
+        )
+    if bias is not None and bias.shape != (D,):
+        raise ValueError(f"rmsnorm_split: bias must be ({D},), got {tuple(bias.shape)}")
+    if not use_triton(residual, weight) or torch.compiler.is_compiling():
+        return rmsnorm_split_ref(partials, bias, weight, eps, residual, offset)
+    if not (partials.is_contiguous() and residual.is_contiguous()):
+        raise ValueError("rmsnorm_split: partials and residual must be contiguous")
+    return rmsnorm_split_fwd(partials, bias, weight, eps, residual, float(offset), signal_first)

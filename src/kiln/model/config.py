@@ -144,6 +144,26 @@ def decode_swiglu() -> str:
     return _env_form("KILN_DECODE_SWIGLU", DECODE_SWIGLUS, what)
 
 
+# Where a decode step's split-K sums of o_proj and down_proj are added (decode_sum): "separate" (the decode
+# matmul's sum kernel, then the add + RMSNorm kernel) or "norm" (the add + RMSNorm kernel adds them)
+DECODE_SUMS = ("separate", "norm")
+
+
+@functools.cache
+def decode_sum() -> str:
+    """Where the split-K partial sums of a decode matmul that splits K (o_proj at 17-64 rows, down_proj at
+    2-64 at the Qwen2.5-1.5B shape) are added when an add + RMSNorm follows it: "separate" (the default:
+    the matmul's sum kernel, then the norm kernel) unless KILN_DECODE_SUM says "norm" (read once, as
+    KILN_DECODE_NORM is): the norm kernel adds them (kiln.kernels.rmsnorm.rmsnorm_split), one launch less
+    at each such norm; the matmul's output and the new stream are the same bits, a normalized element may
+    move by a bf16 ulp (rstd's sum order). Where it does not apply, a step runs as with "separate"
+    (kiln.model.transformer.Decoder)."""
+    what = (
+        "the decode matmul's own split-K sum kernel, 'norm' for the sum in the add + RMSNorm kernel after it"
+    )
+    return _env_form("KILN_DECODE_SUM", DECODE_SUMS, what)
+
+
 # How a one-token paged decode step runs each dense block (decode_block): "separate" (its ten kernels) or
 # "fused" (kiln.kernels.decode_block: the whole block in one launch, grid barriers between its phases)
 DECODE_BLOCKS = ("separate", "fused")

@@ -20,12 +20,12 @@ from kiln.kernels.fp8_matmul import Fp8Rows
 from kiln.kernels.launch import pow2
 from kiln.kernels.layernorm import layernorm
 from kiln.kernels.paged_kv import paged_kv_write
-from kiln.kernels.rmsnorm import rmsnorm, rmsnorm_fp8
+from kiln.kernels.rmsnorm import rmsnorm, rmsnorm_fp8, rmsnorm_split
 from kiln.kernels.rope import apply_rope, qkv_rope, qkv_rope_norm_supported, qkv_rope_supported, rope_kv_write
 from kiln.kernels.swiglu import swiglu, swiglu_fp8
 from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.config import KernelConfig, ModelConfig, decode_qkv, decode_rows, decode_swiglu
-from kiln.model.linear import Linear, MergedLinear, decode_step_fusable, hooked
+from kiln.model.linear import Linear, MergedLinear, SplitSum, decode_step_fusable, hooked
 from kiln.model.quant_linear import QuantLinear
 
 
@@ -55,7 +55,11 @@ class Norm(nn.Module):
     ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
         """into: the linear that takes the output. Where it is an FP8 QuantLinear that wants its rows
         quantized by their producer (QuantLinear.takes_fp8_rows), an RMSNorm returns them as Fp8Rows
-        (kiln.kernels.rmsnorm.rmsnorm_fp8: the same bits as norm, then quantize, one launch less)."""
+        (kiln.kernels.rmsnorm.rmsnorm_fp8: the same bits as norm, then quantize, one launch less).
+        x may be a SplitSum (a decode matmul's split-K partials, where takes_split_sum held for its
+        producer): the norm kernel adds them (kiln.kernels.rmsnorm.rmsnorm_split)."""
+        if isinstance(x, SplitSum):
+            return rmsnorm_split(x.partials, x.bias, self.weight, self.eps, residual)
         if residual is not None and residual.dtype != x.dtype:
             wide = torch.promote_types(x.dtype, residual.dtype)
             x, residual = x.to(wide), residual.to(wide)
@@ -72,6 +76,12 @@ class Norm(nn.Module):
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """Just the norm, no residual (the per-head q/k norms)."""
         return self(x)[0]
+
+    def takes_split_sum(self, into: nn.Module | None = None) -> bool:
+        """Whether this norm, called with a residual stream, may take its input as a SplitSum (the producer's
+        split-K partials, Linear.split_sum): an RMSNorm with no hooks whose output does not go to a
+        quantized linear (an FP8 one may want its rows quantized by the norm)."""
+        return self.bias is None and not hooked(self) and not isinstance(into, QuantLinear)
 
     def splittable(self, x: torch.Tensor) -> bool:
         """Whether the decode matmuls around this norm may take it over (KILN_DECODE_NORM=split) for a step
@@ -124,7 +134,8 @@ class Attention(nn.Module):
         prenorm: tuple[Norm, torch.Tensor] | None = None,
         stream: torch.Tensor | None = None,
         input_norm: tuple[Norm, torch.Tensor | None] | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        defer_sum: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | SplitSum:
         """x (N, d) -> (N, d). rope = (cos, sin, index) for the N query positions, or None (learned
         positions); kv_cache = this layer's paged (k_cache, v_cache) (num_blocks, block_size, Hk, D);
         key_rope: tables for every key when a legacy cache rotates keys itself (streaming).
@@ -136,7 +147,10 @@ class Attention(nn.Module):
 
         input_norm = (norm, residual) (a one-token step where takes_input_norm holds, KILN_DECODE_QKV=norm):
         x is the block's input before its add + RMSNorm, which the fused q/k/v kernel forms itself; the
-        call returns (output, the new residual stream)."""
+        call returns (output, the new residual stream).
+
+        defer_sum: the caller's add + RMSNorm takes a SplitSum (Norm.takes_split_sum): where o_proj's decode
+        matmul splits K (Linear.defers_sum), the call returns its partials unsummed."""
         if input_norm is not None:
             return self._forward_normed(x, *input_norm, rope, meta, kv_cache)
         N = x.shape[0]
@@ -145,7 +159,7 @@ class Attention(nn.Module):
             k_cache, v_cache = kv_cache
             q = qkv_rope(x, self.qkv_proj.weight, self.qkv_proj.bias, rope[0], rope[1], rope[2].reshape(-1),
                          k_cache, v_cache, meta.slot_mapping, self.n_heads, interleaved=self.rope_interleaved)  # fmt: skip
-            return self._attend_rotated(q, meta, kv_cache, stream)
+            return self._attend_rotated(q, meta, kv_cache, stream, defer_sum)
         if prenorm is None:
             qkv = self.qkv_proj(x)
         else:
@@ -161,18 +175,31 @@ class Attention(nn.Module):
             y = self._dense(q, k, v, rope, meta, key_rope)
         else:
             y = self._flat(q, k, v, rope, meta, kv_cache)
-        if stream is not None:
-            return self.o_proj.add_to_stream(y.reshape(N, -1), stream)
-        return self.o_proj(y.reshape(N, -1))
+        return self._project(y.reshape(N, -1), stream, defer_sum)
 
-    def _attend_rotated(self, q: torch.Tensor, meta: AttnMetadata, kv_cache, stream: torch.Tensor | None):
+    def _project(self, y: torch.Tensor, stream: torch.Tensor | None, defer_sum: bool):
+        """o_proj of the attention output y (N, Hq * D): with `stream` (the split norm) (new stream, partials),
+        with defer_sum where o_proj defers its split-K sum a SplitSum, else the output."""
+        if stream is not None:
+            return self.o_proj.add_to_stream(y, stream)
+        if defer_sum and isinstance(self.o_proj, Linear) and self.o_proj.defers_sum(y):
+            return self.o_proj.split_sum(y)
+        return self.o_proj(y)
+
+    def _attend_rotated(
+        self,
+        q: torch.Tensor,
+        meta: AttnMetadata,
+        kv_cache,
+        stream: torch.Tensor | None,
+        defer_sum: bool = False,
+    ):
         """Decode attention and the o projection after the fused q/k/v kernel (q (N, Hq, D) rotated, this
-        token's K/V in the cache): forward's output, or with `stream` (the split norm) its (stream, partials)."""
+        token's K/V in the cache): forward's output (see _project)."""
         k_cache, v_cache = kv_cache
         y = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, window=self.window,
                              sinks=self.sinks, signal_first=self._o_reads_early(q))  # fmt: skip
-        y = y.reshape(q.shape[0], -1)
-        return self.o_proj(y) if stream is None else self.o_proj.add_to_stream(y, stream)
+        return self._project(y.reshape(q.shape[0], -1), stream, defer_sum)
 
     def takes_input_norm(
         self, h: torch.Tensor, residual, norm: Norm, rope, meta: AttnMetadata, kv_cache
@@ -349,10 +376,12 @@ class GatedMLP(nn.Module):
         *,
         prenorm: tuple[Norm, torch.Tensor] | None = None,
         stream: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        defer_sum: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | SplitSum:
         """x (N, d) -> (N, d). The split add + RMSNorm (as Attention.forward's): prenorm = (norm, sumsq):
         x is the stream and gate_up applies `norm` in its prologue; stream: down_proj adds its output to it
-        and the call returns (new stream, its (N, n) partial sums of squares).
+        and the call returns (new stream, its (N, n) partial sums of squares). defer_sum: the caller's next
+        add + RMSNorm takes a SplitSum: where down_proj splits K (Linear.defers_sum), its partials unsummed.
 
         Unless KILN_DECODE_SWIGLU=separate (kiln.model.config.decode_swiglu), a decode-sized step whose gate_up
         runs kiln's decode matmul takes the SwiGLU in that matmul's epilogue (MergedLinear.swiglu_decode:
@@ -372,6 +401,8 @@ class GatedMLP(nn.Module):
             a = swiglu_fp8(h) if takes_fp8_rows(self.down_proj, h) else swiglu(h, None)  # (N, F)
         if stream is not None:
             return self.down_proj.add_to_stream(a, stream)
+        if defer_sum and isinstance(self.down_proj, Linear) and self.down_proj.defers_sum(a):
+            return self.down_proj.split_sum(a)
         return self.down_proj(a)
 
     def _swiglu_in_epilogue(self, x: torch.Tensor) -> bool:

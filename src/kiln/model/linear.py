@@ -24,6 +24,7 @@ linears later replace these classes, not the model.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -33,7 +34,7 @@ from kiln.kernels.dispatch import sm_count, use_triton
 from kiln.kernels.fp8_train import fp8_train_linear
 from kiln.kernels.matmul import linear as kiln_linear
 from kiln.kernels.matmul_decode import DECODE_MAX_M, decode_config, decode_matmul, preload_weight
-from kiln.model.config import decode_rows
+from kiln.model.config import decode_rows, decode_sum
 
 DECODE_ROWS = DECODE_MAX_M  # kiln.kernels.matmul_decode handles up to this many rows
 DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what kiln's matmul takes
@@ -41,6 +42,20 @@ SWIGLU_WIDE_MIN_ROWS = (
     33  # past DECODE_ROWS, the SwiGLU epilogue from this many rows (MergedLinear.swiglu_fusable)
 )
 FP8_RECIPES = {"fp8": "tensorwise", "fp8_rowwise": "rowwise"}  # KernelConfig.linear -> fp8_train recipe
+
+
+class SplitSum(NamedTuple):
+    """A decode matmul's output left as its split-K partial sums (Linear.split_sum), for the add + RMSNorm
+    after it to add (kiln.model.layers.Norm, kiln.kernels.rmsnorm.rmsnorm_split): partials (S, N, out)
+    float32, the bias (out,) or None, and the output's dtype."""
+
+    partials: torch.Tensor
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.partials.shape[1:]
 
 
 class Linear(nn.Module):
@@ -115,6 +130,24 @@ class Linear(nn.Module):
             and not hooked(self)
             and not grad
         )
+
+    def defers_sum(self, x: torch.Tensor) -> bool:
+        """Whether self(x) may come back as its split-K partials (split_sum) for the add + RMSNorm after it
+        to add (KILN_DECODE_SUM=norm, kiln.model.config.decode_sum): a decode-sized step (up to
+        decode_rows() rows) that runs kiln's decode matmul (decode_fusable) with a config that splits K.
+        Shapes and flags only: fixed for a captured CUDA graph."""
+        return (
+            decode_step_fusable(
+                x, decode_rows()
+            )  # False under torch.compile: Dynamo need not read the switch
+            and decode_sum() == "norm"
+            and self.decode_fusable(x)
+            and decode_config(x.shape[0], self.out_features, self.in_features, sm_count(x.device)).split_k > 1
+        )
+
+    def split_sum(self, x: torch.Tensor) -> SplitSum:
+        """self(x) as its split-K partial sums, unsummed (only where defers_sum(x))."""
+        return SplitSum(decode_matmul(x, self.weight.t(), defer_sum=True), self.bias, x.dtype)
 
     def add_to_stream(self, x: torch.Tensor, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(stream + self(x) (N, out), its (N, n) float32 partial sums of squares per column block): the

@@ -29,7 +29,7 @@ from kiln.kernels.decode_block import decode_block_supported
 from kiln.kernels.linear_cross_entropy import linear_cross_entropy
 from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.cache import KVCache
-from kiln.model.config import KernelConfig, ModelConfig, decode_block, decode_norm
+from kiln.model.config import KernelConfig, ModelConfig, decode_block, decode_norm, decode_sum
 from kiln.model.layers import Attention, GatedMLP, GeluMLP, Norm
 from kiln.model.linear import Linear, MergedLinear, decode_step_fusable, hooked
 from kiln.model.moe import SparseMoE
@@ -52,22 +52,35 @@ class Block(nn.Module):
         else:
             self.mlp = GatedMLP(cfg.d_model, cfg.ffn_hidden, kernels)
 
-    def forward(self, h, residual, rope, meta, kv_cache=None, key_rope=None):
-        """h: the previous sublayer's output (N, d); residual: the stream it adds to (None before the
-        first block). Returns (this block's MLP output, the stream before it, the MoE aux loss or None)."""
+    def forward(self, h, residual, rope, meta, kv_cache=None, key_rope=None, defer_sum=False):
+        """h: the previous sublayer's output (N, d), or its SplitSum (the previous block's down_proj
+        partials, KILN_DECODE_SUM=norm); residual: the stream it adds to (None before the first block).
+        Returns (this block's MLP output, the stream before it, the MoE aux loss or None). defer_sum: the
+        caller's next norm takes a SplitSum (Norm.takes_split_sum), so the MLP output may be one."""
         attn = self.self_attn
         norm = self.input_layernorm
-        if kv_cache is not None and attn.takes_input_norm(h, residual, norm, rope, meta, kv_cache):
+        gate_up = self.mlp.gate_up_proj if isinstance(self.mlp, GatedMLP) else None
+        if (
+            kv_cache is not None
+            and isinstance(h, torch.Tensor)
+            and attn.takes_input_norm(h, residual, norm, rope, meta, kv_cache)
+        ):
             # one kernel: the add + RMSNorm, q/k/v, RoPE and the K/V write (KILN_DECODE_QKV=norm)
             h, residual = attn(h, rope, meta, kv_cache, key_rope, input_norm=(norm, residual))
         else:
             x, residual = norm(h, residual, into=attn.qkv_proj)
-            h = attn(x, rope, meta, kv_cache, key_rope)
-        gate_up = self.mlp.gate_up_proj if isinstance(self.mlp, GatedMLP) else None
+            # KILN_DECODE_SUM=norm: o_proj may leave its split-K sum to the post-attention norm (is_compiling
+            # first: a traced step keeps the sum kernel, and Dynamo need not read the switch)
+            post = not torch.compiler.is_compiling() and self.post_attention_layernorm.takes_split_sum(
+                gate_up
+            )
+            h = attn(x, rope, meta, kv_cache, key_rope, defer_sum=post)
         x, residual = self.post_attention_layernorm(h, residual, into=gate_up)
         if isinstance(self.mlp, SparseMoE):
             h, aux = self.mlp(x)
             return h, residual, aux
+        if defer_sum and isinstance(self.mlp, GatedMLP):
+            return self.mlp(x, defer_sum=True), residual, None
         return self.mlp(x), residual, None
 
     def fusable(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -195,6 +208,11 @@ class Decoder(nn.Module):
         residual, sumsq, auxes = None, None, []
         fused = self.fused_blocks(h, rope, meta, kv_caches)
         split = None if fused is not None else self.norm_split(h)
+        # KILN_DECODE_SUM=norm: a down_proj that splits K leaves its sum to the next norm; not beside the
+        # fused or split-norm forms (their blocks take a tensor), nor traced (Dynamo need not read the switch)
+        defer = (
+            fused is None and split is None and not torch.compiler.is_compiling() and decode_sum() == "norm"
+        )
         for i, layer in enumerate(self.layers):
             kv = kv_caches[i] if kv_caches is not None else None
             if fused is not None and fused[i]:  # the stream in, the stream out
@@ -206,11 +224,26 @@ class Decoder(nn.Module):
                     h, residual, sumsq, rope, meta, kv, key_rope, *split[i][1:]
                 )
                 continue
-            h, residual, aux = layer(h, residual, rope, meta, kv, key_rope)
+            if defer and self._defers_into(i):  # the next norm adds this block's down_proj partials
+                h, residual, aux = layer(h, residual, rope, meta, kv, key_rope, defer_sum=True)
+            else:
+                h, residual, aux = layer(h, residual, rope, meta, kv, key_rope)
             if aux is not None:
                 auxes.append(aux)
         h, _ = self.norm(h, residual)
         return h, (torch.stack(auxes).mean() if auxes else None)
+
+    def _defers_into(self, i: int) -> bool:
+        """Whether block i may hand its MLP output to the norm after it as a SplitSum (KILN_DECODE_SUM=norm,
+        checked by the caller): block i is a plain Block and the norm after it (block i + 1's input norm, or
+        the final norm) takes one. The MLP defers only where its down_proj splits K (GatedMLP.forward).
+        Module types only: fixed for a captured CUDA graph."""
+        if not isinstance(self.layers[i], Block):
+            return False
+        if i + 1 == len(self.layers):
+            return self.norm.takes_split_sum()
+        nxt = self.layers[i + 1]
+        return isinstance(nxt, Block) and nxt.input_layernorm.takes_split_sum(nxt.self_attn.qkv_proj)
 
     def fused_blocks(self, h: torch.Tensor, rope, meta: AttnMetadata, kv_caches) -> list[bool] | None:
         """Per block, whether it runs as one kernel (Block.forward_fused) at this step: the switch
