@@ -2,7 +2,7 @@
 kiln.model.linear.SplitSum, kiln.kernels.rmsnorm.rmsnorm_split): a decode-sized step gives the logits of the
 separate sum kernel + norm, launches no sum kernel where the norm takes it over (every post-attention norm,
 every input norm after the first, the final norm), and leaves a step alone where the configs do not split,
-at a prefill, or with the switch off; a bad switch value is a clear error."""
+at a prefill, or with KILN_DECODE_SUM=separate; a bad switch value is a clear error."""
 
 from __future__ import annotations
 
@@ -67,10 +67,10 @@ def test_decode_step_split_sum_equals_separate(name, sum_form, calls, monkeypatc
     model = _model(name, device)
     L = model.config.n_layers
     step = _decode_step(model.config, [0, 5, 30, 12], page=8, seed=2, device=device)
-    sum_form(None)
+    sum_form("separate")
     want = _logits(model, *step)
-    assert calls() == {"rmsnorm_split": 0, "deferred": 0}  # off by default
-    sum_form("norm")
+    assert calls() == {"rmsnorm_split": 0, "deferred": 0}
+    sum_form(None)  # the default
     got = _logits(model, *step)
     # o_proj into every post-attention norm, down_proj into the next input norm or the final norm
     assert calls() == {"rmsnorm_split": 2 * L, "deferred": 2 * L}
@@ -81,6 +81,7 @@ def test_no_split_no_deferral(sum_form, calls, device):
     # the interpreter's own rule splits no K: nothing to defer, the same logits bit for bit
     model = _model("qwen2", device)
     step = _decode_step(model.config, [3, 7], page=8, seed=4, device=device)
+    sum_form("separate")
     want = _logits(model, *step)
     sum_form("norm")
     got = _logits(model, *step)
@@ -96,6 +97,7 @@ def test_prefill_keeps_the_sum_kernel(sum_form, calls, monkeypatch, device):
     model = _model("llama", device)
     ids = torch.randint(0, BASE["vocab_size"], (1, 65), generator=torch.Generator().manual_seed(4)).to(device)
     with torch.no_grad(), use_backend("triton"):
+        sum_form("separate")
         want = model(ids)
         sum_form("norm")
         got = model(ids)
@@ -107,5 +109,5 @@ def test_bad_switch_value_is_a_clear_error(sum_form, device):
     model = _model("llama", device)
     step = _decode_step(model.config, [4], page=8, seed=5, device=device)
     sum_form("sometimes")
-    with pytest.raises(KilnError, match="KILN_DECODE_SUM='sometimes' is not one of separate, norm"):
+    with pytest.raises(KilnError, match="KILN_DECODE_SUM='sometimes' is not one of norm, separate"):
         _logits(model, *step)

@@ -144,23 +144,22 @@ def decode_swiglu() -> str:
     return _env_form("KILN_DECODE_SWIGLU", DECODE_SWIGLUS, what)
 
 
-# Where a decode step's split-K sums of o_proj and down_proj are added (decode_sum): "separate" (the decode
-# matmul's sum kernel, then the add + RMSNorm kernel) or "norm" (the add + RMSNorm kernel adds them)
-DECODE_SUMS = ("separate", "norm")
+# Where a decode step's split-K sums of o_proj and down_proj are added (decode_sum): "norm" (the add + RMSNorm
+# kernel adds them) or "separate" (the decode matmul's sum kernel, then the add + RMSNorm kernel)
+DECODE_SUMS = ("norm", "separate")
 
 
 @functools.cache
 def decode_sum() -> str:
     """Where the split-K partial sums of a decode matmul that splits K (o_proj at 17-64 rows, down_proj at
-    2-64 at the Qwen2.5-1.5B shape) are added when an add + RMSNorm follows it: "separate" (the default:
-    the matmul's sum kernel, then the norm kernel) unless KILN_DECODE_SUM says "norm" (read once, as
-    KILN_DECODE_NORM is): the norm kernel adds them (kiln.kernels.rmsnorm.rmsnorm_split), one launch less
-    at each such norm; the matmul's output and the new stream are the same bits, a normalized element may
-    move by a bf16 ulp (rstd's sum order). Where it does not apply, a step runs as with "separate"
-    (kiln.model.transformer.Decoder)."""
-    what = (
-        "the decode matmul's own split-K sum kernel, 'norm' for the sum in the add + RMSNorm kernel after it"
-    )
+    2-64 at the Qwen2.5-1.5B shape) are added when an add + RMSNorm follows it: "norm" (the default: the
+    norm kernel adds them, kiln.kernels.rmsnorm.rmsnorm_split, one launch less at each such norm) unless
+    KILN_DECODE_SUM says "separate" (read once, as KILN_DECODE_NORM is: the matmul's sum kernel, then the
+    norm kernel), for A/B timing of whole steps. The matmul's output and the new stream are the same bits
+    either way; a normalized element may move by a bf16 ulp (rstd's sum order). Where it does not apply, a
+    step runs as with "separate" (kiln.model.transformer.Decoder). On the H200 (0d16ae1, whole decode
+    steps, CUDA-graph replays; docs/perf/inference.md): 1.010x at 16 sequences, 1.025x at 32, 1.017x at 64."""
+    what = "the sum in the add + RMSNorm kernel, 'separate' for the decode matmul's own split-K sum kernel"
     return _env_form("KILN_DECODE_SUM", DECODE_SUMS, what)
 
 

@@ -142,12 +142,19 @@ class Linear(nn.Module):
             )  # False under torch.compile: Dynamo need not read the switch
             and decode_sum() == "norm"
             and self.decode_fusable(x)
-            and decode_config(x.shape[0], self.out_features, self.in_features, sm_count(x.device)).split_k > 1
+            and self._rule(x).split_k > 1
         )
 
     def split_sum(self, x: torch.Tensor) -> SplitSum:
-        """self(x) as its split-K partial sums, unsummed (only where defers_sum(x))."""
-        return SplitSum(decode_matmul(x, self.weight.t(), defer_sum=True), self.bias, x.dtype)
+        """self(x) as its split-K partial sums, unsummed (only where defers_sum(x)), at the rule's config:
+        the one defers_sum read and self(x) would run."""
+        return SplitSum(
+            decode_matmul(x, self.weight.t(), config=self._rule(x), defer_sum=True), self.bias, x.dtype
+        )
+
+    def _rule(self, x: torch.Tensor):
+        """The decode matmul's config for x (N, in) rows of this weight (matmul_decode.decode_config)."""
+        return decode_config(x.shape[0], self.out_features, self.in_features, sm_count(x.device))
 
     def add_to_stream(self, x: torch.Tensor, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(stream + self(x) (N, out), its (N, n) float32 partial sums of squares per column block): the
