@@ -74,13 +74,19 @@ for first in (False, True):
     out[f"reduce first={first}"] = len(ptx)
     out[f"reduce first={first} first"] = signals_first(ptx)
 ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", Q_OUT="*bf16", COS="*fp32", SIN="*fp32", ROWS="*i64", K_CACHE="*bf16",
-            V_CACHE="*bf16", SLOTS="*i64")
+            V_CACHE="*bf16", SLOTS="*i64", BQ="*bf16", BK="*bf16", BV="*bf16")
 for inter in (False, True):
-    c = dict(PAGE_SIZE=16, INTERLEAVED=inter, BLOCK_QH=16, BLOCK_KH=2, BLOCK_D=64, PDL=True, EARLY=inter, FIRST=inter)
+    c = dict(PAGE_SIZE=16, INTERLEAVED=inter, BLOCK_QH=16, BLOCK_KH=2, BLOCK_D=64, PDL=True, EARLY=inter, FIRST=inter,
+             SPLIT=0, HAS_BIAS=False)
     ptx = compile_(rope._rope_kv_write_kernel, ptrs, c)
     out[f"rope_kv interleaved={inter}"] = len(ptx)
     out[f"rope_kv interleaved={inter} first"] = signals_first(ptx)
     out[f"rope_kv interleaved={inter} early"] = before_wait(ptx)
+# on a split-K q/k/v projection's partials (rope_kv_write_split): float32 q, k, v, the bias added
+ptx = compile_(rope._rope_kv_write_kernel, dict(ptrs, Q="*fp32", K="*fp32", V="*fp32"),
+               dict(c, INTERLEAVED=False, SPLIT=4, HAS_BIAS=True))
+out["rope_kv split"] = len(ptx)
+out["rope_kv split early"] = before_wait(ptx)
 mm = dict(X_ptr="*bf16", W_ptr="*bf16", Y_ptr="*fp32", Bias_ptr="*bf16", R_ptr="*bf16", SS_ptr="*fp32", G_ptr="*bf16")
 for cfg in (md.decode_config(1, 1536, 8960, 132), md.decode_config(8, 1536, 8960, 132)):
     kernel = md._gemv_kernel if cfg.kernel == "gemv" else md._dot_kernel
@@ -136,7 +142,7 @@ def test_fused_decode_kernels_compile_for_sm90(tmp_path):
         "qkv_rope pre=2048 first": True,
         "qkv_rope pre=2048 norm first": True,
     }, first
-    assert len(res) == 10 and all(n > 0 for n in res.values()), res
+    assert len(res) == 11 and all(n > 0 for n in res.values()), res
     # EARLY (the ADDR32 launches here): the key count, the first tile's pages and its K and V rows load before
     # griddepcontrol.wait; the int64 form compiled without it loads nothing before the wait
     assert early.pop("split single=False one_pass=False addr32=False early") == 0, early
@@ -151,6 +157,8 @@ def test_fused_decode_kernels_compile_for_sm90(tmp_path):
     # and RoPE's (EARLY in the interleaved compile): the table row, cos, sin and the slot
     assert early.pop("rope_kv interleaved=False early") == 0, early
     assert early.pop("rope_kv interleaved=True early") >= 4, early
+    # on a split projection's partials: the same four before the wait (the partial sums after it)
+    assert early.pop("rope_kv split early") >= 4, early
     assert len(early) == 3 and all(n >= 4 for n in early.values()), early
 
 

@@ -1,7 +1,8 @@
-"""The split-K sums of o_proj and down_proj added by the add + RMSNorm after them (KILN_DECODE_SUM=norm,
-kiln.model.linear.SplitSum, kiln.kernels.rmsnorm.rmsnorm_split): a decode-sized step gives the logits of the
-separate sum kernel + norm, launches no sum kernel where the norm takes it over (every post-attention norm,
-every input norm after the first, the final norm), and leaves a step alone where the configs do not split,
+"""The split-K sums of o_proj and down_proj added by the add + RMSNorm after them, and of q/k/v by the RoPE + K/V
+write (KILN_DECODE_SUM=norm / all, kiln.model.linear.SplitSum, kiln.kernels.rmsnorm.rmsnorm_split,
+kiln.kernels.rope.rope_kv_write_split): a decode-sized step gives the logits of the separate sum kernels,
+launches no sum kernel where the next kernel takes it over (every post-attention norm, every input norm
+after the first, the final norm, every RoPE + K/V write), and leaves a step alone where the configs do not split,
 at a prefill, or with KILN_DECODE_SUM=separate; a bad switch value is a clear error."""
 
 from __future__ import annotations
@@ -28,23 +29,28 @@ def sum_form(monkeypatch):
 @pytest.fixture
 def calls(monkeypatch):
     """Counts of rmsnorm_split and of decode matmuls that leave their sum (defer_sum)."""
-    n = {"rmsnorm_split": 0, "deferred": 0}
-    split, decode_matmul = layers.rmsnorm_split, linear.decode_matmul
+    n = {"rmsnorm_split": 0, "rope_split": 0, "deferred": 0}
+    split, rope_split, decode_matmul = layers.rmsnorm_split, layers.rope_kv_write_split, linear.decode_matmul
 
     def counted_split(*args, **kw):
         n["rmsnorm_split"] += 1
         return split(*args, **kw)
+
+    def counted_rope(*args, **kw):
+        n["rope_split"] += 1
+        return rope_split(*args, **kw)
 
     def counted_matmul(*args, **kw):
         n["deferred"] += bool(kw.get("defer_sum"))
         return decode_matmul(*args, **kw)
 
     monkeypatch.setattr(layers, "rmsnorm_split", counted_split)
+    monkeypatch.setattr(layers, "rope_kv_write_split", counted_rope)
     monkeypatch.setattr(linear, "decode_matmul", counted_matmul)
 
     def take() -> dict:
         out = dict(n)
-        n.update(rmsnorm_split=0, deferred=0)
+        n.update(rmsnorm_split=0, rope_split=0, deferred=0)
         return out
 
     return take
@@ -69,12 +75,15 @@ def test_decode_step_split_sum_equals_separate(name, sum_form, calls, monkeypatc
     step = _decode_step(model.config, [0, 5, 30, 12], page=8, seed=2, device=device)
     sum_form("separate")
     want = _logits(model, *step)
-    assert calls() == {"rmsnorm_split": 0, "deferred": 0}
-    sum_form(None)  # the default
+    assert calls() == {"rmsnorm_split": 0, "rope_split": 0, "deferred": 0}
+    sum_form(None)  # the default, "norm"
     got = _logits(model, *step)
     # o_proj into every post-attention norm, down_proj into the next input norm or the final norm
-    assert calls() == {"rmsnorm_split": 2 * L, "deferred": 2 * L}
+    assert calls() == {"rmsnorm_split": 2 * L, "rope_split": 0, "deferred": 2 * L}
     torch.testing.assert_close(got, want, **TOL)  # rstd's sum order: see test_norm_split.TOL
+    sum_form("all")  # q/k/v into the RoPE + K/V write too: the same bits as "norm"
+    assert torch.equal(_logits(model, *step), got)
+    assert calls() == {"rmsnorm_split": 2 * L, "rope_split": L, "deferred": 3 * L}
 
 
 def test_no_split_no_deferral(sum_form, calls, device):
@@ -85,7 +94,7 @@ def test_no_split_no_deferral(sum_form, calls, device):
     want = _logits(model, *step)
     sum_form("norm")
     got = _logits(model, *step)
-    assert calls() == {"rmsnorm_split": 0, "deferred": 0}
+    assert calls() == {"rmsnorm_split": 0, "rope_split": 0, "deferred": 0}
     assert torch.equal(got, want)
 
 
@@ -101,7 +110,7 @@ def test_prefill_keeps_the_sum_kernel(sum_form, calls, monkeypatch, device):
         want = model(ids)
         sum_form("norm")
         got = model(ids)
-    assert calls() == {"rmsnorm_split": 0, "deferred": 0}
+    assert calls() == {"rmsnorm_split": 0, "rope_split": 0, "deferred": 0}
     assert torch.equal(got, want)
 
 
@@ -109,5 +118,5 @@ def test_bad_switch_value_is_a_clear_error(sum_form, device):
     model = _model("llama", device)
     step = _decode_step(model.config, [4], page=8, seed=5, device=device)
     sum_form("sometimes")
-    with pytest.raises(KilnError, match="KILN_DECODE_SUM='sometimes' is not one of norm, separate"):
+    with pytest.raises(KilnError, match="KILN_DECODE_SUM='sometimes' is not one of norm, all, separate"):
         _logits(model, *step)

@@ -399,28 +399,65 @@ def rope_kv_write_ref(q, k, v, cos, sin, rows, k_cache, v_cache, slots, interlea
     return q_rot[0].contiguous()
 
 
+def rope_kv_write_split_ref(
+    partials, bias, n_heads, cos, sin, rows, k_cache, v_cache, slots, interleaved=False
+):
+    """rope_kv_write_split's reference: the q/k/v projection's output from its split-K partials (S, N, (Hq + 2 Hk)
+    D), added in slice order with the bias and rounded to the caches' dtype (kiln.kernels.matmul_decode's sum
+    kernel), split into q, k, v, then rope_kv_write_ref."""
+    acc = partials[0].clone()
+    for p in partials[1:]:
+        acc += p
+    if bias is not None:
+        acc += bias.to(acc.dtype)
+    Hk, D = k_cache.shape[2], k_cache.shape[3]
+    q, k, v = acc.to(k_cache.dtype).split([n_heads * D, Hk * D, Hk * D], dim=1)
+    N = q.shape[0]
+    return rope_kv_write_ref(q.reshape(N, n_heads, D), k.reshape(N, Hk, D), v.reshape(N, Hk, D), cos, sin, rows,
+                             k_cache, v_cache, slots, interleaved)  # fmt: skip
+
+
+@triton.jit
+def _load_summed(P, mask, PB, SPLIT: tl.constexpr, split_stride, HAS_BIAS: tl.constexpr, dt):
+    """The values at P, or with SPLIT > 0 a split-K matmul's output there: P points into the first of SPLIT
+    float32 slices of partial sums, split_stride elements apart, added in slice order, + the bias at PB
+    (HAS_BIAS), rounded to dt: kiln.kernels.matmul_decode's sum kernel, elementwise, the same bits."""
+    if SPLIT > 0:
+        x = tl.load(P, mask=mask, other=0.0)
+        for k in tl.static_range(1, SPLIT):
+            x += tl.load(P + k * split_stride, mask=mask, other=0.0)
+        if HAS_BIAS:
+            x += tl.load(PB, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(dt)
+    else:
+        x = tl.load(P, mask=mask, other=0.0)
+    return x
+
+
 @triton.jit
 def _rotate_heads(X, c, s, offs_h, n_heads, half, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_D: tl.constexpr):  # fmt: skip
+                  BLOCK_D: tl.constexpr, XB, SPLIT: tl.constexpr, split_stride, HAS_BIAS: tl.constexpr,
+                  dt):  # fmt: skip
     """Rotate the (BLOCK_H, D) rows at X + offs_h[:, None] (head row pointers; heads >= n_heads masked)
     by c, s (1, BLOCK_D) float32: returns (first, second, mask), where for half-rotated pairs first and
     second are the (BLOCK_H, BLOCK_D) halves of the output row, and for interleaved pairs first is the
-    whole (BLOCK_H, 2 BLOCK_D) row (second unused)."""
+    whole (BLOCK_H, 2 BLOCK_D) row (second unused). SPLIT > 0: the rows are a split-K matmul's output
+    (_load_summed; XB the bias's row pointers, like X's)."""
     # one return after a constexpr if/else (the two layouts return tiles of different shapes, and the
     # compiler visits every return that follows a static branch)
     h_ok = offs_h[:, None] < n_heads
     if INTERLEAVED:
         j = tl.arange(0, 2 * BLOCK_D)[None, :]
         mask = h_ok & (j < 2 * half)
-        x = tl.load(X + j, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_H, 2 BLOCK_D), whole rows
+        x = _load_summed(X + j, mask, XB + j, SPLIT, split_stride, HAS_BIAS, dt).to(tl.float32)  # whole rows
         a, b = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_D, 2)))
         first = tl.reshape(tl.join(a * c - b * s, a * s + b * c), (BLOCK_H, 2 * BLOCK_D))
         second = first
     else:
         i = tl.arange(0, BLOCK_D)[None, :]
         mask = h_ok & (i < half)
-        a = tl.load(X + i, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_H, BLOCK_D): x[i]
-        b = tl.load(X + i + half, mask=mask, other=0.0).to(tl.float32)  # x[i + D/2]
+        a = _load_summed(X + i, mask, XB + i, SPLIT, split_stride, HAS_BIAS, dt).to(tl.float32)  # x[i]
+        b = _load_summed(X + i + half, mask, XB + i + half, SPLIT, split_stride, HAS_BIAS, dt).to(tl.float32)
         first = a * c - b * s
         second = a * s + b * c
     return first, second, mask
@@ -440,12 +477,14 @@ def _store_rotated(O, first, second, mask, half, INTERLEAVED: tl.constexpr, BLOC
 # fmt: off
 @triton.jit
 def _rope_kv_write_kernel(
-    Q, K, V,  # q (N, Hq, D), k and v (N, Hk, D): any token and head strides, D contiguous
+    Q, K, V,  # q (N, Hq, D), k and v (N, Hk, D): any token and head strides, D contiguous (SPLIT: slice 0's)
     Q_OUT,  # (N, Hq, D) contiguous: the rotated q
     COS, SIN, ROWS,  # cos, sin (R, D/2); rows (N,): each token's table row
     K_CACHE, V_CACHE, SLOTS,  # caches (num_blocks, PAGE_SIZE, Hk, D); slots (N,) int64, < 0: padding
+    BQ, BK, BV,  # SPLIT and HAS_BIAS: the q/k/v projection's bias at q's, k's and v's first column
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_cos, stride_sin, stride_rows,
     stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch,
+    split_stride,  # SPLIT: elements between two slices of the partial sums
     Hq, Hk, half,  # half = D / 2
     PAGE_SIZE: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,  # next powers of two >= Hq, Hk
@@ -453,9 +492,12 @@ def _rope_kv_write_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
     EARLY: tl.constexpr = False,  # the table row, cos / sin and slot read before the PDL wait (launcher doc)
     FIRST: tl.constexpr = False,  # signal the next kernel before waiting (kiln.kernels._common.pdl_first)
+    SPLIT: tl.constexpr = 0,  # > 0: q, k, v are a split-K projection's float32 partials (rope_kv_write_split)
+    HAS_BIAS: tl.constexpr = False,  # SPLIT: add the projection's bias to the sum
 ):
     if not EARLY:
         pdl_prologue(PDL, FIRST)
+    dt = Q_OUT.dtype.element_ty  # SPLIT: the projection's output dtype, what its sum kernel rounds to
     i = tl.program_id(0)  # one token: all its q, k and v heads
     i64 = i.to(tl.int64)
     row = tl.load(ROWS + i64 * stride_rows).to(tl.int64)
@@ -467,19 +509,22 @@ def _rope_kv_write_kernel(
         pdl_prologue(PDL, FIRST)
     qh = tl.arange(0, BLOCK_QH)[:, None]
     q1, q2, q_mask = _rotate_heads(Q + i64 * stride_qn + qh * stride_qh, c, s, tl.arange(0, BLOCK_QH), Hq,
-                                   half, INTERLEAVED, BLOCK_QH, BLOCK_D)
+                                   half, INTERLEAVED, BLOCK_QH, BLOCK_D, BQ + qh * stride_qh, SPLIT, split_stride,
+                                   HAS_BIAS, dt)
     _store_rotated(Q_OUT + (i64 * Hq + qh) * (2 * half), q1, q2, q_mask, half, INTERLEAVED, BLOCK_D)
     if slot >= 0:  # a padding row writes nothing
         page = slot // PAGE_SIZE
         pos = slot % PAGE_SIZE
         kh = tl.arange(0, BLOCK_KH)[:, None]
         k1, k2, k_mask = _rotate_heads(K + i64 * stride_kn + kh * stride_kh, c, s, tl.arange(0, BLOCK_KH), Hk,
-                                       half, INTERLEAVED, BLOCK_KH, BLOCK_D)
+                                       half, INTERLEAVED, BLOCK_KH, BLOCK_D, BK + kh * stride_kh, SPLIT,
+                                       split_stride, HAS_BIAS, dt)
         _store_rotated(K_CACHE + page * stride_kcp + pos * stride_kct + kh * stride_kch, k1, k2, k_mask, half,
                        INTERLEAVED, BLOCK_D)
         j = tl.arange(0, 2 * BLOCK_D)[None, :]
         v_mask = (kh < Hk) & (j < 2 * half)
-        v = tl.load(V + i64 * stride_vn + kh * stride_vh + j, mask=v_mask, other=0.0)
+        v = _load_summed(V + i64 * stride_vn + kh * stride_vh + j, v_mask, BV + kh * stride_vh + j, SPLIT,
+                         split_stride, HAS_BIAS, dt)
         tl.store(V_CACHE + page * stride_vcp + pos * stride_vct + kh * stride_vch + j,
                  v.to(V_CACHE.dtype.element_ty), mask=v_mask)
 # fmt: on
@@ -508,13 +553,39 @@ def rope_kv_write_triton(
     # one token per program: Hq + 2 Hk rows of D (16 x 128 at Qwen2.5-1.5B), 4 warps; decode steps are a
     # few hundred tokens at most, so the grid is small and each program's loads all issue at once
     _rope_kv_launch[(N,)](
-        q, k, v, q_out, cos, sin, rows, k_cache, v_cache, slots,
+        q, k, v, q_out, cos, sin, rows, k_cache, v_cache, slots, q, k, v,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0), rows.stride(0),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], Hq, Hk, D // 2,
+        *k_cache.stride()[:3], *v_cache.stride()[:3], 0, Hq, Hk, D // 2,
         PAGE_SIZE=k_cache.shape[1], INTERLEAVED=interleaved, BLOCK_QH=pow2(Hq), BLOCK_KH=pow2(Hk),
         BLOCK_D=pow2(D // 2), PDL=use_pdl, EARLY=early, FIRST=pdl_first("rope"), num_warps=4,
         launch_pdl=use_pdl,
+    )  # fmt: skip
+    return q_out
+
+
+def rope_kv_write_split_triton(partials, bias, n_heads, cos, sin, rows, k_cache, v_cache, slots, interleaved,
+                               early: bool = False) -> torch.Tensor:  # fmt: skip
+    """The kernel on a split-K q/k/v projection's partials (checked by rope_kv_write_split): q, k, v are
+    column ranges of slice 0, the kernel adds the other slices and the bias as it loads them."""
+    cos, sin = _last_contiguous(cos), _last_contiguous(sin)
+    S, N, _ = partials.shape
+    Hk, D = k_cache.shape[2], k_cache.shape[3]
+    p0 = partials[0]
+    q, k, v = (t.unflatten(1, (-1, D)) for t in p0.split([n_heads * D, Hk * D, Hk * D], dim=1))
+    bq, bk, bv = (q, k, v) if bias is None else bias.split([n_heads * D, Hk * D, Hk * D])
+    q_out = torch.empty((N, n_heads, D), dtype=k_cache.dtype, device=partials.device)
+    if N == 0:
+        return q_out
+    use_pdl = pdl(partials)
+    _rope_kv_launch[(N,)](
+        q, k, v, q_out, cos, sin, rows, k_cache, v_cache, slots, bq, bk, bv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), sin.stride(0), rows.stride(0),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], N * p0.shape[1], n_heads, Hk, D // 2,
+        PAGE_SIZE=k_cache.shape[1], INTERLEAVED=interleaved, BLOCK_QH=pow2(n_heads), BLOCK_KH=pow2(Hk),
+        BLOCK_D=pow2(D // 2), PDL=use_pdl, EARLY=early, FIRST=pdl_first("rope"), SPLIT=S, HAS_BIAS=bias is not None,
+        num_warps=4, launch_pdl=use_pdl,
     )  # fmt: skip
     return q_out
 
@@ -609,6 +680,50 @@ def rope_kv_write(
     if torch.compiler.is_compiling():
         return rope_kv_write_op(q, k, v, cos, sin, rows, k_cache, v_cache, slots, interleaved)
     return rope_kv_write_triton(q, k, v, cos, sin, rows, k_cache, v_cache, slots, interleaved, early_loads())
+
+
+def rope_kv_write_split(
+    partials: torch.Tensor,
+    bias: torch.Tensor | None,
+    n_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rows: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    interleaved: bool = False,
+) -> torch.Tensor:
+    """rope_kv_write of a q/k/v projection left as its split-K partial sums (inference; kiln.model.linear's
+    SplitSum): partials (S, N, (Hq + 2 Hk) D) float32 as kiln.kernels.matmul_decode leaves them with
+    `defer_sum` (bias not added), bias ((Hq + 2 Hk) D,) or None. The kernel adds the slices in order and the
+    bias, rounds to the caches' dtype (the projection's sum kernel, the same bits), then rotates and writes
+    as rope_kv_write: one launch instead of two. Returns the rotated q (N, Hq, D)."""
+    Hk, D = k_cache.shape[2], k_cache.shape[3]
+    width = (n_heads + 2 * Hk) * D
+    if partials.dim() != 3 or partials.dtype != torch.float32 or partials.shape[2] != width:
+        raise ValueError(
+            f"rope_kv_write_split: partials must be float32 (S, N, {width}) for {n_heads} q heads and {Hk} K/V "
+            f"heads of {D}, got {partials.dtype} {tuple(partials.shape)}"
+        )
+    if bias is not None and bias.shape != (width,):
+        raise ValueError(f"rope_kv_write_split: bias must be ({width},), got {tuple(bias.shape)}")
+    if (
+        not partials.is_contiguous()
+        or slots.shape != (partials.shape[1],)
+        or rows.shape != (partials.shape[1],)
+    ):
+        raise ValueError(
+            f"rope_kv_write_split: contiguous partials and one slot and one table row per token "
+            f"({partials.shape[1]}), got slots {tuple(slots.shape)}, rows {tuple(rows.shape)}"
+        )
+    if not use_triton(partials, cos, sin, k_cache, v_cache) or torch.compiler.is_compiling():
+        return rope_kv_write_split_ref(
+            partials, bias, n_heads, cos, sin, rows, k_cache, v_cache, slots, interleaved
+        )
+    return rope_kv_write_split_triton(partials, bias, n_heads, cos, sin, rows, k_cache, v_cache, slots, interleaved,
+                                      early_loads())  # fmt: skip
 
 
 # ================================================================================================

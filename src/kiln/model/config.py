@@ -144,9 +144,10 @@ def decode_swiglu() -> str:
     return _env_form("KILN_DECODE_SWIGLU", DECODE_SWIGLUS, what)
 
 
-# Where a decode step's split-K sums of o_proj and down_proj are added (decode_sum): "norm" (the add + RMSNorm
-# kernel adds them) or "separate" (the decode matmul's sum kernel, then the add + RMSNorm kernel)
-DECODE_SUMS = ("norm", "separate")
+# Where a decode step's split-K sums are added (decode_sum): "norm" (o_proj's and down_proj's by the add +
+# RMSNorm kernel after them), "all" (q/k/v's too, by the RoPE + K/V write kernel) or "separate" (each decode
+# matmul's own sum kernel)
+DECODE_SUMS = ("norm", "all", "separate")
 
 
 @functools.cache
@@ -155,11 +156,15 @@ def decode_sum() -> str:
     2-64 at the Qwen2.5-1.5B shape) are added when an add + RMSNorm follows it: "norm" (the default: the
     norm kernel adds them, kiln.kernels.rmsnorm.rmsnorm_split, one launch less at each such norm) unless
     KILN_DECODE_SUM says "separate" (read once, as KILN_DECODE_NORM is: the matmul's sum kernel, then the
-    norm kernel), for A/B timing of whole steps. The matmul's output and the new stream are the same bits
+    norm kernel) or "all" (the q/k/v projection's sums added by the RoPE + K/V write kernel too,
+    kiln.kernels.rope.rope_kv_write_split: the same bits), for A/B timing of whole steps. The matmul's output and the new stream are the same bits
     either way; a normalized element may move by a bf16 ulp (rstd's sum order). Where it does not apply, a
     step runs as with "separate" (kiln.model.transformer.Decoder). On the H200 (0d16ae1, whole decode
     steps, CUDA-graph replays; docs/perf/inference.md): 1.010x at 16 sequences, 1.025x at 32, 1.017x at 64."""
-    what = "the sum in the add + RMSNorm kernel, 'separate' for the decode matmul's own split-K sum kernel"
+    what = (
+        "the sum in the add + RMSNorm kernel, 'all' for the q/k/v sum in the RoPE kernel too, 'separate' for "
+        "the decode matmul's own split-K sum kernel"
+    )
     return _env_form("KILN_DECODE_SUM", DECODE_SUMS, what)
 
 

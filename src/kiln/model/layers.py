@@ -21,10 +21,17 @@ from kiln.kernels.launch import pow2
 from kiln.kernels.layernorm import layernorm
 from kiln.kernels.paged_kv import paged_kv_write
 from kiln.kernels.rmsnorm import rmsnorm, rmsnorm_fp8, rmsnorm_split
-from kiln.kernels.rope import apply_rope, qkv_rope, qkv_rope_norm_supported, qkv_rope_supported, rope_kv_write
+from kiln.kernels.rope import (
+    apply_rope,
+    qkv_rope,
+    qkv_rope_norm_supported,
+    qkv_rope_supported,
+    rope_kv_write,
+    rope_kv_write_split,
+)
 from kiln.kernels.swiglu import swiglu, swiglu_fp8
 from kiln.model.attn_metadata import AttnMetadata
-from kiln.model.config import KernelConfig, ModelConfig, decode_qkv, decode_rows, decode_swiglu
+from kiln.model.config import KernelConfig, ModelConfig, decode_qkv, decode_rows, decode_sum, decode_swiglu
 from kiln.model.linear import Linear, MergedLinear, SplitSum, decode_step_fusable, hooked
 from kiln.model.quant_linear import QuantLinear
 
@@ -160,6 +167,14 @@ class Attention(nn.Module):
             q = qkv_rope(x, self.qkv_proj.weight, self.qkv_proj.bias, rope[0], rope[1], rope[2].reshape(-1),
                          k_cache, v_cache, meta.slot_mapping, self.n_heads, interleaved=self.rope_interleaved)  # fmt: skip
             return self._attend_rotated(q, meta, kv_cache, stream, defer_sum)
+        if prenorm is None and self._split_qkv(x, rope, meta, kv_cache):
+            # the projection splits K (2-64 rows, KILN_DECODE_SUM=all): the RoPE + K/V write kernel adds its
+            # partial sums as it loads them (the same bits as the sum kernel), one launch less
+            s = self.qkv_proj.split_sum(x)
+            k_cache, v_cache = kv_cache
+            q = rope_kv_write_split(s.partials, s.bias, self.n_heads, rope[0], rope[1], rope[2].reshape(-1),
+                                    k_cache, v_cache, meta.slot_mapping, interleaved=self.rope_interleaved)  # fmt: skip
+            return self._attend_rotated(q, meta, kv_cache, stream, defer_sum)
         if prenorm is None:
             qkv = self.qkv_proj(x)
         else:
@@ -232,6 +247,24 @@ class Attention(nn.Module):
                              k_cache, v_cache, meta.slot_mapping, self.n_heads, interleaved=self.rope_interleaved,
                              pre_k=pow2(h.shape[1]), norm_weight=norm.weight, residual=residual, eps=norm.eps)  # fmt: skip
         return self._attend_rotated(q, meta, kv_cache, None), stream
+
+    def _split_qkv(self, x: torch.Tensor, rope, meta: AttnMetadata, kv_cache) -> bool:
+        """Whether this paged decode step's q/k/v projection leaves its split-K sum to the RoPE + K/V write
+        kernel (rope_kv_write_split): RoPE and no q/k norm (the path that runs rope_kv_write), the projection a
+        plain decode linear in the caches' dtype whose config splits K (Linear.defers_sum: 2-64 rows), and
+        KILN_DECODE_SUM=all."""
+        return (
+            isinstance(x, torch.Tensor)  # not Fp8Rows (an FP8 projection's input)
+            and kv_cache is not None
+            and rope is not None
+            and meta.decode
+            and meta.batch_shape is None
+            and self.q_norm is None
+            and isinstance(self.qkv_proj, Linear)
+            and self.qkv_proj.weight.dtype == kv_cache[0].dtype
+            and self.qkv_proj.defers_sum(x)
+            and decode_sum() == "all"
+        )
 
     def _fused_qkv(self, x: torch.Tensor, rope, meta: AttnMetadata, kv_cache) -> bool:
         """Whether this step's q/k/v projection, RoPE and K/V write run as one kernel (kiln.kernels.rope.qkv_rope):

@@ -133,14 +133,14 @@ class Linear(nn.Module):
 
     def defers_sum(self, x: torch.Tensor) -> bool:
         """Whether self(x) may come back as its split-K partials (split_sum) for the add + RMSNorm after it
-        to add (KILN_DECODE_SUM=norm, kiln.model.config.decode_sum): a decode-sized step (up to
+        to add (KILN_DECODE_SUM, kiln.model.config.decode_sum): a decode-sized step (up to
         decode_rows() rows) that runs kiln's decode matmul (decode_fusable) with a config that splits K.
         Shapes and flags only: fixed for a captured CUDA graph."""
         return (
             decode_step_fusable(
                 x, decode_rows()
             )  # False under torch.compile: Dynamo need not read the switch
-            and decode_sum() == "norm"
+            and decode_sum() != "separate"
             and self.decode_fusable(x)
             and self._rule(x).split_k > 1
         )

@@ -208,10 +208,13 @@ class Decoder(nn.Module):
         residual, sumsq, auxes = None, None, []
         fused = self.fused_blocks(h, rope, meta, kv_caches)
         split = None if fused is not None else self.norm_split(h)
-        # KILN_DECODE_SUM=norm: a down_proj that splits K leaves its sum to the next norm; not beside the
+        # KILN_DECODE_SUM (norm, all): a down_proj that splits K leaves its sum to the next norm; not beside the
         # fused or split-norm forms (their blocks take a tensor), nor traced (Dynamo need not read the switch)
         defer = (
-            fused is None and split is None and not torch.compiler.is_compiling() and decode_sum() == "norm"
+            fused is None
+            and split is None
+            and not torch.compiler.is_compiling()
+            and decode_sum() != "separate"
         )
         for i, layer in enumerate(self.layers):
             kv = kv_caches[i] if kv_caches is not None else None
