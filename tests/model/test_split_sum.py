@@ -76,12 +76,12 @@ def test_decode_step_split_sum_equals_separate(name, sum_form, calls, monkeypatc
     sum_form("separate")
     want = _logits(model, *step)
     assert calls() == {"rmsnorm_split": 0, "rope_split": 0, "deferred": 0}
-    sum_form(None)  # the default, "norm"
+    sum_form("norm")
     got = _logits(model, *step)
     # o_proj into every post-attention norm, down_proj into the next input norm or the final norm
     assert calls() == {"rmsnorm_split": 2 * L, "rope_split": 0, "deferred": 2 * L}
     torch.testing.assert_close(got, want, **TOL)  # rstd's sum order: see test_norm_split.TOL
-    sum_form("all")  # q/k/v into the RoPE + K/V write too: the same bits as "norm"
+    sum_form(None)  # the default, "all": q/k/v into the RoPE + K/V write too, the same bits as "norm"
     assert torch.equal(_logits(model, *step), got)
     assert calls() == {"rmsnorm_split": 2 * L, "rope_split": L, "deferred": 3 * L}
 
@@ -118,5 +118,5 @@ def test_bad_switch_value_is_a_clear_error(sum_form, device):
     model = _model("llama", device)
     step = _decode_step(model.config, [4], page=8, seed=5, device=device)
     sum_form("sometimes")
-    with pytest.raises(KilnError, match="KILN_DECODE_SUM='sometimes' is not one of norm, all, separate"):
+    with pytest.raises(KilnError, match="KILN_DECODE_SUM='sometimes' is not one of all, norm, separate"):
         _logits(model, *step)

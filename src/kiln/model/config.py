@@ -144,26 +144,28 @@ def decode_swiglu() -> str:
     return _env_form("KILN_DECODE_SWIGLU", DECODE_SWIGLUS, what)
 
 
-# Where a decode step's split-K sums are added (decode_sum): "norm" (o_proj's and down_proj's by the add +
-# RMSNorm kernel after them), "all" (q/k/v's too, by the RoPE + K/V write kernel) or "separate" (each decode
-# matmul's own sum kernel)
-DECODE_SUMS = ("norm", "all", "separate")
+# Where a decode step's split-K sums are added (decode_sum): "all" (o_proj's and down_proj's by the add +
+# RMSNorm kernel after them, q/k/v's by the RoPE + K/V write kernel), "norm" (o_proj's and down_proj's only)
+# or "separate" (each decode matmul's own sum kernel)
+DECODE_SUMS = ("all", "norm", "separate")
 
 
 @functools.cache
 def decode_sum() -> str:
-    """Where the split-K partial sums of a decode matmul that splits K (o_proj at 17-64 rows, down_proj at
-    2-64 at the Qwen2.5-1.5B shape) are added when an add + RMSNorm follows it: "norm" (the default: the
-    norm kernel adds them, kiln.kernels.rmsnorm.rmsnorm_split, one launch less at each such norm) unless
-    KILN_DECODE_SUM says "separate" (read once, as KILN_DECODE_NORM is: the matmul's sum kernel, then the
-    norm kernel) or "all" (the q/k/v projection's sums added by the RoPE + K/V write kernel too,
-    kiln.kernels.rope.rope_kv_write_split: the same bits), for A/B timing of whole steps. The matmul's output and the new stream are the same bits
-    either way; a normalized element may move by a bf16 ulp (rstd's sum order). Where it does not apply, a
-    step runs as with "separate" (kiln.model.transformer.Decoder). On the H200 (0d16ae1, whole decode
-    steps, CUDA-graph replays; docs/perf/inference.md): 1.010x at 16 sequences, 1.025x at 32, 1.017x at 64."""
+    """Where the split-K partial sums of a decode matmul that splits K are added (q/k/v and o_proj at 17-64
+    rows, down_proj at 2-64 at the Qwen2.5-1.5B shape): "all" (the default) unless KILN_DECODE_SUM says "norm"
+    or "separate" (read once, as KILN_DECODE_NORM is), for A/B timing of whole steps. "all": the add + RMSNorm
+    kernel after o_proj or down_proj adds their slices (kiln.kernels.rmsnorm.rmsnorm_split) and the RoPE + K/V
+    write kernel the q/k/v projection's (kiln.kernels.rope.rope_kv_write_split), one launch less at each;
+    "norm": the norms only; "separate": every matmul's own sum kernel. The projections' outputs and the
+    stream are the same bits in every form; a normalized element may move by a bf16 ulp (rstd's sum order).
+    Where it does not apply, a step runs as with "separate" (kiln.model.transformer.Decoder). On the H200
+    (whole decode steps, CUDA-graph replays; docs/perf/inference.md): "norm" against "separate" 1.010x at 16
+    sequences, 1.025x at 32, 1.017x at 64 (0d16ae1); "all" against "norm" 1.019x at 32, 1.065x at 64
+    (40d2a12)."""
     what = (
-        "the sum in the add + RMSNorm kernel, 'all' for the q/k/v sum in the RoPE kernel too, 'separate' for "
-        "the decode matmul's own split-K sum kernel"
+        "the sums in the kernels after the matmuls, 'norm' for the add + RMSNorm's only, 'separate' for each "
+        "decode matmul's own split-K sum kernel"
     )
     return _env_form("KILN_DECODE_SUM", DECODE_SUMS, what)
 
