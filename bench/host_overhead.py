@@ -131,9 +131,20 @@ def main() -> int:
     # the RMSNorm forward kernel alone, arguments prepared
     y = torch.empty_like(x)
     rstd = torch.empty(M + RN.COUNTERS.value, device=dev)  # rstd per row, then the counters
-    kargs = (x, x, x, y, y, w, rstd, D, 0, D, M, D, 1e-6, 0.0)  # S_ptr (FP8 scales) unused: y
+    # S_ptr (FP8 scales) and B_ptr (a split input's bias) unused: y and w
+    kargs = (x, x, x, y, y, w, rstd, w, D, 0, D, 0, M, D, 1e-6, 0.0)
     # in the kernel's order: the compiled kernel below takes them positionally
-    consts = dict(HAS_RESIDUAL=False, FOR_BACKWARD=True, FP8=False, ROWS=1, BLOCK=D, PDL=False)
+    consts = dict(
+        HAS_RESIDUAL=False,
+        FOR_BACKWARD=True,
+        FP8=False,
+        ROWS=1,
+        BLOCK=D,
+        PDL=False,
+        FIRST=False,
+        SPLIT=0,
+        HAS_BIAS=False,
+    )
     res["rmsnorm fwd kernel launch"] = per_call(
         lambda: RN._rmsnorm_fwd_kernel[(M,)](*kargs, **consts, num_warps=8)
     )
