@@ -295,7 +295,6 @@ def rmsnorm_split_fwd(
     eps: float,
     residual: torch.Tensor,
     offset: float = 0.0,
-    signal_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward on split-K partials (rmsnorm_split): (y, h), both (n_rows, D) in residual's dtype."""
     S, n_rows, D = partials.shape
@@ -309,7 +308,7 @@ def rmsnorm_split_fwd(
         partials, residual, h, y, partials, weight, partials, weight if bias is None else bias,
         D, residual.stride(0), D, n_rows * D, n_rows, D, eps, offset,
         HAS_RESIDUAL=True, FOR_BACKWARD=False, FP8=False, ROWS=rows, BLOCK=block, num_warps=row_warps(block),
-        PDL=pdl(residual), launch_pdl=pdl(residual), FIRST=signal_first and pdl_first("norm"), SPLIT=S,
+        PDL=pdl(residual), launch_pdl=pdl(residual), SPLIT=S,
         HAS_BIAS=bias is not None,
     )  # fmt: skip
     return y, h
@@ -505,8 +504,6 @@ def rmsnorm_split(
     eps: float,
     residual: torch.Tensor,
     offset: float = 0.0,
-    *,
-    signal_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The add + RMSNorm of a split-K matmul's output, its sum done here (inference): partials (S, N, D)
     float32, the slices kiln.kernels.matmul_decode's decode matmul leaves with `defer_sum` (its bias not
@@ -527,4 +524,4 @@ def rmsnorm_split(
         return rmsnorm_split_ref(partials, bias, weight, eps, residual, offset)
     if not (partials.is_contiguous() and residual.is_contiguous()):
         raise ValueError("rmsnorm_split: partials and residual must be contiguous")
-    return rmsnorm_split_fwd(partials, bias, weight, eps, residual, float(offset), signal_first)
+    return rmsnorm_split_fwd(partials, bias, weight, eps, residual, float(offset))

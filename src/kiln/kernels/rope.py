@@ -544,48 +544,42 @@ def rope_kv_write_triton(
     scheduler may place the kernel that makes them anywhere before their first use (the custom op passes
     False)."""
     q, k, v, cos, sin = (_last_contiguous(t) for t in (q, k, v, cos, sin))
-    N, Hq, D = q.shape
-    Hk = k.shape[1]
-    q_out = torch.empty((N, Hq, D), dtype=q.dtype, device=q.device)
-    if N == 0:
-        return q_out
-    use_pdl = pdl(q)
-    # one token per program: Hq + 2 Hk rows of D (16 x 128 at Qwen2.5-1.5B), 4 warps; decode steps are a
-    # few hundred tokens at most, so the grid is small and each program's loads all issue at once
-    _rope_kv_launch[(N,)](
-        q, k, v, q_out, cos, sin, rows, k_cache, v_cache, slots, q, k, v,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos.stride(0), sin.stride(0), rows.stride(0),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], 0, Hq, Hk, D // 2,
-        PAGE_SIZE=k_cache.shape[1], INTERLEAVED=interleaved, BLOCK_QH=pow2(Hq), BLOCK_KH=pow2(Hk),
-        BLOCK_D=pow2(D // 2), PDL=use_pdl, EARLY=early, FIRST=pdl_first("rope"), num_warps=4,
-        launch_pdl=use_pdl,
-    )  # fmt: skip
-    return q_out
+    return _launch(q, k, v, None, cos, sin, rows, k_cache, v_cache, slots, interleaved, early, q.dtype)
 
 
 def rope_kv_write_split_triton(partials, bias, n_heads, cos, sin, rows, k_cache, v_cache, slots, interleaved,
                                early: bool = False) -> torch.Tensor:  # fmt: skip
     """The kernel on a split-K q/k/v projection's partials (checked by rope_kv_write_split): q, k, v are
     column ranges of slice 0, the kernel adds the other slices and the bias as it loads them."""
-    cos, sin = _last_contiguous(cos), _last_contiguous(sin)
-    S, N, _ = partials.shape
-    Hk, D = k_cache.shape[2], k_cache.shape[3]
-    p0 = partials[0]
-    q, k, v = (t.unflatten(1, (-1, D)) for t in p0.split([n_heads * D, Hk * D, Hk * D], dim=1))
-    bq, bk, bv = (q, k, v) if bias is None else bias.split([n_heads * D, Hk * D, Hk * D])
-    q_out = torch.empty((N, n_heads, D), dtype=k_cache.dtype, device=partials.device)
+    D = k_cache.shape[3]
+    sizes = [n_heads * D, k_cache.shape[2] * D, k_cache.shape[2] * D]
+    q, k, v = (t.unflatten(1, (-1, D)) for t in partials[0].split(sizes, dim=1))
+    biases = None if bias is None else bias.split(sizes)
+    return _launch(q, k, v, biases, _last_contiguous(cos), _last_contiguous(sin), rows, k_cache, v_cache, slots,
+                   interleaved, early, k_cache.dtype, split=partials.shape[0], split_stride=partials[0].numel())  # fmt: skip
+
+
+def _launch(q, k, v, biases, cos, sin, rows, k_cache, v_cache, slots, interleaved, early, dtype, split=0,
+            split_stride=0) -> torch.Tensor:  # fmt: skip
+    """One launch of the kernel over q (N, Hq, D), k and v (N, Hk, D) views (split > 0: of slice 0 of the
+    partials, `split_stride` elements between slices; biases (q's, k's, v's) or None): the rotated q in
+    `dtype`."""
+    N, Hq, D = q.shape
+    Hk = k.shape[1]
+    q_out = torch.empty((N, Hq, D), dtype=dtype, device=q.device)
     if N == 0:
         return q_out
-    use_pdl = pdl(partials)
+    use_pdl = pdl(q)
+    # one token per program: Hq + 2 Hk rows of D (16 x 128 at Qwen2.5-1.5B), 4 warps; decode steps are a
+    # few hundred tokens at most, so the grid is small and each program's loads all issue at once
     _rope_kv_launch[(N,)](
-        q, k, v, q_out, cos, sin, rows, k_cache, v_cache, slots, bq, bk, bv,
+        q, k, v, q_out, cos, sin, rows, k_cache, v_cache, slots, *(biases or (q, k, v)),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0), rows.stride(0),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], N * p0.shape[1], n_heads, Hk, D // 2,
-        PAGE_SIZE=k_cache.shape[1], INTERLEAVED=interleaved, BLOCK_QH=pow2(n_heads), BLOCK_KH=pow2(Hk),
-        BLOCK_D=pow2(D // 2), PDL=use_pdl, EARLY=early, FIRST=pdl_first("rope"), SPLIT=S, HAS_BIAS=bias is not None,
-        num_warps=4, launch_pdl=use_pdl,
+        *k_cache.stride()[:3], *v_cache.stride()[:3], split_stride, Hq, Hk, D // 2,
+        PAGE_SIZE=k_cache.shape[1], INTERLEAVED=interleaved, BLOCK_QH=pow2(Hq), BLOCK_KH=pow2(Hk),
+        BLOCK_D=pow2(D // 2), PDL=use_pdl, EARLY=early, FIRST=pdl_first("rope"), SPLIT=split,
+        HAS_BIAS=biases is not None and split > 0, num_warps=4, launch_pdl=use_pdl,
     )  # fmt: skip
     return q_out
 
