@@ -441,9 +441,9 @@ class GatedMLP(nn.Module):
     def _swiglu_in_epilogue(self, x: torch.Tensor) -> bool:
         """Whether this call's SwiGLU goes into gate_up's decode epilogue: the switch says so, the step is
         decode-sized (decode_step_fusable, up to decode_rows(): the wide tiles' 33-64 rows too, where the
-        rule takes no split K at gate_up's width: MergedLinear.swiglu_fusable) and gate_up runs kiln's decode matmul as a plain merged linear
-        (not unmerged by tensor parallelism, not quantized, no hooks). Shapes and flags only: fixed for a
-        captured CUDA graph."""
+        rule takes no split K at gate_up's width: MergedLinear.swiglu_fusable) and gate_up runs kiln's decode
+        matmul as a plain merged linear (not unmerged by tensor parallelism, not quantized, no hooks). Shapes
+        and flags only: fixed for a captured CUDA graph."""
         # is_compiling first: a traced step keeps the separate kernel, and Dynamo need not trace the
         # switch's environment read
         gate_up = self.gate_up_proj

@@ -38,9 +38,8 @@ from kiln.model.config import decode_rows, decode_sum
 
 DECODE_ROWS = DECODE_MAX_M  # kiln.kernels.matmul_decode handles up to this many rows
 DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what kiln's matmul takes
-SWIGLU_WIDE_MIN_ROWS = (
-    33  # past DECODE_ROWS, the SwiGLU epilogue from this many rows (MergedLinear.swiglu_fusable)
-)
+# past DECODE_ROWS, the SwiGLU epilogue from this many rows (MergedLinear.swiglu_fusable)
+SWIGLU_WIDE_MIN_ROWS = 33
 FP8_RECIPES = {"fp8": "tensorwise", "fp8_rowwise": "rowwise"}  # KernelConfig.linear -> fp8_train recipe
 
 
@@ -136,10 +135,9 @@ class Linear(nn.Module):
         to add (KILN_DECODE_SUM, kiln.model.config.decode_sum): a decode-sized step (up to
         decode_rows() rows) that runs kiln's decode matmul (decode_fusable) with a config that splits K.
         Shapes and flags only: fixed for a captured CUDA graph."""
+        # decode_step_fusable first: False under torch.compile, where Dynamo need not read the switch
         return (
-            decode_step_fusable(
-                x, decode_rows()
-            )  # False under torch.compile: Dynamo need not read the switch
+            decode_step_fusable(x, decode_rows())
             and decode_sum() != "separate"
             and self.decode_fusable(x)
             and self._rule(x).split_k > 1
@@ -203,9 +201,10 @@ def _plain(w: torch.Tensor) -> bool:
 def decode_step_fusable(x: torch.Tensor, max_rows: int = DECODE_ROWS) -> bool:
     """The per-call half of Linear.decode_fusable, the same for every linear of a step (x: the step's
     flat hidden states (N, d)): a decode-sized step (0 < N <= max_rows rows: DECODE_ROWS, or decode_rows()
-    for a fusion the wide tiles take too) of a dtype kiln's matmul takes, with no gradient, not under autocast (a float32 stream meets 16-bit outputs there) or
-    torch.compile (the decode matmul's hooks are not registered ops), where kiln's Triton kernels run
-    (CUDA, or the interpreter with the "triton" backend: kiln.kernels.dispatch)."""
+    for a fusion the wide tiles take too) of a dtype kiln's matmul takes, with no gradient, not under
+    autocast (a float32 stream meets 16-bit outputs there) or torch.compile (the decode matmul's hooks are
+    not registered ops), where kiln's Triton kernels run (CUDA, or the interpreter with the "triton"
+    backend: kiln.kernels.dispatch)."""
     return (
         x.dim() == 2
         and 0 < x.shape[0] <= max_rows

@@ -54,7 +54,7 @@ class Block(nn.Module):
 
     def forward(self, h, residual, rope, meta, kv_cache=None, key_rope=None, defer_sum=False):
         """h: the previous sublayer's output (N, d), or its SplitSum (the previous block's down_proj
-        partials, KILN_DECODE_SUM=norm); residual: the stream it adds to (None before the first block).
+        partials, KILN_DECODE_SUM); residual: the stream it adds to (None before the first block).
         Returns (this block's MLP output, the stream before it, the MoE aux loss or None). defer_sum: the
         caller's next norm takes a SplitSum (Norm.takes_split_sum), so the MLP output may be one."""
         attn = self.self_attn
@@ -69,12 +69,11 @@ class Block(nn.Module):
             h, residual = attn(h, rope, meta, kv_cache, key_rope, input_norm=(norm, residual))
         else:
             x, residual = norm(h, residual, into=attn.qkv_proj)
-            # KILN_DECODE_SUM=norm: o_proj may leave its split-K sum to the post-attention norm (is_compiling
-            # first: a traced step keeps the sum kernel, and Dynamo need not read the switch)
-            post = not torch.compiler.is_compiling() and self.post_attention_layernorm.takes_split_sum(
-                gate_up
-            )
-            h = attn(x, rope, meta, kv_cache, key_rope, defer_sum=post)
+            # KILN_DECODE_SUM: o_proj may leave its split-K sum to the post-attention norm (is_compiling first:
+            # a traced step keeps the sum kernel, and Dynamo need not read the switch)
+            post_norm = self.post_attention_layernorm
+            defer_o = not torch.compiler.is_compiling() and post_norm.takes_split_sum(gate_up)
+            h = attn(x, rope, meta, kv_cache, key_rope, defer_sum=defer_o)
         x, residual = self.post_attention_layernorm(h, residual, into=gate_up)
         if isinstance(self.mlp, SparseMoE):
             h, aux = self.mlp(x)
@@ -237,7 +236,7 @@ class Decoder(nn.Module):
         return h, (torch.stack(auxes).mean() if auxes else None)
 
     def _defers_into(self, i: int) -> bool:
-        """Whether block i may hand its MLP output to the norm after it as a SplitSum (KILN_DECODE_SUM=norm,
+        """Whether block i may hand its MLP output to the norm after it as a SplitSum (KILN_DECODE_SUM,
         checked by the caller): block i is a plain Block and the norm after it (block i + 1's input norm, or
         the final norm) takes one. The MLP defers only where its down_proj splits K (GatedMLP.forward).
         Module types only: fixed for a captured CUDA graph."""
