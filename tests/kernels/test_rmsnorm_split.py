@@ -88,6 +88,8 @@ def test_clear_errors(device):
             decode_matmul(x, w.t(), config=DecodeConfig("dot", 16, 32, 1), defer_sum=True)
         with pytest.raises(ValueError, match="defer_sum returns the bare partial sums"):
             decode_matmul(x, w.t(), activation="silu", config=DecodeConfig("dot", 16, 32, 2), defer_sum=True)
+        with pytest.raises(ValueError, match="defer_sum returns the bare partial sums: no bias"):
+            decode_matmul(x, w.t(), b, config=DecodeConfig("dot", 16, 32, 2), defer_sum=True)
         p = decode_matmul(x, w.t(), config=DecodeConfig("dot", 16, 32, 2), defer_sum=True)
         assert p.shape == (2, 3, 40) and p.dtype == torch.float32
         with pytest.raises(ValueError, match="rmsnorm_split: partials must be float32"):

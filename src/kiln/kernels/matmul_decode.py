@@ -193,9 +193,6 @@ def preload_switch() -> bool:
     return env_form("KILN_DECODE_PREW", ("on", "off")) == "on"
 
 
-GEMV_KINDS = ("long", "wide")
-
-
 @functools.cache
 def gemv_override(kind: str) -> DecodeConfig | None:
     """A one-row gemv config from the environment (read once), in place of decode_config's rule, for A/B
@@ -660,9 +657,9 @@ def decode_matmul(
     None) with the same config (module doc); no activation, no split K (ValueError), config.block_n
     counts b's columns (2 per output feature).
     defer_sum: where the config splits K, return the float32 (split, M, N) partial sums without the sum
-    kernel (and without the bias, which is ignored), for a consumer that adds them itself
-    (kiln.kernels.rmsnorm.rmsnorm_split: the sum and the add + RMSNorm after it in one launch); a config
-    that does not split is a ValueError, as are an activation, `out`, a prologue or an epilogue with it.
+    kernel, for a consumer that adds them and the bias itself (kiln.kernels.rmsnorm.rmsnorm_split,
+    kiln.kernels.rope.rope_kv_write_split); a config that does not split is a ValueError, as are a bias, an
+    activation, `out`, a prologue or an epilogue with it.
     """
     M, K = a.shape
     N = b.shape[1]
@@ -696,9 +693,16 @@ def decode_matmul(
     _check_swiglu_args(a, N, glu, activation, config, out)
     if config.kernel == "gemv" and M > DECODE_MAX_M:
         raise ValueError(f"the gemv decode kernel takes at most {DECODE_MAX_M} rows, got {M}: use 'dot'")
-    if defer_sum and (activation != "none" or out is not None or prologue != "none" or epilogue != "none"):
+    if defer_sum and (
+        bias is not None
+        or activation != "none"
+        or out is not None
+        or prologue != "none"
+        or epilogue != "none"
+    ):
         raise ValueError(
-            "decode_matmul: defer_sum returns the bare partial sums: no activation, out, prologue or epilogue"
+            "decode_matmul: defer_sum returns the bare partial sums: no bias (the consumer adds it), activation, "
+            "out, prologue or epilogue"
         )
     c = torch.empty((M, N // 2 if glu else N), device=a.device, dtype=a.dtype) if out is None else out
     split, k_split, dst = 1, K, c
