@@ -117,6 +117,18 @@ class DecodeConfig(NamedTuple):
         return f"{self.kernel} BN={self.block_n} BK={self.block_k} SK={self.split_k} w={self.warps} s={self.stages}{pdl}{pre}"
 
 
+def split_sum_ref(partials: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The output of a split-K decode matmul from its float32 slices (S, M, N) (`decode_matmul(...,
+    defer_sum=True)`): added in slice order, + bias, rounded to `dtype`, as the sum kernel does (no
+    activation). The reference of the kernels that take the slices (rmsnorm_split, rope_kv_write_split)."""
+    acc = partials[0].clone()
+    for p in partials[1:]:
+        acc += p
+    if bias is not None:
+        acc += bias.to(acc.dtype)
+    return acc.to(dtype)
+
+
 @functools.lru_cache(maxsize=256)
 def decode_config(
     M: int, N: int, K: int, sms: int, k_major: bool = True, split_ok: bool = True
@@ -704,7 +716,10 @@ def decode_matmul(
             "decode_matmul: defer_sum returns the bare partial sums: no bias (the consumer adds it), activation, "
             "out, prologue or epilogue"
         )
-    c = torch.empty((M, N // 2 if glu else N), device=a.device, dtype=a.dtype) if out is None else out
+    if defer_sum:  # no (M, N) output: `c` only stands in as an unused pointer
+        c = a
+    else:
+        c = torch.empty((M, N // 2 if glu else N), device=a.device, dtype=a.dtype) if out is None else out
     split, k_split, dst = 1, K, c
     if config.split_k > 1:
         # Whole BLOCK_K steps per split, so every split but the last covers k_split exactly; a split that

@@ -63,6 +63,7 @@ from kiln.kernels.dispatch import use_triton
 from kiln.kernels.fp8_matmul import FP8, Fp8Rows, quantize_fp8_ref
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.matmul import matmul_ref
+from kiln.kernels.matmul_decode import split_sum_ref
 
 
 def rmsnorm_ref(
@@ -91,12 +92,7 @@ def rmsnorm_split_ref(
     """rmsnorm_split's reference: x = round(partials[0] + ... + partials[S - 1] + bias) in residual's dtype
     (kiln.kernels.matmul_decode's split-K sum, slices added in order), then the add + RMSNorm reference:
     (norm(x + residual), x + residual)."""
-    acc = partials[0].clone()
-    for p in partials[1:]:
-        acc += p
-    if bias is not None:
-        acc += bias.to(acc.dtype)
-    return rmsnorm_ref(acc.to(residual.dtype), weight, eps, residual, offset)
+    return rmsnorm_ref(split_sum_ref(partials, bias, residual.dtype), weight, eps, residual, offset)
 
 
 def norm_fused_ref(

@@ -46,7 +46,7 @@ from kiln.kernels._common import (
 from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.matmul import matmul_ref
-from kiln.kernels.matmul_decode import PRELOAD_MAX_K, PRELOAD_MAX_WEIGHT, preload_weight
+from kiln.kernels.matmul_decode import PRELOAD_MAX_K, PRELOAD_MAX_WEIGHT, preload_weight, split_sum_ref
 from kiln.kernels.paged_kv import paged_kv_write_ref
 
 
@@ -405,13 +405,9 @@ def rope_kv_write_split_ref(
     """rope_kv_write_split's reference: the q/k/v projection's output from its split-K partials (S, N, (Hq + 2 Hk)
     D), added in slice order with the bias and rounded to the caches' dtype (kiln.kernels.matmul_decode's sum
     kernel), split into q, k, v, then rope_kv_write_ref."""
-    acc = partials[0].clone()
-    for p in partials[1:]:
-        acc += p
-    if bias is not None:
-        acc += bias.to(acc.dtype)
     Hk, D = k_cache.shape[2], k_cache.shape[3]
-    q, k, v = acc.to(k_cache.dtype).split([n_heads * D, Hk * D, Hk * D], dim=1)
+    qkv = split_sum_ref(partials, bias, k_cache.dtype)
+    q, k, v = qkv.split([n_heads * D, Hk * D, Hk * D], dim=1)
     N = q.shape[0]
     return rope_kv_write_ref(q.reshape(N, n_heads, D), k.reshape(N, Hk, D), v.reshape(N, Hk, D), cos, sin, rows,
                              k_cache, v_cache, slots, interleaved)  # fmt: skip

@@ -274,9 +274,7 @@ class MergedLinear(Linear):
         rows = x.shape[0]
         if rows <= DECODE_ROWS:
             return True
-        if rows < SWIGLU_WIDE_MIN_ROWS:
-            return False
-        return decode_config(rows, self.out_features, self.in_features, sm_count(x.device)).split_k == 1
+        return rows >= SWIGLU_WIDE_MIN_ROWS and self._rule(x).split_k == 1
 
     def swiglu_decode(self, x: torch.Tensor) -> torch.Tensor:
         """swiglu(self(x)) (N, F) for a gate/up projection (two parts of F rows each: gate, then up) with
