@@ -252,3 +252,56 @@ def test_fused_norm_qwen_shape_bf16_on_gpu():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(qg, q) and torch.equal(hg, h)
+
+
+def test_prefetch_range_and_hint(device):
+    """l2_prefetch_range cuts each part's first share in 16-byte units; the hint changes nothing computed
+    (off CUDA sm_90+ the launch asks for no prefetch at all)."""
+    from kiln.kernels._common import l2_prefetch_range, prefetch_args
+
+    w = torch.zeros(2 * 8960, 1536, dtype=torch.bfloat16)
+    pf = l2_prefetch_range(w, 2, 0.5)
+    assert (pf.parts, pf.stride, pf.nbytes) == (2, 8960 * 1536 * 2, 8960 * 1536)
+    assert l2_prefetch_range(w, 2, 1.0).nbytes == pf.stride
+    assert l2_prefetch_range(w, 2, 1e-9).nbytes == 0
+    assert l2_prefetch_range(w, 2, 0.0) is None
+    assert l2_prefetch_range(w.t(), 2, 0.5) is None  # not contiguous
+    assert l2_prefetch_range(torch.zeros(3, dtype=torch.bfloat16), 4, 0.5) is None  # 6 bytes in 4 parts
+    args, consts = prefetch_args(pf, torch.zeros(1), 4)
+    assert consts == dict(PF_PARTS=0, PF_SLOTS=128, PF_FORM=0) and args[1:] == (0, 0)
+    x, w, b, cos, sin, rows, kc, vc, slots = _inputs(64, 2, 1, 8, 4, torch.float32, device, 3)
+    kc2, vc2 = kc.clone(), vc.clone()
+    gate_up = torch.randn(64, 32, device=device)
+    with use_backend("triton"):
+        q = qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, 2)
+        q2 = qkv_rope(
+            x, w, b, cos, sin, rows, kc2, vc2, slots, 2, prefetch=l2_prefetch_range(gate_up, 2, 0.5)
+        )
+    assert torch.equal(q, q2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("share", [0.37, 1.0])
+def test_prefetch_qwen_shape_bf16_on_gpu(share):
+    """With an L2 prefetch of Qwen2.5-1.5B's gate/up weight (17920 x 1536 bf16, two parts; a share whose
+    bytes do not divide among the threads, and all of it) issued by its programs, the kernel computes the
+    same bits as without, eagerly and in a CUDA graph, and leaves the prefetched weight as it was."""
+    from kiln.kernels._common import l2_prefetch_range
+
+    K, Hq, Hk, D, page = 1536, 12, 2, 128, 16
+    x, w, b, cos, sin, rows, kc, vc, slots = _inputs(K, Hq, Hk, D, page, torch.bfloat16, "cuda", 0, slot=37)
+    gate_up = torch.randn(17920, K, device="cuda").to(torch.bfloat16)
+    before = gate_up.clone()
+    pf = l2_prefetch_range(gate_up, 2, share)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = qkv_rope(x, w, b, cos, sin, rows, kc, vc, slots, Hq)
+    q2 = qkv_rope(x, w, b, cos, sin, rows, kc2, vc2, slots, Hq, prefetch=pf)
+    assert torch.equal(q, q2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qg = qkv_rope(x, w, b, cos, sin, rows, kc2, vc2, slots, Hq, prefetch=pf)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(qg, q) and torch.equal(gate_up, before)
