@@ -43,7 +43,6 @@ SWITCHES = {
     "KILN_DECODE_SWIGLU": (model_config, "decode_swiglu"),
     "KILN_DECODE_SUM": (model_config, "decode_sum"),
     "KILN_DECODE_BLOCK": (model_config, "decode_block"),
-    "KILN_DECODE_PREFETCH": (model_config, "decode_prefetch"),
     "KILN_DECODE_ROWS": (model_config, "decode_rows"),
     "KILN_DECODE_FORM": (decode_attention, "default_form"),
     "KILN_DECODE_PRELOAD": (decode_attention, "_preload_switch"),
@@ -53,7 +52,6 @@ SWITCHES = {
     "KILN_DECODE_GEMV_WIDE": (matmul_decode, "gemv_override"),
     "KILN_DECODE_ALIGN": (decode_attention, "chunk_align"),
     "KILN_PDL_FIRST": (kernels_common, "_pdl_first_set"),
-    "KILN_PREFETCH_FORM": (kernels_common, "prefetch_form"),
 }
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
 
 import torch
 import triton
@@ -138,100 +137,6 @@ def pdl_prologue(PDL: tl.constexpr, FIRST: tl.constexpr = False):
         else:
             gdc_wait()
             gdc_launch_dependents()
-
-
-class L2Prefetch(NamedTuple):
-    """Bytes a decode kernel asks the L2 cache to fetch from HBM while it runs (`l2_prefetch`): the first
-    `nbytes` of each of `parts` slices of `tensor`'s storage, `stride` bytes apart (a merged gate/up
-    weight: parts=2, its gate rows then its up rows, the first rows of each, in the order the matmul's
-    programs read them). Only a hint: nothing waits for it, and the bytes are read again as usual."""
-
-    tensor: torch.Tensor
-    nbytes: int
-    stride: int
-    parts: int
-
-
-def l2_prefetch_range(tensor: torch.Tensor, parts: int, fraction: float) -> L2Prefetch | None:
-    """The first `fraction` of each of `parts` equal slices of a contiguous tensor (None where fraction is
-    0 or the tensor cannot be cut so)."""
-    size = tensor.numel() * tensor.element_size()
-    if fraction <= 0 or not tensor.is_contiguous() or size % parts:
-        return None
-    stride = size // parts
-    return L2Prefetch(tensor, min(stride, int(stride * fraction)) // 16 * 16, stride, parts)
-
-
-def prefetch_args(pf: L2Prefetch | None, fallback: torch.Tensor, num_warps: int) -> tuple:
-    """A launch's (PF, pf_bytes, pf_stride) arguments and its PF_PARTS / PF_SLOTS constexprs for `l2_prefetch`:
-    PF_PARTS = 0 (nothing fetched) without a range, off CUDA sm_90+ (the bulk prefetch is a Hopper
-    instruction) and in the interpreter."""
-    if pf is None or not fallback.is_cuda or interpreting() or not griddep(fallback.device.index or 0):
-        return (fallback, 0, 0), dict(PF_PARTS=0, PF_SLOTS=32 * num_warps, PF_FORM=0)
-    form = PREFETCH_FORMS.index(prefetch_form())
-    return (pf.tensor, pf.nbytes, pf.stride), dict(PF_PARTS=pf.parts, PF_SLOTS=32 * num_warps, PF_FORM=form)
-
-
-PREFETCH_FORMS = ("bulk", "lines")
-
-
-@functools.cache
-def prefetch_form() -> str:
-    """`l2_prefetch`'s instruction: "bulk" (one bulk prefetch a program) unless KILN_PREFETCH_FORM says
-    "lines" (a prefetch a line, evict_last), read once, for A/B timing."""
-    return env_form("KILN_PREFETCH_FORM", PREFETCH_FORMS)
-
-
-@triton.jit
-def l2_prefetch(
-    PF,
-    pf_bytes,
-    pf_stride,
-    pid,
-    nprog,
-    PF_PARTS: tl.constexpr,
-    PF_SLOTS: tl.constexpr,
-    PF_FORM: tl.constexpr = 0,
-):
-    """This program's share of an `L2Prefetch`: of each part's first pf_bytes, the grid's programs take
-    equal consecutive slices. PF_FORM 0: one bulk L2 prefetch (cp.async.bulk.prefetch.L2, sm_90) of the
-    slice, from the program's first thread; 1: a prefetch.global.L2::evict_last per 128-byte line, the
-    program's PF_SLOTS threads taking one line each per pass. Neither waits: the lines are fetched while
-    the kernel goes on, and nothing in the kernel reads them."""
-    if PF_PARTS > 0:
-        lane = tl.arange(0, PF_SLOTS)
-        base = PF.to(tl.pointer_type(tl.int8)).to(tl.int64)
-        if PF_FORM == 0:
-            share = tl.cdiv(tl.cdiv(pf_bytes, nprog), 16) * 16  # bytes a program, a multiple of 16
-            start = pid.to(tl.int64) * share
-            size = tl.where(lane == 0, tl.minimum(tl.maximum(pf_bytes - start, 0), share), 0).to(tl.int32)
-            for p in tl.static_range(PF_PARTS):
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-                    "mov.b32 $0, 0; }",
-                    "=r,l,r",
-                    [base + p * pf_stride + start + lane * 0, size],
-                    dtype=tl.int32,
-                    is_pure=False,
-                    pack=1,
-                )
-        else:
-            lines = tl.cdiv(pf_bytes, 128)
-            share = tl.cdiv(lines, nprog)  # lines a program
-            first = pid.to(tl.int64) * share
-            for i in range(0, tl.cdiv(share, PF_SLOTS)):
-                line = first + i * PF_SLOTS + lane
-                ok = ((line < first + share) & (line < lines)).to(tl.int32)
-                for p in tl.static_range(PF_PARTS):
-                    tl.inline_asm_elementwise(
-                        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; "
-                        "mov.b32 $0, 0; }",
-                        "=r,l,r",
-                        [base + p * pf_stride + line * 128, ok],
-                        dtype=tl.int32,
-                        is_pure=False,
-                        pack=1,
-                    )
 
 
 @triton.jit

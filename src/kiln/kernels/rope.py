@@ -35,14 +35,11 @@ import triton.language as tl
 
 from kiln.kernels._common import (
     FLOAT_DTYPES,
-    L2Prefetch,
     early_loads,
-    l2_prefetch,
     needs_grad,
     pdl,
     pdl_first,
     pdl_prologue,
-    prefetch_args,
     rope_pair_tables,
     rope_pairs_store,
 )
@@ -794,7 +791,6 @@ def _qkv_rope_kernel(
     Hq, Hk, D, half,  # half = D / 2, a multiple of PAIRS
     R, G, H_OUT,  # NORM: the residual row (1, K) (read with HAS_RESIDUAL), the norm weight (K,), out: x + r (1, K)
     eps,  # NORM: the RMSNorm's epsilon (float)
-    PF, pf_bytes, pf_stride,  # an L2Prefetch range issued before the wait (kiln.kernels._common.l2_prefetch)
     HAS_BIAS: tl.constexpr, INTERLEAVED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
@@ -803,9 +799,6 @@ def _qkv_rope_kernel(
     PRE_K: tl.constexpr = 0,  # > 0: a power of two >= K; the whole W slice loaded before the PDL wait, no K loop
     EARLY: tl.constexpr = False,  # the table row, cos / sin and slot read before the PDL wait (rope_kv_write's)
     FIRST: tl.constexpr = False,  # signal the next kernel before waiting (kiln.kernels._common.pdl_first)
-    PF_PARTS: tl.constexpr = 0,  # > 0: prefetch PF's range into L2 (the next weights decode attention's latency hides)
-    PF_SLOTS: tl.constexpr = 32,  # the program's threads
-    PF_FORM: tl.constexpr = 0,  # l2_prefetch's instruction
 ):
     pid = tl.program_id(0)
     per_head = half // PAIRS
@@ -827,8 +820,6 @@ def _qkv_rope_kernel(
         w_pre = tl.load(w_rows + offs_pre[None, :], mask=(offs_pre < K)[None, :], other=0.0)
     if EARLY:  # made once a step before layer 0 (rope_kv_write_triton's contract)
         c, s, slot = rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp)
-    # after this kernel's own loads: the range streams while decode attention's chain of round trips runs
-    l2_prefetch(PF, pf_bytes, pf_stride, pid, tl.num_programs(0), PF_PARTS, PF_SLOTS, PF_FORM)
     # FIRST: decode attention's split kernel after this one reads only the key count, block tables and older
     # cache rows before its wait (never this token's key, which this kernel writes)
     pdl_prologue(PDL, FIRST)
@@ -901,7 +892,6 @@ def qkv_rope(
     norm_weight: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     eps: float = 1e-6,
-    prefetch: L2Prefetch | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q (1, Hq, D) = RoPE(x @ W[:Hq D].T + b); RoPE(k) and v written into the caches at `slots` (in place).
     Shapes as the module docstring; the caller checks `qkv_rope_supported` (the model falls back to the
@@ -920,11 +910,7 @@ def qkv_rope(
     as that projection does: Linear.reads_early); else the gemv's K loop. early: the table row, cos / sin
     and the slot read before the wait too (default `early_loads()`, as rope_kv_write: the caller vouches that
     neither the kernel before nor the one before that writes them; the model's eager and CUDA-graph steps
-    make them before layer 0, and never run this kernel under torch.compile).
-
-    prefetch: bytes for the L2 cache to fetch from HBM while the kernel and those after it run (the model
-    hands it the MLP's gate/up weight, KILN_DECODE_PREFETCH; kiln.kernels._common.l2_prefetch). A hint
-    only: on CUDA sm_90+, ignored elsewhere."""
+    make them before layer 0, and never run this kernel under torch.compile)."""
     if not qkv_rope_supported(x, weight, k_cache, n_heads):
         raise ValueError(
             f"qkv_rope: unsupported shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} (stride "
@@ -959,16 +945,15 @@ def qkv_rope(
     h = x if residual is None else torch.empty_like(x)  # the new stream
     use_pdl = pdl(x)
     grid = ((n_heads + 2 * Hk) * (D // 2) // QKV_PAIRS,)
-    pf_args, pf_consts = prefetch_args(prefetch, x, QKV_WARPS)
     _qkv_rope_launch[grid](
         x, weight, weight if bias is None else bias, q, cos, sin, rows, k_cache, v_cache, slots,
         x.shape[1], x.stride(1), weight.stride(0), cos.stride(0), sin.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], n_heads, Hk, D, D // 2,
-        x if residual is None else residual, x if norm_weight is None else norm_weight, h, float(eps), *pf_args,
+        x if residual is None else residual, x if norm_weight is None else norm_weight, h, float(eps),
         HAS_BIAS=bias is not None, INTERLEAVED=interleaved, PAGE_SIZE=k_cache.shape[1], PAIRS=QKV_PAIRS,
         BLOCK_K=QKV_BLOCK_K, STAGES=QKV_STAGES, PDL=use_pdl, NORM=norm, HAS_RESIDUAL=residual is not None,
         PRE_K=pre_k,
-        EARLY=early_loads() if early is None else early, FIRST=pdl_first("qkv"), **pf_consts, num_warps=QKV_WARPS,
+        EARLY=early_loads() if early is None else early, FIRST=pdl_first("qkv"), num_warps=QKV_WARPS,
         launch_pdl=use_pdl,
     )  # fmt: skip
     return (q, h) if norm else q

@@ -170,27 +170,6 @@ def decode_sum() -> str:
     return _env_form("KILN_DECODE_SUM", DECODE_SUMS, what)
 
 
-@functools.cache
-def decode_prefetch() -> float:
-    """The share of each block's gate/up weight that a one-token decode step asks the L2 cache to fetch while
-    decode attention runs (kiln.kernels._common.l2_prefetch, issued by the fused q/k/v kernel before its
-    wait): 0 (off, the default) unless KILN_DECODE_PREFETCH holds a fraction in (0, 1] (read once, as
-    KILN_DECODE_NORM is), for A/B timing of whole steps. At batch 1 the HBM idles through attention's chain
-    of round trips, the reduction, o_proj and the norm (~12 us a layer on the H200), and gate/up then
-    streams 55 MB (Qwen2.5-1.5B) with nothing before it to hide behind."""
-    raw = os.environ.get("KILN_DECODE_PREFETCH", "") or "0"
-    try:
-        share = float(raw)
-    except ValueError:
-        share = -1.0
-    if not 0 <= share <= 1:
-        raise KilnError(
-            f"KILN_DECODE_PREFETCH={raw!r} is not a fraction in [0, 1]: unset it (or 0) for no prefetch, or "
-            "give the share of each gate/up weight to fetch into L2 while decode attention runs"
-        )
-    return share
-
-
 # How a one-token paged decode step runs each dense block (decode_block): "separate" (its ten kernels) or
 # "fused" (kiln.kernels.decode_block: the whole block in one launch, grid barriers between its phases)
 DECODE_BLOCKS = ("separate", "fused")

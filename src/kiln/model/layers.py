@@ -14,7 +14,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kiln.kernels._common import L2Prefetch
 from kiln.kernels.attention import attention, tuning_lengths
 from kiln.kernels.decode_attention import decode_attention
 from kiln.kernels.fp8_matmul import Fp8Rows
@@ -143,7 +142,6 @@ class Attention(nn.Module):
         stream: torch.Tensor | None = None,
         input_norm: tuple[Norm, torch.Tensor | None] | None = None,
         defer_sum: bool = False,
-        prefetch: L2Prefetch | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | SplitSum:
         """x (N, d) -> (N, d). rope = (cos, sin, index) for the N query positions, or None (learned
         positions); kv_cache = this layer's paged (k_cache, v_cache) (num_blocks, block_size, Hk, D);
@@ -159,10 +157,7 @@ class Attention(nn.Module):
         call returns (output, the new residual stream).
 
         defer_sum: the caller's add + RMSNorm takes a SplitSum (Norm.takes_split_sum): where o_proj's decode
-        matmul splits K (Linear.defers_sum), the call returns its partials unsummed.
-
-        prefetch: bytes the fused q/k/v kernel asks the L2 cache to fetch while decode attention runs (the
-        block's gate/up weight, Block.forward; KILN_DECODE_PREFETCH); other paths ignore it."""
+        matmul splits K (Linear.defers_sum), the call returns its partials unsummed."""
         if input_norm is not None:
             return self._forward_normed(x, *input_norm, rope, meta, kv_cache)
         N = x.shape[0]
@@ -170,8 +165,7 @@ class Attention(nn.Module):
             # one token: the projection rotates q and k and writes k and v into the cache itself
             k_cache, v_cache = kv_cache
             q = qkv_rope(x, self.qkv_proj.weight, self.qkv_proj.bias, rope[0], rope[1], rope[2].reshape(-1),
-                         k_cache, v_cache, meta.slot_mapping, self.n_heads, interleaved=self.rope_interleaved,
-                         prefetch=prefetch)  # fmt: skip
+                         k_cache, v_cache, meta.slot_mapping, self.n_heads, interleaved=self.rope_interleaved)  # fmt: skip
             return self._attend_rotated(q, meta, kv_cache, stream, defer_sum)
         if prenorm is None and self._split_qkv(x, rope, meta, kv_cache):
             # the projection splits K (2-64 rows, KILN_DECODE_SUM=all): the RoPE + K/V write kernel adds its

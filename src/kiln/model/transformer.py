@@ -24,20 +24,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kiln.kernels._common import L2Prefetch, l2_prefetch_range
 from kiln.kernels.decode_block import decode_block as fused_block
 from kiln.kernels.decode_block import decode_block_supported
 from kiln.kernels.linear_cross_entropy import linear_cross_entropy
 from kiln.model.attn_metadata import AttnMetadata
 from kiln.model.cache import KVCache
-from kiln.model.config import (
-    KernelConfig,
-    ModelConfig,
-    decode_block,
-    decode_norm,
-    decode_prefetch,
-    decode_sum,
-)
+from kiln.model.config import KernelConfig, ModelConfig, decode_block, decode_norm, decode_sum
 from kiln.model.layers import Attention, GatedMLP, GeluMLP, Norm
 from kiln.model.linear import Linear, MergedLinear, decode_step_fusable, hooked
 from kiln.model.moe import SparseMoE
@@ -81,7 +73,7 @@ class Block(nn.Module):
             # a traced step keeps the sum kernel, and Dynamo need not read the switch)
             post_norm = self.post_attention_layernorm
             defer_o = not torch.compiler.is_compiling() and post_norm.takes_split_sum(gate_up)
-            h = attn(x, rope, meta, kv_cache, key_rope, defer_sum=defer_o, prefetch=self._prefetch(gate_up))
+            h = attn(x, rope, meta, kv_cache, key_rope, defer_sum=defer_o)
         x, residual = self.post_attention_layernorm(h, residual, into=gate_up)
         if isinstance(self.mlp, SparseMoE):
             h, aux = self.mlp(x)
@@ -89,15 +81,6 @@ class Block(nn.Module):
         if defer_sum and isinstance(self.mlp, GatedMLP):
             return self.mlp(x, defer_sum=True), residual, None
         return self.mlp(x), residual, None
-
-    def _prefetch(self, gate_up: nn.Module | None) -> L2Prefetch | None:
-        """The range of this block's gate/up weight to fetch into L2 during decode attention
-        (KILN_DECODE_PREFETCH; the fused q/k/v kernel issues it, other paths ignore it): the first share of
-        its gate rows and of its up rows, the order the decode matmul's programs read them."""
-        if gate_up is None or torch.compiler.is_compiling() or not isinstance(gate_up, MergedLinear):
-            return None
-        share = decode_prefetch()
-        return l2_prefetch_range(gate_up.weight, 2, share) if share else None
 
     def fusable(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> bool:
         """Whether this block can run as one kernel (forward_fused) at a one-token paged decode step whose
