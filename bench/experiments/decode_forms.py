@@ -29,7 +29,7 @@ from kiln.infer import bench
 from kiln.infer.engine import LLM
 from kiln.infer.sampling_params import SamplingParams
 from kiln.kernels import _common as kernels_common
-from kiln.kernels import decode_attention, matmul_decode, rope
+from kiln.kernels import decode_attention, matmul_decode
 from kiln.model import config as model_config
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import build_model
@@ -52,7 +52,6 @@ SWITCHES = {
     "KILN_DECODE_GEMV_WIDE": (matmul_decode, "gemv_override"),
     "KILN_DECODE_ALIGN": (decode_attention, "chunk_align"),
     "KILN_PDL_FIRST": (kernels_common, "_pdl_first_set"),
-    "KILN_QKV_MAXNREG": (rope, "qkv_maxnreg"),
 }
 
 

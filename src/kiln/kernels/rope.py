@@ -29,9 +29,6 @@ and, at one token, `qkv_rope` (the end): the q/k/v projection with that rotation
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -750,14 +747,6 @@ QKV_WARPS, QKV_STAGES = 2, 3
 QKV_MAX_K = 4096  # beyond it the gemv takes other tiles: the fused kernel is not offered there
 
 
-@functools.cache
-def qkv_maxnreg() -> int | None:
-    """The fused q/k/v kernel's register cap (ptxas maxnreg): None (the compiler's choice) unless
-    KILN_QKV_MAXNREG holds a count (read once, for A/B timing of whole steps)."""
-    raw = os.environ.get("KILN_QKV_MAXNREG", "")
-    return int(raw) if raw else None
-
-
 def qkv_rope_ref(
     x, weight, bias, cos, sin, rows, k_cache, v_cache, slots, n_heads, n_kv_heads, interleaved=False
 ):
@@ -965,7 +954,7 @@ def qkv_rope(
         BLOCK_K=QKV_BLOCK_K, STAGES=QKV_STAGES, PDL=use_pdl, NORM=norm, HAS_RESIDUAL=residual is not None,
         PRE_K=pre_k,
         EARLY=early_loads() if early is None else early, FIRST=pdl_first("qkv"), num_warps=QKV_WARPS,
-        launch_pdl=use_pdl, maxnreg=qkv_maxnreg(),
+        launch_pdl=use_pdl,
     )  # fmt: skip
     return (q, h) if norm else q
 
