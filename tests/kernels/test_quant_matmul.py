@@ -87,6 +87,42 @@ def test_decode_matches_dequantized_float64(fmt, config, M, device):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=_fmt_id)
+@pytest.mark.parametrize("F", [40, 44], ids=["F40", "F44-ragged"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_fma_swiglu_epilogue_same_bits(fmt, F, with_bias, device):
+    """epilogue="swiglu" on the fma form: swiglu of a merged [gate | up] projection (N = 2F), bit-equal to the
+    projection followed by kiln's SwiGLU kernel (a block's 8 features of gate and up interleaved; 44: a
+    ragged last block), several K steps (int4: groups of 32 spanning steps)."""
+    from kiln.kernels.swiglu import swiglu
+
+    bits, group, asym = fmt
+    K = 256
+    q, s, z = quantized(2 * F, K, bits, group, asym, seed=F + bits, device=device)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, K, generator=g).to(device, torch.float16)
+    bias = torch.randn(2 * F, generator=g).to(device, torch.float16) if with_bias else None
+    config = DecodeConfig("fma", 16, 64)
+    with use_backend("triton"):
+        want = swiglu(wq_matmul_fwd(x, q, s, z, bits, group, bias, config=config), None)
+        got = wq_matmul_fwd(x, q, s, z, bits, group, bias, config=config, epilogue="swiglu")
+    assert got.shape == (1, F) and torch.equal(got, want)
+
+
+def test_swiglu_epilogue_refuses_other_forms():
+    q, s, z = quantized(32, 64, 8, 0, False, seed=0)
+    x = torch.randn(1, 64)
+    for config in (
+        DecodeConfig("fma", 8, 32, split_k=2),
+        DecodeConfig("gemv", 8, 32),
+        DecodeConfig("fma", 7, 32),
+    ):
+        with pytest.raises(ValueError, match="SwiGLU epilogue"):
+            wq_matmul_fwd(x, q, s, z, 8, 0, config=config, epilogue="swiglu")
+    with pytest.raises(ValueError, match="epilogue must be"):
+        wq_matmul_fwd(x, q, s, z, 8, 0, epilogue="gelu")
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=_fmt_id)
 @pytest.mark.parametrize("M", [1, 16, 33])
 def test_default_route_and_prefill_tiles(fmt, M, device):
     """The launcher's own choice: decode kernels up to 16 rows, the tile kernel beyond (33: ragged tiles)."""
@@ -215,6 +251,31 @@ def test_bf16_on_gpu_and_in_a_cuda_graph(fmt, M):
         forms.append(DecodeConfig("mma", 64, min(128, group or 128), 4, 4, 3))
     for config in forms:
         assert_close(wq_matmul_fwd(x, q, s, z, bits, group, config=config), want, scale=2.0, name=str(config))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [(8, 0, False), (4, 128, False), (4, 128, True)], ids=_fmt_id)
+def test_gpu_swiglu_epilogue_at_the_gate_up_shape(fmt):
+    """Qwen2.5-1.5B's gate/up (1536 -> 2 x 8960) at one bf16 row on the launcher's own config (the swept fma
+    tile): the SwiGLU epilogue bit-equal to the projection and kiln's SwiGLU kernel, eagerly and replayed
+    from a CUDA graph; wq_swiglu_fusable holds there and not at two rows."""
+    from kiln.kernels.swiglu import swiglu
+
+    bits, group, asym = fmt
+    N, K = 17920, 1536
+    q, s, z = quantized(N, K, bits, group, asym, seed=7, device="cuda")
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    assert quant_matmul.wq_swiglu_fusable(x, N, K, bits, group, asym)
+    assert not quant_matmul.wq_swiglu_fusable(x.expand(2, -1), N, K, bits, group, asym)
+    want = swiglu(wq_linear(x, q, s, z, bits, group), None)
+    got = wq_matmul_fwd(x, q, s, z, bits, group, epilogue="swiglu")
+    assert torch.equal(got, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = wq_matmul_fwd(x, q, s, z, bits, group, epilogue="swiglu")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
 
 
 @pytest.mark.gpu

@@ -89,15 +89,20 @@ ptrs = dict(X_ptr="*bf16", W_ptr="*i32", S_ptr="*bf16", Z_ptr="*u8", Y_ptr="*bf1
 ints = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sn", "k_split"]
 tiles = dict(stride_xk=1, HAS_ZERO=True, HAS_BIAS=False, SPLIT_K=1, STAGES=3)
 out = {"int4 fma": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, BLOCK_N=8, BLOCK_K=256, ASM=True,
-                                                   X_PAIRS=False, PDL=False, PRE=False),
+                                                   X_PAIRS=False, PDL=False, PRE=False, GLU=False),
                             ints, num_warps=2, num_stages=3),
        # one row, 128-wide K steps inside one g128 group, x read as int32 pairs
        "int4 fma, pairs": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, BLOCK_N=32, BLOCK_K=128,
-                                   ASM=True, X_PAIRS=True, PDL=True, PRE=False), ints, num_warps=2, num_stages=3),
+                                   ASM=True, X_PAIRS=True, PDL=True, PRE=False, GLU=False), ints, num_warps=2,
+                                   num_stages=3),
        # the q/k/v projection's int8 table config with its first K step before the wait (the default)
        "int8 fma, pre": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=8, GROUP=1, BLOCK_N=8, BLOCK_K=512,
-                                 HAS_ZERO=False, ASM=True, X_PAIRS=True, PDL=True, PRE=True), ints, num_warps=4,
-                                 num_stages=3),
+                                 HAS_ZERO=False, ASM=True, X_PAIRS=True, PDL=True, PRE=True, GLU=False), ints,
+                                 num_warps=4, num_stages=3),
+       # gate/up's int8 table config with the SwiGLU in its epilogue
+       "int8 fma, swiglu": compile_(qd._wq_fma_kernel, ptrs, dict(tiles, BITS=8, GROUP=1, BLOCK_N=16, BLOCK_K=256,
+                                    HAS_ZERO=False, ASM=True, X_PAIRS=True, PDL=True, PRE=False, GLU=True), ints,
+                                    num_warps=2, num_stages=3),
        "int4 mma": compile_(qd._wq_mma_kernel, ptrs, dict(tiles, BITS=4, GROUP=128, MAGIC=0x4300, SH=0,
                             PRECISION="ieee", BLOCK_N=64, BLOCK_K=128, PDL=True, ASM=True), ints, num_warps=4,
                             num_stages=3),

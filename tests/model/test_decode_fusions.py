@@ -245,3 +245,20 @@ def test_quantized_projection_reads_early_unless_switched_off(monkeypatch):
                 assert not qkv["int8"].reads_early(batch)
     finally:
         quant_matmul.preload_switch.cache_clear()
+
+
+def test_quantized_gate_up_swiglu_rule_at_the_gpu_table(monkeypatch):
+    # At the GPU's table a one-token int8 or int4-g128 gate_up of the Qwen2.5-1.5B shape runs the fma form
+    # with K unsplit, so it takes the SwiGLU epilogue; never FP8, two tokens, or one projection of its own
+    from kiln.kernels import quant_matmul
+    from kiln.model.quant_linear import QuantLinear
+
+    monkeypatch.setattr(quant_matmul, "interpreting", lambda: False)  # the GPU's rule and table
+    parts = {"gate_proj": 8960, "up_proj": 8960}
+    x, batch = torch.zeros(1, 1536), torch.zeros(2, 1536)
+    with use_backend("triton"):
+        for kind, group in (("int8", 0), ("int4", 128)):
+            gate_up = QuantLinear(1536, 17920, False, kind, group_size=group, parts=parts)
+            assert gate_up.swiglu_fusable(x) and not gate_up.swiglu_fusable(batch)
+            assert not QuantLinear(1536, 17920, False, kind, group_size=group).swiglu_fusable(x)  # no parts
+        assert not QuantLinear(1536, 17920, False, "fp8", parts=parts).swiglu_fusable(x)

@@ -193,3 +193,42 @@ def test_cuda_graph_of_an_epilogue_decode_step_bf16(swiglu_form, calls):
         torch.cuda.synchronize()
         assert torch.equal(eager, want)
         assert torch.equal(h, eager)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
+def test_quantized_gate_up_takes_the_epilogue_at_one_token(scheme, swiglu_form, calls, monkeypatch, device):
+    """An int8 / int4 gate_up (QuantLinear) of a one-token step takes the SwiGLU in its fma decode kernel's
+    epilogue (QuantLinear.swiglu_decode): the logits of the separate SwiGLU kernel bit for bit, that kernel
+    launched no more; two tokens, or KILN_DECODE_SWIGLU=separate, keep it. (The interpreter's rule takes the
+    quantized gemv form at one row: the GPU's fma form is put in its place for every quantized linear.)"""
+    import kiln.model.quant_linear as quant_linear
+    from kiln.kernels import quant_matmul
+    from kiln.quant import QuantScheme, quantize_model
+
+    rule = quant_matmul.wq_decode_config
+    monkeypatch.setattr(
+        quant_matmul,
+        "wq_decode_config",
+        lambda M, *a, **kw: DecodeConfig("fma", 16, 32) if M == 1 else rule(M, *a, **kw),
+    )
+    fused = {"n": 0}
+    fwd = quant_linear.wq_matmul_fwd
+
+    def counted(*args, **kw):
+        fused["n"] += kw.get("epilogue") == "swiglu"
+        return fwd(*args, **kw)
+
+    monkeypatch.setattr(quant_linear, "wq_matmul_fwd", counted)
+    model = _model("qwen2", device, d_model=64, ffn_hidden=64)
+    quantize_model(model, QuantScheme.parse(scheme))
+    L = model.config.n_layers
+    step = _decode_step(model.config, [9], page=8, seed=2, device=device)
+    swiglu_form("separate")
+    want = _logits(model, *step)
+    assert calls()["swiglu"] == L and fused["n"] == 0
+    swiglu_form(None)
+    got = _logits(model, *step)
+    assert calls()["swiglu"] == 0 and fused["n"] == L
+    assert torch.equal(got, want)
+    _logits(model, *_decode_step(model.config, [9, 4], page=8, seed=2, device=device))
+    assert calls()["swiglu"] == L and fused["n"] == L  # two tokens: the separate kernel

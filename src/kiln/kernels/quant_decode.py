@@ -48,7 +48,10 @@ Two forms, both over a grid (cdiv(N, BLOCK_N), SPLIT_K) with matmul_decode's det
   the weight); BLOCK_K divides the group. int8: q + 128 has 8 bits, one more than bf16 holds at 128's
   place, so it goes as two nibbles, q = ((128 + hi) - 136) * 16 + ((128 + lo) - 128), exact at each step;
   the per-channel scale applied once at the end.
-Float32 accumulation throughout; the output in x's dtype.
+Float32 accumulation throughout; the output in x's dtype. The fma form also takes the SwiGLU of a merged
+[gate | up] projection in its epilogue (GLU, unsplit K), as the bf16 gemv does (kernels/matmul_decode.py's
+_w_block_rows and _swiglu_epilogue): a block's rows are gate and up rows of the same features, interleaved,
+and it stores silu(gate) * up (1, N / 2) with the bits of the projection followed by kiln's SwiGLU kernel.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels._common import pdl_prologue
-from kiln.kernels.matmul_decode import _store
+from kiln.kernels.matmul_decode import _store, _swiglu_epilogue, _w_block_rows
 
 # Bits of 128.0 in each activation dtype and the shift that puts an integer u < 128 at its units place.
 MAGIC = {torch.bfloat16: (0x4300, 0), torch.float16: (0x5800, 3), torch.float32: (0x43000000, 16)}
@@ -144,6 +147,7 @@ def _wq_fma_kernel(
     X_PAIRS: tl.constexpr = False,  # bf16 x read as int32 pairs (contiguous, 4-byte aligned, K even)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kiln.kernels._common.pdl)
     PRE: tl.constexpr = False,  # the first K step's words loaded before the PDL wait (launcher: `preload`)
+    GLU: tl.constexpr = False,  # Y (1, N / 2) = swiglu(x @ W.T + bias) of W's [gate | up] rows (SPLIT_K 1)
 ):
     if not PRE:
         pdl_prologue(PDL)
@@ -151,8 +155,8 @@ def _wq_fma_kernel(
     BLOCK_W: tl.constexpr = BLOCK_K // P
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    # (BLOCK_N,) W rows: with GLU gate and up rows interleaved, BLOCK_N / 2 features a block (the bf16 gemv's)
+    offs_n, n_ok = _w_block_rows(pid_n, N, BLOCK_N, GLU)
     w_rows = W_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
     s_rows = S_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
     z_rows = Z_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
@@ -188,7 +192,12 @@ def _wq_fma_kernel(
     if BITS == 8:
         y = y * tl.load(S_ptr + offs_n.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
     row0 = tl.zeros((1, 1), dtype=tl.int32)  # the one row
-    _store(y[None, :], row0, offs_n[None, :], pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS, "none", SPLIT_K)
+    if GLU:  # the unfused store's rounding of gate and up, then kiln.kernels.swiglu's: the same bits
+        offs_f = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        _swiglu_epilogue(y[None, :], row0, offs_n[None, :], n_ok[None, :], offs_f[None, :], Y_ptr, Bias_ptr, M,
+                         N // 2, HAS_BIAS, 1)  # fmt: skip
+    else:
+        _store(y[None, :], row0, offs_n[None, :], pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS, "none", SPLIT_K)
 
 
 @triton.jit

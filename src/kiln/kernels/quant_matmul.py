@@ -425,6 +425,16 @@ def preload(M: int, N: int, K: int, config: DecodeConfig) -> bool:
     )
 
 
+def wq_swiglu_fusable(x: torch.Tensor, N: int, K: int, bits: int, group: int, asymmetric: bool) -> bool:
+    """Whether `wq_matmul_fwd(x, ..., epilogue="swiglu")` takes this one-row call of an (N, K) [gate | up]
+    weight: its default decode config is the fma form with K unsplit and an even BLOCK_N (N even), on the
+    Triton path (fixed per shape: a captured CUDA graph's choice never changes)."""
+    if x.dim() != 2 or x.shape[0] != 1 or N % 2 or not use_triton(x):
+        return False
+    config = wq_decode_config(1, N, K, bits, group, sm_count(x.device), asymmetric)
+    return config.kernel == "fma" and config.split_k == 1 and config.block_n % 2 == 0
+
+
 @functools.lru_cache(maxsize=256)
 def wq_tile_config(M: int, N: int, bits: int, group: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) of the prefill kernel: a fixed rule (no autotuner, so a
@@ -502,7 +512,7 @@ _PLANS: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096
 
 
-def _plan(x, qweight, scales, zeros, bits, group_size, bias, config) -> _Plan:
+def _plan(x, qweight, scales, zeros, bits, group_size, bias, config, glu=False) -> _Plan:
     """The checks (clear errors for a bad format or bad x) and choices for one layout of arguments."""
     N, K = check_quantized(qweight, scales, zeros, bits, group_size)
     if x.dim() != 2 or x.shape[1] != K:
@@ -564,18 +574,24 @@ def _plan(x, qweight, scales, zeros, bits, group_size, bias, config) -> _Plan:
             # the next kernel (the split-K sum, the norm after o_proj, ...) be scheduled in turn
             pdl = use_pdl(x)
             tiles.update(PDL=pdl, launch_pdl=pdl)
+        if glu and (form != "fma" or split > 1 or N % 2 or config.block_n % 2):
+            raise ValueError(
+                f"the SwiGLU epilogue runs on the fma form with K unsplit, an even N and BLOCK_N: {config}, N = {N} "
+                "(wq_swiglu_fusable says where)"
+            )
         if form == "fma":
             # bf16 x read as int32 pairs where it is contiguous and 4-byte aligned (the key holds both)
             pairs = x.dtype == torch.bfloat16 and x.stride(1) == 1 and K % 2 == 0 and x.data_ptr() % 4 == 0
             meta = dict(BITS=bits, GROUP=common["GROUP"], HAS_ZERO=zeros is not None, HAS_BIAS=has_bias,
-                        ASM=not interpreting(), X_PAIRS=pairs, PRE=config.pre_k > 0, **tiles)  # fmt: skip
+                        ASM=not interpreting(), X_PAIRS=pairs, PRE=config.pre_k > 0, GLU=glu, **tiles)  # fmt: skip
         elif form == "mma":
             magic, sh = MAGIC[x.dtype]
             meta = dict(BITS=bits, GROUP=common["GROUP"], HAS_ZERO=zeros is not None, HAS_BIAS=has_bias,
                         MAGIC=magic, SH=sh, PRECISION="ieee", ASM=not interpreting(), **tiles)  # fmt: skip
         else:
             meta = dict(common, HAS_BIAS=has_bias, DOT=form == "dot", **tiles)
-        return _Plan(N, True, form, (cdiv(N, config.block_n), split), split, k_split, meta)
+        grid = (cdiv(N // 2, config.block_n // 2) if glu else cdiv(N, config.block_n), split)
+        return _Plan(N, True, form, grid, split, k_split, meta)
     bm, bn, bk, stages, warps = config if config is not None else wq_tile_config(M, N, bits, group_size)
     if bits == 4 and (group_size % bk or bk < 32):
         raise ValueError(f"int4 tiles need BLOCK_K >= 32 dividing the group {group_size}, got {bk}")
@@ -594,25 +610,32 @@ def wq_matmul_fwd(
     bias: torch.Tensor | None = None,
     *,
     config: DecodeConfig | tuple[int, int, int, int, int] | None = None,
+    epilogue: str = "none",
 ) -> torch.Tensor:
     """Launcher: x (M, K) -> (M, N) in x's dtype. Decode kernels for M <= 16, the tile kernel above.
-    config: a DecodeConfig (forces the decode kernels) or a tile tuple (forces the tile kernel)."""
+    config: a DecodeConfig (forces the decode kernels) or a tile tuple (forces the tile kernel).
+    epilogue="swiglu": W is a merged [gate | up] projection (N = 2F) and the call returns swiglu of its output,
+    (M, F), the bits of this call followed by kiln's SwiGLU kernel, in one launch: the fma form at one row, K
+    unsplit (`wq_swiglu_fusable`; anything else is refused)."""
+    if epilogue not in ("none", "swiglu"):
+        raise ValueError(f"epilogue must be 'none' or 'swiglu', got {epilogue!r}")
+    glu = epilogue == "swiglu"
     key = (
         x.shape, x.stride(), x.dtype, x.device, qweight.shape, qweight.stride(), qweight.dtype, qweight.device,
         scales.shape, scales.stride(), scales.dtype, scales.device,
         None if zeros is None else (zeros.shape, zeros.stride(), zeros.dtype),
         None if bias is None else (bias.shape, bias.dtype, bias.device), bits, group_size, config,
-        x.data_ptr() % 4,
+        x.data_ptr() % 4, glu,
     )  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan(x, qweight, scales, zeros, bits, group_size, bias, config)
+        plan = _plan(x, qweight, scales, zeros, bits, group_size, bias, config, glu)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
     M, K = x.shape
     N = plan.N
-    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    y = torch.empty((M, N // 2 if glu else N), device=x.device, dtype=x.dtype)
     if M == 0:
         return y
     z = scales if zeros is None else zeros

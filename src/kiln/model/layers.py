@@ -442,15 +442,20 @@ class GatedMLP(nn.Module):
         """Whether this call's SwiGLU goes into gate_up's decode epilogue: the switch says so, the step is
         decode-sized (decode_step_fusable, up to decode_rows(): the wide tiles' 33-64 rows too, where the
         rule takes no split K at gate_up's width: MergedLinear.swiglu_fusable) and gate_up runs kiln's decode
-        matmul as a plain merged linear (not unmerged by tensor parallelism, not quantized, no hooks). Shapes
-        and flags only: fixed for a captured CUDA graph."""
+        matmul as a plain merged linear (not unmerged by tensor parallelism, no hooks), or is an int8 / int4
+        QuantLinear at one token on its fma form (QuantLinear.swiglu_fusable). Shapes and flags only: fixed
+        for a captured CUDA graph."""
         # is_compiling first: a traced step keeps the separate kernel, and Dynamo need not trace the
         # switch's environment read
         gate_up = self.gate_up_proj
+        if torch.compiler.is_compiling() or decode_swiglu() != "epilogue" or hooked(gate_up):
+            return False
+        if isinstance(gate_up, QuantLinear):  # int8 / int4 at one row, on the fma form (its swiglu_fusable)
+            return (
+                isinstance(x, torch.Tensor) and decode_step_fusable(x) and gate_up.swiglu_fusable(x)
+            )  # not Fp8Rows
         return (
-            not torch.compiler.is_compiling()
-            and decode_swiglu() == "epilogue"
-            and isinstance(gate_up, MergedLinear)
+            isinstance(gate_up, MergedLinear)
             and decode_step_fusable(x, decode_rows())
             and gate_up.decode_fusable(x)
             and gate_up.swiglu_fusable(x)

@@ -28,7 +28,14 @@ import torch.nn as nn
 
 from kiln.kernels.dispatch import sm_count, use_triton
 from kiln.kernels.fp8_matmul import FP8, Fp8Rows, fp8_linear, fp8_linear_takes_rows
-from kiln.kernels.quant_matmul import GROUP_SIZES, preload, wq_decode_config, wq_linear
+from kiln.kernels.quant_matmul import (
+    GROUP_SIZES,
+    preload,
+    wq_decode_config,
+    wq_linear,
+    wq_matmul_fwd,
+    wq_swiglu_fusable,
+)
 from kiln.model.linear import Linear, MergedLinear
 
 KINDS = ("int8", "int4", "fp8")
@@ -129,6 +136,28 @@ class QuantLinear(nn.Module):
         N, K = self.out_features, self.in_features
         config = wq_decode_config(1, N, K, self.bits, self.group_size, sm_count(x.device), self.asymmetric)
         return preload(1, N, K, config)
+
+    def swiglu_fusable(self, x: torch.Tensor) -> bool:
+        """Whether swiglu_decode(x) runs for this one-token step: an int8 / int4 gate/up projection (two parts
+        of one size) whose decode config at one row is the fma form with K unsplit
+        (kiln.kernels.quant_matmul.wq_swiglu_fusable), outside torch.compile."""
+        sizes = list(self.parts.values()) if self.parts is not None else []
+        return (
+            self.kind != "fp8"
+            and len(sizes) == 2
+            and sizes[0] == sizes[1]
+            and not torch.compiler.is_compiling()
+            and wq_swiglu_fusable(
+                x, self.out_features, self.in_features, self.bits, self.group_size, self.asymmetric
+            )  # fmt: skip
+        )
+
+    def swiglu_decode(self, x: torch.Tensor) -> torch.Tensor:
+        """swiglu(self(x)) (1, F) with the SwiGLU in the quantized decode matmul's epilogue (where
+        swiglu_fusable(x)): the bits of self(x) followed by kiln's SwiGLU kernel, one launch."""
+        bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
+        return wq_matmul_fwd(x, self.qweight, self.scales, self.zeros, self.bits, self.group_size, bias,
+                             epilogue="swiglu")  # fmt: skip
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.parts is None:
