@@ -59,6 +59,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kiln.kernels._common import pdl_prologue
 from kiln.kernels.matmul_decode import _store, _swiglu_epilogue, _w_block_rows
@@ -150,7 +151,7 @@ def _wq_fma_kernel(
     GLU: tl.constexpr = False,  # Y (1, N / 2) = swiglu(x @ W.T + bias) of W's [gate | up] rows (SPLIT_K 1)
 ):
     if not PRE:
-        pdl_prologue(PDL)
+        _fma_wait(PDL, GLU)
     P: tl.constexpr = 32 // BITS  # values per word
     BLOCK_W: tl.constexpr = BLOCK_K // P
     pid_n = tl.program_id(0)
@@ -172,7 +173,7 @@ def _wq_fma_kernel(
         w0_ok = n_ok[:, None] & (wcol0 < KW)[None, :]
         w0 = tl.load(w_rows + wcol0[None, :], mask=w0_ok, other=0)
         k_start = k_lo + BLOCK_K
-        pdl_prologue(PDL)
+        _fma_wait(PDL, GLU)
     # Every tensor is (BLOCK_N, BLOCK_W) words or (BLOCK_W,) x values: a word's P values are taken apart
     # by masks in the thread that loaded it, and x's column 8j + i (4j + i) reaches that thread as the
     # i-th piece of x split in registers (tl.split of its contiguous (BLOCK_W, P) load): no dimension of
@@ -196,8 +197,22 @@ def _wq_fma_kernel(
         offs_f = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         _swiglu_epilogue(y[None, :], row0, offs_n[None, :], n_ok[None, :], offs_f[None, :], Y_ptr, Bias_ptr, M,
                          N // 2, HAS_BIAS, 1)  # fmt: skip
+        if PDL:
+            gdc_launch_dependents()
     else:
         _store(y[None, :], row0, offs_n[None, :], pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS, "none", SPLIT_K)
+
+
+@triton.jit
+def _fma_wait(PDL: tl.constexpr, SIGNAL_END: tl.constexpr):
+    """The fma kernel's programmatic-launch wait; it lets the next kernel be scheduled right after it, or with
+    SIGNAL_END once its output is stored (the SwiGLU epilogue's: the down projection after it then starts
+    as it did after the separate SwiGLU kernel)."""
+    if SIGNAL_END:
+        if PDL:
+            gdc_wait()
+    else:
+        pdl_prologue(PDL)
 
 
 @triton.jit
