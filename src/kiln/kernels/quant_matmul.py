@@ -590,8 +590,8 @@ def _plan(x, qweight, scales, zeros, bits, group_size, bias, config, glu=False) 
                         MAGIC=magic, SH=sh, PRECISION="ieee", ASM=not interpreting(), **tiles)  # fmt: skip
         else:
             meta = dict(common, HAS_BIAS=has_bias, DOT=form == "dot", **tiles)
-        grid = (cdiv(N // 2, config.block_n // 2) if glu else cdiv(N, config.block_n), split)
-        return _Plan(N, True, form, grid, split, k_split, meta)
+        # with GLU a block holds BLOCK_N / 2 features of N / 2: as many blocks (both even)
+        return _Plan(N, True, form, (cdiv(N, config.block_n), split), split, k_split, meta)
     bm, bn, bk, stages, warps = config if config is not None else wq_tile_config(M, N, bits, group_size)
     if bits == 4 and (group_size % bk or bk < 32):
         raise ValueError(f"int4 tiles need BLOCK_K >= 32 dividing the group {group_size}, got {bk}")

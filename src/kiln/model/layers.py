@@ -450,10 +450,8 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj
         if torch.compiler.is_compiling() or decode_swiglu() != "epilogue" or hooked(gate_up):
             return False
-        if isinstance(gate_up, QuantLinear):  # int8 / int4 at one row, on the fma form (its swiglu_fusable)
-            return (
-                isinstance(x, torch.Tensor) and decode_step_fusable(x) and gate_up.swiglu_fusable(x)
-            )  # not Fp8Rows
+        if isinstance(gate_up, QuantLinear):  # int8 / int4 at one row on the fma form; x not an FP8 Fp8Rows
+            return isinstance(x, torch.Tensor) and decode_step_fusable(x) and gate_up.swiglu_fusable(x)
         return (
             isinstance(gate_up, MergedLinear)
             and decode_step_fusable(x, decode_rows())

@@ -149,7 +149,7 @@ class QuantLinear(nn.Module):
             and not torch.compiler.is_compiling()
             and wq_swiglu_fusable(
                 x, self.out_features, self.in_features, self.bits, self.group_size, self.asymmetric
-            )  # fmt: skip
+            )
         )
 
     def swiglu_decode(self, x: torch.Tensor) -> torch.Tensor:
