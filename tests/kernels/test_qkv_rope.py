@@ -252,3 +252,99 @@ def test_fused_norm_qwen_shape_bf16_on_gpu():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(qg, q) and torch.equal(hg, h)
+
+
+QUANT_FORMATS = [(8, 0, False), (4, 32, False), (4, 32, True)]
+
+
+@pytest.mark.parametrize(
+    "fmt", QUANT_FORMATS, ids=lambda f: "int8" if f[0] == 8 else f"int4-g{f[1]}{'-asym' * f[2]}"
+)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_quantized_bit_equal_to_the_projection_and_rope_kv_write(fmt, interleaved, monkeypatch, device):
+    """wq_qkv_rope (an int8 / int4 weight, the fma form's K loop): bit-equal to the quantized projection at
+    the same fma tile followed by rope_kv_write, with a bias, several K steps, both pair layouts; a padding
+    slot writes nothing. (The interpreter's rule takes the gemv form at one row: the GPU's fma form is put in
+    its place.)"""
+    from kiln.kernels import rope as rope_mod
+    from kiln.kernels.quant_matmul import wq_matmul_fwd
+
+    from .test_quant_matmul import quantized
+
+    bits, group, asym = fmt
+    config = DecodeConfig("fma", 8, 32)  # 4 pairs a program, two K steps at K = 64
+    monkeypatch.setattr(rope_mod, "wq_decode_config", lambda *a, **kw: config)
+    K, Hq, Hk, D, page = 64, 2, 1, 16, 4
+    x, _, b, cos, sin, rows, kc, vc, slots = _inputs(K, Hq, Hk, D, page, torch.float16, device, 5)
+    q8, s8, z8 = quantized((Hq + 2 * Hk) * D, K, bits, group, asym, seed=9, device=device)
+    kc2, vc2 = kc.clone(), vc.clone()
+    with use_backend("triton"):
+        got = rope_mod.wq_qkv_rope(x, q8, s8, z8, bits, group, b, cos, sin, rows, kc, vc, slots, Hq,
+                                   interleaved=interleaved)  # fmt: skip
+        qkv = wq_matmul_fwd(x, q8, s8, z8, bits, group, b, config=config)
+        qs, ks, vs = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+        want = rope_kv_write(qs.view(1, Hq, D), ks.view(1, Hk, D), vs.view(1, Hk, D), cos, sin, rows, kc2, vc2,
+                             slots, interleaved=interleaved)  # fmt: skip
+        assert torch.equal(got, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+        pad = torch.tensor([-1], device=device)
+        before = kc.clone(), vc.clone()
+        rope_mod.wq_qkv_rope(
+            x, q8, s8, z8, bits, group, b, cos, sin, rows, kc, vc, pad, Hq, interleaved=interleaved
+        )
+        assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+def test_quantized_refuses_what_it_does_not_take(monkeypatch, device):
+    from kiln.kernels import rope as rope_mod
+
+    from .test_quant_matmul import quantized
+
+    x, _, b, cos, sin, rows, kc, vc, slots = _inputs(64, 2, 1, 16, 4, torch.float16, device, 5)
+    q8, s8, _ = quantized(64, 64, 8, 0, False, seed=9, device=device)
+    with use_backend("triton"):
+        assert not rope_mod.wq_qkv_rope_supported(x, q8, 8, 0, False, kc, 2)  # the interpreter's gemv rule
+        monkeypatch.setattr(rope_mod, "wq_decode_config", lambda *a, **kw: DecodeConfig("fma", 8, 32))
+        assert rope_mod.wq_qkv_rope_supported(x, q8, 8, 0, False, kc, 2)
+        assert not rope_mod.wq_qkv_rope_supported(x.expand(2, -1), q8, 8, 0, False, kc, 2)  # two tokens
+        assert not rope_mod.wq_qkv_rope_supported(x, q8, 8, 0, False, kc, 3)  # rows not (Hq + 2 Hk) D
+        assert not rope_mod.wq_qkv_rope_supported(
+            x.float(), q8, 8, 0, False, kc, 2
+        )  # x not the caches' dtype
+        monkeypatch.setattr(
+            rope_mod, "wq_decode_config", lambda *a, **kw: DecodeConfig("fma", 8, 32, split_k=2)
+        )
+        assert not rope_mod.wq_qkv_rope_supported(x, q8, 8, 0, False, kc, 2)  # K split
+        with pytest.raises(ValueError, match="wq_qkv_rope_supported"):
+            rope_mod.wq_qkv_rope(x, q8, s8, None, 8, 0, b, cos, sin, rows, kc, vc, slots, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", [(8, 0, False), (4, 128, False)], ids=["int8", "int4-g128"])
+def test_quantized_qwen_shape_bf16_on_gpu(fmt):
+    """Qwen2.5-1.5B's q/k/v (1536 -> 2048 with its bias) quantized, bf16, on the launcher's own config (the
+    swept fma tile, its first K step before the wait): bit-equal to wq_linear followed by rope_kv_write,
+    eagerly and replayed from a CUDA graph."""
+    from kiln.kernels.quant_matmul import wq_linear
+    from kiln.kernels.rope import wq_qkv_rope, wq_qkv_rope_supported
+
+    from .test_quant_matmul import quantized
+
+    bits, group, asym = fmt
+    K, Hq, Hk, D, page = 1536, 12, 2, 128, 16
+    x, _, b, cos, sin, rows, kc, vc, slots = _inputs(K, Hq, Hk, D, page, torch.bfloat16, "cuda", 0, slot=37)
+    qw, s, z = quantized((Hq + 2 * Hk) * D, K, bits, group, asym, seed=3, device="cuda")
+    assert wq_qkv_rope_supported(x, qw, bits, group, asym, kc, Hq)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = wq_qkv_rope(x, qw, s, z, bits, group, b, cos, sin, rows, kc, vc, slots, Hq)
+    qs, ks, vs = wq_linear(x, qw, s, z, bits, group, b).split([Hq * D, Hk * D, Hk * D], dim=-1)
+    want = rope_kv_write(
+        qs.view(1, Hq, D), ks.view(1, Hk, D), vs.view(1, Hk, D), cos, sin, rows, kc2, vc2, slots
+    )
+    assert torch.equal(q, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qg = wq_qkv_rope(x, qw, s, z, bits, group, b, cos, sin, rows, kc, vc, slots, Hq)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(qg, q) and torch.equal(kc, kc2)
