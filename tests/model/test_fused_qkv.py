@@ -129,48 +129,7 @@ def test_where_it_does_not_apply(qkv_form, calls, device):
 
     quantize_model(qwen2, QuantScheme.parse("int8"))
     _step(qwen2, *_decode_step(qwen2.config, [9], page=8, seed=2, device=device))
-    # a quantized q/k/v projection off the fma form (the interpreter's rule: its gemv form; wq_qkv_rope below)
-    assert calls() == {"fused": 0, "rope_kv_write": 2}
-
-
-def test_quantized_one_token_fused_equals_separate(qkv_form, calls, monkeypatch, device):
-    """An int8 q/k/v projection of a one-token step takes kiln.kernels.rope.wq_qkv_rope (the fma form's K loop
-    with RoPE and the K/V write): the logits and caches of the quantized projection + rope_kv_write bit for
-    bit. (The interpreter's rule takes the gemv form at one row: the GPU's fma form is put in its place, for
-    the fused kernel and the separate projection alike.)"""
-    from kiln.kernels import quant_matmul, rope
-    from kiln.kernels.matmul_decode import DecodeConfig
-    from kiln.quant import QuantScheme, quantize_model
-
-    rule = quant_matmul.wq_decode_config
-
-    def fma(M, *a, **kw):
-        return DecodeConfig("fma", 8, 32) if M == 1 else rule(M, *a, **kw)
-
-    monkeypatch.setattr(quant_matmul, "wq_decode_config", fma)
-    monkeypatch.setattr(rope, "wq_decode_config", fma)
-    monkeypatch.setattr(quant_matmul, "_PLANS", {})  # plans made under the rule by earlier tests
-    n = {"wq": 0}
-    wq = layers.wq_qkv_rope
-
-    def count_wq(*a, **kw):
-        n["wq"] += 1
-        return wq(*a, **kw)
-
-    monkeypatch.setattr(layers, "wq_qkv_rope", count_wq)
-    model = build_model(ModelConfig(**{**BASE, **CFGS["qwen2"]}), device, seed=1,
-                        kernels=KernelConfig(linear="kiln")).eval()  # fmt: skip
-    quantize_model(model, QuantScheme.parse("int8"))
-    tokens, pos, meta, caches = _decode_step(model.config, [9], page=8, seed=2, device=device)
-    qkv_form("separate")
-    want, want_caches = _step(model, tokens, pos, meta, _clones(caches))
-    assert calls()["rope_kv_write"] == 2 and n["wq"] == 0
-    qkv_form("fused")
-    got, got_caches = _step(model, tokens, pos, meta, _clones(caches))
-    assert calls()["rope_kv_write"] == 0 and n["wq"] == 2
-    assert torch.equal(got, want)
-    for (k, v), (k2, v2) in zip(got_caches, want_caches):
-        assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert calls() == {"fused": 0, "rope_kv_write": 2}  # a quantized q/k/v projection (a QuantLinear)
 
 
 def test_profiler_ranges_do_not_turn_the_fusions_off(qkv_form, calls, device):

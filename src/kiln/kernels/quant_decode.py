@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kiln.kernels._common import pdl_prologue, rope_pair_tables, rope_pairs_store
+from kiln.kernels._common import pdl_prologue
 from kiln.kernels.matmul_decode import _store, _swiglu_epilogue, _w_block_rows
 
 # Bits of 128.0 in each activation dtype and the shift that puts an integer u < 128 at its units place.
@@ -204,72 +204,6 @@ def _wq_fma_kernel(
             gdc_launch_dependents()
     else:
         _store(y[None, :], row0, offs_n[None, :], pid_k, Y_ptr, Bias_ptr, M, N, HAS_BIAS, "none", SPLIT_K)
-
-
-@triton.jit
-def _wq_qkv_rope_kernel(
-    X_ptr, W_ptr, S_ptr, Z_ptr, BIAS,  # x (1, K); the q/k/v words, scales, zero points as _wq_fma_kernel's; bias
-    Q_OUT,  # (1, Hq, D) contiguous
-    COS, SIN, ROWS, K_CACHE, V_CACHE, SLOTS,  # as kiln.kernels.rope._qkv_rope_kernel's
-    K, stride_xk, stride_wn, stride_sn, stride_cos, stride_sin,
-    stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch,
-    Hq, Hk, D, half,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    INTERLEAVED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    PAIRS: tl.constexpr,  # rotation pairs a program: 2 PAIRS rows, the fma tile's BLOCK_N
-    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, X_PAIRS: tl.constexpr, PDL: tl.constexpr,
-    PRE: tl.constexpr,  # the first K step's words before the wait (as _wq_fma_kernel's PRE)
-    EARLY: tl.constexpr,  # the table row, cos / sin and slot before the wait (rope_kv_write's contract)
-    FIRST: tl.constexpr,  # signal the next kernel before waiting (kiln.kernels._common.pdl_first)
-):  # fmt: skip
-    """The one-token q/k/v projection of a quantized weight with RoPE and the paged K/V write in its
-    epilogue (kiln.kernels.rope.wq_qkv_rope): kiln.kernels.rope._qkv_rope_kernel's rows and epilogue around
-    _wq_fma_kernel's K loop. A program's 2 PAIRS rows are the pairs' members, in the fma tile of BLOCK_N =
-    2 PAIRS rows, so each row's sum runs as in the unfused projection's launch: the same bits."""
-    P: tl.constexpr = 32 // BITS
-    BLOCK_W: tl.constexpr = BLOCK_K // P
-    pid = tl.program_id(0)
-    per_head = half // PAIRS
-    h = pid // per_head  # the head: q heads, then k heads, then v heads
-    jp = (pid % per_head) * PAIRS + tl.arange(0, PAIRS)
-    if INTERLEAVED:
-        col_a, col_b = 2 * jp, 2 * jp + 1
-    else:
-        col_a, col_b = jp, jp + half
-    offs_n = h * D + tl.reshape(tl.join(col_a, col_b), (2 * PAIRS,))  # (2 PAIRS,) W rows, (pair, member)
-    n_ok = offs_n >= 0  # every row exists
-    w_rows = W_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    s_rows = S_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
-    z_rows = Z_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
-    KW = K // P
-    k_start = 0
-    if PRE:  # the weights: not written by the kernels before (as _wq_fma_kernel's PRE)
-        wcol0 = tl.arange(0, BLOCK_W)
-        w0_ok = n_ok[:, None] & (wcol0 < KW)[None, :]
-        w0 = tl.load(w_rows + wcol0[None, :], mask=w0_ok, other=0)
-        k_start = BLOCK_K
-    if EARLY:
-        c, s, slot = rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp)
-    pdl_prologue(PDL, FIRST)
-    if not EARLY:
-        c, s, slot = rope_pair_tables(COS, SIN, ROWS, stride_cos, stride_sin, SLOTS, jp)
-    acc = tl.zeros((2 * PAIRS, BLOCK_W), dtype=tl.float32)
-    if PRE:
-        acc = _fma_step(acc, w0, 0, X_ptr, stride_xk, K, s_rows, z_rows, n_ok, w0_ok, wcol0, BITS, GROUP,
-                        HAS_ZERO, BLOCK_K, ASM, X_PAIRS)  # fmt: skip
-    for k0 in tl.range(k_start, K, BLOCK_K, num_stages=STAGES):
-        wcol = k0 // P + tl.arange(0, BLOCK_W)
-        w_ok = n_ok[:, None] & (wcol < KW)[None, :]
-        w = tl.load(w_rows + wcol[None, :], mask=w_ok, other=0)
-        acc = _fma_step(acc, w, k0, X_ptr, stride_xk, K, s_rows, z_rows, n_ok, w_ok, wcol, BITS, GROUP, HAS_ZERO,
-                        BLOCK_K, ASM, X_PAIRS)  # fmt: skip
-    y = tl.sum(acc, axis=1)  # (2 PAIRS,)
-    if BITS == 8:
-        y = y * tl.load(S_ptr + offs_n.to(tl.int64) * stride_sn).to(tl.float32)
-    if HAS_BIAS:  # as _store adds it
-        y += tl.load(BIAS + offs_n).to(tl.float32)
-    rope_pairs_store(y, h, col_a, col_b, Hq, Hk, Q_OUT + h * D, c, s, slot, K_CACHE, V_CACHE, stride_kcp,
-                      stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch, PAGE_SIZE, PAIRS)  # fmt: skip
 
 
 @triton.jit

@@ -43,14 +43,11 @@ from kiln.kernels._common import (
     rope_pair_tables,
     rope_pairs_store,
 )
-from kiln.kernels.dispatch import interpreting, sm_count, use_triton
+from kiln.kernels.dispatch import use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 from kiln.kernels.matmul import matmul_ref
 from kiln.kernels.matmul_decode import PRELOAD_MAX_K, PRELOAD_MAX_WEIGHT, preload_weight, split_sum_ref
 from kiln.kernels.paged_kv import paged_kv_write_ref
-from kiln.kernels.quant_decode import _wq_qkv_rope_kernel, word_view
-from kiln.kernels.quant_matmul import check_quantized, wq_decode_config
-from kiln.kernels.quant_matmul import preload as wq_preload
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -851,7 +848,6 @@ def _qkv_rope_kernel(
 
 
 _qkv_rope_launch = CachedLaunch(_qkv_rope_kernel)
-_wq_qkv_rope_launch = CachedLaunch(_wq_qkv_rope_kernel)
 
 
 def qkv_rope_supported(x: torch.Tensor, weight: torch.Tensor, k_cache: torch.Tensor, n_heads: int) -> bool:
@@ -961,81 +957,6 @@ def qkv_rope(
         launch_pdl=use_pdl,
     )  # fmt: skip
     return (q, h) if norm else q
-
-
-def wq_qkv_rope_supported(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    bits: int,
-    group: int,
-    asymmetric: bool,
-    k_cache: torch.Tensor,
-    n_heads: int,
-) -> bool:
-    """Whether `wq_qkv_rope` takes this int8 / int4 q/k/v projection: one token of x in the caches' dtype,
-    a weight of (Hq + 2 Hk) D rows readable as int32 words, whose one-row decode config is the fma form
-    with K unsplit and an even BLOCK_N (its tile: 2 PAIRS rows a program) with D / 2 a multiple of PAIRS."""
-    D, Hk = k_cache.shape[-1], k_cache.shape[-2]
-    N = (n_heads + 2 * Hk) * D
-    if x.dim() != 2 or x.shape[0] != 1 or x.dtype != k_cache.dtype:
-        return False
-    if qweight.shape[0] != N or word_view(qweight) is None or k_cache.stride(-1) != 1 or not use_triton(x):
-        return False
-    config = wq_decode_config(1, N, x.shape[1], bits, group, sm_count(x.device), asymmetric)
-    return (
-        config.kernel == "fma" and config.split_k == 1 and config.block_n % 2 == 0 and D % config.block_n == 0
-    )
-
-
-def wq_qkv_rope(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor | None,
-    bits: int,
-    group: int,
-    bias: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    rows: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    n_heads: int,
-    *,
-    interleaved: bool = False,
-    early: bool | None = None,
-) -> torch.Tensor:
-    """`qkv_rope` for an int8 / int4 weight (kiln.kernels.quant_matmul's formats): q (1, Hq, D) = RoPE(x @
-    dequant(W)[:Hq D].T + b), RoPE(k) and v written into the caches at `slots`, in one launch
-    (kiln.kernels.quant_decode._wq_qkv_rope_kernel): the bits of `wq_linear` at its one-row config followed
-    by `rope_kv_write`. The caller checks `wq_qkv_rope_supported` (the model falls back to the projection +
-    rope_kv_write elsewhere); early as qkv_rope's."""
-    if not wq_qkv_rope_supported(x, qweight, bits, group, zeros is not None, k_cache, n_heads):
-        raise ValueError(
-            f"wq_qkv_rope: unsupported x {tuple(x.shape)} {x.dtype}, weight {tuple(qweight.shape)}, cache "
-            f"{tuple(k_cache.shape)} {k_cache.dtype}, {n_heads} q heads: check wq_qkv_rope_supported"
-        )
-    N, K = check_quantized(qweight, scales, zeros, bits, group)
-    Hk, D = k_cache.shape[-2], k_cache.shape[-1]
-    config = wq_decode_config(1, N, K, bits, group, sm_count(x.device), zeros is not None)
-    pairs = config.block_n // 2
-    words = qweight.view(torch.int32)
-    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
-    q = torch.empty((1, n_heads, D), device=x.device, dtype=x.dtype)
-    use_pdl = pdl(x)
-    x_pairs = x.dtype == torch.bfloat16 and x.stride(1) == 1 and K % 2 == 0 and x.data_ptr() % 4 == 0
-    _wq_qkv_rope_launch[((n_heads + 2 * Hk) * (D // 2) // pairs,)](
-        x, words, scales, scales if zeros is None else zeros, q if bias is None else bias, q, cos, sin, rows,
-        k_cache, v_cache, slots, K, x.stride(1), words.stride(0), scales.stride(0), cos.stride(0), sin.stride(0),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], n_heads, Hk, D, D // 2,
-        BITS=bits, GROUP=group if bits == 4 else 1, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None,
-        INTERLEAVED=interleaved, PAGE_SIZE=k_cache.shape[1], PAIRS=pairs, BLOCK_K=config.block_k,
-        STAGES=config.stages, ASM=not interpreting(), X_PAIRS=x_pairs, PDL=use_pdl,
-        PRE=wq_preload(1, N, K, config), EARLY=early_loads() if early is None else early,
-        FIRST=pdl_first("qkv"), num_warps=config.warps, launch_pdl=use_pdl,
-    )  # fmt: skip
-    return q
 
 
 def _check_qkv_norm(x, norm_weight, residual, pre_k) -> None:

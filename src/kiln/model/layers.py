@@ -28,8 +28,6 @@ from kiln.kernels.rope import (
     qkv_rope_supported,
     rope_kv_write,
     rope_kv_write_split,
-    wq_qkv_rope,
-    wq_qkv_rope_supported,
 )
 from kiln.kernels.swiglu import swiglu, swiglu_fp8
 from kiln.model.attn_metadata import AttnMetadata
@@ -166,15 +164,8 @@ class Attention(nn.Module):
         if prenorm is None and self._fused_qkv(x, rope, meta, kv_cache):
             # one token: the projection rotates q and k and writes k and v into the cache itself
             k_cache, v_cache = kv_cache
-            p = self.qkv_proj
-            if isinstance(p, QuantLinear):  # int8 / int4: the fma form's K loop in the same kernel
-                bias = p.bias if p.bias is None or p.bias.dtype == x.dtype else p.bias.to(x.dtype)
-                q = wq_qkv_rope(x, p.qweight, p.scales, p.zeros, p.bits, p.group_size, bias, rope[0], rope[1],
-                                rope[2].reshape(-1), k_cache, v_cache, meta.slot_mapping, self.n_heads,
-                                interleaved=self.rope_interleaved)  # fmt: skip
-            else:
-                q = qkv_rope(x, p.weight, p.bias, rope[0], rope[1], rope[2].reshape(-1), k_cache, v_cache,
-                             meta.slot_mapping, self.n_heads, interleaved=self.rope_interleaved)  # fmt: skip
+            q = qkv_rope(x, self.qkv_proj.weight, self.qkv_proj.bias, rope[0], rope[1], rope[2].reshape(-1),
+                         k_cache, v_cache, meta.slot_mapping, self.n_heads, interleaved=self.rope_interleaved)  # fmt: skip
             return self._attend_rotated(q, meta, kv_cache, stream, defer_sum)
         if prenorm is None and self._split_qkv(x, rope, meta, kv_cache):
             # the projection splits K (2-64 rows, KILN_DECODE_SUM=all): the RoPE + K/V write kernel adds its
@@ -242,7 +233,6 @@ class Attention(nn.Module):
             and norm.weight.dtype == h.dtype
             and h.is_contiguous()
             and (residual is None or (residual.dtype == h.dtype and residual.is_contiguous()))
-            and isinstance(self.qkv_proj, Linear)  # the norm form reads a 16-bit W (not a QuantLinear)
             and self._fused_qkv(h, rope, meta, kv_cache)
             and qkv_rope_norm_supported(self.qkv_proj.weight)
         )
@@ -279,11 +269,9 @@ class Attention(nn.Module):
     def _fused_qkv(self, x: torch.Tensor, rope, meta: AttnMetadata, kv_cache) -> bool:
         """Whether this step's q/k/v projection, RoPE and K/V write run as one kernel (kiln.kernels.rope.qkv_rope):
         decode_qkv() (fused unless KILN_DECODE_QKV=separate), a one-token paged decode step with RoPE and no
-        q/k norm, the projection on kiln's decode matmul (a plain float weight, no hooks) at shapes the kernel
-        takes, or an int8 / int4 QuantLinear whose one-row launch is the fma form (kiln.kernels.rope.
-        wq_qkv_rope_supported)."""
-        p = self.qkv_proj
-        if not (
+        q/k norm, the projection on kiln's decode matmul (a plain float weight, not quantized, no hooks) at
+        shapes the kernel takes."""
+        return (
             isinstance(x, torch.Tensor)  # not Fp8Rows (an FP8 projection's input)
             and x.shape[0] == 1
             and kv_cache is not None
@@ -293,20 +281,9 @@ class Attention(nn.Module):
             and self.q_norm is None
             and decode_step_fusable(x)  # False under torch.compile: Dynamo need not trace the switch's read
             and decode_qkv() != "separate"
-        ):
-            return False
-        if isinstance(p, QuantLinear):  # (a tensor-parallel projection is a SplitCall: neither class)
-            return (
-                not hooked(p)
-                and p.kind != "fp8"
-                and wq_qkv_rope_supported(
-                    x, p.qweight, p.bits, p.group_size, p.asymmetric, kv_cache[0], self.n_heads
-                )
-            )
-        return (
-            isinstance(p, Linear)
-            and p.decode_fusable(x)
-            and qkv_rope_supported(x, p.weight, kv_cache[0], self.n_heads)
+            and isinstance(self.qkv_proj, Linear)  # not a QuantLinear: the kernel reads a bf16/fp16/fp32 W
+            and self.qkv_proj.decode_fusable(x)
+            and qkv_rope_supported(x, self.qkv_proj.weight, kv_cache[0], self.n_heads)
         )
 
     @torch.inference_mode()
@@ -474,6 +451,7 @@ class GatedMLP(nn.Module):
         if torch.compiler.is_compiling() or decode_swiglu() != "epilogue":
             return False
         if isinstance(gate_up, QuantLinear):  # int8 / int4 at one row on the fma form; x not an FP8 Fp8Rows
+            # (hooks checked on the module: a tensor-parallel gate_up is a SplitCall, neither class)
             return (
                 not hooked(gate_up)
                 and isinstance(x, torch.Tensor)
