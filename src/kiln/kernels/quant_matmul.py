@@ -429,10 +429,15 @@ def wq_swiglu_fusable(x: torch.Tensor, N: int, K: int, bits: int, group: int, as
     """Whether `wq_matmul_fwd(x, ..., epilogue="swiglu")` takes this one-row call of an (N, K) [gate | up]
     weight: its default decode config is the fma form with K unsplit and an even BLOCK_N (N even), on the
     Triton path (fixed per shape: a captured CUDA graph's choice never changes)."""
-    if x.dim() != 2 or x.shape[0] != 1 or N % 2 or not use_triton(x):
+    if x.dim() != 2 or x.shape[0] != 1 or not use_triton(x):
         return False
-    config = wq_decode_config(1, N, K, bits, group, sm_count(x.device), asymmetric)
-    return config.kernel == "fma" and config.split_k == 1 and config.block_n % 2 == 0
+    return _glu_ok(wq_decode_config(1, N, K, bits, group, sm_count(x.device), asymmetric), N)
+
+
+def _glu_ok(config: DecodeConfig, N: int) -> bool:
+    """Whether a decode launch of config takes the SwiGLU epilogue: the fma form, K unsplit, gate and up rows
+    in pairs (an even N and BLOCK_N)."""
+    return config.kernel == "fma" and config.split_k == 1 and N % 2 == 0 and config.block_n % 2 == 0
 
 
 @functools.lru_cache(maxsize=256)
@@ -574,7 +579,7 @@ def _plan(x, qweight, scales, zeros, bits, group_size, bias, config, glu=False) 
             # the next kernel (the split-K sum, the norm after o_proj, ...) be scheduled in turn
             pdl = use_pdl(x)
             tiles.update(PDL=pdl, launch_pdl=pdl)
-        if glu and (form != "fma" or split > 1 or N % 2 or config.block_n % 2):
+        if glu and not _glu_ok(config, N):
             raise ValueError(
                 f"the SwiGLU epilogue runs on the fma form with K unsplit, an even N and BLOCK_N: {config}, N = {N} "
                 "(wq_swiglu_fusable says where)"
