@@ -7,9 +7,8 @@
 Shapes and routings are bench/moe.py's (the DeepSeek-like shape with its shared expert as one more slot of
 the routed kernels, as a decode step would run it). All forward, CUDA-graph replays, GB/s over the active
 experts' weights against a device copy of the same bytes (bench/moe.py's decode case). Per batch:
-- 1-4 tokens: the pairs form, the experts form with one row a pass (the pairs form's weight streams with
-  the one-row down kernel's preload; as three launches and as one gate/up + down launch, `one_launch`) and
-  with 16-row tl.dot passes, at its default and narrower tiles.
+- 2-4 tokens: the pairs form, the experts form with one row a pass (the pairs form's weight streams with
+  the one-row down kernel's preload) and with 16-row tl.dot passes, at its default and narrower tiles.
 - 8 and 16 tokens: the experts form over slots and over experts (`by_expert_grid`'s two sides).
 - 32-64 tokens: the grouped path (routing plan, permute, grouped GEMM, SwiGLU, grouped GEMM, combine)
   at mm_config's default (and other tiles with --grouped-tiles), with the SwiGLU fused into the gate/up
@@ -87,8 +86,7 @@ def form(name, **kw):
 
 def variants(T: int, smoke: bool, grouped_tiles: bool) -> dict:
     if T <= 4:
-        impls = {"pairs": form("pairs"), "experts_one_row": form("experts", rows=1, one_launch=False)}
-        impls["experts_one_row_one_launch"] = form("experts", rows=1, one_launch=True)
+        impls = {"pairs": form("pairs"), "experts_one_row": form("experts", rows=1)}
         impls["experts_rows16"] = form("experts", rows=16)
         tiles = [] if smoke else SMALL_TILES
         impls |= {f"experts_rows16{tuple(t)}": form("experts", rows=16, config=(t, t)) for t in tiles}

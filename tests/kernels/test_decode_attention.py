@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.kernels import _common
 from kiln.kernels import decode_attention as dec
 from kiln.kernels.attention import attention_ref
 from kiln.kernels.decode_attention import FORMS, decode_attention, decode_attention_ref, gather_kv
@@ -295,7 +294,7 @@ def _assert_counters_zero(device):
     device = torch.device(device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    for buf in _common._COUNTERS.get((dec.COUNTER_OWNER, device.type, device.index), []):
+    for buf in dec._COUNTERS.get((device.type, device.index), []):
         assert int(buf.count_nonzero()) == 0, "a one-pass launch left a split counter non-zero"
 
 
@@ -350,9 +349,7 @@ def test_one_pass_counters_shared_across_shapes(device):
     first = dec.split_counters(torch.device(device), 3)
     bigger = dec.split_counters(torch.device(device), first.numel() + 1)
     assert bigger.numel() > first.numel() and dec.split_counters(torch.device(device), 5) is bigger
-    assert any(
-        b is first for b in _common._COUNTERS[(dec.COUNTER_OWNER, first.device.type, first.device.index)]
-    )
+    assert any(b is first for b in dec._COUNTERS[(first.device.type, first.device.index)])
 
 
 def test_decode_form_is_checked(device):
@@ -365,13 +362,13 @@ def test_decode_default_form_from_the_environment(monkeypatch, device):
     # KILN_DECODE_FORM picks the form of calls that name none (the model's): a one-pass call is the one
     # that takes counters, so a fresh counter cache shows which form ran. A bad value is an error naming it.
     q, kc, vc, table, seq_lens = _paged([40, 3], 4, 2, 16, 8, torch.float32, device, seed=50)
-    monkeypatch.setattr(_common, "_COUNTERS", {})
+    monkeypatch.setattr(dec, "_COUNTERS", {})
     try:
         monkeypatch.setenv("KILN_DECODE_FORM", "one_pass")
         dec.default_form.cache_clear()
         with use_backend("triton"):
             got = decode_attention(q, kc, vc, table, seq_lens, num_splits=3)
-        assert _common._COUNTERS, "KILN_DECODE_FORM=one_pass did not run the one-pass form"
+        assert dec._COUNTERS, "KILN_DECODE_FORM=one_pass did not run the one-pass form"
         assert_close(got, _ref64(q, kc, vc, table, seq_lens))
         _assert_counters_zero(device)
         monkeypatch.setenv("KILN_DECODE_FORM", "fused")
@@ -425,7 +422,7 @@ def test_gpu_one_pass_is_deterministic(B):
 @pytest.mark.gpu
 def test_gpu_one_pass_capture_without_warm_up_is_an_error(monkeypatch):
     # No counter buffer yet (a fresh cache): a capture cannot allocate and zero one, so it says so.
-    monkeypatch.setattr(_common, "_COUNTERS", {})
+    monkeypatch.setattr(dec, "_COUNTERS", {})
     q, kc, vc, table, seq_lens = _wide([300, 20], 12, 2, 128, 16, 64, torch.bfloat16, "cuda", 42)
     decode_attention(q, kc, vc, table, seq_lens, form="two_pass")  # autotune outside the capture
     torch.cuda.synchronize()

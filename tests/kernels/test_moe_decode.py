@@ -14,8 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kiln.kernels import _common
-from kiln.kernels import moe_decode as md
 from kiln.kernels.dispatch import use_backend
 from kiln.kernels.moe_decode import (
     DecodeTiles,
@@ -200,60 +198,6 @@ def test_moe_decode_one_row_down_preload(I):
     assert preload_down(2048) and not preload_down(2049)  # where the slice fits a program's registers
 
 
-def _assert_moe_counters_zero(device):
-    """The one-launch form's counter buffers on `device` are back at zero (its last down program zeroes them)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    bufs = _common._COUNTERS.get((md.COUNTER_OWNER, device.type, device.index), [])
-    assert bufs, "the one-launch form took no counters"
-    for buf in bufs:
-        assert int(buf.count_nonzero()) == 0, "a one-launch MoE decode left a counter non-zero"
-
-
-@pytest.mark.parametrize(
-    "T, k, E, d, I, tiles",
-    [(1, 3, 7, 40, 24, None), (2, 2, 5, 37, 19, None), (1, 4, 9, 33, 37, (DecodeTiles(8, 16, 1, 2),) * 2),
-     (2, 3, 4, 20, 16, (DecodeTiles(4, 32, 1, 1), DecodeTiles(2, 16, 1, 1)))],
-)  # fmt: skip
-def test_moe_decode_one_launch_same_bits(T, k, E, d, I, tiles, device):
-    # gate/up and down in one grid, pair by pair (tickets, per-pair counters): the bits of the three-launch
-    # one-row form (the same sums in the same order), the float64 loop's values, the counters left at zero;
-    # two tokens may share an expert (each pair streams it, as the one-row form does)
-    x, idx, wts, w1, w2 = _case(T, k, E, d, I, seed=3 + T + k, same_expert=T > 1, device=device)
-    with use_backend("triton"):
-        three = moe_decode_fwd(x, idx, wts, w1, w2, config=tiles, form="experts", rows=1, one_launch=False)
-        for _ in range(2):  # the second call finds the counters its first call zeroed
-            one = moe_decode_fwd(x, idx, wts, w1, w2, config=tiles, form="experts", rows=1, one_launch=True)
-            assert torch.equal(one, three)
-            _assert_moe_counters_zero(device)
-    assert_close(one, _loop(x, idx, wts, w1, w2))
-    with use_backend(
-        "triton"
-    ):  # past the preload's bound (I > 2048 in the launcher) it is the three launches
-        assert torch.equal(
-            moe_decode_fwd(x, idx, wts, w1, w2, config=tiles, form="experts", preload=False, one_launch=True),
-            moe_decode_fwd(
-                x, idx, wts, w1, w2, config=tiles, form="experts", preload=False, one_launch=False
-            ),
-        )
-        with pytest.raises(ValueError, match="one_launch apply to form='experts' only"):
-            moe_decode_fwd(x, idx, wts, w1, w2, form="pairs", one_launch=True)
-
-
-def test_moe_decode_one_launch_default_from_the_environment(monkeypatch):
-    monkeypatch.setenv("KILN_MOE_ONE_LAUNCH", "sometimes")
-    md.one_launch_default.cache_clear()
-    try:
-        with pytest.raises(ValueError, match="KILN_MOE_ONE_LAUNCH must be one of"):
-            md.one_launch_default()
-        monkeypatch.setenv("KILN_MOE_ONE_LAUNCH", "off")
-        md.one_launch_default.cache_clear()
-        assert md.one_launch_default() is False
-    finally:
-        md.one_launch_default.cache_clear()
-
-
 def test_moe_decode_experts_tiles_fp16_and_determinism():
     # explicit tiles: a ragged 16-column tile over d = 37 and I = 19, several 16-wide K steps, 2 stages
     x, idx, wts, w1, w2 = _routed(3, 2, 5, 37, 19, seed=8, hot=2)
@@ -308,7 +252,7 @@ def test_moe_decode_forms_errors_and_rules():
             moe_decode(x, idx, wts, w1, w2, form="tokens")
         with pytest.raises(ValueError, match="rows must be 1, or a power of two >= 16"):
             moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=8)
-        with pytest.raises(ValueError, match="rows, by_expert and one_launch apply to form=.experts. only"):
+        with pytest.raises(ValueError, match="rows and by_expert apply to form='experts' only"):
             moe_decode_fwd(x, idx, wts, w1, w2, form="pairs", rows=16)
         with pytest.raises(ValueError, match="tl.dot tiles need block_n and block_k >= 16"):
             moe_decode_fwd(
@@ -345,35 +289,6 @@ def test_moe_decode_gpu_bf16_and_graph(T, k, E, d, I, form):
         assert torch.equal(
             out, moe_decode(x, idx, wts, w1, w2, form=form)
         )  # fixed order: bitwise deterministic
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "T, k, E, d, I",
-    [(1, 8, 128, 2048, 768), (2, 8, 128, 2048, 768), (1, 7, 65, 2048, 1408), (2, 6, 64, 2048, 1408)],
-)
-def test_moe_decode_gpu_one_launch(T, k, E, d, I):
-    # the one-launch form on the H200 (tickets, per-pair counters, the spin; programmatic dependent launch):
-    # bf16, the three-launch form's bits, over 20 calls and in a CUDA graph, the counters left at zero
-    x, idx, wts, w1, w2 = _case(T, k, E, d, I, device="cuda", dtype=torch.bfloat16, same_expert=T > 1)
-    with torch.no_grad():
-        three = moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=1, one_launch=False)
-        for _ in range(20):
-            assert torch.equal(
-                moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=1, one_launch=True), three
-            )
-        _assert_moe_counters_zero("cuda")
-        assert_close(three, _loop(x, idx, wts, w1, w2), torch.bfloat16)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=1, one_launch=True)
-        x.copy_(torch.randn_like(x))
-        idx.copy_(idx.flip(0))
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, moe_decode_fwd(x, idx, wts, w1, w2, form="experts", rows=1, one_launch=False))
-        _assert_moe_counters_zero("cuda")
 
 
 # the experts form compiled for the H200 (sm_90) on the CPU machine, in a subprocess without the
@@ -413,18 +328,6 @@ out = {
                              dict(H_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W_ptr="*bf16", P_ptr="*fp32"),
                              dict(stride_wi=1, PRELOAD=True, I_P2=1024), md.expert_tiles(I, 1)),
 }
-t1, t2 = md.expert_tiles(d, 1), md.expert_tiles(I, 1)
-names = [p.name for p in md._up_down_kernel.params]
-consts = dict(PAIRS_P2=8, TOPK=k, BN_UP=t1.block_n, BK_UP=t1.block_k, STAGES=t1.stages, BN_DOWN=t2.block_n,
-              I_P2=1024, PDL=True, stride_xc=1, stride_w1c=1, stride_w2i=1)
-ptrs = dict(X_ptr="*bf16", Idx_ptr="*i32", Wt_ptr="*fp32", W1_ptr="*bf16", W2_ptr="*bf16", H_ptr="*bf16",
-            P_ptr="*fp32", CNT_ptr="*i32")
-src = ASTSource(fn=md._up_down_kernel, signature={n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names},
-                constexprs={(names.index(a),): v for a, v in consts.items()},
-                attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in consts})
-p = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t1.warps, num_stages=t1.stages)).asm["ptx"]
-out["up_down"] = {f: p.count(f) for f in ("cp.async.cg", "griddepcontrol.wait", "ld.global.gpu.acquire",
-                                          "atom.global.gpu.release", "atom.global.gpu.acq_rel", "ld.global.cg.v4")}
 names = [p.name for p in md._combine_kernel.params]
 consts = dict(TOPK=k, BLOCK=256, PDL=True)
 src = ASTSource(fn=md._combine_kernel, signature={n: "constexpr" if n in consts else {"P_ptr": "*fp32", "Y_ptr": "*bf16"}.get(n, "i32") for n in names},
@@ -434,7 +337,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # 6 compiles: ~15 s
+@pytest.mark.slow  # 4 compiles: ~10 s
 def test_moe_decode_experts_form_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = Path(__file__).resolve().parents[2] / "src"
@@ -455,11 +358,3 @@ def test_moe_decode_experts_form_compiles_for_sm90(tmp_path):
     assert res["down_pair_preload"]["griddepcontrol.wait"] > 0, res
     # launched with programmatic dependent launch on sm_90: each waits for its predecessor in its prologue
     assert all(r["griddepcontrol.wait"] > 0 for r in res.values()), res
-    # the one-launch form: the up loop still pipelined through cp.async inside its branch; the counters'
-    # release (up), the spin's acquire loads (not atomics: no read-modify-write traffic on the counter) and
-    # the acq_rel departure (down); h read from L2 in 16-byte vectors
-    ud = res["up_down"]
-    assert ud["cp.async.cg"] > 0 and ud["atom.global.gpu.release"] > 0 and ud["ld.global.gpu.acquire"] > 0, (
-        res
-    )
-    assert ud["atom.global.gpu.acq_rel"] > 0 and ud["ld.global.cg.v4"] > 0, res

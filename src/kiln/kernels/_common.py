@@ -14,7 +14,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kiln.kernels.dispatch import interpreting, sm_count
-from kiln.kernels.launch import pow2
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_ROW = 65536  # a longer row would not fit in one program's registers
@@ -71,33 +70,6 @@ def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     the graph's pool). Set with `triton.set_allocator(tma_scratch)` before such a launch (a context
     variable, per thread)."""
     return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
-# Arrival counters of the kernels whose programs count each other (decode attention's one-pass form, the
-# fused decode block, the one-launch MoE decode), per (owner, device type, index): the buffers handed out,
-# the current one last (`zeroed_counters` says why none is ever freed)
-_COUNTERS: dict[tuple[str, str, int | None], list[torch.Tensor]] = {}
-
-
-def zeroed_counters(owner: str, device: torch.device, n: int) -> torch.Tensor:
-    """At least n int32 counters on `device` for the kernels of `owner`, zero between their launches (each
-    launch leaves the ones it counted on at zero). Allocated on first use, outside any CUDA-graph capture, and
-    kept for the process's lifetime: a graph captured with a buffer replays with its address, so a buffer
-    replaced by a larger one stays alive too (a few KB each, at most one per power of two). Shared by every
-    launch of the owner's kernels on the device: safe while those launches are ordered on one stream, or on
-    streams that wait for each other (kiln's engine runs one step at a time); two launches running at once on
-    two streams would mix their counts."""
-    kept = _COUNTERS.setdefault((owner, device.type, device.index), [])
-    if kept and kept[-1].numel() >= n:
-        return kept[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise ValueError(
-            f"{owner}: its {n} counters on {device} do not exist yet, and a CUDA-graph capture cannot "
-            "allocate and zero them; run the same call once before capturing (a warm-up: it also compiles "
-            "the kernel)"
-        )
-    kept.append(torch.zeros(max(1024, pow2(n)), dtype=torch.int32, device=device))
-    return kept[-1]
 
 
 # The small decode kernels that may let the next kernel be scheduled before they wait themselves

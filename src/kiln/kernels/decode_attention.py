@@ -106,16 +106,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import (
-    early_loads,
-    env_form,
-    griddep,
-    pdl,
-    pdl_first,
-    pdl_prologue,
-    tma_scratch,
-    zeroed_counters,
-)
+from kiln.kernels._common import early_loads, env_form, griddep, pdl, pdl_first, pdl_prologue, tma_scratch
 from kiln.kernels.attention import LOG2E, attention_ref
 from kiln.kernels.dispatch import interpreting, sm_count, use_triton
 from kiln.kernels.launch import cdiv, pow2
@@ -130,7 +121,9 @@ PER_SM = 4
 # environment overrides it for A/B timing of whole decode steps (default_form).
 FORMS = ("two_pass", "one_pass")
 DEFAULT_FORM = "two_pass"
-COUNTER_OWNER = "decode_attention(form='one_pass')"  # its counters' key in _common.zeroed_counters
+# one_pass's counters, per device: (device type, index) -> the buffers handed out, the current one last
+# (split_counters says why none is ever freed)
+_COUNTERS: dict[tuple[str, int | None], list[torch.Tensor]] = {}
 
 
 # ----------------------------------------------------------------------------------------- reference
@@ -574,9 +567,23 @@ def default_form() -> str:
 
 def split_counters(device: torch.device, n: int) -> torch.Tensor:
     """At least n int32 counters on `device`, zero between one-pass launches (each launch zeroes the ones it
-    counted on), for `decode_attention(form="one_pass")`: `_common.zeroed_counters` (allocated outside any
-    CUDA-graph capture, kept for the process's lifetime, shared by every one-pass call on the device)."""
-    return zeroed_counters(COUNTER_OWNER, device, n)
+    counted on), for `decode_attention(form="one_pass")`. Allocated on first use, outside any CUDA-graph
+    capture, and kept for the process's lifetime: a graph captured with a buffer replays with its address,
+    so a buffer replaced by a larger one stays alive too (a few KB each, at most one per power of two).
+    Shared by every one-pass call on the device: safe while those calls are ordered on one stream, or on
+    streams that wait for each other (kiln's engine runs one step at a time); two one-pass calls running
+    at once on two streams would mix their counts (module doc)."""
+    kept = _COUNTERS.setdefault((device.type, device.index), [])
+    if kept and kept[-1].numel() >= n:
+        return kept[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError(
+            f"decode_attention(form='one_pass'): its {n} split counters on {device} do not exist yet, and "
+            "a CUDA-graph capture cannot allocate and zero them; run the same call once before capturing "
+            "(a warm-up: it also compiles the kernel)"
+        )
+    kept.append(torch.zeros(max(1024, pow2(n)), dtype=torch.int32, device=device))
+    return kept[-1]
 
 
 def combine_step(group: int, head_dim: int) -> int:

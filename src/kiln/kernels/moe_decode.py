@@ -63,14 +63,13 @@ a host sync).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels._common import FLOAT_DTYPES, env_form, needs_grad, pdl, pdl_prologue, zeroed_counters
+from kiln.kernels._common import FLOAT_DTYPES, needs_grad, pdl, pdl_prologue
 from kiln.kernels.dispatch import interpreting, use_triton
 from kiln.kernels.launch import CachedLaunch, cdiv, pow2
 
@@ -96,7 +95,6 @@ def decode_tiles(K: int) -> DecodeTiles:
 
 
 DECODE_MAX_TOKENS = 64  # the most tokens the model sends through these kernels (use_decode)
-COUNTER_OWNER = "moe_decode(one_launch=True)"  # its counters' key in _common.zeroed_counters
 
 
 def use_decode(n_tokens: int) -> bool:
@@ -184,17 +182,8 @@ def _up_kernel(
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (the experts form, one row)
 ):
     pdl_prologue(PDL)
-    _up_block(X_ptr, Idx_ptr, W_ptr, H_ptr, tl.program_id(0), tl.program_id(1), I, D, stride_xt, stride_xc,
-              stride_we, stride_wn, stride_wc, TOPK, BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
-
-
-@triton.jit
-def _up_block(
-    X_ptr, Idx_ptr, W_ptr, H_ptr, p, blk, I, D, stride_xt, stride_xc, stride_we, stride_wn, stride_wc,
-    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-):  # fmt: skip
-    """Pair p's h over columns blk * BLOCK_N ...: silu(gate) * up from BLOCK_N gate and up rows of its expert."""
-    offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    p = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < I)[:, None]
     e = tl.load(Idx_ptr + p).to(tl.int64)
     x_row = X_ptr + (p // TOPK).to(tl.int64) * stride_xt
@@ -448,9 +437,14 @@ def _down_pair_kernel(
     if PRELOAD:
         # the router that wrote the ids ran before the up kernel, which waited for it before letting
         # this kernel be scheduled: reading them (and the weights) before our own wait is safe
-        w = _down_slice(Idx_ptr, W_ptr, p, offs_n, I, D, stride_we, stride_wn, stride_wi, I_P2)
+        e = tl.load(Idx_ptr + p).to(tl.int64)
+        offs_k = tl.arange(0, I_P2)
+        k_ok = offs_k < I
+        w_rows = W_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+        w = tl.load(w_rows + offs_k[None, :] * stride_wi, mask=n_ok & k_ok[None, :], other=0.0)
         pdl_prologue(PDL)
-        y = _down_slice_dot(H_ptr, p, w, I, I_P2, False)
+        h = tl.load(H_ptr + p * I + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        y = tl.sum(w.to(tl.float32) * h[None, :], axis=1)
     else:
         pdl_prologue(PDL)
         e = tl.load(Idx_ptr + p).to(tl.int64)
@@ -465,103 +459,6 @@ def _down_pair_kernel(
         y = tl.sum(acc, axis=1)
     y = y * tl.load(Wt_ptr + p).to(tl.float32)  # (BLOCK_N,)
     tl.store(P_ptr + p * D + offs_n, y, mask=offs_n < D)
-
-
-@triton.jit
-def _up_down_kernel(
-    X_ptr,  # (T, d): x[t, c] at X_ptr + t * stride_xt + c * stride_xc
-    Idx_ptr,  # (T * TOPK,) contiguous expert ids
-    Wt_ptr,  # (T * TOPK,) contiguous routing weights
-    W1_ptr,  # (E, 2I, d) gate_up_proj
-    W2_ptr,  # (E, d, I) down_proj
-    H_ptr,  # (T * TOPK, I) scratch, contiguous: silu(gate) * up per pair
-    P_ptr,  # (T * TOPK, d) float32 out, contiguous: each pair's weighted down projection
-    CNT_ptr,  # int32, zero on entry and left zero: [0] tickets, [1] finished down programs, [2 + p] pair p's h
-    I,
-    D,
-    N_UP,  # up programs: T * TOPK * NB_UP
-    NB_UP,  # up programs a pair: cdiv(I, BN_UP)
-    NB_DOWN,  # down programs a pair: cdiv(d, BN_DOWN)
-    stride_xt,
-    stride_xc,
-    stride_w1e,
-    stride_w1n,
-    stride_w1c,
-    stride_w2e,
-    stride_w2n,
-    stride_w2i,
-    PAIRS_P2: tl.constexpr,  # pow2 >= T * TOPK: the counters zeroed at the end
-    TOPK: tl.constexpr,
-    BN_UP: tl.constexpr,
-    BK_UP: tl.constexpr,
-    STAGES: tl.constexpr,
-    BN_DOWN: tl.constexpr,
-    I_P2: tl.constexpr,  # pow2 >= I: a down program's weight slice, read whole
-    PDL: tl.constexpr,
-):
-    """The one-row experts form in one launch (`moe_decode_fwd(..., one_launch=True)`): `_up_kernel`'s programs
-    and `_down_pair_kernel`'s preloading ones in one grid, pair by pair, so that a pair's down projection
-    starts as soon as its own h is written rather than when the whole gate/up launch has drained.
-
-    A program's role is its ticket (an atomic count at its start, not its program id): tickets below N_UP
-    are up programs, pair-major (pair = ticket // NB_UP), the rest down programs, pair-major too. An up
-    program streams its gate and up rows as `_up_kernel` does, stores its h columns, then adds 1 to its
-    pair's counter (bar.sync, then a release: the ordering of decode_attention's one-pass form). A down
-    program loads its expert's (BN_DOWN, I) weight slice, then spins on acquire reads of its pair's counter
-    until all NB_UP up programs of the pair have counted, then reads h from L2 (.cg) and stores its partial as
-    `_down_pair_kernel` does: the same bits. No deadlock however the hardware schedules programs: a down
-    program exists only after every up ticket was taken by a running program, and up programs wait for
-    nothing. The down program that finishes last (every down program counts) zeroes the counters for the
-    next launch: by then every ticket was taken and no program reads a counter again. The interpreter runs
-    programs one at a time in grid order, so every up program runs before the first down program."""
-    pdl_prologue(PDL)
-    ticket = tl.atomic_add(CNT_ptr, 1, sem="relaxed", scope="gpu")
-    if ticket < N_UP:
-        p = ticket // NB_UP
-        _up_block(X_ptr, Idx_ptr, W1_ptr, H_ptr, p, ticket - p * NB_UP, I, D, stride_xt, stride_xc,
-                  stride_w1e, stride_w1n, stride_w1c, TOPK, BN_UP, BK_UP, STAGES)  # fmt: skip
-        tl.debug_barrier()  # every thread's h stores before the release
-        tl.atomic_add(CNT_ptr + 2 + p, 1, sem="release", scope="gpu")
-    else:
-        q = ticket - N_UP
-        pd = (q // NB_DOWN).to(tl.int64)
-        offs_n = (q % NB_DOWN) * BN_DOWN + tl.arange(0, BN_DOWN)
-        w = _down_slice(Idx_ptr, W2_ptr, pd, offs_n, I, D, stride_w2e, stride_w2n, stride_w2i, I_P2)
-        seen = tl.atomic_add(CNT_ptr + 2 + pd, 0, sem="acquire", scope="gpu")
-        while seen < NB_UP:
-            seen = tl.atomic_add(CNT_ptr + 2 + pd, 0, sem="acquire", scope="gpu")
-        tl.debug_barrier()  # the acquire (one thread's, broadcast) before every thread's h loads
-        y = _down_slice_dot(H_ptr, pd, w, I, I_P2, True) * tl.load(Wt_ptr + pd).to(tl.float32)
-        tl.store(P_ptr + pd * D + offs_n, y, mask=offs_n < D)  # _down_pair_kernel's bits
-        tl.debug_barrier()
-        n_down = tl.num_programs(0) - N_UP
-        if tl.atomic_add(CNT_ptr + 1, 1, sem="acq_rel", scope="gpu") == n_down - 1:
-            offs = tl.arange(0, PAIRS_P2)
-            tl.store(CNT_ptr + 2 + offs, tl.zeros((PAIRS_P2,), tl.int32), mask=offs < n_down // NB_DOWN)
-            tl.store(CNT_ptr + 1, 0)
-            tl.store(CNT_ptr, 0)
-
-
-@triton.jit
-def _down_slice(Idx_ptr, W_ptr, p, offs_n, I, D, stride_we, stride_wn, stride_wi, I_P2: tl.constexpr):
-    """Pair p's expert's down rows offs_n, whole: a (BLOCK_N, I_P2) slice, zero past I and d."""
-    e = tl.load(Idx_ptr + p).to(tl.int64)
-    offs_k = tl.arange(0, I_P2)
-    w_rows = W_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
-    return tl.load(w_rows + offs_k[None, :] * stride_wi, mask=(offs_n < D)[:, None] & (offs_k < I)[None, :],
-                   other=0.0)  # fmt: skip
-
-
-@triton.jit
-def _down_slice_dot(H_ptr, p, w, I, I_P2: tl.constexpr, FROM_L2: tl.constexpr):
-    """(BLOCK_N,) float32: the slice w times pair p's h row. FROM_L2: h read past L1 (.cg), for a reader
-    that learned of h's writes through a counter, not a kernel boundary."""
-    offs_k = tl.arange(0, I_P2)
-    if FROM_L2:
-        h = tl.load(H_ptr + p * I + offs_k, mask=offs_k < I, other=0.0, cache_modifier=".cg")
-    else:
-        h = tl.load(H_ptr + p * I + offs_k, mask=offs_k < I, other=0.0)
-    return tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
 
 
 @triton.jit
@@ -590,7 +487,6 @@ _up_experts_launch = CachedLaunch(_up_experts_kernel)
 _down_experts_launch = CachedLaunch(_down_experts_kernel)
 _down_pair_launch = CachedLaunch(_down_pair_kernel)
 _combine_launch = CachedLaunch(_combine_kernel)
-_up_down_launch = CachedLaunch(_up_down_kernel)
 
 
 FORMS = ("auto", "pairs", "experts")
@@ -691,7 +587,6 @@ def moe_decode_fwd(
     rows: int | None = None,
     preload: bool | None = None,
     by_expert: bool | None = None,
-    one_launch: bool | None = None,
 ) -> torch.Tensor:
     """Launcher: out (T, d) in x's dtype. form: "pairs" (two kernels, each (token, expert) pair streams its
     expert), "experts" (each distinct expert streamed once for all its tokens: three kernels) or "auto" (the
@@ -699,9 +594,7 @@ def moe_decode_fwd(
     `expert_tiles` (experts). rows: the experts form's tokens per pass (default `expert_rows`; 1 or a power of
     two >= 16 for tl.dot). preload: the experts form at one row reads the down weights before waiting for the
     up kernel (default `preload_down`). by_expert: the experts form's tl.dot kernels take one program row per
-    expert instead of one per slot (default `by_expert_grid`). one_launch: the experts form at one row with the
-    preload runs gate/up and down in one grid (`_up_down_kernel`; default `one_launch_default`), then the
-    combine."""
+    expert instead of one per slot (default `by_expert_grid`)."""
     _check(x, expert_idx, weights, w1, w2)
     if form not in FORMS:
         raise ValueError(f"moe_decode: form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
@@ -719,10 +612,10 @@ def moe_decode_fwd(
     wts = weights.reshape(-1)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     if form == "experts":
-        _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert, one_launch)
+        _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert)
         return out
-    if rows is not None or by_expert is not None or one_launch is not None:
-        raise ValueError("moe_decode: rows, by_expert and one_launch apply to form='experts' only")
+    if rows is not None or by_expert is not None:
+        raise ValueError("moe_decode: rows and by_expert apply to form='experts' only")
     up, down = config or (decode_tiles(d), decode_tiles(I))
     _up_launch[(T * k, cdiv(I, up.block_n))](
         x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
@@ -733,13 +626,6 @@ def moe_decode_fwd(
         BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, num_warps=down.warps,
     )  # fmt: skip
     return out
-
-
-@functools.cache
-def one_launch_default() -> bool:
-    """Whether the experts form at one row runs gate/up and down as one launch (`_up_down_kernel`) where the
-    down slice is preloaded. KILN_MOE_ONE_LAUNCH=on|off (read once, for A/B timing)."""
-    return env_form("KILN_MOE_ONE_LAUNCH", ("off", "on")) == "on"
 
 
 def preload_down(I: int) -> bool:
@@ -757,7 +643,7 @@ def by_expert_grid(n_slots: int, n_experts: int) -> bool:
     return n_experts < n_slots
 
 
-def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert, one_launch) -> None:
+def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert) -> None:
     """The experts form's three launches (module docstring): up into h, down into float32 partials per
     pair, the combine into out. One row per pass (one or two tokens, or float64): the pairs form's up kernel
     (each pair streams its expert) and a down kernel per pair."""
@@ -777,19 +663,6 @@ def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert
     use_pdl = pdl(x)
     if rows == 1:
         preload = preload_down(I) if preload is None else preload
-        one_launch = (one_launch_default() if one_launch is None else one_launch) and preload
-        if one_launch:  # _up_down_kernel: up and down in one grid, pair by pair
-            n_up, n_down = T * k * cdiv(I, up.block_n), T * k * cdiv(d, down.block_n)
-            cnt = zeroed_counters(COUNTER_OWNER, x.device, 2 + T * k)
-            _up_down_launch[(n_up + n_down,)](
-                x, idx, wts, w1, w2, h, part, cnt, I, d, n_up, cdiv(I, up.block_n), cdiv(d, down.block_n),
-                x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), w2.stride(0), w2.stride(1),
-                w2.stride(2), PAIRS_P2=pow2(T * k), TOPK=k, BN_UP=up.block_n, BK_UP=up.block_k,
-                STAGES=up.stages, BN_DOWN=down.block_n, I_P2=max(16, pow2(I)), PDL=use_pdl,
-                num_warps=up.warps, launch_pdl=use_pdl,
-            )  # fmt: skip
-            _combine(part, out, T, k, d, use_pdl)
-            return
         up_pdl = use_pdl and preload  # the down kernel's preload needs it scheduled before the up kernel ends
         _up_launch[(T * k, cdiv(I, up.block_n))](
             x, idx, w1, h, I, d, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), TOPK=k,
@@ -820,13 +693,8 @@ def _experts(x, idx, wts, w1, w2, h, out, T, k, config, rows, preload, by_expert
             BLOCK_N=down.block_n, BLOCK_K=down.block_k, STAGES=down.stages, PDL=use_pdl, num_warps=down.warps,
             launch_pdl=use_pdl,
         )  # fmt: skip
-    _combine(part, out, T, k, d, use_pdl)
-
-
-def _combine(part, out, T, k, d, use_pdl) -> None:
-    """out[t] = sum_j part[t*k + j]. 256 columns per program (2 warps, 16-byte loads): at one token d / 256
-    programs (8 at d = 2048), each k loads deep; the partials (k * d * 4 bytes, 64 KB for Qwen3-like) were
-    just written, in L2."""
+    # 256 columns per program (2 warps, 16-byte loads): at one token d / 256 programs (8 at d = 2048), each
+    # k loads deep; the partials (k * d * 4 bytes, 64 KB for Qwen3-like) were just written, in L2
     block = min(256, pow2(d))
     _combine_launch[(T, cdiv(d, block))](
         part, out, d, TOPK=k, BLOCK=block, PDL=use_pdl, num_warps=2, launch_pdl=use_pdl
