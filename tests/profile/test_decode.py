@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from kiln.errors import KilnError
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import build_model
 from kiln.profile import decode
@@ -92,6 +93,40 @@ def test_weight_and_kv_bytes(tiny):
     assert kv == 2 * 3 * 2 * 10 * 2 * 8 * 4  # K and V, layers, batch, context, kv heads, head_dim, fp32
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32", "fp8"])
+def test_quantized_step_counts_the_packed_weights(scheme, tmp_path):
+    # --quant: the projections and the head counted at their quantized bytes, the weight total with the
+    # quantized buffers (qweight, scales), every layer still named
+    from kiln.model.quant_linear import QuantLinear
+    from kiln.quant import QuantScheme
+
+    cfg = ModelConfig(arch="qwen2", vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                      max_seq_len=64, tie_embeddings=True, qkv_bias=True)  # fmt: skip
+    model = build_model(cfg)
+    name = decode.quantize_for_profile(model, QuantScheme.parse(scheme), "tiny")
+    assert name == f"tiny-{scheme}"
+    res = decode.run(model, name, batch=2, context=12, graphs=False, out=tmp_path, steps=2)
+    rows = {r["scope"]: r for r in res["rows"]}
+    n = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+    qkv = rows["model.layers.1.self_attn.qkv_proj"]
+    x_y_bias = 4 * (2 * 64 + 2 * n)  # fp32 x and y on the CPU
+    if scheme == "int8":  # int8 weight, a bf16 scale a row, the fp32 bias
+        assert qkv["bytes"] == n * 64 + 2 * n + x_y_bias + 4 * n
+    elif scheme == "int4-g32":  # two weights a byte, a bf16 scale per 32 inputs
+        assert qkv["bytes"] == n * 32 + 2 * n * 2 + x_y_bias + 4 * n
+    else:  # the FP8 op's catalog counts float32 row scales, no bias
+        assert qkv["bytes"] == n * 64 + 4 * n + x_y_bias
+    assert qkv["flops"] == 2 * 2 * n * 64
+    head = next(r for r in res["rows"] if r["op"] == "lm_head")
+    assert head["bytes"] < 4 * cfg.vocab_size * cfg.d_model  # not the float head's
+    w, _ = decode.weight_and_kv_bytes(model, batch=2, context=12)
+    packed = sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, QuantLinear)
+                 for b in m.buffers())  # fmt: skip
+    assert packed and w == packed + sum(p.numel() * p.element_size() for p in model.parameters())
+    with pytest.raises(KilnError, match="already quantized"):
+        decode.quantize_for_profile(model, QuantScheme.parse(scheme), "tiny")
+
+
 def test_shape_config_is_qwen25_15b():
     cfg = decode.shape_config("qwen2.5-1.5b", 2048)
     assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size) == (
@@ -130,6 +165,28 @@ def test_cuda_step_names_every_layers_kernels(graphs, tmp_path):
     assert res["floor_us"] and 0 < res["floor_us"] < res["wall_us"]
 
 
+@pytest.mark.gpu
+def test_cuda_quantized_step_names_every_layers_kernels(tmp_path):
+    # an int4 step with graphs: the quantized kernels named per layer (gate_up with its SwiGLU epilogue),
+    # the eager reference aligned with the replay, the floor counted at the packed bytes
+    import torch
+
+    from kiln.quant import QuantScheme
+
+    cfg = ModelConfig(arch="qwen2", vocab_size=256, d_model=128, n_layers=3, n_heads=4, n_kv_heads=2,
+                      ffn_hidden=256, max_seq_len=256, tie_embeddings=True, qkv_bias=True)  # fmt: skip
+    model = build_model(cfg, device="cuda", dtype=torch.bfloat16)
+    name = decode.quantize_for_profile(model, QuantScheme.parse("int4-g128"), "tiny")
+    res = decode.run(model, name, batch=1, context=64, graphs=True, out=tmp_path, steps=3)
+    assert res["alignment"]["identical"], res["alignment"]
+    for i in range(cfg.n_layers):
+        ops = {r["op"] for r in res["rows"] if r["layer"] == f"layer.{i}"}
+        assert {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "norm", "attention"} <= ops, ops
+    assert any(r["op"] == "lm_head" for r in res["rows"]) and res["attributed_pct"] >= 95
+    w, _ = decode.weight_and_kv_bytes(model, 1, 64)
+    assert res["weight_bytes"] == w < sum(p.numel() * 2 for p in build_model(cfg).parameters())
+
+
 def test_fill_counts_gives_each_op_instance_its_counts_once(tiny):
     def row(i, scope, op, us, layer="layer.1"):
         return {
@@ -162,6 +219,23 @@ def test_fill_counts_gives_each_op_instance_its_counts_once(tiny):
     assert rows[6]["flops"] == 2 * 2 * 96 * 32  # the head: batch 2, vocab 96, d 32
 
 
+def test_cli_quant_on_a_saved_model(tmp_path, capsys):
+    # `kiln profile decode --model DIR --quant int8` on the CPU: the files named with the scheme
+    from kiln.cli import main
+    from kiln.model.hf import save_pretrained
+
+    cfg = ModelConfig(arch="qwen2", vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                      max_seq_len=64, tie_embeddings=True, qkv_bias=True)  # fmt: skip
+    save_pretrained(build_model(cfg), tmp_path / "m")
+    out = tmp_path / "prof"
+    args = ["profile", "decode", "--model", str(tmp_path / "m"), "--quant", "int8", "--device", "cpu", "--context",
+            "8", "--steps", "2", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    doc = json.loads((out / "decode_m-int8_b1_c8_graphsoff.json").read_text())
+    assert doc["model"] == "m-int8" and (out / "decode_summary.md").exists()
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -170,6 +244,7 @@ def test_fill_counts_gives_each_op_instance_its_counts_once(tiny):
         (["--graphs", "maybe"], "--graphs takes on, off or on,off"),
         (["--context", "1"], "--context must be >= 2"),
         (["--steps", "0"], "--steps must be >= 1"),
+        (["--quant", "int3"], "unknown quantization scheme 'int3'"),
     ],
 )
 def test_cli_rejects_bad_arguments_before_building_anything(args, message, capsys):

@@ -62,6 +62,11 @@ def _decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--graphs", default="on", help="CUDA graphs for the decode step: on, off, or on,off for both"
     )
+    p.add_argument(
+        "--quant",
+        help="quantize the model first (round to nearest, head included, as `kiln quantize`): int8, int4-g32, "
+        "int4-g64, int4-g128 or fp8",
+    )
     p.add_argument("--steps", type=int, default=5, help="steps profiled; the median one is reported")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
     p.add_argument("--out", default="profile/decode", help="directory for the JSON, CSV, PNGs and trace")

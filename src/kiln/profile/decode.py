@@ -1,8 +1,11 @@
 """`kiln profile decode`: one engine decode step taken apart kernel by kernel.
 
     kiln profile decode --shape qwen2.5-1.5b --batch 64 --context 1024 --graphs on --out DIR
+    kiln profile decode --shape qwen2.5-1.5b --quant int4-g128 --context 256 --out DIR
 
-1. Build the engine (kiln.infer) on the model (random weights for --shape, or --model PATH), with
+1. Build the engine (kiln.infer) on the model (random weights for --shape, or --model PATH; --quant
+   quantizes it first, as `kiln quantize` does with round to nearest, and the quantized projections are
+   counted at their packed bytes), with
    max_num_seqs = the graph bucket = --batch, and fill --batch sequences of random tokens to --context
    (prefill, then a few warm-up decode steps: greedy, every sequence decoding).
 2. Run `--steps` engine steps under torch.profiler (CPU + CUDA activity), each inside a record_function
@@ -119,15 +122,18 @@ def accounting(model, batch: int, context: int, block_size: int = 16):
         return sum(o.flops() for o in ops_), sum(o.bytes() for o in ops_), ops_[0].roof
 
     def fn(layer: str, op: str, scope: str | None):
-        from kiln.model.linear import Linear
-
         if op == "embed":
             return count(O.Embedding("embed", rows=B, d=d, dtype=dt))
         if op == "norm":
             residual = not (scope or "").endswith("layers.0.input_layernorm")
             return count(O.RMSNorm("norm", rows=B, cols=d, residual=residual, dtype=dt))
-        if op == "lm_head":
-            return count(O.Linear("lm_head", m=B, n=V, k=d, dtype=dt))
+        if op == "lm_head":  # a quantized head is a module (Transformer.quantized_head); else W is a tensor
+            head = modules.get("lm_head")
+            return count(
+                linear_op("lm_head", head, B, dt)
+                if head is not None
+                else O.Linear("lm_head", m=B, n=V, k=d, dtype=dt)
+            )
         if op == "argmax":
             return count(O.Argmax("argmax", rows=B, vocab=V, dtype=dt))
         if op in ("rope", "kv_write", "attention", "swiglu"):
@@ -137,28 +143,41 @@ def accounting(model, batch: int, context: int, block_size: int = 16):
         if op == "mlp" and cfg.arch != "gpt2" and not cfg.n_experts:
             return count(swi)
         m = modules.get(scope or "")
-        if op in ("qkv_proj", "gate_up_proj") and not isinstance(m, Linear):
+        if op in ("qkv_proj", "gate_up_proj") and linear_op(op, m, B, dt) is None:
             # a projection launched by its parent with its neighbours in its epilogue: the fused q/k/v + RoPE +
             # K/V write kernel (kiln.kernels.rope.qkv_rope) in the attention's range, gate_up with the SwiGLU
-            # (MergedLinear.swiglu_decode) in the MLP's
-            proj = modules.get(f"{scope}.{op}")
-            if isinstance(proj, Linear):
-                linear = O.Linear(op, m=B, n=proj.out_features, k=proj.in_features, bias=proj.bias is not None,
-                                  dtype=dt)  # fmt: skip
+            # (MergedLinear.swiglu_decode, QuantLinear.swiglu_decode) in the MLP's
+            linear = linear_op(op, modules.get(f"{scope}.{op}"), B, dt)
+            if linear is not None:
                 return count(linear, rope, kvw) if op == "qkv_proj" else count(linear, swi)
-        if isinstance(m, Linear):
-            return count(
-                O.Linear(op, m=B, n=m.out_features, k=m.in_features, bias=m.bias is not None, dtype=dt)
-            )
-        return None
+        linear = linear_op(op, m, B, dt)
+        return count(linear) if linear is not None else None
 
     return fn
 
 
+def linear_op(name: str, m, rows: int, dt: str) -> O.Op | None:
+    """The catalog op of linear module m at `rows` rows: a float Linear, or a QuantLinear's int8 / int4 (its
+    packed weight, scales and zero points) or FP8 weight; None if m is not a linear."""
+    from kiln.model.linear import Linear
+    from kiln.model.quant_linear import QuantLinear
+
+    if isinstance(m, QuantLinear):
+        n, k = m.out_features, m.in_features
+        if m.kind == "fp8":
+            return O.FP8Linear(name, m=rows, n=n, k=k, dtype=dt)
+        return O.QuantLinear(name, m=rows, n=n, k=k, bits=m.bits, group=m.group_size if m.bits == 4 else 128,
+                             zeros=m.asymmetric, bias=m.bias is not None, dtype=dt)  # fmt: skip
+    if isinstance(m, Linear):
+        return O.Linear(name, m=rows, n=m.out_features, k=m.in_features, bias=m.bias is not None, dtype=dt)
+    return None
+
+
 def weight_and_kv_bytes(model, batch: int, context: int) -> tuple[int, int]:
-    """(bytes of the weights, each tensor once, bytes of the K and V a step reads)."""
+    """(bytes of the weights, each tensor once (parameters, and a quantized model's packed weights, scales
+    and zero points, which are buffers), bytes of the K and V a step reads)."""
     cfg = model.config
-    w = sum(p.numel() * p.element_size() for p in model.parameters())
+    w = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     kv = 2 * cfg.n_layers * batch * context * cfg.n_kv_heads * cfg.head_dim * model.head_weight.element_size()
     return w, kv
 
@@ -505,6 +524,28 @@ def _int_list(text: str, flag: str) -> list[int]:
     return vals
 
 
+def quant_scheme(name: str | None):
+    """--quant's QuantScheme (None without it); a bad name is a KilnError naming the schemes."""
+    if not name:
+        return None
+    from kiln.quant import QuantScheme
+
+    return QuantScheme.parse(name)
+
+
+def quantize_for_profile(model, scheme, name: str) -> str:
+    """Quantize `model` in place with `scheme` (round to nearest: the weights are random or already
+    trained, and the step's kernels, not the quality, are what is profiled); returns the profile's name
+    with the scheme's. A model that is already quantized is an error (its scheme is the checkpoint's)."""
+    from kiln.model.quant_linear import QuantLinear
+    from kiln.quant import quantize_model
+
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise KilnError(f"--quant {scheme.name}: the model is already quantized; profile it without --quant")
+    quantize_model(model, scheme)
+    return f"{name}-{scheme.name}"
+
+
 def main(args: argparse.Namespace) -> int:
     """Every (batch, graphs) combination of the comma lists, on one model built once; each writes its
     own files, and decode_summary.md gathers the per-op tables and paragraphs."""
@@ -521,6 +562,7 @@ def main(args: argparse.Namespace) -> int:
         raise KilnError(f"--steps must be >= 1, got {args.steps}")
     if args.context < 2:
         raise KilnError(f"--context must be >= 2, got {args.context}")
+    scheme = quant_scheme(args.quant)
     batches = _int_list(args.batch, "--batch")
     modes = [m.strip() for m in str(args.graphs).split(",") if m.strip()]
     if not modes or any(m not in ("on", "off") for m in modes):
@@ -546,6 +588,8 @@ def main(args: argparse.Namespace) -> int:
                 f"--context {args.context} needs {n_pos} positions; the model has {model.config.max_seq_len}: "
                 "lower --context"
             )
+    if scheme is not None:
+        name = quantize_for_profile(model, scheme, name)
     out = Path(args.out)
     lines, results = [], []
     for b in batches:

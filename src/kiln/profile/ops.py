@@ -450,15 +450,18 @@ class Sampling(Op):
 
 @dataclass(frozen=True)
 class QuantLinear(Op):
-    """y (M, N) = x (M, K) @ dequant(Wq).T with int8 (per-channel scales (N, 1)) or int4 weights (two per
-    byte, one bf16 scale per `group` inputs, symmetric). FLOPs: 2 * M * N * K. Bytes: read x, the packed
-    weight (N * K * bits / 8) and the scales, write y."""
+    """y (M, N) = x (M, K) @ dequant(Wq).T (+ bias (N,)) with int8 (per-channel scales (N, 1)) or int4
+    weights (two per byte, one bf16 scale per `group` inputs; with `zeros`, a uint8 zero point per group
+    too). FLOPs: 2 * M * N * K. Bytes: read x, the packed weight (N * K * bits / 8), the scales, the zero
+    points and the bias, write y."""
 
     m: int = 1
     n: int = 1
     k: int = 1
     bits: int = 8
     group: int = 128
+    zeros: bool = False
+    bias: bool = False
     dtype: str = "bf16"
 
     @property
@@ -473,7 +476,13 @@ class QuantLinear(Op):
 
     def bytes(self) -> int:
         w = self.n * self.k * self.bits // 8
-        return w + 2 * self._scales() + self._b() * (self.m * self.k + self.m * self.n)
+        zeros = self._scales() if self.zeros and self.bits == 4 else 0
+        return (
+            w
+            + 2 * self._scales()
+            + zeros
+            + self._b() * (self.m * self.k + self.m * self.n + self.bias * self.n)
+        )
 
     def build(self, device):
         from kiln.kernels.quant_matmul import wq_linear
@@ -486,7 +495,13 @@ class QuantLinear(Op):
         else:
             qw = torch.randint(0, 256, (self.n, self.k // 2), device=device, generator=g, dtype=torch.uint8)
             s = (torch.rand((self.n, self.k // self.group), device=device, generator=g) * 0.01).to(self._dt())
-        return lambda: wq_linear(x, qw, s, None, self.bits, self.group)
+        z = None
+        if self.zeros and self.bits == 4:
+            z = torch.randint(
+                0, 16, (self.n, self.k // self.group), device=device, generator=g, dtype=torch.uint8
+            )
+        b = _randn((self.n,), device, self._dt()) if self.bias else None
+        return lambda: wq_linear(x, qw, s, z, self.bits, self.group, b)
 
 
 @dataclass(frozen=True)
