@@ -120,3 +120,26 @@ def test_bad_switch_value_is_a_clear_error(sum_form, device):
     sum_form("sometimes")
     with pytest.raises(KilnError, match="KILN_DECODE_SUM='sometimes' is not one of all, norm, separate"):
         _logits(model, *step)
+
+
+def test_defers_sum_under_torch_compile_reads_no_switch():
+    # a compiled step keeps the summed matmul, and Dynamo is not sent through the cached environment switches
+    # (decode_rows(), as decode_step_fusable's argument, was traced and warned once per process)
+    import warnings
+
+    from kiln.model.linear import Linear
+
+    lin = Linear(32, 16, bias=False)
+
+    @torch.compile(backend="eager")
+    def step(x):
+        return lin(x) * 2 if lin.defers_sum(x) else lin(x)
+
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+        warnings.simplefilter("always")
+        x = torch.randn(1, 32)
+        assert torch.equal(step(x), lin(x))
+    traced = [
+        str(w.message)[:300] for w in seen if "lru_cache" in str(w.message) or "decode_rows" in str(w.message)
+    ]
+    assert not traced, traced

@@ -135,9 +135,11 @@ class Linear(nn.Module):
         to add (KILN_DECODE_SUM, kiln.model.config.decode_sum): a decode-sized step (up to
         decode_rows() rows) that runs kiln's decode matmul (decode_fusable) with a config that splits K.
         Shapes and flags only: fixed for a captured CUDA graph."""
-        # decode_step_fusable first: False under torch.compile, where Dynamo need not read the switch
+        # is_compiling first: False under torch.compile, where Dynamo need not trace the cached switches
+        # (decode_rows() is evaluated as decode_step_fusable's argument)
         return (
-            decode_step_fusable(x, decode_rows())
+            not torch.compiler.is_compiling()
+            and decode_step_fusable(x, decode_rows())
             and decode_sum() != "separate"
             and self.decode_fusable(x)
             and self._rule(x).split_k > 1
