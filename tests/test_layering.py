@@ -48,8 +48,9 @@ BASE = 0
 # data sits beside tokenizer and may use it (shards are tokenized text).
 EXTRA_ALLOWED = {("data", "tokenizer")}
 # profile (ceilings, timing harness, roofline, decode breakdown) measures kernels and the inference
-# engine, and the layers above it (training's MFU, the CLI) use its ceilings.
-PROFILE_MAY_IMPORT = {"", "errors", "config", "io", "configs", "kernels", "model", "infer"}
+# engine (of a quantized model too: `kiln profile decode --quant`, as kiln.infer loads quantized
+# checkpoints), and the layers above it (training's MFU, the CLI) use its ceilings.
+PROFILE_MAY_IMPORT = {"", "errors", "config", "io", "configs", "kernels", "model", "quant", "infer"}
 PROFILE_USED_BY_FROM_LAYER = LAYERS["train"]
 PLACED = set(LAYERS) | {"profile"}
 
