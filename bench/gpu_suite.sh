@@ -3,7 +3,7 @@
 # Usage (on the H200, from the repo root): bash bench/gpu_suite.sh OUT_DIR [parts...]
 # parts: tests norms gemm_ce attention matmul_decode host_overhead run infer compile, and the measurements
 # the open issues wait for: serve overlap quant quantsweep fp8curve fp8check fp8speed fp8rowwise speedrun cuda
-# moe imbalance decode decodestep (default: tests norms gemm_ce attention run). Each part has its own time
+# moe imbalance decode decodestep quantprofile moesmall (default: tests norms gemm_ce attention run). Each part has its own time
 # cap so one slow part cannot eat the others'; results are JSON/logs in OUT_DIR.
 # At most 7 files land in OUT_DIR (the device tool brings back 8).
 set -u
@@ -122,6 +122,19 @@ for part in $PARTS; do
             python3 -c 'import json, os, sys; json.dump({f: json.load(open(f"/tmp/infer_overlap-step_{f}.json"))
               for f in ("base", "one_pass", "norm_split") if os.path.exists(f"/tmp/infer_overlap-step_{f}.json")},
               open(sys.argv[1], "w"), indent=1)' "$OUT/infer_overlap-decode_forms.json" >> "$OUT/bench.log" 2>&1 ;;
+    # issue 18: the batch-1 step of bf16, int8 and int4-g128 models (round to nearest, head quantized) kernel by
+    # kernel, at the engine benchmark's context (kiln profile decode --quant; ~30 s each): profile/ in OUT
+    quantprofile)
+            for s in bf16 int8 int4-g128; do
+              q=$( [ $s = bf16 ] || echo "--quant $s" )
+              timeout 120 python3 -m kiln.cli profile decode --shape qwen2.5-1.5b $q --batch 1 --context 256 \
+                --out "/tmp/quantprofile/$s" >> "$OUT/bench.log" 2>&1
+            done
+            cat /tmp/quantprofile/*/decode_summary.md > "$OUT/quantprofile_summary.md" 2>/dev/null ;;
+    # issue 19: MoE decode at 2-4 tokens with the 16-row up kernel's 3-programs-an-SM tiles beside the
+    # default (docs/perf/moe.md, "Waves of the 16-row up kernel"; ~100 s)
+    moesmall) timeout 200 python3 bench/experiments/moe_decode_batch.py --tokens 2,3,4 --no-profile \
+                --out "$OUT/moe_decode_small.json" >> "$OUT/bench.log" 2>&1 ;;
     *) echo "unknown part $part" ;;
   esac
   echo "$part: exit $? in $(( $(date +%s) - start ))s" | tee -a "$OUT/env.txt"
