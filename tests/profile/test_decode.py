@@ -93,6 +93,15 @@ def test_weight_and_kv_bytes(tiny):
     assert kv == 2 * 3 * 2 * 10 * 2 * 8 * 4  # K and V, layers, batch, context, kv heads, head_dim, fp32
 
 
+def test_untied_float_head_is_counted(tmp_path):
+    # an untied head is an nn.Linear module named lm_head: counted as the float (V, d) matmul
+    cfg = ModelConfig(arch="llama", vocab_size=96, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=48,
+                      max_seq_len=64, tie_embeddings=False)  # fmt: skip
+    fn = decode.accounting(build_model(cfg), batch=2, context=12)
+    flops, nbytes, _ = fn("head", "lm_head", "lm_head")
+    assert flops == 2 * 2 * 96 * 32 and nbytes == 4 * (2 * 32 + 96 * 32 + 2 * 96)
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4-g32", "fp8"])
 def test_quantized_step_counts_the_packed_weights(scheme, tmp_path):
     # --quant: the projections and the head counted at their quantized bytes, the weight total with the

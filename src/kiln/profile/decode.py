@@ -127,13 +127,10 @@ def accounting(model, batch: int, context: int, block_size: int = 16):
         if op == "norm":
             residual = not (scope or "").endswith("layers.0.input_layernorm")
             return count(O.RMSNorm("norm", rows=B, cols=d, residual=residual, dtype=dt))
-        if op == "lm_head":  # a quantized head is a module (Transformer.quantized_head); else W is a tensor
-            head = modules.get("lm_head")
-            return count(
-                linear_op("lm_head", head, B, dt)
-                if head is not None
-                else O.Linear("lm_head", m=B, n=V, k=d, dtype=dt)
-            )
+        if op == "lm_head":  # a quantized head is a QuantLinear module (Transformer.quantized_head); a float
+            # head is the tied embedding or an nn.Linear: (V, d) in the model's dtype either way
+            head = linear_op("lm_head", modules.get("lm_head"), B, dt)
+            return count(head or O.Linear("lm_head", m=B, n=V, k=d, dtype=dt))
         if op == "argmax":
             return count(O.Argmax("argmax", rows=B, vocab=V, dtype=dt))
         if op in ("rope", "kv_write", "attention", "swiglu"):
