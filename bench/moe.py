@@ -89,6 +89,12 @@ SHAPES = {  # name: (E, k, d, I, shared hidden or 0)
 SMOKE_SHAPES = {"tiny+shared": (4, 2, 32, 16, 32)}
 PREFILL = (4096, 16384, 1024)  # the goal points (>= 4k tokens) first
 DECODE = (1, 8, 64)
+# A decode step reads each layer's experts from HBM. A decode case is timed over enough copies of the
+# weights, one after another, that no copy's bytes are still in the 50 MB L2 when it is read again (copies x
+# active bytes >= L2_ROTATION_BYTES, at most MAX_COPIES; Mixtral-like's hundreds of MB need none); --warm
+# times one copy replayed back to back, as the runs before 2026-12-04 did
+L2_ROTATION_BYTES = 256 * 2**20
+MAX_COPIES = 8
 TIME_BUDGET_S = 120.0  # past this: no loop / padded peers (a GPU run's share is ~3 minutes in all)
 HARD_BUDGET_S = 165.0  # past this: no new case (recorded as skipped)
 SLOW_PEERS = ("loop", "padded_bmm")
@@ -185,6 +191,36 @@ def with_shared(f, shared):
     return g
 
 
+def weight_copies(b: Bench, weights, nbytes: int) -> list:
+    """[weights] and clones of it: enough that the copies' active bytes reach L2_ROTATION_BYTES (at most
+    MAX_COPIES; one in a smoke run or with --warm). Each is (w1, w2, shared, slots) as make_weights gives."""
+    n = 1 if b.smoke or b.warm else min(MAX_COPIES, max(1, -(-L2_ROTATION_BYTES // max(1, nbytes))))
+
+    def clone(t):
+        return None if t is None else tuple(u.clone() for u in t)
+
+    w1, w2, shared, slots = weights
+    return [weights] + [(w1.clone(), w2.clone(), clone(shared), clone(slots)) for _ in range(n - 1)]
+
+
+def in_turn(calls: list):
+    """One call that runs `calls` in order: a variant over every weight copy (its time / len(calls) is one
+    layer's, each copy read cold)."""
+
+    def run():
+        for c in calls:
+            c()
+
+    return run
+
+
+def same_size_copy(b: Bench, nbytes: int, n: int):
+    """A device copy moving nbytes (half read, half written) n times over n buffer pairs in turn: what a
+    kernel this short reaches, timed as the decode variants are."""
+    pairs = [torch.empty(nbytes // 2, dtype=torch.uint8, device=b.dev) for _ in range(2 * n)]
+    return in_turn([lambda s=pairs[2 * i], d=pairs[2 * i + 1]: d.copy_(s) for i in range(n)])
+
+
 # ------------------------------------------------------------------------------------------- the bench
 class Bench:
     def __init__(self, run: BenchRun):
@@ -195,6 +231,7 @@ class Bench:
         self.dtype = torch.float32 if self.smoke else torch.bfloat16  # the interpreter's bf16 dot is wrong
         self.gen = torch.Generator(device=self.dev).manual_seed(0)
         self.cases: list[dict] = []
+        self.warm = False  # decode cases: one weight copy replayed L2-warm (--warm), not a rotation of copies
 
     def randn(self, *shape, scale=1.0):
         return (scale * torch.randn(*shape, generator=self.gen, device=self.dev)).to(self.dtype)
@@ -410,6 +447,7 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     E, k = (SMOKE_SHAPES if b.smoke else SHAPES)[shape][:2]
     w1, w2, shared, slots = weights
     x, idx, w, active, nbytes = decode_inputs(b, shape, B, routing)
+    copies = weight_copies(b, weights, nbytes)
     impls = {"kiln": kiln_experts, "kiln_grouped": kiln_grouped_experts, "grouped_mm": grouped_mm_experts}
     impls |= {"kiln_decode_pairs": decode_pairs, "kiln_decode_experts": decode_experts}
     if B == 1:
@@ -419,18 +457,21 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
         impls["kiln_decode_experts_rows16"] = decode_experts_rows16
     if not quick:
         impls |= {"kiln_fused": kiln_fused_experts, "loop": loop_experts}
-    fns = {n: fwd(with_shared(f, shared), [x, idx, w, w1, w2]) for n, f in impls.items()}
+    fns = {
+        n: in_turn([fwd(with_shared(f, c[2]), [x, idx, w, c[0], c[1]]) for c in copies])
+        for n, f in impls.items()
+    }
     slots_err = None
     if slots is not None:  # the shared expert as more slots of the routed kernels (moe_decode's docs)
         W1, W2 = slots
         ids, ws = add_shared_slots(idx, w, E, W1.shape[0] - E)
-        fns["kiln_shared_slots"] = fwd(kiln_experts, [x, ids, ws, W1, W2])  # the model's dispatch
+        fns["kiln_shared_slots"] = in_turn(
+            [fwd(kiln_experts, [x, ids, ws, *c[3]]) for c in copies]
+        )  # the model's
         with torch.no_grad():
             slots_err = float((kiln_experts(x, ids, ws, W1, W2).float()
                                - with_shared(kiln_experts, shared)(x, idx, w, w1, w2).float()).abs().max())  # fmt: skip
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=b.dev)
-    dst = torch.empty_like(src)
-    fns["copy"] = lambda: dst.copy_(src)
+    fns["copy"] = same_size_copy(b, nbytes, len(copies))
     with torch.no_grad():
         grouped = kiln_grouped_experts(x, idx, w, w1, w2).float()
         err = (kiln_experts(x, idx, w, w1, w2).float() - grouped).abs()
@@ -440,13 +481,13 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     counts = torch.bincount(idx.reshape(-1), minlength=E)
     entry = dict(case="decode", shape=shape, tokens=B, routing=routing, mode="fwd", active_experts=active,
                  pairs_per_active_expert=round(B * k / active, 2), max_tokens_per_expert=int(counts.max()),
-                 weight_bytes=nbytes, path="decode" if use_decode(B) else "grouped",
+                 weight_bytes=nbytes, weight_copies=len(copies), path="decode" if use_decode(B) else "grouped",
                  form="experts" if use_decode(B) else None,
                  experts_rows=expert_rows(B, b.dtype), max_abs_diff_vs_grouped=float(err.max()),
                  max_abs_diff_experts_vs_pairs=float(err_forms.max()))  # fmt: skip
     if slots_err is not None:  # the slots' sum rounds once, the separate MLP's adds two bf16 outputs
         entry["max_abs_diff_shared_slots_vs_separate"] = slots_err
-    b.record(entry, b.time(fns, graph=True), nbytes=nbytes)
+    b.record(entry, b.time(fns, graph=True), nbytes=nbytes * len(copies))
     # > 1: the experts form is faster than the pairs form at this batch and routing
     ms = {n: _best_ms(entry["results"].get(n, {})) for n in ("kiln_decode_pairs", "kiln_decode_experts")}
     if all(ms.values()):
@@ -704,6 +745,9 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=HARD_BUDGET_S,
                     help=f"seconds after which no new case starts (default {HARD_BUDGET_S:.0f}; the slow "
                     f"peers stop at {TIME_BUDGET_S:.0f}): pass a large value to run every case")  # fmt: skip
+    ap.add_argument("--warm", action="store_true",
+                    help="decode cases: time one weight copy replayed back to back (L2-warm), not a rotation of "
+                    "copies that the L2 cannot hold (the default since 2026-12-04)")  # fmt: skip
     ap.add_argument("--case", choices=("full", "quick"), default="full",
                     help="quick: only what issue 19's second round changed (decode batch 1-64 with the decode "
                     "kernels, Mixtral / Qwen3 prefill at 4k and 16k tokens, the TMA GEMM and decode tile "
@@ -713,6 +757,10 @@ def main() -> int:
         return quick(args)
     run = BenchRun("moe", __file__, args, rounds=3)
     b = Bench(run)
+    b.warm = args.warm
+    run.meta["decode_weights"] = (
+        "one copy, L2-warm" if args.warm else f"rotated copies, >= {L2_ROTATION_BYTES >> 20} MB"
+    )
     shapes = SMOKE_SHAPES if b.smoke else SHAPES
     # the smoke run: one shape, one size, one routing per case (each interpreted call costs seconds)
     prefill = (12,) if b.smoke else PREFILL
@@ -774,6 +822,10 @@ def quick(args) -> int:
     and the decode tile sweep at batch 1 (the goal points first: a run cut by the budget keeps them)."""
     run = BenchRun("moe_quick", __file__, args, rounds=3)
     b = Bench(run)
+    b.warm = args.warm
+    run.meta["decode_weights"] = (
+        "one copy, L2-warm" if args.warm else f"rotated copies, >= {L2_ROTATION_BYTES >> 20} MB"
+    )
     shapes = list(SMOKE_SHAPES if b.smoke else SHAPES)
     prefill_shapes = shapes[:2]  # Mixtral, Qwen3
     decode = (1, 2) if b.smoke else QUICK_DECODE

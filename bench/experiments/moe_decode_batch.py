@@ -42,11 +42,14 @@ from moe import (
     Bench,
     decode_inputs,
     fwd,
+    in_turn,
     kiln_experts,
     kiln_fused_experts,
     kiln_grouped_experts,
     make_routing,
     make_weights,
+    same_size_copy,
+    weight_copies,
 )
 
 TOKENS = (2, 3, 4, 8, 16, 32, 48, 64)
@@ -119,10 +122,10 @@ def case(b: Bench, shape: str, T: int, routing: str, weights, grouped_tiles: boo
         idx, w = add_shared_slots(idx, w, E, slots[0].shape[0] - E)
         w1, w2 = slots
     impls = {"kiln": kiln_experts} | variants(T, b.smoke, grouped_tiles)
-    fns = {n: fwd(f, [x, idx, w, w1, w2]) for n, f in impls.items()}
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=b.dev)
-    dst = torch.empty_like(src)
-    fns["copy"] = lambda: dst.copy_(src)
+    # each variant over copies of the weights the L2 cannot hold together (bench/moe.py's decode case)
+    copies = [(c[3] if slots is not None else c[:2]) for c in weight_copies(b, weights, nbytes)]
+    fns = {n: in_turn([fwd(f, [x, idx, w, *c]) for c in copies]) for n, f in impls.items()}
+    fns["copy"] = same_size_copy(b, nbytes, len(copies))
     diffs = {}
     with torch.no_grad():  # every variant against the model's dispatch (a failing one: b.time records it)
         ref = kiln_experts(x, idx, w, w1, w2).float()
@@ -133,10 +136,10 @@ def case(b: Bench, shape: str, T: int, routing: str, weights, grouped_tiles: boo
                 diffs[n] = f"{type(e).__name__}"
     counts = torch.bincount(idx.reshape(-1), minlength=w1.shape[0])
     entry = dict(case="decode", shape=shape, tokens=T, routing=routing, active_experts=active,
-                 max_tokens_per_expert=int(counts[:E].max()), weight_bytes=nbytes,
+                 max_tokens_per_expert=int(counts[:E].max()), weight_bytes=nbytes, weight_copies=len(copies),
                  grouped_default_up=str(mm_config(T * idx.shape[1], w1.shape[0], False, 2 * inter, d)),
                  max_abs_diff_vs_kiln=diffs)  # fmt: skip
-    b.record(entry, b.time(fns, graph=True), nbytes=nbytes)
+    b.record(entry, b.time(fns, graph=True), nbytes=nbytes * len(copies))
 
 
 def profile(b: Bench, shape: str, T: int, routing: str, weights, iters: int = 20) -> None:
@@ -190,9 +193,16 @@ def main() -> int:
         help="SHAPE:TOKENS:ROUTING of the profile (KILN_PDL=0 in the environment gives each "
         "kernel's own time: with programmatic dependent launch a kernel's span includes its wait)",
     )
+    ap.add_argument(
+        "--warm", action="store_true", help="one weight copy replayed L2-warm (bench/moe.py --warm)"
+    )
     args = ap.parse_args()
     run = BenchRun("moe_decode_batch", __file__, args, rounds=3)
     b = Bench(run)
+    b.warm = args.warm
+    run.meta["decode_weights"] = (
+        "one copy, L2-warm" if args.warm else "rotated copies (bench/moe.py weight_copies)"
+    )
     shapes = list(SMOKE_SHAPES if b.smoke else SHAPES)
     tokens = (2, 32) if b.smoke else tuple(int(t) for t in args.tokens.split(","))
     with use_backend("triton"):
