@@ -131,10 +131,13 @@ for part in $PARTS; do
                 --out "/tmp/quantprofile/$s" >> "$OUT/bench.log" 2>&1
             done
             cat /tmp/quantprofile/*/decode_summary.md > "$OUT/quantprofile_summary.md" 2>/dev/null ;;
-    # issue 19: MoE decode at 2-4 tokens with the 16-row up kernel's 3-programs-an-SM tiles beside the
-    # default (docs/perf/moe.md, "Waves of the 16-row up kernel"; ~100 s)
-    moesmall) timeout 200 python3 bench/experiments/moe_decode_batch.py --tokens 2,3,4 --no-profile \
-                --out "$OUT/moe_decode_small.json" >> "$OUT/bench.log" 2>&1 ;;
+    # issue 19: MoE decode at 1-4 tokens over cold weight copies, with the 16-row up kernel's 3-programs-an-SM
+    # tiles beside the default (docs/perf/moe.md, "Waves of the 16-row up kernel"), then at 1 and 3 tokens
+    # L2-warm as the runs before 2026-12-04 timed it (<= 400 s)
+    moesmall) timeout 250 python3 bench/experiments/moe_decode_batch.py --tokens 1,2,3,4 --no-profile \
+                --out "$OUT/moe_decode_small.json" >> "$OUT/bench.log" 2>&1
+              timeout 150 python3 bench/experiments/moe_decode_batch.py --tokens 1,3 --no-profile --warm \
+                --out "$OUT/moe_decode_small_warm.json" >> "$OUT/bench.log" 2>&1 ;;
     *) echo "unknown part $part" ;;
   esac
   echo "$part: exit $? in $(( $(date +%s) - start ))s" | tee -a "$OUT/env.txt"
