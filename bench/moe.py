@@ -465,9 +465,8 @@ def decode_case(b: Bench, shape: str, B: int, routing: str, weights, quick: bool
     if slots is not None:  # the shared expert as more slots of the routed kernels (moe_decode's docs)
         W1, W2 = slots
         ids, ws = add_shared_slots(idx, w, E, W1.shape[0] - E)
-        fns["kiln_shared_slots"] = in_turn(
-            [fwd(kiln_experts, [x, ids, ws, *c[3]]) for c in copies]
-        )  # the model's
+        # the model's dispatch, the stacked slots of each copy
+        fns["kiln_shared_slots"] = in_turn([fwd(kiln_experts, [x, ids, ws, *c[3]]) for c in copies])
         with torch.no_grad():
             slots_err = float((kiln_experts(x, ids, ws, W1, W2).float()
                                - with_shared(kiln_experts, shared)(x, idx, w, w1, w2).float()).abs().max())  # fmt: skip
