@@ -109,9 +109,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         """x (..., K) -> (..., N); an FP8 linear also takes Fp8Rows (M, K) (see takes_fp8_rows) -> (M, N)."""
-        bias = self.bias
-        if bias is not None and bias.dtype != x.dtype:  # a float32 bias under 16-bit activations
-            bias = bias.to(x.dtype)
+        bias = self._bias_like(x)
         if self.kind == "fp8":
             return fp8_linear(x, self.qweight.view(FP8), self.scales, bias)
         return wq_linear(x, self.qweight, self.scales, self.zeros, self.bits, self.group_size, bias)
@@ -155,9 +153,13 @@ class QuantLinear(nn.Module):
     def swiglu_decode(self, x: torch.Tensor) -> torch.Tensor:
         """swiglu(self(x)) (1, F) with the SwiGLU in the quantized decode matmul's epilogue (where
         swiglu_fusable(x)): the bits of self(x) followed by kiln's SwiGLU kernel, one launch."""
-        bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
-        return wq_matmul_fwd(x, self.qweight, self.scales, self.zeros, self.bits, self.group_size, bias,
-                             epilogue="swiglu")  # fmt: skip
+        return wq_matmul_fwd(x, self.qweight, self.scales, self.zeros, self.bits, self.group_size,
+                             self._bias_like(x), epilogue="swiglu")  # fmt: skip
+
+    def _bias_like(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The bias in x's dtype (a float32 bias under 16-bit activations is cast), or None."""
+        bias = self.bias
+        return bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.parts is None:
