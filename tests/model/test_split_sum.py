@@ -130,6 +130,8 @@ def test_defers_sum_under_torch_compile_reads_no_switch():
     from kiln.model.linear import Linear
 
     lin = Linear(32, 16, bias=False)
+    with torch.no_grad():  # Linear allocates its weight uninitialized (NaN would fail torch.equal)
+        lin.weight.copy_(torch.randn(16, 32, generator=torch.Generator().manual_seed(0)))
 
     @torch.compile(backend="eager")
     def step(x):
