@@ -26,10 +26,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kiln.dist.checkpoint import load_sharded, save_sharded
 from kiln.dist.collectives import recursive_doubling_all_reduce, ring_all_reduce
+from kiln.dist.expert_parallel import ExpertParallelExperts
 from kiln.dist.parallel_dims import ParallelConfig, ParallelDims
 from kiln.dist.parallelize import LossModule, parallelize, parallelize_pipeline
 from kiln.dist.strategy import Strategy
 from kiln.model import ModelConfig, build_model
+from kiln.model.config import KernelConfig
 from kiln.train.optim import OptimConfig, build_optimizer
 
 # 8 query and 4 KV heads: tp up to 4 keeps whole GQA groups per rank
@@ -48,6 +50,12 @@ class Scheme:
     resume_as: Scheme | None = None  # stop half-way with a sharded checkpoint, resume as this scheme
     delay: bool = False  # the last rank sleeps DELAY_S before each of its collectives
     export: bool = False  # save a sharded checkpoint at the end, as <name>.dcp in the output directory
+    kernels: dict = field(default_factory=dict)  # KernelConfig fields (e.g. moe="kiln": the grouped path)
+
+    @property
+    def reference_key(self) -> tuple:
+        """Schemes with equal keys train the same one-process reference."""
+        return tuple(sorted(self.model.items())), tuple(sorted(self.kernels.items()))
 
 
 DELAY_S = 0.003
@@ -57,9 +65,10 @@ DELAY_S = 0.003
 # DDP's bucketed all-reduce starts in C++: a comm hook delays it instead (see train).
 DELAYED = {
     dist: ("all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
-           "reduce_scatter_tensor", "broadcast", "batch_isend_irecv", "all_gather_object"),
+           "reduce_scatter_tensor", "broadcast", "batch_isend_irecv", "all_gather_object", "all_to_all_single"),
     funcol: ("all_reduce", "all_gather_single", "all_gather_tensor", "reduce_scatter_single",
-             "reduce_scatter_tensor", "all_gather_tensor_autograd", "reduce_scatter_tensor_autograd"),
+             "reduce_scatter_tensor", "all_gather_tensor_autograd", "reduce_scatter_tensor_autograd",
+             "all_to_all_single_autograd"),
     pp_schedules: ("_batch_p2p",),
 }  # fmt: skip
 
@@ -136,7 +145,8 @@ def train(scheme: Scheme, rank: int = 0, world: int = 1, steps=range(STEPS), loa
 
 def _train(scheme: Scheme, rank: int, world: int, steps, load, save, calls: list[int] | None) -> dict:
     cfg = model_config(scheme)
-    full = build_model(cfg, seed=7)
+    kernels = KernelConfig(**scheme.kernels)
+    full = build_model(cfg, seed=7, kernels=kernels)
     pipe = None  # the one-process initialization, on every rank
     if world == 1:
         model, wrapped = full, LossModule(full)
@@ -146,7 +156,7 @@ def _train(scheme: Scheme, rank: int, world: int, steps, load, save, calls: list
         dims = ParallelDims.resolve(pcfg, world, cfg)
         mesh = dims.build_mesh("cpu")
         with torch.device("meta"):
-            model = type(full)(cfg)
+            model = type(full)(cfg, kernels)
         if dims.pp > 1:
             model, pipe = parallelize_pipeline(
                 model, dims, pcfg, mesh, torch.device("cpu"), full.state_dict()
@@ -169,8 +179,8 @@ def _train(scheme: Scheme, rank: int, world: int, steps, load, save, calls: list
     if load is not None:
         start = load_sharded(load, model, optimizer, {"step": 0})["step"]
         assert start == steps[0], (start, steps)
-    losses = []
-    for step in steps:
+    losses, norms = [], []  # norms: the global gradient norm before clipping (AdamW alone would hide a
+    for step in steps:  # gradient off by a constant factor: its update is scale-invariant)
         xs, ys = batches(step)
         total = torch.zeros(())
         if pipe is not None:  # the accumulation chunks become the pipeline's micro-batches, in order
@@ -182,14 +192,21 @@ def _train(scheme: Scheme, rank: int, world: int, steps, load, save, calls: list
                 loss = wrapped(x, y) / ACCUM
                 loss.backward()
             total += loss.detach()
-        strategy.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(float(strategy.clip_grad_norm_(model.parameters(), CLIP)))
         strategy.reduce_loss(total)  # pipeline ranks hold the same loss: the world mean is the dp mean
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(total))
     if save is not None:
         save_sharded(save, model, optimizer, {"step": steps[-1] + 1})
-    return {"losses": losses, "params": _gather(model, pipe is not None)}
+    # which blocks ran their experts split over ranks (so an ep scheme cannot pass as plain FSDP2)
+    ep_blocks = sum(isinstance(m, ExpertParallelExperts) for m in model.modules())
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "params": _gather(model, pipe is not None),
+        "ep_blocks": ep_blocks,
+    }
 
 
 def check_collectives(rank: int, world: int) -> dict:
@@ -237,7 +254,8 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, schemes: list[Sc
                 half = STEPS // 2
                 first = train(scheme, rank, world, range(half), save=ckpt)
                 result = train(scheme.resume_as, rank, world, range(half, STEPS), load=ckpt)
-                result["losses"] = first["losses"] + result["losses"]
+                for key in ("losses", "grad_norms"):
+                    result[key] = first[key] + result[key]
             else:
                 save = os.path.join(out_dir, f"{scheme.name}.dcp") if scheme.export else None
                 result = train(scheme, rank, world, save=save)

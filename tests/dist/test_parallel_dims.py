@@ -79,3 +79,25 @@ def test_pipeline_stages_and_bubble():
         ParallelConfig(dp_replicate=1, pp=4, pp_schedule="gpipe", microbatches=8), 4, MODEL
     )
     assert g.stages_per_rank == 1 and "bubble 27.3%" in g.describe()  # 3 / 11
+
+
+MOE = ModelConfig(**{**MODEL.to_dict(), "arch": "mixtral", "n_experts": 8})
+
+
+def test_expert_parallel_lies_inside_dp_shard():
+    d = ParallelDims.resolve(ParallelConfig(dp_replicate=2, dp_shard=4, ep=2), 8, MOE)
+    assert (d.ep, d.efsdp, d.dp, d.zero) == (2, 2, 8, 3)
+    assert "expert parallel over 2 ranks (experts FSDP2-sharded over 2)" in d.describe()
+    # the ep ranks read different data: ep takes no slice of its own
+    assert [d.dp_rank(r) for r in range(8)] == list(range(8))
+    for cfg, world, model, message in [
+        (dict(dp_replicate=1, dp_shard=4, ep=3), 4, MOE, "parallel.ep=3 splits the experts over ranks of "
+         "parallel.dp_shard (4), which it must divide"),
+        (dict(ep=2), 2, MOE, "parallel.ep=2 splits the experts over ranks of parallel.dp_shard (1)"),
+        (dict(dp_replicate=1, dp_shard=2, ep=2), 2, MODEL, "the model is dense (model.n_experts=0)"),
+        (dict(dp_replicate=1, dp_shard=6, ep=6), 6, MOE, "model.n_experts (8) is not divisible by parallel.ep (6)"),
+    ]:  # fmt: skip
+        with pytest.raises(KilnError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            ParallelDims.resolve(ParallelConfig(**cfg), world, model)
+    with pytest.raises(KilnError, match="parallel.ep must be >= 1"):
+        ParallelConfig(ep=0)

@@ -1,5 +1,5 @@
-"""`kiln run` under torchrun with tensor + sequence parallel and pipeline parallel: the loop's strategy
-path end to end, both checkpoint formats, a resume on another mesh and the export of its shards.
+"""`kiln run` under torchrun with tensor + sequence parallel, pipeline parallel and expert parallel: the
+loop's strategy path end to end, both checkpoint formats, a resume on another mesh and the export of its shards.
 
 Two processes (tp=2, sequence parallel; pp=2, 1F1B; gloo) stop at step 2 with a checkpoint gathered
 from the shards or stages, resume to step 4, and must log the losses of one uninterrupted process on
@@ -118,6 +118,31 @@ def test_sharded_checkpoint_resumes_on_another_mesh_and_exports(single, tmp_path
     assert got.keys() == want.keys()
     for k, v in want.items():
         assert (got[k] - v).abs().max().item() <= 1e-5, k
+
+
+@pytest.mark.slow
+def test_expert_parallel_run_stops_resumes_and_matches_one_process(tmp_path):
+    """A Mixtral-style model (4 experts, top-2) on dp_shard=2 x ep=2: each rank holds 2 whole experts and
+    routes its own 2 rows a micro-batch to them all-to-all. Stop at 2 (dcp), resume: the losses, gradient
+    norms and validation of one process on the same 4-row batches. The load-balancing loss is off (it is
+    computed per rank's micro-batch, tests/dist/test_parity.py)."""
+    moe = ["--model.arch=mixtral", "--model.n_experts=4", "--model.router_aux_loss_coef=0"]
+    single, run = tmp_path / "single", tmp_path / "ep"
+    assert main([*COMMON, *moe, "--out", str(single)]) == 0
+    ep = [
+        *moe,
+        "--train.batch_size=2",
+        "--parallel.dp_replicate=1",
+        "--parallel.dp_shard=2",
+        "--parallel.ep=2",
+    ]
+    for extra in (["--stop-at", "2"], ["--resume"]):
+        r = _launch(2, [*ep, "--out", str(run), *extra])
+    assert "expert parallel over 2 ranks" in r.stdout
+    _same_losses(single, run)
+    norms = _records(run, "train", "grad_norm")
+    assert norms == pytest.approx(_records(single, "train", "grad_norm"), rel=1e-5, abs=0)
+    assert "--- prompt" in r.stdout
 
 
 @pytest.mark.gpu

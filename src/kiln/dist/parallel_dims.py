@@ -9,6 +9,11 @@ tp group is the innermost: consecutive ranks, one host's fast links). Each axis:
 - tp: tensor parallel inside each block (heads and FFN columns split, see kiln.dist.tp); with
   sequence_parallel the norms and residual stream are split by tokens between the matmuls.
 - pp: pipeline stages by layers.
+- ep: expert parallel, inside dp_shard (TorchTitan's choice: the ep ranks are data-parallel ranks that
+  also split the MoE experts between them, each holding n_experts / ep whole experts and exchanging
+  tokens all-to-all, kiln.dist.expert_parallel). For the experts the dp_shard axis is laid out as
+  (efsdp, ep), ep innermost (`expert_mesh`): FSDP2 shards the other parameters over all of dp_shard and
+  the experts over efsdp = dp_shard / ep only (with dp_replicate: HSDP for both).
 -1 on dp_replicate or dp_shard means "what the world size leaves" (one of them at most).
 
 `ParallelConfig` is the static, self-validated config section (`--parallel.*`); `ParallelDims.resolve`
@@ -38,6 +43,7 @@ class ParallelConfig:
     dp_shard: int = 1  # -1: the rest of the world
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallel (MoE models): experts split over this many ranks of dp_shard
     pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved_1f1b
     microbatches: int = 0  # pipeline micro-batches per step; 0: pp (the fewest that fill the pipeline)
     stages_per_rank: int = 0  # pipeline stages on each rank; 0: 2 for interleaved_1f1b, else 1
@@ -55,14 +61,16 @@ class ParallelConfig:
             not (self.dp_replicate == -1 and self.dp_shard == -1),
             "parallel.dp_replicate and parallel.dp_shard cannot both be -1: give one of them a size",
         )
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "ep"):
             _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         _require(
             self.pp_schedule in SCHEDULES,
             f"parallel.pp_schedule must be one of {', '.join(SCHEDULES)}, got {self.pp_schedule!r}",
         )
         _require(self.microbatches >= 0, f"parallel.microbatches must be >= 0, got {self.microbatches}")
-        _require(self.stages_per_rank >= 0, f"parallel.stages_per_rank must be >= 0, got {self.stages_per_rank}")
+        _require(
+            self.stages_per_rank >= 0, f"parallel.stages_per_rank must be >= 0, got {self.stages_per_rank}"
+        )
         _require(
             self.stages_per_rank <= 1 or self.pp_schedule == "interleaved_1f1b",
             f"parallel.stages_per_rank={self.stages_per_rank} needs parallel.pp_schedule=interleaved_1f1b "
@@ -96,6 +104,12 @@ class ParallelDims:
     pp_schedule: str
     microbatches: int
     stages_per_rank: int = 1  # pipeline stages per pp rank (interleaved 1F1B: >= 2)
+    ep: int = 1  # expert parallel degree, a divisor of dp_shard
+
+    @property
+    def efsdp(self) -> int:
+        """How many ranks of dp_shard shard each expert (FSDP2 of the experts): dp_shard / ep."""
+        return self.dp_shard // self.ep
 
     @property
     def world_size(self) -> int:
@@ -134,6 +148,8 @@ class ParallelDims:
         if self.dp == 1:
             scheme = "no data parallelism"
         extra = [scheme]
+        if self.ep > 1:
+            extra.append(f"expert parallel over {self.ep} ranks (experts FSDP2-sharded over {self.efsdp})")
         if self.tp > 1:
             extra.append("tensor parallel" + (" + sequence parallel" if self.sequence_parallel else ""))
         if self.pp > 1:
@@ -145,7 +161,9 @@ class ParallelDims:
                 f"pipeline {self.pp_schedule}"
                 + (f" ({v} stages per rank)" if v > 1 else "")
                 + f", {self.microbatches} micro-batches, bubble {bubble:.1%} of a step"
-                + " = (pp - 1) / (" + ("stages_per_rank x " if v > 1 else "") + "micro-batches + pp - 1)"
+                + " = (pp - 1) / ("
+                + ("stages_per_rank x " if v > 1 else "")
+                + "micro-batches + pp - 1)"
             )
         return " x ".join(parts) + ": " + ", ".join(extra)
 
@@ -209,13 +227,31 @@ class ParallelDims:
                 f"data parallel by whole replicas (parallel.dp_replicate={rep}) with pipeline stages is not "
                 "built: use parallel.dp_shard for the data-parallel size (FSDP2 over each stage)",
             )
-        dims = ParallelDims(rep, shard, cfg.tp, cfg.pp, zero, cfg.sequence_parallel, cfg.pp_schedule, micro, v)
+        _require(
+            shard % cfg.ep == 0,
+            f"parallel.ep={cfg.ep} splits the experts over ranks of parallel.dp_shard ({shard}), which it must "
+            "divide: set parallel.dp_shard to a multiple of parallel.ep (e.g. -1 with parallel.dp_replicate=1)",
+        )
+        dims = ParallelDims(rep, shard, cfg.tp, cfg.pp, zero, cfg.sequence_parallel, cfg.pp_schedule, micro, v,
+                            cfg.ep)  # fmt: skip
         if model is not None:
             dims.check_model(model)
         return dims
 
     def check_model(self, m) -> None:
-        """Heads, KV heads, FFN width and vocabulary must divide by tp; layers by the pipeline stages."""
+        """Heads, KV heads, FFN width and vocabulary must divide by tp; layers by the pipeline stages;
+        experts by ep."""
+        if self.ep > 1:
+            _require(
+                m.n_experts > 0,
+                f"parallel.ep={self.ep} splits MoE experts, but the model is dense (model.n_experts=0): "
+                "drop parallel.ep",
+            )
+            _require(
+                m.n_experts % self.ep == 0,
+                f"model.n_experts ({m.n_experts}) is not divisible by parallel.ep ({self.ep}): each ep rank "
+                "holds the same number of whole experts; choose an ep that divides it",
+            )
         tp = self.tp
         if tp > 1:
             _require(
@@ -277,3 +313,15 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
+
+    def expert_mesh(self, mesh):
+        """`mesh` with dp_shard laid out as (efsdp, ep), ep innermost: the same ranks, as the 5-D mesh
+        (pp, dp_replicate, efsdp, ep, tp) that expert parallel slices "ep" and "efsdp" from (a second
+        view of one layout, DeviceMesh._unflatten: torch >= 2.10)."""
+        if not hasattr(mesh, "_unflatten"):
+            import torch
+
+            raise KilnError(
+                f"parallel.ep needs torch >= 2.10 (DeviceMesh._unflatten); this is {torch.__version__}"
+            )
+        return mesh._unflatten(MESH_DIMS.index("dp_shard"), (self.efsdp, self.ep), ("efsdp", "ep"))

@@ -1,6 +1,7 @@
 """parallelize(model, dims, cfg): a kiln Transformer made ready for its mesh, in TorchTitan's order.
 
-    tensor / sequence parallel  ->  activation checkpointing  ->  torch.compile per block  ->  FSDP2 / DDP
+    tensor / sequence parallel  ->  expert parallel  ->  activation checkpointing  ->  torch.compile per block
+    ->  FSDP2 / DDP
 
 The order matters: TP turns parameters into DTensors on the tp mesh, which FSDP2 then shards again
 over the data-parallel mesh (2D parameters); checkpointing and compile wrap each block's forward
@@ -20,6 +21,10 @@ Data parallel, by `dims.zero`:
 - 1 (ZeRO-1): DDP, with the optimizer state sharded by ZeroRedundancyOptimizer (kiln.dist.strategy).
 - 0: DDP (bucketed all-reduce overlapped with backward; no_sync under gradient accumulation).
 dp_replicate > 1 with dp_shard > 1 is HSDP: fully_shard over the 2D (replicate, shard) mesh.
+Expert parallel (ep > 1, kiln.dist.expert_parallel): each MoE block's experts, split by expert over the
+"ep" dim of `dims.expert_mesh(mesh)`, get their own fully_shard over its "efsdp" dim (with dp_replicate:
+HSDP over (dp_replicate, efsdp)) before the block's, which then leaves them alone (FSDP2 skips parameters
+a nested fully_shard manages).
 """
 
 from __future__ import annotations
@@ -66,9 +71,10 @@ def checkpoint_blocks(blocks: nn.ModuleList, mode: str) -> None:
         block.forward = recomputed
 
 
-def dp_mesh(mesh, dims: ParallelDims):
-    """The mesh FSDP2 shards over: dp_shard, or (dp_replicate, dp_shard) for HSDP."""
-    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+def dp_mesh(mesh, dims: ParallelDims, shard: str = "dp_shard"):
+    """The mesh FSDP2 shards over: dp_shard, or (dp_replicate, dp_shard) for HSDP (the experts under
+    expert parallel: efsdp of the expert mesh in place of dp_shard)."""
+    return mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
 
 
 @torch.no_grad()
@@ -113,17 +119,28 @@ def parallelize(
         if dims.fsdp:
             unmerge_projections(model)  # FSDP's dim-0 shards must not cut across q/k/v (see kiln.dist.tp)
         loss = LossModule(model)
+    expert_mesh = dims.expert_mesh(mesh) if dims.ep > 1 else None
+    if expert_mesh is not None:
+        from kiln.dist.expert_parallel import apply_ep
+
+        apply_ep(model, expert_mesh["ep"])
     checkpoint_blocks(model.model.layers, cfg.activation_checkpoint)
     if cfg.compile_blocks:
         for block in model.model.layers:
             block.compile()
     if dims.fsdp:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         reshard = dims.zero == 3
         m = dp_mesh(mesh, dims)
         for block in model.model.layers:
+            if expert_mesh is not None and hasattr(block.mlp, "experts"):
+                experts = block.mlp.experts
+                fully_shard(experts, mesh=dp_mesh(expert_mesh, dims, "efsdp"), mp_policy=mp,
+                            reshard_after_forward=reshard)  # fmt: skip
+                # the kernels' dispatch calls experts.grouped(...), not forward: gather around it too
+                register_fsdp_forward_method(experts, "grouped")
             fully_shard(block, mesh=m, mp_policy=mp, reshard_after_forward=reshard)
         # the root: embedding, final norm and head; gathered for the whole step anyway
         fully_shard(loss, mesh=m, mp_policy=mp, reshard_after_forward=False)

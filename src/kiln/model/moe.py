@@ -38,6 +38,42 @@ from kiln.kernels.moe_router import route
 from kiln.kernels.swiglu import swiglu
 
 
+def sort_pairs(expert_idx: torch.Tensor, weights: torch.Tensor, n_experts: int):
+    """The N*k (token, expert) pairs in expert order (stable: tokens ascending inside an expert):
+    (token (N*k,) of each sorted pair, its weight (N*k,), pairs per expert (E,) int64)."""
+    k = expert_idx.shape[1]
+    flat = expert_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return order // k, weights.reshape(-1)[order], torch.bincount(flat, minlength=n_experts)
+
+
+def sorted_experts(
+    xs: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+    bounds: list[int] | None = None,
+) -> torch.Tensor:
+    """Each expert's SwiGLU MLP over its rows of an expert-sorted xs (R, d): rows [offsets[e], offsets[e+1])
+    go through expert e of w1 (E, 2I, d), w2 (E, d, I) -> (R, d). Give one of: offsets (E+1,) int32 on the
+    device: the grouped GEMM kernels (no host sync); bounds, the same as a host list: the eager loop (one
+    dense matmul per expert). Every expert
+    runs, an empty one too, so w1 and w2 always get a gradient (all zeros where no row came: data-parallel
+    reductions expect every rank to produce one)."""
+    if bounds is None:
+        return grouped_linear(swiglu(grouped_linear(xs, w1, offsets), None), w2, offsets)
+    outs = [
+        F.linear(swiglu(F.linear(xs[lo:hi], w1[e]), None), w2[e])  # (n_e, d)
+        for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))
+    ]
+    return torch.cat(outs)
+
+
+def combine(y: torch.Tensor, token: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """out (N, d) like x: sum over each token's rows of y (R, d), weighted by w (R,) in float32."""
+    return torch.zeros_like(x).index_add_(0, token, (y.float() * w[:, None]).to(x.dtype))
+
+
 class Experts(nn.Module):
     def __init__(self, n_experts: int, d_model: int, hidden: int):
         super().__init__()
@@ -46,24 +82,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (N, d); expert_idx, weights (N, k) -> (N, d)."""
-        N, k = expert_idx.shape
-        E = self.gate_up_proj.shape[0]
-        flat = expert_idx.reshape(-1)  # (N*k,)
-        order = torch.argsort(flat, stable=True)
-        token = order // k  # the token of each sorted pair
-        w = weights.reshape(-1)[order]  # (N*k,)
-        counts = torch.bincount(flat, minlength=E).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            idx = token[start : start + n]
-            h = swiglu(F.linear(x[idx], self.gate_up_proj[e]), None)  # (n, I)
-            y = F.linear(h, self.down_proj[e])  # (n, d)
-            out.index_add_(0, idx, (y.float() * w[start : start + n, None]).to(x.dtype))
-            start += n
-        return out
+        token, w, counts = sort_pairs(expert_idx, weights, self.gate_up_proj.shape[0])
+        bounds = [0, *torch.cumsum(counts, 0).tolist()]  # the host sync
+        y = sorted_experts(x[token], self.gate_up_proj, self.down_proj, bounds=bounds)
+        return combine(y, token, w, x)
 
     def grouped(
         self,
@@ -85,8 +107,7 @@ class Experts(nn.Module):
             return moe_decode(x, expert_idx, weights, w1, w2)
         plan = routing_plan(expert_idx, E, counts=counts)  # dropless
         xs = permute(x, plan)  # (N*k, d) expert-sorted
-        h = swiglu(grouped_linear(xs, w1, plan.offsets), None)  # (N*k, 2I) -> (N*k, I)
-        y = grouped_linear(h, w2, plan.offsets)  # (N*k, d)
+        y = sorted_experts(xs, w1, w2, offsets=plan.offsets)  # (N*k, d)
         return unpermute(y, plan, weights)  # (N, d): weighted sum over each token's k rows
 
 
