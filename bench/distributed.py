@@ -27,7 +27,8 @@ Suites:
   `kiln bench collectives`), then per model: the 1-GPU reference on the same global batch (N
   accumulated micro-batches) and its noise floor (2N micro-batches of half the size), DDP, ZeRO-1, ZeRO-2, FSDP2, TP=N, TP=N + SP, PP=N 1F1B, PP=N interleaved
   (recorded "not available" while kiln.dist.pipeline has no interleaved schedule), and the hybrid
-  FSDP2 (N/2) x TP 2 + SP.
+  FSDP2 (N/2) x TP 2 + SP; for the MoE model (Mixtral-style, 8 experts top-2) DDP, ZeRO-1, ZeRO-2, FSDP2
+  and FSDP2 with expert parallel over N and N/2 ranks (TP and PP refuse MoE models).
 
 Columns: tokens/s (global, and per GPU), MFU per GPU against the dense bf16 spec (989.5 TFLOP/s) and
 against the bf16 matmul rate measured at the start of the run (kiln.profile.ceilings.matmul_flops),
@@ -83,6 +84,15 @@ MODELS = {
     # --smoke: seconds on two CPU processes; 4 layers so pp = 2 and 4 split them, 4 / 2 heads for tp = 2
     "tiny": (dict(arch="llama", vocab_size=512, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,
                   ffn_hidden=128, max_seq_len=32), 4, 32),
+    # MoE (expert parallel): Mixtral-style, 8 experts top-2, ~1.2B parameters of which ~0.4B active a token.
+    # The load-balancing loss is off: each rank computes it over its own micro-batch, so with it on no
+    # data-parallel case could match the one-GPU losses (tests/dist/test_parity.py)
+    "moe": (dict(arch="mixtral", vocab_size=32768, d_model=1024, n_layers=16, n_heads=16, n_kv_heads=8,
+                 ffn_hidden=2816, n_experts=8, n_experts_per_tok=2, router_aux_loss_coef=0.0,
+                 max_seq_len=2048), 4, 2048),
+    "tiny_moe": (dict(arch="mixtral", vocab_size=512, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                      ffn_hidden=128, n_experts=4, n_experts_per_tok=2, router_aux_loss_coef=0.0,
+                      max_seq_len=32), 4, 32),
 }  # fmt: skip
 
 
@@ -520,7 +530,7 @@ def multi_cases(model: str, n: int, smoke: bool = False) -> tuple[list[Case], li
     one = [Case("plain_1gpu", model, 1, "plain", b, accum=n),
            Case("plain_1gpu_split", model, 1, "plain", b // 2, accum=2 * n, ref="plain_1gpu")]  # fmt: skip
     why_not = {}
-    if smoke:
+    if smoke and not mcfg.n_experts:
         one += [Case("ddp_ws1", model, 1, "ddp1", b, n, ref="plain_1gpu"),
                 Case("fsdp2_ws1", model, 1, "fsdp1", b, n, ref="plain_1gpu"),
                 Case("ac_full", model, 1, "plain", b, n, ac="full", ref="plain_1gpu")]  # fmt: skip
@@ -538,7 +548,12 @@ def multi_cases(model: str, n: int, smoke: bool = False) -> tuple[list[Case], li
         (f"pp{n}_interleaved", "pipeline",
          {"dp_replicate": 1, "pp": n, "pp_schedule": "interleaved_1f1b", "microbatches": 2 * n}, g, 1),
     ]  # fmt: skip
-    if n >= 4 and n % 2 == 0:
+    if (
+        mcfg.n_experts
+    ):  # tensor and pipeline parallel refuse MoE models (ParallelDims): data and expert parallel
+        schemes = schemes[:4] + [(f"fsdp2_ep{e}", "mesh", {"dp_replicate": 1, "dp_shard": n, "ep": e}, b, 1)
+                                 for e in sorted({n, n // 2}) if e > 1]  # fmt: skip
+    elif n >= 4 and n % 2 == 0:
         schemes.append(
             (
                 f"fsdp{n // 2}_x_tp2_sp",
@@ -549,7 +564,9 @@ def multi_cases(model: str, n: int, smoke: bool = False) -> tuple[list[Case], li
             )  # fmt: skip
         )
     cases = []
-    if n < 4 or n % 2:
+    if mcfg.n_experts:
+        why_not["tp, pp"] = "tensor and pipeline parallel of MoE blocks are not built (docs/distributed.md)"
+    elif n < 4 or n % 2:
         why_not["hybrid"] = f"the hybrid FSDP2 (N/2) x TP 2 needs an even N >= 4, got {n}"
     for name, kind, par, batch, accum in schemes:
         try:
@@ -630,7 +647,7 @@ def main() -> int:
         "--nprocs", type=int, help="GPUs (processes) for the multi suite (default: every GPU; 2 with --smoke)"
     )
     p.add_argument(
-        "--models", help="comma-separated: gpu, 350m, 1b (default: ws1 gpu,350m,1b; multi 350m,1b)"
+        "--models", help="comma-separated: gpu, 350m, 1b, moe (default: ws1 gpu,350m,1b; multi 350m,1b,moe)"
     )
     p.add_argument("--steps", type=int, help="steps per case (default 50; 6 with --smoke)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 10; 2 with --smoke)")
@@ -678,7 +695,7 @@ def run(args) -> int:
     n = args.nprocs or (2 if smoke else gpus)
     if suite == "multi" and (n < 2 or (cuda and n > gpus)):
         raise SystemExit(f"--suite multi needs 2 or more processes, one GPU each: --nprocs {n}, {gpus} GPUs")
-    default_models = "tiny" if smoke else ("gpu,350m,1b" if suite == "ws1" else "350m,1b")
+    default_models = "tiny,tiny_moe" if smoke else ("gpu,350m,1b" if suite == "ws1" else "350m,1b,moe")
     models = [m.strip() for m in (args.models or default_models).split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:

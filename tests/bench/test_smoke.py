@@ -73,7 +73,8 @@ def test_bench_script_smoke(script, tmp_path):
         assert status.pop("pp2_interleaved") in ("ok", "not available"), cases
         assert set(status.values()) == {"ok"}, {c["case"]: c.get("error") for c in cases}
         assert {"plain_1gpu", "plain_1gpu_split", "ddp_ws1", "fsdp2_ws1", "ac_full", "ddp", "zero1", "zero2",
-                "fsdp2", "tp2", "tp2_sp", "pp2_1f1b"} <= set(status), status  # fmt: skip
+                "fsdp2", "tp2", "tp2_sp", "pp2_1f1b", "fsdp2_ep2"} <= set(status), status  # fmt: skip
+        assert {c["model"] for c in cases if c["case"] == "fsdp2_ep2"} == {"tiny_moe"}, cases
         for c in cases:
             if c["case"] != "plain_1gpu" and c["status"] == "ok":
                 # summation order only (the parity tests' 1e-5 is per step over 10 steps; these are 6)
