@@ -111,6 +111,12 @@ class Experts(nn.Module):
         return unpermute(y, plan, weights)  # (N, d): weighted sum over each token's k rows
 
 
+def _like(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """out (N, d) in x's shape; x (N, d), the flat-token contract's, gets out itself, not a view of it (FSDP2
+    warns about a block that returns a view: an in-place op on it would skip FSDP2's pre-backward hook)."""
+    return out if out.shape == x.shape else out.view(x.shape)
+
+
 class SparseMoE(nn.Module):
     """Router (`gate`, as HF names it) + experts. forward(x (..., d)) returns (out like x, aux loss scalar).
 
@@ -139,7 +145,7 @@ class SparseMoE(nn.Module):
         if self._uses_kernels(flat.is_cuda):
             r = route(logits, self.top_k)  # softmax top-k, renormalized; aux on the device
             out = self.experts.grouped(flat, r.expert_idx, r.weights, r.counts)
-            return out.view(x.shape), r.aux_loss
+            return _like(out, x), r.aux_loss
         probs = torch.softmax(logits.float(), dim=-1)
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
@@ -147,4 +153,4 @@ class SparseMoE(nn.Module):
         E = probs.shape[-1]
         f = torch.bincount(top_i.reshape(-1), minlength=E).float() / flat.shape[0]  # (E,)
         aux = E * (f * probs.mean(dim=0)).sum()
-        return out.view(x.shape), aux
+        return _like(out, x), aux
