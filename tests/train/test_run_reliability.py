@@ -397,3 +397,20 @@ def test_disk_full_in_a_run_exits_cleanly(base, tmp_path, capsys, monkeypatch):
     rc, _, err = _run(capsys, "--out", run, "--train.steps=2")
     assert rc == 2 and "the disk is full" in err and str(run) in err
     assert not [p for p in run.rglob("*.tmp")]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--parallel.tp=2"], "the world size 1 is not divisible by tp x pp x the given dp size = 2"),
+        (["--parallel.dp_replicate=1", "--parallel.pp=2"], "= 2 processes, but the world size is 1"),
+        (["--parallel.ep=2"], "parallel.ep=2 splits the experts over ranks of parallel.dp_shard (1)"),
+    ],
+)
+def test_parallel_sizes_without_torchrun_are_one_error(capsys, tmp_path, flags, message):
+    """One process with parallel.* sizes above 1 would otherwise train alone and say nothing: one error
+    line naming the launch, before anything is written."""
+    out = tmp_path / "run"
+    rc, _, err = _run(capsys, "--out", out, *flags)
+    assert rc == 2 and err.startswith("kiln: error: ") and message in err and "Traceback" not in err, err
+    assert not out.exists()

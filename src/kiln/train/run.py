@@ -205,6 +205,13 @@ def run(
     if stop_at is not None and stop_at < 0:
         raise KilnError(f"--stop-at must be a step number >= 0, got {stop_at}")
     env = dist_env()
+    if not env.distributed:
+        # one process: the parallel.* sizes are checked as torchrun's ranks check them (before anything is
+        # written), so that --parallel.tp=2 without torchrun is an error naming the launch, not a silent
+        # one-process run
+        from kiln.dist.parallel_dims import ParallelDims
+
+        ParallelDims.resolve(cfg.parallel, 1, cfg.model)
     device = resolve_device(cfg.device, env)
     run_dir = Path(cfg.out_dir)
     ckpt_dir = run_dir / "checkpoints"
