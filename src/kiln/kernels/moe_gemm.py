@@ -58,12 +58,10 @@ def grouped_linear_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) 
     bounds = offsets.tolist()
     _check_bounds(bounds, x.shape[0])
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-    out = x.new_zeros(x.shape[0], w.shape[1], dtype=wide)
-    for e in range(w.shape[0]):
-        lo, hi = bounds[e], bounds[e + 1]
-        if hi > lo:
-            out[lo:hi] = x[lo:hi].to(wide) @ w[e].to(wide).T
-    return out.to(x.dtype)
+    # every expert, an empty one too, so that w gets a gradient (zeros) even when no row came, as the
+    # kernels' backward gives it (expert parallel: a rank may receive no rows at all)
+    out = [x[lo:hi].to(wide) @ w[e].to(wide).T for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    return torch.cat(out).to(x.dtype) if out else x.new_zeros(x.shape[0], w.shape[1])
 
 
 def _check_bounds(bounds: list[int], rows: int) -> None:
