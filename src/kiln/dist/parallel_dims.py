@@ -298,11 +298,6 @@ class ParallelDims:
                 "blocks; choose a pp (or parallel.stages_per_rank) that divides it",
             )
             _require(
-                not m.n_experts,
-                "pipeline parallel of MoE models is not supported (the stages do not carry the router's "
-                "auxiliary loss): use parallel.pp=1 and data parallel (parallel.dp_shard)",
-            )
-            _require(
                 not m.tie_embeddings,
                 "pipeline parallel with a tied head (model.tie_embeddings) is not supported: the embedding "
                 "and the head sit on different stages; untie them or use parallel.pp=1",

@@ -77,6 +77,32 @@ def dp_mesh(mesh, dims: ParallelDims, shard: str = "dp_shard"):
     return mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
 
 
+def expert_parallel(model: nn.Module, dims: ParallelDims, mesh):
+    """Split the MoE experts over the ep ranks (ep > 1); returns the expert mesh (None when ep == 1)."""
+    if dims.ep == 1:
+        return None
+    from kiln.dist.expert_parallel import apply_ep
+
+    expert_mesh = dims.expert_mesh(mesh)
+    apply_ep(model, expert_mesh["ep"])
+    return expert_mesh
+
+
+def shard_block(block: nn.Module, mesh, expert_mesh, dims: ParallelDims, mp, reshard: bool) -> None:
+    """FSDP2 of one block over `mesh`; under expert parallel its experts first get their own fully_shard
+    over the expert mesh's efsdp (HSDP with dp_replicate), which the block's then leaves alone."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    if expert_mesh is not None and hasattr(block.mlp, "experts"):
+        experts = block.mlp.experts
+        fully_shard(
+            experts, mesh=dp_mesh(expert_mesh, dims, "efsdp"), mp_policy=mp, reshard_after_forward=reshard
+        )
+        # the kernels' dispatch calls experts.grouped(...), not forward: gather around it too
+        register_fsdp_forward_method(experts, "grouped")
+    fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+
+
 @torch.no_grad()
 def load_full_state(model: nn.Module, full_state: dict[str, torch.Tensor]) -> None:
     """Copy a full (one-process) state dict into a possibly sharded model: each DTensor takes its
@@ -119,29 +145,19 @@ def parallelize(
         if dims.fsdp:
             unmerge_projections(model)  # FSDP's dim-0 shards must not cut across q/k/v (see kiln.dist.tp)
         loss = LossModule(model)
-    expert_mesh = dims.expert_mesh(mesh) if dims.ep > 1 else None
-    if expert_mesh is not None:
-        from kiln.dist.expert_parallel import apply_ep
-
-        apply_ep(model, expert_mesh["ep"])
+    expert_mesh = expert_parallel(model, dims, mesh)
     checkpoint_blocks(model.model.layers, cfg.activation_checkpoint)
     if cfg.compile_blocks:
         for block in model.model.layers:
             block.compile()
     if dims.fsdp:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         reshard = dims.zero == 3
         m = dp_mesh(mesh, dims)
         for block in model.model.layers:
-            if expert_mesh is not None and hasattr(block.mlp, "experts"):
-                experts = block.mlp.experts
-                fully_shard(experts, mesh=dp_mesh(expert_mesh, dims, "efsdp"), mp_policy=mp,
-                            reshard_after_forward=reshard)  # fmt: skip
-                # the kernels' dispatch calls experts.grouped(...), not forward: gather around it too
-                register_fsdp_forward_method(experts, "grouped")
-            fully_shard(block, mesh=m, mp_policy=mp, reshard_after_forward=reshard)
+            shard_block(block, m, expert_mesh, dims, mp, reshard)
         # the root: embedding, final norm and head; gathered for the whole step anyway
         fully_shard(loss, mesh=m, mp_policy=mp, reshard_after_forward=False)
     loss.to_empty(device=device)
@@ -165,7 +181,8 @@ def parallelize(
 def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, mesh, device: torch.device,
                          full_state: dict[str, torch.Tensor], param_dtype: torch.dtype | None = None):  # fmt: skip
     """This rank's pipeline stages of `model` (meta device): tensor parallel inside each stage when
-    tp > 1 (applied to the whole model first, then split by layers), sharded over the data-parallel
+    tp > 1 (applied to the whole model first, then split by layers; expert parallel likewise), sharded over
+    the data-parallel
     mesh when dp_shard > 1, initialized from `full_state`. Returns (kiln.dist.pipeline.RankPart: the
     module whose parameters this rank trains, kiln.dist.pipeline.Pipeline)."""
     from kiln.dist.pipeline import Pipeline, split_stages
@@ -177,6 +194,7 @@ def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConf
         # HF-named leaves on every scheme: the optimizer state and the checkpoints are keyed alike
         # whether or not FSDP2 shards the stage (see kiln.dist.tp)
         unmerge_projections(model)
+    expert_mesh = expert_parallel(model, dims, mesh)  # before the split: the stages share the model's modules
     part = split_stages(model, mesh["pp"].get_local_rank(), dims.pp, dims.stages_per_rank, tp_mesh)
     for stage in part.stages:
         checkpoint_blocks(list(stage.model.layers.values()), cfg.activation_checkpoint)
@@ -186,7 +204,7 @@ def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConf
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         m = dp_mesh(mesh, dims)
         for block in part.model.layers.values():
-            fully_shard(block, mesh=m, mp_policy=mp, reshard_after_forward=dims.zero == 3)
+            shard_block(block, m, expert_mesh, dims, mp, dims.zero == 3)
         # each stage is what its PipelineStage calls, so each is an FSDP root over what its blocks do
         # not hold (the embedding on the first, the norm and head on the last)
         for stage in part.stages:

@@ -11,7 +11,10 @@ the clipping and the checkpoints see), and each `Stage` is a view of its own blo
 
 Between stages travel (b, T, d) tensors: the stream `h` and the residual it adds to (kiln's blocks
 pass both, so the add fuses into the next norm); each stage rebuilds the dense attention metadata and
-RoPE tables from (b, T). The last stage's output goes to `loss_fn` (kiln's fused linear + cross-
+RoPE tables from (b, T). A MoE model's stages also pass on the sum of their blocks' load-balancing
+losses so far (a (1,) float32 tensor with its gradient path to every router): the last stage's loss adds
+router_aux_loss_coef x their mean over layers, as Transformer.loss does, so a pipelined MoE step is the
+one-process step (the micro-batches are its accumulation chunks, each with its own aux). The last stage's output goes to `loss_fn` (kiln's fused linear + cross-
 entropy with the head; under tensor parallel the vocab-parallel loss on the column-split head), the
 schedule scales gradients by 1 / micro-batches, so a step's gradient is the mean over the step's tokens
 as in one process.
@@ -56,7 +59,8 @@ def _holder(decoder: nn.Module, layers: dict[str, nn.Module], first: bool, last:
 class Stage(nn.Module):
     """Blocks [lo, hi) of a Transformer (with the embedding on the first stage, norm and head on the
     last). forward(tokens (b, T)) on the first stage, forward(h, residual (b, T, d)) on the others;
-    returns (h, residual) or, on the last stage, the final-norm output (b, T, d). Its modules are the
+    returns (h, residual) or, on the last stage, the final-norm output (b, T, d); a MoE model's stages
+    take and return the aux-loss sum after those (None in: zero so far). Its modules are the
     Transformer's own (shared, not copied). `tp_mesh`: the head is split by vocabulary over it (the
     loss is then the vocab-parallel one and must run under `loss_parallel`)."""
 
@@ -68,8 +72,10 @@ class Stage(nn.Module):
         self.lm_head = model.lm_head if last else None
         self.first, self.last, self.lo, self.hi = first, last, lo, hi
         self.tp_mesh = tp_mesh
+        self.moe = bool(model.config.n_experts)
+        self.aux_coef, self.n_layers = model.config.router_aux_loss_coef, model.config.n_layers
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, aux: torch.Tensor | None = None):
         if self.first:
             B, T = x.shape
             h = self.model.embed_tokens(x.reshape(-1))  # (N, d)
@@ -81,19 +87,34 @@ class Stage(nn.Module):
         if self.first and self.model.embed_positions is not None:
             h = h + self.model.embed_positions(positions.reshape(-1))
         meta = AttnMetadata.dense(B, T)
+        aux = torch.zeros(1, device=h.device) if aux is None else aux
         for layer in self.model.layers.values():
-            h, residual, _ = layer(h, residual, rope, meta)
+            h, residual, layer_aux = layer(h, residual, rope, meta)
+            if layer_aux is not None:
+                aux = aux + layer_aux.float()
         if self.last:
             h, _ = self.model.norm(h, residual)
-            return h.view(B, T, -1)
-        return h.view(B, T, -1), residual.view(B, T, -1)
+            return (h.view(B, T, -1), aux) if self.moe else h.view(B, T, -1)
+        out = (h.view(B, T, -1), residual.view(B, T, -1))
+        return (*out, aux) if self.moe else out
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         return _param_groups(self, weight_decay)
 
-    def loss(self, out: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    def loss(self, out, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """The last stage's loss_fn: next-token loss of one micro-batch (b, T, d) vs (b, T) (-100
-        ignored), the mean or the sum over its targets."""
+        ignored), the mean or the sum over its targets. A MoE model's `out` is (h, aux sum): in training
+        mode the loss adds router_aux_loss_coef x the mean over layers, as Transformer.loss."""
+        aux = None
+        if self.moe:
+            out, aux = out
+        loss = self._next_token_loss(out, targets, reduction)
+        if aux is not None and self.aux_coef and self.lm_head.training:
+            scale = self.aux_coef if reduction == "mean" else self.aux_coef * (targets != -100).sum()
+            loss = loss + scale * (aux[0] / self.n_layers)
+        return loss
+
+    def _next_token_loss(self, out: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
         h, y = out.reshape(-1, out.shape[-1]), targets.reshape(-1)
         w = self.lm_head.weight  # (V, d), or this rank's (V / tp, d) rows under tensor parallel
         dev = h.device.type
@@ -143,8 +164,7 @@ def split_stages(model: nn.Module, pp_rank: int, pp: int, stages_per_rank: int =
     n = pp * stages_per_rank
     per = model.config.n_layers // n
     stages = [
-        Stage(model, s * per, (s + 1) * per, s == 0, s == n - 1, tp_mesh)
-        for s in range(pp_rank, n, pp)
+        Stage(model, s * per, (s + 1) * per, s == 0, s == n - 1, tp_mesh) for s in range(pp_rank, n, pp)
     ]
     return RankPart(model, stages)
 
@@ -166,12 +186,15 @@ class Pipeline:
         self.n_stages = dims.pp * dims.stages_per_rank
         self.indices = list(range(self.pp_rank, self.n_stages, dims.pp))
         self.pipe_stages = [
-            PipelineStage(stage, i, self.n_stages, device, group=group) for stage, i in zip(part.stages, self.indices)
+            PipelineStage(stage, i, self.n_stages, device, group=group)
+            for stage, i in zip(part.stages, self.indices)
         ]
         # every rank passes a loss_fn (torch reads "has a backward" from it); only the last stage calls it
         loss_fn = part.stages[-1].loss
         if dims.pp_schedule == "interleaved_1f1b":
-            self.schedule = ScheduleInterleaved1F1B(self.pipe_stages, n_microbatches=dims.microbatches, loss_fn=loss_fn)
+            self.schedule = ScheduleInterleaved1F1B(
+                self.pipe_stages, n_microbatches=dims.microbatches, loss_fn=loss_fn
+            )
         else:
             cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[dims.pp_schedule]
             self.schedule = cls(self.pipe_stages[0], n_microbatches=dims.microbatches, loss_fn=loss_fn)
@@ -183,7 +206,9 @@ class Pipeline:
         the last y). Returns the mean of the micro-batches' losses, on every pipeline rank."""
         with self._loss_context():
             losses = self._run(x, y)
-        loss = torch.stack([v.detach() for v in losses]).mean() if losses else torch.zeros((), device=x.device)
+        loss = (
+            torch.stack([v.detach() for v in losses]).mean() if losses else torch.zeros((), device=x.device)
+        )
         dist.broadcast(loss, self.last_rank, group=self.group)  # every stage logs the same loss
         return loss
 
@@ -224,7 +249,9 @@ class Pipeline:
                 with self._loss_context():
                     total = torch.where(n > 0, stage.loss(out, y, reduction="sum").float(), 0.0)
             else:
-                for t in out:  # float32 on the wire whatever autocast made of them (the receiver's dtype)
+                # (h, residual), float32 on the wire whatever autocast made of them (the receiver's dtype);
+                # a MoE stage's aux sum stays home (evaluation adds no aux loss)
+                for t in out[:2]:
                     dist.send(t.float().contiguous(), nxt, group=self.group)
         dist.broadcast(total, self.last_rank, group=self.group)
         return total
