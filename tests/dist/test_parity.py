@@ -89,8 +89,9 @@ SCHEMES = [
     # the experts also FSDP2-sharded (ep=2 inside dp_shard=4), under HSDP, and on the grouped-GEMM path
     Scheme("moe_fsdp", {"dp_replicate": 1, "dp_shard": 4}, MOE),
     Scheme("moe_ep4", {"dp_replicate": 1, "dp_shard": 4, "ep": 4}, MOE, delay=True, export=True),
-    Scheme("moe_fsdp2_x_ep2", {"dp_replicate": 1, "dp_shard": 4, "ep": 2}, MOE),
-    Scheme("moe_hsdp_ep2", {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, MOE),
+    # activation checkpointing re-runs the all-to-alls (and their host sync) in backward, on every rank alike
+    Scheme("moe_fsdp2_x_ep2", {"dp_replicate": 1, "dp_shard": 4, "ep": 2, "activation_checkpoint": "full"}, MOE),
+    Scheme("moe_hsdp_ep2_zero2", {"dp_replicate": 2, "dp_shard": 2, "ep": 2, "zero": 2}, MOE),
     Scheme("moe_ep2_grouped", {"dp_replicate": 1, "dp_shard": 4, "ep": 2}, MOE, kernels={"moe": "kiln"}),
     # experts re-laid out through a sharded checkpoint: 4 ranks of 2 experts -> 2 ranks of 4, FSDP2 over 2
     Scheme(
