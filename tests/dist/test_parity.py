@@ -90,7 +90,9 @@ SCHEMES = [
     Scheme("moe_fsdp", {"dp_replicate": 1, "dp_shard": 4}, MOE),
     Scheme("moe_ep4", {"dp_replicate": 1, "dp_shard": 4, "ep": 4}, MOE, delay=True, export=True),
     # activation checkpointing re-runs the all-to-alls (and their host sync) in backward, on every rank alike
-    Scheme("moe_fsdp2_x_ep2", {"dp_replicate": 1, "dp_shard": 4, "ep": 2, "activation_checkpoint": "full"}, MOE),
+    Scheme(
+        "moe_fsdp2_x_ep2", {"dp_replicate": 1, "dp_shard": 4, "ep": 2, "activation_checkpoint": "full"}, MOE
+    ),
     Scheme("moe_hsdp_ep2_zero2", {"dp_replicate": 2, "dp_shard": 2, "ep": 2, "zero": 2}, MOE),
     Scheme("moe_ep2_grouped", {"dp_replicate": 1, "dp_shard": 4, "ep": 2}, MOE, kernels={"moe": "kiln"}),
     # experts re-laid out through a sharded checkpoint: 4 ranks of 2 experts -> 2 ranks of 4, FSDP2 over 2
@@ -101,7 +103,9 @@ SCHEMES = [
         resume_as=Scheme("moe_fsdp2_x_ep2", {"dp_replicate": 1, "dp_shard": 4, "ep": 2}, MOE),
     ),
     # MoE pipelines: the stages pass on their aux-loss sum; expert parallel inside FSDP2-sharded stages
-    Scheme("pp_gpipe_moe_aux", {"dp_replicate": 1, "pp": 4, "pp_schedule": "gpipe", "microbatches": 2}, MOE_AUX),
+    Scheme(
+        "pp_gpipe_moe_aux", {"dp_replicate": 1, "pp": 4, "pp_schedule": "gpipe", "microbatches": 2}, MOE_AUX
+    ),
     Scheme(
         "dp_x_pp_x_ep_moe",
         {"dp_replicate": 1, "dp_shard": 2, "pp": 2, "ep": 2, "pp_schedule": "1f1b", "microbatches": 2},

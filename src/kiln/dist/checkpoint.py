@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from kiln.errors import KilnError
 
-
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -49,7 +48,9 @@ def save_sharded(path: str | Path, model: nn.Module, optimizer, extra: dict | No
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
         if path.exists():
-            raise KilnError(f"{path} exists: a checkpoint is never overwritten; remove it or pick another name")
+            raise KilnError(
+                f"{path} exists: a checkpoint is never overwritten; remove it or pick another name"
+            )
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     dcp.save({"model": model_sd, "optimizer": optim_sd, "extra": dict(extra or {})}, checkpoint_id=str(tmp))
@@ -75,6 +76,10 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer, extra: dict | No
     state = {"model": model_sd, "optimizer": optim_sd, "extra": dict(extra or {})}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=OPTIONS
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=OPTIONS,
     )
     return state["extra"]

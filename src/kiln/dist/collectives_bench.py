@@ -40,7 +40,9 @@ def sizes_between(lo: int, hi: int, factor: int = 4) -> list[int]:
         out.append(n)
         n *= factor
     if len(out) < 2:  # the alpha-beta fit needs two sizes
-        raise KilnError(f"message sizes {lo} .. {hi} bytes give one size: make the maximum at least {factor}x the minimum")
+        raise KilnError(
+            f"message sizes {lo} .. {hi} bytes give one size: make the maximum at least {factor}x the minimum"
+        )
     return out
 
 

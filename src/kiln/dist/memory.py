@@ -51,7 +51,12 @@ def estimate(model, dims: ParallelDims, batch_size: int, seq_len: int, checkpoin
         params, grads = 4 * P, 4 * P
         optim = 8 * P / (dp if dims.zero == 1 else 1)
     tokens = batch_size * seq_len
-    q, kv, d, F = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim, model.d_model, model.ffn_hidden
+    q, kv, d, F = (
+        model.n_heads * model.head_dim,
+        model.n_kv_heads * model.head_dim,
+        model.d_model,
+        model.ffn_hidden,
+    )
     replicated = 4 * d / (tp if dims.sequence_parallel else 1)
     sharded = (2 * q + 2 * kv + 3 * F) / tp
     full_block = tokens * (replicated + sharded) * compute_bytes

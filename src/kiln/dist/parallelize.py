@@ -181,9 +181,8 @@ def parallelize(
 def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, mesh, device: torch.device,
                          full_state: dict[str, torch.Tensor], param_dtype: torch.dtype | None = None):  # fmt: skip
     """This rank's pipeline stages of `model` (meta device): tensor parallel inside each stage when
-    tp > 1 (applied to the whole model first, then split by layers; expert parallel likewise), sharded over
-    the data-parallel
-    mesh when dp_shard > 1, initialized from `full_state`. Returns (kiln.dist.pipeline.RankPart: the
+    tp > 1 (applied to the whole model first, then split by layers; expert parallel likewise), sharded
+    over the data-parallel mesh when dp_shard > 1, initialized from `full_state`. Returns (kiln.dist.pipeline.RankPart: the
     module whose parameters this rank trains, kiln.dist.pipeline.Pipeline)."""
     from kiln.dist.pipeline import Pipeline, split_stages
 

@@ -11,13 +11,13 @@ the clipping and the checkpoints see), and each `Stage` is a view of its own blo
 
 Between stages travel (b, T, d) tensors: the stream `h` and the residual it adds to (kiln's blocks
 pass both, so the add fuses into the next norm); each stage rebuilds the dense attention metadata and
-RoPE tables from (b, T). A MoE model's stages also pass on the sum of their blocks' load-balancing
-losses so far (a (1,) float32 tensor with its gradient path to every router): the last stage's loss adds
-router_aux_loss_coef x their mean over layers, as Transformer.loss does, so a pipelined MoE step is the
-one-process step (the micro-batches are its accumulation chunks, each with its own aux). The last stage's output goes to `loss_fn` (kiln's fused linear + cross-
-entropy with the head; under tensor parallel the vocab-parallel loss on the column-split head), the
-schedule scales gradients by 1 / micro-batches, so a step's gradient is the mean over the step's tokens
-as in one process.
+RoPE tables from (b, T). The last stage's output goes to `loss_fn` (kiln's fused linear + cross-entropy
+with the head; under tensor parallel the vocab-parallel loss on the column-split head), the schedule
+scales gradients by 1 / micro-batches, so a step's gradient is the mean over the step's tokens as in one
+process. A MoE model's stages also pass on the sum of their blocks' load-balancing losses so far (a (1,)
+float32 tensor with its gradient path to every router): the last stage's loss adds router_aux_loss_coef
+x their mean over layers, as Transformer.loss does, so a pipelined MoE step is the one-process step (the
+micro-batches are its accumulation chunks, each with its own aux).
 
 Schedules: GPipe (all forwards, then all backwards: m micro-batches keep m activations), 1F1B (at most
 p in flight) and interleaved 1F1B (v stages per rank, each hop 1/v of the work, so the warm-up and

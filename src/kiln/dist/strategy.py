@@ -35,7 +35,9 @@ def reduce_partial_grads(params) -> None:
     for p in params:
         g = p.grad
         if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
-            p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+            p.grad = g.redistribute(
+                placements=[Replicate() if pl.is_partial() else pl for pl in g.placements]
+            )
 
 
 def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -129,7 +131,9 @@ class Strategy:
         params = [p for p in params if p.grad is not None]
         reduce_partial_grads(params)
         pp_group = self.mesh["pp"].get_group() if self.dims is not None and self.dims.pp > 1 else None
-        if not self.distributed or (pp_group is None and not any(isinstance(p.grad, DTensor) for p in params)):
+        if not self.distributed or (
+            pp_group is None and not any(isinstance(p.grad, DTensor) for p in params)
+        ):
             if max_norm > 0:
                 return torch.nn.utils.clip_grad_norm_(params, max_norm)
             return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
@@ -161,7 +165,9 @@ class Strategy:
         """Whether the whole model exists only after a collective (sharded, or split into stages)."""
         return self.pipeline is not None or self.sharded
 
-    def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
+    def full_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[dict, dict | None]:
         """(model state, optimizer state), whole, on the CPU for sharded models: a collective every rank
         calls. The model state is what one process's would be (HF names, whole tensors), so it loads in
         one process; the optimizer state of a sharded model is keyed by parameter name
@@ -184,7 +190,9 @@ class Strategy:
             return model.state_dict(), optimizer.state_dict() if dist.get_rank() == 0 else None
         return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
 
-    def load_full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict):
+    def load_full_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict
+    ):
         """The inverse of `full_state`: every rank passes the whole state and keeps its shards."""
         if self.pipeline is not None:
             from kiln.dist.parallelize import load_full_state
