@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kiln.dist.checkpoint import load_sharded, save_sharded
 from kiln.dist.collectives import recursive_doubling_all_reduce, ring_all_reduce
-from kiln.dist.expert_parallel import ExpertParallelExperts
+from kiln.dist.expert_parallel import ExpertParallelExperts, TensorParallelExperts
 from kiln.dist.parallel_dims import ParallelConfig, ParallelDims
 from kiln.dist.parallelize import LossModule, parallelize, parallelize_pipeline
 from kiln.dist.strategy import Strategy
@@ -199,13 +199,13 @@ def _train(scheme: Scheme, rank: int, world: int, steps, load, save, calls: list
         losses.append(float(total))
     if save is not None:
         save_sharded(save, model, optimizer, {"step": steps[-1] + 1})
-    # which blocks ran their experts split over ranks (so an ep scheme cannot pass as plain FSDP2)
-    ep_blocks = sum(isinstance(m, ExpertParallelExperts) for m in model.modules())
+    # which blocks ran their experts split over ranks (so an ep or tp scheme cannot pass as plain FSDP2)
     return {
         "losses": losses,
         "grad_norms": norms,
         "params": _gather(model, pipe is not None),
-        "ep_blocks": ep_blocks,
+        "ep_blocks": sum(isinstance(m, ExpertParallelExperts) for m in model.modules()),
+        "tp_expert_blocks": sum(isinstance(m, TensorParallelExperts) for m in model.modules()),
     }
 
 

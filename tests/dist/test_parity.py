@@ -106,6 +106,16 @@ SCHEMES = [
     Scheme(
         "pp_gpipe_moe_aux", {"dp_replicate": 1, "pp": 4, "pp_schedule": "gpipe", "microbatches": 2}, MOE_AUX
     ),
+    # MoE under tensor parallel: experts split by expert over tp, every rank routing all the tokens (no data
+    # parallelism in the first, second and last: the load-balancing loss stays on)
+    Scheme("moe_tp4_aux", {"dp_replicate": 1, "tp": 4}, MOE_AUX),
+    Scheme("moe_tp4_sp_aux", {"dp_replicate": 1, "tp": 4, "sequence_parallel": True}, MOE_AUX),
+    Scheme("moe_dp_x_tp_sp", {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "sequence_parallel": True}, MOE),
+    Scheme(
+        "moe_tp_x_pp_aux",
+        {"dp_replicate": 1, "tp": 2, "pp": 2, "pp_schedule": "1f1b", "microbatches": 2},
+        MOE_AUX,
+    ),
     Scheme(
         "dp_x_pp_x_ep_moe",
         {"dp_replicate": 1, "dp_shard": 2, "pp": 2, "ep": 2, "pp_schedule": "1f1b", "microbatches": 2},
@@ -145,15 +155,16 @@ def test_losses_and_parameters_match_one_process(results, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [s.name for s in SCHEMES if s.model == MOE])
-def test_expert_parallel_schemes_split_the_experts(results, name):
-    """The ep schemes ran every MoE block of rank 0 (both, or its pipeline stage's one) through the
-    all-to-all dispatch; the others none."""
+@pytest.mark.parametrize("name", [s.name for s in SCHEMES if s.model.get("n_experts")])
+def test_moe_schemes_split_the_experts_as_asked(results, name):
+    """Rank 0's MoE blocks (all, or its pipeline stage's) ran their experts split over the ep ranks
+    (all-to-all) or over the tp ranks, as the scheme asks; plain data parallel none."""
     got, _ = results[name]
     scheme = next(s for s in SCHEMES if s.name == name)
-    ep = (scheme.resume_as or scheme).parallel.get("ep", 1)
-    layers_on_rank0 = 2 // (scheme.resume_as or scheme).parallel.get("pp", 1)
-    assert got["ep_blocks"] == (layers_on_rank0 if ep > 1 else 0), (name, got["ep_blocks"])
+    par = (scheme.resume_as or scheme).parallel
+    layers = scheme.model.get("n_layers", 2) // par.get("pp", 1)
+    assert got["ep_blocks"] == (layers if par.get("ep", 1) > 1 else 0), (name, got["ep_blocks"])
+    assert got["tp_expert_blocks"] == (layers if par.get("tp", 1) > 1 else 0), (name, got["tp_expert_blocks"])
 
 
 @pytest.mark.slow

@@ -26,6 +26,15 @@ divisor.
 
 Not capturable in a CUDA graph (the split sizes are read on the host each layer, as TorchTitan's and
 Megatron's dropless all-to-all dispatch do): for training and evaluation, not the decode engine.
+
+Under tensor parallel the experts are split by expert over the tp ranks instead (`TensorParallelExperts`,
+kiln.dist.tp's plan for a MoE block): there every rank holds all the block's tokens (the tp group reads
+the same rows), so no token moves. Each rank runs its own experts on the pairs routed to them and weights
+them; the partial outputs are summed over tp by the plan (an all-reduce, or a reduce-scatter under
+sequence parallel), as a row-parallel projection's are. Backward needs the matching sums: the tokens and
+the routing weights go through `_SumGrad` (identity forward, an all-reduce of the gradient backward), so
+the stream and the router, which every rank holds whole, get the whole gradient on every rank; an expert's
+gradient is whole on its rank already (it saw every token).
 """
 
 from __future__ import annotations
@@ -52,6 +61,106 @@ class _ScaleGrad(torch.autograd.Function):
         return g * ctx.scale, None
 
 
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; the gradient summed over `group` backward (Megatron's "f")."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _Sum(torch.autograd.Function):
+    """The sum over `group` forward; identity backward (Megatron's "g": the gradient of the summed,
+    replicated output is the same on every rank already)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        t = t.contiguous().clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, None
+
+
+def sum_over(t: torch.Tensor, group) -> torch.Tensor:
+    """A partial (N, d) output summed over `group`, differentiably (module docstring)."""
+    return _Sum.apply(t, group)
+
+
+def _experts_weights(module: Experts, grad_scale: float, dtype: torch.dtype | None):
+    """A split module's own experts (E / ranks, ...) as plain tensors, gradients scaled by grad_scale,
+    in `dtype` (autocast's, for the kernels) or as stored."""
+    out = []
+    for p in (module.gate_up_proj, module.down_proj):
+        w = _ScaleGrad.apply(p.to_local() if isinstance(p, DTensor) else p, grad_scale)
+        out.append(w if dtype is None else w.to(dtype))
+    return out[0], out[1]
+
+
+def _kernels_dtype(x: torch.Tensor, kernels: bool) -> torch.dtype | None:
+    """autocast's dtype where the kernels run under it (autocast does not reach their custom ops)."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if kernels and torch.is_autocast_enabled(dev) else None
+
+
+def _split_experts(module: nn.Module, experts: Experts, mesh) -> None:
+    """module takes over `experts`' stacked weights, split by expert (Shard(0)) over `mesh`."""
+    for name in ("gate_up_proj", "down_proj"):
+        p = getattr(experts, name)
+        setattr(module, name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]), p.requires_grad))
+
+
+def _run_local(xs, w1, w2, bounds: list[int], kernels: bool) -> torch.Tensor:
+    """sorted_experts over rows sorted by local expert: the grouped kernels (offsets on the device) or
+    the eager loop."""
+    if kernels:
+        offsets = torch.tensor(bounds, dtype=torch.int32, device=xs.device)
+        return sorted_experts(xs, w1, w2, offsets=offsets)
+    return sorted_experts(xs, w1, w2, bounds=bounds)
+
+
+class TensorParallelExperts(Experts):
+    """`Experts` split by expert over the tp ranks, whose tokens are the same on every rank: forward
+    returns this rank's partial output (its experts' weighted rows); the caller sums it over tp."""
+
+    def __init__(self, experts: Experts, mesh):
+        nn.Module.__init__(self)
+        self.mesh = mesh
+        _split_experts(self, experts, mesh)
+
+    def forward(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self._partial(x, expert_idx, weights, kernels=False)
+
+    def grouped(self, x, expert_idx, weights, counts=None) -> torch.Tensor:
+        return self._partial(x, expert_idx, weights, kernels=True)
+
+    def _partial(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor, kernels: bool):
+        dtype = _kernels_dtype(x, kernels)
+        if dtype is not None:
+            x = x.to(dtype)
+        group, rank = self.mesh.get_group(), self.mesh.get_local_rank()
+        w1, w2 = _experts_weights(self, 1.0, dtype)
+        local = w1.shape[0]
+        x, weights = _SumGrad.apply(x, group), _SumGrad.apply(weights, group)
+        token, w, counts = sort_pairs(expert_idx, weights, self.gate_up_proj.shape[0])
+        # this rank's experts own one contiguous run of the expert-sorted pairs
+        ends = torch.cumsum(counts, 0).tolist()  # the host sync
+        start = ends[rank * local - 1] if rank else 0
+        bounds = [0] + [e - start for e in ends[rank * local : (rank + 1) * local]]
+        mine = slice(start, start + bounds[-1])
+        y = _run_local(x[token[mine]], w1, w2, bounds, kernels)
+        return combine(y, token[mine], w[mine], x)
+
+
 class ExpertParallelExperts(Experts):
     """`Experts` whose stacked weights are split by expert over `mesh` (1-D, the ep axis); the same
     parameter names and the same forward / grouped contract, so SparseMoE calls it unchanged."""
@@ -59,9 +168,7 @@ class ExpertParallelExperts(Experts):
     def __init__(self, experts: Experts, mesh):
         nn.Module.__init__(self)
         self.mesh = mesh
-        for name in ("gate_up_proj", "down_proj"):
-            p = getattr(experts, name)
-            setattr(self, name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]), p.requires_grad))
+        _split_experts(self, experts, mesh)
 
     def forward(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return self._dispatch(x, expert_idx, weights, kernels=False)
@@ -69,23 +176,13 @@ class ExpertParallelExperts(Experts):
     def grouped(self, x, expert_idx, weights, counts=None) -> torch.Tensor:
         return self._dispatch(x, expert_idx, weights, kernels=True)
 
-    def _local_weights(self, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's experts (E / ep, ...), their gradients scaled by 1 / ep (module docstring)."""
-        scale = 1.0 / self.mesh.size()
-        out = []
-        for p in (self.gate_up_proj, self.down_proj):
-            w = _ScaleGrad.apply(p.to_local() if isinstance(p, DTensor) else p, scale)
-            out.append(w if dtype is None else w.to(dtype))
-        return out[0], out[1]
-
     def _dispatch(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor, kernels: bool):
         """x (N, d) this rank's tokens; expert_idx, weights (N, k) over the E global experts -> (N, d)."""
-        dev = x.device.type
-        dtype = torch.get_autocast_dtype(dev) if kernels and torch.is_autocast_enabled(dev) else None
-        if dtype is not None:  # autocast does not reach the kernels' custom ops (as Experts.grouped)
+        dtype = _kernels_dtype(x, kernels)
+        if dtype is not None:
             x = x.to(dtype)
-        w1, w2 = self._local_weights(dtype)
         group, ep = self.mesh.get_group(), self.mesh.size()
+        w1, w2 = _experts_weights(self, 1.0 / ep, dtype)  # gradients scaled by 1 / ep (module docstring)
         E = self.gate_up_proj.shape[0]
         local = E // ep
         token, w, counts = sort_pairs(expert_idx, weights, E)  # sorted by expert = by destination rank
@@ -104,11 +201,7 @@ class ExpertParallelExperts(Experts):
         bounds = [0]
         for n in per_expert:
             bounds.append(bounds[-1] + n)
-        if kernels:
-            offsets = torch.tensor(bounds, dtype=torch.int32, device=x.device)
-            y = sorted_experts(rows[by_expert], w1, w2, offsets=offsets)
-        else:
-            y = sorted_experts(rows[by_expert], w1, w2, bounds=bounds)
+        y = _run_local(rows[by_expert], w1, w2, bounds, kernels)
         arrival = torch.empty_like(by_expert)
         arrival[by_expert] = torch.arange(by_expert.numel(), device=x.device)
         back = funcol.all_to_all_single_autograd(y[arrival], send, recv, group)  # (N*k, d) in sorted order

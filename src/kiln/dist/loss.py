@@ -25,7 +25,8 @@ def loss_context():
 
 class VocabParallelLoss(nn.Module):
     """forward(input_ids (B, T), targets (B, T)) -> mean next-token loss (targets -100 ignored), for a
-    Transformer sharded by kiln.dist.tp.apply_tp over `tp_mesh`."""
+    Transformer sharded by kiln.dist.tp.apply_tp over `tp_mesh`; in training mode a MoE model's
+    load-balancing loss is added as Transformer.loss adds it."""
 
     def __init__(self, model: nn.Module, tp_mesh):
         super().__init__()
@@ -37,7 +38,7 @@ class VocabParallelLoss(nn.Module):
         # the dense wrapper's metadata and positions (Transformer.hidden_states), on the flat decoder:
         # under sequence parallel its output is a token-sharded DTensor that (B, T, d) views cannot take
         positions = torch.arange(T, device=x.device).expand(B, T)
-        h, _ = self.model.model(x.reshape(-1), positions, AttnMetadata.dense(B, T))  # (N, d)
+        h, aux = self.model.model(x.reshape(-1), positions, AttnMetadata.dense(B, T))  # (N, d)
         if isinstance(h, DTensor):  # sequence parallel: gather the tokens for the vocab-parallel head
             h = h.redistribute(placements=[Replicate()])
         else:
@@ -49,4 +50,8 @@ class VocabParallelLoss(nn.Module):
             h, w = h.to(dt), w.to(dt)
         logits = F.linear(h, w)  # (N, V) Shard(1): this rank's vocabulary columns
         loss = F.cross_entropy(logits.float(), y.reshape(-1), ignore_index=-100)
-        return loss.to_local() if isinstance(loss, DTensor) else loss
+        loss = loss.to_local() if isinstance(loss, DTensor) else loss
+        coef = self.model.config.router_aux_loss_coef
+        if self.model.training and aux is not None and coef:  # every tp rank routes all tokens alike
+            loss = loss + coef * aux
+        return loss

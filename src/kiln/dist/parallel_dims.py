@@ -264,21 +264,28 @@ class ParallelDims:
                 f"model.n_kv_heads ({m.n_kv_heads}) is not divisible by parallel.tp ({tp}): each tp rank "
                 "takes whole key/value heads (GQA groups stay on one rank); choose a tp that divides it",
             )
-            _require(
-                m.ffn_hidden % tp == 0,
-                f"model.ffn_hidden ({m.ffn_hidden}) is not divisible by parallel.tp ({tp}): choose a tp "
-                "that divides it",
-            )
+            if m.n_experts:
+                _require(
+                    m.n_experts % tp == 0,
+                    f"model.n_experts ({m.n_experts}) is not divisible by parallel.tp ({tp}): under tensor "
+                    "parallel each rank holds n_experts / tp whole experts; choose a tp that divides it",
+                )
+                _require(
+                    self.ep == 1,
+                    "parallel.ep with parallel.tp splits the experts twice: the MoE blocks are split by expert "
+                    "over tp already; drop parallel.ep (or parallel.tp)",
+                )
+            else:
+                _require(
+                    m.ffn_hidden % tp == 0,
+                    f"model.ffn_hidden ({m.ffn_hidden}) is not divisible by parallel.tp ({tp}): choose a tp "
+                    "that divides it",
+                )
             _require(
                 m.vocab_size % tp == 0,
                 f"model.vocab_size ({m.vocab_size}) is not divisible by parallel.tp ({tp}): the embedding "
                 "and head are split by vocabulary rows; pad the vocabulary (tokenizer.vocab_size) to a "
                 "multiple of tp",
-            )
-            _require(
-                not m.n_experts,
-                "tensor parallel of MoE blocks is not supported: use data parallel (parallel.dp_shard) "
-                "for MoE models",
             )
             _require(
                 not m.attn_sinks,

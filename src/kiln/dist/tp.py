@@ -4,6 +4,9 @@ Megatron's split, as TorchTitan writes it for Llama:
 - attention: q, k and v column-wise (each rank computes n_heads / tp query heads and n_kv_heads / tp
   key/value heads: whole GQA groups, so no head ever crosses ranks), o_proj row-wise (one all-reduce);
 - MLP: gate and up column-wise, down row-wise (one all-reduce);
+- MoE MLP: the experts split by expert over tp (whole experts, kiln.dist.expert_parallel's
+  TensorParallelExperts), the router replicated; every rank routes all the tokens, runs its experts on the
+  pairs routed to them, and the partial outputs are summed (one all-reduce, as down's);
 - the token embedding row-wise over the vocabulary (a vocab-parallel embedding: each rank looks up its
   rows, the partial sums are reduced), the head column-wise over the vocabulary, and the loss computed
   on vocab-sharded logits under `loss_parallel` (full logits never exist on one rank).
@@ -49,8 +52,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from kiln.dist.expert_parallel import TensorParallelExperts, sum_over
 from kiln.kernels.dispatch import use_backend
 from kiln.model.linear import Linear, MergedLinear
+from kiln.model.moe import SparseMoE
 
 
 class _KilnLinear:
@@ -152,6 +157,42 @@ class HeadShardedNorm(ParallelStyle):
         return module
 
 
+class ExpertsOverTP(ParallelStyle):
+    """A SparseMoE block under tensor parallel (module docstring): experts split by expert over tp,
+    the router's weight a plain (replicated) parameter. Under sequence parallel the tokens come as
+    Shard(0) and are all-gathered on the way in, and the summed output leaves reduce-scattered to
+    Shard(0) for the next norm; else both are plain replicated tensors."""
+
+    def __init__(self, sequence_parallel: bool):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        import torch.distributed._functional_collectives as funcol
+
+        module.experts = TensorParallelExperts(module.experts, mesh)
+        group = mesh.get_group()
+
+        def inputs(mod, args):
+            x = args[0]
+            if isinstance(x, DTensor):  # sequence parallel: this rank's tokens -> all of them
+                x = x.redistribute(placements=[Replicate()]).to_local()
+            return (x, *args[1:])
+
+        def outputs(mod, args, out):
+            h, aux = out
+            if self.sequence_parallel:  # the sum, each rank keeping its token shard
+                h = funcol.reduce_scatter_tensor_autograd(h.contiguous(), "sum", 0, group)
+                return DTensor.from_local(h, mesh, [Shard(0)], run_check=False), aux
+            return sum_over(h, group), aux
+
+        # hooks, not distribute_module, which would make the router's weight a replicated DTensor: it
+        # stays a plain parameter, as the experts' plain local slices meet plain tokens
+        module.register_forward_pre_hook(inputs)
+        module.register_forward_hook(outputs)
+        return module
+
+
 def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The plan of one (unmerged) Block, relative to the block."""
     sp = sequence_parallel
@@ -163,10 +204,12 @@ def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
         "self_attn.k_proj": Colwise(),
         "self_attn.v_proj": Colwise(),
         "self_attn.o_proj": row,
-        "mlp.gate_proj": Colwise(),
-        "mlp.up_proj": Colwise(),
-        "mlp.down_proj": row,
     }
+    moe = isinstance(block.mlp, SparseMoE)
+    if moe:
+        plan["mlp"] = ExpertsOverTP(sp)
+    else:
+        plan.update({"mlp.gate_proj": Colwise(), "mlp.up_proj": Colwise(), "mlp.down_proj": row})
     if sp:
         plan["input_layernorm"] = SequenceParallelNorm()
         plan["post_attention_layernorm"] = SequenceParallelNorm()
@@ -177,9 +220,10 @@ def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
             desired_input_layouts=(Replicate(), None, None, None, None),
             use_local_output=True,
         )
-        plan["mlp"] = PrepareModuleInput(
-            input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_output=True
-        )
+        if not moe:  # (ExpertsOverTP gathers its own input)
+            plan["mlp"] = PrepareModuleInput(
+                input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
     if block.self_attn.q_norm is not None:
         plan["self_attn.q_norm"] = HeadShardedNorm()
         plan["self_attn.k_norm"] = HeadShardedNorm()
