@@ -1,7 +1,8 @@
 """kiln.dist.expert_parallel's dispatch against the one-process experts, on 2 gloo ranks: outputs, the
 gradients of the tokens, of the routing weights and of each rank's experts, for balanced and one-sided
 routing (a rank that receives no rows at all), uneven token counts per rank, and both local paths (the
-eager loop; the grouped GEMM, through its reference on the CPU)."""
+eager loop; the grouped GEMM, through its reference on the CPU). The same for the experts split over
+tensor-parallel ranks (every rank holding all the tokens, the partial outputs summed)."""
 
 import os
 from datetime import timedelta
@@ -59,7 +60,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     )
     from torch.distributed.device_mesh import init_device_mesh
 
-    from kiln.dist.expert_parallel import ExpertParallelExperts
+    from kiln.dist.expert_parallel import ExpertParallelExperts, TensorParallelExperts, sum_over
 
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
@@ -82,6 +83,20 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 # this rank's experts; the dispatch scales them by 1 / ep (FSDP2 averages the rest)
                 "dW1": ep.gate_up_proj.grad.to_local() * world,
                 "dW2": ep.down_proj.grad.to_local() * world,
+            }
+            # tensor parallel: both ranks hold all the tokens; each returns its experts' partial output
+            tp = TensorParallelExperts(full, mesh)
+            x = torch.cat([p[0] for p in per_rank]).requires_grad_()
+            w = torch.cat([p[2] for p in per_rank]).requires_grad_()
+            idx = torch.cat([p[1] for p in per_rank])
+            out = sum_over(tp.grouped(x, idx, w) if grouped else tp(x, idx, w), mesh.get_group())
+            out.backward(torch.cat([p[3] for p in per_rank]))
+            results[("tp", route, grouped)] = {
+                "out": out.detach(),
+                "dx": x.grad,
+                "dw": w.grad,
+                "dW1": tp.gate_up_proj.grad.to_local(),  # whole on the rank that holds the expert
+                "dW2": tp.down_proj.grad.to_local(),
             }
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -110,3 +125,18 @@ def test_dispatch_matches_one_process(ranks, route, grouped):
         torch.testing.assert_close(got["dW2"], dw2[mine], rtol=1e-12, atol=1e-12, msg=f"rank {r} dW2")
         if route == "one_sided" and r == 1:  # nothing arrived: zero gradients, present
             assert not got["dW1"].any() and not got["dW2"].any()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route, grouped", CASES)
+def test_tensor_parallel_split_matches_one_process(ranks, route, grouped):
+    parts, dw1, dw2 = _reference(route)
+    whole = {name: torch.cat([p[i] for p in parts]) for i, name in enumerate(("out", "dx", "dw"))}
+    local = E // 2
+    for r, got in enumerate(ranks):
+        got = got[("tp", route, grouped)]
+        for name, want in whole.items():  # summed over tp, every rank holds the whole
+            torch.testing.assert_close(got[name], want, rtol=1e-12, atol=1e-12, msg=f"rank {r} {name}")
+        mine = slice(r * local, (r + 1) * local)
+        torch.testing.assert_close(got["dW1"], dw1[mine], rtol=1e-12, atol=1e-12, msg=f"rank {r} dW1")
+        torch.testing.assert_close(got["dW2"], dw2[mine], rtol=1e-12, atol=1e-12, msg=f"rank {r} dW2")
