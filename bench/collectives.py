@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 8 bench/collectives.py     # the ranks torchrun started (NCCL on GPUs)
     python bench/collectives.py --smoke                  # 2 gloo ranks, 3 small sizes (seconds)
 
-Ops: the library's all_reduce, reduce_scatter and all_gather, and kiln's ring and recursive-doubling
+Ops: the library's all_reduce, reduce_scatter, all_gather and all_to_all, and kiln's ring and recursive-doubling
 all-reduce over batch_isend_irecv (kiln.dist.collectives), float32, sizes from --min-bytes to
 --max-bytes by factors of 4 (default 1 KB .. 64 MB with gloo, 1 KB .. 1 GB with NCCL). Each time is the
 slowest rank's, median over rounds (kiln.dist.collectives_bench). busbw follows nccl-tests

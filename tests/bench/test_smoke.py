@@ -64,7 +64,7 @@ def test_bench_script_smoke(script, tmp_path):
         assert len(set(agree["tokens"]["kiln"])) > 1, agree  # not a model that repeats one token
         assert max(agree["logits"]["max_abs_diff"].values()) < 1e-3, agree
     if script == "collectives":  # every op at every size on 2 gloo ranks, each with a fit beside it
-        assert {c["op"] for c in cases} == {f["op"] for f in doc["fits"]} and len(doc["fits"]) == 5, doc[
+        assert {c["op"] for c in cases} == {f["op"] for f in doc["fits"]} and len(doc["fits"]) == 6, doc[
             "fits"
         ]
         assert all(c["p"] == 2 and c["seconds"] > 0 and c["model_us"] > 0 for c in cases), cases
@@ -82,7 +82,7 @@ def test_bench_script_smoke(script, tmp_path):
                 assert c["tokens_per_s"] > 0 and len(c["losses"]) == doc["settings"]["steps"], c
         assert cases[0]["losses"][-1] < cases[0]["losses"][0], cases[0]["losses"]  # the loss moves
         coll = doc["collectives"]
-        assert coll["p"] == 2 and len(coll["fits"]) == 5 and coll["cases"], coll
+        assert coll["p"] == 2 and len(coll["fits"]) == 6 and coll["cases"], coll
 
 
 def test_every_bench_script_is_smoke_tested():

@@ -32,7 +32,7 @@ def test_tiny_run_on_two_gloo_ranks(capsys, tmp_path):
     assert main(["bench", "collectives", "--max-bytes", "4096", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     doc = json.loads(out.read_text())
-    assert doc["p"] == 2 and len(doc["fits"]) == 5 and len(doc["cases"]) == 5 * 2  # 5 ops x {1 KB, 4 KB}
+    assert doc["p"] == 2 and len(doc["fits"]) == 6 and len(doc["cases"]) == 6 * 2  # 6 ops x {1 KB, 4 KB}
     for case in doc["cases"]:
         assert case["seconds"] > 0 and case["model_us"] > 0 and case["busbw_GBps"] > 0
         assert f"| {case['op']} | {case['bytes']} |" in text

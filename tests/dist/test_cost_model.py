@@ -16,6 +16,7 @@ def test_terms_by_hand():
     assert terms("ring_all_reduce", 4) == (6.0, 1.5)  # 2(p-1) messages, 2(p-1)/p of n each rank sends
     assert terms("all_reduce", 8) == (14.0, 1.75)
     assert terms("reduce_scatter", 4) == (3.0, 0.75) and terms("all_gather", 2) == (1.0, 0.5)
+    assert terms("all_to_all", 8) == (7.0, 0.875)  # p - 1 exchanges of n / p
     assert terms("recursive_doubling_all_reduce", 8) == (3.0, 3.0)  # log2 8 rounds of the whole tensor
     assert terms("recursive_doubling_all_reduce", 6) == (4.0, 4.0)  # 2 rounds on 4 ranks + fold in and out
     with pytest.raises(KilnError, match="unknown collective"):
@@ -29,6 +30,7 @@ def test_busbw_is_nccl_tests_formula():
     assert busbw("recursive_doubling_all_reduce", 8, 1e9, 0.01) == pytest.approx(175e9)
     assert busbw("all_gather", 4, 1e9, 0.01) == pytest.approx(75e9)  # (p-1)/p
     assert busbw("reduce_scatter", 2, 1e9, 0.01) == pytest.approx(50e9)
+    assert busbw("all_to_all", 8, 1e9, 0.01) == pytest.approx(87.5e9)  # nccl-tests' alltoall: (p-1)/p
 
 
 @pytest.mark.parametrize("op", OPS)

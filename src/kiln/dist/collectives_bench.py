@@ -1,4 +1,5 @@
-"""Timing collectives on the ranks at hand: the library's all_reduce, reduce_scatter and all_gather and
+"""Timing collectives on the ranks at hand: the library's all_reduce, reduce_scatter, all_gather and
+all_to_all (expert parallel's token exchange) and
 kiln's ring and recursive-doubling all-reduce (kiln.dist.collectives), over message sizes, with nccl-tests'
 bus bandwidth and the alpha-beta model fitted to the times (kiln.dist.cost_model).
 
@@ -9,7 +10,8 @@ spawns `nprocs` ranks itself (`spawn`: gloo on CPU, NCCL with one GPU per rank).
 Timing: float32 tensors of n bytes; for each size, one warm-up call then `rounds` blocks of `iters` calls
 between barriers; a block's time is the slowest rank's (the collective is done when its last rank is),
 a size's time the median block over rounds, divided by iters. n is the all-reduce's tensor, the
-reduce-scatter's whole input and the all-gather's whole output (nccl-tests' convention).
+reduce-scatter's whole input, the all-gather's whole output and what one rank sends in the all-to-all
+(nccl-tests' convention).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ def _call(op: str, x: torch.Tensor, out: torch.Tensor) -> None:
     elif op == "all_gather":
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out, x)  # (output, input)
+    elif op == "all_to_all":
+        dist.all_to_all_single(out, x)  # (output, input): n / p bytes to each rank
     elif op == "ring_all_reduce":
         ring_all_reduce(x)
     else:
@@ -82,8 +86,9 @@ def measure(sizes: list[int], device: torch.device, rounds: int = 3, smoke: bool
         nbytes = numel * 4
         for op in OPS:
             # the all-gather's output and the reduce-scatter's input are the n bytes; the other side n / p
+            # (the all-to-all sends and receives n)
             big = torch.full((numel,), float(rank + 1), device=device)
-            small = torch.empty(numel // p, device=device)
+            small = torch.empty(numel if op == "all_to_all" else numel // p, device=device)
             x, out = (small, big) if op == "all_gather" else (big, small)
             iters = _iters(nbytes, smoke)
             _call(op, x, out)  # warm-up: connections, buffers

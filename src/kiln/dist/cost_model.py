@@ -7,11 +7,13 @@ each rank sends on its critical path:
     ring all-reduce          a = 2 (p - 1)             b = 2 (p - 1) / p
     ring reduce-scatter      a = p - 1                 b = (p - 1) / p       (n: the whole input)
     ring all-gather          a = p - 1                 b = (p - 1) / p       (n: the whole output)
+    pairwise all-to-all      a = p - 1                 b = (p - 1) / p       (n: what one rank sends)
     recursive doubling       a = log2 q + 2 [q < p]    b = the same          (q: largest power of two <= p)
 
 Bus bandwidth (nccl-tests, doc/PERFORMANCE.md): algbw = n / T, busbw = algbw * b(p) for the ring
 algorithms, the figure that compares with the link speed whatever p is (all-reduce 2 (p - 1) / p,
-reduce-scatter and all-gather (p - 1) / p).
+reduce-scatter, all-gather and all-to-all (p - 1) / p: of the n bytes a rank sends in an all-to-all,
+n / p stay with it).
 
 The fit: least squares of the relative error, sum_i ((a alpha + b n_i / beta - T_i) / T_i)^2, over
 alpha and 1 / beta, both kept >= 0. Relative, not absolute, because the sizes span 1 KB .. 1 GB: absolute
@@ -26,7 +28,14 @@ from dataclasses import dataclass
 
 from kiln.errors import KilnError
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "ring_all_reduce", "recursive_doubling_all_reduce")
+OPS = (
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "all_to_all",
+    "ring_all_reduce",
+    "recursive_doubling_all_reduce",
+)
 
 
 def terms(op: str, p: int) -> tuple[float, float]:
@@ -36,7 +45,7 @@ def terms(op: str, p: int) -> tuple[float, float]:
         raise KilnError(f"a collective needs at least one rank, got p={p}")
     if op in ("all_reduce", "ring_all_reduce"):
         return 2.0 * (p - 1), 2.0 * (p - 1) / p
-    if op in ("reduce_scatter", "all_gather"):
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
         return float(p - 1), (p - 1) / p
     if op == "recursive_doubling_all_reduce":
         q = 1 << (p.bit_length() - 1)
@@ -47,7 +56,7 @@ def terms(op: str, p: int) -> tuple[float, float]:
 
 def busbw(op: str, p: int, nbytes: float, seconds: float) -> float:
     """nccl-tests' bus bandwidth in bytes/s: algbw = nbytes / seconds times the ring's factor
-    (2 (p-1)/p for all-reduce, (p-1)/p for reduce-scatter and all-gather; kiln's recursive doubling is
+    (2 (p-1)/p for all-reduce, (p-1)/p for reduce-scatter, all-gather and all-to-all; kiln's recursive doubling is
     reported with the all-reduce factor, so that its figure compares with the others')."""
     if seconds <= 0:
         raise KilnError(f"busbw needs a positive time, got {seconds}")
