@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.tensor import (
     DTensor,
@@ -168,8 +169,6 @@ class ExpertsOverTP(ParallelStyle):
         self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, mesh) -> nn.Module:
-        import torch.distributed._functional_collectives as funcol
-
         module.experts = TensorParallelExperts(module.experts, mesh)
         group = mesh.get_group()
 

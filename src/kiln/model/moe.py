@@ -57,9 +57,8 @@ def sorted_experts(
     """Each expert's SwiGLU MLP over its rows of an expert-sorted xs (R, d): rows [offsets[e], offsets[e+1])
     go through expert e of w1 (E, 2I, d), w2 (E, d, I) -> (R, d). Give one of: offsets (E+1,) int32 on the
     device: the grouped GEMM kernels (no host sync); bounds, the same as a host list: the eager loop (one
-    dense matmul per expert). Every expert
-    runs, an empty one too, so w1 and w2 always get a gradient (all zeros where no row came: data-parallel
-    reductions expect every rank to produce one)."""
+    dense matmul per expert). Every expert runs, an empty one too, so w1 and w2 always get a gradient (all
+    zeros where no row came: data-parallel reductions expect every rank to produce one)."""
     if bounds is None:
         return grouped_linear(swiglu(grouped_linear(xs, w1, offsets), None), w2, offsets)
     outs = [
