@@ -24,6 +24,24 @@ def _est(world=4, ac="none", **kw):
     return estimate(M, ParallelDims.resolve(ParallelConfig(**kw), world, M), 2, 64, ac, 4)
 
 
+def test_memory_estimate_of_moe_blocks():
+    """k experts a token keep k times the dense block's MLP activations (and the rows they route); under
+    expert parallel a rank gathers only its share of a block's experts."""
+    moe = ModelConfig(**{**M.to_dict(), "arch": "mixtral", "n_experts": 8, "n_experts_per_tok": 2})
+
+    def est(model, **kw):
+        return estimate(model, ParallelDims.resolve(ParallelConfig(**kw), 4, model), 2, 64, "none", 4)
+
+    dense, sparse = est(M), est(moe)
+    tokens, d, F, L = 2 * 64, M.d_model, M.ffn_hidden, M.n_layers
+    assert sparse["activations"] - dense["activations"] == pytest.approx(tokens * L * (3 * F + 4 * d) * 4)
+    fsdp, ep4 = est(moe, dp_replicate=1, dp_shard=4), est(moe, dp_replicate=1, dp_shard=4, ep=4)
+    experts_per_block = 8 * 3 * d * F
+    # the two gathered blocks hold 2 of 8 experts each instead of all 8 (resident shards are the same)
+    assert fsdp["parameters"] - ep4["parameters"] == pytest.approx(4 * 2 * experts_per_block * 3 / 4)
+    assert fsdp["gradients"] == ep4["gradients"] and fsdp["optimizer"] == ep4["optimizer"]
+
+
 def test_memory_estimate_follows_each_scheme():
     P = M.num_params()
     ddp, zero1 = _est(), _est(zero=1)

@@ -19,7 +19,10 @@ Llama block, flash attention so no (T, T) matrix is kept): the two norm inputs a
 inputs (4d, whole on every tp rank unless sequence parallel splits them by tokens), q, k, v and the
 attention output (2q + 2kv), the gate/up output and the SwiGLU output (3F) (all split by tp). Full
 activation checkpointing keeps only each block's input and residual (2d); selective keeps that on
-every other block. The vocab-parallel loss keeps the (N, V / tp) fp32 logits and their softmax;
+every other block. A MoE block (k experts a token) keeps k times the gate/up and SwiGLU outputs (3kF)
+and the token's k rows in expert order and their outputs (2kd), divided by tp (under tensor parallel a
+rank runs its n_experts / tp experts). Under expert parallel a rank gathers only its n_experts / ep of a
+block's experts (FSDP2 over efsdp), not all of them. The vocab-parallel loss keeps the (N, V / tp) fp32 logits and their softmax;
 kiln's fused one-process loss keeps none. Estimates, not measurements: allocator slack, temporary
 buffers and communication buffers come on top.
 """
@@ -39,11 +42,15 @@ def estimate(model, dims: ParallelDims, batch_size: int, seq_len: int, checkpoin
     tp, dp, L = dims.tp, dims.dp, model.n_layers
     split = (c["embedding"] + c["attention"] + c["mlp"] + c["head"]) / tp
     P = (split + c["norms"]) / dims.pp
-    per_block = (c["attention"] + c["mlp"]) / L / tp
+    # expert parallel: the other ranks' experts are never gathered here (all layers' worth)
+    experts = model.n_experts * 3 * model.d_model * model.ffn_hidden * L
+    elsewhere = experts * (1 - 1 / dims.ep) / tp
+    per_block = ((c["attention"] + c["mlp"]) / tp - elsewhere) / L
     if dims.zero >= 2:
         shard = dims.dp_shard
         resident = P / shard
-        gathered = P if dims.zero == 2 else 2 * per_block  # ZeRO-2 holds every block's gathered copy
+        # ZeRO-2 holds every block's gathered copy
+        gathered = P - elsewhere / dims.pp if dims.zero == 2 else 2 * per_block
         params = 4 * resident + compute_bytes * gathered
         grads = 4 * P / shard
         optim = 8 * P / shard
@@ -58,7 +65,8 @@ def estimate(model, dims: ParallelDims, batch_size: int, seq_len: int, checkpoin
         model.ffn_hidden,
     )
     replicated = 4 * d / (tp if dims.sequence_parallel else 1)
-    sharded = (2 * q + 2 * kv + 3 * F) / tp
+    k = model.n_experts_per_tok if model.n_experts else 1  # (a MoE block: + the k rows in and out, 2kd)
+    sharded = (2 * q + 2 * kv + 3 * F * k + (2 * d * k if model.n_experts else 0)) / tp
     full_block = tokens * (replicated + sharded) * compute_bytes
     kept = tokens * 2 * d / (tp if dims.sequence_parallel else 1) * compute_bytes
     layers = L / dims.pp
