@@ -112,13 +112,6 @@ def _kernels_dtype(x: torch.Tensor, kernels: bool) -> torch.dtype | None:
     return torch.get_autocast_dtype(dev) if kernels and torch.is_autocast_enabled(dev) else None
 
 
-def _split_experts(module: nn.Module, experts: Experts, mesh) -> None:
-    """module takes over `experts`' stacked weights, split by expert (Shard(0)) over `mesh`."""
-    for name in ("gate_up_proj", "down_proj"):
-        p = getattr(experts, name)
-        setattr(module, name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]), p.requires_grad))
-
-
 def _run_local(xs, w1, w2, bounds: list[int], kernels: bool) -> torch.Tensor:
     """sorted_experts over rows sorted by local expert: the grouped kernels (offsets on the device) or
     the eager loop."""
@@ -128,22 +121,33 @@ def _run_local(xs, w1, w2, bounds: list[int], kernels: bool) -> torch.Tensor:
     return sorted_experts(xs, w1, w2, bounds=bounds)
 
 
-class TensorParallelExperts(Experts):
-    """`Experts` split by expert over the tp ranks, whose tokens are the same on every rank: forward
-    returns this rank's partial output (its experts' weighted rows); the caller sums it over tp."""
+class _SplitExperts(Experts):
+    """`Experts` whose stacked weights are split by expert (Shard(0)) over `mesh`, a 1-D mesh: the same
+    parameter names and the same forward / grouped contract, so SparseMoE calls it unchanged; both
+    entries run `_run` (kernels: the grouped GEMM for the local experts, else the eager loop)."""
 
     def __init__(self, experts: Experts, mesh):
         nn.Module.__init__(self)
         self.mesh = mesh
-        _split_experts(self, experts, mesh)
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(experts, name)
+            setattr(self, name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]), p.requires_grad))
 
     def forward(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self._partial(x, expert_idx, weights, kernels=False)
+        return self._run(x, expert_idx, weights, kernels=False)
 
     def grouped(self, x, expert_idx, weights, counts=None) -> torch.Tensor:
-        return self._partial(x, expert_idx, weights, kernels=True)
+        return self._run(x, expert_idx, weights, kernels=True)
 
-    def _partial(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor, kernels: bool):
+    def _run(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor, kernels: bool):
+        raise NotImplementedError
+
+
+class TensorParallelExperts(_SplitExperts):
+    """Split over the tp ranks, whose tokens are the same on every rank: returns this rank's partial
+    output (its experts' weighted rows); the caller sums it over tp."""
+
+    def _run(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor, kernels: bool):
         dtype = _kernels_dtype(x, kernels)
         if dtype is not None:
             x = x.to(dtype)
@@ -161,22 +165,10 @@ class TensorParallelExperts(Experts):
         return combine(y, token[mine], w[mine], x)
 
 
-class ExpertParallelExperts(Experts):
-    """`Experts` whose stacked weights are split by expert over `mesh` (1-D, the ep axis); the same
-    parameter names and the same forward / grouped contract, so SparseMoE calls it unchanged."""
+class ExpertParallelExperts(_SplitExperts):
+    """Split over the ep ranks, each routing its own tokens: the all-to-all dispatch (module docstring)."""
 
-    def __init__(self, experts: Experts, mesh):
-        nn.Module.__init__(self)
-        self.mesh = mesh
-        _split_experts(self, experts, mesh)
-
-    def forward(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self._dispatch(x, expert_idx, weights, kernels=False)
-
-    def grouped(self, x, expert_idx, weights, counts=None) -> torch.Tensor:
-        return self._dispatch(x, expert_idx, weights, kernels=True)
-
-    def _dispatch(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor, kernels: bool):
+    def _run(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor, kernels: bool):
         """x (N, d) this rank's tokens; expert_idx, weights (N, k) over the E global experts -> (N, d)."""
         dtype = _kernels_dtype(x, kernels)
         if dtype is not None:
