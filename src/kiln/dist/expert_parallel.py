@@ -101,7 +101,8 @@ def _experts_weights(module: Experts, grad_scale: float, dtype: torch.dtype | No
     in `dtype` (autocast's, for the kernels) or as stored."""
     out = []
     for p in (module.gate_up_proj, module.down_proj):
-        w = _ScaleGrad.apply(p.to_local() if isinstance(p, DTensor) else p, grad_scale)
+        w = p.to_local() if isinstance(p, DTensor) else p
+        w = w if grad_scale == 1.0 else _ScaleGrad.apply(w, grad_scale)
         out.append(w if dtype is None else w.to(dtype))
     return out[0], out[1]
 
@@ -124,7 +125,8 @@ def _run_local(xs, w1, w2, bounds: list[int], kernels: bool) -> torch.Tensor:
 class _SplitExperts(Experts):
     """`Experts` whose stacked weights are split by expert (Shard(0)) over `mesh`, a 1-D mesh: the same
     parameter names and the same forward / grouped contract, so SparseMoE calls it unchanged; both
-    entries run `_run` (kernels: the grouped GEMM for the local experts, else the eager loop)."""
+    entries run the subclass's `_run(x, expert_idx, weights, kernels)` (kernels: the grouped GEMM for the
+    local experts, else the eager loop)."""
 
     def __init__(self, experts: Experts, mesh):
         nn.Module.__init__(self)
@@ -138,9 +140,6 @@ class _SplitExperts(Experts):
 
     def grouped(self, x, expert_idx, weights, counts=None) -> torch.Tensor:
         return self._run(x, expert_idx, weights, kernels=True)
-
-    def _run(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor, kernels: bool):
-        raise NotImplementedError
 
 
 class TensorParallelExperts(_SplitExperts):
